@@ -1,0 +1,105 @@
+"""Architecture facts of a model (ModelConfig), read from an HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hearth.errors import ModelLoadError
+
+# Architectures the one decoder covers, and what sets them apart.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
+    # gemma stores RMSNorm weights as (w - 1) and scales embeddings by sqrt(hidden)
+    norm_weight_offset: float = 0.0
+    embedding_scale: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None:
+            arch = hf.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"hearth supports {', '.join(HF_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            kv_heads = int(hf.get("num_key_value_heads") or heads)
+            head_dim = int(hf.get("head_dim") or hidden // heads)
+            gemma = arch == "gemma"
+            act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+            if gemma:
+                # transformers runs gemma with the tanh approximation whatever the config says
+                act = "gelu_pytorch_tanh"
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rope_scaling=hf.get("rope_scaling"),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+                hidden_act=act,
+                attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch == "qwen3",
+                norm_weight_offset=1.0 if gemma else 0.0,
+                embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: malformed field: {e}") from None
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

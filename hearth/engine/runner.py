@@ -1,0 +1,100 @@
+"""ModelRunner: owns the KV cache tensors and turns a step's batch into model inputs.
+
+The only engine module that builds tensors: the scheduler hands it, per sequence, the new
+tokens, how many tokens are already cached and the block table; it returns hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth.model.attention import AttentionMetadata, PrefillSequence
+from hearth.model.transformer import Transformer
+
+
+@dataclass
+class BatchEntry:
+    token_ids: list[int]  # the new tokens of this sequence this step
+    num_computed_tokens: int  # tokens already in the cache before them
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Transformer,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        config = model.config
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence."""
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def prepare(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """input_ids [T], positions [T], metadata, and the row of each entry's last token [B]."""
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        prefills: list[PrefillSequence] = []
+        decode_rows: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        last_rows: list[int] = []
+        for entry in entries:
+            start, new = entry.num_computed_tokens, len(entry.token_ids)
+            end = start + new
+            row = len(input_ids)
+            input_ids.extend(entry.token_ids)
+            positions.append(torch.arange(start, end))
+            context = self._slots(entry.block_table, 0, end)
+            slot_mapping.append(context[start:])
+            last_rows.append(row + new - 1)
+            if new == 1:
+                decode_rows.append(row)
+                decode_slots.append(context)
+            else:
+                query_pos = torch.arange(start, end).unsqueeze(1)
+                mask = torch.arange(end).unsqueeze(0) <= query_pos  # [new, end]
+                prefills.append(PrefillSequence(row, row + new, context.to(self.device), mask.to(self.device)))
+        longest = max((len(s) for s in decode_slots), default=0)
+        padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
+        valid = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
+        for i, slots in enumerate(decode_slots):
+            padded[i, : len(slots)] = slots
+            valid[i, : len(slots)] = True
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(dev),
+            prefills=prefills,
+            decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=dev),
+            decode_slots=padded.to(dev),
+            decode_mask=valid[:, None, None, :].to(dev),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.cat(positions).to(dev),
+            meta,
+            torch.tensor(last_rows, dtype=torch.long, device=dev),
+        )
+
+    def execute(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step: hidden states of every new token [T, hidden] and each entry's last row [B]."""
+        input_ids, positions, meta, last_rows = self.prepare(entries)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, last_rows

@@ -1,0 +1,13 @@
+"""The errors hearth raises on bad input; the CLI prints them without a traceback."""
+
+
+class HearthError(Exception):
+    """Base of every error that is the user's input, not a bug."""
+
+
+class ModelLoadError(HearthError):
+    """A model file or folder that cannot be loaded: the message names what and where."""
+
+
+class RequestError(HearthError, ValueError):
+    """A request the engine cannot take (prompt too long, bad parameter)."""

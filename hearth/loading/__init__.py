@@ -1,0 +1,1 @@
+"""Reading models from disk: GGUF files, Hugging Face folders, and writing GGUF."""

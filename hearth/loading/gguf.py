@@ -1,0 +1,139 @@
+"""Read a GGUF file: metadata -> ModelConfig, tensors memory-mapped (quantized ones kept as blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hearth.errors import ModelLoadError
+from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, gguf_to_hf, qk_row_order
+from hearth.quant import SUPPORTED_QTYPES, QuantTensor
+
+Weight = torch.Tensor | QuantTensor
+
+_DENSE = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises bare struct/index/value errors on damaged files
+        raise ModelLoadError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value pair of the header as plain Python values."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {arch!r} (general.architecture); "
+            f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{where}: missing metadata key {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
+    gemma = arch == "gemma"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(md.get(f"{arch}.attention.key_length") or hidden // heads),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        # llama.cpp's converter already stored gemma's norm weights as (w + 1)
+        norm_weight_offset=0.0,
+        embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
+    )
+
+
+def _tensor(t, where: str) -> Weight:
+    rows_cols = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists ne0 (columns) first
+    qtype = GGMLQuantizationType(t.tensor_type)
+    if qtype in _DENSE:
+        return torch.from_numpy(np.asarray(t.data)).view(_DENSE[qtype]).reshape(rows_cols)
+    if qtype not in SUPPORTED_QTYPES:
+        raise ModelLoadError(
+            f"{where}: tensor {t.name} has unsupported type {qtype.name}; "
+            f"supported: {', '.join(q.name for q in SUPPORTED_QTYPES)}"
+        )
+    if len(rows_cols) != 2:
+        raise ModelLoadError(f"{where}: quantized tensor {t.name} is not 2-D (shape {rows_cols})")
+    return QuantTensor(torch.from_numpy(np.asarray(t.data)), qtype, rows_cols)
+
+
+def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
+    """Config, weights by HF name (memory-mapped) and raw metadata (for the tokenizer)."""
+    from tqdm import tqdm
+
+    where = str(path)
+    reader = open_gguf(path)
+    md = read_metadata(reader)
+    config = config_from_metadata(md, where)
+    weights: dict[str, Weight] = {}
+    for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
+        name = gguf_to_hf(t.name)
+        if name is None:
+            continue
+        try:
+            weights[name] = _tensor(t, where)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
+    if config.architecture in PERMUTED_QK_ARCHITECTURES:
+        _unpermute_qk(weights, config)
+    if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:
+        config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    return config, weights, md
+
+
+def _unpermute_qk(weights: dict[str, Weight], config: ModelConfig) -> None:
+    """Undo llama.cpp's Q/K row interleaving so the model runs HF's rotate-half RoPE."""
+    for layer in range(config.num_layers):
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            if name not in weights:
+                continue
+            order = qk_row_order(heads, config.head_dim, to_gguf=False)
+            w = weights[name]
+            if len(order) != w.shape[0]:
+                raise ModelLoadError(f"tensor {name}: {w.shape[0]} rows, expected {len(order)}")
+            weights[name] = w.rows(order) if isinstance(w, QuantTensor) else w[order]

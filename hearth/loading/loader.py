@@ -1,0 +1,55 @@
+"""Load a model from disk: a GGUF file or a Hugging Face folder, to a Transformer and Tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+from hearth.model.transformer import Transformer
+from hearth.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    weights: dict  # as read from disk (memory-mapped), by HF name; for inspect / convert
+
+
+def read_model(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
+    """Config, weights by HF name (memory-mapped, maybe quantized) and tokenizer."""
+    path = Path(path)
+    if path.is_dir():
+        from hearth.loading.safetensors import load_hf_folder
+
+        config, weights = load_hf_folder(path, progress)
+        if not (path / "tokenizer.json").exists():
+            raise ModelLoadError(f"{path}: no tokenizer.json")
+        return config, weights, Tokenizer.from_hf_dir(path)
+    if path.is_file():
+        from hearth.loading.gguf import load_gguf
+
+        config, weights, metadata = load_gguf(path, progress)
+        return config, weights, Tokenizer.from_gguf_metadata(metadata)
+    raise ModelLoadError(f"{path}: no such file or folder")
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    config, weights, tokenizer = read_model(path, progress)
+    with torch.device("meta"):  # no memory until load_weights puts the real tensors in
+        model = Transformer(config, max_positions)
+    model.load_weights(weights, dtype)
+    model.to(device)
+    return LoadedModel(model.eval(), tokenizer, config, Path(path), weights)

@@ -1,0 +1,71 @@
+"""Tensor names: llama.cpp's GGUF names <-> hearth's (which are Hugging Face's)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# GGUF per-layer suffix -> HF per-layer suffix
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
+
+# llama.cpp's converter permutes the rows of Q and K for these architectures so that its
+# "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
+PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+
+def gguf_to_hf(name: str) -> str | None:
+    """The HF name of a GGUF tensor, or None when hearth does not know it."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def hf_to_gguf(name: str) -> str | None:
+    """The GGUF name of an HF tensor, or None when it has none."""
+    if name in _HF_GLOBAL:
+        return _HF_GLOBAL[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _HF_LAYER:
+        return f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+    return None
+
+
+def qk_row_order(num_heads: int, head_dim: int, to_gguf: bool) -> torch.Tensor:
+    """Row indices that turn HF's Q/K rows into llama.cpp's order (or back).
+
+    Within each head HF keeps the two rotated halves apart ([x0..x{d/2-1}, y0..]) and
+    llama.cpp interleaves them ([x0, y0, x1, y1, ...]).
+    """
+    half = head_dim // 2
+    within = torch.arange(head_dim).view(2, half).t().reshape(-1)  # gguf row j <- hf row within[j]
+    if not to_gguf:
+        within = torch.argsort(within)
+    heads = torch.arange(num_heads).unsqueeze(1) * head_dim
+    return (heads + within.unsqueeze(0)).reshape(-1)

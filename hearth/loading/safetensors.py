@@ -1,0 +1,70 @@
+"""Read a Hugging Face model folder: config.json and (sharded) safetensors, memory-mapped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no 'weight_map' object")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{index}: shard files missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise ModelLoadError(f"{folder}: no weights (model.safetensors or model.safetensors.index.json)")
+
+
+def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from tqdm import tqdm
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{folder}: no config.json")
+    config = ModelConfig.from_hf(read_json(config_path), str(config_path))
+    weights: dict[str, torch.Tensor] = {}
+    files = weight_files(folder)
+    with tqdm(total=len(files), desc="loading", unit="file", disable=not progress, leave=False) as bar:
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        weights[name] = f.get_tensor(name)
+            except ModelLoadError:
+                raise
+            except Exception as e:  # safetensors raises its own SafetensorError on damaged files
+                raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
+            bar.update()
+    return config, weights

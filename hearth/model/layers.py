@@ -1,0 +1,114 @@
+"""The transformer's building blocks: RMSNorm, rotary embedding, gated MLP, linear."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.weight_offset = weight_offset  # gemma stores w - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x * (self.weight.float() + self.weight_offset)).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). The weight is a plain tensor; quantized holders replace this module."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        if config.hidden_act == "silu":
+            self.act = F.silu
+        elif config.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        elif config.hidden_act == "gelu":
+            self.act = F.gelu
+        else:
+            raise ModelLoadError(f"unsupported activation {config.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2], with llama3 / linear scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF's rotate-half RoPE over a precomputed cos/sin table."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config)
+        self.max_positions = max_positions
+        self._set_table(self.inv_freq)
+
+    def set_frequency_factors(self, factors: torch.Tensor) -> None:
+        """llama.cpp's rope_freqs tensor: divisors of the base frequencies."""
+        self._set_table(self.inv_freq / factors.float())
+
+    def _set_table(self, inv_freq: torch.Tensor) -> None:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        # [max_positions, head_dim / 2]; buffers so that .to(device) moves them
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], positions [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,259 @@
+"""GGUF block formats: dequantize raw blocks to float32 in vectorized torch, quantize via gguf.
+
+Each format is one function taking `blocks`, a uint8 tensor (n_blocks, type_size), and
+returning float32 (n_blocks, block_size). The arithmetic follows gguf.quants (numpy, float32)
+operation for operation, so the results are bit-exact against `gguf.quants.dequantize`.
+Multi-byte fields are little-endian; "d"/"dmin"/"m" are float16 scales.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
+from gguf import quants as gguf_quants
+
+from hearth.errors import ModelLoadError
+
+Q = GGMLQuantizationType
+
+# Blocks dequantized per step: bounds the intermediates to a few tens of MB per step.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 field at byte `start` of every block, as float32 (n_blocks, 1)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(x: torch.Tensor) -> torch.Tensor:
+    """(..., k) bytes -> (..., 2, k): low nibbles, then high nibbles."""
+    return torch.stack([x & 0x0F, x >> 4], dim=-2)
+
+
+def _crumbs(x: torch.Tensor) -> torch.Tensor:
+    """(..., k) bytes -> (..., 4, k): 2-bit fields at shifts 0, 2, 4, 6."""
+    return torch.stack([(x >> s) & 0x03 for s in (0, 2, 4, 6)], dim=-2)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """(..., k) bytes -> (..., 8, k): bit 0, bit 1, ... bit 7 of each byte."""
+    return torch.stack([(x >> s) & 0x01 for s in range(8)], dim=-2)
+
+
+# F32 / F16 / BF16: plain little-endian arrays; one "block" is one value.
+def _f32(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float32)
+
+
+def _f16_array(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float16).float()
+
+
+def _bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.bfloat16).float()
+
+
+# Q8_0 (34 bytes / 32 values): d f16 | qs int8[32].  x = q * d
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = blocks[:, 2:].view(torch.int8).float()
+    return q * d
+
+
+# Q4_0 (18 bytes / 32 values): d f16 | qs[16] (value j: low nibble of qs[j], value j+16: high).
+# x = d * (q - 8)
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:]).reshape(-1, 32).float() - 8
+    return d * q
+
+
+# Q4_1 (20 bytes / 32 values): d f16 | m f16 | qs[16] as Q4_0.  x = d * q + m
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 4:]).reshape(-1, 32).float()
+    return d * q + m
+
+
+# Q5_0 (22 bytes / 32 values): d f16 | qh u32 (bit j = 5th bit of value j) | qs[16] as Q4_0.
+# x = d * (q - 16)
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    qh = _bits(blocks[:, 2:6]).transpose(1, 2).reshape(-1, 32)
+    ql = _nibbles(blocks[:, 6:]).reshape(-1, 32)
+    q = (ql | (qh << 4)).float() - 16
+    return d * q
+
+
+# Q5_1 (24 bytes / 32 values): d f16 | m f16 | qh u32 | qs[16] as Q5_0.  x = d * q + m
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    qh = _bits(blocks[:, 4:8]).transpose(1, 2).reshape(-1, 32)
+    ql = _nibbles(blocks[:, 8:]).reshape(-1, 32)
+    q = (ql | (qh << 4)).float()
+    return d * q + m
+
+
+# Q2_K (84 bytes / 256 values, 16 sub-blocks of 16):
+#   scales[16] (low nibble: scale, high nibble: min) | qs[64] | d f16 | dmin f16.
+#   qs: two halves of 32 bytes, each holding 4 crumb planes (shifts 0,2,4,6) of 32 values.
+#   x = (d * scale) * q - (dmin * min)
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales = blocks[:, :16]
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    dl = (d * (scales & 0x0F).float()).unsqueeze(-1)
+    ml = (dmin * (scales >> 4).float()).unsqueeze(-1)
+    q = _crumbs(blocks[:, 16:80].reshape(-1, 2, 32)).reshape(-1, 16, 16).float()
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+# Q3_K (110 bytes / 256 values, 16 sub-blocks of 16):
+#   hmask[32] (bit plane b holds the high bit of values 32b..32b+31) | qs[64] (low 2 bits,
+#   laid out as Q2_K) | scales[12] (16 6-bit signed scales, offset 32) | d f16.
+#   scales: bytes 0-7 give the low 4 bits (low nibbles = scales 0-7, high nibbles = 8-15);
+#   bytes 8-11 give the high 2 bits (shift 2k -> scales 4k..4k+3).
+#   x = (d * (scale - 32)) * (low - 4 * (1 - high))
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 108)
+    raw = blocks[:, 96:108]
+    low = _nibbles(raw[:, :8]).reshape(-1, 16)
+    high = _crumbs(raw[:, 8:]).reshape(-1, 16)
+    scales = (low | (high << 4)).float() - 32
+    dl = (d * scales).unsqueeze(-1)
+    ql = _crumbs(blocks[:, 32:96].reshape(-1, 2, 32)).reshape(-1, 16, 16)
+    qh = _bits(blocks[:, :32]).reshape(-1, 16, 16)
+    q = ql.float() - ((qh ^ 1) << 2).float()
+    return (dl * q).reshape(-1, QK_K)
+
+
+def _k_scale_min(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K 12 scale bytes -> 8 6-bit scales and 8 6-bit mins, as float32 (n, 8).
+
+    bytes 0-3: scale j low 6 bits (j < 4), top 2 bits -> scale j+4 bits 4-5
+    bytes 4-7: min j low 6 bits (j < 4), top 2 bits -> min j+4 bits 4-5
+    bytes 8-11: low nibble -> scale j+4 bits 0-3, high nibble -> min j+4 bits 0-3
+    """
+    d, m, md = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+# Q4_K (144 bytes / 256 values, 8 sub-blocks of 32): d f16 | dmin f16 | scales[12] | qs[128].
+#   qs: four chunks of 32 bytes; chunk c: low nibbles = sub-block 2c, high = sub-block 2c+1.
+#   x = (d * scale) * q - (dmin * min)
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    dl, ml = (d * sc).unsqueeze(-1), (dmin * mn).unsqueeze(-1)
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+# Q5_K (176 bytes / 256 values, 8 sub-blocks of 32):
+#   d f16 | dmin f16 | scales[12] | qh[32] (bit b = 5th bit of sub-block b) | qs[128] as Q4_K.
+#   x = (d * scale) * q - (dmin * min)
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    dl, ml = (d * sc).unsqueeze(-1), (dmin * mn).unsqueeze(-1)
+    ql = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    qh = _bits(blocks[:, 16:48])
+    q = (ql | (qh << 4)).float()
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+# Q6_K (210 bytes / 256 values, 16 sub-blocks of 16):
+#   ql[128] (two halves of 64 bytes: low nibbles then high nibbles -> 4 rows of 32 per half)
+#   | qh[64] (two halves of 32 bytes, crumb planes at shifts 0,2,4,6 -> bits 4-5)
+#   | scales int8[16] | d f16.
+#   x = (d * scale) * (q - 32)
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales = blocks[:, 192:208].view(torch.int8).float()
+    d = _f16(blocks, 208)
+    dl = (d * scales).unsqueeze(-1)
+    ql = _nibbles(blocks[:, :128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
+    qh = _crumbs(blocks[:, 128:192].reshape(-1, 2, 32)).reshape(-1, 8, 32)
+    q = (ql | (qh << 4)).reshape(-1, 16, 16).float() - 32
+    return (dl * q).reshape(-1, QK_K)
+
+
+DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.F32: _f32,
+    Q.F16: _f16_array,
+    Q.BF16: _bf16,
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q2_K: _q2_k,
+    Q.Q3_K: _q3_k,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+}
+
+SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = tuple(DEQUANTIZERS)
+QUANTIZE_QTYPES: tuple[GGMLQuantizationType, ...] = (
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+)
+
+
+def _names(qtypes: tuple[GGMLQuantizationType, ...]) -> str:
+    return ", ".join(q.name for q in qtypes)
+
+
+def _qtype_name(qtype) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF blocks (uint8, flat or (rows, bytes_per_row); or an F32/F16/BF16 array) ->
+    float32 tensor of the logical `shape`, on the device of `data`."""
+    fn = DEQUANTIZERS.get(qtype)
+    if fn is None:
+        raise ModelLoadError(
+            f"unsupported tensor type {_qtype_name(qtype)}; supported: {_names(SUPPORTED_QTYPES)}")
+    shape = tuple(int(s) for s in shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    cols = shape[-1] if shape else 1
+    if cols % block_size != 0:
+        raise ModelLoadError(
+            f"{qtype.name} tensor of shape {shape}: last dimension {cols} is not a multiple "
+            f"of the block size {block_size}")
+    n_blocks = math.prod(shape) // block_size
+    expected = n_blocks * type_size
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() != expected:
+        raise ModelLoadError(
+            f"{qtype.name} tensor of shape {shape}: expected {expected} bytes, got {raw.numel()}")
+    blocks = raw.reshape(n_blocks, type_size)
+    chunk = max(1, _CHUNK_ELEMENTS // block_size)
+    if n_blocks <= chunk:
+        return fn(blocks).reshape(shape)
+    out = torch.empty(n_blocks, block_size, dtype=torch.float32, device=data.device)
+    for start in range(0, n_blocks, chunk):
+        out[start:start + chunk] = fn(blocks[start:start + chunk])
+    return out.reshape(shape)
+
+
+def quantize(values: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Float values (..., cols) -> raw GGUF blocks, uint8 (rows, bytes_per_row), via gguf."""
+    if qtype not in QUANTIZE_QTYPES:
+        raise ModelLoadError(
+            f"cannot quantize to {_qtype_name(qtype)}; supported: {_names(QUANTIZE_QTYPES)}")
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    array = values.detach().to(device="cpu", dtype=torch.float32).numpy()
+    array = array.reshape(-1, array.shape[-1] if array.ndim else 1)
+    cols = array.shape[-1]
+    if cols % block_size != 0:
+        raise ModelLoadError(
+            f"cannot quantize to {qtype.name}: row length {cols} is not a multiple "
+            f"of the block size {block_size}")
+    packed = np.ascontiguousarray(gguf_quants.quantize(array, qtype)).view(np.uint8)
+    return torch.from_numpy(packed.reshape(array.shape[0], cols // block_size * type_size))
