@@ -1,0 +1,8 @@
+"""hearth: an LLM inference engine. The public face: LLM, SamplingParams and what generate returns."""
+
+from hearth.llm import LLM
+from hearth.outputs import CompletionOutput, RequestOutput
+from hearth.sampling_params import BeamSearchParams, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

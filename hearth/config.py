@@ -71,6 +71,8 @@ class ModelConfig:
             kv_heads = int(hf.get("num_key_value_heads") or heads)
             head_dim = int(hf.get("head_dim") or hidden // heads)
             gemma = arch == "gemma"
+            # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
+            rope = hf.get("rope_parameters") or {}
             act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
             if gemma:
                 # transformers runs gemma with the tanh approximation whatever the config says
@@ -86,8 +88,8 @@ class ModelConfig:
                 head_dim=head_dim,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=hf.get("rope_scaling"),
+                rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
                 attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
@@ -103,3 +105,32 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass
+class EngineConfig:
+    """Budgets and switches of the engine; every field validated loudly."""
+
+    dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16
+    device: str = "auto"  # auto, cpu, cuda
+    kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        need(self.block_size >= 1, "block_size must be at least 1")
+        need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")

@@ -87,3 +87,49 @@ def load_hf_reference(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def make_spm_tokenizer(folder: Path) -> int:
+    """Replace the tokenizer in `folder` with a SentencePiece-style BPE (Llama 2 layout): "▁" for
+    spaces, <unk>/<s>/</s> at ids 0..2, byte-fallback tokens <0x00>..<0xFF> at 3..258. Returns the
+    number of tokens (about 420: give the model a vocab_size of at least that)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # learn merges within words only, as SentencePiece does
+    trained = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    trained.train_from_iterator([_TEXT] * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    learned = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    fast.save_pretrained(folder)
+    return len(vocab)
+
+
+def hearth_logits(config, weights, token_ids: list[int]) -> torch.Tensor:
+    """hearth's logits [T, vocab] (float32) for one prompt, run through the paged model runner."""
+    from hearth.engine.runner import BatchEntry, ModelRunner
+    from hearth.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_weights(weights, torch.float32)
+    block_size = 16
+    blocks = (len(token_ids) + block_size - 1) // block_size
+    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device=torch.device("cpu"),
+                         kv_dtype=torch.float32)
+    hidden, _ = runner.execute([BatchEntry(list(token_ids), 0, list(range(blocks)))])
+    return model.compute_logits(hidden)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,11 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=(  # llama3 scaling comes as the rope_freqs tensor instead
+            {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+            if md.get(f"{arch}.rope.scaling.type") == "linear" else None
+        ),
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
@@ -84,11 +88,18 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
+def _mapped(array: np.ndarray) -> torch.Tensor:
+    """A tensor over the read-only memory map, no copy (nothing ever writes to weights)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(np.asarray(array))
+
+
 def _tensor(t, where: str) -> Weight:
     rows_cols = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists ne0 (columns) first
     qtype = GGMLQuantizationType(t.tensor_type)
     if qtype in _DENSE:
-        return torch.from_numpy(np.asarray(t.data)).view(_DENSE[qtype]).reshape(rows_cols)
+        return _mapped(t.data).view(_DENSE[qtype]).reshape(rows_cols)
     if qtype not in SUPPORTED_QTYPES:
         raise ModelLoadError(
             f"{where}: tensor {t.name} has unsupported type {qtype.name}; "
@@ -96,7 +107,7 @@ def _tensor(t, where: str) -> Weight:
         )
     if len(rows_cols) != 2:
         raise ModelLoadError(f"{where}: quantized tensor {t.name} is not 2-D (shape {rows_cols})")
-    return QuantTensor(torch.from_numpy(np.asarray(t.data)), qtype, rows_cols)
+    return QuantTensor(_mapped(t.data), qtype, rows_cols)
 
 
 def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
@@ -118,6 +129,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
             raise
         except Exception as e:
             raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
+    config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
     if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:

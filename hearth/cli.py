@@ -1,0 +1,269 @@
+"""The `hearth` command: generate, chat, tokenize, inspect, perplexity, convert (and serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from hearth.errors import HearthError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _add_model(p: argparse.ArgumentParser, optional: bool = True) -> None:
+    p.add_argument(
+        "model", nargs="?" if optional else None, default=None,
+        help="a GGUF file or a Hugging Face model folder" + (" (default: the built-in model)" if optional else ""),
+    )
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def _llm(args):
+    from hearth.llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+    )
+
+
+def _sampling(args):
+    from hearth.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _stream(llm, prompt, params) -> str:
+    """Print the reply as it grows; return its full text."""
+    shown = ""
+    output = None
+    for output in llm.stream(prompt, params):
+        text = output.outputs[0].text
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
+    return shown if output is None else output.outputs[0].text
+
+
+def cmd_generate(args) -> None:
+    llm = _llm(args)
+    params = _sampling(args)
+    if args.json:
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        print(json.dumps({
+            "prompt": args.prompt,
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(completion.token_ids),
+        }))
+        return
+    sys.stdout.write(args.prompt)
+    _stream(llm, args.prompt, params)
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args) -> None:
+    llm = _llm(args)
+    params = _sampling(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        reply = _stream(llm, llm.render_chat(history), params)
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_tokenize(args) -> None:
+    from hearth.loading.loader import read_model
+
+    _, _, tokenizer = read_model(args.model, progress=False)
+    ids = tokenizer.encode(args.text, add_special_tokens=not args.no_special)
+    pieces = [tokenizer.id_to_piece(i) for i in ids]
+    if args.json:
+        print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
+    else:
+        for i, piece in zip(ids, pieces):
+            print(f"{i:>8}  {piece!r}")
+
+
+def cmd_inspect(args) -> None:
+    from hearth.model_info import model_info
+
+    info = model_info(args.model, args.kv_budget, args.kv_bytes_per_element)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return
+    print(f"model            {info['path']}")
+    print(f"architecture     {info['architecture']} ({info['embeddings']} embeddings)")
+    print(f"parameters       {info['parameters']:,}")
+    for kind, v in info["weight_types"].items():
+        print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
+    print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")
+    print(f"context length   {info['context_length']}")
+    print(f"KV cache         {info['kv_cache_bytes_per_token']:,} bytes/token at {info['kv_bytes_per_element']} bytes/element")
+    if "kv_budget_tokens" in info:
+        print(f"KV budget        {info['kv_budget_bytes'] / 2**30:.2f} GiB holds {info['kv_budget_tokens']:,} tokens")
+
+
+def cmd_perplexity(args) -> None:
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.loading.loader import load_model
+    from hearth.perplexity import perplexity
+
+    if args.text_file is not None:
+        try:
+            text = Path(args.text_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise HearthError(f"{args.text_file}: cannot read: {e.strerror}") from None
+    else:
+        text = args.text
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    loaded = load_model(args.model, dtype, device, progress=not args.json)
+    context = min(args.context or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+    ids = loaded.tokenizer.encode(text)
+    result = perplexity(loaded.model, ids, context, device)
+    result["context"] = context
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['perplexity']:.4f}  (nll {result['nll']:.4f} over {result['tokens']} tokens, context {context})")
+
+
+def cmd_convert(args) -> None:
+    from hearth.loading.convert import convert_hf_to_gguf
+
+    out = convert_hf_to_gguf(Path(args.hf_dir), Path(args.out), args.type)
+    print(f"wrote {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hearth", description="An LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    _add_model(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--json", action="store_true")
+    _add_sampling(p, max_tokens=128)
+    _add_engine(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="talk with the model through its chat template")
+    _add_model(p)
+    p.add_argument("--system", default=None, help="a system message")
+    _add_sampling(p, max_tokens=512)
+    _add_engine(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("tokenize", help="show the tokens of a text")
+    _add_model(p, optional=False)
+    p.add_argument("text")
+    p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
+    _add_model(p, optional=False)
+    p.add_argument("--kv-budget", type=parse_size, default=None, help="how many tokens this KV budget holds")
+    p.add_argument("--kv-bytes-per-element", type=int, default=2, choices=[1, 2, 4])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("perplexity", help="perplexity of the model on a text")
+    _add_model(p, optional=False)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text-file")
+    src.add_argument("--text")
+    p.add_argument("--context", type=int, default=None, help="window length in tokens (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("convert", help="write a Hugging Face folder as GGUF")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (HearthError, ValueError) as e:
+        print(f"hearth: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

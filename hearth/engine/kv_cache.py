@@ -1,0 +1,211 @@
+"""Paged KV cache bookkeeping: which block holds which tokens of which request. No tensors.
+
+The cache is `num_blocks` blocks of `block_size` token slots; the runner owns the tensors,
+this module owns the ids. A request's `block_table` lists its blocks in token order.
+
+Prefix caching (a chain over full blocks, as in vLLM v1):
+  * A full block is known by its link key `(parent content id, its tokens)`. The content
+    id names one exact token prefix (every token from position 0 to the end of the block);
+    ids come from a counter and are never reused. The dict `key -> block id` is a Python
+    dict, so every hit compares the whole key (parent id and all the block's tokens), not
+    only a hash: a hash collision can cost a hit, never give a wrong one. Because the
+    parent is an exact id rather than a parent hash, a collision anywhere up the chain
+    cannot leak into a later block either.
+  * Blocks enter the cache only after their K/V are written: the scheduler calls
+    `cache_blocks` from `update_after_step`, after the forward pass. Two requests in the
+    same step never share a block that one of them is still writing (the attention kernel
+    may read a request's context before another request in the batch has written it).
+    So n requests with one prompt admitted in the same step each compute it once; from the
+    next step on, later requests share the first one's blocks. (hearth's runner writes a
+    layer's new K/V for the whole batch before attending, which would make entering blocks
+    at allocation safe too, as vLLM v1 does; this rule does not depend on the kernel.)
+  * A block whose ref count drops to 0 stays cached and reusable until evicted. The free
+    list is an OrderedDict used as an O(1) LRU: allocation takes from the head; a freed
+    block holding cached content goes to the tail, one holding nothing reusable (a partial
+    block, a duplicate) goes to the head, so it is reused before any cached content is
+    evicted. A request frees its blocks in reverse order, so its tail blocks are evicted
+    before its head blocks (which more requests are likely to share).
+  * A lookup never returns every token of a request: the last token is always computed
+    so the model yields logits for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from hearth.engine.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent content id, token ids of the block)
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set while this block is the prefix cache's entry for its content (cached[key] == id).
+    key: BlockKey | None = None
+    # Id of the exact prefix this full, computed block ends; 0 while not (yet) known.
+    # Duplicates of a cached block (computed in the same step by another request) share it.
+    content_id: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU: head first
+        self.cached: dict[BlockKey, int] = {}  # full computed block content -> block id
+        self._next_content_id = 1
+        # Per request, how many of its leading blocks have passed through cache_blocks.
+        self._num_cached_blocks: dict[Request, int] = {}
+        # Metrics, in tokens, counted once per successful admission (see allocate_slots).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- sizes ---------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached-but-free blocks count: they can be evicted)."""
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, 0..1 (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content a prefix lookup can find (held or free)."""
+        return len(self.cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_all_free(self) -> bool:
+        """True when no request holds any block (what the engine expects once idle)."""
+        return len(self.free_blocks) == self.num_blocks and all(b.ref_cnt == 0 for b in self.blocks)
+
+    # ---- prefix cache --------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks of request.all_token_ids: (block ids, tokens).
+
+        Never all of its tokens: at most (num_tokens - 1) // block_size blocks. Pure
+        lookup: it changes nothing, so a failed admission can simply ask again later.
+        A request with skip_prefix_cache gets no hit.
+        """
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return [], 0
+        tokens, bs = request.all_token_ids, self.block_size
+        hits: list[int] = []
+        parent = 0
+        for i in range((len(tokens) - 1) // bs):
+            block_id = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = self.blocks[block_id].content_id
+        return hits, len(hits) * bs
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full within num_computed_tokens into the cache.
+
+        Call once their K/V are written (after the step). A block whose content is
+        already cached (another request computed it in the same step) is a duplicate: it
+        takes that content id, so blocks after it can still be entered, but it is not
+        entered itself and is simply freed with its request.
+        """
+        if not self.enable_prefix_caching:
+            return
+        start = self._num_cached_blocks.get(request, 0)
+        end = min(num_computed_tokens // self.block_size, len(request.block_table))
+        if end <= start:
+            return
+        tokens, bs, table = request.all_token_ids, self.block_size, request.block_table
+        parent = self.blocks[table[start - 1]].content_id if start else 0
+        for i in range(start, end):
+            block = self.blocks[table[i]]
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            existing = self.cached.get(key)
+            if existing is None:
+                block.content_id = self._next_content_id
+                self._next_content_id += 1
+                block.key = key
+                self.cached[key] = block.block_id
+            else:
+                block.content_id = self.blocks[existing].content_id
+            parent = block.content_id
+        self._num_cached_blocks[request] = end
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (False) while any request holds a block."""
+        if len(self.free_blocks) != self.num_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.key, block.content_id = None, 0
+        self._num_cached_blocks.clear()
+        return True
+
+    # ---- allocation ----------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Make request.block_table cover num_computed_tokens + num_new_tokens tokens.
+
+        computed_blocks (from get_computed_blocks, admission only: the request holds no
+        blocks yet) come first and set request.num_computed_tokens to the tokens they
+        hold. Returns False, changing nothing, when there are not enough free blocks.
+        Passing computed_blocks (even []) marks an admission: on success it counts one
+        prefix-cache query (request.num_tokens) and its hits, in tokens.
+        """
+        computed = computed_blocks or []
+        if computed and request.block_table:
+            raise ValueError(f"request {request.request_id}: computed blocks given but it already holds blocks")
+        num_computed = len(computed) * self.block_size if computed else request.num_computed_tokens
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(request.block_table) - len(computed)
+        num_revived = sum(1 for b in computed if self.blocks[b].ref_cnt == 0)  # leave the free list
+        if max(num_new_blocks, 0) + num_revived > len(self.free_blocks):
+            return False
+
+        for block_id in computed:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_blocks[block_id]
+            block.ref_cnt += 1
+            request.block_table.append(block_id)
+        if computed:
+            request.num_computed_tokens = num_computed
+            self._num_cached_blocks[request] = len(computed)
+        for _ in range(num_new_blocks):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:  # evict its cached content
+                del self.cached[block.key]
+                block.key = None
+            block.content_id = 0
+            block.ref_cnt = 1
+            request.block_table.append(block_id)
+        if computed_blocks is not None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's refs (tail blocks first) and clear its block_table."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[block_id] = None  # tail: evicted last
+                if block.key is None:  # nothing reusable in it: reuse it first
+                    self.free_blocks.move_to_end(block_id, last=False)
+        request.block_table.clear()
+        self._num_cached_blocks.pop(request, None)

@@ -1,0 +1,104 @@
+"""One request's bookkeeping: its tokens, how many of them are in the KV cache, its blocks.
+
+No tensors here. The scheduler and the block manager read and write these fields; the
+engine appends sampled tokens and sets the timing fields it owns (first_token_time).
+
+Engine-specific state (detokenizer, stop-string state...) does not live here. The engine
+may subclass `Request` (`@dataclass(slots=True, eq=False) class EngineRequest(Request)`)
+or keep a side dict keyed by `request_id`: the scheduler never copies or rebuilds a
+request, so the object it hands back in `SchedulerOutput` is the one the engine added.
+
+Requests compare and hash by identity (`eq=False`): two requests with equal fields are
+still two requests, and a request can be a dict key.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # blocks taken back; waits to be recomputed from its tokens
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens, or no room left for the sequence
+    FINISHED_ABORTED = enum.auto()  # the client went away or cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI / vLLM finish_reason string, None while not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any = None  # opaque to the scheduler; the engine reads max_tokens etc.
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose K/V are in the cache. Positions [0, num_computed_tokens) are readable
+    # by attention; the next step computes [num_computed_tokens, +num_new_tokens).
+    num_computed_tokens: int = 0
+    # Tokens of the prompt found in the prefix cache at first scheduling (-1 before).
+    num_cached_tokens: int = -1
+    # KV block ids, in order: token position p lives in block_table[p // block_size].
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Compute every prompt position even if cached (prompt logprobs need their logits);
+    # the request's own blocks still enter the prefix cache for others.
+    skip_prefix_cache: bool = False
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    # prompt + output in one list, appended to, so all_token_ids is O(1)
+    _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens. Read-only by convention: use append_output_token."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)

@@ -1,0 +1,324 @@
+"""Choosing the next token of every request in a step, in one batched pass of tensor ops.
+
+Per row, in the order HF's generate and vLLM apply them:
+
+    raw logits [B, V]
+      -> logit_bias              logit[t] += bias[t]
+      -> min_tokens              EOS / stop_token_ids -> -inf while fewer than min_tokens were generated
+      -> repetition_penalty      HF's: tokens seen in prompt+output, logit > 0 -> logit / p, else logit * p
+      -> presence / frequency    OpenAI's: logit[t] -= frequency * count[t] + presence * (count[t] > 0),
+                                 counts over the output tokens only (as vLLM)
+      -> greedy rows: argmax here (temperature 0; the penalties and bias above still apply)
+      -> temperature             logit / T
+      -> top-k                   keep logits >= the k-th largest (ties kept, as HF)
+      -> top-p                   keep the smallest top set with mass >= p (HF's ascending-cumsum rule)
+      -> min-p                   keep p >= min_p * p_max
+      -> draw                    argmax(softmax / Exp(1) noise), the noise of a seeded row from its
+                                 own torch.Generator, so its tokens do not depend on the batch
+
+Logprobs are those of the model's raw distribution (log_softmax of the raw logits), as
+vLLM's default: the chosen token's, and the top K by the same distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hearth.sampling_params import SamplingParams, SamplingType
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: log-prob of the sampled token under log_softmax(raw logits)
+    # (ids [B, K], logprobs [B, K]) sorted descending, K = the largest `logprobs` asked in the batch;
+    # None when no row asked for alternatives. A row that asked for k < K reads its first k columns.
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def make_generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
+    """The per-request generator the engine keeps for a seeded request (create once, pass every step)."""
+    return torch.Generator(device=device or "cpu").manual_seed(seed)
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling state of one step's rows as tensors, built once per step.
+
+    A field is None when no row of the batch needs that transform, so a batch of plain
+    requests pays for none of them.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [B] float64, 1.0 where disabled
+    min_p: torch.Tensor | None  # [B] float32, 0.0 where disabled
+    repetition_penalty: torch.Tensor | None  # [B] float32, 1.0 where disabled
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    prompt_mask: torch.Tensor | None  # [B, V] bool: the token occurs in the row's prompt
+    output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the row's output so far
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N], values [N])
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) set to -inf (min_tokens)
+    generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
+    max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> "SamplingBatch":
+        """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
+        while a row has fewer than min_tokens outputs, unless the row ignores EOS."""
+        n = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
+            raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
+        V = vocab_size
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        for p, g in zip(params, generators):
+            if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
+                raise ValueError(f"request with seed={p.seed} has no generator; create it once with make_generator")
+
+        def vec(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def per_row(values, disabled, dtype):
+            return vec(values, dtype) if any(v != disabled for v in values) else None
+
+        top_k = [V if (p.top_k <= 0 or g) else min(p.top_k, V) for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        rep = [p.repetition_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+
+        prompt_mask = None
+        if any(r != 1.0 for r in rep):
+            prompt_mask = _token_mask(prompt_token_ids, V, device)
+        output_counts = None
+        if prompt_mask is not None or any(pres) or any(freq):
+            output_counts = _token_counts(output_token_ids, V, device)
+
+        bias = None
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for t, b in (p.logit_bias or {}).items():
+                if 0 <= t < V:  # validate_for_vocab rejects the rest before a request gets here
+                    rows.append(i), cols.append(t), vals.append(b)
+        if rows:
+            bias = (vec(rows, torch.int64), vec(cols, torch.int64), vec(vals, torch.float32))
+
+        banned = None
+        rows, cols = [], []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                for t in sorted(t for t in stops if 0 <= t < V):
+                    rows.append(i), cols.append(t)
+        if rows:
+            banned = (vec(rows, torch.int64), vec(cols, torch.int64))
+
+        ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
+        return cls(
+            temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            greedy=vec(greedy, torch.bool),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            top_k=per_row(top_k, V, torch.int64),
+            top_p=per_row(top_p, 1.0, torch.float64),
+            min_p=per_row(min_p, 0.0, torch.float32),
+            repetition_penalty=vec(rep, torch.float32) if prompt_mask is not None else None,
+            presence_penalty=vec(pres, torch.float32) if output_counts is not None else None,
+            frequency_penalty=vec(freq, torch.float32) if output_counts is not None else None,
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            bias=bias,
+            banned=banned,
+            generators=[None if g else gen for g, gen in zip(greedy, generators)],
+            max_num_logprobs=min(max(ks, default=0), V),
+        )
+
+
+def _flat_ids(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
+    """Row-major flat indices row * V + token into a [B, V] table (ids outside the vocab dropped)."""
+    rows = [i for i, ids in enumerate(token_ids) for _ in ids]
+    ids = [t for ids in token_ids for t in ids]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+    keep = (ids_t >= 0) & (ids_t < V)
+    return rows_t[keep] * V + ids_t[keep]
+
+
+def _token_counts(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
+    """[B, V] float32: how often each token occurs in each row's list."""
+    B = len(token_ids)
+    flat = _flat_ids(token_ids, V, device)
+    return torch.bincount(flat, minlength=B * V).view(B, V).to(torch.float32)
+
+
+def _token_mask(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
+    """[B, V] bool: whether each token occurs in each row's list."""
+    mask = torch.zeros(len(token_ids) * V, dtype=torch.bool, device=device)
+    mask[_flat_ids(token_ids, V, device)] = True
+    return mask.view(len(token_ids), V)
+
+
+# ---- building blocks, each [B, V] -> [B, V] with per-row parameters --------------------------
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return logits.index_put((rows, token_ids), values, accumulate=True)
+
+
+def apply_token_bans(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor per row: seen [B, V] bool, penalty [B]."""
+    p = penalty.unsqueeze(1)
+    penalized = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's formula: mu[j] - c[j] * frequency - (c[j] > 0) * presence; counts [B, V], presence/frequency [B]."""
+    return logits - counts * frequency.unsqueeze(1) - (counts > 0).to(logits.dtype) * presence.unsqueeze(1)
+
+
+def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties: what greedy rows see too."""
+    if batch.bias is not None:
+        logits = apply_logit_bias(logits, *batch.bias)
+    if batch.banned is not None:
+        logits = apply_token_bans(logits, *batch.banned)
+    if batch.prompt_mask is not None:
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+    if batch.output_counts is not None:
+        logits = apply_presence_frequency_penalties(
+            logits, batch.output_counts, batch.presence_penalty, batch.frequency_penalty
+        )
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-k then top-p with one sort; filtered logits become -inf.
+
+    top_k [B] int (>= vocab size: off): keep the logits >= the k-th largest (HF keeps ties).
+    top_p [B] float64 (1.0: off): HF's rule on the ascending sort: drop a token when the
+    cumulative probability up to and including it is <= 1 - p; the top token always stays.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    V = logits.shape[-1]
+    if top_k is not None:
+        k = top_k.clamp(1, V)
+        kth = sorted_logits.gather(1, (V - k).unsqueeze(1))  # [B, 1] the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        # 1 - p in float64 then float32: the threshold HF compares against; -1 makes p = 1 a no-op
+        threshold = torch.where(top_p >= 1.0, -1.0, 1.0 - top_p.double()).to(torch.float32)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= threshold.unsqueeze(1)
+        remove[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """HF's MinPLogitsWarper per row: drop tokens with p < min_p * p_max (the top token always stays)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_sampling_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p: the transforms after the greedy argmax."""
+    logits = apply_temperature(logits, batch.temperature)
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    return logits
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row by the exponential race: argmax(probs / E), E ~ Exp(1) i.i.d.
+
+    A row with a generator draws its V noises from that generator alone (always the same
+    count, into a fresh tensor), so its draw depends on nothing else in the batch.
+    """
+    B, V = probs.shape
+    noise = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < B:
+        if not seeded:
+            noise.exponential_()
+        else:
+            unseeded = torch.tensor(sorted(set(range(B)) - set(seeded)), device=probs.device)
+            noise[unseeded] = torch.empty(len(unseeded), V, dtype=probs.dtype, device=probs.device).exponential_()
+    for i in seeded:
+        g = generators[i]
+        row = torch.empty(V, dtype=probs.dtype, device=g.device).exponential_(generator=g)
+        noise[i] = row.to(probs.device)
+    # a zero noise would turn a filtered token's 0 into 0/0
+    return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+
+def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
+    """Log-softmax of `logits` [N, V] at `ids` [N], and its top k (ids, logprobs) sorted descending."""
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = (logits.gather(1, ids.unsqueeze(1)) - lse).squeeze(1)
+    k = min(k, logits.shape[-1])
+    top_values, top_ids = logits.topk(k, dim=-1)
+    return chosen, top_ids, top_values - lse
+
+
+class Sampler:
+    """logits [B, V] of one step -> the next token of each row, with logprobs."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits.float()
+        logits = apply_penalties_and_bias(raw, batch)
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
+            sampled = sample_from_probs(probs, batch.generators)
+            if batch.any_greedy:
+                sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
+        top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scoring a prompt: logits [T, V] at positions 0..T-1 predict target_ids [T] (the prompt
+    shifted by one). Returns (logprob of each target [T], top ids [T, k], top logprobs [T, k]),
+    from log_softmax of the raw logits; k = -1 means the whole vocabulary, k = 0 empty columns."""
+    logits = logits.float()
+    k = logits.shape[-1] if k == -1 else k
+    return _logprobs_of(logits, target_ids.to(torch.int64), k)

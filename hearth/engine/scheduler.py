@@ -1,0 +1,235 @@
+"""Which requests run in the next step and how many tokens each computes. No tensors.
+
+As in vLLM v1 there is no prefill or decode phase: a request has num_computed_tokens and
+num_tokens, and a step hands out (request, num_new_tokens) pairs under a token budget. A
+decode is a request one token behind; a prefill chunk is one further behind; a prefix
+cache hit or a preemption (recompute) just moves num_computed_tokens.
+
+One step, as the engine drives it:
+    out = scheduler.schedule()
+    runner.execute(out.scheduled)        # reads num_computed_tokens / block_table as is
+    scheduler.update_after_step(out)     # advance num_computed_tokens, fill the prefix cache
+    for request, _ in out.scheduled:     # a request that reached its end yields a token:
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token(...); maybe scheduler.finish_request(...)
+    ... and report out.finished (requests the scheduler ended for lack of room).
+
+Decisions:
+  * Running requests go first, in admission order. When blocks run out, the most recently
+    admitted running request is preempted (blocks freed, num_computed_tokens = 0, put at
+    the front of the waiting queue, recomputed later from prompt + output tokens). If that
+    is the request being scheduled, it preempts itself and the step's running part ends.
+    A step that preempted admits no waiting request (it would only take the freed blocks
+    back).
+  * Waiting requests are admitted first-come first-served; the first one that does not
+    fit (budget, max_num_seqs, blocks) stops admission for this step. A preempted request
+    is at the front, so nothing overtakes it: no starvation.
+  * With chunked prefill off, a request whose remaining tokens exceed the remaining budget
+    waits for a later step; if nothing at all has been scheduled in the step it runs
+    whole, over the budget, so that a prompt longer than the budget never hangs.
+  * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
+    finished with FINISHED_LENGTH ("length": no room left for it) and listed in
+    SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
+    lone request always gets its blocks (everything else is free or evictable), and the
+    scheduler never loops forever or deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hearth.engine.kv_cache import BlockManager
+from hearth.engine.request import Request, RequestStatus
+from hearth.errors import RequestError
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # (request, num_new_tokens) in batch order: running requests first, then admissions.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # this step, now waiting
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (FINISHED_LENGTH)
+    num_batched_tokens: int = 0
+    # Numbers for metrics, as of the end of schedule().
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up by this step's admissions
+    prefix_cache_hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+
+    # ---- queue -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise RequestError("the prompt is empty")
+        bm = self.block_manager
+        if bm.blocks_needed(request.num_tokens) > bm.num_blocks:
+            raise RequestError(
+                f"the prompt ({request.num_tokens} tokens) does not fit in the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (running or waiting): free its blocks, set status and finish_time."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        else:
+            return  # already finished
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        request.status = status
+        request.finish_time = self.clock()
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a request wherever it is; None if no unfinished request has that id."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ---- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. running requests, in admission order
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._fit(request.num_tokens - request.num_computed_tokens, budget, out)
+            if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
+                i += 1
+                continue
+            if bm.blocks_needed(request.num_computed_tokens + num_new) > bm.num_blocks:
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(request)
+                continue
+            while not bm.allocate_slots(request, num_new):
+                victim = self.running[-1]  # most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: it was the last running one
+
+        # 2. waiting requests, first come first served
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            if bm.blocks_needed(request.num_tokens) > bm.num_blocks:  # grew past the cache
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(request)
+                continue
+            computed, num_hit = bm.get_computed_blocks(request)
+            num_new = self._fit(request.num_tokens - num_hit, budget, out)
+            if num_new <= 0:
+                break
+            queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
+            if not bm.allocate_slots(request, num_new, computed):
+                break
+            out.prefix_cache_queries += bm.prefix_cache_queries - queries
+            out.prefix_cache_hits += bm.prefix_cache_hits - hits
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.kv_cache_usage = bm.usage
+        out.num_running, out.num_waiting = len(self.running), len(self.waiting)
+        return out
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """After the forward pass: advance num_computed_tokens and cache the full blocks.
+
+        Call it before finishing any request of the step, so the blocks the step wrote
+        reach the prefix cache. Requests ended since schedule() are skipped.
+        """
+        for request, num_new in output.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_blocks(request, request.num_computed_tokens)
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _fit(self, num_new: int, budget: int, out: SchedulerOutput) -> int:
+        """Tokens to schedule for a request with num_new left, given the remaining budget."""
+        if self.enable_chunked_prefill:
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            return min(num_new, budget)
+        if num_new <= budget or not out.scheduled:
+            return num_new
+        return 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)

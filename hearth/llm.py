@@ -1,0 +1,152 @@
+"""LLM: the offline Python API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hearth.config import EngineConfig
+from hearth.engine.engine import LLMEngine
+from hearth.errors import RequestError
+from hearth.outputs import RequestOutput
+from hearth.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+def default_model_path() -> Path:
+    """The model that ships inside the package (see docs/default-model.md)."""
+    return Path(__file__).parent / "assets" / "default.gguf"
+
+
+class LLM:
+    """Generate from many prompts at once through the continuous-batching engine.
+
+    >>> llm = LLM(model="model.gguf")
+    >>> out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        progress: bool = True,
+    ):
+        config = EngineConfig(
+            dtype=dtype,
+            device=device,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            seed=seed,
+        )
+        self.engine = LLMEngine(model if model is not None else default_model_path(), config, progress)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order."""
+        prompts = _as_list(prompts)
+        params = _params_for(prompts, sampling_params)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except RequestError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update()
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (cumulative text)."""
+        request_id = self.engine.add_request(None, prompt, sampling_params)
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation through the chat template (special tokens parsed, no extra BOS)."""
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+        bos = tokenizer.bos_token_id
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _params_for(prompts: list[Prompt], params) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in prompts]
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return params

@@ -1,0 +1,340 @@
+"""Hugging Face folder -> GGUF file laid out as llama.cpp's convert_hf_to_gguf.py writes it.
+
+The format itself is written by gguf.GGUFWriter (llama.cpp's own package). This module decides
+what goes in: llama.cpp's architecture name and hyperparameter keys, its tensor names, its Q/K
+row order for llama/mistral, gemma's (w + 1) norms, llama3 rope factors, the tokenizer metadata,
+and one type per tensor. Tensors are written one at a time, so memory holds one converted tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType,
+                  RopeScalingType, TokenType)
+
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, hf_to_gguf, qk_row_order
+from hearth.loading.safetensors import load_hf_folder, read_json
+from hearth.quant import quantize
+
+Q = GGMLQuantizationType
+
+# --type -> (general.file_type, type of the 2-D weights)
+OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
+    "f32": (LlamaFileType.ALL_F32, Q.F32),
+    "f16": (LlamaFileType.MOSTLY_F16, Q.F16),
+    "bf16": (LlamaFileType.MOSTLY_BF16, Q.BF16),
+    "q8_0": (LlamaFileType.MOSTLY_Q8_0, Q.Q8_0),
+    "q4_0": (LlamaFileType.MOSTLY_Q4_0, Q.Q4_0),
+    "q4_1": (LlamaFileType.MOSTLY_Q4_1, Q.Q4_1),
+    "q5_0": (LlamaFileType.MOSTLY_Q5_0, Q.Q5_0),
+    "q5_1": (LlamaFileType.MOSTLY_Q5_1, Q.Q5_1),
+}
+
+# hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral as llama)
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
+
+# HF tensors llama.cpp drops on purpose
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
+    """Write the HF model folder `hf_dir` as one GGUF file at `out_path` (returned)."""
+    from tqdm import tqdm
+
+    if out_type not in OUT_TYPES:
+        raise ModelLoadError(f"unknown output type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if not hf_dir.is_dir():
+        raise ModelLoadError(f"{hf_dir}: no such model folder")
+    config, weights = load_hf_folder(hf_dir, progress=progress)
+    file_type, weight_type = OUT_TYPES[out_type]
+    plan = list(_plan_tensors(config, weights, weight_type))
+
+    writer = GGUFWriter(None, GGUF_ARCHITECTURES[config.architecture])
+    _add_model_metadata(writer, config, hf_dir.name, file_type)
+    add_tokenizer_metadata(writer, hf_dir, config.vocab_size)
+    for name, shape, qtype, _ in plan:
+        byte_shape = _byte_shape(shape, qtype)
+        if qtype in (Q.F32, Q.F16):
+            dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
+            writer.add_tensor_info(name, shape, dtype, _nbytes(byte_shape))
+        else:
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), _nbytes(byte_shape), raw_dtype=qtype)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path.with_name(out_path.name + ".part")
+    try:
+        writer.write_header_to_file(partial)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        bar = tqdm(plan, desc=f"converting to {out_type}", unit="tensor", disable=not progress, leave=False)
+        for _, _, qtype, source in bar:
+            writer.write_tensor_data(_encode(source(), qtype))
+        writer.close()
+        os.replace(partial, out_path)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+# ---------------------------------------------------------------- tensors
+
+Source = Callable[[], torch.Tensor]
+
+
+def _plan_tensors(
+    config: ModelConfig, weights: dict[str, torch.Tensor], weight_type: GGMLQuantizationType
+) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType, Source]]:
+    """(GGUF name, shape, type, function giving the float32 values) of every tensor to write."""
+    from hearth.model.layers import rope_inv_freq
+
+    arch = config.architecture
+    scaling = config.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) == "llama3":
+        # llama.cpp divides its base frequencies by these factors (convert_hf_to_gguf.py does the same)
+        base = dataclasses.replace(config, rope_scaling=None)
+        factors = (rope_inv_freq(base) / rope_inv_freq(config)).float()
+        yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
+
+    tied = config.tie_word_embeddings or arch == "gemma"
+    for hf_name, tensor in weights.items():
+        if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
+            continue  # llama.cpp reads the output projection from token_embd when tied
+        name = hf_to_gguf(hf_name)
+        if name is None or name == "rope_freqs.weight":
+            raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
+        yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+
+
+def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
+    """llama.cpp's choice: norms and 1-D tensors F32; 2-D weights (token_embd and output
+    included) in the requested type, F16 where a row is not a whole number of blocks."""
+    if tensor.dim() <= 1 or name.endswith("_norm.weight") or weight_type == Q.F32:
+        return Q.F32
+    block_size = GGML_QUANT_SIZES[weight_type][0]
+    return weight_type if tensor.shape[-1] % block_size == 0 else Q.F16
+
+
+def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Source:
+    def values() -> torch.Tensor:
+        t = tensor.float()
+        if config.architecture in PERMUTED_QK_ARCHITECTURES:
+            # llama.cpp's "normal" RoPE rotates adjacent pairs: interleave the rotated halves
+            for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                if hf_name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
+                    t = t[qk_row_order(heads, config.head_dim, to_gguf=True)]
+        if config.architecture == "gemma" and hf_name.endswith("norm.weight"):
+            t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
+        return t
+
+    return values
+
+
+def _byte_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> tuple[int, ...]:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return (*shape[:-1], shape[-1] // block_size * type_size)
+
+
+def _nbytes(byte_shape: tuple[int, ...]) -> int:
+    return int(np.prod(byte_shape))
+
+
+def _encode(values: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
+    values = values.detach().to("cpu", torch.float32).contiguous()
+    if qtype == Q.F32:
+        return values.numpy()
+    if qtype == Q.F16:
+        return values.to(torch.float16).numpy()
+    return quantize(values, qtype).numpy().reshape(_byte_shape(tuple(values.shape), qtype))
+
+
+# ---------------------------------------------------------------- model metadata
+
+def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file_type: LlamaFileType) -> None:
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(int(file_type))
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_layers)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_dimension_count(config.head_dim)
+    if config.head_dim * config.num_heads != config.hidden_size:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+# ---------------------------------------------------------------- tokenizer metadata
+
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZER_REGEXES = {  # Split regex -> llama.cpp's tokenizer.ggml.pre
+    _LLAMA3_REGEX: "llama-bpe",
+    _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"): "qwen2",  # digits one by one
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+": "gpt-2",
+}
+
+
+def _components(node: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A tokenizer.json normalizer/pre-tokenizer/decoder, flattened out of its Sequences."""
+    if not node:
+        return []
+    parts = node.get("pretokenizers") or node.get("normalizers") or node.get("decoders")
+    if node.get("type") == "Sequence" and parts is not None:
+        return [leaf for part in parts for leaf in _components(part)]
+    return [node]
+
+
+def _pre_name(pre_tokenizer: dict[str, Any] | None) -> str:
+    """llama.cpp's name for the pre-tokenizer, recognised by its regex. llama.cpp itself hashes
+    the tokenization of a test text; this recognises the common regexes and says "default" (llama.cpp's
+    generic BPE split) for anything else."""
+    for part in _components(pre_tokenizer):
+        if part.get("type") == "Split":
+            pattern = part.get("pattern") or {}
+            return _PRE_TOKENIZER_REGEXES.get(pattern.get("Regex", ""), "default")
+        if part.get("type") == "ByteLevel" and part.get("use_regex", True):
+            return "gpt-2"
+    return "default"
+
+
+def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template from tokenizer.json and its companions."""
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (hearth converts Hugging Face fast tokenizers only)")
+    tok = read_json(path)
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ModelLoadError(f"{path}: tokenizer model {model.get('type')!r} is not supported (only BPE)")
+    pieces = [p for key in ("normalizer", "pre_tokenizer", "decoder") for p in _components(tok.get(key))]
+    kinds = {p.get("type") for p in pieces}
+    metaspace = "Metaspace" in kinds or any(
+        p.get("type") == "Replace" and "▁" in (p.get("content"), (p.get("pattern") or {}).get("String")) for p in pieces
+    )
+    if "ByteLevel" in kinds:
+        spm = False
+    elif model.get("byte_fallback") and metaspace:
+        spm = True
+    else:
+        raise ModelLoadError(f"{path}: unsupported tokenizer (neither byte-level BPE nor SentencePiece-style BPE)")
+
+    vocab: dict[str, int] = model["vocab"]
+    added = {int(a["id"]): a for a in tok.get("added_tokens") or []}
+    text_by_id = {i: t for t, i in vocab.items()}
+    text_by_id.update({i: a["content"] for i, a in added.items()})
+    too_big = [i for i in text_by_id if i >= vocab_size]
+    if too_big:
+        raise ModelLoadError(f"{path}: token id {max(too_big)} is outside the model's vocab_size {vocab_size}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(vocab_size):
+        text = text_by_id.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+        elif i in added:
+            special = added[i].get("special") or (text.startswith("<|") and text.endswith("|>"))
+            tokens.append(text)
+            types.append(TokenType.CONTROL if special else TokenType.USER_DEFINED)
+        elif spm and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text):
+            tokens.append(text)
+            types.append(TokenType.BYTE)
+        else:
+            tokens.append(text)
+            types.append(TokenType.UNKNOWN if spm and text == model.get("unk_token") else TokenType.NORMAL)
+
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
+    writer.add_tokenizer_pre("default" if spm else _pre_name(tok.get("pre_tokenizer")))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if spm:
+        # llama.cpp's SentencePiece tokenizer merges the adjacent pair whose result scores highest.
+        # tokenizer.json keeps no scores (llama.cpp's LlamaHfVocab writes a constant -1000, which
+        # loses the merge order), so a token scores minus the rank of the merge that makes it.
+        rank = {}
+        for r, merge in enumerate(merges):
+            rank.setdefault(merge.replace(" ", ""), r)
+        scores = [-1000.0 if i in added else -float(rank.get(t, 0)) for i, t in enumerate(tokens)]
+        writer.add_token_scores(scores)
+        writer.add_add_space_prefix(_adds_space_prefix(pieces))
+    else:
+        writer.add_token_merges(merges)
+    _add_special_tokens(writer, folder, tok, {t: i for i, t in enumerate(tokens)}, vocab_size)
+
+
+def _adds_space_prefix(pieces: list[dict[str, Any]]) -> bool:
+    for p in pieces:
+        if p.get("type") == "Prepend":
+            return True
+        if p.get("type") == "Metaspace":
+            return p.get("prepend_scheme", "always" if p.get("add_prefix_space", True) else "never") != "never"
+    return False
+
+
+def _add_special_tokens(
+    writer: GGUFWriter, folder: Path, tok: dict[str, Any], ids: dict[str, int], vocab_size: int
+) -> None:
+    """bos/eos/unk/pad ids, add_bos/add_eos and the chat template, as llama.cpp's SpecialVocab.
+
+    Ids come from tokenizer_config.json's tokens, else generation_config.json, else config.json."""
+    def optional_json(name: str) -> dict[str, Any]:
+        return read_json(folder / name) if (folder / name).exists() else {}
+
+    tok_config = optional_json("tokenizer_config.json")
+    sources = (optional_json("generation_config.json"), optional_json("config.json"))
+    for kind, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        token = tok_config.get(f"{kind}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        token_id = ids.get(token) if isinstance(token, str) else None
+        for source in sources:
+            if token_id is None:
+                value = source.get(f"{kind}_token_id")
+                token_id = value[0] if isinstance(value, list) and value else value
+        if isinstance(token_id, int) and 0 <= token_id < vocab_size:
+            add(token_id)
+
+    add_bos, add_eos = tok_config.get("add_bos_token"), tok_config.get("add_eos_token")
+    post = tok.get("post_processor") or {}
+    if post.get("type") == "TemplateProcessing" and (add_bos is None or add_eos is None):
+        single = post.get("single") or []
+        add_bos = add_bos if add_bos is not None else bool(single) and "SpecialToken" in single[0]
+        add_eos = add_eos if add_eos is not None else bool(single) and "SpecialToken" in single[-1]
+    if add_bos is not None:
+        writer.add_add_bos_token(bool(add_bos))
+    if add_eos is not None:
+        writer.add_add_eos_token(bool(add_eos))
+
+    template = tok_config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if template:
+        writer.add_chat_template(template)

@@ -1,0 +1,53 @@
+"""What `hearth inspect` reports: architecture, parameters, weight types and bytes, KV cache cost."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from hearth.loading.loader import read_model
+from hearth.quant import QuantTensor
+
+
+def weight_type(weight) -> str:
+    if isinstance(weight, QuantTensor):
+        return weight.qtype.name
+    return str(weight.dtype).removeprefix("torch.")
+
+
+def model_info(path: str | Path, kv_budget_bytes: int | None = None, kv_bytes_per_element: int = 2) -> dict:
+    config, weights, tokenizer = read_model(path, progress=False)
+    params = 0
+    types: Counter[str] = Counter()
+    type_bytes: Counter[str] = Counter()
+    for weight in weights.values():
+        count = weight.shape[0] * (weight.shape[1] if len(weight.shape) > 1 else 1)
+        params += count
+        kind = weight_type(weight)
+        types[kind] += count
+        type_bytes[kind] += weight.nbytes if isinstance(weight, QuantTensor) else weight.numel() * weight.element_size()
+    if "lm_head.weight" not in weights:
+        tied = "tied"
+    else:
+        tied = "untied"
+    kv_per_token = config.kv_bytes_per_token(kv_bytes_per_element)
+    info = {
+        "path": str(path),
+        "architecture": config.architecture,
+        "parameters": params,
+        "embeddings": tied,
+        "weight_types": {k: {"parameters": types[k], "bytes": type_bytes[k]} for k in sorted(types)},
+        "weight_bytes": sum(type_bytes.values()),
+        "context_length": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "kv_bytes_per_element": kv_bytes_per_element,
+        "kv_cache_bytes_per_token": kv_per_token,
+        "config": {k: v for k, v in asdict(config).items() if k != "extra"},
+        "tokenizer": {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": tokenizer.eos_token_ids,
+                      "has_chat_template": tokenizer.chat_template is not None},
+    }
+    if kv_budget_bytes is not None:
+        info["kv_budget_bytes"] = kv_budget_bytes
+        info["kv_budget_tokens"] = kv_budget_bytes // kv_per_token
+    return info

@@ -1,0 +1,199 @@
+"""How a request wants its tokens chosen: SamplingParams (vLLM's fields) and BeamSearchParams.
+
+Field names, defaults and meanings follow vLLM's `SamplingParams`, so code written for
+vLLM reads the same here. Every check raises `RequestError` (a `ValueError`) whose
+message names the field and the allowed range; the server turns it into a 400.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass
+
+from hearth.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+# Below this a temperature means greedy decoding (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Positive temperatures below this are raised to it: dividing logits by a tiny number
+# overflows float32 (vLLM's _MAX_TEMP, with the same warning).
+MIN_TEMPERATURE = 1e-2
+# OpenAI's range for one logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0  # argmax of the (penalized, biased) logits
+    RANDOM = 1  # a draw from the shared global RNG
+    RANDOM_SEED = 2  # a draw from the request's own torch.Generator, seeded with `seed`
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(message)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request, with vLLM's names, defaults and meanings.
+
+    Disabled values: top_k 0 or -1, top_p 1.0, min_p 0.0, the penalties 0.0 / 1.0.
+    After construction `stop` and `stop_token_ids` are lists, `logit_bias` has int keys,
+    and a greedy request (temperature 0) has top_p/top_k/min_p reset to their no-op values.
+    """
+
+    n: int = 1  # outputs returned per prompt
+    best_of: int | None = None  # sequences generated, the n best returned (>= n)
+    presence_penalty: float = 0.0  # [-2, 2]; logit -= presence * (count > 0), output tokens only
+    frequency_penalty: float = 0.0  # [-2, 2]; logit -= frequency * count, output tokens only
+    repetition_penalty: float = 1.0  # > 0; HF's: prompt+output tokens, logit>0 -> /p else *p
+    temperature: float = 1.0  # >= 0; 0 means greedy
+    top_p: float = 1.0  # (0, 1]; 1 keeps all tokens
+    top_k: int = 0  # 0 or -1 keep all tokens, else >= 1
+    min_p: float = 0.0  # [0, 1]; drop tokens with p < min_p * p_max
+    seed: int | None = None  # a per-request generator: same seed, same tokens, whatever the batch
+    stop: str | list[str] | None = None  # strings that end generation (not in the output text)
+    stop_token_ids: list[int] | None = None  # token ids that end generation
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # 0 allowed (prompt scoring: echo + prompt_logprobs); None: up to the context
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    logprobs: int | None = None  # top alternatives per output token (-1: the whole vocabulary)
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (-1: the whole vocabulary)
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:  # vLLM: -1 means "no seed"
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.logit_bias is not None:
+            self.logit_bias = self._int_keys(self.logit_bias)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, which overflows the logits; using %s",
+                self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
+        self._verify()
+        if self.temperature < SAMPLING_EPS:  # greedy: the filters change nothing
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @staticmethod
+    def _int_keys(bias: dict) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                raise RequestError(f"logit_bias keys must be integer token ids, got {key!r}") from None
+            out[token_id] = float(value)
+        return out
+
+    def _verify(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None:
+            _check(
+                isinstance(self.best_of, int) and self.best_of >= self.n,
+                f"best_of must be greater than or equal to n={self.n}, got {self.best_of}.",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}.")
+        _check(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.",
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0.0,
+            f"temperature must be a finite number >= 0, got {self.temperature}.",
+        )
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(isinstance(self.top_k, int), f"top_k must be an integer, got {type(self.top_k).__name__}.")
+        _check(self.top_k >= -1, f"top_k must be 0 (disable), -1 (disable) or at least 1, got {self.top_k}.")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
+        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value >= -1, f"{name} must be non-negative or -1 (whole vocabulary), got {value}.")
+        _check(
+            all(isinstance(t, int) for t in self.stop_token_ids),
+            f"stop_token_ids must contain only integers, got {self.stop_token_ids}.",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop cannot contain an empty string.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(
+                math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
+                f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.",
+            )
+        if self.temperature < SAMPLING_EPS:
+            _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise RequestError for token ids (logit_bias, stop_token_ids) or a top_k outside the vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad}.")
+        _check(
+            self.top_k <= vocab_size,
+            f"top_k cannot be greater than the vocabulary size ({vocab_size}), got {self.top_k}.",
+        )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (vLLM's BeamSearchParams): keep the `beam_width` best sequences by
+    cumulative log-probability divided by length ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.beam_width, int) and self.beam_width >= 1,
+            f"beam_width must be at least 1, got {self.beam_width}.",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0.0,
+            f"temperature must be a finite number >= 0, got {self.temperature}.",
+        )
+        _check(math.isfinite(self.length_penalty), f"length_penalty must be a finite number, got {self.length_penalty}.")

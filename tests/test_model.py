@@ -1,0 +1,97 @@
+"""hearth's decoder against transformers on tiny random models of every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.errors import ModelLoadError
+from hearth.loading.loader import load_model
+from models import ARCHITECTURES, VOCAB_SIZE, load_hf_reference, make_hf_model
+
+TOKENS = torch.randint(0, VOCAB_SIZE, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _reference_logits(folder, tokens, dtype=torch.float32):
+    ref = load_hf_reference(folder).to(dtype)
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0].float()
+
+
+def _hearth_logits(model, tokens, chunks=(len(TOKENS),), block_size=16):
+    """Run the tokens through the paged runner in chunks, on a scrambled block table."""
+    num_blocks = -(-len(tokens) // block_size) + 2
+    runner = ModelRunner(model, num_blocks, block_size, torch.device("cpu"), model.embed_tokens.weight.dtype)
+    table = list(reversed(range(num_blocks)))
+    hidden, start = [], 0
+    for size in chunks:
+        h, _ = runner.execute([BatchEntry(tokens[start : start + size], start, table)])
+        hidden.append(h)
+        start += size
+    return model.compute_logits(torch.cat(hidden))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logits_match_transformers_fp32(tmp_path, arch):
+    folder = make_hf_model(tmp_path / arch, arch)
+    model = load_model(folder, progress=False).model
+    ours = _hearth_logits(model, TOKENS)
+    assert _relative_error(ours, _reference_logits(folder, TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"num_key_value_heads": 1}),  # MQA
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("qwen2", {"num_key_value_heads": 4}),  # plain multi-head
+    ],
+)
+def test_variants_match_transformers(tmp_path, arch, overrides):
+    folder = make_hf_model(tmp_path / arch, arch, **overrides)
+    model = load_model(folder, progress=False).model
+    assert _relative_error(_hearth_logits(model, TOKENS), _reference_logits(folder, TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_paged_chunks_and_decode_steps_match(tmp_path, arch):
+    """Prefill in uneven chunks then token-by-token decode gives the full-prompt logits."""
+    folder = make_hf_model(tmp_path / arch, arch)
+    model = load_model(folder, progress=False).model
+    chunks = (7, 16, 3) + (1,) * (len(TOKENS) - 26)
+    ours = _hearth_logits(model, TOKENS, chunks=chunks, block_size=4)
+    assert _relative_error(ours, _reference_logits(folder, TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])
+def test_low_precision_compute_close_to_fp32(tmp_path, dtype, tolerance):
+    """bf16/f16 compute stays within the rounding a 16-bit model shows in transformers too."""
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    model = load_model(folder, dtype=dtype, progress=False).model
+    ours = _hearth_logits(model, TOKENS)
+    assert ours.dtype == torch.float32
+    assert _relative_error(ours, _reference_logits(folder, TOKENS)) <= tolerance
+
+
+def test_missing_tensor_and_wrong_shape_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    damaged = dict(weights)
+    del damaged[name]
+    save_file(damaged, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+        load_model(folder, progress=False)
+    damaged[name] = weights[name][:, :10].contiguous()
+    save_file(damaged, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="shape"):
+        load_model(folder, progress=False)
