@@ -1,0 +1,178 @@
+"""The engine's greedy outputs are transformers' greedy `generate`, however requests are batched."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth import LLM, SamplingParams
+from hearth.errors import RequestError
+from models import ARCHITECTURES, VOCAB_SIZE, load_hf_reference, make_hf_model
+
+MAX_TOKENS = 10
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-models")
+    return {arch: make_hf_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+def random_prompts(count: int, seed: int, shortest: int = 2, longest: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(shortest, longest))] for _ in range(count)]
+
+
+def reference_greedy(folder: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    model = load_hf_reference(folder)
+    model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+    model.generation_config.pad_token_id = 0
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_alone_and_32_at_once_match_transformers(model_folders, arch):
+    prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
+    expected = reference_greedy(model_folders[arch], prompts)
+    llm = LLM(model_folders[arch], max_num_batched_tokens=96, progress=False)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
+    alone = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts[:6]]
+    assert token_ids(alone) == expected[:6]
+    assert llm.engine.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("chunked,budget", [(True, 8), (True, 17), (True, 2048), (False, 64)])
+def test_chunked_prefill_on_and_off(model_folders, chunked, budget):
+    prompts = random_prompts(12, seed=7, longest=60)
+    expected = reference_greedy(model_folders["llama"], prompts)
+    llm = LLM(model_folders["llama"], max_num_batched_tokens=budget, enable_chunked_prefill=chunked, progress=False)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_on_and_off(model_folders, prefix_caching):
+    shared = random_prompts(1, seed=3, shortest=50, longest=50)[0]
+    prompts = [shared + tail for tail in random_prompts(8, seed=4, shortest=1, longest=12)]
+    expected = reference_greedy(model_folders["qwen2"], prompts)
+    llm = LLM(model_folders["qwen2"], enable_prefix_caching=prefix_caching, progress=False)
+    first = llm.generate(prompts[:2], greedy(), use_tqdm=False)  # fills the cache
+    rest = llm.generate(prompts[2:], greedy(), use_tqdm=False)  # shares its blocks
+    assert token_ids(first + rest) == expected
+    hits = llm.engine.block_manager.prefix_cache_hits
+    if prefix_caching:
+        assert hits >= 6 * 48 and all(o.num_cached_tokens >= 48 for o in rest)
+    else:
+        assert hits == 0
+
+
+def test_preemption_under_a_small_kv_budget(model_folders):
+    prompts = random_prompts(16, seed=11, shortest=20, longest=40)
+    expected = reference_greedy(model_folders["gemma"], prompts, max_tokens=24)
+    # 14 blocks of 16 tokens: room for about 4 of the 16 requests at their full length
+    llm = LLM(model_folders["gemma"], kv_cache_memory=14 * 16 * KV_BYTES_PER_TOKEN, progress=False)
+    assert llm.engine.num_blocks == 14
+    outputs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert llm.engine.block_manager.check_all_free()
+
+
+def test_every_block_free_after_finished_and_aborted_requests(model_folders):
+    llm = LLM(model_folders["llama"], max_num_batched_tokens=32, progress=False)
+    engine = llm.engine
+    ids = [engine.add_request(None, p, greedy(30)) for p in random_prompts(10, seed=5)]
+    for _ in range(3):
+        engine.step()
+    for request_id in ids[::3]:
+        assert engine.abort_request(request_id)
+    assert not engine.abort_request("no-such-request")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.check_all_free()
+    assert engine.block_manager.usage == 0
+
+
+def test_too_long_prompt_is_refused_and_others_still_served(model_folders):
+    llm = LLM(model_folders["llama"], max_model_len=64, kv_cache_memory=64 * 16 * KV_BYTES_PER_TOKEN, progress=False)
+    engine = llm.engine
+    good = random_prompts(2, seed=9)
+    expected = reference_greedy(model_folders["llama"], good)
+    first = engine.add_request("a", good[0], greedy())
+    with pytest.raises(RequestError, match="context window"):
+        engine.add_request("too-long", list(range(65)), greedy())
+    small = LLM(model_folders["llama"], kv_cache_memory=4 * 16 * KV_BYTES_PER_TOKEN, progress=False)
+    with pytest.raises(RequestError, match="KV cache"):
+        small.engine.add_request("too-big", list(range(100)), greedy())
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("empty", [], greedy())
+    with pytest.raises(RequestError, match="out of range"):
+        engine.add_request("bad-id", [VOCAB_SIZE + 5], greedy())
+    engine.add_request("b", good[1], greedy())
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert first == "a" and [done["a"], done["b"]] == expected
+
+
+def test_string_prompts_chat_and_stream(model_folders):
+    llm = LLM(model_folders["llama"], progress=False)
+    tokenizer = llm.get_tokenizer()
+    text = "def fibonacci(n):"
+    prompt_ids = tokenizer.encode(text)
+    expected = reference_greedy(model_folders["llama"], [prompt_ids])[0]
+    out = llm.generate(text, greedy(), use_tqdm=False)[0]
+    assert out.prompt == text and out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].text == tokenizer.decode(expected)
+    assert out.outputs[0].finish_reason == "length"
+    assert out.metrics.first_token_time >= out.metrics.arrival_time
+    streamed = [o.outputs[0].text for o in llm.stream(text, greedy())]
+    assert len(streamed) == MAX_TOKENS and streamed[-1] == out.outputs[0].text
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True), add_special_tokens=False)
+    chat = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    assert chat.prompt_token_ids[-len(chat_ids):] == chat_ids
+    assert chat.outputs[0].token_ids == reference_greedy(model_folders["llama"], [chat.prompt_token_ids])[0]
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K"
+
+
+def test_real_model_greedy_matches_published_output():
+    if not DATA.exists():
+        pytest.skip(f"reference data not found at {DATA}")
+    cases = json.loads((DATA / "expected_greedy.json").read_text())["cases"]
+    llm = LLM(DATA / "stories260K.gguf", progress=False)
+    prompts, params = [], []
+    for case in cases:
+        n_prompt = len(llm.get_tokenizer().encode(case["prompt"])) if case["prompt"] else 1
+        assert case["tokens"][:n_prompt] == (llm.get_tokenizer().encode(case["prompt"]) if case["prompt"] else [1])
+        prompts.append(case["tokens"][:n_prompt])
+        # run.c stops when it samples BOS (id 1)
+        params.append(SamplingParams(temperature=0, max_tokens=len(case["tokens"]) - n_prompt, stop_token_ids=[1]))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for case, prompt, out in zip(cases, prompts, outputs):
+        assert prompt + out.outputs[0].token_ids == case["tokens"]
+        assert case["text"].endswith(out.outputs[0].text)  # the published text: prompt + completion
