@@ -143,7 +143,7 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
             state = SequenceState(
-                request, index, self.tokenizer.incremental_decoder(params.skip_special_tokens), generator,
+                request, index, self.tokenizer.incremental_decoder(params.skip_special_tokens, prompt_ids), generator,
                 logprobs=[] if params.logprobs is not None else None,
             )
             group.sequences.append(state)
