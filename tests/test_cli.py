@@ -1,0 +1,172 @@
+"""The hearth command: perplexity against transformers, inspect, tokenize, convert, and clean errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hearth.cli import main
+from models import load_hf_reference, make_hf_model
+
+TEXT = (
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "Once upon a time there was a little fox who lived in the forest. " * 3
+)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("cli") / "llama", "llama")
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def reference_perplexity(folder, ids: list[int], context: int) -> tuple[float, int]:
+    model = load_hf_reference(folder)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, context):
+            window = torch.tensor([ids[start : start + context]])
+            if window.shape[1] < 2:
+                break
+            logits = model(window).logits[0, :-1]
+            total += F.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+            count += window.shape[1] - 1
+    return math.exp(total / count), count
+
+
+@pytest.mark.parametrize("context", [16, 1000])
+def test_perplexity_equals_transformers(llama, capsys, context):
+    from hearth.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_hf_dir(llama).encode(TEXT)
+    expected, count = reference_perplexity(llama, ids, min(context, 512))
+    result = run_json(capsys, "perplexity", llama, "--text", TEXT, "--context", context, "--json")
+    assert result["tokens"] == count
+    assert abs(result["perplexity"] - expected) / expected <= 1e-4
+    assert math.isclose(math.exp(result["nll"]), result["perplexity"], rel_tol=1e-9)
+
+
+def test_perplexity_of_a_text_file_and_gguf(llama, capsys, tmp_path):
+    text_file = tmp_path / "held_out.txt"
+    text_file.write_text(TEXT)
+    gguf = tmp_path / "llama.gguf"
+    assert main(["convert", str(llama), str(gguf), "--type", "f32"]) == 0
+    capsys.readouterr()
+    from_folder = run_json(capsys, "perplexity", llama, "--text-file", text_file, "--context", 32, "--json")
+    from_gguf = run_json(capsys, "perplexity", gguf, "--text-file", text_file, "--context", 32, "--json")
+    assert from_gguf["tokens"] == from_folder["tokens"]
+    assert abs(from_gguf["perplexity"] - from_folder["perplexity"]) / from_folder["perplexity"] <= 1e-4
+
+
+def test_tokenize_agrees_with_tokenizers(llama, capsys):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    reference = HFTokenizer.from_file(str(llama / "tokenizer.json"))
+    result = run_json(capsys, "tokenize", llama, "Hello world", "--no-special", "--json")
+    encoding = reference.encode("Hello world", add_special_tokens=False)
+    assert result["ids"] == encoding.ids
+    assert result["pieces"] == encoding.tokens
+
+
+def test_inspect_reports_sizes(llama, capsys, tmp_path):
+    hf = json.loads((llama / "config.json").read_text())
+    info = run_json(capsys, "inspect", llama, "--kv-budget", "1MiB", "--json")
+    reference = load_hf_reference(llama)
+    assert info["architecture"] == "llama"
+    assert info["parameters"] == sum(p.numel() for p in reference.parameters())
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 2
+    assert info["kv_cache_bytes_per_token"] == per_token
+    assert info["kv_budget_tokens"] == (1 << 20) // per_token
+    assert info["context_length"] == hf["max_position_embeddings"]
+    gguf = tmp_path / "q8.gguf"
+    assert main(["convert", str(llama), str(gguf), "--type", "q8_0"]) == 0
+    capsys.readouterr()
+    quantized = run_json(capsys, "inspect", gguf, "--json")
+    assert "Q8_0" in quantized["weight_types"]
+    # q8_0 stores 34 bytes per 32 weights
+    q8 = quantized["weight_types"]["Q8_0"]
+    assert q8["bytes"] == q8["parameters"] // 32 * 34
+
+
+def test_generate_json(llama, capsys):
+    result = run_json(capsys, "generate", llama, "--prompt", "def f", "--max-tokens", 5, "--temperature", 0, "--json")
+    assert result["completion_tokens"] <= 5 and result["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b"", "not a GGUF file"),
+        (b"GGUF\x03\x00\x00\x00\x05", "damaged or truncated"),
+        (b"PK\x03\x04 a zip file", "not a GGUF file"),
+    ],
+)
+def test_bad_files_give_one_clear_line(tmp_path, content, needle):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "hearth.cli", "inspect", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert needle in result.stderr and str(bad) in result.stderr
+
+
+def test_folder_problems_are_named(tmp_path, llama, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["inspect", str(empty)]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((llama / "config.json").read_text())
+    assert main(["inspect", str(no_weights)]) == 1
+    assert "no weights" in capsys.readouterr().err
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    assert main(["inspect", str(unknown)]) == 1
+    assert "unsupported architecture" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing.gguf")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_truncated_gguf_and_unsupported_quant_type(tmp_path, llama, capsys):
+    import gguf
+
+    good = tmp_path / "good.gguf"
+    assert main(["convert", str(llama), str(good), "--type", "f16"]) == 0
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert main(["inspect", str(truncated)]) == 1
+    assert "truncated" in capsys.readouterr().err
+    # a tensor of a type hearth does not read (IQ2_XXS)
+    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    reader = gguf.GGUFReader(good)
+    for field in reader.fields.values():
+        if field.name.startswith(("llama.", "tokenizer.")) and field.name != "tokenizer.ggml.merges":
+            value = field.contents()
+            if field.name.startswith("llama.") or field.name in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+                writer.add_key_value(field.name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    writer.add_tensor("blk.0.attn_q.weight", __import__("numpy").zeros((64, 66), dtype="uint8"),
+                      raw_shape=(64, 66), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["inspect", str(tmp_path / "iq.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "IQ2_XXS" in err and "blk.0.attn_q.weight" in err
