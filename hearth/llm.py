@@ -9,10 +9,11 @@ from typing import Any
 from tqdm import tqdm
 
 from hearth.config import EngineConfig
+from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
 from hearth.outputs import RequestOutput
-from hearth.sampling_params import SamplingParams
+from hearth.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
@@ -102,6 +103,11 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The `beam_width` best continuations of each prompt (see hearth/engine/beam_search.py)."""
+        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in _as_list(prompts)]
+        return beam_search(self.engine, prompt_ids, params)
 
     def chat(
         self,

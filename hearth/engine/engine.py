@@ -53,6 +53,7 @@ class RequestGroup:
     params: SamplingParams
     arrival_time: float
     sequences: list[SequenceState] = field(default_factory=list)
+    waiting_for_prompt: list[Request] = field(default_factory=list)  # samples not yet handed to the scheduler
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
@@ -102,6 +103,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by the scheduler's request id
+        self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
@@ -148,8 +150,13 @@ class LLMEngine:
             )
             group.sequences.append(state)
             self.sequences[seq_id] = state
-            self.scheduler.add_request(request)
+            if index == 0:
+                self.scheduler.add_request(request)
+            else:
+                # the other samples wait until the first has computed the prompt, then reuse its blocks
+                group.waiting_for_prompt.append(request)
         self.groups[request_id] = group
+        self._groups_sharing_prompt.extend([group] if group.waiting_for_prompt else [])
         return request_id
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -225,6 +232,7 @@ class LLMEngine:
         for state, first_row, start, num_new in scoring:
             self._score_prompt(state, hidden[first_row : first_row + num_new], start)
         self.scheduler.update_after_step(plan)
+        self._release_prompt_sharers()
 
         if sampled_states:
             logits = self.model.compute_logits(hidden[torch.tensor(sampling_rows, device=hidden.device)])
@@ -268,6 +276,21 @@ class LLMEngine:
             if output.finished:
                 self._release_group(group_id)
         return list(outputs.values())
+
+    def _release_prompt_sharers(self) -> None:
+        """Queue the samples whose group's first sample has its prompt in the cache now."""
+        still_waiting = []
+        for group in self._groups_sharing_prompt:
+            first = group.sequences[0].request
+            if self.groups.get(group.request_id) is not group:
+                continue  # aborted
+            if first.num_computed_tokens >= len(group.prompt_token_ids) or first.is_finished:
+                for request in group.waiting_for_prompt:
+                    self.scheduler.add_request(request)
+                group.waiting_for_prompt.clear()
+            else:
+                still_waiting.append(group)
+        self._groups_sharing_prompt = still_waiting
 
     def _group_id(self, seq_id: str) -> str:
         return seq_id if seq_id in self.groups else seq_id.rsplit("#", 1)[0]
