@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,14 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.dtype)
+        self.kv_cache_bytes = self.num_blocks * config.block_size * bytes_per_token
+        if progress:
+            print(
+                f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
+                f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB holds {self.kv_cache_tokens:,} tokens "
+                f"({self.num_blocks:,} blocks of {config.block_size})",
+                file=sys.stderr,
+            )
         self.sampler = Sampler()
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by the scheduler's request id
