@@ -220,6 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p)
     p.set_defaults(func=cmd_chat)
 
+    from hearth.server.serve import run_server
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-queue", type=int, default=None, help="requests queued behind a full batch before 503s")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
+    _add_engine(p)
+    p.set_defaults(func=run_server)
+
     p = sub.add_parser("tokenize", help="show the tokens of a text")
     _add_model(p, optional=False)
     p.add_argument("text")
@@ -250,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
     p.set_defaults(func=cmd_convert)
+
+    from hearth.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)  # bench latency / throughput / serve / make-model, and roofline
     return parser
 
 

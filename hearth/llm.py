@@ -128,14 +128,8 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation through the chat template (special tokens parsed, no extra BOS)."""
-        tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
-        bos = tokenizer.bos_token_id
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids
+        """Token ids of a conversation through the chat template."""
+        return self.engine.tokenizer.encode_chat(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import tokenizers
 
 from hearth.chat_template import render_chat_template
-from hearth.errors import ModelLoadError
+from hearth.errors import ModelLoadError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -530,6 +530,29 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         variables = {**{k: v for k, v in self._template_tokens.items() if v is not None}, **kwargs}
         return render_chat_template(self.chat_template, messages, add_generation_prompt, **variables)
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        """A conversation's token ids through the chat template: special tokens parsed, BOS added
+        when the tokenizer adds one and the template did not."""
+        if not messages:
+            raise RequestError("messages must contain at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        if continue_final_message:  # end with the final message itself, without its end of turn
+            final = messages[-1].get("content") or ""
+            if final and final in text:
+                text = text[: text.rindex(final) + len(final)]
+        ids = self.encode(text, add_special_tokens=False)
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
 
 
 class IncrementalDecoder:

@@ -155,6 +155,8 @@ def test_string_prompts_chat_and_stream(model_folders):
     chat = llm.chat(messages, greedy(), use_tqdm=False)[0]
     assert chat.prompt_token_ids[-len(chat_ids):] == chat_ids
     assert chat.outputs[0].token_ids == reference_greedy(model_folders["llama"], [chat.prompt_token_ids])[0]
+    with pytest.raises(RequestError, match="at least one message"):
+        llm.render_chat([])
 
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K"

@@ -1,0 +1,251 @@
+"""AsyncEngine: an LLMEngine stepping on its own thread, streaming to asyncio consumers.
+
+One thread owns the engine (the engine is not thread-safe): it takes the queued commands
+(add, abort), runs step() while there is work and sleeps on an event otherwise. Each request
+has an asyncio queue on its consumer's event loop, fed with `loop.call_soon_threadsafe`.
+
+    stream = await async_engine.add_request(prompt_ids, params)   # RequestError, QueueFull
+    try:
+        async for output in stream: ...     # cumulative RequestOutputs; the last is finished
+    finally:
+        stream.close()                      # aborts the request if it has not finished
+
+A consumer that is cancelled (its client disconnected) aborts its request, which frees its
+KV blocks. `max_queue` bounds the requests queued behind a full running batch (waiting
+beyond the free seats of max_num_seqs): past it add_request raises QueueFull at once (the
+server answers 503) instead of letting the request hang in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+from hearth.engine.engine import LLMEngine
+from hearth.errors import HearthError
+from hearth.outputs import RequestOutput
+from hearth.sampling_params import SamplingParams
+
+logger = logging.getLogger("hearth")
+
+
+class QueueFull(HearthError):
+    """More requests are waiting than max_queue allows (HTTP 503)."""
+
+
+class EngineStopped(HearthError):
+    """The engine is shut down, or its step failed; the request cannot go on."""
+
+
+class RequestStream:
+    """The outputs of one request, as they come from the engine thread."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.accepted: asyncio.Future[None] = loop.create_future()
+
+    # ---- engine thread side
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    def _accept(self, error: BaseException | None) -> None:
+        def settle() -> None:
+            if not self.accepted.done():
+                self.accepted.set_result(None) if error is None else self.accepted.set_exception(error)
+
+        self._call(settle)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._call(self._queue.put_nowait, item)
+
+    # ---- consumer side
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty():  # outputs are cumulative: the latest one says it all
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (safe to call more than once)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        # totals over the engine's life, for metrics (written by the engine thread only)
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping
+        self._commands: deque[tuple] = deque()
+        self._pending_adds = 0
+        self._stopping = False
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # the engine thread's own
+        self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
+        self._thread.start()
+
+    # ---- numbers (read from any thread)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted to the running batch (sequences, for n > 1)."""
+        return self._pending_adds + self.engine.scheduler.num_waiting
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests that the running batch has no free seat for."""
+        free_seats = self.engine.config.max_num_seqs - self.num_running
+        return max(0, self.num_waiting - max(0, free_seats))
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- requests
+
+    async def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and wait until the engine took it; raises QueueFull, RequestError, EngineStopped."""
+        if self.max_queue is not None and self.num_queued >= self.max_queue:
+            raise QueueFull(
+                f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
+                f"(max queue {self.max_queue}); retry later"
+            )
+        stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
+        self._command(("add", stream, prompt, params))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            stream.finished = True
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's cumulative outputs; closing or cancelling the iteration aborts it."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._command(("abort", request_id))
+        except EngineStopped:
+            pass  # shutdown aborts everything anyway
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request (their consumers get EngineStopped) and stop the engine thread."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _command(self, command: tuple) -> None:
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._commands.append(command)
+            self._pending_adds += command[0] == "add"
+        self._wake.set()
+
+    # ---- the engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self._apply_commands()
+            if self._stopping:
+                break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug: fail every request rather than hang them
+                logger.exception("engine step failed")
+                self._abort_all(EngineStopped(f"the engine failed: {type(e).__name__}: {e}"))
+                continue
+            self.num_generation_tokens += engine.last_step.num_generated
+            self.num_preemptions += engine.last_step.num_preempted
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream._put(output)
+                    if output.finished:
+                        del self._streams[output.request_id]
+            self._wake.set()  # keep stepping while there is work
+        self._apply_commands()
+        self._abort_all(EngineStopped("the server is shutting down"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                command = self._commands.popleft()
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                self._streams.pop(command[1], None)
+                continue
+            _, stream, prompt, params = command
+            try:
+                self.engine.add_request(stream.request_id, prompt, params)
+            except Exception as e:  # RequestError for bad input; anything else reaches the caller too
+                stream._accept(e)
+            else:
+                self._streams[stream.request_id] = stream
+                stream._accept(None)
+            finally:
+                with self._lock:  # counted as waiting until the scheduler holds it
+                    self._pending_adds -= 1
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            stream._put(error)
+        self._streams.clear()

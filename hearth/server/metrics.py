@@ -1,0 +1,106 @@
+"""Prometheus metrics with vLLM's names under a `hearth:` prefix, in a registry of their own.
+
+Request-level numbers (prompt tokens, finished requests by reason, TTFT, TPOT, end-to-end
+latency, queue time) are observed by the server as requests are accepted and end. Engine
+state (running / waiting requests, KV cache usage, prefix cache, preemptions, generated
+tokens) is read from the AsyncEngine when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from hearth.engine.async_engine import AsyncEngine
+from hearth.outputs import RequestOutput
+
+# vLLM's buckets, so that the same dashboards read well
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector:
+    """Engine state, read at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        engine, labels = self.engine, [self.model_name]
+        bm = engine.engine.block_manager
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        hits, queries = bm.prefix_cache_hits, bm.prefix_cache_queries
+        yield gauge("hearth:num_requests_running", "Requests in the running batch.", engine.num_running)
+        yield gauge("hearth:num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting)
+        yield gauge("hearth:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", bm.usage)
+        yield gauge("hearth:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
+                    hits / queries if queries else 0.0)
+        yield counter("hearth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("hearth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        yield counter("hearth:num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
+                      engine.num_preemptions)
+        yield counter("hearth:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("hearth:prompt_tokens", "Prompt tokens of accepted requests.", labels, registry=r)
+        self.request_success = Counter(
+            "hearth:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram("hearth:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("hearth:request_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", labels,
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("hearth:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("hearth:request_queue_time_seconds", "Arrival to first scheduling.", labels,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine, model_name))
+        for reason in ("stop", "length", "abort"):  # show the series before the first request ends
+            self.request_success.labels(model_name, reason)
+
+    def on_accepted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def on_aborted(self) -> None:
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def on_finished(self, output: RequestOutput) -> None:
+        name = self.model_name
+        reason = output.outputs[0].finish_reason if output.outputs else "stop"
+        self.request_success.labels(name, reason or "stop").inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+            num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+            if m.first_token_time is not None and num_tokens > 1:
+                self.tpot.labels(name).observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""The HTTP API's shapes: request bodies (OpenAI's fields plus vLLM's extra sampling fields)
+and the pieces of responses built from RequestOutputs (usage, logprobs).
+
+Unknown fields are ignored (as vLLM does), wrong types fail validation (the app answers
+400 in OpenAI's error JSON), and the ranges are checked by SamplingParams itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hearth.errors import RequestError
+from hearth.outputs import PositionLogprobs, RequestOutput
+from hearth.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's stand-in)
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class _SamplingRequest(OpenAIModel):
+    """The fields both generation routes share."""
+
+    model: str | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True  # accepted; decoding is byte-exact either way
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep only the last N prompt tokens
+    use_beam_search: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """SamplingParams of this request; RequestError (400) for values out of range."""
+        if self.use_beam_search:
+            raise RequestError("use_beam_search is not supported by this server")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        if self.stream and self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError("best_of different from n is not supported with stream=true")
+        return SamplingParams(
+            n=1 if self.n is None else self.n,
+            best_of=self.best_of,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            ignore_eos=bool(self.ignore_eos),
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens or 0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            logit_bias=self.logit_bias,
+        )
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        return ids if self.truncate_prompt_tokens is None else ids[-self.truncate_prompt_tokens:]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool | None = True  # vLLM: BOS before a text prompt when the model wants one
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server")
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content if content is not None or self.tool_calls else ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # the template already wrote the special tokens
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise RequestError("messages must contain at least one message")
+        return [m.for_template() for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise RequestError(f"top_logprobs must be non-negative, got {self.top_logprobs}.")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise RequestError("top_logprobs requires logprobs=true")
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int] = Field(...)
+
+
+# ---- pieces of responses; `piece` is a token id's text
+
+
+def usage(outputs: list[RequestOutput | None]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def completion_logprobs(piece: Callable[[int], str], ids: list[int], entries: list[PositionLogprobs | None],
+                        offset: int) -> dict[str, list]:
+    """OpenAI's legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset);
+    `offset` is where the first token's text starts. An entry of None (the prompt's first token) gives None."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(ids, entries):
+        text = piece(token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_lp(entry.get(token_id, -math.inf)))
+        top = sorted(entry.items(), key=lambda kv: -kv[1])
+        out["top_logprobs"].append({piece(t): _lp(lp) for t, lp in top})
+    return out
+
+
+def chat_logprobs(piece: Callable[[int], str], ids: list[int], entries: list[PositionLogprobs], k: int) -> list[dict]:
+    """The `content` list of a chat choice's logprobs: each token with its k best alternatives."""
+    content = []
+    for token_id, entry in zip(ids, entries):
+        text = piece(token_id)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        content.append({
+            "token": text, "logprob": _lp(entry.get(token_id, -math.inf)), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": piece(t), "logprob": _lp(lp), "bytes": list(piece(t).encode())} for t, lp in top],
+        })
+    return content
+
+
+def prompt_logprobs_json(piece: Callable[[int], str], output: RequestOutput) -> list | None:
+    """vLLM's prompt_logprobs: per prompt position {token_id: {logprob, decoded_token}}, None first."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(lp), "decoded_token": piece(t)} for t, lp in e.items()}
+            for e in output.prompt_logprobs]

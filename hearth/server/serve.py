@@ -1,0 +1,52 @@
+"""`hearth serve`: load the model, start the engine thread, run the HTTP API under uvicorn.
+
+SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets the open requests finish
+for up to --shutdown-timeout seconds, then cancels them (which aborts them in the engine);
+the engine thread is stopped and the command exits with status 0.
+
+Only the standard library is imported at module level: the CLI imports this to build its parser.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def run_server(args) -> None:
+    import uvicorn
+
+    from hearth.cli import _llm
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.app import build_app
+
+    engine = _llm(args).engine
+    name = args.served_model_name or args.model or engine.model_path.name
+    async_engine = AsyncEngine(engine, max_queue=args.max_queue)
+    app = build_app(async_engine, name, api_key=args.api_key)
+    print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
+    print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
+          f"{engine.kv_cache_bytes / 2**20:.1f} MiB); context {engine.max_model_len:,} tokens")
+    sys.stdout.flush()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"listening  http://{host}:{port}/v1  (metrics at /metrics)", flush=True)
+
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped: the
+    # engine shutdown below is the rest of that handling, so the re-raised signal does nothing.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        Server(config).run()
+    finally:
+        async_engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("stopped", flush=True)
