@@ -1,0 +1,255 @@
+"""The `hearth bench ...` and `hearth roofline` commands (registered by hearth/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hearth.cli import _add_engine, _add_model
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _llm(args, tokens_needed: int | None, num_seqs: int):
+    """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.llm import LLM
+
+    kv = args.kv_cache_memory
+    if kv is None and tokens_needed is not None:
+        from hearth.loading.loader import read_model
+        from hearth.llm import default_model_path
+
+        config, _, _ = read_model(args.model or default_model_path(), progress=False)
+        element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
+        blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
+        kv = config.kv_bytes_per_token(element) * 16 * blocks
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=kv,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.max_num_seqs, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        progress=not args.json,
+    )
+
+
+def _print(report: dict, args, formatter) -> None:
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(formatter(report))
+
+
+def cmd_latency(args) -> None:
+    from hearth.bench.latency import format_latency, run_latency
+
+    args.max_num_seqs = max(args.max_num_seqs, args.batch_size)
+    llm = _llm(args, args.batch_size * (args.input_len + args.output_len), args.batch_size)
+    report = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.runs, args.warmup,
+                         args.seed, progress=not args.json)
+    _print(report, args, format_latency)
+
+
+def cmd_throughput(args) -> None:
+    from hearth.bench.throughput import format_throughput, run_throughput
+
+    needed = None
+    if args.dataset is None:
+        needed = min(args.num_prompts, args.max_num_seqs) * (args.input_len + args.output_len)
+    llm = _llm(args, needed, min(args.num_prompts, args.max_num_seqs))
+    report = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset, args.seed,
+                            progress=not args.json)
+    _print(report, args, format_throughput)
+
+
+def cmd_serve(args) -> None:
+    from hearth.bench.serve import format_serve, run_serve
+
+    report = run_serve(
+        args.base_url, args.model, args.num_prompts, args.input_len, args.output_len,
+        concurrency=args.concurrency, request_rate=args.request_rate, dataset=args.dataset,
+        vocab_size=args.vocab_size, goodput=args.goodput, seed=args.seed,
+        progress=not args.no_progress, timeout=args.timeout,
+    )
+    if args.plot:
+        from hearth.bench.plots import serve_plot
+
+        report["plot"] = str(serve_plot(report, args.plot))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_serve(report))
+        if args.plot:
+            print(f"plot: {report['plot']}")
+
+
+def cmd_make_model(args) -> None:
+    from hearth.bench.models import make_model
+
+    kinds = [k for k in args.gguf.split(",") if k.strip()] if args.gguf else []
+    report = make_model(args.arch, args.out, kinds, seed=args.seed, force=args.force, progress=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['arch']}: {report['parameters']:,} parameters (random)")
+        for kind, path in report["files"].items():
+            print(f"  {kind:<5} {path}")
+
+
+def cmd_roofline(args) -> None:
+    from hearth.bench.roofline import run_roofline
+
+    engine = {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_chunked_prefill": not args.no_chunked_prefill,
+        "max_model_len": args.max_model_len,
+    }
+    if args.kv_cache_memory is not None:
+        engine["kv_cache_memory"] = args.kv_cache_memory
+    elif args.measure:
+        from hearth.engine.memory import choose_device, choose_dtype
+        from hearth.llm import default_model_path
+        from hearth.loading.loader import read_model
+
+        config, _, _ = read_model(args.model or default_model_path(), progress=False)
+        element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
+        longest = max(args.batch_sizes)
+        tokens = longest * (args.context + args.measure_tokens + 1 + 32)
+        engine["kv_cache_memory"] = config.kv_bytes_per_token(element) * tokens
+    report = run_roofline(args.model, args.batch_sizes, args.context, args.dtype, args.device, args.measure,
+                          args.measure_tokens, args.runs, engine, progress=not args.json)
+    if args.plot:
+        from hearth.bench.plots import roofline_plot
+
+        report["plot"] = str(roofline_plot(report, args.plot))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_roofline(report))
+
+
+def format_roofline(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        f"machine   {m['device']}, {m['threads']} threads: {m['bandwidth'] / 1e9:.1f} GB/s memory, "
+        f"{m['flops'] / 1e9:.1f} GFLOP/s matmul ({m['dtype']}); ridge {m['ridge_flops_per_byte']:.1f} FLOPs/byte",
+        f"model     {r['model']} ({r['architecture']}): {r['weight_bytes_per_step'] / 1e9:.3f} GB of weights per step "
+        f"as stored; KV {r['kv_bytes_per_element']} bytes/element; context {r['context']}",
+    ]
+    if "loaded_weight_bytes_per_step" in r:
+        lines.append(f"          hearth holds {r['loaded_weight_bytes_per_step'] / 1e9:.3f} GB of weights per step")
+    measured = any("measured_tokens_per_s" in row for row in r["rows"])
+    head = f"{'phase':<8} {'batch':>5} {'GFLOP/step':>11} {'MB/step':>10} {'FLOP/B':>8} {'bound':>8} {'ceiling tok/s':>14}"
+    if measured:
+        head += f" {'hearth tok/s':>13} {'share':>7} {'GB/s':>7} {'share (as held)':>16}"
+    lines.append(head)
+    for row in r["rows"]:
+        line = (f"{row['phase']:<8} {row['batch_size']:>5} {row['flops_per_step'] / 1e9:>11.2f} "
+                f"{row['bytes_per_step'] / 1e6:>10.1f} {row['arithmetic_intensity']:>8.2f} {row['bound']:>8} "
+                f"{row['ceiling_tokens_per_s']:>14.1f}")
+        if "measured_tokens_per_s" in row:
+            line += (f" {row['measured_tokens_per_s']:>13.2f} {row['share_of_ceiling']:>7.1%} "
+                     f"{row['measured_gb_per_s']:>7.2f} {row['share_of_loaded_ceiling']:>16.1%}")
+        lines.append(line)
+    if "plot" in r:
+        lines.append(f"plot: {r['plot']}")
+    return "\n".join(lines)
+
+
+def add_bench_parsers(sub) -> None:
+    """Register `bench` (latency, throughput, serve, make-model) and `roofline` on the hearth parser."""
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve (load generator), make-model")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bsub.add_parser("latency", help="prefill and decode tokens/s of one batch")
+    _add_model(p)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=32, help="new tokens per request (default 32)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3, help="timed runs (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    _add_engine(p)
+    p.set_defaults(func=cmd_latency)
+
+    p = bsub.add_parser("throughput", help="offline throughput of many requests at once")
+    _add_model(p)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", default=None,
+                   help="prompts: a text file (one per line) or JSON lines with \"prompt\" (and \"output_len\")")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    _add_engine(p)
+    p.set_defaults(func=cmd_throughput)
+
+    p = bsub.add_parser("serve", help="load generator for any OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="e.g. http://localhost:8000")
+    p.add_argument("--model", required=True, help="the model name the server expects")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--concurrency", type=_int_list, default=None,
+                      help="requests in flight; a list (1,4,16) gives one run each")
+    load.add_argument("--request-rate", type=_float_list, default=None,
+                      help="Poisson arrivals per second; a list gives one run each")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt token ids per request")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens (with ignore_eos)")
+    p.add_argument("--dataset", default=None, help="text prompts instead of random token ids")
+    p.add_argument("--vocab-size", type=int, default=256, help="random prompt ids are drawn from [0, this)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="latency targets for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="latency percentiles and throughput against load")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_serve)
+
+    p = bsub.add_parser("make-model", help="random weights in the shapes of a real architecture (HF + GGUF)")
+    from hearth.bench.models import ARCHS
+
+    p.add_argument("--arch", required=True, choices=list(ARCHS))
+    p.add_argument("--out", required=True, help="folder: OUT/hf and OUT/<arch>-<type>.gguf")
+    p.add_argument("--gguf", default="f16,q8_0,q4_0", help="GGUF types to write (comma-separated; '' for none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rewrite files that exist")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("roofline", help="bytes, FLOPs and the tokens/s ceiling of prefill and decode on this machine")
+    _add_model(p)
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=512, help="prompt length of prefill, cached tokens of decode")
+    p.add_argument("--measure", action="store_true", help="also measure hearth and report its share of the ceiling")
+    p.add_argument("--measure-tokens", type=int, default=8, help="decode steps timed per batch size (with --measure)")
+    p.add_argument("--runs", type=int, default=1, help="timed runs per batch size (with --measure)")
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.add_argument("--json", action="store_true")
+    _add_engine(p)
+    p.set_defaults(func=cmd_roofline)

@@ -1,0 +1,250 @@
+"""The roofline: which bound (memory bandwidth or FLOP/s) caps a step, and at how many tokens/s.
+
+A step of the engine reads every weight once (whatever the batch), reads and writes the KV
+cache of its sequences, and does about 2 FLOPs per weight per token plus attention. Its
+arithmetic intensity (FLOPs per byte) against the machine's ridge point (peak FLOP/s over
+bandwidth) says which bound applies; the ceiling is tokens / max(FLOPs / peak, bytes / bandwidth).
+
+Counted per step (B sequences, each with C tokens cached and n new tokens; T = B x n):
+  weights   every tensor but the embedding table (the tied lm_head reads it whole), plus T
+            embedding rows; 2 FLOPs per layer weight per token, 2 x vocab x hidden per sequence
+            for the lm_head (only each sequence's last token gets logits)
+  attention useful causal FLOPs: 4 x heads x head_dim x layers x (n x C + n (n + 1) / 2)
+  KV cache  B x (C + 2n) x kv_bytes_per_token: the context read once, the new entries written
+Activations are not counted (they stay in cache at these sizes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hearth.config import ModelConfig
+
+
+@dataclass
+class Machine:
+    device: str
+    threads: int
+    dtype: str  # the matmul dtype flops was measured in
+    bandwidth: float  # bytes/s, reading a large tensor
+    flops: float  # FLOP/s, a square matmul
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte where the memory roof meets the compute roof."""
+        return self.flops / self.bandwidth
+
+
+@dataclass
+class WeightBytes:
+    """What a step reads of the weights."""
+
+    per_step: int  # bytes read once per step: every tensor but the embedding table (tied lm_head: the table)
+    embedding_row: float  # bytes of one embedding row (read once per token)
+    matmul_params: int  # elements of the layers' 2-D weights (2 FLOPs each per token)
+
+
+@dataclass
+class StepCost:
+    phase: str  # prefill or decode
+    batch_size: int
+    context: int  # tokens cached per sequence before the step
+    new_tokens: int  # per sequence
+    tokens: int  # B x new_tokens
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    bandwidth_bytes: int | None = None, matmul_n: int | None = None, repeats: int = 5) -> Machine:
+    """Best of `repeats`: the sum of a tensor far larger than the caches, and an n x n matmul."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    bandwidth_bytes = bandwidth_bytes or (4 << 30 if cuda else 512 << 20)
+    matmul_n = matmul_n or (8192 if cuda else 2048)
+    x = torch.ones(bandwidth_bytes // 4, dtype=torch.float32, device=device)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first pass warms up
+        _sync(device)
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    bandwidth = x.numel() * 4 / best
+    del x
+    a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    best = math.inf
+    for _ in range(max(2, repeats // 2) + 1):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    flops = 2 * matmul_n**3 / best
+    return Machine(str(device), torch.get_num_threads(), str(dtype).removeprefix("torch."), bandwidth, flops)
+
+
+def _nbytes(weight) -> int:
+    """A tensor's or a QuantTensor's bytes."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return int(weight.nbytes)
+
+
+def file_weight_bytes(config: ModelConfig, weights: dict) -> WeightBytes:
+    """Weight bytes as stored in the file (QuantTensor blocks, f16...), by HF name."""
+    embed = weights["model.embed_tokens.weight"]
+    per_step = sum(_nbytes(w) for name, w in weights.items() if name != "model.embed_tokens.weight")
+    if "lm_head.weight" not in weights:
+        per_step += _nbytes(embed)  # tied: the output projection reads the embedding table
+    matmul = sum(math.prod(tuple(w.shape)) for name, w in weights.items()
+                 if ".layers." in f".{name}" and len(tuple(w.shape)) == 2)
+    return WeightBytes(per_step, _nbytes(embed) / config.vocab_size, matmul)
+
+
+def model_weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    """Weight bytes as the loaded model holds them: its parameters and buffers (each storage
+    once), less the embedding table unless the lm_head shares it, less the RoPE tables."""
+    config = model.config
+    embed = model.embed_tokens.weight
+    seen: set[int] = set()
+    per_step = 0
+    matmul = 0
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if name.startswith("rope.") or t.device.type == "meta":
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if name.startswith("embed_tokens.") or ptr in seen:
+            continue  # a tied lm_head still counts the table, under its own name
+        seen.add(ptr)
+        per_step += t.untyped_storage().nbytes()
+        if name.startswith("layers.") and name.endswith("weight") and t.dim() == 2:
+            matmul += t.numel()
+    row = embed.untyped_storage().nbytes() / config.vocab_size
+    return WeightBytes(per_step, row, matmul)
+
+
+def step_cost(config: ModelConfig, weights: WeightBytes, phase: str, batch_size: int, context: int,
+              kv_bytes_per_element: int) -> StepCost:
+    """Bytes and FLOPs of one step. prefill: B prompts of `context` tokens from an empty cache;
+    decode: one new token for each of B sequences with `context` tokens cached."""
+    if phase == "prefill":
+        cached, new = 0, context
+    elif phase == "decode":
+        cached, new = context, 1
+    else:
+        raise ValueError(f"phase must be prefill or decode, got {phase!r}")
+    tokens = batch_size * new
+    lm_head = 2 * config.vocab_size * config.hidden_size * batch_size
+    attention_pairs = new * cached + new * (new + 1) / 2  # (query, key) pairs per sequence, causal
+    attention = 4 * config.num_heads * config.head_dim * config.num_layers * attention_pairs * batch_size
+    flops = 2 * weights.matmul_params * tokens + lm_head + attention
+    weight_bytes = weights.per_step + weights.embedding_row * tokens
+    kv_bytes = batch_size * (cached + 2 * new) * config.kv_bytes_per_token(kv_bytes_per_element)
+    return StepCost(phase, batch_size, cached, new, tokens, float(flops), float(weight_bytes), float(kv_bytes))
+
+
+def roofline_row(cost: StepCost, machine: Machine) -> dict:
+    compute_s = cost.flops / machine.flops
+    memory_s = cost.bytes / machine.bandwidth
+    return {
+        "phase": cost.phase,
+        "batch_size": cost.batch_size,
+        "context": cost.context if cost.phase == "decode" else cost.new_tokens,
+        "tokens_per_step": cost.tokens,
+        "flops_per_step": cost.flops,
+        "bytes_per_step": cost.bytes,
+        "weight_bytes_per_step": cost.weight_bytes,
+        "kv_bytes_per_step": cost.kv_bytes,
+        "arithmetic_intensity": cost.intensity,
+        "bound": "compute" if cost.intensity >= machine.ridge else "memory",
+        "ceiling_tokens_per_s": cost.tokens / max(compute_s, memory_s),
+    }
+
+
+def roofline_table(config: ModelConfig, weights: WeightBytes, machine: Machine, batch_sizes: list[int],
+                   context: int, kv_bytes_per_element: int) -> list[dict]:
+    rows = []
+    for phase in ("prefill", "decode"):
+        for b in batch_sizes:
+            rows.append(roofline_row(step_cost(config, weights, phase, b, context, kv_bytes_per_element), machine))
+    return rows
+
+
+def machine_dict(machine: Machine) -> dict:
+    return {**asdict(machine), "ridge_flops_per_byte": machine.ridge}
+
+
+def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = "auto", device: str = "auto",
+                 measure: bool = False, measure_tokens: int = 8, runs: int = 1, engine_kwargs: dict | None = None,
+                 progress: bool = True) -> dict:
+    """The `hearth roofline` report: machine, model bytes, a row per phase and batch size;
+    with measure, hearth's measured tokens/s and its share of the ceiling."""
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.llm import default_model_path
+    from hearth.loading.loader import read_model
+
+    model_path = model_path or default_model_path()
+    dev = choose_device(device)
+    torch_dtype = choose_dtype(dtype, dev)
+    config, weights, _ = read_model(model_path, progress=False)
+    stored = file_weight_bytes(config, weights)
+    del weights
+    machine = measure_machine(dev, torch_dtype)
+    kv_element = torch_dtype.itemsize
+    rows = roofline_table(config, stored, machine, batch_sizes, context, kv_element)
+    report = {
+        "model": str(model_path),
+        "architecture": config.architecture,
+        "machine": machine_dict(machine),
+        "context": context,
+        "kv_bytes_per_element": kv_element,
+        "weight_bytes_per_step": stored.per_step,
+        "weights": "as stored in the file",
+        "rows": rows,
+    }
+    if measure:
+        from hearth.bench.latency import run_latency
+        from hearth.llm import LLM
+
+        longest = max(batch_sizes)
+        llm = LLM(model_path, dtype=dtype, device=device, progress=progress,
+                  **{"max_num_seqs": max(longest, 1), **(engine_kwargs or {})})
+        loaded = model_weight_bytes(llm.engine.model)
+        report["loaded_weight_bytes_per_step"] = loaded.per_step
+        for b in batch_sizes:
+            result = run_latency(llm, b, context, measure_tokens + 1, runs=runs, warmup=1, progress=False)
+            for row in rows:
+                if row["batch_size"] != b:
+                    continue
+                measured = result[f"{row['phase']}_tokens_per_s"]["median"]
+                # the ceiling for the weights as hearth holds them (e.g. dequantized to float32)
+                as_loaded = roofline_row(step_cost(config, loaded, row["phase"], b, context, kv_element), machine)
+                row["measured_tokens_per_s"] = measured
+                row["share_of_ceiling"] = measured / row["ceiling_tokens_per_s"]
+                row["loaded_ceiling_tokens_per_s"] = as_loaded["ceiling_tokens_per_s"]
+                row["share_of_loaded_ceiling"] = measured / as_loaded["ceiling_tokens_per_s"]
+                steps_per_s = measured / as_loaded["tokens_per_step"]
+                row["measured_gb_per_s"] = as_loaded["bytes_per_step"] * steps_per_s / 1e9
+                row["measured_gflop_per_s"] = as_loaded["flops_per_step"] * steps_per_s / 1e9
+    return report
