@@ -95,3 +95,17 @@ def test_missing_tensor_and_wrong_shape_are_named(tmp_path):
     save_file(damaged, folder / "model.safetensors")
     with pytest.raises(ModelLoadError, match="shape"):
         load_model(folder, progress=False)
+
+
+def test_sharded_safetensors_folder(tmp_path):
+    folder = make_hf_model(tmp_path / "one", "qwen3")
+    sharded = tmp_path / "sharded"
+    load_hf_reference(folder).save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((folder / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
+    model = load_model(sharded, progress=False).model
+    assert _relative_error(_hearth_logits(model, TOKENS), _reference_logits(folder, TOKENS)) <= 1e-4
+    next(sharded.glob("model-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match="shard files missing"):
+        load_model(sharded, progress=False)
