@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hearth.model.attention import AttentionMetadata, PrefillSequence
@@ -34,6 +35,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
+        self._offsets = np.arange(block_size, dtype=np.int64)
         config = model.config
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
@@ -41,54 +43,54 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Cache slots of token positions [start, end) of a sequence."""
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(block_table, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+    def _slots(self, block_table: list[int], end: int) -> np.ndarray:
+        """Cache slots of token positions [0, end) of a sequence."""
+        blocks = np.asarray(block_table[: -(-end // self.block_size)], dtype=np.int64)
+        return (blocks[:, None] * self.block_size + self._offsets).reshape(-1)[:end]
 
     def prepare(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids [T], positions [T], metadata, and the row of each entry's last token [B]."""
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
+        positions: list[np.ndarray] = []
+        slot_mapping: list[np.ndarray] = []
         prefills: list[PrefillSequence] = []
         decode_rows: list[int] = []
-        decode_slots: list[torch.Tensor] = []
+        decode_slots: list[np.ndarray] = []
         last_rows: list[int] = []
+        dev = self.device
         for entry in entries:
             start, new = entry.num_computed_tokens, len(entry.token_ids)
             end = start + new
             row = len(input_ids)
             input_ids.extend(entry.token_ids)
-            positions.append(torch.arange(start, end))
-            context = self._slots(entry.block_table, 0, end)
+            positions.append(np.arange(start, end))
+            context = self._slots(entry.block_table, end)
             slot_mapping.append(context[start:])
             last_rows.append(row + new - 1)
             if new == 1:
                 decode_rows.append(row)
                 decode_slots.append(context)
             else:
-                query_pos = torch.arange(start, end).unsqueeze(1)
-                mask = torch.arange(end).unsqueeze(0) <= query_pos  # [new, end]
-                prefills.append(PrefillSequence(row, row + new, context.to(self.device), mask.to(self.device)))
+                mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [new, end] causal
+                prefills.append(PrefillSequence(
+                    row, row + new, torch.from_numpy(context).to(dev), torch.from_numpy(mask).to(dev)
+                ))
         longest = max((len(s) for s in decode_slots), default=0)
-        padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-        valid = torch.zeros(len(decode_slots), longest, dtype=torch.bool)
+        padded = np.zeros((len(decode_slots), longest), dtype=np.int64)
+        valid = np.zeros((len(decode_slots), longest), dtype=bool)
         for i, slots in enumerate(decode_slots):
             padded[i, : len(slots)] = slots
             valid[i, : len(slots)] = True
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
             prefills=prefills,
             decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=dev),
-            decode_slots=padded.to(dev),
-            decode_mask=valid[:, None, None, :].to(dev),
+            decode_slots=torch.from_numpy(padded).to(dev),
+            decode_mask=torch.from_numpy(valid)[:, None, None, :].to(dev),
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.cat(positions).to(dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
             meta,
             torch.tensor(last_rows, dtype=torch.long, device=dev),
         )
