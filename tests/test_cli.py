@@ -170,3 +170,22 @@ def test_truncated_gguf_and_unsupported_quant_type(tmp_path, llama, capsys):
     assert main(["inspect", str(tmp_path / "iq.gguf")]) == 1
     err = capsys.readouterr().err
     assert "IQ2_XXS" in err and "blk.0.attn_q.weight" in err
+
+
+def test_chat_keeps_the_conversation(llama):
+    """Two turns through `hearth chat`: each reply is the greedy continuation of the whole history."""
+    from hearth import LLM, SamplingParams
+
+    result = subprocess.run(
+        [sys.executable, "-m", "hearth.cli", "chat", str(llama), "--temperature", "0", "--max-tokens", "6"],
+        input="hello\nhow are you\n", capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.split("\n")[:2]
+    llm = LLM(llama, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    history = [{"role": "user", "content": "hello"}]
+    first = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "how are you"}]
+    second = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+    assert replies == [first, second]
