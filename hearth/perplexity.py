@@ -22,8 +22,7 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
         raise ValueError(f"the text has {len(token_ids)} token(s); perplexity needs at least 2")
     block_size = 16
     num_blocks = -(-context // block_size)
-    dtype = model.embed_tokens.weight.dtype
-    runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+    runner = ModelRunner(model, num_blocks, block_size, device, model.dtype)
     block_table = list(range(num_blocks))
     total_nll, scored = 0.0, 0
     for start in range(0, len(token_ids) - 1, context):

@@ -7,6 +7,8 @@ standard library. The recipe
 
 1. lists the stdlib's .py files (sorted; no site-packages; none over 200 KB) and keeps ~2% of
    them out for evaluation, chosen by a hash of the relative path (the same files on every run);
+   library modules count three times per pass over the data, the stdlib's test suites (61% of
+   the bytes, mostly `self.assertEqual(...)`) once;
 2. makes chat examples from the training files: a function's docstring as the user's request,
    its source as the assistant's answer (so `hearth chat` has something it learned to do);
 3. trains a byte-level BPE tokenizer (`tokenizers`) with `<|endoftext|>` (BOS, EOS, document
@@ -56,7 +58,7 @@ CHAT_TEMPLATE = (
 PRESETS = {
     # ~5.8M parameters (1.05M of them the tied embedding); f16 GGUF ~11.7 MB
     "main": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, lr=2e-3, minutes=35.0),
+                 num_key_value_heads=2, lr=3e-3, minutes=35.0),
     # ~1.25M parameters (4.6x fewer); same tokenizer, for speculative decoding
     "draft": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, lr=3e-3, minutes=10.0),
@@ -97,6 +99,12 @@ def split_files(rels: list[str], per_mille: int = HELDOUT_PER_MILLE) -> tuple[li
     train = [r for r in rels if not is_heldout(r, per_mille)]
     heldout = [r for r in rels if is_heldout(r, per_mille)]
     return train, heldout
+
+
+def is_test_file(rel: str) -> bool:
+    """A file of the stdlib's own test suites (test/, tests/, idle_test/ folders, test_*.py)."""
+    parts = rel.split("/")
+    return any(p in ("test", "tests", "idle_test") for p in parts[:-1]) or parts[-1].startswith("test_")
 
 
 def read_texts(root: Path, rels: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -326,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
+    ap.add_argument("--library-weight", type=int, default=3,
+                    help="times each library (non-test) file is repeated per pass over the data; test files once")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="use this tokenizer folder instead of training one (the draft shares the main model's)")
     ap.add_argument("--gguf", type=Path, default=None, help="GGUF output path (default OUT/model-f16.gguf)")
@@ -363,8 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     train_texts, skipped_train = read_texts(root, train_rels)
     heldout_texts, skipped_heldout = read_texts(root, heldout_rels)
     (out / "heldout_files.txt").write_text("".join(r + "\n" for r in heldout_texts))
-    heldout_text = "\n\n".join(heldout_texts[r] for r in heldout_texts)
-    (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+    (out / "heldout.txt").write_bytes("\n\n".join(heldout_texts[r] for r in heldout_texts).encode("utf-8"))
+    library_heldout = [r for r in heldout_texts if not is_test_file(r)]
+    (out / "heldout-library.txt").write_bytes("\n\n".join(heldout_texts[r] for r in library_heldout).encode("utf-8"))
+    # scored as `hearth perplexity --text-file OUT/heldout.txt` reads it (text mode: "\r\n" -> "\n")
+    heldout_text = (out / "heldout.txt").read_text(encoding="utf-8")
+    heldout_library_text = (out / "heldout-library.txt").read_text(encoding="utf-8")
     conversations = chat_examples(train_texts, args.seed)
     log(f"stdlib {root} (Python {platform.python_version()}): {len(rels)} files, {len(train_texts)} train, "
         f"{len(heldout_texts)} held out, {len(skipped_train) + len(skipped_heldout)} not UTF-8; "
@@ -383,15 +397,21 @@ def main(argv: list[str] | None = None) -> int:
     eot_id = hf_tok.convert_tokens_to_ids(EOT)
     im_end_id = hf_tok.convert_tokens_to_ids(IM_END)
     backend = hf_tok.backend_tokenizer
-    code_docs = [e.ids for e in backend.encode_batch([train_texts[r] for r in sorted(train_texts)], add_special_tokens=False)]
+    train_order = sorted(train_texts)
+    code_docs = [e.ids for e in backend.encode_batch([train_texts[r] for r in train_order], add_special_tokens=False)]
+    # library modules (not test suites) count --library-weight times in each pass over the data
+    weighted = [d for r, d in zip(train_order, code_docs) for _ in range(1 if is_test_file(r) else args.library_weight)]
+    library_tokens = sum(len(d) for r, d in zip(train_order, code_docs) if not is_test_file(r))
     chat_texts = [hf_tok.apply_chat_template(c, tokenize=False) for c in conversations]
     chat_docs = [e.ids for e in backend.encode_batch(chat_texts, add_special_tokens=False)]
-    rows = pack_documents(code_docs + chat_docs, eot_id, args.seq_len, args.seed)
+    rows = pack_documents(weighted + chat_docs, eot_id, args.seq_len, args.seed)
     heldout_ids = hf_tok(heldout_text)["input_ids"]
+    heldout_library_ids = hf_tok(heldout_library_text)["input_ids"]
     code_tokens, chat_tokens = sum(map(len, code_docs)), sum(map(len, chat_docs))
     train_bytes = sum(len(t.encode("utf-8")) for t in train_texts.values())
-    log(f"training tokens: {code_tokens} code ({train_bytes / code_tokens:.2f} bytes/token) + {chat_tokens} chat "
-        f"-> {rows.shape[0]} rows of {args.seq_len}; held-out tokens: {len(heldout_ids)}")
+    log(f"training tokens: {code_tokens} code ({train_bytes / code_tokens:.2f} bytes/token; {library_tokens} of them "
+        f"library, weighted x{args.library_weight}) + {chat_tokens} chat -> {rows.shape[0]} rows of {args.seq_len}; "
+        f"held-out tokens: {len(heldout_ids)}")
 
     # ---- model
     torch.manual_seed(args.seed)
@@ -495,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     nll, scored = heldout_nll(model, heldout_ids, args.seq_len)
     log(f"held-out (all {len(heldout_texts)} files, {scored} tokens, context {args.seq_len}): "
         f"loss {nll:.4f}, perplexity {math.exp(nll):.3f} ({time.time() - t0:.0f}s)")
+    lib_nll, lib_scored = heldout_nll(model, heldout_library_ids, args.seq_len)
+    log(f"held-out library modules ({len(library_heldout)} files, {lib_scored} tokens): "
+        f"loss {lib_nll:.4f}, perplexity {math.exp(lib_nll):.3f}")
     tail = [l for _, l in train_loss[-50:]]
     sample_out = samples(model, hf_tok)
     for s in sample_out:
@@ -510,18 +533,20 @@ def main(argv: list[str] | None = None) -> int:
         "repeat_command": shlex.join(repeat) if args.steps is not None or len(plan_history) == 1 else None,
         "settings": {"preset": args.preset, **preset, "lr": lr, "warmup": args.warmup, "steps": step,
                      "planned_steps": steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                     "vocab_size": vocab_size, "seed": args.seed, "threads": args.threads, "minutes": minutes,
+                     "vocab_size": vocab_size, "seed": args.seed, "threads": args.threads, "minutes": minutes if args.steps is None else None,
                      "weight_decay": 0.1, "betas": [0.9, 0.95], "grad_clip": 1.0, "lr_final_frac": 0.1,
                      "autocast": "bfloat16", "tokenizer_from": str(args.tokenizer) if args.tokenizer else None},
         "data": {"files": len(rels), "train_files": len(train_texts), "heldout_files": len(heldout_texts),
                  "skipped_not_utf8": skipped_train + skipped_heldout, "train_bytes": train_bytes,
-                 "code_tokens": code_tokens, "chat_examples": len(conversations), "chat_tokens": chat_tokens,
+                 "code_tokens": code_tokens, "library_tokens": library_tokens,
+                 "library_weight": args.library_weight, "heldout_library_files": len(library_heldout), "chat_examples": len(conversations), "chat_tokens": chat_tokens,
                  "rows": int(rows.shape[0]), "heldout_tokens": len(heldout_ids),
                  "epochs_seen": step * args.batch_size / rows.shape[0]},
         "params": params, "train_seconds": train_seconds, "eval_seconds": t_eval_total,
         "total_seconds": time.time() - t_start, "step_plan": plan_history,
         "final_train_loss_last50": sum(tail) / len(tail), "heldout_loss": nll, "heldout_perplexity": math.exp(nll),
-        "heldout_scored_tokens": scored, "train_loss": train_loss, "eval_loss": eval_loss, "lr": lrs,
+        "heldout_scored_tokens": scored, "heldout_library_loss": lib_nll,
+        "heldout_library_perplexity": math.exp(lib_nll), "heldout_library_scored_tokens": lib_scored, "train_loss": train_loss, "eval_loss": eval_loss, "lr": lrs,
         "samples": sample_out,
     }
     plot_losses(record, out / "loss.png")

@@ -26,7 +26,7 @@ def _reference_logits(folder, tokens, dtype=torch.float32):
 def _hearth_logits(model, tokens, chunks=(len(TOKENS),), block_size=16):
     """Run the tokens through the paged runner in chunks, on a scrambled block table."""
     num_blocks = -(-len(tokens) // block_size) + 2
-    runner = ModelRunner(model, num_blocks, block_size, torch.device("cpu"), model.embed_tokens.weight.dtype)
+    runner = ModelRunner(model, num_blocks, block_size, torch.device("cpu"), model.dtype)
     table = list(reversed(range(num_blocks)))
     hidden, start = [], 0
     for size in chunks:

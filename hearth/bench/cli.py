@@ -28,11 +28,19 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _set_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def _llm(args, tokens_needed: int | None, num_seqs: int):
     """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.llm import LLM
 
+    _set_threads(args)
     kv = args.kv_cache_memory
     if kv is None and tokens_needed is not None:
         from hearth.loading.loader import read_model
@@ -122,6 +130,7 @@ def cmd_make_model(args) -> None:
 def cmd_roofline(args) -> None:
     from hearth.bench.roofline import run_roofline
 
+    _set_threads(args)
     engine = {
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
@@ -155,8 +164,9 @@ def cmd_roofline(args) -> None:
 def format_roofline(r: dict) -> str:
     m = r["machine"]
     lines = [
-        f"machine   {m['device']}, {m['threads']} threads: {m['bandwidth'] / 1e9:.1f} GB/s memory, "
-        f"{m['flops'] / 1e9:.1f} GFLOP/s matmul ({m['dtype']}); ridge {m['ridge_flops_per_byte']:.1f} FLOPs/byte",
+        f"machine   {m['device']}, {m['threads']} threads: {m['bandwidth'] / 1e9:.1f} GB/s memory; matmul "
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in m["flops_by_dtype"].items())
+        + f" GFLOP/s; roof {m['flops'] / 1e9:.0f} ({m['dtype']}), ridge {m['ridge_flops_per_byte']:.1f} FLOPs/byte",
         f"model     {r['model']} ({r['architecture']}): {r['weight_bytes_per_step'] / 1e9:.3f} GB of weights per step "
         f"as stored; KV {r['kv_bytes_per_element']} bytes/element; context {r['context']}",
     ]
@@ -193,6 +203,7 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed runs (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_latency)
@@ -205,6 +216,7 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--dataset", default=None,
                    help="prompts: a text file (one per line) or JSON lines with \"prompt\" (and \"output_len\")")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_throughput)
@@ -250,6 +262,7 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--measure-tokens", type=int, default=8, help="decode steps timed per batch size (with --measure)")
     p.add_argument("--runs", type=int, default=1, help="timed runs per batch size (with --measure)")
     p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_roofline)

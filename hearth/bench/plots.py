@@ -76,7 +76,10 @@ def serve_plot(report: dict, out: str | Path) -> Path:
         ax2.legend(loc="lower right", fontsize=8)
     ax.set_title("throughput")
     ax.set_ylabel("tokens/s")
+    spread = max(loads) / min(loads) if min(loads) > 0 else 1
     for ax in axes:
+        if spread >= 8:
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency" if kind == "concurrency" else "request rate (req/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")

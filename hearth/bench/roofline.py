@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -29,9 +29,10 @@ from hearth.config import ModelConfig
 class Machine:
     device: str
     threads: int
-    dtype: str  # the matmul dtype flops was measured in
+    dtype: str  # the matmul that gave `flops` (the fastest measured)
     bandwidth: float  # bytes/s, reading a large tensor
-    flops: float  # FLOP/s, a square matmul
+    flops: float  # FLOP/s (or int8 OP/s), the fastest square matmul measured: the compute roof
+    flops_by_dtype: dict[str, float] = field(default_factory=dict)
 
     @property
     def ridge(self) -> float:
@@ -73,34 +74,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats + 1):  # the first pass warms up
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     bandwidth_bytes: int | None = None, matmul_n: int | None = None, repeats: int = 5) -> Machine:
-    """Best of `repeats`: the sum of a tensor far larger than the caches, and an n x n matmul."""
+    """Best of `repeats`: the sum of a tensor far larger than the caches (bandwidth), and n x n
+    matmuls in `dtype`, bfloat16 and int8 (torch._int_mm, where it runs): the compute roof is the
+    fastest of them, since quantized kernels (int8 dot products) and bf16 reach past fp32."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     bandwidth_bytes = bandwidth_bytes or (4 << 30 if cuda else 512 << 20)
     matmul_n = matmul_n or (8192 if cuda else 2048)
     x = torch.ones(bandwidth_bytes // 4, dtype=torch.float32, device=device)
-    best = math.inf
-    for _ in range(repeats + 1):  # the first pass warms up
-        _sync(device)
-        start = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    bandwidth = x.numel() * 4 / best
+    bandwidth = x.numel() * 4 / _best_time(x.sum, device, repeats)
     del x
-    a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
-    best = math.inf
-    for _ in range(max(2, repeats // 2) + 1):
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    flops = 2 * matmul_n**3 / best
-    return Machine(str(device), torch.get_num_threads(), str(dtype).removeprefix("torch."), bandwidth, flops)
+    flops: dict[str, float] = {}
+    a = torch.randn(matmul_n, matmul_n, device=device)
+    b = torch.randn(matmul_n, matmul_n, device=device)
+    for kind in dict.fromkeys((dtype, torch.bfloat16)):
+        x, y = a.to(kind), b.to(kind)
+        flops[str(kind).removeprefix("torch.")] = 2 * matmul_n**3 / _best_time(lambda: x @ y, device, max(2, repeats // 2))
+    try:
+        x, y = a.to(torch.int8), b.to(torch.int8)
+        flops["int8"] = 2 * matmul_n**3 / _best_time(lambda: torch._int_mm(x, y), device, max(2, repeats // 2))
+    except (RuntimeError, AttributeError):  # no int8 matmul on this device or build
+        pass
+    best = max(flops, key=flops.get)
+    return Machine(str(device), torch.get_num_threads(), best, bandwidth, flops[best], flops)
 
 
 def _nbytes(weight) -> int:
@@ -122,26 +131,33 @@ def file_weight_bytes(config: ModelConfig, weights: dict) -> WeightBytes:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> WeightBytes:
-    """Weight bytes as the loaded model holds them: its parameters and buffers (each storage
-    once), less the embedding table unless the lm_head shares it, less the RoPE tables."""
+    """Weight bytes as the loaded model holds them (dense tensors, or quantized modules' buffers):
+    every parameter and buffer once, less the embedding table (unless the lm_head shares it) and
+    the RoPE tables."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
     config = model.config
-    embed = model.embed_tokens.weight
-    seen: set[int] = set()
+    embedding = list(model.embed_tokens.parameters()) + list(model.embed_tokens.buffers())
+    seen: set[tuple[int, int]] = set()
     per_step = 0
-    matmul = 0
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, t in named:
-        if name.startswith("rope.") or t.device.type == "meta":
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        if name.startswith("embed_tokens.") or ptr in seen:
+        key = (t.data_ptr(), size(t))
+        if name.startswith(("rope.", "embed_tokens.")) or t.device.type == "meta" or key in seen:
             continue  # a tied lm_head still counts the table, under its own name
-        seen.add(ptr)
-        per_step += t.untyped_storage().nbytes()
-        if name.startswith("layers.") and name.endswith("weight") and t.dim() == 2:
-            matmul += t.numel()
-    row = embed.untyped_storage().nbytes() / config.vocab_size
-    return WeightBytes(per_step, row, matmul)
+        seen.add(key)
+        per_step += size(t)
+    matmul = 0
+    for name, module in model.named_modules():
+        if not name.startswith("layers."):
+            continue
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):  # a quantized linear
+            matmul += module.in_features * module.out_features
+        elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            matmul += weight.numel()
+    return WeightBytes(per_step, sum(size(t) for t in embedding) / config.vocab_size, matmul)
 
 
 def step_cost(config: ModelConfig, weights: WeightBytes, phase: str, batch_size: int, context: int,
@@ -232,8 +248,9 @@ def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = 
                   **{"max_num_seqs": max(longest, 1), **(engine_kwargs or {})})
         loaded = model_weight_bytes(llm.engine.model)
         report["loaded_weight_bytes_per_step"] = loaded.per_step
+        run_latency(llm, 1, min(context, 16), 2, runs=1, warmup=0, progress=False)  # warm-up, once
         for b in batch_sizes:
-            result = run_latency(llm, b, context, measure_tokens + 1, runs=runs, warmup=1, progress=False)
+            result = run_latency(llm, b, context, measure_tokens + 1, runs=runs, warmup=0, progress=False)
             for row in rows:
                 if row["batch_size"] != b:
                     continue

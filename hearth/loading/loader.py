@@ -50,6 +50,6 @@ def load_model(
     config, weights, tokenizer = read_model(path, progress)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
         model = Transformer(config, max_positions)
-    model.load_weights(weights, dtype)
+    model.load_weights(weights, dtype, device)
     model.to(device)
     return LoadedModel(model.eval(), tokenizer, config, Path(path), weights)

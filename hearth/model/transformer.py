@@ -14,6 +14,7 @@ from hearth.errors import ModelLoadError
 from hearth.model.attention import AttentionMetadata, paged_attention
 from hearth.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from hearth.quant import QuantTensor
+from hearth.quant.linear import quantized_module, release_file_pages
 
 
 class Attention(nn.Module):
@@ -89,29 +90,52 @@ class Transformer(nn.Module):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the final norm's weight is always dense)."""
+        return self.norm.weight.dtype
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
-        """Take every parameter from `weights` (HF names), checking presence and shape."""
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype,
+                     device: torch.device | str = "cpu") -> None:
+        """Take every parameter from `weights` (HF names), checking presence and shape. Weights
+        kept in their storage format (GGUF blocks; F16/BF16 on a CPU) swap their Linear or
+        Embedding for the quantized module hearth.quant.linear chooses."""
         weights = dict(weights)
         if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied embeddings
         rope_freqs = weights.get("rope_freqs")
         if rope_freqs is not None:
             self.rope.set_frequency_factors(_dense(rope_freqs, torch.float32))
+        release_file_pages(weights.values())
+        for name, module in list(self.named_modules()):
+            hf_name = name if name.startswith("lm_head") else f"model.{name}"
+            source = weights.get(f"{hf_name}.weight")
+            if source is None or not isinstance(module, (Linear, nn.Embedding)):
+                continue
+            swapped = quantized_module(module, source, weights.get(f"{hf_name}.bias"), dtype, device)
+            if swapped is not None:
+                _check_shape(f"{hf_name}.weight", source, module.weight)
+                parent, _, child = name.rpartition(".")
+                setattr(self.get_submodule(parent), child, swapped)
         for name, param in self.named_parameters():
             hf_name = name if name.startswith("lm_head") else f"model.{name}"
             source = weights.get(hf_name)
             if source is None:
                 raise ModelLoadError(f"missing tensor {hf_name}")
-            if tuple(source.shape) != tuple(param.shape):
-                raise ModelLoadError(
-                    f"tensor {hf_name}: shape {tuple(source.shape)}, expected {tuple(param.shape)} from the config"
-                )
+            _check_shape(hf_name, source, param)
             owner, attr = name.rsplit(".", 1)
             setattr(self.get_submodule(owner), attr, nn.Parameter(_dense(source, dtype), requires_grad=False))
+
+
+def _check_shape(hf_name: str, source: torch.Tensor | QuantTensor, param: torch.Tensor) -> None:
+    if tuple(source.shape) != tuple(param.shape):
+        raise ModelLoadError(
+            f"tensor {hf_name}: shape {tuple(source.shape)}, expected {tuple(param.shape)} from the config"
+        )
 
 
 def _dense(weight: torch.Tensor | QuantTensor, dtype: torch.dtype) -> torch.Tensor:

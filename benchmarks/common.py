@@ -1,0 +1,172 @@
+"""Shared by the side-by-side benchmark scripts: the machine and versions, model paths, timing, tables."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MODELS_DIR = Path(os.environ.get("HEARTH_BENCH_MODELS", Path.home() / ".cache" / "hearth" / "bench-models"))
+
+
+def bench_model(arch: str, gguf_types=("f16", "q8_0", "q4_0")) -> dict:
+    """Paths of the random benchmark model `arch` (made on first use: `hearth bench make-model`)."""
+    from hearth.bench.models import make_model
+
+    return make_model(arch, MODELS_DIR / arch, list(gguf_types), progress=True)["files"]
+
+
+def tiny_model() -> tuple[str, str, str]:
+    """(GGUF path, HF folder, description) of the tiny model: hearth's built-in model when it exists
+    (with an HF copy for transformers), else a random model of its shape (hearth-tiny)."""
+    from hearth.llm import default_model_path
+
+    default = default_model_path()
+    if default.exists():
+        folder = gguf_to_hf(default, MODELS_DIR / "default-hf")
+        return str(default), str(folder), "hearth's built-in model (default.gguf)"
+    files = bench_model("hearth-tiny", ("f16",))
+    return files["f16"], files["hf"], "hearth-tiny (random weights, the built-in model's shape), f16 GGUF"
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}
+
+
+def gguf_to_hf(gguf: str | Path, folder: str | Path) -> Path:
+    """An HF folder (config.json, float32 model.safetensors) with the weights of a GGUF file, for
+    transformers (whose own GGUF reader needs accelerate). hearth's loader already gives HF names
+    and HF's Q/K row order."""
+    from safetensors.torch import save_file
+
+    from hearth.loading.loader import read_model
+    from hearth.quant import QuantTensor
+
+    folder = Path(folder)
+    weights_file = folder / "model.safetensors"
+    if (folder / "config.json").exists() and weights_file.exists() and weights_file.stat().st_mtime > Path(gguf).stat().st_mtime:
+        return folder  # made from this GGUF already
+    config, weights, tokenizer = read_model(gguf, progress=False)
+    tensors = {name: (w.dequantize() if isinstance(w, QuantTensor) else w.float()).contiguous()
+               for name, w in weights.items() if name != "rope_freqs"}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    hf = {
+        "architectures": [_HF_ARCHITECTURES[config.architecture]], "model_type": config.architecture,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": "lm_head.weight" not in weights, "hidden_act": config.hidden_act,
+        "attention_bias": config.attention_bias, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": (tokenizer.eos_token_ids or [None])[0], "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    return folder
+
+
+def set_threads(count: int | None) -> None:
+    """Every engine in the script uses `count` threads (torch's intra-op pool; llama.cpp's n_threads)."""
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine() -> dict:
+    """CPU model, cores, memory, and the versions of everything measured."""
+    info = {"python": platform.python_version(), "platform": platform.platform()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        info["cpu"] = fields.get("Model name", "?").strip()
+        info["cpus"] = fields.get("CPU(s)", "?").strip()
+        info["flags_avx512"] = "avx512f" in fields.get("Flags", "")
+    except (OSError, subprocess.CalledProcessError):
+        info["cpu"] = platform.processor()
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    import torch
+
+    info["torch"] = torch.__version__
+    info["threads"] = torch.get_num_threads()
+    from importlib.metadata import PackageNotFoundError, version
+
+    for key, dist in (("transformers", "transformers"), ("llama_cpp", "llama_cpp_python"), ("gguf", "gguf")):
+        try:
+            info[key] = version(dist)
+        except PackageNotFoundError:  # not installed: the table says so
+            info[key] = None
+    try:
+        with open("/proc/loadavg") as f:
+            info["load_average"] = f.read().split()[:3]
+    except OSError:
+        pass
+    try:
+        info["hearth_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                               text=True).stdout.strip()
+    except OSError:
+        info["hearth_commit"] = None
+    return info
+
+
+def machine_markdown(info: dict) -> str:
+    return (f"- machine: {info.get('cpu')}, {info.get('cpus')} CPUs, {info.get('memory_gib')} GiB; "
+            f"{info['threads']} threads for every engine; load average at the start "
+            f"{' '.join(info.get('load_average', ['?']))} (the machine is shared)\n"
+            f"- versions: Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
+            f"llama-cpp-python {info['llama_cpp']}, gguf {info['gguf']}, hearth {info['hearth_commit']}")
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def free_memory() -> None:
+    gc.collect()
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "–" if v is None else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(path: str | Path | None, markdown: str, data: dict) -> None:
+    """Print the markdown; with a path, also write PATH.md and PATH.json."""
+    print(markdown)
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".md").write_text(markdown + "\n")
+        path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")

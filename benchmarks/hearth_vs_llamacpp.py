@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""hearth against llama.cpp (llama-cpp-python) on the same GGUF file with the same thread count.
+
+Measured side by side, interleaved run by run (so both see the same machine load):
+  prefill P   one prompt of P tokens (default 512), tokens/s
+  decode B    B sequences with C tokens cached each decode D tokens together, tokens/s over all
+
+Beside tokens/s: GB/s (bytes each engine reads per decode step: llama.cpp the file's blocks,
+hearth its weights as loaded) or GFLOP/s for prefill, and the share of this machine's
+roofline ceiling for the file (see `hearth roofline`).
+
+    python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q8_0 --out benchmarks/results/llamacpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+
+from common import bench_model, machine, machine_markdown, median, set_threads, table, threads, write_results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="tinyllama-1.1b")
+    ap.add_argument("--types", default="q8_0", help="GGUF types, comma-separated (f16, q8_0, q4_0)")
+    ap.add_argument("--gguf", default=None, help="a GGUF file instead of --arch/--types")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--context", type=int, default=64, help="tokens cached before decoding")
+    ap.add_argument("--decode", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="hearth's compute dtype")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    args = ap.parse_args()
+    set_threads(args.threads)
+
+    import torch
+
+    from hearth.bench.latency import one_run, random_prompts
+    from hearth.bench.roofline import (file_weight_bytes, measure_machine, model_weight_bytes, roofline_row,
+                                       step_cost)
+    from hearth.llm import LLM
+    from hearth.loading.loader import read_model
+    from llamacpp_runner import LlamaCpp
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        sys.exit("llama-cpp-python is not installed: pip install ../shared/wheels/llama_cpp_python-*.whl")
+
+    batches = [int(b) for b in args.batches.split(",")]
+    files = [args.gguf] if args.gguf else [bench_model(args.arch, args.types.split(","))[t] for t in args.types.split(",")]
+    n_threads = threads()
+    info = machine()
+    roof = measure_machine("cpu", torch.float32)
+    rows, data = [], {"machine": info, "roofline_machine": vars(roof), "results": []}
+    for path in files:
+        config, weights, _ = read_model(path, progress=False)
+        stored = file_weight_bytes(config, weights)
+        del weights
+        vocab = config.vocab_size
+        longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+        llm = LLM(path, dtype=args.dtype, kv_cache_memory=config.kv_bytes_per_token(4) * longest,
+                  max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
+        engine = llm.engine
+        loaded = model_weight_bytes(engine.model)
+        kv_element = engine.dtype.itemsize
+        cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches))
+        rng = random.Random(0)
+        times: dict[tuple[str, str, int], list[float]] = {}
+
+        def record(engine_name: str, test: str, b: int, tok_s: float) -> None:
+            times.setdefault((engine_name, test, b), []).append(tok_s)
+
+        # warm-up, then interleaved runs
+        one_run(engine, random_prompts(1, 32, vocab, rng), 4)
+        cpp.clear()
+        cpp.prefill(random_prompts(1, 32, vocab, rng)[0])
+        for _ in range(args.runs):
+            prompt = random_prompts(1, args.prefill, vocab, rng)[0]
+            record("hearth", "prefill", 1, one_run(engine, [prompt], 1)["prefill_tokens_per_s"])
+            cpp.clear()
+            record("llama.cpp", "prefill", 1, args.prefill / cpp.prefill(prompt))
+            for b in batches:
+                prompts = random_prompts(b, args.context, vocab, rng)
+                # hearth: the first step after prefill is the first decode; D + 1 tokens gives D decode steps
+                record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1)["decode_tokens_per_s"])
+                record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
+        cpp.close()
+
+        name = path.rsplit("/", 1)[-1]
+        tests = [("prefill", 1)] + [("decode", b) for b in batches]
+        for test, b in tests:
+            context = args.prefill if test == "prefill" else args.context + args.decode // 2
+            ceiling = roofline_row(step_cost(config, stored, test, b, context, kv_element), roof)
+            file_cost = step_cost(config, stored, test, b, context, kv_element)
+            held_cost = step_cost(config, loaded, test, b, context, kv_element)
+            h = median(times[("hearth", test, b)])
+            c = median(times[("llama.cpp", test, b)])
+            if test == "decode":  # bytes per step x steps per second
+                h_rate = held_cost.bytes * h / b / 1e9
+                c_rate = file_cost.bytes * c / b / 1e9
+                unit = "GB/s"
+            else:  # FLOPs per token x tokens per second
+                h_rate = held_cost.flops / held_cost.tokens * h / 1e9
+                c_rate = file_cost.flops / file_cost.tokens * c / 1e9
+                unit = "GFLOP/s"
+            label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
+            rows.append([name, label, h, c, f"{h / c:.2f}x", f"{h_rate:.1f} / {c_rate:.1f} {unit}",
+                         ceiling["bound"], ceiling["ceiling_tokens_per_s"],
+                         f"{h / ceiling['ceiling_tokens_per_s']:.1%} / {c / ceiling['ceiling_tokens_per_s']:.1%}"])
+            data["results"].append({
+                "file": path, "test": test, "batch_size": b, "context": context,
+                "hearth_tokens_per_s": times[("hearth", test, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
+                "hearth_median": h, "llamacpp_median": c, "ratio": h / c, "bound": ceiling["bound"],
+                "ceiling_tokens_per_s": ceiling["ceiling_tokens_per_s"],
+                "hearth_rate": h_rate, "llamacpp_rate": c_rate, "rate_unit": unit,
+                "hearth_weight_bytes_per_step": loaded.per_step, "file_weight_bytes_per_step": stored.per_step,
+            })
+        del llm, engine
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    md = "\n".join([
+        f"### hearth vs llama.cpp (same GGUF, {n_threads} threads)",
+        "",
+        f"`{command}` — medians of {args.runs} interleaved runs; hearth computes in "
+        f"{str(torch.float32 if args.dtype == 'auto' else args.dtype).removeprefix('torch.')}.",
+        "",
+        machine_markdown(info),
+        f"- roofline of this machine (measured by the script, best of 5): {roof.bandwidth / 1e9:.1f} GB/s; matmul "
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in roof.flops_by_dtype.items())
+        + f" GFLOP/s (the roof: {roof.dtype}). Ceiling = the roofline's tokens/s for the file's bytes per step.",
+        "",
+        table(["model file", "test", "hearth tok/s", "llama.cpp tok/s", "hearth / llama.cpp",
+               "hearth / llama.cpp rate", "bound", "ceiling tok/s", "share of ceiling (hearth / llama.cpp)"], rows),
+    ])
+    write_results(args.out, md, data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""hearth against transformers `generate` on the same Hugging Face folder, same dtype and threads.
+
+Measured side by side, interleaved run by run:
+  prefill P   one prompt of P tokens: hearth's first-token time; transformers `generate` with
+              max_new_tokens=1
+  decode B    B prompts of C tokens each generate D + 1 tokens; decode tokens/s is B x D over the
+              time after the first token (transformers: generate(D + 1) minus generate(1))
+
+    python benchmarks/hearth_vs_transformers.py --arch tinyllama-1.1b --out benchmarks/results/transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+from pathlib import Path
+
+from common import (bench_model, machine, machine_markdown, median, set_threads, table, threads, timed,
+                    write_results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="tinyllama-1.1b")
+    ap.add_argument("--hf", default=None, help="an HF folder instead of --arch")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    set_threads(args.threads)
+
+    import torch
+    import transformers
+
+    from hearth.bench.latency import one_run, random_prompts
+    from hearth.bench.roofline import measure_machine, model_weight_bytes, step_cost
+    from hearth.config import ModelConfig
+    from hearth.llm import LLM
+    from hearth.loading.safetensors import read_json
+
+    folder = args.hf or bench_model(args.arch, ())["hf"]
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = getattr(torch, args.dtype)
+    info = machine()
+    roof = measure_machine("cpu", dtype)
+
+    longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    config = ModelConfig.from_hf(read_json(Path(folder) / "config.json"))
+    llm = LLM(folder, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
+              kv_cache_memory=config.kv_bytes_per_token(dtype.itemsize) * longest, progress=False)
+    engine = llm.engine
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None  # fixed lengths, as ignore_eos
+    hf.generation_config.pad_token_id = 0
+    vocab = config.vocab_size
+    rng = random.Random(0)
+
+    def hf_generate(prompts: list[list[int]], new: int) -> float:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            return timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                             min_new_tokens=new, do_sample=False))
+
+    times: dict[tuple[str, str, int], list[float]] = {}
+
+    def record(name: str, test: str, b: int, tok_s: float) -> None:
+        times.setdefault((name, test, b), []).append(tok_s)
+
+    one_run(engine, random_prompts(1, 32, vocab, rng), 4)  # warm-up
+    hf_generate(random_prompts(1, 32, vocab, rng), 4)
+    for _ in range(args.runs):
+        prompt = random_prompts(1, args.prefill, vocab, rng)[0]
+        record("hearth", "prefill", 1, one_run(engine, [prompt], 1)["prefill_tokens_per_s"])
+        record("transformers", "prefill", 1, args.prefill / hf_generate([prompt], 1))
+        for b in batches:
+            prompts = random_prompts(b, args.context, vocab, rng)
+            record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1)["decode_tokens_per_s"])
+            first = hf_generate(prompts, 1)
+            whole = hf_generate(prompts, args.decode + 1)
+            record("transformers", "decode", b, b * args.decode / max(whole - first, 1e-9))
+
+    loaded = model_weight_bytes(engine.model)
+    rows, results = [], []
+    for test, b in [("prefill", 1)] + [("decode", b) for b in batches]:
+        context = args.prefill if test == "prefill" else args.context + args.decode // 2
+        cost = step_cost(config, loaded, test, b, context, dtype.itemsize)  # both hold the same dense weights
+        h, t = median(times[("hearth", test, b)]), median(times[("transformers", test, b)])
+        if test == "decode":
+            rates = [cost.bytes * v / b / 1e9 for v in (h, t)]
+            unit = "GB/s"
+        else:
+            rates = [cost.flops / cost.tokens * v / 1e9 for v in (h, t)]
+            unit = "GFLOP/s"
+        peak = roof.flops_by_dtype[args.dtype]  # both engines run dense matmuls in this dtype
+        ceiling = cost.tokens / max(cost.flops / peak, cost.bytes / roof.bandwidth)
+        label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
+        rows.append([label, h, t, f"{h / t:.2f}x", f"{rates[0]:.1f} / {rates[1]:.1f} {unit}", ceiling,
+                     f"{h / ceiling:.1%} / {t / ceiling:.1%}"])
+        results.append({"test": test, "batch_size": b, "hearth_tokens_per_s": times[("hearth", test, b)],
+                        "transformers_tokens_per_s": times[("transformers", test, b)], "hearth_median": h,
+                        "transformers_median": t, "ratio": h / t, "ceiling_tokens_per_s": ceiling,
+                        "rates": rates, "rate_unit": unit})
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    md = "\n".join([
+        f"### hearth vs transformers `generate` ({folder.rstrip('/').rsplit('/', 2)[-2]}, {args.dtype}, {threads()} threads)",
+        "",
+        f"`{command}` — medians of {args.runs} interleaved runs.",
+        "",
+        machine_markdown(info),
+        f"- roofline of this machine: {roof.bandwidth / 1e9:.1f} GB/s, {roof.flops_by_dtype[args.dtype] / 1e9:.0f} GFLOP/s "
+        f"{args.dtype} matmul (the dtype both engines compute in); ceiling = its tokens/s for the weights as held",
+        "",
+        table(["test", "hearth tok/s", "transformers tok/s", "hearth / transformers", "rate (hearth / transformers)",
+               "ceiling tok/s", "share of ceiling"], rows),
+    ])
+    write_results(args.out, md, {"machine": info, "roofline_machine": vars(roof), "results": results})
+
+
+if __name__ == "__main__":
+    main()

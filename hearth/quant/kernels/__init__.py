@@ -1,0 +1,127 @@
+"""Compiled CPU kernels for quantized matmul, built on first use.
+
+`extension()` JIT-compiles qmatmul.cpp with PyTorch's extension tooling (gcc with -march=native,
+cached under ~/.cache/torch_extensions, keyed by this CPU's instruction sets so that a machine
+never loads a build made for another) and returns `Kernels`, or None where it cannot be built
+(no compiler, HEARTH_KERNELS=0, not x86-64/arm64): callers then take the pure-torch path.
+The source includes no torch header, so the build takes seconds rather than a minute; this
+module checks and allocates the tensors and hands the kernels their data pointers.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("qmatmul.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class Kernels:
+    """Checked entry points into the compiled module. Weights: uint8 [N, bytes_per_row], contiguous,
+    GGUF blocks of `qtype` (a GGMLQuantizationType value, F16 and BF16 included)."""
+
+    def __init__(self, module):
+        self.module = module
+        self.avx512 = module.has_avx512()
+        self.vnni = module.has_vnni()
+
+    def _check(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int) -> tuple[torch.Tensor, int]:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError("x: float32 CPU tensor [M, K] expected")
+        if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != n or not w.is_contiguous() or w.device.type != "cpu":
+            raise ValueError(f"weight: contiguous uint8 CPU tensor [{n}, bytes_per_row] expected")
+        k = x.shape[1]
+        if k % self.module.block_values(qtype):
+            raise ValueError(f"K={k} is not a multiple of the block size")
+        return x.contiguous(), k
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
+        """x [M, K] W^T in fp32, exact up to summation order (small M)."""
+        x, k = self._check(x, w, qtype, n)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self.module.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
+                         portable, torch.get_num_threads())
+        return y
+
+    def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
+        """x [M, K] W^T with x rounded to int8 per 32 values (llama.cpp's q8_0); block formats only."""
+        x, k = self._check(x, w, qtype, n)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self.module.gemm_q8(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
+                            portable, torch.get_num_threads())
+        return y
+
+    def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q8_0 / Q4_0 blocks [n, bytes_per_row] -> (codes uint8 [tiles, ...], scales float16 [tiles, k/32, 32]),
+        the layout `packed_matmul` reads (tiles of 32 rows; see qmatmul.cpp)."""
+        self._check(torch.empty(0, k), w, qtype, n)
+        tiles = -(-n // 32)
+        codes = torch.empty(tiles, 32 * k // (1 if qtype == 8 else 2), dtype=torch.uint8)
+        scales = torch.empty(tiles, k // 32, 32, dtype=torch.float16)
+        self.module.repack(w.data_ptr(), codes.data_ptr(), scales.data_ptr(), n, k, w.shape[1], int(qtype),
+                           torch.get_num_threads())
+        return codes, scales
+
+    def packed_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtype: int, n: int,
+                      portable: bool = False) -> torch.Tensor:
+        """x [M, K] W^T, W repacked; x rounded to int8 per 32 values (llama.cpp's q8_0)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError("x: float32 CPU tensor [M, K] expected")
+        x = x.contiguous()
+        k = x.shape[1]
+        if scales.shape != (-(-n // 32), k // 32, 32) or not (codes.is_contiguous() and scales.is_contiguous()):
+            raise ValueError("packed weight does not match x")
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self.module.packed_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+                                  int(qtype), portable, torch.get_num_threads())
+        return y
+
+    def dequantize_rows(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """W as fp32 [N, k] (the kernels' own decoding, to test against hearth.quant.formats)."""
+        self._check(torch.empty(0, k), w, qtype, w.shape[0])
+        out = torch.empty(w.shape[0], k, dtype=torch.float32)
+        self.module.dequantize_rows(w.data_ptr(), out.data_ptr(), w.shape[0], k, w.shape[1], int(qtype),
+                                    torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def extension() -> Kernels | None:
+    """The compiled kernels, or None."""
+    if os.environ.get("HEARTH_KERNELS", "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return None
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(f"{_cpu_flags()}\n{torch.__version__}".encode()).hexdigest()[:12]
+    try:
+        module = cpp_extension.load(
+            name=f"hearth_qmatmul_{key}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers, an unknown -march: the torch path still works
+        message = str(e).strip().splitlines()
+        log.warning("hearth: quantized matmul kernels could not be built (%s); using the slower torch path",
+                    message[-1] if message else type(e).__name__)
+        return None
+    return Kernels(module)

@@ -1,0 +1,224 @@
+"""Quantized layers: weights stay in their GGUF storage format, matmuls read them where they lie.
+
+`QuantLinear` replaces `Linear` (and `QuantEmbedding` replaces `nn.Embedding`) when a weight
+comes as GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K) or, on a CPU, as an F16/BF16
+array; `quantized_module` is the one place that decides. Nothing is expanded at load: a weight
+stays a uint8 buffer [out_features, bytes_per_row] over the file's memory map, or (Q8_0/Q4_0 on
+a CPU) the same bytes repacked once.
+
+The kernels (docs/quantized-matmul.md has the measurements behind each choice):
+
+- CPU, Q8_0 and Q4_0: the blocks are repacked once, at load, into tiles of 32 rows (the same
+  bytes rearranged, the same size) and `packed_matmul` serves every batch size: activations
+  rounded to int8 per 32 values (llama.cpp's q8_0), int8 dot products (AVX-512 VNNI). The
+  file's pages are then released from this process (they stay in the page cache).
+- CPU, the other formats, read in place: `gemv` for few rows (fp32 activations against weights
+  decoded in registers: equal to dequantize-then-matmul up to fp32 rounding), `gemm_q8` for more
+  (int8 activations against 32-row tiles repacked on the fly).
+- Anywhere else (a GPU, or no C++ compiler): the weight dequantized a tile of rows at a time,
+  then `F.linear` (never the whole weight at once).
+
+Error of the int8-activation kernels: |y - ref| <= sum over blocks of (amax_b / 254) sum_b |w|
+(each activation is off by at most half its block's step), plus fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from hearth.quant import kernels
+from hearth.quant.formats import dequantize
+from hearth.quant.kernels.memory import release_mappings, release_pages
+from hearth.quant.tensor import QuantTensor
+
+Q = GGMLQuantizationType
+PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # repacked at load on a CPU
+HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
+_HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+# Most rows for which the exact GEMV beats repacking for the int8 GEMM, per format (measured,
+# docs/quantized-matmul.md). F16/BF16 have no int8 GEMM: past their GEMV rows they take the
+# torch path (tiles converted to fp32, then the BLAS GEMM), exact as well.
+GEMV_MAX_ROWS = {Q.Q8_0: 2, Q.Q4_0: 1, Q.Q4_1: 1, Q.Q5_0: 6, Q.Q5_1: 6, Q.Q2_K: 1, Q.Q3_K: 1,
+                 Q.Q4_K: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.F16: 8, Q.BF16: 8}
+# Rows of the weight dequantized per step of the torch path: bounds its temporary to ~16 MB fp32.
+_TILE_ELEMENTS = 1 << 22
+
+
+def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType, out_features: int,
+                 kernel: str = "auto") -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, out_features] float32, W = GGUF blocks `data` uint8 [out_features, row_bytes].
+
+    kernel: "auto" (choose), "gemv", "gemm_q8" (compiled, CPU) or "torch" (tile by tile)."""
+    ext = kernels.extension() if data.device.type == "cpu" else None
+    if kernel == "auto":
+        kernel = choose_kernel(qtype, x.shape[0], ext is not None)
+    if kernel == "torch":
+        return _torch_matmul(x, data, qtype, out_features)
+    if ext is None:
+        raise RuntimeError("hearth's compiled quantized kernels are not available here")
+    x = x.float().contiguous()
+    if kernel == "gemv":
+        return ext.gemv(x, data, int(qtype), out_features, False)
+    return ext.gemm_q8(x, data, int(qtype), out_features, False)
+
+
+def choose_kernel(qtype: GGMLQuantizationType, rows: int, compiled: bool) -> str:
+    """The kernel for `rows` activation rows against a `qtype` weight."""
+    if not compiled:
+        return "torch"
+    if rows <= GEMV_MAX_ROWS.get(qtype, 0):
+        return "gemv"
+    return "torch" if qtype in _HALF_DTYPES else "gemm_q8"
+
+
+def _torch_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
+    """The portable path: dequantize a tile of rows, multiply, next tile."""
+    cols = x.shape[-1]
+    return _tiled_linear(x, out_features, lambda start, end: _dequantize_rows(data[start:end], qtype, cols))
+
+
+def _tiled_linear(x: torch.Tensor, out_features: int, rows_of) -> torch.Tensor:
+    """x @ W^T with W given a tile of rows at a time: rows_of(start, end) -> float32 [end - start, K]."""
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32, device=x.device)
+    step = max(32, _TILE_ELEMENTS // x.shape[-1] // 32 * 32)
+    for start in range(0, out_features, step):
+        end = min(out_features, start + step)
+        out[:, start:end] = F.linear(x, rows_of(start, end).to(x.dtype))
+    return out
+
+
+def _raw(weight: QuantTensor | torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationType, int, int]:
+    """(uint8 [rows, bytes_per_row], qtype, rows, cols) of a QuantTensor or an F16/BF16 matrix."""
+    if isinstance(weight, QuantTensor):
+        rows, cols = weight.shape
+        return weight.data.reshape(rows, -1), weight.qtype, rows, cols
+    rows, cols = weight.shape
+    return weight.contiguous().view(torch.uint8).reshape(rows, -1), HALF_QTYPES[weight.dtype], rows, cols
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W kept in its storage format (GGUF blocks, or an F16/BF16 array).
+
+    Holds either `qweight` (uint8 [out_features, bytes_per_row], the blocks as stored) or, for
+    Q8_0/Q4_0 on a CPU with the compiled kernels, `codes` and `scales` (the packed tiles)."""
+
+    def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        super().__init__()
+        data, self.qtype, self.out_features, self.in_features = _raw(weight)
+        ext = kernels.extension() if pack and self.qtype in PACKED_QTYPES and data.device.type == "cpu" else None
+        if ext is not None and ext.vnni:  # without VNNI the packed kernel has no fast path
+            codes, scales = ext.repack(data, self.qtype, self.out_features, self.in_features)
+            release_pages(data)
+            self._kernel, self._qtype = ext.module.packed_matmul, int(self.qtype)  # shapes checked by repack
+            self.qweight = None
+            self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, 32 rows x row bytes]
+            self.register_buffer("scales", scales, persistent=False)  # float16 [tiles, K / 32, 32]
+        else:
+            self.codes = self.scales = None
+            self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.codes is None:
+            y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
+        elif self.codes.device.type == "cpu":  # the decode hot path: straight to the kernel
+            x2 = x2.float().contiguous()
+            y = torch.empty(x2.shape[0], self.out_features)
+            self._kernel(x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), y.data_ptr(), x2.shape[0],
+                         self.out_features, self.in_features, self._qtype, False, torch.get_num_threads())
+        else:  # moved to a GPU after packing
+            y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
+        if self.bias is not None:
+            y += self.bias
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""
+        return self._dequantize_rows(0, self.out_features).to(dtype)
+
+    def _dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        if self.codes is None:
+            return _dequantize_rows(self.qweight[start:end], self.qtype, self.in_features)
+        first, last = start // 32, -(-end // 32)  # whole tiles
+        rows = dequantize_packed(self.codes[first:last], self.scales[first:last], self.qtype)
+        return rows[start - 32 * first:end - 32 * first]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype.name}, packed={self.codes is not None}, bias={self.bias is not None}")
+
+
+def dequantize_packed(codes: torch.Tensor, scales: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Packed tiles (see QuantLinear) -> float32 [32 x tiles, K], in torch (any device)."""
+    tiles, blocks = scales.shape[0], scales.shape[1]
+    k = 32 * blocks
+    d = scales.float().permute(0, 2, 1).reshape(tiles * 32, blocks, 1)  # [rows, K/32, 1]
+    if qtype == Q.Q8_0:  # [tile][K/4][row][4]: code + 128
+        q = codes.view(tiles, k // 4, 32, 4).permute(0, 2, 1, 3).reshape(tiles * 32, blocks, 32)
+        return ((q.int() - 128).float() * d).reshape(tiles * 32, k)
+    # Q4_0: [tile][block][g][row][4] bytes; low nibbles values 4g + i, high nibbles 16 + 4g + i
+    raw = codes.view(tiles, blocks, 4, 32, 4).permute(0, 3, 1, 2, 4)  # [tile, row, block, g, i]
+    q = torch.stack([raw & 0x0F, raw >> 4], dim=3).reshape(tiles * 32, blocks, 32)
+    return ((q.float() - 8) * d).reshape(tiles * 32, k)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings kept in their storage format: only the rows looked up are dequantized."""
+
+    def __init__(self, weight: QuantTensor | torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        data, self.qtype, self.num_embeddings, self.embedding_dim = _raw(weight)
+        self.register_buffer("qweight", data, persistent=False)
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The logical table's shape and compute dtype, on the meta device (no data: that is
+        `qweight`), for code that asks `embed_tokens.weight.dtype`."""
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids.reshape(-1)]
+        return _dequantize_rows(rows, self.qtype, self.embedding_dim).to(self.dtype).reshape(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+
+
+def _dequantize_rows(data: torch.Tensor, qtype: GGMLQuantizationType, cols: int) -> torch.Tensor:
+    if qtype in _HALF_DTYPES:
+        return data.view(_HALF_DTYPES[qtype]).float()
+    return dequantize(data, qtype, (data.shape[0], cols))
+
+
+def release_file_pages(weights) -> None:
+    """Before repacking a GGUF file's weights: drop the pages of its mapping that loading touched
+    (reordered Q/K rows were copied out of it), so that resident memory never holds both."""
+    release_mappings([w.data for w in weights if isinstance(w, QuantTensor)])
+
+
+def quantized_module(module: nn.Module, weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                     device: torch.device | str = "cpu") -> nn.Module | None:
+    """The replacement for `module` (a Linear or an nn.Embedding) that keeps `weight` in its storage
+    format, or None where the dense module is the better choice.
+
+    GGUF blocks: always kept (on a GPU the tile-by-tile torch path runs). F16/BF16 matrices: kept
+    on a CPU, where decode reads half the bytes of fp32 and the GEMV converts in registers; on a
+    GPU the dense module in the compute dtype is what its matmuls want."""
+    from hearth.model.layers import Linear
+
+    on_cpu = torch.device(device).type == "cpu"
+    half = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in HALF_QTYPES
+    if not (isinstance(weight, QuantTensor) or (half and on_cpu)):
+        return None
+    if isinstance(module, Linear):
+        return QuantLinear(weight, None if bias is None else bias.to(dtype), pack=on_cpu)
+    if isinstance(module, nn.Embedding):
+        return QuantEmbedding(weight, dtype)
+    return None
