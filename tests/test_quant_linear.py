@@ -2,8 +2,8 @@
 
 Tolerances (docs/quantized-matmul.md):
 - gemv (fp32 activations) and the torch path: |y - ref| <= 1e-5 * (|x| @ |W|^T), fp32 rounding;
-- gemm_q8 (activations rounded to int8 per 32 values, as llama.cpp): the bound that rounding
-  allows, sum over blocks of (amax_b / 254) * sum_b |w|, plus the same fp32 term.
+- packed_matmul and gemm_q8 (activations rounded to int8 per 32 values, as llama.cpp): the bound
+  that rounding allows, sum over blocks of (amax_b / 254) * sum_b |w|, plus the same fp32 term.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
     data = random_weight(qtype, n, k, g)
     w = dense(data, qtype, k)
     assert torch.equal(ext.dequantize_rows(data, int(qtype), k), w)  # the kernels' block layouts, bit-exact
+    packed = ext.repack(data, int(qtype), n, k) if qtype in (Q.Q8_0, Q.Q4_0) else None
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T
@@ -96,6 +97,8 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
             assert_within(ext.gemv(x, data, int(qtype), n, portable), ref, fp32_tolerance(x, w))
             if qtype not in HALF:
                 assert_within(ext.gemm_q8(x, data, int(qtype), n, portable), ref, q8_tolerance(x, w))
+            if packed is not None:
+                assert_within(ext.packed_matmul(x, *packed, int(qtype), n, portable), ref, q8_tolerance(x, w))
         assert_within(quant_matmul(x, data, qtype, n, kernel="torch"), ref, fp32_tolerance(x, w))
         assert_within(quant_matmul(x, data, qtype, n), ref, q8_tolerance(x, w) if qtype not in HALF else fp32_tolerance(x, w))
 

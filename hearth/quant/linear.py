@@ -177,12 +177,6 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("qweight", data, persistent=False)
         self.dtype = dtype
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The logical table's shape and compute dtype, on the meta device (no data: that is
-        `qweight`), for code that asks `embed_tokens.weight.dtype`."""
-        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
         return _dequantize_rows(rows, self.qtype, self.embedding_dim).to(self.dtype).reshape(*ids.shape, -1)

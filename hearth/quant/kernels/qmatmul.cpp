@@ -1,11 +1,13 @@
-// Quantized matmul on the CPU, reading GGUF blocks where they lie (the memory map).
+// Quantized matmul on the CPU (docs/quantized-matmul.md).
 //
-//   gemv:     y[M, N] = x[M, K] W^T for small M. fp32 activations, weights decoded in
-//             registers; equals dequantize-then-matmul up to fp32 summation order.
-//   gemm_q8:  the same for large M. Activations quantized to int8 per 32 values (as
-//             llama.cpp's q8_0), int8 dot products with AVX-512 VNNI against a 32-row tile of
-//             the weight repacked on the fly (never the whole weight), fp32 scales per block.
-//   dequantize_rows: rows [r0, r1) of W as fp32 (the tile of the exact GEMM path).
+//   packed_matmul: Q8_0 / Q4_0 repacked once (`repack`) into tiles of 32 rows; activations
+//                  rounded to int8 per 32 values (llama.cpp's q8_0), AVX-512 VNNI dot products.
+//                  Every batch size, decode included.
+//   gemv:          the other formats in their GGUF layout, few rows: fp32 activations, weights
+//                  decoded in registers; equals dequantize-then-matmul up to fp32 rounding.
+//   gemm_q8:       the same formats, more rows: int8 activations against 32-row tiles repacked
+//                  on the fly (never the whole weight).
+//   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
 //
 // Every format goes through one description, `unpack<QT>`: a block of BS values becomes
 // unsigned codes q (uint8), and per sub-block of S values a scale s and (for formats with a
@@ -274,17 +276,8 @@ void gemv_half_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const flo
 // Each thread walks its rows one after the other, so that every thread reads one sequential
 // stream (the hardware prefetchers follow it; interleaving several rows defeats them).
 
-inline __m512 bcast_h2f(const uint8_t* p) { return _mm512_set1_ps(h2f(p)); }
 inline __m512 i8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 
-// 32 weights of one block as two fp32 vectors, scaled (w = d (q - Z) [+ m]).
-template <int QT> inline void block32(const uint8_t* b, __m512& w0, __m512& w1);
-
-template <> inline void block32<Q8_0>(const uint8_t* b, __m512& w0, __m512& w1) {
-  __m512 d = bcast_h2f(b);
-  w0 = _mm512_mul_ps(i8x16_to_ps(_mm_loadu_si128((const __m128i*)(b + 2))), d);
-  w1 = _mm512_mul_ps(i8x16_to_ps(_mm_loadu_si128((const __m128i*)(b + 18))), d);
-}
 // nibbles of 16 bytes as int8: low nibbles - z, high nibbles - z
 inline void nibbles_i8(const uint8_t* qs, int z, __m128i& lo, __m128i& hi) {
   const __m128i v = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F), zz = _mm_set1_epi8((char)z);
