@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import bench_model, machine, machine_markdown, set_threads, table, threads, tiny_model, write_results
+from common import (bench_model, machine, machine_markdown, plural, set_threads, table, threads, tiny_model,
+                    write_results)
 
 
 def main() -> None:
@@ -109,7 +110,7 @@ def main() -> None:
         rows.append([name, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.2f}x", r["seconds"], r["note"]])
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     md = "\n".join([
-        f"### {n} requests of {p_len} prompt + {o_len} output tokens: {description}, {args.dtype}, {threads()} threads",
+        f"### {n} requests of {p_len} prompt + {o_len} output tokens: {description}, {args.dtype}, {plural(threads(), 'thread')}",
         "",
         f"`{command}`",
         "",

@@ -131,7 +131,7 @@ def machine() -> dict:
 
 def machine_markdown(info: dict) -> str:
     return (f"- machine: {info.get('cpu')}, {info.get('cpus')} CPUs, {info.get('memory_gib')} GiB; "
-            f"{info['threads']} threads for every engine; load average at the start "
+            f"{plural(info['threads'], 'thread')} for every engine; load average at the start "
             f"{' '.join(info.get('load_average', ['?']))} (the machine is shared)\n"
             f"- versions: Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
             f"llama-cpp-python {info['llama_cpp']}, gguf {info['gguf']}, hearth {info['hearth_commit']}")
@@ -141,6 +141,10 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
 
 
 def median(values: list[float]) -> float:

@@ -19,7 +19,8 @@ import random
 import shlex
 import sys
 
-from common import bench_model, machine, machine_markdown, median, set_threads, table, threads, write_results
+from common import (bench_model, machine, machine_markdown, median, plural, set_threads, table, threads,
+                    write_results)
 
 
 def main() -> None:
@@ -125,7 +126,7 @@ def main() -> None:
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     md = "\n".join([
-        f"### hearth vs llama.cpp (same GGUF, {n_threads} threads)",
+        f"### hearth vs llama.cpp (same GGUF, {plural(n_threads, 'thread')})",
         "",
         f"`{command}` — medians of {args.runs} interleaved runs; hearth computes in "
         f"{str(torch.float32 if args.dtype == 'auto' else args.dtype).removeprefix('torch.')}.",

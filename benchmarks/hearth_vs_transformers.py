@@ -18,8 +18,44 @@ import shlex
 import sys
 from pathlib import Path
 
-from common import (bench_model, machine, machine_markdown, median, set_threads, table, threads, timed,
+from common import (bench_model, machine, machine_markdown, median, plural, set_threads, table, threads, timed,
                     write_results)
+
+
+def torch_weight_bytes(model, config):
+    """What a step of a transformers model reads: every parameter once, the embedding table only as a
+    tied lm_head, plus one embedding row per token."""
+    from hearth.bench.roofline import WeightBytes
+
+    embed = model.get_input_embeddings().weight
+    seen, per_step, matmul = set(), 0, 0
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied lm_head is listed too
+        key = (p.data_ptr(), p.numel())
+        if key in seen or (p is embed and "lm_head" not in name):
+            continue
+        seen.add(key)
+        per_step += p.numel() * p.element_size()
+        if ".layers." in name and p.dim() == 2:
+            matmul += p.numel()
+    return WeightBytes(per_step, embed.shape[1] * embed.element_size(), matmul)
+
+
+def folder_weight_bytes(folder, config):
+    """Weight bytes of an HF folder as stored, from the safetensors headers (nothing loaded)."""
+    import torch
+    from safetensors import safe_open
+
+    from hearth.bench.roofline import file_weight_bytes
+    from hearth.loading.safetensors import weight_files
+
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    meta = {}
+    for file in weight_files(Path(folder)):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                meta[name] = torch.empty(piece.get_shape(), dtype=dtypes[piece.get_dtype()], device="meta")
+    return file_weight_bytes(config, meta)
 
 
 def main() -> None:
@@ -87,37 +123,44 @@ def main() -> None:
             whole = hf_generate(prompts, args.decode + 1)
             record("transformers", "decode", b, b * args.decode / max(whole - first, 1e-9))
 
-    loaded = model_weight_bytes(engine.model)
+    # bytes per step: each engine's weights as it holds them (hearth may keep the folder's bf16,
+    # transformers converts to --dtype); the ceiling is the roofline for the folder's weights as stored
+    held = {"hearth": model_weight_bytes(engine.model), "transformers": torch_weight_bytes(hf, config)}
+    stored = folder_weight_bytes(folder, config)
+    peak = roof.flops_by_dtype[args.dtype]  # the matmuls run in this dtype
     rows, results = [], []
     for test, b in [("prefill", 1)] + [("decode", b) for b in batches]:
         context = args.prefill if test == "prefill" else args.context + args.decode // 2
-        cost = step_cost(config, loaded, test, b, context, dtype.itemsize)  # both hold the same dense weights
-        h, t = median(times[("hearth", test, b)]), median(times[("transformers", test, b)])
-        if test == "decode":
-            rates = [cost.bytes * v / b / 1e9 for v in (h, t)]
-            unit = "GB/s"
-        else:
-            rates = [cost.flops / cost.tokens * v / 1e9 for v in (h, t)]
-            unit = "GFLOP/s"
-        peak = roof.flops_by_dtype[args.dtype]  # both engines run dense matmuls in this dtype
+        medians, rates = {}, {}
+        for name, weights in held.items():
+            cost = step_cost(config, weights, test, b, context, dtype.itemsize)
+            medians[name] = v = median(times[(name, test, b)])
+            # decode: bytes per step x steps per second; prefill: FLOPs per token x tokens per second
+            rates[name] = (cost.bytes * v / b if test == "decode" else cost.flops / cost.tokens * v) / 1e9
+        unit = "GB/s" if test == "decode" else "GFLOP/s"
+        cost = step_cost(config, stored, test, b, context, dtype.itemsize)
         ceiling = cost.tokens / max(cost.flops / peak, cost.bytes / roof.bandwidth)
+        h, t = medians["hearth"], medians["transformers"]
         label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
-        rows.append([label, h, t, f"{h / t:.2f}x", f"{rates[0]:.1f} / {rates[1]:.1f} {unit}", ceiling,
-                     f"{h / ceiling:.1%} / {t / ceiling:.1%}"])
+        rows.append([label, h, t, f"{h / t:.2f}x", f"{rates['hearth']:.1f} / {rates['transformers']:.1f} {unit}",
+                     ceiling, f"{h / ceiling:.1%} / {t / ceiling:.1%}"])
         results.append({"test": test, "batch_size": b, "hearth_tokens_per_s": times[("hearth", test, b)],
                         "transformers_tokens_per_s": times[("transformers", test, b)], "hearth_median": h,
                         "transformers_median": t, "ratio": h / t, "ceiling_tokens_per_s": ceiling,
-                        "rates": rates, "rate_unit": unit})
+                        "rates": rates, "rate_unit": unit,
+                        "weight_bytes_per_step": {k: w.per_step for k, w in held.items()}})
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     md = "\n".join([
-        f"### hearth vs transformers `generate` ({folder.rstrip('/').rsplit('/', 2)[-2]}, {args.dtype}, {threads()} threads)",
+        f"### hearth vs transformers `generate` ({folder.rstrip('/').rsplit('/', 2)[-2]}, {args.dtype}, {plural(threads(), 'thread')})",
         "",
         f"`{command}` — medians of {args.runs} interleaved runs.",
         "",
         machine_markdown(info),
-        f"- roofline of this machine: {roof.bandwidth / 1e9:.1f} GB/s, {roof.flops_by_dtype[args.dtype] / 1e9:.0f} GFLOP/s "
-        f"{args.dtype} matmul (the dtype both engines compute in); ceiling = its tokens/s for the weights as held",
+        f"- roofline of this machine: {roof.bandwidth / 1e9:.1f} GB/s, {peak / 1e9:.0f} GFLOP/s {args.dtype} matmul; "
+        f"ceiling = its tokens/s for the folder's weights as stored ({stored.per_step / 1e9:.2f} GB per step); "
+        f"rates use the bytes each engine holds (hearth {held['hearth'].per_step / 1e9:.2f} GB, "
+        f"transformers {held['transformers'].per_step / 1e9:.2f} GB)",
         "",
         table(["test", "hearth tok/s", "transformers tok/s", "hearth / transformers", "rate (hearth / transformers)",
                "ceiling tok/s", "share of ceiling"], rows),

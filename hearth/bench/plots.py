@@ -26,13 +26,19 @@ def roofline_plot(report: dict, out: str | Path) -> Path:
     xs = [lo, m["ridge_flops_per_byte"], hi]
     ax.plot(xs, [min(x * m["bandwidth"], m["flops"]) / 1e9 for x in xs], color="black", lw=2,
             label=f"roof: {m['bandwidth'] / 1e9:.1f} GB/s, {m['flops'] / 1e9:.0f} GFLOP/s ({m['dtype']})")
+    for kind, peak in m.get("flops_by_dtype", {}).items():  # the other matmul roofs, for reference
+        if kind != m["dtype"]:
+            ridge = peak / m["bandwidth"]
+            ax.plot([ridge, hi], [peak / 1e9, peak / 1e9], color="gray", lw=1, ls="--")
+            ax.annotate(f"{kind} matmul", (hi, peak / 1e9), textcoords="offset points", xytext=(-60, 3), fontsize=7,
+                        color="gray")
     colors = {"prefill": "tab:orange", "decode": "tab:blue"}
-    for r in rows:
+    for i, r in enumerate(rows):
         x = r["arithmetic_intensity"]
         ceiling = min(x * m["bandwidth"], m["flops"]) / 1e9
         label = f"{r['phase']} B={r['batch_size']}"
         ax.scatter([x], [ceiling], facecolors="none", edgecolors=colors[r["phase"]], s=60)
-        ax.annotate(label, (x, ceiling), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.annotate(label, (x, ceiling), textcoords="offset points", xytext=(5, -14 - 10 * (i % 3)), fontsize=8)
         if "measured_tokens_per_s" in r:
             achieved = r["flops_per_step"] / r["tokens_per_step"] * r["measured_tokens_per_s"] / 1e9
             ax.scatter([x], [achieved], color=colors[r["phase"]], s=40)

@@ -87,7 +87,7 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
 
 def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     bandwidth_bytes: int | None = None, matmul_n: int | None = None, repeats: int = 5) -> Machine:
-    """Best of `repeats`: the sum of a tensor far larger than the caches (bandwidth), and n x n
+    """Best of several tries: the sum of a tensor far larger than the caches (bandwidth), and n x n
     matmuls in `dtype`, bfloat16 and int8 (torch._int_mm, where it runs): the compute roof is the
     fastest of them, since quantized kernels (int8 dot products) and bf16 reach past fp32."""
     device = torch.device(device)
@@ -95,7 +95,7 @@ def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = tor
     bandwidth_bytes = bandwidth_bytes or (4 << 30 if cuda else 512 << 20)
     matmul_n = matmul_n or (8192 if cuda else 2048)
     x = torch.ones(bandwidth_bytes // 4, dtype=torch.float32, device=device)
-    bandwidth = x.numel() * 4 / _best_time(x.sum, device, repeats)
+    bandwidth = x.numel() * 4 / _best_time(x.sum, device, 4 * repeats)  # cheap: more tries at a quiet moment
     del x
     flops: dict[str, float] = {}
     a = torch.randn(matmul_n, matmul_n, device=device)
