@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--static-sample", type=int, default=0, help="static batches timed (0: all)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--also-gguf", default=None, metavar="TYPE",
+                    help="also run hearth on the model's GGUF of this type (q8_0...), its quantized path")
     ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -50,6 +52,8 @@ def main() -> None:
     from hearth.sampling_params import SamplingParams
 
     if args.model == "tiny":
+        if args.also_gguf:
+            sys.exit("--also-gguf needs an architecture of hearth bench make-model as --model")
         source, folder, description = tiny_model()
     else:
         folder = bench_model(args.model, ())["hf"]
@@ -58,33 +62,37 @@ def main() -> None:
     n, p_len, o_len = args.num_prompts, args.input_len, args.output_len
     info = machine()
 
-    llm = LLM(source, dtype=args.dtype, max_num_seqs=n, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=ModelConfig.from_hf(read_json(Path(folder) / "config.json")).kv_bytes_per_token(
-                  dtype.itemsize) * (n * (p_len + o_len) + 32 * n), progress=False)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = random_prompts(n, p_len, vocab, random.Random(0))
+    config = ModelConfig.from_hf(read_json(Path(folder) / "config.json"))
+    prompts = random_prompts(n, p_len, config.vocab_size, random.Random(0))
     params = SamplingParams(temperature=0, max_tokens=o_len, ignore_eos=True)
-    llm.generate(random_prompts(2, 16, vocab, random.Random(1)), SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
-
     rows, results = [], {}
 
     def add(name: str, requests: int, seconds: float, note: str) -> None:
         tok_s = requests * o_len / seconds
         results[name] = {"requests_timed": requests, "seconds": seconds, "output_tokens_per_s": tok_s, "note": note}
 
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == n * o_len
-    add(f"hearth, {n} concurrent (continuous batching)", n, elapsed, "all requests")
+    def run_hearth(path: str, dtype_name: str, label: str) -> None:
+        """N requests at once (continuous batching), then a sample of them one at a time."""
+        element = getattr(torch, dtype_name).itemsize if dtype_name != "auto" else 4
+        llm = LLM(path, dtype=dtype_name, max_num_seqs=n, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory=config.kv_bytes_per_token(element) * (n * (p_len + o_len) + 32 * n), progress=False)
+        llm.generate(random_prompts(2, 16, config.vocab_size, random.Random(1)),
+                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == n * o_len
+        add(f"hearth{label}, {n} concurrent (continuous batching)", n, elapsed, "all requests")
+        sample = args.sequential_sample or n
+        start = time.perf_counter()
+        for prompt in prompts[:sample]:  # one request in the engine at a time
+            llm.generate([prompt], params, use_tqdm=False)
+        add(f"hearth{label}, one at a time", sample, time.perf_counter() - start, f"{sample} of {n} requests timed")
 
-    sample = args.sequential_sample or n
-    start = time.perf_counter()
-    for prompt in prompts[:sample]:  # one request in the engine at a time
-        llm.generate([prompt], params, use_tqdm=False)
-    add("hearth, one at a time", sample, time.perf_counter() - start, f"{sample} of {n} requests timed")
-    del llm, outputs
+    run_hearth(source, args.dtype, "")
+    if args.also_gguf:  # the same weights as a quantized GGUF, in hearth's own compute dtype
+        gguf = bench_model(args.model, (args.also_gguf,))[args.also_gguf]
+        run_hearth(gguf, "auto", f" on the {args.also_gguf} GGUF (float32 activations)")
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None
@@ -105,7 +113,7 @@ def main() -> None:
     add(f"transformers generate, static batches of {batch}", count, seconds,
         f"{len(timed_batches)} of {len(batches)} batches timed")
 
-    base = results[f"hearth, {n} concurrent (continuous batching)"]["output_tokens_per_s"]
+    base = results[f"hearth, {n} concurrent (continuous batching)"]["output_tokens_per_s"]  # the same dtype as transformers
     for name, r in results.items():
         rows.append([name, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.2f}x", r["seconds"], r["note"]])
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)

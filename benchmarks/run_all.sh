@@ -58,7 +58,7 @@ python -m hearth.cli bench serve --base-url "http://127.0.0.1:$PORT" --model tin
 kill $SERVER
 
 step "64 concurrent vs one at a time vs transformers static batches: TinyLlama-1.1B shape, bfloat16"
-python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --sequential-sample 1 --static-sample 1 $T \
-    --out "$R/batching-tinyllama"
+python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --also-gguf q8_0 --sequential-sample 1 \
+    --static-sample 1 $T --out "$R/batching-tinyllama"
 
 step "done"
