@@ -185,7 +185,7 @@ def test_roofline_tied_embeddings_count_the_table_once():
 
 
 def test_loaded_model_weight_bytes(tiny):
-    from hearth.loading.loader import load_model
+    from hearth.loading.loader import load_model, read_model
     from hearth.model.transformer import Transformer
 
     # dense float32 weights: 4 bytes per parameter, the tied lm_head being the table itself
@@ -203,7 +203,7 @@ def test_loaded_model_weight_bytes(tiny):
     # from a q8_0 file: what the model holds is either the file's blocks or dense float32
     loaded = load_model(tiny["q8_0"], torch.float32, progress=False)
     w = model_weight_bytes(loaded.model)
-    stored = file_weight_bytes(loaded.config, loaded.weights)
+    stored = file_weight_bytes(loaded.config, read_model(tiny["q8_0"], progress=False)[1])
     assert stored.per_step < 4 * TINY.num_parameters() / 3  # q8_0: about 1.06 bytes per weight
     assert w.per_step in (stored.per_step, 4 * TINY.num_parameters())
     assert w.matmul_params == stored.matmul_params

@@ -145,6 +145,27 @@ def test_packed_layout_in_torch_equals_the_kernels(ext):
         assert torch.equal(dequantize_packed(codes, scales, qtype)[45:], torch.zeros(64 - 45, 160))
 
 
+@pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
+def test_half_weights_with_activations_of_their_dtype(qtype):
+    """bf16 / f16 compute against a weight of that dtype: within the rounding of that dtype's
+    GEMM (k = 112 products of 8-bit-mantissa values, accumulated in fp32, rounded once);
+    float32 activations stay exact."""
+    g = torch.Generator().manual_seed(13)
+    n, k = shape_for(qtype)
+    data = random_weight(qtype, n, k, g)
+    w = dense(data, qtype, k)
+    layer = QuantLinear(data.view(HALF[qtype]))
+    for m in (1, 16):  # the GEMV, then the GEMM in the weight's dtype
+        x = torch.randn(m, k, generator=g).to(HALF[qtype])
+        ref = x.double() @ w.double().T
+        y = layer(x)
+        assert y.dtype == HALF[qtype]
+        unit = 2.0 ** -8 if qtype == Q.BF16 else 2.0 ** -11  # the dtype's rounding unit
+        assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
+        x32 = x.float()
+        assert_within(layer(x32), ref, fp32_tolerance(x32, w))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16], ids=lambda q: q.name)
 def test_quant_embedding_dequantizes_only_the_rows_looked_up(qtype):
     g = torch.Generator().manual_seed(5)

@@ -55,7 +55,8 @@ class ModelRunner:
         slot_mapping: list[np.ndarray] = []
         prefills: list[PrefillSequence] = []
         decode_rows: list[int] = []
-        decode_slots: list[np.ndarray] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         last_rows: list[int] = []
         dev = self.device
         for entry in entries:
@@ -64,29 +65,33 @@ class ModelRunner:
             row = len(input_ids)
             input_ids.extend(entry.token_ids)
             positions.append(np.arange(start, end))
-            context = self._slots(entry.block_table, end)
-            slot_mapping.append(context[start:])
             last_rows.append(row + new - 1)
-            if new == 1:
+            if new == 1:  # a decode reads its context through the block table: only the new slot here
+                block, offset = divmod(start, self.block_size)
+                slot_mapping.append(np.array([entry.block_table[block] * self.block_size + offset]))
                 decode_rows.append(row)
-                decode_slots.append(context)
+                decode_tables.append(entry.block_table)
+                decode_lens.append(end)
             else:
+                context = self._slots(entry.block_table, end)
+                slot_mapping.append(context[start:])
                 mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [new, end] causal
                 prefills.append(PrefillSequence(
                     row, row + new, torch.from_numpy(context).to(dev), torch.from_numpy(mask).to(dev)
                 ))
-        longest = max((len(s) for s in decode_slots), default=0)
-        padded = np.zeros((len(decode_slots), longest), dtype=np.int64)
-        valid = np.zeros((len(decode_slots), longest), dtype=bool)
-        for i, slots in enumerate(decode_slots):
-            padded[i, : len(slots)] = slots
-            valid[i, : len(slots)] = True
+        widest = max((-(-n // self.block_size) for n in decode_lens), default=0)
+        tables = np.zeros((len(decode_tables), widest), dtype=np.int32)
+        for i, (table, n) in enumerate(zip(decode_tables, decode_lens)):
+            used = -(-n // self.block_size)
+            tables[i, :used] = table[:used]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
             prefills=prefills,
             decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=dev),
-            decode_slots=torch.from_numpy(padded).to(dev),
-            decode_mask=torch.from_numpy(valid)[:, None, None, :].to(dev),
+            decode_block_tables=torch.from_numpy(tables).to(dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_max_len=max(decode_lens, default=0),
+            block_size=self.block_size,
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -19,7 +19,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
-    weights: dict  # as read from disk (memory-mapped), by HF name; for inspect / convert
 
 
 def read_model(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
@@ -52,4 +51,6 @@ def load_model(
         model = Transformer(config, max_positions)
     model.load_weights(weights, dtype, device)
     model.to(device)
-    return LoadedModel(model.eval(), tokenizer, config, Path(path), weights)
+    # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
+    # are freed once the model holds its own tensors (peak memory while serving).
+    return LoadedModel(model.eval(), tokenizer, config, Path(path))

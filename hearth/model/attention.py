@@ -2,15 +2,24 @@
 
 The KV cache of one layer is two tensors [num_slots, kv_heads, head_dim] (slot = block
 id x block_size + offset). The runner turns each step's batch into AttentionMetadata once;
-every layer uses it.
+every layer uses it. Prefill chunks run SDPA per sequence over their gathered context with a
+causal mask. Decodes on a CPU in float32 run paged_attention.cpp: K/V read in place through the
+block tables, the context split (flash-decoding) when the sequences alone would leave threads
+idle (docs/benchmarks.md, "Decode attention"); elsewhere one batched SDPA over padded gathers.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from hearth.native import build
+
+MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
 
 
 @dataclass
@@ -28,12 +37,75 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V go
     prefills: list[PrefillSequence]
     decode_token_index: torch.Tensor  # [D] rows of the batch that are single-token decodes
-    decode_slots: torch.Tensor  # [D, L] cache slots to read (padded)
-    decode_mask: torch.Tensor  # [D, 1, 1, L] bool, True = a real slot
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0
+    decode_context_lens: torch.Tensor  # [D] int32, new token included
+    decode_max_len: int
+    block_size: int
 
     @property
     def num_decodes(self) -> int:
         return self.decode_token_index.numel()
+
+    @functools.cached_property
+    def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the SDPA path: cache slots [D, L] (padded) and [D, 1, 1, L] True where real."""
+        offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
+        slots = (self.decode_block_tables.long()[:, :, None] * self.block_size + offsets).flatten(1)
+        slots = slots[:, : self.decode_max_len]
+        positions = torch.arange(self.decode_max_len, device=slots.device)
+        return slots, (positions < self.decode_context_lens[:, None])[:, None, None, :]
+
+
+@functools.cache
+def _decode_kernel():
+    return build("hearth_paged_attention", Path(__file__).with_name("paged_attention.cpp"), "decode attention")
+
+
+def decode_split_len(num_decodes: int, num_kv_heads: int, max_len: int, threads: int) -> int:
+    """Tokens per split: whole contexts when sequences x KV heads already give every thread work
+    twice over, else as many splits as make up the difference, none shorter than MIN_SPLIT_LEN."""
+    splits = -(-2 * threads // (num_decodes * num_kv_heads))
+    return max(MIN_SPLIT_LEN, -(-max_len // splits))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [D, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    split_len: int | None = None,  # None: decode_split_len's choice
+) -> torch.Tensor:  # [D, heads, head_dim]
+    kernel = _decode_kernel() if q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 else None
+    if kernel is None:
+        return decode_attention_sdpa(q, k_cache, v_cache, meta, scale)
+    q = q.contiguous()
+    num_decodes, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    threads = torch.get_num_threads()
+    if split_len is None:
+        split_len = decode_split_len(num_decodes, kv_heads, meta.decode_max_len, threads)
+    out = torch.empty_like(q)
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    kernel.decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, threads,
+    )
+    return out
+
+
+def decode_attention_sdpa(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode attention in torch (any device, any dtype): one batched SDPA over padded gathers."""
+    # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
+    slots, mask = meta.decode_slots_and_mask
+    keys = k_cache[slots].transpose(1, 2).to(q.dtype)
+    values = v_cache[slots].transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1]
+    )
+    return o.squeeze(2)
 
 
 def paged_attention(
@@ -59,12 +131,5 @@ def paged_attention(
         )
         out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
     if meta.num_decodes:
-        # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
-        query = q[meta.decode_token_index].unsqueeze(2)
-        keys = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
-        values = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[meta.decode_token_index] = o.squeeze(2)
+        out[meta.decode_token_index] = decode_attention(q[meta.decode_token_index], k_cache, v_cache, meta, scale)
     return out

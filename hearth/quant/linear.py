@@ -41,7 +41,8 @@ _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 # Most rows for which the exact GEMV beats repacking for the int8 GEMM, per format (measured,
 # docs/quantized-matmul.md). F16/BF16 have no int8 GEMM: past their GEMV rows they take the
-# torch path (tiles converted to fp32, then the BLAS GEMM), exact as well.
+# BLAS GEMM, in their own dtype when the activations have it (QuantLinear), else on tiles
+# converted to fp32 (the torch path, exact).
 GEMV_MAX_ROWS = {Q.Q8_0: 2, Q.Q4_0: 1, Q.Q4_1: 1, Q.Q5_0: 6, Q.Q5_1: 6, Q.Q2_K: 1, Q.Q3_K: 1,
                  Q.Q4_K: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.F16: 8, Q.BF16: 8}
 # Rows of the weight dequantized per step of the torch path: bounds its temporary to ~16 MB fp32.
@@ -125,7 +126,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.codes is None:
-            y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
+            if x2.dtype == _HALF_DTYPES.get(self.qtype) and x2.shape[0] > GEMV_MAX_ROWS[self.qtype]:
+                # activations already in the weight's own dtype (bf16 / f16 compute): one BLAS GEMM
+                # reading the weight in place, what a dense module in that dtype would run
+                y = F.linear(x2, self.qweight.view(x2.dtype))
+            else:
+                y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
         elif self.codes.device.type == "cpu":  # the decode hot path: straight to the kernel
             x2 = x2.float().contiguous()
             y = torch.empty(x2.shape[0], self.out_features)

@@ -1,37 +1,20 @@
-"""Compiled CPU kernels for quantized matmul, built on first use.
+"""Compiled CPU kernels for quantized matmul, built on first use (hearth.native).
 
-`extension()` JIT-compiles qmatmul.cpp with PyTorch's extension tooling (gcc with -march=native,
-cached under ~/.cache/torch_extensions, keyed by this CPU's instruction sets so that a machine
-never loads a build made for another) and returns `Kernels`, or None where it cannot be built
-(no compiler, HEARTH_KERNELS=0, not x86-64/arm64): callers then take the pure-torch path.
-The source includes no torch header, so the build takes seconds rather than a minute; this
-module checks and allocates the tensors and hands the kernels their data pointers.
+`extension()` returns `Kernels`, or None where qmatmul.cpp cannot be built: callers then take
+the pure-torch path. This module checks and allocates the tensors and hands the kernels their
+data pointers.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from hearth.native import build
 
 _SOURCE = Path(__file__).with_name("qmatmul.cpp")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 class Kernels:
@@ -105,23 +88,6 @@ class Kernels:
 
 @functools.cache
 def extension() -> Kernels | None:
-    """The compiled kernels, or None."""
-    if os.environ.get("HEARTH_KERNELS", "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        return None
-    from torch.utils import cpp_extension
-
-    key = hashlib.sha256(f"{_cpu_flags()}\n{torch.__version__}".encode()).hexdigest()[:12]
-    try:
-        module = cpp_extension.load(
-            name=f"hearth_qmatmul_{key}",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no headers, an unknown -march: the torch path still works
-        message = str(e).strip().splitlines()
-        log.warning("hearth: quantized matmul kernels could not be built (%s); using the slower torch path",
-                    message[-1] if message else type(e).__name__)
-        return None
-    return Kernels(module)
+    """The compiled kernels, or None (then callers take the pure-torch path)."""
+    module = build("hearth_qmatmul", _SOURCE, "quantized matmul")
+    return Kernels(module) if module is not None else None

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Decode attention of one layer, three ways, on the same paged cache (blocks of 16 in shuffled order):
+
+  sdpa       K/V gathered into a padded [D, kv_heads, L, head_dim] copy, one batched SDPA with a mask
+             (hearth's path on CUDA and for dtypes other than float32)
+  kernel     paged_attention.cpp reading K/V in place, whole contexts (no split)
+  split-KV   the same kernel, contexts split as hearth chooses (flash-decoding; decode_split_len)
+
+Microseconds per call, medians of interleaved runs; float32.
+
+    python benchmarks/decode_attention.py --threads 2 --out benchmarks/results/threads-2/decode-attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from common import machine, machine_markdown, median, set_threads, table, threads, write_results
+
+SHAPES = {  # name: (heads, kv_heads, head_dim)
+    "tinyllama-1.1b (32 heads, 4 KV heads)": (32, 4, 64),
+    "multi-query (16 heads, 1 KV head)": (16, 1, 128),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    set_threads(args.threads)
+    import torch
+
+    from hearth.model.attention import (AttentionMetadata, _decode_kernel, decode_attention, decode_attention_sdpa,
+                                        decode_split_len)
+
+    if _decode_kernel() is None:
+        sys.exit("the C++ decode attention kernel cannot be built here")
+    block = 16
+    rows, data = [], []
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for batch in map(int, args.batches.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                g = torch.Generator().manual_seed(0)
+                blocks = batch * context // block
+                k_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
+                v_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
+                tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(batch, -1)
+                q = torch.randn(batch, heads, head_dim, generator=g)
+                meta = AttentionMetadata(
+                    slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[],
+                    decode_token_index=torch.arange(batch), decode_block_tables=tables,
+                    decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
+                    decode_max_len=context, block_size=block,
+                )
+                split = decode_split_len(batch, kv_heads, context, threads())
+                ways = {
+                    "sdpa": lambda: decode_attention_sdpa(q, k_cache, v_cache, meta, 0.125),
+                    "kernel": lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
+                    "split": lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=split),
+                }
+                times = {name: [] for name in ways}
+                for fn in ways.values():
+                    fn()  # warm-up (and the SDPA path's slots, computed once per step)
+                for _ in range(args.runs):
+                    for name, fn in ways.items():
+                        start = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - start)
+                us = {name: median(t) * 1e6 for name, t in times.items()}
+                kv_bytes = 2 * batch * context * kv_heads * head_dim * 4
+                rows.append([shape, batch, context, -(-context // split), us["sdpa"], us["kernel"], us["split"],
+                             us["sdpa"] / us["kernel"], us["kernel"] / us["split"],
+                             kv_bytes / (us["split"] * 1e-6) / 1e9])
+                data.append({"shape": shape, "batch": batch, "context": context, "split_len": split, "us": us,
+                             "kv_bytes": kv_bytes})
+    info = machine()
+    command = "python benchmarks/decode_attention.py " + shlex.join(sys.argv[1:])
+    markdown = "\n".join([
+        f"### Decode attention, one layer, float32 ({threads()} threads)", "",
+        f"`{command}` — medians of {args.runs} interleaved runs.", "",
+        machine_markdown(info), "",
+        table(["shape", "batch", "context", "splits", "sdpa us", "kernel us", "split-KV us", "kernel vs sdpa",
+               "split-KV vs kernel", "split-KV GB/s of K/V"], rows),
+    ])
+    write_results(args.out, markdown, {"machine": info, "command": command, "rows": data})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+// Paged decode attention on the CPU (hearth/model/attention.py).
+//
+// One query token per sequence against that sequence's cached K/V, read in place through its
+// block table: no gather into a padded copy, no mask. A work item is (sequence, KV head, split):
+// the query heads sharing that KV head (GQA) go together, so each K/V row is read once for the
+// group. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
+// a few long sequences still give every thread work; each split keeps its running max m, sum l
+// and unnormalised output, and a second pass merges the splits by log-sum-exp:
+//   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
+// float32 only; no torch headers (the Python side checks shapes and passes data pointers).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+struct Item {
+  int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// q, out [S, H, D]; k_cache, v_cache [slots, KH, D]; block_tables int32 [S, max_blocks];
+// context_lens int32 [S]. Every sequence has at least one token.
+void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables_, uintptr_t lens_, uintptr_t out_,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, double scale, int64_t split_len, int threads) {
+  const float* q = reinterpret_cast<const float*>(q_);
+  const float* k_cache = reinterpret_cast<const float*>(k_);
+  const float* v_cache = reinterpret_cast<const float*>(v_);
+  const int32_t* tables = reinterpret_cast<const int32_t*>(tables_);
+  const int32_t* lens = reinterpret_cast<const int32_t*>(lens_);
+  float* out = reinterpret_cast<float*>(out_);
+  const int64_t group = num_heads / num_kv_heads, D = head_dim;
+
+  std::vector<Item> items;
+  std::vector<int64_t> first_split(num_seqs + 1, 0);  // splits of sequence s: [first_split[s], first_split[s+1])
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens[s], n_splits = (len + split_len - 1) / split_len;
+    first_split[s + 1] = first_split[s] + n_splits;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t i = 0; i < n_splits; ++i)
+        items.push_back({s, h, i * split_len, std::min(len, (i + 1) * split_len), first_split[s] + i});
+  }
+  // per (split, query head): running max, sum of exp, unnormalised output [D]
+  const int64_t total_splits = first_split[num_seqs];
+  std::vector<float> part_max(total_splits * num_heads), part_sum(total_splits * num_heads);
+  std::vector<float> part_out(total_splits * num_heads * D);
+  const float fscale = (float)scale;
+
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+    std::vector<float> scores;  // [group, split_len]
+    std::vector<int64_t> rows;  // cache row of each token of the split
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
+      const Item it = items[w];
+      const int64_t n = it.end - it.begin;
+      scores.resize(group * n);
+      rows.resize(n);
+      const int32_t* table = tables + it.seq * max_blocks;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = it.begin + t;
+        rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
+      }
+      const float* q_group = q + (it.seq * num_heads + it.kv_head * group) * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = k_cache + rows[t] * D;
+        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q_group + g * D, k, D) * fscale;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * n;
+        const float m = *std::max_element(sc, sc + n);
+        float l = 0.f;
+        for (int64_t t = 0; t < n; ++t) l += (sc[t] = std::exp(sc[t] - m));
+        const int64_t p = it.split * num_heads + it.kv_head * group + g;
+        part_max[p] = m;
+        part_sum[p] = l;
+        std::fill_n(part_out.data() + p * D, D, 0.f);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = v_cache + rows[t] * D;
+        for (int64_t g = 0; g < group; ++g) {
+          float* acc = part_out.data() + (it.split * num_heads + it.kv_head * group + g) * D;
+          const float p = scores[g * n + t];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+        }
+      }
+    }
+    // merge the splits of each (sequence, query head)
+#pragma omp for collapse(2)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first_split[s]; i < first_split[s + 1]; ++i) m = std::max(m, part_max[i * num_heads + h]);
+        float l = 0.f;
+        float* o = out + (s * num_heads + h) * D;
+        std::fill_n(o, D, 0.f);
+        for (int64_t i = first_split[s]; i < first_split[s + 1]; ++i) {
+          const int64_t p = i * num_heads + h;
+          const float c = std::exp(part_max[p] - m);
+          l += c * part_sum[p];
+          const float* acc = part_out.data() + p * D;
+#pragma omp simd
+          for (int64_t j = 0; j < D; ++j) o[j] += c * acc[j];
+        }
+        const float inv = 1.f / l;
+        for (int64_t j = 0; j < D; ++j) o[j] *= inv;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32",
+        py::call_guard<py::gil_scoped_release>());
+}
