@@ -3,7 +3,7 @@
 
   sdpa       K/V gathered into a padded [D, kv_heads, L, head_dim] copy, one batched SDPA with a mask
              (hearth's path on CUDA and for dtypes other than float32)
-  kernel     paged_attention.cpp reading K/V in place, whole contexts (no split)
+  kernel     hearth/model/cpu_kernels.cpp reading K/V in place, whole contexts (no split)
   split-KV   the same kernel, contexts split as hearth chooses (flash-decoding; decode_split_len)
 
 Microseconds per call, medians of interleaved runs; float32.
@@ -37,10 +37,10 @@ def main() -> None:
     set_threads(args.threads)
     import torch
 
-    from hearth.model.attention import (AttentionMetadata, _decode_kernel, decode_attention, decode_attention_sdpa,
-                                        decode_split_len)
+    from hearth.model.attention import AttentionMetadata, decode_attention, decode_attention_sdpa, decode_split_len
+    from hearth.model.layers import cpu_kernels
 
-    if _decode_kernel() is None:
+    if cpu_kernels() is None:
         sys.exit("the C++ decode attention kernel cannot be built here")
     block = 16
     rows, data = [], []

@@ -3,7 +3,7 @@
 The KV cache of one layer is two tensors [num_slots, kv_heads, head_dim] (slot = block
 id x block_size + offset). The runner turns each step's batch into AttentionMetadata once;
 every layer uses it. Prefill chunks run SDPA per sequence over their gathered context with a
-causal mask. Decodes on a CPU in float32 run paged_attention.cpp: K/V read in place through the
+causal mask. Decodes on a CPU in float32 run cpu_kernels.cpp: K/V read in place through the
 block tables, the context split (flash-decoding) when the sequences alone would leave threads
 idle (docs/benchmarks.md, "Decode attention"); elsewhere one batched SDPA over padded gathers.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from hearth.native import build
+from hearth.model.layers import cpu_kernels
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
 
@@ -56,11 +55,6 @@ class AttentionMetadata:
         return slots, (positions < self.decode_context_lens[:, None])[:, None, None, :]
 
 
-@functools.cache
-def _decode_kernel():
-    return build("hearth_paged_attention", Path(__file__).with_name("paged_attention.cpp"), "decode attention")
-
-
 def decode_split_len(num_decodes: int, num_kv_heads: int, max_len: int, threads: int) -> int:
     """Tokens per split: whole contexts when sequences x KV heads already give every thread work
     twice over, else as many splits as make up the difference, none shorter than MIN_SPLIT_LEN."""
@@ -76,7 +70,7 @@ def decode_attention(
     scale: float,
     split_len: int | None = None,  # None: decode_split_len's choice
 ) -> torch.Tensor:  # [D, heads, head_dim]
-    kernel = _decode_kernel() if q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 else None
+    kernel = cpu_kernels() if q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 else None
     if kernel is None:
         return decode_attention_sdpa(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
@@ -119,6 +113,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, heads, head_dim]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
+        return decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for seq in meta.prefills:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,13 @@ from torch import nn
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.native import build
+
+
+@functools.cache
+def cpu_kernels():
+    """cpu_kernels.cpp compiled (decode attention, RMSNorm), or None: then torch's ops run."""
+    return build("hearth_cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), "attention and norm")
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +30,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        kernels = cpu_kernels() if x.device.type == "cpu" and dtype == self.weight.dtype == torch.float32 else None
+        if kernels is not None:
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            kernels.rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                             x.shape[-1], self.eps, self.weight_offset, torch.get_num_threads())
+            return out
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:
@@ -106,9 +122,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions [T], each [T, 1, head_dim / 2]: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, head_dim] with RotaryEmbedding's (cos, sin)."""
+    cos, sin = rotary
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out

@@ -12,7 +12,7 @@ from torch import nn
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.attention import AttentionMetadata, paged_attention
-from hearth.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from hearth.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
 from hearth.quant import QuantTensor
 from hearth.quant.linear import quantized_module, release_file_pages
 
@@ -35,8 +35,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        rotary: tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding's (cos, sin) of the tokens' positions
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -46,7 +45,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = apply_rope(q, rotary), apply_rope(k, rotary)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -59,8 +58,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,8 +85,9 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        rotary = self.rope(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rotary, kv_cache, meta)
         return self.norm(x)
 
     @property

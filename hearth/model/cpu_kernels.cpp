@@ -1,18 +1,23 @@
-// Paged decode attention on the CPU (hearth/model/attention.py).
+// The model's CPU kernels besides the matmuls (hearth/quant/kernels): float32 only, no torch
+// headers (the Python side checks shapes and passes data pointers). Each is one call where torch
+// would run several small ops, each with its own dispatch and, with several threads, its own
+// fork and join: at batch 1 those cost more than the arithmetic.
 //
-// One query token per sequence against that sequence's cached K/V, read in place through its
+// decode_attention (hearth/model/attention.py): one query token per sequence against that sequence's cached K/V, read in place through its
 // block table: no gather into a padded copy, no mask. A work item is (sequence, KV head, split):
 // the query heads sharing that KV head (GQA) go together, so each K/V row is read once for the
 // group. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
 // a few long sequences still give every thread work; each split keeps its running max m, sum l
 // and unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
-// float32 only; no torch headers (the Python side checks shapes and passes data pointers).
+//
+// rms_norm (hearth/model/layers.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 #ifdef _OPENMP
@@ -30,6 +35,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
+// is a scalar call): 2^(x log2 e) = 2^i 2^f with i = round(.), |f| <= 1/2, 2^f by its degree-7
+// Taylor polynomial in f ln 2 (relative error < 1e-8, below float32's rounding).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504088896341f, -126.f);  // below: 2^-126, as good as 0 here
+  const float i = std::nearbyint(t);
+  const float y = (t - i) * 0.693147180559945309f;
+  float p = 1.f / 5040;
+  p = p * y + 1.f / 720;
+  p = p * y + 1.f / 120;
+  p = p * y + 1.f / 24;
+  p = p * y + 1.f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.f;
+  p = p * y + 1.f;
+  const int32_t bits = ((int32_t)i + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 // q, out [S, H, D]; k_cache, v_cache [slots, KH, D]; block_tables int32 [S, max_blocks];
@@ -56,11 +82,15 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
   }
   // per (split, query head): running max, sum of exp, unnormalised output [D]
   const int64_t total_splits = first_split[num_seqs];
+  // threads only where there is enough work to pay for waking them (~64K multiply-adds each)
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) work += (int64_t)lens[s] * num_heads * D * 2;
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(), work / 65536}));
   std::vector<float> part_max(total_splits * num_heads), part_sum(total_splits * num_heads);
   std::vector<float> part_out(total_splits * num_heads * D);
   const float fscale = (float)scale;
 
-#pragma omp parallel num_threads(std::max(1, threads))
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;  // [group, split_len]
     std::vector<int64_t> rows;  // cache row of each token of the split
@@ -84,7 +114,11 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
         float* sc = scores.data() + g * n;
         const float m = *std::max_element(sc, sc + n);
         float l = 0.f;
-        for (int64_t t = 0; t < n; ++t) l += (sc[t] = std::exp(sc[t] - m));
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = 0; t < n; ++t) {
+          sc[t] = exp_nonpositive(sc[t] - m);
+          l += sc[t];
+        }
         const int64_t p = it.split * num_heads + it.kv_head * group + g;
         part_max[p] = m;
         part_sum[p] = l;
@@ -124,10 +158,32 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
   }
 }
 
+// x, out [rows, dim]; w [dim]
+void rms_norm(uintptr_t x_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps, double offset,
+              int threads) {
+  const float* x = reinterpret_cast<const float*>(x_);
+  const float* w = reinterpret_cast<const float*>(w_);
+  float* out = reinterpret_cast<float*>(out_);
+  const float foffset = (float)offset;
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * dim / 65536));
+#pragma omp parallel for num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* o = out + r * dim;
+    float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = 0; i < dim; ++i) sq += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(sq / (float)dim + (float)eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) o[i] = (xr[i] * inv) * (w[i] + foffset);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32",
-        py::call_guard<py::gil_scoped_release>());
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32", nogil);
 }

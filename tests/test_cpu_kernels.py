@@ -1,13 +1,12 @@
-"""Paged decode attention (hearth/model/attention.py, paged_attention.cpp) against torch's SDPA
-over each sequence's context gathered densely."""
+"""The model's CPU kernels (hearth/model/cpu_kernels.cpp): paged decode attention against torch's
+SDPA over each sequence's context gathered densely; RMSNorm against transformers' modules."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hearth.model.attention import (
-    AttentionMetadata, _decode_kernel, decode_attention, decode_attention_sdpa, decode_split_len,
-)
+from hearth.model.attention import AttentionMetadata, decode_attention, decode_attention_sdpa, decode_split_len
+from hearth.model.layers import RMSNorm, cpu_kernels
 
 BLOCK = 16
 
@@ -52,13 +51,16 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("split_len", [None, 1, 7, 256, 4096])
 def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
-    if _decode_kernel() is None:
+    if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
     lens = [1, 5, 16, 17, 300, 1000]
     q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads)
-    out = decode_attention(q, k_cache, v_cache, meta, 0.125, split_len)
-    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, 0.125),
-                               rtol=1e-5, atol=1e-5)
+    # 10: scores hundreds apart, most weights underflow to 0; float32 scores of that size are
+    # off by ~1e-5, so are the weights
+    for scale, tolerance in ((0.125, 1e-5), (10.0, 1e-4)):
+        out = decode_attention(q, k_cache, v_cache, meta, scale, split_len)
+        torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, scale),
+                                   rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -78,3 +80,24 @@ def test_split_len_policy():
     # one sequence, one KV head, 2 threads: 4 splits of a long context, never below 256 tokens
     assert decode_split_len(1, 1, 4096, threads=2) == 1024
     assert decode_split_len(1, 1, 300, threads=2) == 256
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_rms_norm_matches_transformers(arch):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    dim = 200
+    reference = LlamaRMSNorm(dim, eps=1e-6) if arch == "llama" else GemmaRMSNorm(dim, eps=1e-6)
+    reference.weight.data = torch.randn(dim, generator=g)
+    ours = RMSNorm(dim, 1e-6, weight_offset=1.0 if arch == "gemma" else 0.0)
+    ours.weight.data = reference.weight.data.clone()
+    for rows in (1, 3, 700):  # 700 x 200: enough work for the kernel's threads
+        x = torch.randn(rows, dim, generator=g) * 3
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), reference(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 5, dim, generator=g).to(torch.bfloat16)  # torch's path, in the model's dtype
+    ours.to(torch.bfloat16), reference.to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), reference(x))
