@@ -28,10 +28,13 @@ python benchmarks/batching.py --model tiny --sequential-sample 16 $T --out "$R/b
 
 step "hearth vs llama.cpp: TinyLlama-1.1B shape, q8_0 and q4_0"
 if python -c "import llama_cpp" 2>/dev/null; then
-    python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q8_0,q4_0 --runs 3 $T --out "$R/llamacpp-tinyllama"
+    python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q8_0,q4_0 --runs 3 --batches 1,8,32 $T --out "$R/llamacpp-tinyllama"
 else
     echo "llama-cpp-python is not installed: skipped"
 fi
+
+step "decode attention: gather + SDPA vs the paged kernel vs split-KV"
+python benchmarks/decode_attention.py --runs 7 $T --out "$R/decode-attention"
 
 step "hearth vs transformers generate: TinyLlama-1.1B shape, float32"
 python benchmarks/hearth_vs_transformers.py --arch tinyllama-1.1b --runs 3 $T --out "$R/transformers-tinyllama"
