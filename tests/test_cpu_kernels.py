@@ -97,7 +97,56 @@ def test_rms_norm_matches_transformers(arch):
         x = torch.randn(rows, dim, generator=g) * 3
         with torch.no_grad():
             torch.testing.assert_close(ours(x), reference(x), rtol=1e-5, atol=1e-5)
-    x = torch.randn(2, 5, dim, generator=g).to(torch.bfloat16)  # torch's path, in the model's dtype
+            # the residual add fused in: (norm(residual + x), residual + x), the sum in place
+            residual = torch.randn(rows, dim, generator=g)
+            expected_sum = residual + x
+            out, new_residual = ours(x, residual)
+            torch.testing.assert_close(new_residual, expected_sum)
+            torch.testing.assert_close(out, reference(expected_sum), rtol=1e-5, atol=1e-5)
+    x, residual = (torch.randn(2, 5, dim, generator=g).to(torch.bfloat16) for _ in range(2))  # torch's path
     ours.to(torch.bfloat16), reference.to(torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), reference(x))
+        out, new_residual = ours(x, residual)
+        torch.testing.assert_close(new_residual, residual + x)
+        torch.testing.assert_close(out, reference(residual + x))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch-path"])
+@pytest.mark.parametrize("tokens", [1, 300])  # 300 x 10 heads x 64: enough work for the threads
+def test_rope_and_store_kv_matches_transformers(monkeypatch, compiled, tokens):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    import hearth.model.attention as attention
+    from hearth.config import ModelConfig
+    from hearth.model.layers import RotaryEmbedding
+    from models import hf_config
+
+    if not compiled:
+        monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    hf = hf_config("llama", num_attention_heads=8, num_key_value_heads=2, hidden_size=512,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    heads, kv_heads, head_dim = 8, 2, 64
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    # q, k, v as views of one merged projection's output, as the model passes them
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                  kv_heads * head_dim], dim=-1))
+    num_slots = tokens + 7
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    k_cache, v_cache = torch.zeros(num_slots, kv_heads, head_dim), torch.zeros(num_slots, kv_heads, head_dim)
+    rope = RotaryEmbedding(ModelConfig.from_hf(hf.to_dict()), 512)
+    q_out = attention.rope_and_store_kv(q, k, v, rope(positions, torch.float32), (k_cache, v_cache), slots)
+
+    cos, sin = LlamaRotaryEmbedding(hf)(v, positions[None])  # [1, T, head_dim]
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache[slots], k_ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_cache[slots], v)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()

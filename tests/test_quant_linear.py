@@ -228,7 +228,8 @@ def test_gguf_model_stays_quantized_and_matches_the_dense_path(tiny_ggufs, monke
     qtype = Q.Q8_0 if out_type == "q8_0" else Q.Q4_0
     # every matmul weight kept as blocks over the memory map; no float copy of one exists
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 2 * 7 + 1 and not any(isinstance(m, Linear) for m in model.modules())
+    # per layer q/k/v merged, o, gate/up merged, down; then the lm_head
+    assert len(layers) == 2 * 4 + 1 and not any(isinstance(m, Linear) for m in model.modules())
     assert {m.qtype for m in layers} == {qtype, Q.F16}  # intermediate 112 is no whole number of blocks: F16
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == qtype
     assert all(p.dim() == 1 for p in model.parameters())  # norms only: no dense matrix
@@ -247,3 +248,53 @@ def test_gguf_model_stays_quantized_and_matches_the_dense_path(tiny_ggufs, monke
         error = ((ours - reference).abs().max() / reference.abs().max()).item()
         assert error <= tolerance, (chunks, error)
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-path"])
+def test_merged_projections_group_parts_by_format(tmp_path, monkeypatch, compiled):
+    """q/k/v and gate/up run as one matmul per run of neighbours stored alike; parts in other
+    formats stay separate. The result equals transformers' with the dequantized weights."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from hearth.config import ModelConfig
+    from hearth.model.transformer import Transformer
+    from models import hf_config, load_hf_reference
+    from test_model import _hearth_logits
+
+    if not compiled:
+        monkeypatch.setattr(kernels, "extension", lambda: None)
+    elif kernels.extension() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    folder = make_hf_model(tmp_path / "qwen2", "qwen2")  # q/k/v biases merge too
+    weights = load_file(folder / "model.safetensors")
+    formats = {"q_proj": Q.Q8_0, "k_proj": Q.Q8_0, "v_proj": Q.Q5_0, "gate_proj": Q.Q4_0, "up_proj": Q.F16}
+    reference = load_hf_reference(folder)
+    for name in list(weights):
+        kind = name.split(".")[-2]
+        if kind not in formats or not name.endswith("weight"):
+            continue
+        if formats[kind] == Q.F16:
+            weights[name] = weights[name].half()
+            stored = weights[name].float()
+        else:
+            blocks = torch.from_numpy(gguf.quantize(weights[name].numpy(), formats[kind])).view(torch.uint8)
+            weights[name] = QuantTensor(blocks.reshape(weights[name].shape[0], -1), formats[kind], tuple(weights[name].shape))
+            stored = torch.from_numpy(gguf.dequantize(blocks.numpy(), formats[kind])).reshape(weights[name].shape)
+        reference.get_parameter(name).data = stored.reshape(reference.get_parameter(name).shape)
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf(hf_config("qwen2").to_dict()))
+    model.load_weights(weights, torch.float32)
+    attention, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert [p.qtype for p in attention.qkv_proj.parts] == [Q.Q8_0, Q.Q5_0]  # q and k merged, v apart
+    assert [p.out_features for p in attention.qkv_proj.parts] == [64 + 32, 32]
+    assert [p.qtype for p in mlp.gate_up_proj.parts] == [Q.Q4_0, Q.F16]
+
+    tokens = torch.randint(0, VOCAB_SIZE, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0]
+    ours = _hearth_logits(model, tokens, chunks=(27, 1, 1, 1))
+    # compiled: packed Q8_0/Q4_0 round activations to int8 (see the test above)
+    tolerance = 3e-2 if compiled else 1e-4
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= tolerance

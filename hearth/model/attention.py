@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hearth.model.layers import cpu_kernels
+from hearth.model.layers import apply_rope, cpu_kernels
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
 
@@ -70,7 +70,7 @@ def decode_attention(
     scale: float,
     split_len: int | None = None,  # None: decode_split_len's choice
 ) -> torch.Tensor:  # [D, heads, head_dim]
-    kernel = cpu_kernels() if q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 else None
+    kernel = cpu_kernels() if q.is_cpu and q.dtype == k_cache.dtype == torch.float32 else None
     if kernel is None:
         return decode_attention_sdpa(q, k_cache, v_cache, meta, scale)
     q = q.contiguous()
@@ -102,21 +102,52 @@ def decode_attention_sdpa(
     return o.squeeze(2)
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, heads, head_dim]
+def rope_and_store_kv(
+    q: torch.Tensor,  # [T, heads, head_dim], rows may be strided (views of a merged projection)
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    rotary: tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding's (cos, sin), each [T, 1, head_dim / 2]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_slots, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> torch.Tensor:  # q rotated, [T, heads, head_dim]
+    """RoPE on q and k; k and v written into their cache slots. On a CPU in float32 one kernel
+    call does it all (k rotated straight into the cache); elsewhere torch's ops."""
+    k_cache, v_cache = kv_cache
+    cos, sin = rotary  # in q's dtype
+    kernel = cpu_kernels() if q.is_cpu and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 else None
+    fits = (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v) and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64)
+    if kernel is None or not fits:
+        k_cache.index_copy_(0, slot_mapping, apply_rope(k, rotary).to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return apply_rope(q, rotary)
+    tokens, heads, head_dim = q.shape
+    q_out = torch.empty(tokens, heads, head_dim)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kernel.rope_and_store_kv(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        tokens, heads, k.shape[1], head_dim, torch.get_num_threads(),
+    )
+    return q_out
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each token's heads side by side (tokens may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim], rotated
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim], this step's K/V already stored
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, heads, head_dim]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
         return decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
+    gqa = q.shape[1] != k_cache.shape[1]
     for seq in meta.prefills:
         # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
         query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)

@@ -11,7 +11,12 @@
 // and unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
-// rms_norm (hearth/model/layers.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row.
+// rms_norm (hearth/model/layers.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
+// optionally after x += add in place (the residual stream's add fused into the norm's pass).
+//
+// rope_and_store_kv (hearth/model/attention.py): rotate-half RoPE of each token's q and k heads,
+// k written rotated straight into its cache slot and v copied to its slot: one pass where torch
+// would run a dozen ops per layer.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -35,6 +40,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Cache rows fetched ahead while the current one is used: K/V rows sit behind the block table
+// and each holds one KV head of a token (a 1/kv_heads slice of the token's row), a pattern the
+// hardware prefetcher does not follow; after a step's matmuls have streamed the weights through
+// the caches every row comes from DRAM, and without this the kernel runs at its latency.
+constexpr int64_t PREFETCH_ROWS = 8;
+
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
@@ -106,7 +121,10 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
         rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
       }
       const float* q_group = q + (it.seq * num_heads + it.kv_head * group) * D;
+      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) prefetch_row(k_cache + rows[t] * D, D);
       for (int64_t t = 0; t < n; ++t) {
+        if (t + PREFETCH_ROWS < n) prefetch_row(k_cache + rows[t + PREFETCH_ROWS] * D, D);
+        prefetch_row(v_cache + rows[t] * D, D);  // read after the scores
         const float* k = k_cache + rows[t] * D;
         for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q_group + g * D, k, D) * fscale;
       }
@@ -158,18 +176,24 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
   }
 }
 
-// x, out [rows, dim]; w [dim]
-void rms_norm(uintptr_t x_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps, double offset,
-              int threads) {
-  const float* x = reinterpret_cast<const float*>(x_);
+// x, out [rows, dim]; add [rows, dim] or null; w [dim]
+void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,
+              double offset, int threads) {
+  float* x = reinterpret_cast<float*>(x_);
+  const float* add = reinterpret_cast<const float*>(add_);
   const float* w = reinterpret_cast<const float*>(w_);
   float* out = reinterpret_cast<float*>(out_);
   const float foffset = (float)offset;
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * dim / 65536));
 #pragma omp parallel for num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
+    float* xr = x + r * dim;
     float* o = out + r * dim;
+    if (add) {
+      const float* a = add + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) xr[i] += a[i];
+    }
     float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = 0; i < dim; ++i) sq += xr[i] * xr[i];
@@ -179,11 +203,50 @@ void rms_norm(uintptr_t x_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t 
   }
 }
 
+// out [D] = rotate-half RoPE of x [D] with cos, sin [D/2]
+inline void rope_head(const float* x, const float* cos, const float* sin, float* out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+}
+
+// q [T, H, D], k and v [T, KH, D], each with its own token stride (heads contiguous); cos, sin
+// [T, D/2]; slots int64 [T]; q_out [T, H, D]; k_cache, v_cache [slots, KH, D]
+void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,
+                       int64_t v_stride, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t q_out_,
+                       uintptr_t k_cache_, uintptr_t v_cache_, int64_t tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int threads) {
+  const float* q = reinterpret_cast<const float*>(q_);
+  const float* k = reinterpret_cast<const float*>(k_);
+  const float* v = reinterpret_cast<const float*>(v_);
+  const float* cos = reinterpret_cast<const float*>(cos_);
+  const float* sin = reinterpret_cast<const float*>(sin_);
+  const int64_t* slots = reinterpret_cast<const int64_t*>(slots_);
+  float* q_out = reinterpret_cast<float*>(q_out_);
+  float* k_cache = reinterpret_cast<float*>(k_cache_);
+  float* v_cache = reinterpret_cast<float*>(v_cache_);
+  const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, tokens * (num_heads + num_kv_heads) * head_dim / 65536));
+#pragma omp parallel for num_threads(threads)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + t * half;
+    const float* s = sin + t * half;
+    for (int64_t h = 0; h < num_heads; ++h)
+      rope_head(q + t * q_stride + h * head_dim, c, s, q_out + (t * num_heads + h) * head_dim, half);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      rope_head(k + t * k_stride + h * head_dim, c, s, k_cache + slots[t] * kv_row + h * head_dim, half);
+    std::memcpy(v_cache + slots[t] * kv_row, v + t * v_stride, kv_row * sizeof(float));
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32", nogil);
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
+  m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32", nogil);
 }

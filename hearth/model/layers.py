@@ -28,15 +28,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_offset = weight_offset  # gemma stores w - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        kernels = cpu_kernels() if x.device.type == "cpu" and dtype == self.weight.dtype == torch.float32 else None
-        if kernels is not None:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x): the add
+        fused into the norm's pass (on a CPU in float32 the sum is written into `residual`)."""
+        dtype, weight = x.dtype, self.weight
+        kernels = cpu_kernels() if x.is_cpu and dtype == weight.dtype == torch.float32 else None
+        if kernels is not None and (residual is None or residual.is_contiguous()):
             x = x.contiguous()
+            target, add = (x, None) if residual is None else (residual, x)
             out = torch.empty_like(x)
-            kernels.rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
-                             x.shape[-1], self.eps, self.weight_offset, torch.get_num_threads())
-            return out
+            kernels.rms_norm(target.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(),
+                             out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, self.weight_offset,
+                             torch.get_num_threads())
+            return out if residual is None else (out, target)
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_offset:
@@ -56,14 +63,41 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedLinear(nn.Module):
+    """Projections of one input (attention's q, k, v; the MLP's gate and up) as one matmul over
+    their weights concatenated by rows: one kernel call and one pass over x instead of several.
+    Parts stored in different formats (a GGUF file may hold v in Q6_K beside q and k in Q4_K)
+    cannot share a matrix: `parts` has one Linear per run of neighbours in the same format
+    (Transformer.load_weights groups them). forward returns each projection's output."""
+
+    def __init__(self, in_features: int, out_features: dict[str, int], bias: bool = False):
+        super().__init__()
+        self.in_features, self.bias = in_features, bias
+        self.part_names = tuple(out_features)  # the checkpoint's names, e.g. ("q_proj", "k_proj", "v_proj")
+        self.part_sizes = tuple(out_features.values())
+        self.set_groups([list(range(len(self.part_names)))])
+
+    def set_groups(self, groups: list[list[int]]) -> None:
+        """One Linear per group of consecutive parts (indices into part_names); weights come later."""
+        self.groups = [[self.part_sizes[i] for i in group] for group in groups]
+        with torch.device("meta"):
+            self.parts = nn.ModuleList(Linear(self.in_features, sum(sizes), self.bias) for sizes in self.groups)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outputs = []
+        for part, sizes in zip(self.parts, self.groups):
+            outputs.extend(part(x).split_with_sizes(sizes, dim=-1))
+        return outputs
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size})
+        self.down_proj = Linear(size, config.hidden_size)
         if config.hidden_act == "silu":
             self.act = F.silu
         elif config.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -74,7 +108,8 @@ class GatedMLP(nn.Module):
             raise ModelLoadError(f"unsupported activation {config.hidden_act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -11,9 +11,10 @@ from torch import nn
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.model.attention import AttentionMetadata, paged_attention
-from hearth.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from hearth.model.attention import AttentionMetadata, paged_attention, rope_and_store_kv
+from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from hearth.quant import QuantTensor
+from hearth.quant.kernels.memory import release_pages
 from hearth.quant.linear import quantized_module, release_file_pages
 
 
@@ -21,10 +22,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                     config.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -40,13 +40,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rotary), apply_rope(k, rotary)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q = rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -58,9 +59,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary, kv_cache, meta):
+        """x: what the previous layer adds to the residual stream (None before the first layer:
+        then x is the stream). Returns (this layer's addition, the stream): each add is fused
+        into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rotary, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -86,9 +94,10 @@ class Transformer(nn.Module):
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rotary = self.rope(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rotary, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,7 +112,8 @@ class Transformer(nn.Module):
                      device: torch.device | str = "cpu") -> None:
         """Take every parameter from `weights` (HF names), checking presence and shape. Weights
         kept in their storage format (GGUF blocks; F16/BF16 on a CPU) swap their Linear or
-        Embedding for the quantized module hearth.quant.linear chooses."""
+        Embedding for the quantized module hearth.quant.linear chooses. A MergedLinear's parts
+        are concatenated (one module at a time, so that only one merged copy exists at once)."""
         weights = dict(weights)
         if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied embeddings
@@ -111,24 +121,81 @@ class Transformer(nn.Module):
         if rope_freqs is not None:
             self.rope.set_frequency_factors(_dense(rope_freqs, torch.float32))
         release_file_pages(weights.values())
+        merged = self._plan_merges(weights)
+
+        def source(hf_name: str) -> torch.Tensor | QuantTensor | None:
+            if hf_name not in merged:
+                return weights.get(hf_name)
+            names = merged[hf_name]
+            missing = [name for name in names if name not in weights]
+            if missing:
+                raise ModelLoadError(f"missing tensor {missing[0]}")
+            return concat_rows([weights[name] for name in names])
+
         for name, module in list(self.named_modules()):
-            hf_name = name if name.startswith("lm_head") else f"model.{name}"
-            source = weights.get(f"{hf_name}.weight")
-            if source is None or not isinstance(module, (Linear, nn.Embedding)):
+            params = dict(module.named_parameters(recurse=False))
+            if not params:
                 continue
-            swapped = quantized_module(module, source, weights.get(f"{hf_name}.bias"), dtype, device)
-            if swapped is not None:
-                _check_shape(f"{hf_name}.weight", source, module.weight)
-                parent, _, child = name.rpartition(".")
-                setattr(self.get_submodule(parent), child, swapped)
-        for name, param in self.named_parameters():
             hf_name = name if name.startswith("lm_head") else f"model.{name}"
-            source = weights.get(hf_name)
-            if source is None:
-                raise ModelLoadError(f"missing tensor {hf_name}")
-            _check_shape(hf_name, source, param)
-            owner, attr = name.rsplit(".", 1)
-            setattr(self.get_submodule(owner), attr, nn.Parameter(_dense(source, dtype), requires_grad=False))
+            found = {attr: source(f"{hf_name}.{attr}") for attr in params}
+            for attr, param in params.items():
+                if found[attr] is None:
+                    raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
+                _check_shape(f"{hf_name}.{attr}", found[attr], param)
+            if isinstance(module, (Linear, nn.Embedding)):
+                swapped = quantized_module(module, found["weight"], found.get("bias"), dtype, device)
+                if swapped is not None:
+                    parent, _, child = name.rpartition(".")
+                    setattr(self.get_submodule(parent), child, swapped)
+                    continue
+            for attr, tensor in found.items():
+                setattr(module, attr, nn.Parameter(_dense(tensor, dtype), requires_grad=False))
+
+    def _plan_merges(self, weights: dict) -> dict[str, list[str]]:
+        """Group each MergedLinear's parts by storage format (checking each part's presence and
+        shape); returns the checkpoint names behind each merged parameter name."""
+        merged = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, MergedLinear):
+                continue
+            prefix = "model." + name.rpartition(".")[0]
+            part_weights = []
+            for part, size in zip(module.part_names, module.part_sizes):
+                hf_name = f"{prefix}.{part}.weight"
+                if hf_name not in weights:
+                    raise ModelLoadError(f"missing tensor {hf_name}")
+                _check_shape(hf_name, weights[hf_name], torch.empty(size, module.in_features, device="meta"))
+                part_weights.append(weights[hf_name])
+            groups: list[list[int]] = []
+            for i, weight in enumerate(part_weights):
+                if groups and _storage_format(weight) == _storage_format(part_weights[groups[-1][0]]):
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+            module.set_groups(groups)
+            for g, group in enumerate(groups):
+                for attr in ("weight", "bias"):
+                    merged[f"model.{name}.parts.{g}.{attr}"] = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
+        return merged
+
+
+def _storage_format(weight: torch.Tensor | QuantTensor) -> tuple:
+    return (weight.qtype,) if isinstance(weight, QuantTensor) else (weight.dtype,)
+
+
+def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor:
+    """Weights of one storage format stacked by rows (a QuantTensor's rows are whole blocks).
+    The parts' file pages are given back: the concatenation holds the data now."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], QuantTensor):
+        data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
+        joined = QuantTensor(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+    else:
+        joined = torch.cat(parts)
+    for part in parts:
+        release_pages(part.data if isinstance(part, QuantTensor) else part)
+    return joined
 
 
 def _check_shape(hf_name: str, source: torch.Tensor | QuantTensor, param: torch.Tensor) -> None:

@@ -122,8 +122,26 @@ class QuantLinear(nn.Module):
             self.codes = self.scales = None
             self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self._bind_packed_kernel()
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._bind_packed_kernel()
+        return module
+
+    def _bind_packed_kernel(self) -> None:
+        """The packed kernel's weight pointers, looked up once (buffers only move through _apply):
+        at batch 1 a call's Python overhead is a visible share of its time."""
+        on_cpu = self.codes is not None and self.codes.device.type == "cpu"
+        self._packed_weight = (self.codes.data_ptr(), self.scales.data_ptr()) if on_cpu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed_weight is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            # the decode hot path: straight to the kernel
+            y = torch.empty(x.shape[0], self.out_features)
+            self._kernel(x.data_ptr(), *self._packed_weight, y.data_ptr(), x.shape[0], self.out_features,
+                         self.in_features, self._qtype, False, torch.get_num_threads())
+            return y if self.bias is None else y.add_(self.bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.codes is None:
             if x2.dtype == _HALF_DTYPES.get(self.qtype) and x2.shape[0] > GEMV_MAX_ROWS[self.qtype]:
@@ -132,11 +150,11 @@ class QuantLinear(nn.Module):
                 y = F.linear(x2, self.qweight.view(x2.dtype))
             else:
                 y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
-        elif self.codes.device.type == "cpu":  # the decode hot path: straight to the kernel
+        elif self._packed_weight is not None:
             x2 = x2.float().contiguous()
             y = torch.empty(x2.shape[0], self.out_features)
-            self._kernel(x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), y.data_ptr(), x2.shape[0],
-                         self.out_features, self.in_features, self._qtype, False, torch.get_num_threads())
+            self._kernel(x2.data_ptr(), *self._packed_weight, y.data_ptr(), x2.shape[0], self.out_features,
+                         self.in_features, self._qtype, False, torch.get_num_threads())
         else:  # moved to a GPU after packing
             y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
         if self.bias is not None:
