@@ -298,3 +298,49 @@ def test_merged_projections_group_parts_by_format(tmp_path, monkeypatch, compile
     # compiled: packed Q8_0/Q4_0 round activations to int8 (see the test above)
     tolerance = 3e-2 if compiled else 1e-4
     assert ((ours - expected).abs().max() / expected.abs().max()).item() <= tolerance
+
+
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_0"])
+def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_type):
+    """Every matmul packed (intermediate 128: whole blocks): decode-only steps run
+    cpu_decode.py's one-call path; its logits equal the modules' (same kernels, same order) and
+    the dequantized dense model's within the int8-activation tolerance above."""
+    from hearth.model.cpu_decode import CpuDecodePath
+
+    ext = kernels.extension()
+    if ext is None or not ext.vnni:
+        pytest.skip("the packed kernels need the C++ build with AVX-512 VNNI")
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
+    path = convert_hf_to_gguf(folder, tmp_path / f"llama-{out_type}.gguf", out_type, progress=False)
+    model = load_model(path, progress=False).model
+    assert CpuDecodePath.for_model(model) is not None
+    modules_only = load_model(path, progress=False).model
+    modules_only._decode_path = None
+    dense = _dense_copy(load_model(path, progress=False).model)
+    assert CpuDecodePath.for_model(dense) is None  # dense matmuls: the modules' path
+
+    tokens = torch.randint(0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    chunks = [20] + [1] * 10  # a prefill (modules), then decodes (the one-call path)
+    ours, modules, reference = (_logits(m, tokens, chunks) for m in (model, modules_only, dense))
+    assert model._decode_path is not None
+    decodes = slice(20, None)
+    torch.testing.assert_close(ours[decodes], modules[decodes], rtol=1e-4, atol=1e-4 * modules.abs().max().item())
+    error = ((ours - reference).abs().max() / reference.abs().max()).item()
+    assert error <= 3e-2 and (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+    # three sequences of different lengths decoding together, blocks interleaved
+    def batch_decode(m):
+        from hearth.engine.runner import BatchEntry, ModelRunner
+
+        runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
+        tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+        lengths = [5, 17, 33]
+        runner.execute([BatchEntry(tokens[:n], 0, t) for n, t in zip(lengths, tables)])
+        steps = []
+        for s in range(3):
+            hidden, last = runner.execute([BatchEntry([tokens[n + s]], n + s, t) for n, t in zip(lengths, tables)])
+            steps.append(m.compute_logits(hidden[last]))
+        return torch.stack(steps)
+
+    ours, modules = batch_decode(model), batch_decode(modules_only)
+    torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())

@@ -12,6 +12,7 @@ from torch import nn
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.attention import AttentionMetadata, paged_attention, rope_and_store_kv
+from hearth.model.cpu_decode import CpuDecodePath
 from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
@@ -94,10 +95,24 @@ class Transformer(nn.Module):
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rotary = self.rope(positions, x.dtype)
+        if not meta.prefills and (fast := self._cpu_decode_path()) is not None:
+            if (out := fast(x, rotary, kv_caches, meta)) is not None:
+                return self.norm(*out)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rotary, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _cpu_decode_path(self) -> CpuDecodePath | None:
+        """hearth.model.cpu_decode's one-call decode step, where this model allows it (decided
+        once; moving the model decides again)."""
+        if not hasattr(self, "_decode_path"):
+            self._decode_path = CpuDecodePath.for_model(self)
+        return self._decode_path
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_decode_path", None)  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,92 @@
+"""Decode steps in one C++ call: the CPU path for models whose matmuls are all packed.
+
+At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch ops and module
+calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
+again: each runs with the caches that the weights' stream has just emptied. When every projection
+of every layer is a packed Q8_0/Q4_0 QuantLinear (hearth/quant/linear.py) and the model is plain
+llama-shaped (SiLU MLP, no biases, no q/k norms, norms without offset), a step made only of
+decodes runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules call, in the same
+order, with no Python between them. Every other step and model takes the modules' path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.model.attention import AttentionMetadata, decode_split_len
+from hearth.model.layers import cpu_kernels
+from hearth.quant import kernels as quant_kernels
+from hearth.quant.linear import QuantLinear
+
+
+class CpuDecodePath:
+    """Runs a decode-only step of `model` through every layer in one kernel call."""
+
+    def __init__(self, model, layer_table: torch.Tensor, matmul_address: int):
+        config = model.config
+        self.kernels = cpu_kernels()
+        self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
+        self.matmul_address = matmul_address
+        self.shape = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                      config.intermediate_size)
+        self.eps = config.rms_norm_eps
+        self.scale = model.layers[0].self_attn.scale
+
+    @classmethod
+    def for_model(cls, model) -> CpuDecodePath | None:
+        """The path for `model`, or None where it does not apply (see the module's docstring)."""
+        kernels, qmatmul = cpu_kernels(), quant_kernels.extension()
+        config = model.config
+        if (kernels is None or qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
+                or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
+                or config.norm_weight_offset or config.head_dim % 2):
+            return None
+        rows = []
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
+            if not all(len(modules) == 1 and _packed(modules[0]) for modules in projections):
+                return None
+            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+            for (linear,) in projections:
+                row += [*linear._packed_weight, linear._qtype]
+            rows.append(row)
+        table = torch.tensor(rows, dtype=torch.int64)
+        if table.shape[1] != kernels.LAYER_FIELDS:
+            raise RuntimeError("cpu_kernels.cpp's layer table has other columns than cpu_decode.py fills")
+        return cls(model, table, qmatmul.module.packed_matmul_address())
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, hidden] embeddings of a step whose every row is a decode
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's MLP output, the residual stream before it), or None where this step's
+        tensors do not fit the kernel (then the modules run it)."""
+        k_cache = kv_caches[0][0]
+        if not (x.is_cpu and x.dtype == k_cache.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64
+                and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)):
+            return None
+        # int64 [layers, 2]: each layer's K and V cache
+        caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv_caches], dtype=torch.int64)
+        hidden, heads, kv_heads, head_dim, intermediate = self.shape
+        tokens = x.shape[0]
+        residual = x.contiguous()
+        delta = torch.empty_like(residual)
+        cos, sin = (t.contiguous() for t in rotary)
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        threads = torch.get_num_threads()
+        self.kernels.decode_layers(
+            self.matmul_address, self.layer_table.data_ptr(), caches.data_ptr(),
+            self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), tokens, hidden, heads, kv_heads,
+            head_dim, intermediate, self.eps, meta.block_size, tables.shape[1], self.scale,
+            decode_split_len(tokens, kv_heads, meta.decode_max_len, threads), threads,
+        )
+        return delta, residual
+
+
+def _packed(module) -> bool:
+    return isinstance(module, QuantLinear) and module._packed_weight is not None and module.bias is None
