@@ -64,11 +64,16 @@ def _llm(args, tokens_needed: int | None, num_seqs: int):
     )
 
 
-def _print(report: dict, args, formatter) -> None:
+def _print(report: dict, args, formatter, plot=None) -> None:
+    """The report as JSON or as `formatter`'s text; with --plot, `plot(report, path)` draws it first."""
+    if plot is not None and args.plot:
+        report["plot"] = str(plot(report, args.plot))
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        print(formatter(report))
+        return
+    print(formatter(report))
+    if report.get("plot"):
+        print(f"plot: {report['plot']}")
 
 
 def cmd_latency(args) -> None:
@@ -102,16 +107,9 @@ def cmd_serve(args) -> None:
         vocab_size=args.vocab_size, goodput=args.goodput, seed=args.seed,
         progress=not args.no_progress, timeout=args.timeout,
     )
-    if args.plot:
-        from hearth.bench.plots import serve_plot
+    from hearth.bench.plots import serve_plot
 
-        report["plot"] = str(serve_plot(report, args.plot))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_serve(report))
-        if args.plot:
-            print(f"plot: {report['plot']}")
+    _print(report, args, format_serve, serve_plot)
 
 
 def cmd_make_model(args) -> None:
@@ -151,14 +149,9 @@ def cmd_roofline(args) -> None:
         engine["kv_cache_memory"] = config.kv_bytes_per_token(element) * tokens
     report = run_roofline(args.model, args.batch_sizes, args.context, args.dtype, args.device, args.measure,
                           args.measure_tokens, args.runs, engine, progress=not args.json)
-    if args.plot:
-        from hearth.bench.plots import roofline_plot
+    from hearth.bench.plots import roofline_plot
 
-        report["plot"] = str(roofline_plot(report, args.plot))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_roofline(report))
+    _print(report, args, format_roofline, roofline_plot)
 
 
 def format_roofline(r: dict) -> str:
