@@ -80,9 +80,9 @@ _BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, 
 _GPT2 = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 _DIGITS = {"type": "Digits", "individual_digits": True}
 
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -126,9 +126,9 @@ _PRE_TOKENIZERS: dict[str, list[dict[str, Any]]] = {
                      _split(r"\s+$"), _split(_CJK), _split(r"\p{N}+"), _BYTES],
     **dict.fromkeys(["deepseek-v3", "hunyuan-dense"], [*map(_split, _DEEPSEEK3), _BYTES]),
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "chatglm-bpe", "midm-2.0", "lfm2", "exaone4"], [_split(_LLAMA3), _BYTES]),
+                     "chatglm-bpe", "midm-2.0", "lfm2", "exaone4"], [_split(LLAMA3_REGEX), _BYTES]),
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "hunyuan", "megrez", "kormo", "grok-2"],
-                    [_split(_QWEN2), _BYTES]),
+                    [_split(QWEN2_REGEX), _BYTES]),
     "qwen35": [_split(_QWEN35), _BYTES],
     "tekken": [_split(_TEKKEN), _BYTES],
     **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], [_split(_GPT4O), _BYTES]),

@@ -216,13 +216,13 @@ class LLMEngine:
             num_tokens=plan.num_batched_tokens,
             num_preempted=len(plan.preempted),
         )
-        outputs: dict[str, RequestOutput] = {}
+        progressed: dict[str, RequestGroup] = {}  # by group id; outputs are built once, in _emit
         for request in plan.finished:  # ended by the scheduler: its sequence outgrew the whole cache
             stats.finished_reasons.append("length")
-            self._collect(request, outputs)
+            self._collect(request, progressed)
         if not plan.scheduled:
             self.last_step = stats
-            return self._emit(outputs)
+            return self._emit(progressed)
         now = time.monotonic()
         entries, sampling_rows, sampled_states = [], [], []
         scoring = []  # (state, first row, number of rows) of requests that want prompt logprobs
@@ -268,23 +268,25 @@ class LLMEngine:
                 if reason:
                     stats.finished_reasons.append(reason)
         for request, _ in plan.scheduled:
-            self._collect(request, outputs)
+            self._collect(request, progressed)
         stats.kv_usage = self.block_manager.usage
         stats.prefix_cache_queries = plan.prefix_cache_queries
         stats.prefix_cache_hits = plan.prefix_cache_hits
         self.last_step = stats
-        return self._emit(outputs)
+        return self._emit(progressed)
 
-    def _collect(self, request: Request, outputs: dict[str, RequestOutput]) -> None:
+    def _collect(self, request: Request, progressed: dict[str, RequestGroup]) -> None:
         if request.request_id in self.sequences:
             group = self.groups[self._group_id(request.request_id)]
-            outputs[group.request_id] = self._group_output(group)
+            progressed[group.request_id] = group
 
-    def _emit(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
-        for group_id, output in outputs.items():
+    def _emit(self, progressed: dict[str, RequestGroup]) -> list[RequestOutput]:
+        """Each progressed group's output (once, however many of its samples ran this step)."""
+        outputs = [self._group_output(group) for group in progressed.values()]
+        for output in outputs:
             if output.finished:
-                self._release_group(group_id)
-        return list(outputs.values())
+                self._release_group(output.request_id)
+        return outputs
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""
@@ -315,11 +317,10 @@ class LLMEngine:
         logits = self.model.compute_logits(hidden[:count])
         targets = torch.tensor(prompt[start + 1 : start + 1 + count], device=logits.device)
         k = request.sampling_params.prompt_logprobs
-        chosen, top_ids, top_lps = prompt_logprobs(logits, targets, self.model_config.vocab_size if k == -1 else k)
+        chosen, top_ids, top_lps = prompt_logprobs(logits, targets, k)
         for j, token in enumerate(targets.tolist()):
             entry = {token: chosen[j].item()}
-            if top_ids is not None:
-                entry.update(zip(top_ids[j].tolist(), top_lps[j].tolist()))
+            entry.update(zip(top_ids[j].tolist(), top_lps[j].tolist()))
             group.prompt_logprobs.append(entry)
 
     def _append_token(self, state, token_id, logprob, alternatives, now) -> str | None:

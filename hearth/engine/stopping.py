@@ -24,18 +24,18 @@ stop string is held back until it either completes a stop string or cannot any m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from hearth.sampling_params import SamplingParams
 
 
 def check_token_stop(
-    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Iterable[int]
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Collection[int]
 ) -> str | None:
     """Finish reason after appending `token_id` as output token number `num_output_tokens`
     (counting it): "stop" (EOS / a stop token id), "length" (max_tokens reached) or None."""
     if num_output_tokens < params.min_tokens:
         return None
-    if not params.ignore_eos and token_id in set(eos_token_ids):
+    if not params.ignore_eos and token_id in eos_token_ids:
         return "stop"
     if token_id in params.stop_token_ids:
         return "stop"

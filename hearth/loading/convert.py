@@ -24,6 +24,7 @@ from hearth.errors import ModelLoadError
 from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, hf_to_gguf, qk_row_order
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
+from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
 Q = GGMLQuantizationType
 
@@ -190,11 +191,9 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
 
 # ---------------------------------------------------------------- tokenizer metadata
 
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_TOKENIZER_REGEXES = {  # Split regex -> llama.cpp's tokenizer.ggml.pre
-    _LLAMA3_REGEX: "llama-bpe",
-    _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"): "qwen2",  # digits one by one
+_PRE_TOKENIZER_REGEXES = {  # Split regex -> llama.cpp's tokenizer.ggml.pre (the regexes loading rebuilds)
+    LLAMA3_REGEX: "llama-bpe",
+    QWEN2_REGEX: "qwen2",  # digits one by one
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+": "gpt-2",
 }
 

@@ -156,7 +156,7 @@ class Transformer(nn.Module):
             for attr, param in params.items():
                 if found[attr] is None:
                     raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
-                _check_shape(f"{hf_name}.{attr}", found[attr], param)
+                _check_shape(f"{hf_name}.{attr}", found[attr], param.shape)
             if isinstance(module, (Linear, nn.Embedding)):
                 swapped = quantized_module(module, found["weight"], found.get("bias"), dtype, device)
                 if swapped is not None:
@@ -179,7 +179,7 @@ class Transformer(nn.Module):
                 hf_name = f"{prefix}.{part}.weight"
                 if hf_name not in weights:
                     raise ModelLoadError(f"missing tensor {hf_name}")
-                _check_shape(hf_name, weights[hf_name], torch.empty(size, module.in_features, device="meta"))
+                _check_shape(hf_name, weights[hf_name], (size, module.in_features))
                 part_weights.append(weights[hf_name])
             groups: list[list[int]] = []
             for i, weight in enumerate(part_weights):
@@ -213,10 +213,10 @@ def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | Quant
     return joined
 
 
-def _check_shape(hf_name: str, source: torch.Tensor | QuantTensor, param: torch.Tensor) -> None:
-    if tuple(source.shape) != tuple(param.shape):
+def _check_shape(hf_name: str, source: torch.Tensor | QuantTensor, expected: tuple[int, ...]) -> None:
+    if tuple(source.shape) != tuple(expected):
         raise ModelLoadError(
-            f"tensor {hf_name}: shape {tuple(source.shape)}, expected {tuple(param.shape)} from the config"
+            f"tensor {hf_name}: shape {tuple(source.shape)}, expected {tuple(expected)} from the config"
         )
 
 

@@ -137,10 +137,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_weight is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
-            # the decode hot path: straight to the kernel
-            y = torch.empty(x.shape[0], self.out_features)
-            self._kernel(x.data_ptr(), *self._packed_weight, y.data_ptr(), x.shape[0], self.out_features,
-                         self.in_features, self._qtype, False, torch.get_num_threads())
+            y = self._packed_matmul(x)  # the decode hot path: straight to the kernel
             return y if self.bias is None else y.add_(self.bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.codes is None:
@@ -151,16 +148,19 @@ class QuantLinear(nn.Module):
             else:
                 y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
         elif self._packed_weight is not None:
-            x2 = x2.float().contiguous()
-            y = torch.empty(x2.shape[0], self.out_features)
-            self._kernel(x2.data_ptr(), *self._packed_weight, y.data_ptr(), x2.shape[0], self.out_features,
-                         self.in_features, self._qtype, False, torch.get_num_threads())
+            y = self._packed_matmul(x2.float().contiguous())
         else:  # moved to a GPU after packing
             y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
         if self.bias is not None:
             y += self.bias
         y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K], contiguous
+        y = torch.empty(x.shape[0], self.out_features)
+        self._kernel(x.data_ptr(), *self._packed_weight, y.data_ptr(), x.shape[0], self.out_features,
+                     self.in_features, self._qtype, False, torch.get_num_threads())
+        return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""

@@ -286,7 +286,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                 bad = [t for t in ids if not 0 <= t < vocab_size]
                 if bad:
                     raise RequestError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-                texts.append(tokenizer.decode(ids))
+                texts.append(tokenizer.decode(ids) if body.echo else None)  # read only to echo
             ids = body.truncate(ids)
             if not ids:
                 raise RequestError("the prompt is empty")

@@ -38,18 +38,17 @@ class Kernels:
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
         """x [M, K] W^T in fp32, exact up to summation order (small M)."""
-        x, k = self._check(x, w, qtype, n)
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self.module.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
-                         portable, torch.get_num_threads())
-        return y
+        return self._matmul(self.module.gemv, x, w, qtype, n, portable)
 
     def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
         """x [M, K] W^T with x rounded to int8 per 32 values (llama.cpp's q8_0); block formats only."""
+        return self._matmul(self.module.gemm_q8, x, w, qtype, n, portable)
+
+    def _matmul(self, kernel, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool) -> torch.Tensor:
         x, k = self._check(x, w, qtype, n)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self.module.gemm_q8(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
-                            portable, torch.get_num_threads())
+        kernel(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype), portable,
+               torch.get_num_threads())
         return y
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
