@@ -3,7 +3,7 @@
 
   sdpa       K/V gathered into a padded [D, kv_heads, L, head_dim] copy, one batched SDPA with a mask
              (hearth's path on CUDA and for dtypes other than float32)
-  kernel     hearth/model/cpu_kernels.cpp reading K/V in place, whole contexts (no split)
+  kernel     hearth/backend/cpu_kernels.cpp reading K/V in place, whole contexts (no split)
   split-KV   the same kernel, contexts split as hearth chooses (flash-decoding; decode_split_len)
 
 Microseconds per call, medians of interleaved runs; float32.
@@ -37,11 +37,12 @@ def main() -> None:
     set_threads(args.threads)
     import torch
 
-    from hearth.model.attention import AttentionMetadata, decode_attention, decode_attention_sdpa, decode_split_len
-    from hearth.model.layers import cpu_kernels
+    from hearth.backend.base import AttentionMetadata, Backend
+    from hearth.backend.cpu import CpuBackend, cpu_kernels, decode_split_len
 
     if cpu_kernels() is None:
         sys.exit("the C++ decode attention kernel cannot be built here")
+    cpu, reference = CpuBackend(), Backend()
     block = 16
     rows, data = [], []
     for shape, (heads, kv_heads, head_dim) in SHAPES.items():
@@ -61,9 +62,9 @@ def main() -> None:
                 )
                 split = decode_split_len(batch, kv_heads, context, threads())
                 ways = {
-                    "sdpa": lambda: decode_attention_sdpa(q, k_cache, v_cache, meta, 0.125),
-                    "kernel": lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
-                    "split": lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=split),
+                    "sdpa": lambda: reference.decode_attention(q, k_cache, v_cache, meta, 0.125),
+                    "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
+                    "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=split),
                 }
                 times = {name: [] for name in ways}
                 for fn in ways.values():

@@ -32,6 +32,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "gpu", "reference"],
+                   help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
+    g.add_argument("--enforce-eager", action="store_true", help="gpu backend: no CUDA graphs")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -52,13 +55,13 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
 
 
-def _llm(args):
-    from hearth.llm import LLM
-
-    return LLM(
-        args.model,
+def engine_options(args) -> dict:
+    """The LLM keyword arguments of _add_engine's options."""
+    return dict(
         dtype=args.dtype,
         device=args.device,
+        backend=args.backend,
+        enforce_eager=args.enforce_eager,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -66,6 +69,12 @@ def _llm(args):
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
     )
+
+
+def _llm(args):
+    from hearth.llm import LLM
+
+    return LLM(args.model, **engine_options(args))
 
 
 def _sampling(args):

@@ -113,6 +113,8 @@ class EngineConfig:
 
     dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16
     device: str = "auto"  # auto, cpu, cuda
+    backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
+    enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
     block_size: int = 16
     max_num_seqs: int = 256
@@ -129,6 +131,7 @@ class EngineConfig:
 
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
         need(self.block_size >= 1, "block_size must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")

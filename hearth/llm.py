@@ -38,6 +38,8 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
+        backend: str = "auto",
+        enforce_eager: bool = False,
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -51,6 +53,8 @@ class LLM:
         config = EngineConfig(
             dtype=dtype,
             device=device,
+            backend=backend,
+            enforce_eager=enforce_eager,
             kv_cache_memory=kv_cache_memory,
             block_size=block_size,
             max_num_seqs=max_num_seqs,

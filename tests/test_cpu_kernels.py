@@ -1,12 +1,20 @@
-"""The model's CPU kernels (hearth/model/cpu_kernels.cpp): paged decode attention against torch's
-SDPA over each sequence's context gathered densely; RMSNorm against transformers' modules."""
+"""The CPU backend's kernels (hearth/backend/cpu_kernels.cpp) and the reference backend: paged decode
+attention against torch's SDPA over each sequence's context gathered densely; RMSNorm and RoPE
+against transformers' modules."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hearth.model.attention import AttentionMetadata, decode_attention, decode_attention_sdpa, decode_split_len
-from hearth.model.layers import RMSNorm, cpu_kernels
+from hearth.backend.base import AttentionMetadata, Backend
+from hearth.backend.cpu import CpuBackend, cpu_kernels, decode_split_len
+from hearth.model.layers import RMSNorm
+
+
+def _cpu_backend() -> CpuBackend:
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    return CpuBackend()
 
 BLOCK = 16
 
@@ -51,27 +59,24 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("split_len", [None, 1, 7, 256, 4096])
 def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
-    if cpu_kernels() is None:
-        pytest.skip("the C++ kernels cannot be built here")
+    backend = _cpu_backend()
     lens = [1, 5, 16, 17, 300, 1000]
     q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads)
     # 10: scores hundreds apart, most weights underflow to 0; float32 scores of that size are
     # off by ~1e-5, so are the weights
     for scale, tolerance in ((0.125, 1e-5), (10.0, 1e-4)):
-        out = decode_attention(q, k_cache, v_cache, meta, scale, split_len)
+        out = backend.decode_attention(q, k_cache, v_cache, meta, scale, split_len)
         torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, scale),
                                    rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decode_sdpa_path_matches(dtype):
-    # the batched SDPA path over padded gathers (CUDA, dtypes other than float32, no compiler);
-    # float64 goes there through decode_attention itself
+def test_reference_decode_attention_matches(dtype):
+    # the reference backend's batched SDPA over padded gathers
     lens = [3, 40, 17]
     q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, head_dim=32, dtype=dtype)
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.2).to(dtype)
-    torch.testing.assert_close(decode_attention_sdpa(q, k_cache, v_cache, meta, 0.2), ref)
-    torch.testing.assert_close(decode_attention(q, k_cache, v_cache, meta, 0.2), ref)
+    torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.2), ref)
 
 
 def test_split_len_policy():
@@ -91,7 +96,7 @@ def test_rms_norm_matches_transformers(arch):
     dim = 200
     reference = LlamaRMSNorm(dim, eps=1e-6) if arch == "llama" else GemmaRMSNorm(dim, eps=1e-6)
     reference.weight.data = torch.randn(dim, generator=g)
-    ours = RMSNorm(dim, 1e-6, weight_offset=1.0 if arch == "gemma" else 0.0)
+    ours = RMSNorm(dim, 1e-6, _cpu_backend(), weight_offset=1.0 if arch == "gemma" else 0.0)
     ours.weight.data = reference.weight.data.clone()
     for rows in (1, 3, 700):  # 700 x 200: enough work for the kernel's threads
         x = torch.randn(rows, dim, generator=g) * 3
@@ -103,7 +108,8 @@ def test_rms_norm_matches_transformers(arch):
             out, new_residual = ours(x, residual)
             torch.testing.assert_close(new_residual, expected_sum)
             torch.testing.assert_close(out, reference(expected_sum), rtol=1e-5, atol=1e-5)
-    x, residual = (torch.randn(2, 5, dim, generator=g).to(torch.bfloat16) for _ in range(2))  # torch's path
+    x, residual = (torch.randn(2, 5, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    ours.ops = Backend()  # the reference path, in bfloat16
     ours.to(torch.bfloat16), reference.to(torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), reference(x))
@@ -112,20 +118,16 @@ def test_rms_norm_matches_transformers(arch):
         torch.testing.assert_close(out, reference(residual + x))
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch-path"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "reference"])
 @pytest.mark.parametrize("tokens", [1, 300])  # 300 x 10 heads x 64: enough work for the threads
-def test_rope_and_store_kv_matches_transformers(monkeypatch, compiled, tokens):
+def test_rope_and_store_kv_matches_transformers(compiled, tokens):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    import hearth.model.attention as attention
     from hearth.config import ModelConfig
     from hearth.model.layers import RotaryEmbedding
     from models import hf_config
 
-    if not compiled:
-        monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
-    elif cpu_kernels() is None:
-        pytest.skip("the C++ kernels cannot be built here")
+    backend = _cpu_backend() if compiled else Backend()
     hf = hf_config("llama", num_attention_heads=8, num_key_value_heads=2, hidden_size=512,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
@@ -139,8 +141,8 @@ def test_rope_and_store_kv_matches_transformers(monkeypatch, compiled, tokens):
     num_slots = tokens + 7
     slots = torch.randperm(num_slots, generator=g)[:tokens]
     k_cache, v_cache = torch.zeros(num_slots, kv_heads, head_dim), torch.zeros(num_slots, kv_heads, head_dim)
-    rope = RotaryEmbedding(ModelConfig.from_hf(hf.to_dict()), 512)
-    q_out = attention.rope_and_store_kv(q, k, v, rope(positions, torch.float32), (k_cache, v_cache), slots)
+    rope = RotaryEmbedding(ModelConfig.from_hf(hf.to_dict()), 512, backend)
+    q_out = backend.rope_and_store_kv(q, k, v, rope(positions, torch.float32), (k_cache, v_cache), slots)
 
     cos, sin = LlamaRotaryEmbedding(hf)(v, positions[None])  # [1, T, head_dim]
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)

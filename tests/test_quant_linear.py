@@ -305,7 +305,8 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
     """Every matmul packed (intermediate 128: whole blocks): decode-only steps run
     cpu_decode.py's one-call path; its logits equal the modules' (same kernels, same order) and
     the dequantized dense model's within the int8-activation tolerance above."""
-    from hearth.model.cpu_decode import CpuDecodePath
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.backend.cpu_decode import CpuDecodePath
 
     ext = kernels.extension()
     if ext is None or not ext.vnni:
@@ -313,16 +314,16 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
     folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
     path = convert_hf_to_gguf(folder, tmp_path / f"llama-{out_type}.gguf", out_type, progress=False)
     model = load_model(path, progress=False).model
-    assert CpuDecodePath.for_model(model) is not None
+    assert CpuDecodePath.for_model(model, cpu_kernels()) is not None
     modules_only = load_model(path, progress=False).model
-    modules_only._decode_path = None
+    modules_only.backend_state["decode_path"] = None
     dense = _dense_copy(load_model(path, progress=False).model)
-    assert CpuDecodePath.for_model(dense) is None  # dense matmuls: the modules' path
+    assert CpuDecodePath.for_model(dense, cpu_kernels()) is None  # dense matmuls: the modules' path
 
     tokens = torch.randint(0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     chunks = [20] + [1] * 10  # a prefill (modules), then decodes (the one-call path)
     ours, modules, reference = (_logits(m, tokens, chunks) for m in (model, modules_only, dense))
-    assert model._decode_path is not None
+    assert model.backend_state["decode_path"] is not None
     decodes = slice(20, None)
     torch.testing.assert_close(ours[decodes], modules[decodes], rtol=1e-4, atol=1e-4 * modules.abs().max().item())
     error = ((ours - reference).abs().max() / reference.abs().max()).item()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hearth.cli import _add_engine, _add_model
+from hearth.cli import _add_engine, _add_model, engine_options
 
 
 def _int_list(text: str) -> list[int]:
@@ -50,18 +50,8 @@ def _llm(args, tokens_needed: int | None, num_seqs: int):
         element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
         blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
         kv = config.kv_bytes_per_token(element) * 16 * blocks
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=kv,
-        max_model_len=args.max_model_len,
-        max_num_seqs=max(args.max_num_seqs, 1),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        progress=not args.json,
-    )
+    options = engine_options(args) | {"kv_cache_memory": kv, "max_num_seqs": max(args.max_num_seqs, 1)}
+    return LLM(args.model, **options, progress=not args.json)
 
 
 def _print(report: dict, args, formatter, plot=None) -> None:

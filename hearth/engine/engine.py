@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from hearth.backend import choose_backend
 from hearth.config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
@@ -81,7 +82,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
-        loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len, progress=progress)
+        backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
+        loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len, progress=progress,
+                            backend=backend)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = Path(model)
         context = self.model_config.max_position_embeddings
@@ -256,11 +259,16 @@ class LLMEngine:
                 eos_token_ids=self.tokenizer.eos_token_ids,
             )
             result = self.sampler(logits, batch)
-            token_ids = result.sampled_token_ids.tolist()
-            chosen_logprobs = result.logprobs.tolist()
+            # one copy to the host (one synchronisation): token ids are exact in float64
+            chosen = torch.stack([result.sampled_token_ids.double(), result.logprobs.double()])
             top = None
             if result.top_logprobs is not None:
-                top = (result.top_logprobs[0].tolist(), result.top_logprobs[1].tolist())
+                chosen = torch.cat([chosen, result.top_logprobs[0].double().T, result.top_logprobs[1].double().T])
+            chosen = chosen.cpu()
+            token_ids, chosen_logprobs = chosen[0].long().tolist(), chosen[1].tolist()
+            if result.top_logprobs is not None:
+                k = result.top_logprobs[0].shape[1]
+                top = (chosen[2 : 2 + k].T.long().tolist(), chosen[2 + k :].T.tolist())
             for i, state in enumerate(sampled_states):
                 alternatives = None if top is None else (top[0][i], top[1][i])
                 reason = self._append_token(state, token_ids[i], chosen_logprobs[i], alternatives, now)

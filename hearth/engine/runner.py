@@ -1,7 +1,9 @@
-"""ModelRunner: owns the KV cache tensors and turns a step's batch into model inputs.
+"""ModelRunner: owns the KV cache tensors and runs a step's batch through the model's backend.
 
 The only engine module that builds tensors: the scheduler hands it, per sequence, the new
-tokens, how many tokens are already cached and the block table; it returns hidden states.
+tokens, how many tokens are already cached and the block table; it lays them out as one
+`StepInputs` (host arrays) and the backend (chosen once per engine, hearth/backend) turns that
+into its tensors and metadata, runs the model, and returns hidden states.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hearth.model.attention import AttentionMetadata, PrefillSequence
+from hearth.backend import StepInputs
 from hearth.model.transformer import Transformer
 
 
@@ -32,10 +34,10 @@ class ModelRunner:
         kv_dtype: torch.dtype,
     ):
         self.model = model
+        self.backend = model.backend
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self._offsets = np.arange(block_size, dtype=np.int64)
         config = model.config
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
@@ -43,65 +45,34 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
 
-    def _slots(self, block_table: list[int], end: int) -> np.ndarray:
-        """Cache slots of token positions [0, end) of a sequence."""
-        blocks = np.asarray(block_table[: -(-end // self.block_size)], dtype=np.int64)
-        return (blocks[:, None] * self.block_size + self._offsets).reshape(-1)[:end]
-
-    def prepare(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids [T], positions [T], metadata, and the row of each entry's last token [B]."""
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slot_mapping: list[np.ndarray] = []
-        prefills: list[PrefillSequence] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        last_rows: list[int] = []
-        dev = self.device
-        for entry in entries:
-            start, new = entry.num_computed_tokens, len(entry.token_ids)
-            end = start + new
-            row = len(input_ids)
-            input_ids.extend(entry.token_ids)
-            positions.append(np.arange(start, end))
-            last_rows.append(row + new - 1)
-            if new == 1:  # a decode reads its context through the block table: only the new slot here
-                block, offset = divmod(start, self.block_size)
-                slot_mapping.append(np.array([entry.block_table[block] * self.block_size + offset]))
-                decode_rows.append(row)
-                decode_tables.append(entry.block_table)
-                decode_lens.append(end)
-            else:
-                context = self._slots(entry.block_table, end)
-                slot_mapping.append(context[start:])
-                mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [new, end] causal
-                prefills.append(PrefillSequence(
-                    row, row + new, torch.from_numpy(context).to(dev), torch.from_numpy(mask).to(dev)
-                ))
-        widest = max((-(-n // self.block_size) for n in decode_lens), default=0)
-        tables = np.zeros((len(decode_tables), widest), dtype=np.int32)
-        for i, (table, n) in enumerate(zip(decode_tables, decode_lens)):
-            used = -(-n // self.block_size)
-            tables[i, :used] = table[:used]
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
-            prefills=prefills,
-            decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=dev),
-            decode_block_tables=torch.from_numpy(tables).to(dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            decode_max_len=max(decode_lens, default=0),
+    def prepare(self, entries: list[BatchEntry]) -> StepInputs:
+        """The step's batch as host arrays: every entry's new tokens end to end."""
+        query_lens = np.array([len(e.token_ids) for e in entries], dtype=np.int32)
+        starts = np.array([e.num_computed_tokens for e in entries], dtype=np.int64)
+        ends = starts + query_lens
+        query_start_loc = np.zeros(len(entries) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        # position of every row: its sequence's start + its index among the sequence's new rows
+        seq_of_row = np.repeat(np.arange(len(entries)), query_lens)
+        positions = starts[seq_of_row] + np.arange(len(seq_of_row)) - query_start_loc[seq_of_row]
+        used_blocks = -(-ends // self.block_size)
+        block_tables = np.zeros((len(entries), int(used_blocks.max())), dtype=np.int32)
+        for i, (entry, used) in enumerate(zip(entries, used_blocks)):
+            block_tables[i, :used] = entry.block_table[:used]
+        slot_mapping = (block_tables[seq_of_row, positions // self.block_size].astype(np.int64) * self.block_size
+                        + positions % self.block_size)
+        return StepInputs(
+            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(positions)),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=ends.astype(np.int32),
+            block_tables=block_tables,
             block_size=self.block_size,
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta,
-            torch.tensor(last_rows, dtype=torch.long, device=dev),
         )
 
     def execute(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one step: hidden states of every new token [T, hidden] and each entry's last row [B]."""
-        input_ids, positions, meta, last_rows = self.prepare(entries)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return hidden, last_rows
+        step = self.prepare(entries)
+        hidden = self.backend.forward(self.model, step, self.kv_caches)
+        return hidden, torch.from_numpy(step.last_rows).to(hidden.device)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hearth.backend import Backend, choose_backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.transformer import Transformer
@@ -45,11 +46,15 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     progress: bool = True,
+    backend: Backend | None = None,
 ) -> LoadedModel:
+    """backend: the kernels the model runs (None: choose_backend's choice for device and dtype)."""
+    device = torch.device(device)
+    backend = backend or choose_backend(device, dtype)
     config, weights, tokenizer = read_model(path, progress)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
-        model = Transformer(config, max_positions)
-    model.load_weights(weights, dtype, device)
+        model = Transformer(config, max_positions, backend)
+    model.load_weights(weights, dtype)
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).

@@ -2,53 +2,29 @@
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hearth.config import ModelConfig
+from hearth.backend.base import Backend
 from hearth.errors import ModelLoadError
-from hearth.native import build
-
-
-@functools.cache
-def cpu_kernels():
-    """cpu_kernels.cpp compiled (decode attention, RMSNorm), or None: then torch's ops run."""
-    return build("hearth_cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), "attention and norm")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
+    def __init__(self, dim: int, eps: float, ops: Backend, weight_offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = ops
         self.weight_offset = weight_offset  # gemma stores w - 1
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x): the add
-        fused into the norm's pass (on a CPU in float32 the sum is written into `residual`)."""
-        dtype, weight = x.dtype, self.weight
-        kernels = cpu_kernels() if x.is_cpu and dtype == weight.dtype == torch.float32 else None
-        if kernels is not None and (residual is None or residual.is_contiguous()):
-            x = x.contiguous()
-            target, add = (x, None) if residual is None else (residual, x)
-            out = torch.empty_like(x)
-            kernels.rms_norm(target.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(),
-                             out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, self.weight_offset,
-                             torch.get_num_threads())
-            return out if residual is None else (out, target)
-        if residual is not None:
-            residual = residual + x
-            return self.forward(residual), residual
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_offset:
-            return (x * (self.weight.float() + self.weight_offset)).to(dtype)
-        return self.weight * x.to(dtype)
+        fused into the norm's pass where the backend has a kernel for it."""
+        return self.ops.rms_norm(x, self.weight, self.eps, self.weight_offset, residual)
 
 
 class Linear(nn.Module):
@@ -93,23 +69,23 @@ class MergedLinear(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
+        self.ops = ops
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size})
         self.down_proj = Linear(size, config.hidden_size)
-        if config.hidden_act == "silu":
-            self.act = F.silu
-        elif config.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        elif config.hidden_act == "gelu":
-            self.act = F.gelu
-        else:
+        self.activation = _ACTIVATIONS.get(config.hidden_act)
+        if self.activation is None:
             raise ModelLoadError(f"unsupported activation {config.hidden_act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(gate, up, self.activation))
+
+
+# config.hidden_act -> the backends' activation names
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -141,8 +117,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """HF's rotate-half RoPE over a precomputed cos/sin table."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, ops: Backend):
         super().__init__()
+        self.ops = ops
         self.inv_freq = rope_inv_freq(config)
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
@@ -157,17 +134,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of positions [T], each [T, 1, head_dim / 2]: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE of x [T, heads, head_dim] with RotaryEmbedding's (cos, sin)."""
-    cos, sin = rotary
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
-    return out
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What the backend's rope_and_store_kv needs of positions [T]: looked up once per step,
+        used by every layer."""
+        return self.ops.rotary(self.cos, self.sin, positions, dtype)

@@ -1,7 +1,9 @@
 """One config-driven decoder: llama, mistral, qwen2, qwen3 and gemma.
 
-The model sees a flattened batch of tokens (every request's new tokens, end to end) and
-AttentionMetadata; it knows nothing about requests.
+The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
+backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
+the cache write, attention, activations) are the backend's (hearth/backend), chosen once when the
+model is built.
 """
 
 from __future__ import annotations
@@ -9,36 +11,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.model.attention import AttentionMetadata, paged_attention, rope_and_store_kv
-from hearth.model.cpu_decode import CpuDecodePath
 from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
-from hearth.quant.linear import quantized_module, release_file_pages
+from hearth.quant.linear import release_file_pages
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
                                      config.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rotary: tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding's (cos, sin) of the tokens' positions
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        rotary,  # RotaryEmbedding's output for the tokens' positions
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_slots, kv_heads, head_dim]
+        meta,  # the backend's attention metadata
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
@@ -47,18 +49,18 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
+        self.self_attn = Attention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
+        self.mlp = GatedMLP(config, ops)
 
     def forward(self, x, residual, rotary, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
@@ -73,15 +75,17 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, backend: Backend | None = None):
         super().__init__()
         self.config = config
+        self.backend = ops = backend or Backend()
+        self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
 
     @torch.inference_mode()
     def forward(
@@ -89,29 +93,21 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v), each [slots, kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta,  # the backend's attention metadata
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rotary = self.rope(positions, x.dtype)
-        if not meta.prefills and (fast := self._cpu_decode_path()) is not None:
-            if (out := fast(x, rotary, kv_caches, meta)) is not None:
-                return self.norm(*out)[0]
+        if (out := self.backend.decode_layers(self, x, rotary, kv_caches, meta)) is not None:
+            return self.norm(*out)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rotary, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def _cpu_decode_path(self) -> CpuDecodePath | None:
-        """hearth.model.cpu_decode's one-call decode step, where this model allows it (decided
-        once; moving the model decides again)."""
-        if not hasattr(self, "_decode_path"):
-            self._decode_path = CpuDecodePath.for_model(self)
-        return self._decode_path
-
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_decode_path", None)  # weight pointers change when tensors move
+        self.backend_state.clear()  # weight pointers change when tensors move
         return super()._apply(fn, recurse)
 
     @property
@@ -123,11 +119,10 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype,
-                     device: torch.device | str = "cpu") -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
         """Take every parameter from `weights` (HF names), checking presence and shape. Weights
         kept in their storage format (GGUF blocks; F16/BF16 on a CPU) swap their Linear or
-        Embedding for the quantized module hearth.quant.linear chooses. A MergedLinear's parts
+        Embedding for the quantized module the backend chooses. A MergedLinear's parts
         are concatenated (one module at a time, so that only one merged copy exists at once)."""
         weights = dict(weights)
         if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
@@ -158,7 +153,7 @@ class Transformer(nn.Module):
                     raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
                 _check_shape(f"{hf_name}.{attr}", found[attr], param.shape)
             if isinstance(module, (Linear, nn.Embedding)):
-                swapped = quantized_module(module, found["weight"], found.get("bias"), dtype, device)
+                swapped = self.backend.quantized_module(module, found["weight"], found.get("bias"), dtype)
                 if swapped is not None:
                     parent, _, child = name.rpartition(".")
                     setattr(self.get_submodule(parent), child, swapped)

@@ -1156,7 +1156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
   m.def("repack", &repack, "Q8_0 / Q4_0 blocks -> the packed layout", nogil);
   m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed, x rounded to int8 per 32", nogil);
-  // for hearth/model/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
+  // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
   m.def("packed_matmul_address", [] { return reinterpret_cast<uintptr_t>(&packed_matmul); });
   m.def("block_values", &block_values);
   m.def("has_avx512", &has_avx512);

@@ -3,7 +3,7 @@
 // would run several small ops, each with its own dispatch and, with several threads, its own
 // fork and join: at batch 1 those cost more than the arithmetic.
 //
-// decode_attention (hearth/model/attention.py): one query token per sequence against that sequence's cached K/V, read in place through its
+// decode_attention (hearth/backend/cpu.py): one query token per sequence against that sequence's cached K/V, read in place through its
 // block table: no gather into a padded copy, no mask. A work item is (sequence, KV head, split):
 // the query heads sharing that KV head (GQA) go together, so each K/V row is read once for the
 // group. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
@@ -11,15 +11,15 @@
 // and unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
-// rms_norm (hearth/model/layers.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
+// rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
 // optionally after x += add in place (the residual stream's add fused into the norm's pass).
 //
-// decode_layers (hearth/model/cpu_decode.py): a decode step's whole stack of llama layers, the
+// decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers, the
 // kernels above and the packed matmul (passed in from hearth/quant/kernels/qmatmul.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
 //
-// rope_and_store_kv (hearth/model/attention.py): rotate-half RoPE of each token's q and k heads,
+// rope_and_store_kv (hearth/backend/cpu.py): rotate-half RoPE of each token's q and k heads,
 // k written rotated straight into its cache slot and v copied to its slot: one pass where torch
 // would run a dozen ops per layer.
 #include <pybind11/pybind11.h>

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hearth.model.attention import AttentionMetadata, decode_split_len
-from hearth.model.layers import cpu_kernels
+from hearth.backend.base import AttentionMetadata
+from hearth.backend.cpu import decode_split_len
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import QuantLinear
 
@@ -22,9 +22,9 @@ from hearth.quant.linear import QuantLinear
 class CpuDecodePath:
     """Runs a decode-only step of `model` through every layer in one kernel call."""
 
-    def __init__(self, model, layer_table: torch.Tensor, matmul_address: int):
+    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_address: int):
         config = model.config
-        self.kernels = cpu_kernels()
+        self.kernels = kernels
         self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
         self.matmul_address = matmul_address
         self.shape = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -33,11 +33,12 @@ class CpuDecodePath:
         self.scale = model.layers[0].self_attn.scale
 
     @classmethod
-    def for_model(cls, model) -> CpuDecodePath | None:
-        """The path for `model`, or None where it does not apply (see the module's docstring)."""
-        kernels, qmatmul = cpu_kernels(), quant_kernels.extension()
+    def for_model(cls, model, kernels) -> CpuDecodePath | None:
+        """The path for `model` (kernels: cpu_kernels.cpp built), or None where it does not apply
+        (see the module's docstring)."""
+        qmatmul = quant_kernels.extension()
         config = model.config
-        if (kernels is None or qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
+        if (qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
                 or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
                 or config.norm_weight_offset or config.head_dim % 2):
             return None
@@ -54,7 +55,7 @@ class CpuDecodePath:
         table = torch.tensor(rows, dtype=torch.int64)
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels.cpp's layer table has other columns than cpu_decode.py fills")
-        return cls(model, table, qmatmul.module.packed_matmul_address())
+        return cls(model, kernels, table, qmatmul.module.packed_matmul_address())
 
     def __call__(
         self,

@@ -1,0 +1,226 @@
+"""The reference backend: every operation of the model in plain torch, on any device and dtype.
+
+A backend is chosen once per engine (hearth/backend/__init__.py) and handed to the model when it
+is built; the layers call its operations (norm, RoPE + cache write, attention, activation) and
+never ask which device or dtype they run on. The runner gives it each step as host arrays
+(`StepInputs`); the backend turns them into its own tensors and attention metadata, and runs the
+model. The CPU and GPU backends subclass this one and replace the operations they have kernels
+for; this one is the readable definition they are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+@dataclass
+class StepInputs:
+    """One step's batch on the host: S sequences' new tokens end to end (T rows)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T] cache slot of each new token's K/V
+    query_start_loc: np.ndarray  # int32 [S + 1] sequence s owns rows [start[s], start[s + 1])
+    seq_lens: np.ndarray  # int32 [S] tokens in the cache after this step (new ones included)
+    block_tables: np.ndarray  # int32 [S, max_blocks] padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids) == self.num_seqs
+
+    @property
+    def last_rows(self) -> np.ndarray:  # int64 [S] the row of each sequence's last new token
+        return self.query_start_loc[1:].astype(np.int64) - 1
+
+
+@dataclass
+class PrefillSequence:
+    """A sequence with several new tokens this step (a prompt or a chunk of one)."""
+
+    token_start: int  # first of its rows in the flattened batch
+    token_end: int
+    context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
+    causal_mask: torch.Tensor  # [query_len, context_len] bool, True = may attend
+
+
+@dataclass
+class AttentionMetadata:
+    """The reference and CPU backends' view of a step: prompts one by one, decodes together."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V go
+    prefills: list[PrefillSequence]
+    decode_token_index: torch.Tensor  # [D] rows of the batch that are single-token decodes
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0
+    decode_context_lens: torch.Tensor  # [D] int32, new token included
+    decode_max_len: int
+    block_size: int
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_token_index.numel()
+
+    @classmethod
+    def from_step(cls, step: StepInputs, device: torch.device) -> AttentionMetadata:
+        prefills, decode_rows, decode_seqs = [], [], []
+        for s, (start, end) in enumerate(zip(step.query_start_loc[:-1], step.query_start_loc[1:])):
+            start, end = int(start), int(end)
+            if end - start == 1:  # a decode reads its context through the block table
+                decode_rows.append(start)
+                decode_seqs.append(s)
+                continue
+            seq_len = int(step.seq_lens[s])
+            blocks = step.block_tables[s, : -(-seq_len // step.block_size)].astype(np.int64)
+            context = (blocks[:, None] * step.block_size + np.arange(step.block_size)).reshape(-1)[:seq_len]
+            first = seq_len - (end - start)  # position of the first new token
+            mask = np.arange(seq_len)[None, :] <= np.arange(first, seq_len)[:, None]  # [new, context] causal
+            prefills.append(PrefillSequence(start, end, torch.from_numpy(context).to(device),
+                                            torch.from_numpy(mask).to(device)))
+        lens = step.seq_lens[decode_seqs]
+        widest = -(-int(lens.max()) // step.block_size) if len(lens) else 0
+        return cls(
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+            prefills=prefills,
+            decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_block_tables=torch.from_numpy(np.ascontiguousarray(step.block_tables[decode_seqs, :widest])).to(device),
+            decode_context_lens=torch.from_numpy(lens).to(device),
+            decode_max_len=int(lens.max()) if len(lens) else 0,
+            block_size=step.block_size,
+        )
+
+    def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots [D, L] (padded) and [D, 1, 1, L] True where real, for the SDPA path."""
+        if not hasattr(self, "_decode_slots"):  # every layer asks; built once a step
+            offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
+            slots = (self.decode_block_tables.long()[:, :, None] * self.block_size + offsets).flatten(1)
+            slots = slots[:, : self.decode_max_len]
+            positions = torch.arange(self.decode_max_len, device=slots.device)
+            self._decode_slots = slots, (positions < self.decode_context_lens[:, None])[:, None, None, :]
+        return self._decode_slots
+
+
+class Backend:
+    """The reference path: torch's operations, any device, any dtype."""
+
+    name = "reference"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    # ---- a step ------------------------------------------------------------------------
+
+    def forward(self, model: nn.Module, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:  # [T, hidden] after the final norm
+        dev = self.device
+        meta = AttentionMetadata.from_step(step, dev)
+        return model(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
+                     kv_caches, meta)
+
+    # ---- the model's operations --------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
+                 residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
+        if residual is not None:
+            residual = residual + x
+            return self.rms_norm(residual, weight, eps, weight_offset), residual
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        if weight_offset:  # gemma: (1 + w) in float32, as transformers
+            return (x * (weight.float() + weight_offset)).to(dtype)
+        return weight * x.to(dtype)
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        """What rope_and_store_kv needs of this step's positions (looked up once, used by every
+        layer): here (cos, sin) each [T, 1, head_dim / 2] in the compute dtype. cos and sin are the
+        RotaryEmbedding's float32 tables [max_positions, head_dim / 2]."""
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+    def rope_and_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
+                          kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]; k and v written into their
+        cache slots; returns q rotated."""
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, slot_mapping, apply_rope(k, rotary).to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return apply_rope(q, rotary)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim]."""
+        if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
+            return self.decode_attention(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k_cache.shape[1]
+        for seq in meta.prefills:
+            # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
+            query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
+            keys = k_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = v_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=seq.causal_mask, scale=scale,
+                                               enable_gqa=gqa)
+            out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
+        if meta.num_decodes:
+            out[meta.decode_token_index] = self.decode_attention(q[meta.decode_token_index], k_cache, v_cache,
+                                                                 meta, scale)
+        return out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers."""
+        # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
+        slots, mask = meta.decode_slots_and_mask()
+        keys = k_cache[slots].transpose(1, 2).to(q.dtype)
+        values = v_cache[slots].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k_cache.shape[1])
+        return o.squeeze(2)
+
+    def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+        return _ACTIVATIONS[activation](gate) * up
+
+    def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
+        """A whole decode step through every layer in one call, where a backend has one: returns
+        (the last layer's output, the residual stream) or None (then the modules run)."""
+        return None
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def quantized_module(self, module: nn.Module, weight, bias: torch.Tensor | None, dtype: torch.dtype
+                         ) -> nn.Module | None:
+        """The module that keeps `weight` in its storage format in place of `module` (a Linear or an
+        Embedding), or None where the dense module is the better choice."""
+        from hearth.quant.linear import quantized_module
+
+        return quantized_module(module, weight, bias, dtype, self.device)
+
+
+def apply_rope(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, head_dim] with (cos, sin) each [T, 1, head_dim / 2]."""
+    cos, sin = rotary
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out

@@ -1,0 +1,104 @@
+"""The CPU backend: float32 on a CPU through cpu_kernels.cpp (built on first use by hearth/native.py).
+
+Decode attention reads K/V in place through the block tables and, when sequences x KV heads
+would leave threads idle, splits long contexts and merges the splits by log-sum-exp
+(flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
+with the K/V cache write, are one call each. Where every matmul is a packed Q8_0/Q4_0 QuantLinear,
+a decode-only step runs all layers in one call (cpu_decode.py). Prompts take the reference path
+(per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from hearth.backend.base import AttentionMetadata, Backend
+from hearth.native import build
+
+MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
+
+
+@functools.cache
+def cpu_kernels():
+    """cpu_kernels.cpp compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
+    return build("hearth_cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), "attention and norm")
+
+
+def decode_split_len(num_decodes: int, num_kv_heads: int, max_len: int, threads: int) -> int:
+    """Tokens per split: whole contexts when sequences x KV heads already give every thread work
+    twice over, else as many splits as make up the difference, none shorter than MIN_SPLIT_LEN."""
+    splits = -(-2 * threads // (num_decodes * num_kv_heads))
+    return max(MIN_SPLIT_LEN, -(-max_len // splits))
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.kernels = cpu_kernels()
+        if self.kernels is None:
+            raise RuntimeError("hearth's CPU kernels could not be built")
+
+    def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
+        """As the reference; the sum residual + x is written into `residual`."""
+        if residual is not None and not residual.is_contiguous():
+            return super().rms_norm(x, weight, eps, weight_offset, residual)
+        x = x.contiguous()
+        target, add = (x, None) if residual is None else (residual, x)
+        out = torch.empty_like(x)
+        self.kernels.rms_norm(target.data_ptr(), 0 if add is None else add.data_ptr(), weight.data_ptr(),
+                              out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, weight_offset,
+                              torch.get_num_threads())
+        return out if residual is None else (out, target)
+
+    def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
+        """One kernel call: k rotated straight into its cache slot (rows may be strided views of a
+        merged projection, each token's heads side by side)."""
+        k_cache, v_cache = kv_cache
+        if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)):
+            return super().rope_and_store_kv(q, k, v, rotary, kv_cache, slot_mapping)
+        tokens, heads, head_dim = q.shape
+        q_out = torch.empty(tokens, heads, head_dim)
+        cos, sin = (t.contiguous() for t in rotary)
+        self.kernels.rope_and_store_kv(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), cos.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            tokens, heads, k.shape[1], head_dim, torch.get_num_threads(),
+        )
+        return q_out
+
+    def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         split_len: int | None = None):  # None: decode_split_len's choice
+        q = q.contiguous()
+        num_decodes, heads, head_dim = q.shape
+        kv_heads = k_cache.shape[1]
+        threads = torch.get_num_threads()
+        if split_len is None:
+            split_len = decode_split_len(num_decodes, kv_heads, meta.decode_max_len, threads)
+        out = torch.empty_like(q)
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        self.kernels.decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, threads,
+        )
+        return out
+
+    def decode_layers(self, model, x, rotary, kv_caches, meta):
+        from hearth.backend.cpu_decode import CpuDecodePath
+
+        if meta.prefills:
+            return None
+        state = model.backend_state  # emptied when the model's tensors move (their pointers change)
+        if "decode_path" not in state:
+            state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
+        path = state["decode_path"]
+        return None if path is None else path(x, rotary, kv_caches, meta)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each token's heads side by side (tokens may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
