@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""hearth's Triton kernels on a GPU, one by one: achieved bandwidth against a device copy.
+
+    python benchmarks/gpu_kernels.py --out benchmarks/results/gpu/kernels
+
+  quant matmul  x [M, K] bf16 @ W^T with W in GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), the
+                Llama-3.2-1B projections' shapes; GB/s = weight bytes / time; beside it torch's
+                bf16 matmul of the same shape (cuBLAS reading 2 bytes a weight)
+  gemv-sweep    the small-M kernel's tile and split settings (GEMV_BLOCK_N, GEMV_BLOCK_K,
+                GEMV_WARPS, GEMV_PROGRAMS_PER_SM) tried on every matrix at M = 1: total time per
+                format, the best first
+  decode attn   the paged split-KV decode kernel over the Llama-3.2-1B layer shape (32 heads, 8 KV
+                heads, head_dim 64): GB/s = K/V bytes / time
+Times are medians of triton.testing.do_bench (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common import REPO, table
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}
+
+
+def random_blocks(qtype, n: int, k: int):
+    """Valid GGUF blocks of `qtype`: random bytes with every f16 scale field set to a small value."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    fields = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for start in fields:
+        blocks[..., start:start + 2] = scale
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def gemv_sweep(data: dict) -> str:
+    """Each setting's summed M = 1 time over SHAPES per format (module constants patched)."""
+    import itertools
+
+    import torch
+
+    from hearth.triton_kernels import quant_matmul as qm
+
+    import triton
+
+    def quick(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+
+    x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES.values()}
+    weights = {(q, name): qm.TritonQuantWeight.from_blocks(random_blocks(q, n, k), q, (n, k), "cuda")
+               for q in qm.SUPPORTED_QTYPES for name, (n, k) in SHAPES.items()}
+    default = (qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM)
+    rows = []
+    for setting in itertools.product((8, 16, 32), (512, 1024), (4, 8), (8,)):
+        qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM = setting
+        try:
+            times = {q: sum(quick(lambda w=weights[(q, name)], k=k: w.gemv(x[k])) for name, (_, k) in SHAPES.items())
+                     for q in qm.SUPPORTED_QTYPES}
+        except Exception as e:  # a setting the compiler refuses (registers, shared memory)
+            print(f"gemv setting {setting}: {type(e).__name__}", file=sys.stderr)
+            continue
+        rows.append([*setting, *(times[q] * 1e6 for q in qm.SUPPORTED_QTYPES), sum(times.values()) * 1e6])
+        data.setdefault("gemv_sweep", []).append({"setting": setting, "us": {q.name: t * 1e6 for q, t in times.items()}})
+    qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM = default
+    rows.sort(key=lambda r: r[-1])
+    return "GEMV settings at M = 1, us summed over the five matrices (best first)\n\n" + table(
+        ["BLOCK_N", "BLOCK_K", "warps", "programs/SM", *(q.name for q in qm.SUPPORTED_QTYPES), "all"], rows[:15])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--sections", default="quant,attention")
+    args = ap.parse_args()
+    import torch
+    import triton
+    from gguf import GGMLQuantizationType as Q
+
+    from hearth.triton_kernels.quant_matmul import SUPPORTED_QTYPES, TritonQuantWeight
+
+    def bench(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gb_s = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    rows, data = [], {"copy_gb_per_s": copy_gb_s, "quant": [], "attention": []}
+    sections = args.sections.split(",")
+    for m in map(int, args.rows.split(",")) if "quant" in sections else ():
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            dense_s = bench(lambda: x @ dense.T)
+            row = [m, f"{name} {n}x{k}", f"{2 * n * k / dense_s / 1e9:,.0f}"]
+            for qtype in SUPPORTED_QTYPES:
+                weight = TritonQuantWeight.from_blocks(random_blocks(qtype, n, k), qtype, (n, k), "cuda")
+                seconds = bench(lambda: weight.matmul(x))
+                row.append(f"{weight.nbytes / seconds / 1e9:,.0f} ({dense_s / seconds:.2f}x)")
+                data["quant"].append({"m": m, "shape": name, "qtype": qtype.name, "seconds": seconds,
+                                      "bytes": weight.nbytes, "bf16_seconds": dense_s})
+            rows.append(row)
+            del dense
+    quant_table = table(["M", "matrix", "bf16 cuBLAS GB/s"] + [f"{q.name} GB/s (vs bf16)" for q in SUPPORTED_QTYPES],
+                        rows)
+    attn_rows = []
+    heads, kv_heads, head_dim, block = 32, 8, 64, 16
+    for batch, context in ((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else ():
+        from hearth.triton_kernels import attention
+
+        blocks = batch * context // block
+        k_cache = torch.randn(blocks * block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(batch, -1)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        seconds = bench(lambda: attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, block))
+        nbytes = 2 * k_cache.numel() * 2
+        attn_rows.append([batch, context, seconds * 1e6, nbytes / seconds / 1e9])
+        data["attention"].append({"batch": batch, "context": context, "seconds": seconds, "bytes": nbytes})
+    sweep_table = gemv_sweep(data) if "gemv-sweep" in sections else ""
+    markdown = "\n".join([
+        f"### Triton kernels on {torch.cuda.get_device_name()} (device copy {copy_gb_s:,.0f} GB/s read + written)",
+        "", "Quantized matmul, x bf16 [M, K]: weight bytes / time", "", quant_table, "",
+        "Paged decode attention, bf16 K/V, 32 heads / 8 KV heads x 64", "",
+        table(["batch", "context", "us", "GB/s of K/V"], attn_rows), "", sweep_table,
+    ])
+    print(markdown)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(markdown + "\n")
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()
