@@ -2,6 +2,8 @@
 
 import os
 
+import numpy as np
+import pytest
 import torch
 
 # The suite's models are tiny: one thread is as fast as two for them, and it does not
@@ -12,3 +14,26 @@ torch.set_num_threads(1)
 # is decorated, so before any hearth module that defines one is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Under the interpreter, tl.dot on bfloat16 operands widened to float32 first: numpy has no
+    bfloat16, and the interpreter's dot on the raw bits gives wrong sums (exact widening: bf16 is
+    the top half of a float32)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -41,23 +41,7 @@ _BF16_UNIT = 2.0 ** -7 if INTERPRETED else 2.0 ** -8
 _UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: _BF16_UNIT, torch.float16: 2.0 ** -11}
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_bf16_dot(monkeypatch):
-    if not INTERPRETED:
-        return
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
 
 
 def make_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hearth.backend.base import Backend, StepInputs
@@ -36,6 +38,8 @@ def choose_backend(device: torch.device, dtype: torch.dtype, name: str = "auto",
             raise ValueError("the cpu backend runs float32 on a CPU")
         return CpuBackend()
     if name == "gpu":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the gpu backend needs a CUDA device (or Triton's interpreter: TRITON_INTERPRET=1)")
         from hearth.backend.gpu import GpuBackend
 
         return GpuBackend(device, use_cuda_graphs=device.type == "cuda" and not enforce_eager)

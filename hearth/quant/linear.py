@@ -15,8 +15,11 @@ The kernels (docs/quantized-matmul.md has the measurements behind each choice):
 - CPU, the other formats, read in place: `gemv` for few rows (fp32 activations against weights
   decoded in registers: equal to dequantize-then-matmul up to fp32 rounding), `gemm_q8` for more
   (int8 activations against 32-row tiles repacked on the fly).
-- Anywhere else (a GPU, or no C++ compiler): the weight dequantized a tile of rows at a time,
-  then `F.linear` (never the whole weight at once).
+- The gpu backend (hearth/backend/gpu.py), Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: `TritonQuantLinear`,
+  the blocks repacked once into planar arrays and multiplied by Triton kernels that dequantize
+  in registers (hearth/triton_kernels/quant_matmul.py).
+- Anywhere else (the reference backend off a CPU, another format, or no C++ compiler): the
+  weight dequantized a tile of rows at a time, then `F.linear` (never the whole weight at once).
 
 Error of the int8-activation kernels: |y - ref| <= sum over blocks of (amax_b / 254) sum_b |w|
 (each activation is off by at most half its block's step), plus fp32 rounding.
@@ -176,6 +179,58 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, packed={self.codes is not None}, bias={self.bias is not None}")
+
+
+class TritonQuantLinear(nn.Module):
+    """y = x W^T (+ b) on a GPU with W kept in its GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K),
+    repacked once into the planar arrays of hearth/triton_kernels/quant_matmul.py (about the file's
+    bytes) and multiplied by its Triton kernels: dequantized in registers, never expanded."""
+
+    _ARRAYS = ("q", "qh", "d", "dmin", "sc", "mn")
+
+    @staticmethod
+    def supports(module: nn.Module, weight) -> bool:
+        from hearth.model.layers import Linear
+        from hearth.triton_kernels.quant_matmul import SUPPORTED_QTYPES
+
+        return isinstance(module, Linear) and isinstance(weight, QuantTensor) and weight.qtype in SUPPORTED_QTYPES
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, device: torch.device):
+        from hearth.triton_kernels.quant_matmul import TritonQuantWeight
+
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.qtype = weight.qtype
+        packed = TritonQuantWeight.from_blocks(weight.data.reshape(self.out_features, -1), weight.qtype,
+                                               weight.shape, device)
+        for name in self._ARRAYS:  # buffers: counted, moved and freed with the model
+            self.register_buffer(name, getattr(packed, name), persistent=False)
+        self.bias = nn.Parameter(bias.to(device), requires_grad=False) if bias is not None else None
+        self._bind()
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._bind()
+        return module
+
+    def _bind(self) -> None:
+        from hearth.triton_kernels.quant_matmul import TritonQuantWeight
+
+        arrays = {name: getattr(self, name) for name in self._ARRAYS}
+        self._weight = TritonQuantWeight(self.qtype, (self.out_features, self.in_features), **arrays)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._weight.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._weight.dequantize(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
+                f"bias={self.bias is not None}")
 
 
 def dequantize_packed(codes: torch.Tensor, scales: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:

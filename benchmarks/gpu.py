@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""hearth on a GPU, in one command: the figures of issue 17, side by side with transformers.
+
+    python benchmarks/gpu.py --out benchmarks/results/gpu/h100      (benchmarks/gpu.sh wraps it)
+
+What it measures (Llama-3.2-1B shape, random weights made by `hearth bench make-model`, bf16):
+  bandwidth     device-to-device copy of 1 GiB, bytes read + written / time: the HBM ceiling
+  decode b=1    one prompt of 128 tokens, 256 new tokens: decode tokens/s, GB/s of weights + KV
+                read per step, % of the measured bandwidth; hearth with CUDA graphs, hearth
+                --enforce-eager, transformers `generate` (static shapes: generate(257) - generate(1))
+  decode b=64   64 prompts of 128 tokens decoding 128 tokens together, the same three
+  throughput    512 requests x (128 prompt + 128 output), at most 256 running: output tokens/s
+  GGUF          the same model as GGUF files: Q8_0 (hearth's converter) and Q4_K_M (llama.cpp's own
+                quantizer through llama-cpp-python, when installed): decode b=1 with the weights kept
+                quantized on the GPU
+Every figure is the median of --runs runs, engines interleaved run by run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common import REPO, median, table, timed
+
+ARCH = "llama-3.2-1b"
+
+
+def hbm_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read and written (median of 20)."""
+    import torch
+
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / median(times) / 1e9
+
+
+def make_files(work: Path) -> dict:
+    """The HF folder, a Q8_0 GGUF and (with llama-cpp-python) a Q4_K_M GGUF of the benchmark shape."""
+    from hearth.bench.models import make_model
+
+    files = make_model(ARCH, work, ["f16", "q8_0"], progress=False)["files"]
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python is not installed: no Q4_K_M file", file=sys.stderr)
+        return files
+    q4km = work / f"{ARCH}-q4_k_m.gguf"
+    if not q4km.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.nthread = 16
+        if llama_cpp.llama_model_quantize(str(files["f16"]).encode(), str(q4km).encode(), params) != 0:
+            raise RuntimeError("llama.cpp could not quantize the f16 file")
+    files["q4_k_m"] = q4km
+    return files
+
+
+def hearth_llm(path, enforce_eager: bool = False):
+    from hearth import LLM
+
+    return LLM(str(path), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, kv_cache_memory=8 << 30,
+               max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192, progress=False)
+
+
+def hearth_decode(llm, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
+    from hearth.bench.latency import one_run, random_prompts
+
+    run = one_run(llm.engine, random_prompts(batch, input_len, llm.engine.model_config.vocab_size, rng), output_len)
+    return {"tokens_per_s": run["decode_tokens_per_s"], "prefill_tokens_per_s": run["prefill_tokens_per_s"]}
+
+
+def step_bytes(llm, batch: int, context: int) -> int:
+    """What a decode step reads: the weights as held on the GPU plus the batch's K/V at `context`."""
+    from hearth.bench.roofline import model_weight_bytes, step_cost
+
+    engine = llm.engine
+    cost = step_cost(engine.model_config, model_weight_bytes(engine.model), "decode", batch, context,
+                     engine.dtype.itemsize)
+    return cost.bytes
+
+
+class TransformersRunner:
+    def __init__(self, folder):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+        self.model.generation_config.eos_token_id = None  # fixed lengths, as ignore_eos
+        self.model.generation_config.pad_token_id = 0
+        self.vocab = self.model.config.vocab_size
+
+    def generate(self, ids, new: int) -> float:
+        torch = self.torch
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            seconds = timed(lambda: self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                                        min_new_tokens=new, do_sample=False))
+            torch.cuda.synchronize()
+        return seconds
+
+    def decode(self, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
+        ids = self.torch.tensor([[rng.randrange(self.vocab) for _ in range(input_len)] for _ in range(batch)],
+                                device="cuda")
+        first = self.generate(ids, 1)
+        whole = self.generate(ids, output_len + 1)
+        return {"tokens_per_s": batch * output_len / (whole - first)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--work", default="/tmp/hearth-gpu-bench", help="where the model files are made")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: transformers,eager,throughput,gguf")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    import torch
+
+    results: dict = {"command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:]),
+                     "device": torch.cuda.get_device_name(), "torch": torch.__version__, "errors": {}}
+    results["hbm_gb_per_s"] = bandwidth = hbm_bandwidth()
+    print(f"{results['device']}: device-to-device copy {bandwidth:,.0f} GB/s", flush=True)
+    start = time.perf_counter()
+    files = make_files(Path(args.work))
+    print(f"model files made in {time.perf_counter() - start:.0f} s", flush=True)
+    rng = random.Random(0)
+    rows, measured = [], {}
+
+    def section(name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # one broken section must not lose the others' figures
+            results["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
+            print(f"{name}: FAILED\n{results['errors'][name]}", file=sys.stderr, flush=True)
+
+    engines = {"hearth": lambda: hearth_llm(files["hf"])}
+    if "eager" not in skip:
+        engines["hearth --enforce-eager"] = lambda: hearth_llm(files["hf"], enforce_eager=True)
+    if "transformers" not in skip:
+        engines["transformers"] = lambda: TransformersRunner(files["hf"])
+    loaded = {}
+    for name, make in engines.items():
+        section(f"load {name}", lambda: loaded.__setitem__(name, make()))
+
+    def decode_tables() -> None:
+        for batch, input_len, output_len in ((1, 128, 256), (64, 128, 128)):
+            for name, engine in loaded.items():  # warm-up (graph capture, Triton compilation)
+                (engine.decode(batch, input_len, 8, rng) if name == "transformers"
+                 else hearth_decode(engine, batch, input_len, 8, rng))
+            runs: dict[str, list[float]] = {name: [] for name in loaded}
+            for _ in range(args.runs):
+                for name, engine in loaded.items():
+                    r = (engine.decode(batch, input_len, output_len, rng) if name == "transformers"
+                         else hearth_decode(engine, batch, input_len, output_len, rng))
+                    runs[name].append(r["tokens_per_s"])
+            nbytes = step_bytes(loaded["hearth"], batch, input_len + output_len // 2)
+            for name, values in runs.items():
+                tok_s = median(values)
+                gb_s = nbytes * tok_s / batch / 1e9
+                measured[(f"decode b={batch}", name)] = tok_s
+                rows.append([f"decode, batch {batch}", name, tok_s, gb_s, 100 * gb_s / bandwidth,
+                             ", ".join(f"{v:,.0f}" for v in values)])
+            results[f"decode_b{batch}"] = runs
+
+    section("decode", decode_tables)
+
+    def throughput() -> None:
+        from hearth.bench.throughput import run_throughput
+
+        llm = loaded["hearth"]
+        run_throughput(llm, 32, 128, 16, progress=False)  # warm-up: graphs of the larger buckets
+        values = [run_throughput(llm, 512, 128, 128, seed=i, progress=False)["output_tokens_per_s"]
+                  for i in range(args.runs)]
+        measured[("throughput", "hearth")] = median(values)
+        rows.append(["512 x (128 + 128), 256 at once: output tok/s", "hearth", median(values), None, None,
+                     ", ".join(f"{v:,.0f}" for v in values)])
+        results["throughput_512"] = values
+
+    if "throughput" not in skip:
+        section("throughput", throughput)
+    for name in list(loaded):
+        del loaded[name]
+    torch.cuda.empty_cache()
+
+    def gguf(kind: str) -> None:
+        llm = hearth_llm(files[kind])
+        hearth_decode(llm, 1, 128, 8, rng)
+        values = [hearth_decode(llm, 1, 128, 256, rng)["tokens_per_s"] for _ in range(args.runs)]
+        nbytes = step_bytes(llm, 1, 128 + 128)
+        gb_s = nbytes * median(values) / 1e9
+        measured[(f"decode b=1 {kind}", "hearth")] = median(values)
+        rows.append([f"decode, batch 1, {kind.upper()} GGUF", "hearth", median(values), gb_s, 100 * gb_s / bandwidth,
+                     ", ".join(f"{v:,.0f}" for v in values)])
+        results[f"decode_b1_{kind}"] = values
+        results[f"weight_bytes_{kind}"] = nbytes
+
+    if "gguf" not in skip:
+        for kind in ("q8_0", "q4_k_m"):
+            if kind in files:
+                section(f"gguf {kind}", lambda: gguf(kind))
+
+    ratios = []
+    for (test, name), value in measured.items():
+        if name == "transformers" and (test, "hearth") in measured:
+            ratios.append(f"{test}: hearth / transformers = {measured[(test, 'hearth')] / value:.2f}x")
+    markdown = "\n".join([
+        f"### hearth on {results['device']} ({ARCH} shape, bf16, random weights)",
+        "",
+        f"- device-to-device copy: {bandwidth:,.0f} GB/s (read + written); torch {torch.__version__}",
+        f"- command: `{results['command']}`; medians of {args.runs} runs, engines interleaved",
+        "",
+        table(["test", "engine", "tokens/s", "GB/s read", "% of copy bandwidth", "runs"], rows),
+        "",
+        *[f"- {r}" for r in ratios],
+        *[f"- {name}: failed (see the JSON)" for name in results["errors"]],
+    ])
+    print(markdown)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(markdown + "\n")
+        out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# hearth on a GPU in one command: the GPU tests compiled for real (Triton kernels, the gpu backend
+# against transformers, CUDA graphs against the eager path), then every benchmark figure.
+#
+#   benchmarks/gpu.sh [OUT_DIR]        (default benchmarks/results/gpu)
+#
+# Needs torch with CUDA, triton, transformers, gguf; llama-cpp-python for the Q4_K_M file
+# (pip install ../shared/wheels/llama_cpp_python-*.whl). Writes OUT_DIR/{tests.log, kernels.md,
+# engine.md} and their JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results/gpu}
+mkdir -p "$out"
+python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_quant_matmul.py \
+    tests/test_gpu_backend.py 2>&1 | tee "$out/tests.log"
+python3 benchmarks/gpu_kernels.py --out "$out/kernels"
+python3 benchmarks/gpu.py --out "$out/engine"

@@ -1,0 +1,111 @@
+"""The GPU backend: Triton kernels for every operation, CUDA graphs for decode steps, GGUF
+weights kept quantized on the device.
+
+Attention metadata is one varlen description of the step (hearth/triton_kernels/attention.py):
+sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs
+the split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence
+with one query row). Decode steps up to the largest captured batch replay a CUDA graph
+(graphs.py). The same code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which
+is how the tests check it without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hearth.backend.base import Backend, StepInputs
+from hearth.triton_kernels import activation, attention, norm, rope
+
+
+@dataclass
+class GpuMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token (< 0: padding, not stored)
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    seq_lens: torch.Tensor  # int32 [S] context after this step
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    block_size: int
+    max_query_len: int  # host int: the prefill kernel's grid
+    num_splits: int  # split-KV parts of the decode kernel (fixed per captured graph)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class GpuBackend(Backend):
+    name = "gpu"
+
+    def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
+        super().__init__(device)
+        self.use_cuda_graphs = use_cuda_graphs
+        self.max_graph_batch = max_graph_batch
+        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 132)
+
+    # ---- a step ------------------------------------------------------------------------
+
+    def forward(self, model, step: StepInputs, kv_caches):
+        if step.decode_only and step.num_seqs <= self.max_graph_batch:
+            graphs = model.backend_state.get("decode_graphs")
+            if graphs is None:
+                from hearth.backend.graphs import DecodeGraphs
+
+                max_blocks = -(-model.rope.max_positions // step.block_size)
+                graphs = model.backend_state["decode_graphs"] = DecodeGraphs(
+                    self, model, kv_caches, self.max_graph_batch, max_blocks, step.block_size,
+                    capture=self.use_cuda_graphs)
+            if graphs.fits(step):
+                return graphs.run(step)
+        dev = self.device
+        meta = self.metadata(
+            torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+            torch.from_numpy(step.query_start_loc).to(dev, non_blocking=True),
+            torch.from_numpy(step.seq_lens).to(dev, non_blocking=True),
+            torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
+            step.block_size, int(step.query_lens.max()), model.config.num_kv_heads,
+        )
+        return model(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
+                     kv_caches, meta)
+
+    def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
+                 num_kv_heads: int) -> GpuMetadata:
+        splits = attention.choose_num_splits(len(seq_lens), num_kv_heads, block_tables.shape[1] * block_size,
+                                             self._num_sms)
+        return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len, splits)
+
+    # ---- the model's operations --------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
+        return norm.rms_norm(x, weight, eps, weight_offset, residual)
+
+    def rotary(self, cos, sin, positions, dtype):
+        """The kernel reads the float32 tables at each position itself: no per-step gather."""
+        return positions, cos, sin
+
+    def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
+        positions, cos, sin = rotary
+        return rope.rope_and_store_kv(q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float):
+        if meta.decode_only:
+            return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                              meta.block_size, num_splits=meta.num_splits)
+        return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                           meta.seq_lens, scale, meta.block_size, meta.max_query_len)
+
+    def act_and_mul(self, gate, up, activation_name):
+        return activation.act_and_mul(gate, up, activation_name)
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def quantized_module(self, module, weight, bias, dtype) -> nn.Module | None:
+        """GGUF matrices in Q8_0, Q4_0, Q4_K, Q5_K, Q6_K stay in their blocks on the device, multiplied
+        by Triton kernels; other GGUF types take the tile-by-tile torch path; F16/BF16 become dense."""
+        from hearth.quant.linear import TritonQuantLinear
+
+        if TritonQuantLinear.supports(module, weight):
+            return TritonQuantLinear(weight, None if bias is None else bias.to(dtype), self.device)
+        return super().quantized_module(module, weight, bias, dtype)

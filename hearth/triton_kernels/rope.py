@@ -1,0 +1,98 @@
+"""Rotary embedding of q and k fused with the KV cache write, one program per token.
+
+HF's rotate-half RoPE: with x1 = x[:D/2], x2 = x[D/2:] and cos/sin the float32 tables' rows at the
+token's position, out[:D/2] = x1 cos - x2 sin and out[D/2:] = x2 cos + x1 sin, in float32. The
+rotated k and the unrotated v go straight into their cache slot (cast to the cache's dtype); a
+slot < 0 (a CUDA graph's padding row) stores nothing. q comes back rotated as a new contiguous
+tensor. q, k and v may be strided views of one merged projection output: heads are contiguous
+within a token's row, rows are addressed by their own stride.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(src, stride_h, cos, sin, mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The rotated halves, each [BLOCK_H, BLOCK_HALF] in float32, of one token's heads at `src`."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    x1 = tl.load(src + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + position * stride_table + i, mask=i < HALF, other=0.0)[None, :]  # [1, BLOCK_HALF]
+    sin = tl.load(sin_ptr + position * stride_table + i, mask=i < HALF, other=0.0)[None, :]
+    i = i[None, :]
+
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = (h < NUM_HEADS) & (i < HALF)  # [BLOCK_H, BLOCK_HALF]
+    out1, out2 = _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, mask, HALF, BLOCK_H, BLOCK_HALF)
+    q_out = q_out_ptr + t * (NUM_HEADS * 2 * HALF) + h * (2 * HALF) + i
+    tl.store(q_out, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_out + HALF, out2.to(q_out_ptr.dtype.element_ty), mask=mask)
+
+    h = tl.arange(0, BLOCK_KVH)[:, None]
+    stored_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # a padding row stores nothing
+    mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
+    out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
+    store = (h < stored_heads) & (i < HALF)
+    k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
+    tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
+    tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=store)
+
+    d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=(h < NUM_KV_HEADS) & (d < 2 * HALF), other=0.0)
+    tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d, v.to(v_cache_ptr.dtype.element_ty),
+             mask=(h < stored_heads) & (d < 2 * HALF))
+
+
+def rope_and_store_kv(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    positions: torch.Tensor,  # int [T]
+    cos_table: torch.Tensor,  # float32 [max_positions, D / 2]
+    sin_table: torch.Tensor,  # float32 [max_positions, D / 2]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    slot_mapping: torch.Tensor,  # int [T]; < 0: not stored
+) -> torch.Tensor:
+    """Stores rope(k) and v at their slots; returns rope(q) as a new contiguous [T, H, D] in q.dtype."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    assert head_dim % 2 == 0 and k.shape == v.shape == (tokens, num_kv_heads, head_dim)
+    assert k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim)
+    assert cos_table.shape == sin_table.shape and cos_table.shape[1] == half and cos_table.stride(1) == 1
+    assert cos_table.stride() == sin_table.stride()
+    for x in (q, k, v, k_cache, v_cache):
+        assert x.stride(2) == 1, "head_dim must be contiguous"
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    _rope_store_kernel[(tokens,)](
+        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    )
+    return q_out

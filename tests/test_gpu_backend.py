@@ -1,0 +1,94 @@
+"""The gpu backend (Triton kernels, CUDA graphs) through the whole engine: greedy outputs against
+transformers, and decode graphs against the eager path. Without a GPU it runs on the CPU under
+Triton's interpreter (tests/conftest.py), graphs with capture off; with one, on the GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hearth import LLM, SamplingParams
+from hearth.backend.graphs import bucket_sizes
+from models import ARCHITECTURES, VOCAB_SIZE, load_hf_reference, make_hf_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prompts(count: int, seed: int, shortest: int = 2, longest: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(shortest, longest))] for _ in range(count)]
+
+
+def _llm(folder, **options) -> LLM:
+    # float32: greedy tokens comparable with transformers'; small token budget: prompts in chunks
+    return LLM(folder, device=DEVICE, dtype="float32", backend="gpu", kv_cache_memory=1 << 22,
+               max_num_batched_tokens=32, progress=False, **options)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_output_matches_transformers(tmp_path, arch):
+    """Prompts chunked across steps (budget 32), a shared prefix served from the prefix cache,
+    decodes batched with prefills: every token as transformers' generate picks it."""
+    folder = make_hf_model(tmp_path / arch, arch)
+    reference = load_hf_reference(folder).to(DEVICE)
+    prompts = _prompts(4, seed=1)
+    prompts.append(prompts[0] + [5, 6, 7])  # its first blocks come from the prefix cache
+    ours = _greedy(_llm(folder), prompts, 10)
+    for prompt, tokens in zip(prompts, ours):
+        ids = torch.tensor([prompt], device=DEVICE)
+        with torch.no_grad():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 8))
+
+
+def test_decode_graphs_match_the_eager_path(tmp_path):
+    """Batches of every bucket size and the sizes between (and past the largest bucket, which run
+    eagerly): the graph runner's padded static buffers give the eager path's tokens."""
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    graphs, eager = _llm(folder), _llm(folder)
+    graphs.engine.runner.backend.max_graph_batch = 8  # buckets 1, 2, 4, 8
+    eager.engine.runner.backend.max_graph_batch = 0  # never a graph
+    for size in (1, 2, 3, 4, 5, 7, 8, 9):
+        prompts = _prompts(size, seed=size, longest=20)
+        assert _greedy(graphs, prompts, 5) == _greedy(eager, prompts, 5), f"batch of {size}"
+    runner = graphs.engine.model.backend_state["decode_graphs"]
+    assert runner.capture == (DEVICE == "cuda")
+    if runner.capture:
+        assert set(runner.graphs) == {1, 2, 4, 8}
+    assert "decode_graphs" not in eager.engine.model.backend_state
+
+
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_0"])
+def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monkeypatch, out_type):
+    """A GGUF file's matrices become TritonQuantLinear (the blocks kept, about the file's bytes);
+    greedy tokens equal the reference backend's on the same file, there dequantized tile by tile
+    (the exact path, tested against gguf's dequantizer; the C++ kernels round activations to int8)."""
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.quant import kernels
+    from hearth.quant.linear import TritonQuantLinear
+
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)  # whole 32-value blocks
+    path = convert_hf_to_gguf(folder, tmp_path / f"llama-{out_type}.gguf", out_type, progress=False)
+    ours = _llm(path)
+    monkeypatch.setattr(kernels, "extension", lambda: None)
+    reference = LLM(path, device=DEVICE, dtype="float32", backend="reference", kv_cache_memory=1 << 22,
+                    max_num_batched_tokens=32, progress=False)
+    quantized = [m for m in ours.engine.model.modules() if isinstance(m, TritonQuantLinear)]
+    assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer
+    prompts = _prompts(3, seed=7)
+    assert _greedy(ours, prompts, 8) == _greedy(reference, prompts, 8)
