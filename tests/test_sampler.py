@@ -1,7 +1,9 @@
 import math
 
 import pytest
+import scipy.stats as scipy_stats
 import torch
+import transformers.generation.logits_process as lp
 
 from hearth.engine.sampler import (
     Sampler,
@@ -16,8 +18,6 @@ from hearth.engine.sampler import (
 )
 from hearth.sampling_params import SamplingParams
 
-lp = pytest.importorskip("transformers.generation.logits_process")
-scipy_stats = pytest.importorskip("scipy.stats")
 
 V = 64
 NO_IDS = torch.zeros(1, 1, dtype=torch.long)
