@@ -36,11 +36,16 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
-    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2), and o_proj too (llama, qwen3, gemma)
+    mlp_bias: bool = False  # gate/up/down carry a bias (llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
     # gemma stores RMSNorm weights as (w - 1) and scales embeddings by sqrt(hidden)
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
+    # Sliding-window attention (mistral, qwen2's use_sliding_window): a query attends to the last
+    # `sliding_window` positions. hearth attends to the whole context, which is the same thing as
+    # long as a sequence fits in the window: sequences stop there (exact_context).
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +58,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def exact_context(self) -> int:
+        """The longest sequence hearth computes as the model defines it."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
@@ -77,6 +89,10 @@ class ModelConfig:
             if gemma:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
+            _refuse_unimplemented(hf, where)
+            window = hf.get("sliding_window")
+            if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+                window = None  # their configs carry a window that is switched off
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -93,6 +109,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
                 attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+                mlp_bias=bool(hf.get("mlp_bias", False)),
+                sliding_window=int(window) if window is not None else None,
                 qk_norm=arch == "qwen3",
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
@@ -105,6 +123,23 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+# config.json fields of features hearth does not implement, with the values that switch them off:
+# a config that switches one on is refused, never run without it.
+_INACTIVE_FIELDS = {
+    "partial_rotary_factor": (None, 1, 1.0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+}
+
+
+def _refuse_unimplemented(hf: dict[str, Any], where: str) -> None:
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 may put the rotary fraction here
+    for name, inactive in _INACTIVE_FIELDS.items():
+        value = hf.get(name, rope.get(name))
+        if value not in inactive:
+            raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 
 @dataclass

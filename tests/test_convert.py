@@ -16,6 +16,7 @@ from hearth.errors import ModelLoadError
 from hearth.loading.convert import OUT_TYPES, convert_hf_to_gguf
 from hearth.loading.gguf import load_gguf
 from models import ARCHITECTURES, hearth_logits, load_hf_reference, make_hf_model, make_spm_tokenizer
+from optional import import_llama_cpp
 
 TOKENS = [0, 5, 77, 123, 200, 9, 250, 31, 64, 100, 7, 299, 150, 42, 3, 11, 90, 91, 92, 17]
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -248,13 +249,9 @@ def test_errors(hf_dirs, tmp_path):
 
 # ---------------------------------------------------------------- llama.cpp itself
 
-def _llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_llama_cpp_loads_and_agrees(name, hf_dirs, reference_logits, tmp_path_factory):
-    llama_cpp = _llama_cpp()
+    llama_cpp = import_llama_cpp()
     llm = llama_cpp.Llama(model_path=str(_convert(hf_dirs, name, "f32", tmp_path_factory)), logits_all=True,
                           n_ctx=256, verbose=False)
     llm.eval(TOKENS)
@@ -264,7 +261,7 @@ def test_llama_cpp_loads_and_agrees(name, hf_dirs, reference_logits, tmp_path_fa
 
 
 def test_llama_cpp_tokenizes_as_hf(hf_dirs, spm_model, tmp_path, tmp_path_factory):
-    llama_cpp = _llama_cpp()
+    llama_cpp = import_llama_cpp()
     texts = ["Once upon a time there was a little fox", "def fibonacci(n):\n    return 3333 + 12345\n\n\n  x",
              " leading space  and   runs\t\ttabs", "I've been 'told he's there, 'RE you? 🦙 héllo wörld ñ 日本"]
     folder = tmp_path / "llama-bpe"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,80 @@ def test_sharded_safetensors_folder(tmp_path):
     next(sharded.glob("model-*.safetensors")).unlink()
     with pytest.raises(ModelLoadError, match="shard files missing"):
         load_model(sharded, progress=False)
+
+
+def test_biases_on_every_projection_match_transformers(tmp_path):
+    """llama's attention_bias puts a bias on o_proj too, and mlp_bias on gate/up/down."""
+    folder = make_hf_model(tmp_path / "llama", "llama", attention_bias=True, mlp_bias=True)
+    model = load_model(folder, progress=False).model
+    assert _relative_error(_hearth_logits(model, TOKENS), _reference_logits(folder, TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("out_type", [None, "f32"])
+def test_sliding_window_model_is_exact_up_to_its_window(tmp_path, out_type):
+    """hearth attends to the whole context: equal to mistral's 24-token window for sequences that
+    fit in it, so sequences stop there (from the HF folder and from the GGUF hearth writes)."""
+    from hearth import LLM, SamplingParams
+    from hearth.loading.convert import convert_hf_to_gguf
+
+    folder = make_hf_model(tmp_path / "mistral", "mistral", sliding_window=24)
+    path = folder if out_type is None else convert_hf_to_gguf(folder, tmp_path / "m.gguf", out_type, progress=False)
+    llm = LLM(path, kv_cache_memory=1 << 20, progress=False)
+    assert llm.engine.max_model_len == 24
+    prompt = TOKENS[:10]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    assert len(prompt) + len(tokens) == 24 and out.outputs[0].finish_reason == "length"
+    reference = load_hf_reference(folder)
+    ids = torch.tensor([prompt])
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens),
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens == expected
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(path, max_model_len=100, kv_cache_memory=1 << 20, progress=False)
+
+
+def test_unimplemented_features_are_refused(tmp_path):
+    """A config field or a tensor hearth has no place for is an error naming it, never dropped."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        load_model(folder, progress=False)
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(8, 64)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.experts\.0\.up_proj\.weight"):
+        load_model(folder, progress=False)
+
+
+def test_gguf_tensor_hearth_does_not_know_is_refused(tmp_path):
+    import gguf
+
+    from hearth.loading.convert import convert_hf_to_gguf
+
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    source = gguf.GGUFReader(convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False))
+    writer = gguf.GGUFWriter(tmp_path / "extra.gguf", "llama")
+    for field in source.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(field.name, field.contents())
+        else:
+            writer.add_key_value(field.name, field.contents(), kind)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate_exps\.weight"):
+        load_model(tmp_path / "extra.gguf", progress=False)

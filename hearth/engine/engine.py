@@ -87,9 +87,12 @@ class LLMEngine:
                             backend=backend)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = Path(model)
-        context = self.model_config.max_position_embeddings
+        context = self.model_config.exact_context
         if config.max_model_len is not None and config.max_model_len > context:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
+            window = self.model_config.sliding_window
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}" + (
+                f" (its sliding window: hearth attends to the whole context, which equals the model's windowed "
+                f"attention only up to {window} tokens)" if context == window else ""))
         self.max_model_len = config.max_model_len or context
         bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         budget = config.kv_cache_memory or default_kv_cache_memory(

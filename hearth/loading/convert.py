@@ -180,6 +180,8 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     if config.head_dim * config.num_heads != config.hidden_size:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "linear":

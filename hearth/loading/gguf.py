@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, gguf_to_hf, qk_row_order
+from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_to_hf, qk_row_order
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -64,6 +64,11 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch == "gemma"
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):  # llama3's scaling comes as the rope_freqs tensor instead
+        raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented by "
+                             "hearth (it has: linear, and llama3's rope_freqs)")
+    window = md.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -76,10 +81,10 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=(  # llama3 scaling comes as the rope_freqs tensor instead
-            {"rope_type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
-            if md.get(f"{arch}.rope.scaling.type") == "linear" else None
+        rope_scaling=(
+            {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))} if scaling == "linear" else None
         ),
+        sliding_window=int(window) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         qk_norm=arch == "qwen3",
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
@@ -122,7 +127,10 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
         name = gguf_to_hf(t.name)
         if name is None:
-            continue
+            if UNUSED_GGUF_TENSORS.fullmatch(t.name):
+                continue
+            raise ModelLoadError(f"{where}: tensor {t.name} is not part of the {config.architecture} model hearth "
+                                 "implements (a feature of the file hearth would otherwise drop)")
         try:
             weights[name] = _tensor(t, where)
         except ModelLoadError:
@@ -130,6 +138,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
         except Exception as e:
             raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
     config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+    config.mlp_bias = "model.layers.0.mlp.gate_proj.bias" in weights
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
     if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:

@@ -16,12 +16,16 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +39,10 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 # llama.cpp's converter permutes the rows of Q and K for these architectures so that its
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+
+# GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
+UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
 
 
 def gguf_to_hf(name: str) -> str | None:

@@ -73,8 +73,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.ops = ops
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size})
-        self.down_proj = Linear(size, config.hidden_size)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
         self.activation = _ACTIVATIONS.get(config.hidden_act)
         if self.activation is None:
             raise ModelLoadError(f"unsupported activation {config.hidden_act!r}")

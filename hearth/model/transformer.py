@@ -8,6 +8,8 @@ model is built.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -28,7 +30,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
                                      config.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
+        self.o_proj = Linear(q_size, config.hidden_size, config.attention_bias and config.architecture != "qwen2")
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -132,11 +135,13 @@ class Transformer(nn.Module):
             self.rope.set_frequency_factors(_dense(rope_freqs, torch.float32))
         release_file_pages(weights.values())
         merged = self._plan_merges(weights)
+        used = {"rope_freqs"}
 
         def source(hf_name: str) -> torch.Tensor | QuantTensor | None:
+            names = merged.get(hf_name, [hf_name])
+            used.update(names)
             if hf_name not in merged:
                 return weights.get(hf_name)
-            names = merged[hf_name]
             missing = [name for name in names if name not in weights]
             if missing:
                 raise ModelLoadError(f"missing tensor {missing[0]}")
@@ -160,6 +165,11 @@ class Transformer(nn.Module):
                     continue
             for attr, tensor in found.items():
                 setattr(module, attr, nn.Parameter(_dense(tensor, dtype), requires_grad=False))
+        unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name))
+        if unused:  # parts of the checkpoint hearth's model has no place for: refused, never dropped
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise ModelLoadError(f"tensor {unused[0]}{more} is not part of the {self.config.architecture} model "
+                                 "hearth implements")
 
     def _plan_merges(self, weights: dict) -> dict[str, list[str]]:
         """Group each MergedLinear's parts by storage format (checking each part's presence and
@@ -187,6 +197,10 @@ class Transformer(nn.Module):
                 for attr in ("weight", "bias"):
                     merged[f"model.{name}.parts.{g}.{attr}"] = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
         return merged
+
+
+# checkpoint tensors nothing computes with: RoPE frequencies some old checkpoints saved
+_UNUSED_CHECKPOINT = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def _storage_format(weight: torch.Tensor | QuantTensor) -> tuple:
