@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hearth.errors import RequestError
@@ -100,9 +101,31 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+# the longest string or list a template may build by repetition ('x' * n), and the most bits of
+# a power (10 ** 10 ** 10 would compute for ever): a template comes with the model file, from anyone
+MAX_REPEAT = 1 << 20
+MAX_POWER_BITS = 1 << 12
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """jinja's sandbox (no attribute of Python's internals, no file, range() bounded), with the two
+    operators that can exhaust memory or time bounded too."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for items, times in ((left, right), (right, left)):
+                if isinstance(items, (str, list, tuple)) and isinstance(times, int) and len(items) * times > MAX_REPEAT:
+                    raise SecurityError(f"repetition longer than {MAX_REPEAT:,} items")
+        elif isinstance(left, int) and isinstance(right, int) and right * abs(left).bit_length() > MAX_POWER_BITS:
+            raise SecurityError(f"a power of more than {MAX_POWER_BITS:,} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

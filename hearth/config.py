@@ -54,10 +54,25 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name, most in _SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ModelLoadError(f"{name} = {value!r}: expected a whole number from 1 to {most:,}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim = {self.head_dim}: rotary embeddings need an even head size")
+        for name in ("rms_norm_eps", "rope_theta", "embedding_scale"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ModelLoadError(f"{name} = {getattr(self, name)!r}: expected a positive number")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window = {self.sliding_window}: expected a positive number of tokens")
+        if not isinstance(self.hidden_act, str):
+            raise ModelLoadError(f"hidden_act = {self.hidden_act!r}: expected an activation's name")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ModelLoadError(f"rope_scaling = {self.rope_scaling!r}: expected an object")
 
     @property
     def exact_context(self) -> int:
@@ -69,7 +84,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         archs = hf.get("architectures") or []
-        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if not isinstance(archs, list):
+            raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
+        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
         if arch is None:
             arch = hf.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -117,13 +134,22 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{where}: {e}") from None
+        except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
+
+# Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
+# config must not make hearth allocate without limit.
+_SIZE_LIMITS = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 1 << 12,
+    "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
+}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:
 # a config that switches one on is refused, never run without it.

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.gguf_layout import check_gguf_layout
 from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_to_hf, qk_row_order
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
@@ -33,18 +34,31 @@ def open_gguf(path: str | Path) -> GGUFReader:
         raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    check_gguf_layout(path, str(path))
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises bare struct/index/value errors on damaged files
         raise ModelLoadError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: GGUFReader, where: str) -> dict[str, Any]:
     """Every key-value pair of the header as plain Python values."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    try:
+        return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{where}: damaged GGUF metadata (a string that is not UTF-8: {e})") from None
 
 
 def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
+    try:
+        return _config_from_metadata(md, where)
+    except ModelLoadError as e:
+        raise ModelLoadError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{where}: malformed metadata: {e}") from None
+
+
+def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -121,7 +135,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
 
     where = str(path)
     reader = open_gguf(path)
-    md = read_metadata(reader)
+    md = read_metadata(reader, where)
     config = config_from_metadata(md, where)
     weights: dict[str, Weight] = {}
     for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):

@@ -19,7 +19,7 @@ def read_json(path: Path) -> dict[str, Any]:
             data = json.load(f)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
@@ -32,7 +32,10 @@ def weight_files(folder: Path) -> list[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: no 'weight_map' object")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        names = list(weight_map.values())
+        if not all(isinstance(name, str) and name and Path(name).name == name for name in names):
+            raise ModelLoadError(f"{index}: 'weight_map' must name shard files inside the folder")
+        files = [folder / name for name in sorted(set(names))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise ModelLoadError(f"{index}: shard files missing: {', '.join(missing)}")
