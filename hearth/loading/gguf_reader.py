@@ -110,6 +110,8 @@ def _parse(mapped: mmap.mmap) -> GGUFFile:
         qtype, offset = cursor.unpack("<IQ")
         layout.append((name, shape, GGMLQuantizationType(qtype), offset))
     alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
     start = -(-cursor.pos // alignment) * alignment
     tensors = []
     for name, shape, qtype, offset in layout:
