@@ -28,7 +28,9 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = True) -> None:
     )
 
 
-def _add_engine(p: argparse.ArgumentParser) -> None:
+def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
+    """max_num_seqs: the default of --max-num-seqs (1 where the command runs one sequence at a
+    time: its KV cache then holds one context, not a share of memory)."""
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -37,7 +39,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="gpu backend: no CUDA graphs")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                   help=f"sequences run at once; the KV cache holds this many contexts (default {max_num_seqs})")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
@@ -219,14 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true")
     _add_sampling(p, max_tokens=128)
-    _add_engine(p)
+    _add_engine(p, max_num_seqs=1)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="talk with the model through its chat template")
     _add_model(p)
     p.add_argument("--system", default=None, help="a system message")
     _add_sampling(p, max_tokens=512)
-    _add_engine(p)
+    _add_engine(p, max_num_seqs=1)
     p.set_defaults(func=cmd_chat)
 
     from hearth.server.serve import run_server

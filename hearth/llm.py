@@ -6,8 +6,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from hearth.config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
@@ -86,6 +84,8 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+        from tqdm import tqdm
+
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             while self.engine.has_unfinished_requests():

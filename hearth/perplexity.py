@@ -1,4 +1,12 @@
-"""Perplexity of a model on a text: the quality number quantization is judged by."""
+"""Perplexity of a model on a text: the quality number quantization is judged by.
+
+The tokens are cut into windows of `context` tokens (the last one may be shorter) and, in each,
+every token after the first is scored given the ones before it in its window. Windows run through
+the engine's prefill (ModelRunner) several at a time, as sequences of one step, each with its own
+KV blocks; the output projection then runs on every scored row of the step in chunks of
+`LOGIT_ROWS` (one GEMM each), and the negative log-likelihoods are summed on the device: no Python
+per token, no sampling. benchmarks/llamacpp_perplexity.py computes the same on llama.cpp.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +18,37 @@ import torch.nn.functional as F
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.model.transformer import Transformer
 
+BLOCK_SIZE = 16
+LOGIT_ROWS = 512  # rows of logits at once: [512, vocab] float32 is 100 MB at a 49k vocabulary
 
-def perplexity(model: Transformer, token_ids: list[int], context: int, device: torch.device) -> dict:
-    """Split the tokens into windows of `context` tokens; in each, score every token after the first.
 
-    Returns {"perplexity", "nll" (mean negative log-likelihood, nats), "tokens" (scored)}.
-    """
+def perplexity(model: Transformer, token_ids: list[int], context: int, device: torch.device,
+               max_batch_tokens: int = 2048) -> dict:
+    """Returns {"perplexity", "nll" (mean negative log-likelihood, nats), "tokens" (scored)}.
+
+    max_batch_tokens: windows per forward pass, as many as fit (at least one)."""
     if context < 2:
         raise ValueError("context must be at least 2 tokens")
     if len(token_ids) < 2:
         raise ValueError(f"the text has {len(token_ids)} token(s); perplexity needs at least 2")
-    block_size = 16
-    num_blocks = -(-context // block_size)
-    runner = ModelRunner(model, num_blocks, block_size, device, model.dtype)
-    block_table = list(range(num_blocks))
-    total_nll, scored = 0.0, 0
-    for start in range(0, len(token_ids) - 1, context):
-        window = token_ids[start : start + context]
-        if len(window) < 2:
-            break
-        hidden, _ = runner.execute([BatchEntry(window, 0, block_table)])
-        targets = torch.tensor(window[1:], device=device)
-        for i in range(0, len(targets), 512):  # logits a slice at a time: vocab x context can be large
-            logits = model.compute_logits(hidden[i : min(i + 512, len(targets))])
-            total_nll += F.cross_entropy(logits, targets[i : i + 512], reduction="sum").item()
-        scored += len(targets)
-    nll = total_nll / scored
-    return {"perplexity": math.exp(nll), "nll": nll, "tokens": scored}
+    windows = [token_ids[s:s + context] for s in range(0, len(token_ids) - 1, context)]
+    windows = [w for w in windows if len(w) >= 2]
+    per_step = max(1, min(len(windows), max_batch_tokens // context))
+    blocks_per_window = -(-context // BLOCK_SIZE)
+    runner = ModelRunner(model, per_step * blocks_per_window, BLOCK_SIZE, device, model.dtype)
+    tables = [list(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(per_step)]
+    total_nll = torch.zeros((), dtype=torch.float64, device=device)
+    for first in range(0, len(windows), per_step):
+        step = windows[first:first + per_step]
+        hidden, last_rows = runner.execute([BatchEntry(w, 0, table) for w, table in zip(step, tables)])
+        # every row but each window's last predicts the token after it
+        scored = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
+        scored[last_rows] = False
+        hidden = hidden[scored]
+        targets = torch.tensor([t for w in step for t in w[1:]], device=device)
+        for i in range(0, len(targets), LOGIT_ROWS):
+            logits = model.compute_logits(hidden[i:i + LOGIT_ROWS])
+            total_nll += F.cross_entropy(logits, targets[i:i + LOGIT_ROWS], reduction="sum").double()
+    count = sum(len(w) - 1 for w in windows)
+    nll = total_nll.item() / count
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": count}

@@ -32,7 +32,6 @@ from typing import Any, Sequence
 
 import tokenizers
 
-from hearth.chat_template import render_chat_template
 from hearth.errors import ModelLoadError, RequestError
 from hearth.tokenizer_gguf import (
     BYTE, CONTROL, NORMAL, SPIECE_SPACE, UNKNOWN, UNUSED, build_gguf_backend, byte_level_bytes, spm_bytes,
@@ -293,6 +292,8 @@ class Tokenizer:
     # ------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        from hearth.chat_template import render_chat_template  # Jinja: paid for by chats only
+
         variables = {**{k: v for k, v in self._template_tokens.items() if v is not None}, **kwargs}
         return render_chat_template(self.chat_template, messages, add_generation_prompt, **variables)
 

@@ -7,13 +7,12 @@ import copy
 import functools
 import json
 import random
-import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hearth.errors import ModelLoadError, RequestError
+from hearth.loading.gguf_reader import read_gguf
 from hearth.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -33,57 +32,9 @@ def need(path: Path) -> Path:
     return path
 
 
-# ---------------------------------------------------------------- a fast GGUF metadata reader
-# gguf.GGUFReader takes seconds per vocab file (it builds numpy views of every string); this reads
-# only the key-value header. test_fast_reader_matches_gguf checks it against GGUFReader.
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_gguf_metadata(path: Path) -> dict:
-    buf = path.read_bytes()
-    assert buf[:4] == b"GGUF"
-    _version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8 + n
-        return buf[pos - n:pos].decode("utf-8")
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == 8:
-            return string()
-        if kind == 9:
-            elem, n = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if elem == 8:
-                return [string() for _ in range(n)]
-            if elem == 9:
-                return [value(9) for _ in range(n)]
-            dtype = np.dtype(_SCALARS[elem])
-            out = np.frombuffer(buf, dtype, n, pos).tolist()
-            pos += n * dtype.itemsize
-            return out
-        fmt = _SCALARS[kind]
-        (v,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return v
-
-    md = {}
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        md[key] = value(kind)
-    return md
-
-
 @functools.lru_cache(maxsize=None)
 def gguf_metadata(name: str) -> dict:
-    return read_gguf_metadata(need(VOCAB / f"ggml-vocab-{name}.gguf"))
+    return read_gguf(need(VOCAB / f"ggml-vocab-{name}.gguf")).metadata
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,15 +52,6 @@ def reference_cases(name: str) -> list[tuple[str, list[int]]]:
         lines.pop()
     assert len(texts) == len(lines)
     return [(text, [int(t) for t in line.split()]) for text, line in zip(texts, lines)]
-
-
-def test_fast_reader_matches_gguf():
-    import gguf
-
-    path = need(VOCAB / "ggml-vocab-llama-spm.gguf")
-    reader = gguf.GGUFReader(path)
-    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    assert read_gguf_metadata(path) == expected
 
 
 # ---------------------------------------------------------------- llama.cpp's tokenizer tests
@@ -214,7 +156,7 @@ def test_byte_level_specials():
 
 def test_stories260k_prompts():
     path = need(STORIES / "stories260K.gguf")
-    tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    tok = Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
     expected = json.loads((STORIES / "expected_greedy.json").read_text())
     assert tok.vocab_size == 512 and tok.bos_token_id == 1 and tok.eos_token_ids == [2]
     for case in expected["cases"]:

@@ -8,6 +8,7 @@ into its tensors and metadata, runs the model, and returns hidden states.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,10 +41,8 @@ class ModelRunner:
         self.device = device
         config = model.config
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
+        caches = zeroed((2 * config.num_layers, *shape), kv_dtype, device)
+        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -76,3 +75,15 @@ class ModelRunner:
         step = self.prepare(entries)
         hidden = self.backend.forward(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor whose pages are not touched up front. On a CPU: an anonymous memory map,
+    which the OS fills with zeros page by page on first use, so a KV cache sized for a long context
+    costs nothing until tokens are written (torch.zeros would write every page at start-up). On a
+    GPU: torch.zeros (a device memset, milliseconds). Unused slots read as zeros either way, so a
+    masked attention weight of 0 never meets a NaN left in memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)

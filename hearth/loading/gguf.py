@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.gguf_layout import check_gguf_layout
+from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_to_hf, qk_row_order
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
@@ -23,30 +23,6 @@ _DENSE = {
     GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    check_gguf_layout(path, str(path))
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises bare struct/index/value errors on damaged files
-        raise ModelLoadError(f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
-
-
-def read_metadata(reader: GGUFReader, where: str) -> dict[str, Any]:
-    """Every key-value pair of the header as plain Python values."""
-    try:
-        return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(f"{where}: damaged GGUF metadata (a string that is not UTF-8: {e})") from None
 
 
 def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
@@ -114,19 +90,18 @@ def _mapped(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(array))
 
 
-def _tensor(t, where: str) -> Weight:
-    rows_cols = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists ne0 (columns) first
-    qtype = GGMLQuantizationType(t.tensor_type)
-    if qtype in _DENSE:
-        return _mapped(t.data).view(_DENSE[qtype]).reshape(rows_cols)
-    if qtype not in SUPPORTED_QTYPES:
+def _tensor(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
+    rows_cols = tuple(reversed(t.shape))  # ggml lists ne0 (columns) first
+    if t.qtype in _DENSE:
+        return _mapped(file.tensor_bytes(t)).view(_DENSE[t.qtype]).reshape(rows_cols)
+    if t.qtype not in SUPPORTED_QTYPES:
         raise ModelLoadError(
-            f"{where}: tensor {t.name} has unsupported type {qtype.name}; "
+            f"{where}: tensor {t.name} has unsupported type {t.qtype.name}; "
             f"supported: {', '.join(q.name for q in SUPPORTED_QTYPES)}"
         )
     if len(rows_cols) != 2:
         raise ModelLoadError(f"{where}: quantized tensor {t.name} is not 2-D (shape {rows_cols})")
-    return QuantTensor(_mapped(t.data), qtype, rows_cols)
+    return QuantTensor(_mapped(file.tensor_bytes(t)).reshape(rows_cols[0], -1), t.qtype, rows_cols)
 
 
 def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
@@ -134,11 +109,11 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     from tqdm import tqdm
 
     where = str(path)
-    reader = open_gguf(path)
-    md = read_metadata(reader, where)
+    file = read_gguf(path)
+    md = file.metadata
     config = config_from_metadata(md, where)
     weights: dict[str, Weight] = {}
-    for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
+    for t in tqdm(file.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
         name = gguf_to_hf(t.name)
         if name is None:
             if UNUSED_GGUF_TENSORS.fullmatch(t.name):
@@ -146,7 +121,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
             raise ModelLoadError(f"{where}: tensor {t.name} is not part of the {config.architecture} model hearth "
                                  "implements (a feature of the file hearth would otherwise drop)")
         try:
-            weights[name] = _tensor(t, where)
+            weights[name] = _tensor(file, t, where)
         except ModelLoadError:
             raise
         except Exception as e:

@@ -83,8 +83,8 @@ class Transformer(nn.Module):
         self.config = config
         self.backend = ops = backend or Backend()
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # from an empty weight: nn.Embedding's own random init on the meta device imports torch._dynamo (seconds)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
