@@ -19,11 +19,6 @@ Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
 
 
-def default_model_path() -> Path:
-    """The model that ships inside the package (see docs/default-model.md)."""
-    return Path(__file__).parent / "assets" / "default.gguf"
-
-
 class LLM:
     """Generate from many prompts at once through the continuous-batching engine.
 
@@ -64,7 +59,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
         )
-        self.engine = LLMEngine(model if model is not None else default_model_path(), config, progress)
+        self.engine = LLMEngine(model, config, progress)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
