@@ -22,6 +22,9 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate from many prompts at once through the continuous-batching engine.
 
+    model: a GGUF file, a Hugging Face folder, "builtin", or None for the default model
+    (SmolLM2-135M-Instruct, fetched once: hearth/default_model.py).
+
     >>> llm = LLM(model="model.gguf")
     >>> out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
     >>> out[0].outputs[0].text
