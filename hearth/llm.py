@@ -17,13 +17,11 @@ Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
 
 
-def default_model_path() -> Path:
-    """The model that ships inside the package (see docs/default-model.md)."""
-    return Path(__file__).parent / "assets" / "default.gguf"
-
-
 class LLM:
     """Generate from many prompts at once through the continuous-batching engine.
+
+    model: a GGUF file, a Hugging Face folder, "builtin", or None for the default model
+    (SmolLM2-135M-Instruct, fetched once: hearth/default_model.py).
 
     >>> llm = LLM(model="model.gguf")
     >>> out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
@@ -62,7 +60,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
         )
-        self.engine = LLMEngine(model if model is not None else default_model_path(), config, progress)
+        self.engine = LLMEngine(model, config, progress)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

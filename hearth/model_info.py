@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from hearth.default_model import resolve_model
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 
@@ -16,7 +17,8 @@ def weight_type(weight) -> str:
     return str(weight.dtype).removeprefix("torch.")
 
 
-def model_info(path: str | Path, kv_budget_bytes: int | None = None, kv_bytes_per_element: int = 2) -> dict:
+def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_bytes_per_element: int = 2) -> dict:
+    path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0
     types: Counter[str] = Counter()

@@ -10,6 +10,10 @@ import torch
 # slow to a crawl when other processes share the cores (OpenMP threads spin-waiting).
 torch.set_num_threads(1)
 
+# No test reaches a package index: the default model's fetch (pip) sees only the wheels a test
+# puts in PIP_FIND_LINKS (tests/test_default_model.py).
+os.environ["PIP_NO_INDEX"] = "1"
+
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (read when a kernel
 # is decorated, so before any hearth module that defines one is imported).
 if not torch.cuda.is_available():

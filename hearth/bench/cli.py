@@ -44,9 +44,8 @@ def _llm(args, tokens_needed: int | None, num_seqs: int):
     kv = args.kv_cache_memory
     if kv is None and tokens_needed is not None:
         from hearth.loading.loader import read_model
-        from hearth.llm import default_model_path
 
-        config, _, _ = read_model(args.model or default_model_path(), progress=False)
+        config, _, _ = read_model(args.model, progress=False)
         element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
         blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
         kv = config.kv_bytes_per_token(element) * 16 * blocks
@@ -129,10 +128,9 @@ def cmd_roofline(args) -> None:
         engine["kv_cache_memory"] = args.kv_cache_memory
     elif args.measure:
         from hearth.engine.memory import choose_device, choose_dtype
-        from hearth.llm import default_model_path
         from hearth.loading.loader import read_model
 
-        config, _, _ = read_model(args.model or default_model_path(), progress=False)
+        config, _, _ = read_model(args.model, progress=False)
         element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
         longest = max(args.batch_sizes)
         tokens = longest * (args.context + args.measure_tokens + 1 + 32)

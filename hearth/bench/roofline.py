@@ -217,10 +217,10 @@ def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = 
     """The `hearth roofline` report: machine, model bytes, a row per phase and batch size;
     with measure, hearth's measured tokens/s and its share of the ceiling."""
     from hearth.engine.memory import choose_device, choose_dtype
-    from hearth.llm import default_model_path
+    from hearth.default_model import resolve_model
     from hearth.loading.loader import read_model
 
-    model_path = model_path or default_model_path()
+    model_path = resolve_model(model_path)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)
     config, weights, _ = read_model(model_path, progress=False)

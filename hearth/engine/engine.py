@@ -78,7 +78,7 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, progress: bool = True):
+    def __init__(self, model: str | Path | None, config: EngineConfig | None = None, progress: bool = True):
         self.config = config = config or EngineConfig()
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
@@ -86,7 +86,7 @@ class LLMEngine:
         loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len, progress=progress,
                             backend=backend)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        self.model_path = Path(model)
+        self.model_path = loaded.path
         context = self.model_config.exact_context
         if config.max_model_len is not None and config.max_model_len > context:
             window = self.model_config.sliding_window

@@ -9,6 +9,7 @@ import torch
 
 from hearth.backend import Backend, choose_backend
 from hearth.config import ModelConfig
+from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
@@ -22,9 +23,10 @@ class LoadedModel:
     path: Path
 
 
-def read_model(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Config, weights by HF name (memory-mapped, maybe quantized) and tokenizer."""
-    path = Path(path)
+def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
+    """Config, weights by HF name (memory-mapped, maybe quantized) and tokenizer. path: see resolve_model
+    (None: the default model)."""
+    path = resolve_model(path)
     if path.is_dir():
         from hearth.loading.safetensors import load_hf_folder
 
@@ -41,7 +43,7 @@ def read_model(path: str | Path, progress: bool = True) -> tuple[ModelConfig, di
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
@@ -49,6 +51,7 @@ def load_model(
     backend: Backend | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype)."""
+    path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
     config, weights, tokenizer = read_model(path, progress)
@@ -58,4 +61,4 @@ def load_model(
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
-    return LoadedModel(model.eval(), tokenizer, config, Path(path))
+    return LoadedModel(model.eval(), tokenizer, config, path)
