@@ -178,3 +178,14 @@ def test_real_model_greedy_matches_published_output():
     for case, prompt, out in zip(cases, prompts, outputs):
         assert prompt + out.outputs[0].token_ids == case["tokens"]
         assert case["text"].endswith(out.outputs[0].text)  # the published text: prompt + completion
+
+
+def test_one_sequence_cache_holds_a_full_context_prompt(model_folders):
+    """With max_num_seqs 1 (hearth generate and chat) the default cache is one context long, and a
+    prompt of the whole context is still served (its sampled token ends it: length)."""
+    llm = LLM(model_folders["llama"], max_model_len=64, max_num_seqs=1, progress=False)
+    assert 65 <= llm.engine.kv_cache_tokens <= 80
+    out = llm.generate([list(range(64))], greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(RequestError, match="context window"):
+        llm.engine.add_request("too-long", list(range(65)), greedy())

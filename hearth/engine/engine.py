@@ -95,8 +95,11 @@ class LLMEngine:
                 f"attention only up to {window} tokens)" if context == window else ""))
         self.max_model_len = config.max_model_len or context
         bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
+        # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
+        blocks_per_seq = -(-(self.max_model_len + 1) // config.block_size)
         budget = config.kv_cache_memory or default_kv_cache_memory(
-            self.device, bytes_per_token * config.max_num_seqs * self.max_model_len
+            self.device, bytes_per_token * config.block_size * blocks_per_seq * config.max_num_seqs
         )
         self.num_blocks = max(1, budget // (bytes_per_token * config.block_size))
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
