@@ -53,6 +53,11 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g = p.add_argument_group("structured output").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid against this schema")
+    g.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the output follows this grammar (Lark syntax or llama.cpp's GBNF)")
 
 
 def engine_options(args) -> dict:
@@ -77,6 +82,26 @@ def _llm(args):
     return LLM(args.model, **engine_options(args))
 
 
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise HearthError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _structured_outputs(args):
+    """The StructuredOutputsParams of --json-schema, --regex or --grammar (None without them)."""
+    from hearth.sampling_params import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=_read_text(args.json_schema))
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=_read_text(args.grammar))
+    return None
+
+
 def _sampling(args):
     from hearth.sampling_params import SamplingParams
 
@@ -89,6 +114,7 @@ def _sampling(args):
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
+        structured_outputs=_structured_outputs(args),
     )
 
 
@@ -105,8 +131,8 @@ def _stream(llm, prompt, params) -> str:
 
 
 def cmd_generate(args) -> None:
+    params = _sampling(args)  # a bad option fails before the model loads
     llm = _llm(args)
-    params = _sampling(args)
     if args.json:
         out = llm.generate([args.prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
@@ -125,8 +151,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    params = _sampling(args)  # a bad option fails before the model loads
     llm = _llm(args)
-    params = _sampling(args)
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

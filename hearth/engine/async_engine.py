@@ -126,6 +126,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self.model_path: Path = engine.model_path
         self._max_num_seqs = engine.config.max_num_seqs
+        self._grammars = engine.grammars  # thread-safe: compiles off the engine thread
         self._stats = EngineStats()  # replaced by the engine thread, under _lock
         self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping, _stats
         self._commands: deque[tuple] = deque()
@@ -173,6 +174,8 @@ class AsyncEngine:
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
                 f"(max queue {self.max_queue}); retry later"
             )
+        if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
+            await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
         self._command(("add", stream, prompt, params))
         try:

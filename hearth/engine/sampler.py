@@ -3,6 +3,7 @@
 Per row, in the order HF's generate and vLLM apply them:
 
     raw logits [B, V]
+      -> grammar masks           tokens a row's grammar does not allow -> -inf (structured output)
       -> logit_bias              logit[t] += bias[t]
       -> min_tokens              EOS / stop_token_ids -> -inf while fewer than min_tokens were generated
       -> repetition_penalty      HF's: tokens seen in prompt+output, logit > 0 -> logit / p, else logit * p
@@ -68,6 +69,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the row's output so far
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N], values [N])
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) set to -inf (min_tokens)
+    # (rows [R], bitmask [R, ceil(V/32)] int32): bit t of a row's mask set = token t allowed by its grammar
+    allowed: tuple[torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
 
@@ -81,9 +84,11 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        grammar_masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
-        while a row has fewer than min_tokens outputs, unless the row ignores EOS."""
+        while a row has fewer than min_tokens outputs, unless the row ignores EOS.
+        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py)."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
@@ -132,6 +137,10 @@ class SamplingBatch:
         if rows:
             banned = (vec(rows, torch.int64), vec(cols, torch.int64))
 
+        allowed = None
+        if grammar_masks is not None:
+            allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1].to(device, non_blocking=True))
+
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -148,6 +157,7 @@ class SamplingBatch:
             output_counts=output_counts,
             bias=bias,
             banned=banned,
+            allowed=allowed,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
         )
@@ -188,6 +198,14 @@ def apply_token_bans(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens whose bit is clear in their row's mask -> -inf; rows [R], bitmask [R, ceil(V/32)] int32."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
+    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, _NEG_INF))
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF's RepetitionPenaltyLogitsProcessor per row: seen [B, V] bool, penalty [B]."""
     p = penalty.unsqueeze(1)
@@ -203,7 +221,10 @@ def apply_presence_frequency_penalties(
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties: what greedy rows see too."""
+    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties:
+    what greedy rows see too."""
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
         logits = apply_logit_bias(logits, *batch.bias)
     if batch.banned is not None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hearth.errors import RequestError
 from hearth.outputs import PositionLogprobs, RequestOutput
 from hearth.sampling_params import SamplingParams
+from hearth.server.structured import StructuredOutputFields
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's stand-in)
@@ -30,7 +31,7 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
-class _SamplingRequest(OpenAIModel):
+class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     """The fields both generation routes share."""
 
     model: str | None = None
@@ -89,6 +90,7 @@ class _SamplingRequest(OpenAIModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
             logit_bias=self.logit_bias,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     def truncate(self, ids: list[int]) -> list[int]:
