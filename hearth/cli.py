@@ -58,6 +58,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--regex", default=None, help="the whole output matches this regular expression")
     g.add_argument("--grammar", metavar="FILE", default=None,
                    help="the output follows this grammar (Lark syntax or llama.cpp's GBNF)")
+    g = p.add_argument_group("watermark")
+    g.add_argument("--watermark-key", type=int, default=None, help="watermark the output with this key (0 to 2**32-1)")
+    g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
 
 
 def engine_options(args) -> dict:
@@ -103,7 +106,7 @@ def _structured_outputs(args):
 
 
 def _sampling(args):
-    from hearth.sampling_params import SamplingParams
+    from hearth.sampling_params import SamplingParams, WatermarkParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -115,6 +118,7 @@ def _sampling(args):
         seed=args.seed,
         stop=args.stop,
         structured_outputs=_structured_outputs(args),
+        watermark=None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta),
     )
 
 
@@ -183,6 +187,21 @@ def cmd_tokenize(args) -> None:
     else:
         for i, piece in zip(ids, pieces):
             print(f"{i:>8}  {piece!r}")
+
+
+def cmd_watermark_detect(args) -> None:
+    from hearth.llm import default_model_path
+    from hearth.loading.loader import read_model
+    from hearth.watermark import detect
+
+    _, _, tokenizer = read_model(args.model or default_model_path(), progress=False)
+    score = detect(tokenizer.encode(args.text, add_special_tokens=False), args.key, args.gamma)
+    if args.json:
+        print(json.dumps({"z": score.z, "watermarked": score.watermarked, "num_scored": score.num_scored,
+                          "num_green": score.num_green, "gamma": score.gamma}))
+    else:
+        verdict = "watermarked" if score.watermarked else "not watermarked"
+        print(f"z = {score.z:.2f} ({score.num_green} green of {score.num_scored} token pairs, gamma {score.gamma}): {verdict}")
 
 
 def cmd_inspect(args) -> None:
@@ -276,6 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("watermark", help="detect hearth's green-list watermark in a text")
+    wsub = p.add_subparsers(dest="watermark_command", required=True)
+    p = wsub.add_parser("detect", help="the z-score of TEXT under KEY (watermarked above 4)")
+    p.add_argument("text")
+    p.add_argument("--key", type=int, required=True)
+    p.add_argument("--gamma", type=float, default=0.25, help="the green fraction it was generated with")
+    p.add_argument("--model", default=None, help="the model whose tokenizer wrote it (default: the built-in model)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_watermark_detect)
 
     p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
     _add_model(p, optional=False)

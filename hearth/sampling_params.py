@@ -85,6 +85,21 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class WatermarkParams:
+    """Watermark a request's output: green tokens (a fraction gamma) get +delta on their logits."""
+
+    key: int  # the secret: the same key detects it
+    delta: float = 2.0
+    gamma: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.key, int) and 0 <= self.key < 2**32,
+               f"watermark key must be an integer in [0, 2**32), got {self.key!r}.")
+        _check(math.isfinite(self.delta) and self.delta >= 0, f"watermark delta must be a finite number >= 0, got {self.delta}.")
+        _check(0 < self.gamma < 1, f"watermark gamma must be in (0, 1), got {self.gamma}.")
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters of one request, with vLLM's names, defaults and meanings.
 
@@ -114,6 +129,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a schema or grammar
+    watermark: WatermarkParams | None = None  # green-list watermark (hearth/watermark.py)
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM: -1 means "no seed"

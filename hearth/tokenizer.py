@@ -277,6 +277,11 @@ class Tokenizer:
         special = self._special_ids if skip_special_tokens else ()
         return [pieces[i] if 0 <= i < n else b"" for i in ids if i not in special]
 
+    @property
+    def special_token_texts(self) -> dict[str, str | None]:
+        """The text of bos_token, eos_token, unk_token, pad_token (None where the model has none)."""
+        return dict(self._template_tokens)
+
     def token_bytes(self) -> list[bytes]:
         """Every id's bytes, special tokens as their text (what a grammar engine matches tokens by)."""
         if self._piece_bytes is None:

@@ -351,6 +351,31 @@ def test_a_schema_or_grammar_that_cannot_compile_is_a_400_naming_the_problem(cli
         client.completions.create(model=NAME, prompt="hi", extra_body={"guided_regex": "a", "guided_choice": ["b"]})
 
 
+def test_watermark_field_marks_the_reply(client, llm):
+    from hearth.watermark import detect
+
+    res = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=200, temperature=1.0, seed=5,
+                                    extra_body={"ignore_eos": True, "watermark": {"key": 99}})
+    ids = llm.get_tokenizer().encode(res.choices[0].text, add_special_tokens=False)
+    assert detect(ids, 99).z > 4
+    with pytest.raises(openai.BadRequestError, match="gamma"):
+        client.completions.create(model=NAME, prompt="hi", extra_body={"watermark": {"key": 1, "gamma": 2}})
+
+
+def test_tokenizer_info_lets_a_remote_client_tokenize(server, llm, folder):
+    """What lm-eval's remote tokenizer reads, checked against transformers' own tokenizer of the folder."""
+    from transformers import AutoTokenizer
+
+    url, _ = server
+    info = httpx.get(url + "/tokenizer_info", headers=auth()).json()
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert (info["eos_token"], info["bos_token"]) == (reference.eos_token, reference.bos_token)
+    assert info["chat_template"] == reference.chat_template and info["model_max_length"] == 512
+    ids = httpx.post(url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                     headers=auth()).json()["tokens"]
+    assert ids == [reference.eos_token_id]
+
+
 # ---------------------------------------------------------------- metrics, faults
 
 

@@ -9,6 +9,7 @@ Per row, in the order HF's generate and vLLM apply them:
       -> repetition_penalty      HF's: tokens seen in prompt+output, logit > 0 -> logit / p, else logit * p
       -> presence / frequency    OpenAI's: logit[t] -= frequency * count[t] + presence * (count[t] > 0),
                                  counts over the output tokens only (as vLLM)
+      -> watermark               green tokens after the previous one get +delta (hearth/watermark.py)
       -> greedy rows: argmax here (temperature 0; the penalties and bias above still apply)
       -> temperature             logit / T
       -> top-k                   keep logits >= the k-th largest (ties kept, as HF)
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.sampling_params import SamplingParams, SamplingType
+from hearth.watermark import green_mask
 
 _NEG_INF = float("-inf")
 
@@ -71,6 +73,8 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) set to -inf (min_tokens)
     # (rows [R], bitmask [R, ceil(V/32)] int32): bit t of a row's mask set = token t allowed by its grammar
     allowed: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows [W], keys [W] int64, previous tokens [W] int64, gamma [W] float64, delta [W] float32)
+    watermark: tuple[torch.Tensor, ...] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
 
@@ -141,6 +145,14 @@ class SamplingBatch:
         if grammar_masks is not None:
             allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1].to(device, non_blocking=True))
 
+        marked = [(i, p.watermark, (out or prompt)[-1])
+                  for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
+        watermark = None
+        if marked:
+            watermark = (vec([i for i, _, _ in marked], torch.int64), vec([w.key for _, w, _ in marked], torch.int64),
+                         vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
+                         vec([w.delta for _, w, _ in marked], torch.float32))
+
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -158,6 +170,7 @@ class SamplingBatch:
             bias=bias,
             banned=banned,
             allowed=allowed,
+            watermark=watermark,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
         )
@@ -206,6 +219,13 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, _NEG_INF))
 
 
+def apply_watermark(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, prev_ids: torch.Tensor,
+                    gamma: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """+delta on the green tokens of each watermarked row (all [W])."""
+    green = green_mask(keys, prev_ids, gamma, logits.shape[-1]).to(logits.dtype)
+    return logits.index_add(0, rows, green * delta.unsqueeze(1))
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF's RepetitionPenaltyLogitsProcessor per row: seen [B, V] bool, penalty [B]."""
     p = penalty.unsqueeze(1)
@@ -221,8 +241,8 @@ def apply_presence_frequency_penalties(
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties:
-    what greedy rows see too."""
+    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties,
+    watermark: what greedy rows see too."""
     if batch.allowed is not None:
         logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
@@ -236,6 +256,8 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torc
         logits = apply_presence_frequency_penalties(
             logits, batch.output_counts, batch.presence_penalty, batch.frequency_penalty
         )
+    if batch.watermark is not None:
+        logits = apply_watermark(logits, *batch.watermark)
     return logits
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.errors import RequestError
 from hearth.outputs import PositionLogprobs, RequestOutput
-from hearth.sampling_params import SamplingParams
+from hearth.sampling_params import SamplingParams, WatermarkParams
 from hearth.server.structured import StructuredOutputFields
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
@@ -29,6 +29,14 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class WatermarkRequest(OpenAIModel):
+    """hearth's own field: a green-list watermark on the output (hearth/watermark.py)."""
+
+    key: int
+    delta: float = 2.0
+    gamma: float = 0.25
 
 
 class _SamplingRequest(StructuredOutputFields, OpenAIModel):
@@ -56,6 +64,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep only the last N prompt tokens
     use_beam_search: bool | None = False
+    watermark: WatermarkRequest | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -91,6 +100,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
             skip_special_tokens=self.skip_special_tokens is not False,
             logit_bias=self.logit_bias,
             structured_outputs=self.structured_outputs_params(),
+            watermark=None if self.watermark is None else WatermarkParams(**self.watermark.model_dump()),
         )
 
     def truncate(self, ids: list[int]) -> list[int]:

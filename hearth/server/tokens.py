@@ -1,4 +1,5 @@
-"""vLLM's /tokenize and /detokenize: text or a conversation to token ids, and back."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: text or a conversation to token ids, back,
+and what a remote client (lm-eval's remote tokenizer) needs to know of the tokenizer."""
 
 from __future__ import annotations
 
@@ -34,3 +35,16 @@ async def detokenize(body: DetokenizeRequest, s: Served):
     s.check_model(body.model)
     s.check_token_ids(body.tokens, "token ids")
     return {"prompt": s.tokenizer.decode(body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(s: Served):
+    tok = s.tokenizer
+    info = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_token_texts,
+            "chat_template": tok.chat_template, "model_max_length": s.max_model_len, "add_bos_token": tok.add_bos,
+            "vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids}
+    if info.get("eos_token") is None and tok.eos_token_ids:
+        info["eos_token"] = tok.id_to_piece(tok.eos_token_ids[0])
+    if info.get("bos_token") is None and tok.bos_token_id is not None:
+        info["bos_token"] = tok.id_to_piece(tok.bos_token_id)
+    return info
