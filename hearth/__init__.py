@@ -2,7 +2,7 @@
 
 from hearth.llm import LLM
 from hearth.outputs import CompletionOutput, RequestOutput
-from hearth.sampling_params import BeamSearchParams, SamplingParams
+from hearth.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams, WatermarkParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "WatermarkParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

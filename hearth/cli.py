@@ -57,6 +57,14 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g = p.add_argument_group("structured output").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid against this schema")
+    g.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the output follows this grammar (Lark syntax or llama.cpp's GBNF)")
+    g = p.add_argument_group("watermark")
+    g.add_argument("--watermark-key", type=int, default=None, help="watermark the output with this key (0 to 2**32-1)")
+    g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
 
 
 def engine_options(args) -> dict:
@@ -81,8 +89,28 @@ def _llm(args):
     return LLM(args.model, **engine_options(args))
 
 
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise HearthError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _structured_outputs(args):
+    """The StructuredOutputsParams of --json-schema, --regex or --grammar (None without them)."""
+    from hearth.sampling_params import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=_read_text(args.json_schema))
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=_read_text(args.grammar))
+    return None
+
+
 def _sampling(args):
-    from hearth.sampling_params import SamplingParams
+    from hearth.sampling_params import SamplingParams, WatermarkParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -93,6 +121,8 @@ def _sampling(args):
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
+        structured_outputs=_structured_outputs(args),
+        watermark=None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta),
     )
 
 
@@ -109,8 +139,8 @@ def _stream(llm, prompt, params) -> str:
 
 
 def cmd_generate(args) -> None:
+    params = _sampling(args)  # a bad option fails before the model loads
     llm = _llm(args)
-    params = _sampling(args)
     if args.json:
         out = llm.generate([args.prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
@@ -129,8 +159,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    params = _sampling(args)  # a bad option fails before the model loads
     llm = _llm(args)
-    params = _sampling(args)
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -161,6 +191,21 @@ def cmd_tokenize(args) -> None:
     else:
         for i, piece in zip(ids, pieces):
             print(f"{i:>8}  {piece!r}")
+
+
+def cmd_watermark_detect(args) -> None:
+    from hearth.llm import default_model_path
+    from hearth.loading.loader import read_model
+    from hearth.watermark import detect
+
+    _, _, tokenizer = read_model(args.model or default_model_path(), progress=False)
+    score = detect(tokenizer.encode(args.text, add_special_tokens=False), args.key, args.gamma)
+    if args.json:
+        print(json.dumps({"z": score.z, "watermarked": score.watermarked, "num_scored": score.num_scored,
+                          "num_green": score.num_green, "gamma": score.gamma}))
+    else:
+        verdict = "watermarked" if score.watermarked else "not watermarked"
+        print(f"z = {score.z:.2f} ({score.num_green} green of {score.num_scored} token pairs, gamma {score.gamma}): {verdict}")
 
 
 def cmd_inspect(args) -> None:
@@ -254,6 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("watermark", help="detect hearth's green-list watermark in a text")
+    wsub = p.add_subparsers(dest="watermark_command", required=True)
+    p = wsub.add_parser("detect", help="the z-score of TEXT under KEY (watermarked above 4)")
+    p.add_argument("text")
+    p.add_argument("--key", type=int, required=True)
+    p.add_argument("--gamma", type=float, default=0.25, help="the green fraction it was generated with")
+    p.add_argument("--model", default=None, help="the model whose tokenizer wrote it (default: the built-in model)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_watermark_detect)
 
     p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
     _add_model(p)

@@ -8,9 +8,11 @@ message names the field and the allowed range; the server turns it into a 400.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from hearth.errors import RequestError
 
@@ -34,6 +36,67 @@ class SamplingType(enum.IntEnum):
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise RequestError(message)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's StructuredOutputsParams); give exactly one of
+    json, regex, choice, grammar, json_object.
+
+    `grammar` is a context-free grammar in Lark's syntax (llguidance's dialect) or in
+    llama.cpp's GBNF (`root ::= ...`); the JSON kinds allow a newline and up to 20 spaces or
+    tabs between tokens (llama.cpp's bound) unless disable_any_whitespace asks for none.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, or its text
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured output needs exactly one of json, regex, choice, grammar, json_object; "
+                                f"got {', '.join(given) or 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise RequestError(f"the JSON schema is not valid JSON: {e}") from None
+        if self.json is not None:
+            _check(isinstance(self.json, (dict, bool)), "a JSON schema must be an object.")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and bool(self.choice) and all(isinstance(c, str) for c in self.choice),
+                   "choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and bool(value.strip())), f"{name} must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> str:
+        """Equal for specs that compile to the same grammar."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace], sort_keys=True)
+
+
+@dataclass
+class WatermarkParams:
+    """Watermark a request's output: green tokens (a fraction gamma) get +delta on their logits."""
+
+    key: int  # the secret: the same key detects it
+    delta: float = 2.0
+    gamma: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.key, int) and 0 <= self.key < 2**32,
+               f"watermark key must be an integer in [0, 2**32), got {self.key!r}.")
+        _check(math.isfinite(self.delta) and self.delta >= 0, f"watermark delta must be a finite number >= 0, got {self.delta}.")
+        _check(0 < self.gamma < 1, f"watermark gamma must be in (0, 1), got {self.gamma}.")
 
 
 @dataclass
@@ -65,6 +128,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top alternatives per prompt token (-1: the whole vocabulary)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows a schema or grammar
+    watermark: WatermarkParams | None = None  # green-list watermark (hearth/watermark.py)
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM: -1 means "no seed"

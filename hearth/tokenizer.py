@@ -276,6 +276,17 @@ class Tokenizer:
         special = self._special_ids if skip_special_tokens else ()
         return [pieces[i] if 0 <= i < n else b"" for i in ids if i not in special]
 
+    @property
+    def special_token_texts(self) -> dict[str, str | None]:
+        """The text of bos_token, eos_token, unk_token, pad_token (None where the model has none)."""
+        return dict(self._template_tokens)
+
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes, special tokens as their text (what a grammar engine matches tokens by)."""
+        if self._piece_bytes is None:
+            return [self._backend.decode([i], skip_special_tokens=False).encode() for i in range(self.vocab_size)]
+        return list(self._piece_bytes)
+
     def id_to_piece(self, token_id: int) -> str:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,26 @@ def test_inspect_reports_sizes(llama, capsys, tmp_path):
 def test_generate_json(llama, capsys):
     result = run_json(capsys, "generate", llama, "--prompt", "def f", "--max-tokens", 5, "--temperature", 0, "--json")
     assert result["completion_tokens"] <= 5 and result["finish_reason"] in ("stop", "length")
+
+
+def test_generate_with_a_json_schema_regex_or_grammar(llama, capsys, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "yes.gbnf").write_text('root ::= "yes" | "no"')
+    common = ("generate", llama, "--prompt", "Once", "--max-tokens", 100, "--temperature", 1, "--seed", 1, "--json")
+    jsonschema.validate(json.loads(run_json(capsys, *common, "--json-schema", tmp_path / "schema.json")["text"]), schema)
+    assert re.fullmatch(r"[a-z]{2}\d", run_json(capsys, *common, "--regex", r"[a-z]{2}\d")["text"])
+    assert run_json(capsys, *common, "--grammar", tmp_path / "yes.gbnf")["text"] in ("yes", "no")
+
+    (tmp_path / "bad.gbnf").write_text("root ::= nowhere")
+    for bad in (("--grammar", tmp_path / "bad.gbnf"), ("--grammar", tmp_path / "missing.gbnf"), ("--regex", "(")):
+        assert main([str(a) for a in (*common, *bad)]) == 1
+        err = capsys.readouterr().err  # (after the loading messages)
+        assert err.splitlines()[-1].startswith("hearth: error: ") and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize(

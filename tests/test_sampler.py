@@ -433,3 +433,25 @@ def test_prompt_logprobs():
     _, ids0, lps0 = prompt_logprobs(logits, targets, 0)
     assert ids0.shape == lps0.shape == (7, 0)
     assert prompt_logprobs(logits, targets, -1)[1].shape == (7, V)
+
+
+def test_grammar_bitmask_masks_only_its_rows_and_greedy_obeys_it():
+    """Bit t of a row's int32 words (little-endian within each word) allows token t."""
+    V_odd = 70  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V_odd, generator=gen)
+    allowed = torch.rand(2, V_odd, generator=gen) < 0.3
+    allowed[:, 5] = True
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for r, t in allowed.nonzero().tolist():
+        words[r, t // 32] |= 1 << (t % 32)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same bits as int32
+    params = [SamplingParams(temperature=0)] * 3
+    batch = SamplingBatch.build(params, [[]] * 3, [[]] * 3, [None] * 3, V_odd, "cpu", grammar_masks=([0, 2], bitmask))
+    out = apply_penalties_and_bias(logits, batch)
+    expected = logits.clone()
+    expected[0][~allowed[0]] = -math.inf
+    expected[2][~allowed[1]] = -math.inf
+    assert torch.equal(out, expected)  # row 1 is unconstrained: untouched
+    sampled = Sampler()(logits, batch).sampled_token_ids
+    assert sampled.tolist() == [expected[0].argmax().item(), logits[1].argmax().item(), expected[2].argmax().item()]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -284,6 +287,93 @@ def test_tokenize_and_detokenize(server, llm):
     assert body["tokens"] == llm.render_chat(MESSAGES)
     body = httpx.post(url + "/detokenize", json={"tokens": tok.encode("hello world")}, headers=auth()).json()
     assert body == {"prompt": "hello world"}
+
+
+# ---------------------------------------------------------------- structured output
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_gives_valid_json_streamed_or_not(client, llm):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    res = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, n=3, seed=1,
+                                         response_format=response_format)
+    for choice in res.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=2, stream=True,
+        response_format=response_format) if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    res = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=3,
+                                         response_format={"type": "json_object", "schema": PERSON})  # llama.cpp's
+    jsonschema.validate(json.loads(res.choices[0].message.content), PERSON)
+    # any object: a random model's keys and strings run long unless closing them is likelier
+    closers = {str(t): 5 for text in ('"', "}") for t in llm.get_tokenizer().encode(text, add_special_tokens=False)}
+    res = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=3,
+                                         response_format={"type": "json_object"}, logit_bias=closers)
+    assert isinstance(json.loads(res.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+    ({"guided_regex": r"[0-9]{2}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{2}-[a-z]{2}", t)),
+    ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, lambda t: t in ("x", "y")),
+    ({"guided_grammar": 'root ::= "a" [0-9]'}, lambda t: re.fullmatch(r"a[0-9]", t)),
+    ({"grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),  # llama.cpp
+    ({"json_schema": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),  # llama.cpp
+])
+def test_every_way_of_asking_for_structure(client, extra, check):
+    res = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=300, temperature=1.0, seed=4,
+                                    extra_body=extra)
+    assert res.choices[0].finish_reason == "stop" and check(res.choices[0].text), res.choices[0].text
+
+
+def test_a_schema_or_grammar_that_cannot_compile_is_a_400_naming_the_problem(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": 5}}}
+    with pytest.raises(openai.BadRequestError, match="properties must be an object"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, response_format=bad)
+    with pytest.raises(openai.BadRequestError, match="unclosed group"):
+        client.completions.create(model=NAME, prompt="hi", extra_body={"guided_regex": "a(b"})
+    with pytest.raises(openai.BadRequestError, match="undefined_rule"):
+        client.completions.create(model=NAME, prompt="hi", extra_body={"grammar": "root ::= undefined_rule"})
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(openai.BadRequestError, match="not several"):
+        client.completions.create(model=NAME, prompt="hi", extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+
+
+def test_watermark_field_marks_the_reply(client, llm):
+    from hearth.watermark import detect
+
+    res = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=200, temperature=1.0, seed=5,
+                                    extra_body={"ignore_eos": True, "watermark": {"key": 99}})
+    ids = llm.get_tokenizer().encode(res.choices[0].text, add_special_tokens=False)
+    assert detect(ids, 99).z > 4
+    with pytest.raises(openai.BadRequestError, match="gamma"):
+        client.completions.create(model=NAME, prompt="hi", extra_body={"watermark": {"key": 1, "gamma": 2}})
+
+
+def test_tokenizer_info_lets_a_remote_client_tokenize(server, llm, folder):
+    """What lm-eval's remote tokenizer reads, checked against transformers' own tokenizer of the folder."""
+    from transformers import AutoTokenizer
+
+    url, _ = server
+    info = httpx.get(url + "/tokenizer_info", headers=auth()).json()
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert (info["eos_token"], info["bos_token"]) == (reference.eos_token, reference.bos_token)
+    assert info["chat_template"] == reference.chat_template and info["model_max_length"] == 512
+    ids = httpx.post(url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                     headers=auth()).json()["tokens"]
+    assert ids == [reference.eos_token_id]
 
 
 # ---------------------------------------------------------------- metrics, faults

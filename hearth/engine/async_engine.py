@@ -14,6 +14,10 @@ A consumer that is cancelled (its client disconnected) aborts its request, which
 KV blocks. `max_queue` bounds the requests queued behind a full running batch (waiting
 beyond the free seats of max_num_seqs): past it add_request raises QueueFull at once (the
 server answers 503) instead of letting the request hang in the queue.
+
+Other threads never read the LLMEngine's mutable parts: the engine thread publishes an
+`EngineStats` snapshot after every command and step, and the model facts a server needs
+(tokenizer, context length, vocabulary size) are fixed when the engine is built.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 
 from hearth.engine.engine import LLMEngine
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
+from hearth.tokenizer import Tokenizer
 
 logger = logging.getLogger("hearth")
 
@@ -39,6 +46,19 @@ class QueueFull(HearthError):
 
 class EngineStopped(HearthError):
     """The engine is shut down, or its step failed; the request cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state as the engine thread last saw it (replaced whole, never mutated)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue; AsyncEngine.num_waiting adds the adds not applied yet
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # totals over the engine's life
+    num_generation_tokens: int = 0
 
 
 class RequestStream:
@@ -100,10 +120,15 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        # totals over the engine's life, for metrics (written by the engine thread only)
-        self.num_generation_tokens = 0
-        self.num_preemptions = 0
-        self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping
+        # fixed facts of the model, safe to read from any thread
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.model_path: Path = engine.model_path
+        self._max_num_seqs = engine.config.max_num_seqs
+        self._grammars = engine.grammars  # thread-safe: compiles off the engine thread
+        self._stats = EngineStats()  # replaced by the engine thread, under _lock
+        self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping, _stats
         self._commands: deque[tuple] = deque()
         self._pending_adds = 0
         self._stopping = False
@@ -114,20 +139,25 @@ class AsyncEngine:
 
     # ---- numbers (read from any thread)
 
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats
+
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted to the running batch (sequences, for n > 1)."""
-        return self._pending_adds + self.engine.scheduler.num_waiting
+        with self._lock:
+            return self._pending_adds + self._stats.num_waiting
 
     @property
     def num_queued(self) -> int:
         """Waiting requests that the running batch has no free seat for."""
-        free_seats = self.engine.config.max_num_seqs - self.num_running
+        free_seats = self._max_num_seqs - self.num_running
         return max(0, self.num_waiting - max(0, free_seats))
 
     @property
     def num_running(self) -> int:
-        return self.engine.scheduler.num_running
+        return self.stats().num_running
 
     @property
     def is_running(self) -> bool:
@@ -144,6 +174,8 @@ class AsyncEngine:
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
                 f"(max queue {self.max_queue}); retry later"
             )
+        if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
+            await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
         self._command(("add", stream, prompt, params))
         try:
@@ -207,8 +239,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._abort_all(EngineStopped(f"the engine failed: {type(e).__name__}: {e}"))
                 continue
-            self.num_generation_tokens += engine.last_step.num_generated
-            self.num_preemptions += engine.last_step.num_preempted
+            self._publish(engine.last_step.num_generated, engine.last_step.num_preempted)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -228,6 +259,7 @@ class AsyncEngine:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
                 self._streams.pop(command[1], None)
+                self._publish()
                 continue
             _, stream, prompt, params = command
             try:
@@ -238,8 +270,23 @@ class AsyncEngine:
                 self._streams[stream.request_id] = stream
                 stream._accept(None)
             finally:
-                with self._lock:  # counted as waiting until the scheduler holds it
-                    self._pending_adds -= 1
+                self._publish(pending_adds=-1)  # counted as waiting until the scheduler holds it
+
+    def _publish(self, num_generated: int = 0, num_preempted: int = 0, pending_adds: int = 0) -> None:
+        """Replace the stats snapshot (engine thread only), with the queued adds in the same lock."""
+        engine, blocks = self.engine, self.engine.block_manager
+        with self._lock:
+            old = self._stats
+            self._stats = EngineStats(
+                num_running=engine.scheduler.num_running,
+                num_waiting=engine.scheduler.num_waiting,
+                kv_cache_usage=blocks.usage,
+                prefix_cache_queries=blocks.prefix_cache_queries,
+                prefix_cache_hits=blocks.prefix_cache_hits,
+                num_preemptions=old.num_preemptions + num_preempted,
+                num_generation_tokens=old.num_generation_tokens + num_generated,
+            )
+            self._pending_adds += pending_adds
 
     def _abort_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -249,3 +296,4 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", request_id)
             stream._put(error)
         self._streams.clear()
+        self._publish()

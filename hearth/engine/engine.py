@@ -22,6 +22,7 @@ from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.sampler import Sampler, SamplingBatch, prompt_logprobs
 from hearth.engine.scheduler import Scheduler
+from hearth.engine.structured_output import GrammarCompiler, advance
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.errors import RequestError
 from hearth.loading.loader import load_model
@@ -43,6 +44,7 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
     stop_reason: int | str | None = None
+    matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
 
 
 @dataclass
@@ -119,6 +121,7 @@ class LLMEngine:
                 file=sys.stderr,
             )
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by the scheduler's request id
         self._groups_sharing_prompt: list[RequestGroup] = []
@@ -150,6 +153,9 @@ class LLMEngine:
             params.validate_for_vocab(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt_text, prompt_ids, params, now)
         if params.prompt_logprobs is not None:
@@ -165,6 +171,7 @@ class LLMEngine:
             state = SequenceState(
                 request, index, self.tokenizer.incremental_decoder(params.skip_special_tokens, prompt_ids), generator,
                 logprobs=[] if params.logprobs is not None else None,
+                matcher=None if grammar is None else self.grammars.matcher(grammar),
             )
             group.sequences.append(state)
             self.sequences[seq_id] = state
@@ -246,6 +253,9 @@ class LLMEngine:
                 sampling_rows.append(row + num_new - 1)
                 sampled_states.append(state)
             row += num_new
+        # the grammar masks of this step's constrained rows are filled while the model runs
+        constrained = [i for i, state in enumerate(sampled_states) if state.matcher is not None]
+        masks = self.grammars.start_masks([sampled_states[i].matcher for i in constrained]) if constrained else None
         hidden, _ = self.runner.execute(entries)
         for state, first_row, start, num_new in scoring:
             self._score_prompt(state, hidden[first_row : first_row + num_new], start)
@@ -263,6 +273,7 @@ class LLMEngine:
                 self.model_config.vocab_size,
                 self.device,
                 eos_token_ids=self.tokenizer.eos_token_ids,
+                grammar_masks=None if masks is None else (constrained, masks.result()),
             )
             result = self.sampler(logits, batch)
             # one copy to the host (one synchronisation): token ids are exact in float64
@@ -366,6 +377,9 @@ class LLMEngine:
                 if match is not None:
                     state.text, state.stop_reason = match
                     reason = "stop"
+            if reason is None and state.matcher is not None and advance(state.matcher, token_id):
+                reason = "stop"  # the grammar is complete
+                state.text += state.detokenizer.flush()
             if reason is None and request.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason == "length":

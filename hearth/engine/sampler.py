@@ -3,11 +3,13 @@
 Per row, in the order HF's generate and vLLM apply them:
 
     raw logits [B, V]
+      -> grammar masks           tokens a row's grammar does not allow -> -inf (structured output)
       -> logit_bias              logit[t] += bias[t]
       -> min_tokens              EOS / stop_token_ids -> -inf while fewer than min_tokens were generated
       -> repetition_penalty      HF's: tokens seen in prompt+output, logit > 0 -> logit / p, else logit * p
       -> presence / frequency    OpenAI's: logit[t] -= frequency * count[t] + presence * (count[t] > 0),
                                  counts over the output tokens only (as vLLM)
+      -> watermark               green tokens after the previous one get +delta (hearth/watermark.py)
       -> greedy rows: argmax here (temperature 0; the penalties and bias above still apply)
       -> temperature             logit / T
       -> top-k                   keep logits >= the k-th largest (ties kept, as HF)
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.sampling_params import SamplingParams, SamplingType
+from hearth.watermark import green_mask
 
 _NEG_INF = float("-inf")
 
@@ -68,6 +71,10 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the row's output so far
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N], values [N])
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) set to -inf (min_tokens)
+    # (rows [R], bitmask [R, ceil(V/32)] int32): bit t of a row's mask set = token t allowed by its grammar
+    allowed: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows [W], keys [W] int64, previous tokens [W] int64, gamma [W] float64, delta [W] float32)
+    watermark: tuple[torch.Tensor, ...] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
 
@@ -81,9 +88,11 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        grammar_masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
-        while a row has fewer than min_tokens outputs, unless the row ignores EOS."""
+        while a row has fewer than min_tokens outputs, unless the row ignores EOS.
+        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py)."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
@@ -132,6 +141,18 @@ class SamplingBatch:
         if rows:
             banned = (vec(rows, torch.int64), vec(cols, torch.int64))
 
+        allowed = None
+        if grammar_masks is not None:
+            allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1].to(device, non_blocking=True))
+
+        marked = [(i, p.watermark, (out or prompt)[-1])
+                  for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
+        watermark = None
+        if marked:
+            watermark = (vec([i for i, _, _ in marked], torch.int64), vec([w.key for _, w, _ in marked], torch.int64),
+                         vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
+                         vec([w.delta for _, w, _ in marked], torch.float32))
+
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -148,6 +169,8 @@ class SamplingBatch:
             output_counts=output_counts,
             bias=bias,
             banned=banned,
+            allowed=allowed,
+            watermark=watermark,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
         )
@@ -188,6 +211,21 @@ def apply_token_bans(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens whose bit is clear in their row's mask -> -inf; rows [R], bitmask [R, ceil(V/32)] int32."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
+    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, _NEG_INF))
+
+
+def apply_watermark(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, prev_ids: torch.Tensor,
+                    gamma: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """+delta on the green tokens of each watermarked row (all [W])."""
+    green = green_mask(keys, prev_ids, gamma, logits.shape[-1]).to(logits.dtype)
+    return logits.index_add(0, rows, green * delta.unsqueeze(1))
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF's RepetitionPenaltyLogitsProcessor per row: seen [B, V] bool, penalty [B]."""
     p = penalty.unsqueeze(1)
@@ -203,7 +241,10 @@ def apply_presence_frequency_penalties(
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties: what greedy rows see too."""
+    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties,
+    watermark: what greedy rows see too."""
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
         logits = apply_logit_bias(logits, *batch.bias)
     if batch.banned is not None:
@@ -215,6 +256,8 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torc
         logits = apply_presence_frequency_penalties(
             logits, batch.output_counts, batch.presence_penalty, batch.frequency_penalty
         )
+    if batch.watermark is not None:
+        logits = apply_watermark(logits, *batch.watermark)
     return logits
 
 

@@ -3,7 +3,7 @@
 Request-level numbers (prompt tokens, finished requests by reason, TTFT, TPOT, end-to-end
 latency, queue time) are observed by the server as requests are accepted and end. Engine
 state (running / waiting requests, KV cache usage, prefix cache, preemptions, generated
-tokens) is read from the AsyncEngine when /metrics is scraped.
+tokens) is the AsyncEngine's latest EngineStats snapshot, read when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        engine, labels = self.engine, [self.model_name]
-        bm = engine.engine.block_manager
+        labels = [self.model_name]
+        stats = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -44,17 +44,17 @@ class _EngineCollector:
             c.add_metric(labels, value)
             return c
 
-        hits, queries = bm.prefix_cache_hits, bm.prefix_cache_queries
-        yield gauge("hearth:num_requests_running", "Requests in the running batch.", engine.num_running)
-        yield gauge("hearth:num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting)
-        yield gauge("hearth:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", bm.usage)
+        hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+        yield gauge("hearth:num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("hearth:num_requests_waiting", "Requests waiting to be scheduled.", self.engine.num_waiting)
+        yield gauge("hearth:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage)
         yield gauge("hearth:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
                     hits / queries if queries else 0.0)
         yield counter("hearth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("hearth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("hearth:num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
-                      engine.num_preemptions)
-        yield counter("hearth:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
+                      stats.num_preemptions)
+        yield counter("hearth:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
 
 
 class ServerMetrics:

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.errors import RequestError
 from hearth.outputs import PositionLogprobs, RequestOutput
-from hearth.sampling_params import SamplingParams
+from hearth.sampling_params import SamplingParams, WatermarkParams
+from hearth.server.structured import StructuredOutputFields
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's stand-in)
@@ -30,7 +31,15 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
-class _SamplingRequest(OpenAIModel):
+class WatermarkRequest(OpenAIModel):
+    """hearth's own field: a green-list watermark on the output (hearth/watermark.py)."""
+
+    key: int
+    delta: float = 2.0
+    gamma: float = 0.25
+
+
+class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     """The fields both generation routes share."""
 
     model: str | None = None
@@ -55,6 +64,7 @@ class _SamplingRequest(OpenAIModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep only the last N prompt tokens
     use_beam_search: bool | None = False
+    watermark: WatermarkRequest | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -89,6 +99,8 @@ class _SamplingRequest(OpenAIModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
             logit_bias=self.logit_bias,
+            structured_outputs=self.structured_outputs_params(),
+            watermark=None if self.watermark is None else WatermarkParams(**self.watermark.model_dump()),
         )
 
     def truncate(self, ids: list[int]) -> list[int]:

@@ -1,0 +1,87 @@
+"""POST /v1/chat/completions: the conversation through the chat template, one engine request."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from hearth.outputs import CompletionOutput
+from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
+from hearth.server.served import ServedModel, served
+from hearth.server.streaming import Delta, StreamHeader, cancel_on_disconnect, stream_response
+
+router = APIRouter()
+
+
+class ChatFormat:
+    """A chat choice streams as OpenAI's: a role delta first, then content deltas."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, served: ServedModel, k: int | None) -> None:
+        self.served, self.k = served, k
+
+    def logprobs(self, ids: list[int], entries: list) -> dict | None:
+        return None if self.k is None else {"content": chat_logprobs(self.served.piece, ids, entries, self.k)}
+
+    def items(self, d: Delta) -> list[dict]:
+        c = d.choice
+        items = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}] if d.first else []
+        if d.text or (self.k is not None and d.token_ids) or c.finish_reason:
+            item = {"index": c.index, "delta": {"content": d.text} if d.text else {},
+                    "logprobs": self.logprobs(d.token_ids, d.logprobs), "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                item["stop_reason"] = c.stop_reason
+            items.append(item)
+        return items
+
+    def response_choice(self, c: CompletionOutput) -> dict:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+
+def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                tools: list | None, kwargs: dict | None) -> list[int]:
+    extra = {**({"tools": tools} if tools is not None else {}), **(kwargs or {})}
+    return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, **extra)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+    model = s.check_model(body.model)
+    ids = render_chat(s, body.conversation(), body.add_generation_prompt is not False,
+                      bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
+    bos = s.tokenizer.bos_token_id
+    if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids
+    ids = body.truncate(ids)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    s.check_length(len(ids), max_tokens)
+    k = body.num_logprobs()
+    params = body.sampling_params(max_tokens, k, body.prompt_logprobs)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    streams = await s.add_all([ids], params, request_id)
+    fmt = ChatFormat(s, k)
+    if body.stream:
+        header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
+        return stream_response(s, streams, fmt, header)
+
+    async def collect() -> Response:
+        final = await s.final_outputs(streams)
+        data = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final)}
+        if body.prompt_logprobs is not None:
+            data["prompt_logprobs"] = prompt_logprobs_json(s.piece, final[0])
+        return JSONResponse(data)
+
+    return await cancel_on_disconnect(request, collect(), lambda: s.close(streams))

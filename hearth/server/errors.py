@@ -1,0 +1,56 @@
+"""OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Bad input (validation, RequestError) is a 400, a busy or stopping engine a 503, a bug a 500:
+never a traceback in the response.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearth.engine.async_engine import EngineStopped, QueueFull
+from hearth.errors import RequestError
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+               422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _invalid(_, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    if errors and errors[0].get("type") == "json_invalid":
+        return error_response(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+    return error_response(400, "invalid request: " + "; ".join(parts), param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, lambda _, e: error_response(e.status_code, str(e.detail)))
+    app.add_exception_handler(APIError, lambda _, e: error_response(e.status, e.message, e.param))
+    app.add_exception_handler(RequestError, lambda _, e: error_response(400, str(e)))
+    app.add_exception_handler(QueueFull, lambda _, e: error_response(503, str(e)))
+    app.add_exception_handler(EngineStopped, lambda _, e: error_response(503, str(e)))
+    app.add_exception_handler(Exception, lambda _, e: error_response(500, f"internal error: {type(e).__name__}: {e}"))

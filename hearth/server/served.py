@@ -1,0 +1,114 @@
+"""ServedModel: what every route shares: the AsyncEngine, the served names, the metrics,
+and the checks and bookkeeping of requests in flight.
+
+Routes read the model only through the AsyncEngine's fixed facts (tokenizer, context length,
+vocabulary size): never the LLMEngine, which belongs to the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from hearth.engine.async_engine import AsyncEngine, RequestStream
+from hearth.errors import RequestError
+from hearth.outputs import RequestOutput
+from hearth.sampling_params import SamplingParams
+from hearth.server.errors import APIError
+from hearth.server.metrics import ServerMetrics
+
+
+class ServedModel:
+    def __init__(self, engine: AsyncEngine, names: list[str]) -> None:
+        self.engine = engine
+        self.names = names
+        self.metrics = ServerMetrics(engine, names[0])
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+
+    # ---- checks
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (the first when it named none); 404 when unknown."""
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return name or self.names[0]
+
+    def check_token_ids(self, ids: list[int], what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{what} outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+        limit = self.max_model_len
+        if num_prompt > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens. Please reduce the length of the prompt."
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of max_tokens."
+            )
+
+    def piece(self, token_id: int) -> str:
+        """A token's own text (special tokens included), as logprobs show it."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- requests in flight
+
+    async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`); all or none are added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}"))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        self.metrics.on_accepted(sum(len(p) for p in prompts))
+        return streams
+
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as the requests progress; aborts what is unfinished when closed."""
+        pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    output = task.result()
+                    if output.finished:
+                        self.metrics.on_finished(output)
+                    else:
+                        pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                    yield i, output
+        finally:
+            for task in pending:
+                task.cancel()
+            self.close(streams)
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Each prompt's finished output."""
+        final: list[RequestOutput | None] = [None] * len(streams)
+        async for i, output in self.outputs(streams):
+            final[i] = output
+        return final
+
+    def close(self, streams: list[RequestStream]) -> None:
+        """Abort (and count) every request of the list that has not finished."""
+        for s in streams:
+            if not s.finished:
+                self.metrics.on_aborted()
+                s.close()
+
+
+def served(request: Request) -> ServedModel:
+    """The route dependency: the app's ServedModel."""
+    return request.app.state.served
