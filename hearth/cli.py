@@ -194,11 +194,10 @@ def cmd_tokenize(args) -> None:
 
 
 def cmd_watermark_detect(args) -> None:
-    from hearth.llm import default_model_path
     from hearth.loading.loader import read_model
     from hearth.watermark import detect
 
-    _, _, tokenizer = read_model(args.model or default_model_path(), progress=False)
+    _, _, tokenizer = read_model(args.model, progress=False)
     score = detect(tokenizer.encode(args.text, add_special_tokens=False), args.key, args.gamma)
     if args.json:
         print(json.dumps({"z": score.z, "watermarked": score.watermarked, "num_scored": score.num_scored,
