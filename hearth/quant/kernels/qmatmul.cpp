@@ -696,8 +696,9 @@ inline __m256i nibbles32(const uint8_t* qs) {
 }
 
 // One block's codes as 32-value chunks of unsigned bytes, and its terms (see the section's note):
-//   codes(c): uint8 [32], values 32c..32c+31;  sc16 / c16: int16 [16], sc_j and c_j per 16 values;
-//   d, f: fp32. 32-value formats: offset o instead of c16.
+//   codes(c): uint8 [32], values 32c..32c+31;  scales(c): int16 [16], the scale of each int16 lane
+//   of maddubs(codes(c), x) (values 2i, 2i + 1);  c16: int16 [16], c_j per 16 values;  d, f: fp32.
+//   32-value formats: offset o instead of scales and c16.
 template <int QT> struct Block;
 
 // Q8_0's codes are signed: maddubs takes |q| and moves q's sign onto x (|q| <= 128, |x| <= 127:
@@ -729,41 +730,57 @@ template <> struct Block<Q5_1> {
   __m256i codes(int) const { return _mm256_or_si256(nibbles32(b + 8), bits_to_sixteens(u32(b + 4))); }
 };
 
-// Q4_K / Q5_K: 8 6-bit scales and mins (k_scale_min, all at once), each repeated for its two halves of 16
-inline void k_scales16(const uint8_t* r, __m256i& sc16, __m256i& mn16) {
-  const uint32_t r0 = u32(r), r1 = u32(r + 4), r2 = u32(r + 8);
-  const uint64_t sc = uint64_t(r0 & 0x3F3F3F3Fu) | uint64_t((r2 & 0x0F0F0F0Fu) | ((r0 >> 2) & 0x30303030u)) << 32;
-  const uint64_t mn = uint64_t(r1 & 0x3F3F3F3Fu) | uint64_t(((r2 >> 4) & 0x0F0F0F0Fu) | ((r1 >> 2) & 0x30303030u)) << 32;
-  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  sc16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)sc), pairs));
-  mn16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pairs));
-}
+// Scales per 16 values, int16, kept in memory: a chunk's scale vector is then built by broadcasts
+// from it (constants to permute registers would take the registers the accumulators need).
+struct Scales16 {
+  alignas(32) int16_t s[16];
+  void set(__m256i sc16) { _mm256_store_si256((__m256i*)s, sc16); }
+  // chunk c's two halves of 16, each scale repeated over its 8 int16 lanes of a maddubs result
+  __m256i halves(int c) const {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(s[2 * c])), _mm_set1_epi16(s[2 * c + 1]), 1);
+  }
+  __m256i whole(int c) const { return _mm256_set1_epi16(s[2 * c]); }  // one scale for all 32 values
+};
 
-template <> struct Block<Q4_K> {
-  const uint8_t* b; float d, f; __m256i sc16, c16;
-  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), f(h2f(p + 2)) { k_scales16(p + 4, sc16, c16); }
-  __m256i codes(int c) const {  // 32 bytes per two chunks: low nibbles chunk 2i, high 2i + 1
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c / 2)));
+// Q4_K / Q5_K: d | dmin | 12 bytes of 8 6-bit scales and mins (k_scale_min, all at once, each
+// repeated for its two halves of 16) | codes
+struct ScaleMinBlock {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
+  explicit ScaleMinBlock(const uint8_t* p) : b(p), d(h2f(p)), f(h2f(p + 2)) {
+    const uint32_t r0 = u32(p + 4), r1 = u32(p + 8), r2 = u32(p + 12);
+    const uint64_t sc = uint64_t(r0 & 0x3F3F3F3Fu) | uint64_t((r2 & 0x0F0F0F0Fu) | ((r0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = uint64_t(r1 & 0x3F3F3F3Fu) | uint64_t(((r2 >> 4) & 0x0F0F0F0Fu) | ((r1 >> 2) & 0x30303030u)) << 32;
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    this->sc.set(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)sc), pairs)));
+    c16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pairs));
+  }
+  __m256i scales(int c) const { return sc.whole(c); }  // one scale per chunk of 32
+  // 32 bytes of nibbles per two chunks at `qs`: low nibbles chunk 2i, high 2i + 1
+  static __m256i nibbles(const uint8_t* qs, int c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * (c / 2)));
     return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
   }
 };
-template <> struct Block<Q5_K> {
-  const uint8_t* b; float d, f; __m256i sc16, c16;
-  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), f(h2f(p + 2)) { k_scales16(p + 4, sc16, c16); }
-  __m256i codes(int c) const {  // as Q4_K, the 5th bit of value l of chunk c: bit c of qh[l]
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 48 + 32 * (c / 2)));
-    const __m256i low = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m256i bit = _mm256_set1_epi8((char)(1 << c));
-    return _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
+template <> struct Block<Q4_K> : ScaleMinBlock {
+  using ScaleMinBlock::ScaleMinBlock;
+  __m256i codes(int c) const { return nibbles(b + 16, c); }
+};
+template <> struct Block<Q5_K> : ScaleMinBlock {
+  using ScaleMinBlock::ScaleMinBlock;
+  __m256i codes(int c) const {  // the 5th bit of value l of chunk c: bit c of qh[l]
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16)), bit = _mm256_set1_epi8((char)(1 << c));
+    return _mm256_or_si256(nibbles(b + 48, c),
+                           _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
   }
 };
 template <> struct Block<Q6_K> {
-  const uint8_t* b; float d, f; __m256i sc16, c16;
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
   explicit Block(const uint8_t* p) : b(p), d(h2f(p + 208)), f(d) {
-    sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+    sc.set(sc16);
     c16 = _mm256_slli_epi16(sc16, 5);  // Z = 32
   }
+  __m256i scales(int c) const { return sc.halves(c); }
   __m256i codes(int c) const {  // chunk c = 4h + s: low 4 bits from ql, high 2 from qh (unpack<Q6_K>)
     const int h = c / 4, s = c % 4;
     const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (s & 1)));
@@ -774,17 +791,16 @@ template <> struct Block<Q6_K> {
   }
 };
 template <> struct Block<Q3_K> {
-  const uint8_t* b; float d, f; __m256i sc16, c16;
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
   explicit Block(const uint8_t* p) : b(p), d(h2f(p + 108)), f(d) {
-    alignas(32) int16_t s[16];
     const uint8_t* raw = p + 96;
     for (int j = 0; j < 16; j++) {
       const int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4), high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
-      s[j] = (int16_t)((low | (high << 4)) - 32);
+      sc.s[j] = (int16_t)((low | (high << 4)) - 32);
     }
-    sc16 = _mm256_load_si256((const __m256i*)s);
-    c16 = _mm256_slli_epi16(sc16, 2);  // Z = 4
+    c16 = _mm256_slli_epi16(_mm256_load_si256((const __m256i*)sc.s), 2);  // Z = 4
   }
+  __m256i scales(int c) const { return sc.halves(c); }
   __m256i codes(int c) const {  // chunk c = 4h + s: 2 bits from qs, the 3rd from bit c of hmask[l]
     const int h = c / 4, s = c % 4;
     const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h));
@@ -794,24 +810,18 @@ template <> struct Block<Q3_K> {
   }
 };
 template <> struct Block<Q2_K> {
-  const uint8_t* b; float d, f; __m256i sc16, c16;
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
   explicit Block(const uint8_t* p) : b(p), d(h2f(p + 80)), f(h2f(p + 82)) {
     const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-    sc16 = _mm256_and_si256(raw, _mm256_set1_epi16(0x0F));
+    sc.set(_mm256_and_si256(raw, _mm256_set1_epi16(0x0F)));
     c16 = _mm256_srli_epi16(raw, 4);
   }
+  __m256i scales(int c) const { return sc.halves(c); }
   __m256i codes(int c) const {  // chunk c = 4h + s: (qs[32h + l] >> 2s) & 3
     const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c / 4)));
     return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (c % 4)), _mm256_set1_epi8(3));
   }
 };
-
-// the scales of chunk c's two halves of 16, each repeated over its 8 int16 lanes of a maddubs result
-inline __m256i chunk_scales(__m256i sc16, int c) {
-  const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
-  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-}
 
 // One weight row against MR activation rows from m0: y[r * N] for r < MR.
 template <int QT, int MR>
@@ -831,7 +841,7 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
       for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int c = 0; c < 8; c++) {
-        const __m256i codes = blk.codes(c), scales = chunk_scales(blk.sc16, c);
+        const __m256i codes = blk.codes(c), scales = blk.scales(c);
         for (int r = 0; r < MR; r++) {
           const __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales));
