@@ -689,6 +689,13 @@ inline __m256i bits_to_sixteens(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
+// bit `from` of every byte moved to bit `to`, the other bits cleared (a 16-bit shift: what crosses
+// into the neighbouring byte is masked off)
+inline __m256i byte_bit(__m256i v, int from, int to) {
+  const __m256i moved = from < to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+  return _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << to)));
+}
+
 // nibbles of 16 bytes: [low nibbles | high nibbles], values 0..15 then 16..31 of a 32-value block
 inline __m256i nibbles32(const uint8_t* qs) {
   const __m128i v = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F);
@@ -768,9 +775,7 @@ template <> struct Block<Q4_K> : ScaleMinBlock {
 template <> struct Block<Q5_K> : ScaleMinBlock {
   using ScaleMinBlock::ScaleMinBlock;
   __m256i codes(int c) const {  // the 5th bit of value l of chunk c: bit c of qh[l]
-    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16)), bit = _mm256_set1_epi8((char)(1 << c));
-    return _mm256_or_si256(nibbles(b + 48, c),
-                           _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16)));
+    return _mm256_or_si256(nibbles(b + 48, c), byte_bit(_mm256_loadu_si256((const __m256i*)(b + 16)), c, 4));
   }
 };
 template <> struct Block<Q6_K> {
@@ -805,8 +810,7 @@ template <> struct Block<Q3_K> {
     const int h = c / 4, s = c % 4;
     const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h));
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), _mm256_set1_epi8(3));
-    const __m256i hm = _mm256_loadu_si256((const __m256i*)b), bit = _mm256_set1_epi8((char)(1 << c));
-    return _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), _mm256_set1_epi8(4)));
+    return _mm256_or_si256(low, byte_bit(_mm256_loadu_si256((const __m256i*)b), c, 2));
   }
 };
 template <> struct Block<Q2_K> {
@@ -845,6 +849,9 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
         for (int r = 0; r < MR; r++) {
           const __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales));
+          // keeps the sum in this order: left free, gcc computes all 8 x MR products first and
+          // adds them as a tree, spilling most of them to the stack
+          asm("" : "+x"(dot[r]));
         }
       }
       for (int r = 0; r < MR; r++) {
