@@ -2,7 +2,7 @@
 
 Tolerances (docs/quantized-matmul.md):
 - gemv (fp32 activations) and the torch path: |y - ref| <= 1e-5 * (|x| @ |W|^T), fp32 rounding;
-- int8_matmul, packed_matmul and gemm_q8 (activations rounded to int8 per block b of the
+- int8_matmul and packed_matmul (activations rounded to int8 per block b of the
   weight's format, 32 values or 256 for K-quants: llama.cpp's q8_0 / q8_K): each activation is off
   by at most half its block's step amax_b / 127, so |y - ref| <= sum_b (amax_b / 254) sum_b |w|,
   plus the same fp32 term.
