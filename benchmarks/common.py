@@ -18,11 +18,41 @@ sys.path.insert(0, str(REPO))
 MODELS_DIR = Path(os.environ.get("HEARTH_BENCH_MODELS", Path.home() / ".cache" / "hearth" / "bench-models"))
 
 
+# llama.cpp's own quantization mixes, made from the f16 file by llama.cpp's `llama_model_quantize`
+# (what its llama-quantize tool runs: Q4_K_M mixes Q4_K and Q6_K tensors, and so on)
+LLAMA_CPP_TYPES = {"q2_k": "Q2_K", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S",
+                   "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+
+
 def bench_model(arch: str, gguf_types=("f16", "q8_0", "q4_0")) -> dict:
-    """Paths of the random benchmark model `arch` (made on first use: `hearth bench make-model`)."""
+    """Paths of the random benchmark model `arch` (made on first use: `hearth bench make-model`,
+    then llama.cpp's quantizer for LLAMA_CPP_TYPES)."""
     from hearth.bench.models import make_model
 
-    return make_model(arch, MODELS_DIR / arch, list(gguf_types), progress=True)["files"]
+    ours = [t for t in gguf_types if t not in LLAMA_CPP_TYPES]
+    theirs = [t for t in gguf_types if t in LLAMA_CPP_TYPES]
+    files = make_model(arch, MODELS_DIR / arch, ours + (["f16"] if theirs and "f16" not in ours else []),
+                       progress=True)["files"]
+    for kind in theirs:
+        files[kind] = llama_cpp_quantize(files["f16"], str(MODELS_DIR / arch / f"{arch}-{kind}.gguf"), kind)
+    return files
+
+
+def llama_cpp_quantize(source: str, target: str, kind: str) -> str:
+    """`target`, written from `source` by llama.cpp's quantizer as llama-quantize SOURCE TARGET
+    {LLAMA_CPP_TYPES[kind]} would (kept if it exists)."""
+    if Path(target).exists():
+        return target
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_CPP_TYPES[kind]}")
+    params.nthread = os.cpu_count() or 1
+    print(f"llama.cpp quantizing {source} to {LLAMA_CPP_TYPES[kind]}", file=sys.stderr)
+    if llama_cpp.llama_model_quantize(source.encode(), target.encode(), params) != 0:
+        Path(target).unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+    return target
 
 
 def tiny_model() -> tuple[str, str, str]:

@@ -10,6 +10,10 @@ hearth its weights as loaded) or GFLOP/s for prefill, and the share of this mach
 roofline ceiling for the file (see `hearth roofline`).
 
     python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q8_0 --out benchmarks/results/llamacpp
+    python benchmarks/hearth_vs_llamacpp.py --types q4_k_m,q5_k_m,q6_k --threads 1 --cpu-time
+
+--types takes hearth's converter types (f16, q8_0, q4_0...) and llama.cpp's K-quant mixes
+(q4_k_m, q5_k_m, q6_k...: the f16 file requantized by llama.cpp's own `llama_model_quantize`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="hearth's compute dtype")
     ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="count CPU seconds, not wall time (1 thread only): on a machine shared with other jobs, "
+                         "what each engine's own work costs")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
     set_threads(args.threads)
+    import time
 
     import torch
 
@@ -56,8 +64,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     files = [args.gguf] if args.gguf else [bench_model(args.arch, args.types.split(","))[t] for t in args.types.split(",")]
     n_threads = threads()
+    if args.cpu_time and n_threads != 1:
+        sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     info = machine()
-    roof = measure_machine("cpu", torch.float32)
+    roof = measure_machine("cpu", torch.float32, matmul_n=1024)  # 2048^3 in bf16 takes minutes without AVX-512 BF16
     rows, data = [], {"machine": info, "roofline_machine": vars(roof), "results": []}
     for path in files:
         config, weights, _ = read_model(path, progress=False)
@@ -70,7 +81,7 @@ def main() -> None:
         engine = llm.engine
         loaded = model_weight_bytes(engine.model)
         kv_element = engine.dtype.itemsize
-        cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches))
+        cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
         rng = random.Random(0)
         times: dict[tuple[str, str, int], list[float]] = {}
 
@@ -83,13 +94,13 @@ def main() -> None:
         cpp.prefill(random_prompts(1, 32, vocab, rng)[0])
         for _ in range(args.runs):
             prompt = random_prompts(1, args.prefill, vocab, rng)[0]
-            record("hearth", "prefill", 1, one_run(engine, [prompt], 1)["prefill_tokens_per_s"])
+            record("hearth", "prefill", 1, one_run(engine, [prompt], 1, clock)["prefill_tokens_per_s"])
             cpp.clear()
             record("llama.cpp", "prefill", 1, args.prefill / cpp.prefill(prompt))
             for b in batches:
                 prompts = random_prompts(b, args.context, vocab, rng)
                 # hearth: the first step after prefill is the first decode; D + 1 tokens gives D decode steps
-                record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1)["decode_tokens_per_s"])
+                record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
                 record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
         cpp.close()
 
@@ -128,7 +139,9 @@ def main() -> None:
     md = "\n".join([
         f"### hearth vs llama.cpp (same GGUF, {plural(n_threads, 'thread')})",
         "",
-        f"`{command}` — medians of {args.runs} interleaved runs; hearth computes in "
+        f"`{command}` — medians of {args.runs} interleaved runs"
+        + (" timed in CPU seconds (tokens per CPU-second of the one thread)" if args.cpu_time else "")
+        + "; hearth computes in "
         f"{str(torch.float32 if args.dtype == 'auto' else args.dtype).removeprefix('torch.')}.",
         "",
         machine_markdown(info),

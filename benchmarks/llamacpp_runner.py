@@ -10,10 +10,13 @@ import time
 
 
 class LlamaCpp:
-    def __init__(self, path: str, threads: int, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512):
+    def __init__(self, path: str, threads: int, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512,
+                 clock=time.perf_counter):
+        """clock: what timings count (time.process_time: CPU seconds, for 1-thread runs)."""
         import llama_cpp as L
 
         self.L = L
+        self.clock = clock
         L.llama_backend_init()
         self._log = L.llama_log_callback(lambda level, text, data: None)  # kept alive: llama.cpp calls it
         L.llama_log_set(self._log, None)
@@ -50,12 +53,12 @@ class LlamaCpp:
 
     def prefill(self, tokens: list[int], seq: int = 0, start: int = 0) -> float:
         """Seconds to evaluate `tokens` as one sequence, in chunks of n_batch (logits of the last)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for i in range(0, len(tokens), self.n_batch):
             chunk = tokens[i : i + self.n_batch]
             last = i + len(chunk) == len(tokens)
             self._decode([(t, start + i + j, seq, last and j == len(chunk) - 1) for j, t in enumerate(chunk)])
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
     def decode(self, prompts: list[list[int]], steps: int, token: int = 42) -> float:
         """Prefill every prompt (untimed), then `steps` steps of one token for each sequence at once;
@@ -63,10 +66,10 @@ class LlamaCpp:
         self.clear()
         for seq, prompt in enumerate(prompts):
             self.prefill(prompt, seq)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for step in range(steps):
             self._decode([(token, len(p) + step, seq, True) for seq, p in enumerate(prompts)])
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
     def close(self) -> None:
         L = self.L

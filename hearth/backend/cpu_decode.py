@@ -1,12 +1,15 @@
-"""Decode steps in one C++ call: the CPU path for models whose matmuls are all packed.
+"""Decode steps in one C++ call: the CPU path for models whose matmuls are all quantized blocks.
 
 At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch ops and module
 calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
 again: each runs with the caches that the weights' stream has just emptied. When every projection
-of every layer is a packed Q8_0/Q4_0 QuantLinear (hearth/quant/linear.py) and the model is plain
-llama-shaped (SiLU MLP, no biases, no q/k norms, norms without offset), a step made only of
-decodes runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules call, in the same
-order, with no Python between them. Every other step and model takes the modules' path.
+of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
+hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no biases, no q/k norms,
+norms without offset), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
+kernels that the modules call, in the same order, with no Python between them. A merged
+projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
+projections in Q6_K) runs part by part into its columns. Every other step and model takes the
+modules' path.
 """
 
 from __future__ import annotations
@@ -46,16 +49,18 @@ class CpuDecodePath:
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
-            if not all(len(modules) == 1 and _packed(modules[0]) for modules in projections):
-                return None
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            for (linear,) in projections:
-                row += [*linear._packed_weight, linear._qtype]
+            for parts, most in zip(projections, kernels.PROJECTION_PARTS):
+                if len(parts) > most or not all(_on_int8_kernel(part) for part in parts):
+                    return None
+                for part in parts:  # weight, packed scales or 0, qtype, output rows
+                    row += [*part._int8_weight, part._qtype, part.out_features]
+                row += [0, 0, 0, 0] * (most - len(parts))
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels.cpp's layer table has other columns than cpu_decode.py fills")
-        return cls(model, kernels, table, qmatmul.module.packed_matmul_address())
+        return cls(model, kernels, table, qmatmul.module.int8_matmul_address())
 
     def __call__(
         self,
@@ -89,5 +94,5 @@ class CpuDecodePath:
         return delta, residual
 
 
-def _packed(module) -> bool:
-    return isinstance(module, QuantLinear) and module._packed_weight is not None and module.bias is None
+def _on_int8_kernel(module) -> bool:
+    return isinstance(module, QuantLinear) and module._int8_weight is not None and module.bias is None

@@ -15,7 +15,7 @@
 // optionally after x += add in place (the residual stream's add fused into the norm's pass).
 //
 // decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers, the
-// kernels above and the packed matmul (passed in from hearth/quant/kernels/qmatmul.cpp) called
+// kernels above and the int8 matmul (passed in from hearth/quant/kernels/qmatmul.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
 //
@@ -261,12 +261,18 @@ void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inte
   }
 }
 
-using PackedMatmul = void (*)(uintptr_t x, uintptr_t codes, uintptr_t scales, uintptr_t y, int64_t M, int64_t N,
-                              int64_t K, int qtype, bool portable, int threads);
+using Int8Matmul = void (*)(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                           int qtype, bool portable, int threads);
 
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
-// formats, fixed at load. Projections are packed Q8_0/Q4_0 (codes, scales, qtype).
-enum LayerField { IN_NORM, POST_NORM, QKV, O = QKV + 3, GATE_UP = O + 3, DOWN = GATE_UP + 3, LAYER_FIELDS = DOWN + 3 };
+// formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
+// v in another format each, as llama.cpp's mixed files store them), each PART_FIELDS columns:
+// weight, packed scales or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
+enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
+constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
+constexpr int PART_FIELDS = 4;
+enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
+constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 2]: K and V cache pointers.
@@ -275,31 +281,48 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
                    uintptr_t lens_, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int threads) {
-  const PackedMatmul matmul = reinterpret_cast<PackedMatmul>(matmul_);
+  const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
   const int64_t* table = reinterpret_cast<const int64_t*>(table_);
   const int64_t* caches = reinterpret_cast<const int64_t*>(caches_);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   std::vector<float> h(tokens * hidden), qkv(tokens * qkv_size), q(tokens * q_size), attn(tokens * q_size);
-  std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter);
+  std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter), part_out;
   const auto ptr = [](const std::vector<float>& v) { return reinterpret_cast<uintptr_t>(v.data()); };
-  const auto project = [&](const int64_t* layer, int field, uintptr_t x, uintptr_t y, int64_t n, int64_t k) {
-    matmul(x, layer[field], layer[field + 1], y, tokens, n, k, (int)layer[field + 2], false, threads);
+  // y [T, n] = x [T, k] W^T, W the projection's parts one after another along n
+  const auto project = [&](const int64_t* layer, Projection p, uintptr_t x, float* y, int64_t n, int64_t k) {
+    int first = FIRST_PART;
+    for (int i = 0; i < p; i++) first += PARTS[i] * PART_FIELDS;
+    for (int64_t i = 0, column = 0; i < PARTS[p]; i++) {
+      const int64_t* part = layer + first + i * PART_FIELDS;
+      const int64_t rows = part[3];
+      if (rows == 0) break;
+      if (rows == n) {  // the whole projection in one format
+        matmul(x, part[0], part[1], reinterpret_cast<uintptr_t>(y), tokens, n, k, (int)part[2], false, threads);
+        break;
+      }
+      part_out.resize(tokens * rows);  // [T, rows], then its columns of y
+      matmul(x, part[0], part[1], ptr(part_out), tokens, rows, k, (int)part[2], false, threads);
+      for (int64_t t = 0; t < tokens; ++t)
+        std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
+      column += rows;
+    }
   };
+  float* delta = reinterpret_cast<float*>(delta_);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* layer = table + l * LAYER_FIELDS;
     rms_norm(residual_, l == 0 ? 0 : delta_, layer[IN_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
-    project(layer, QKV, ptr(h), ptr(qkv), qkv_size, hidden);
+    project(layer, QKV, ptr(h), qkv.data(), qkv_size, hidden);
     const uintptr_t k_cache = caches[2 * l], v_cache = caches[2 * l + 1];
     rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), k_cache, v_cache, tokens, num_heads,
                       num_kv_heads, head_dim, threads);
     decode_attention(ptr(q), k_cache, v_cache, block_tables_, lens_, ptr(attn), tokens, num_heads, num_kv_heads,
                      head_dim, block_size, max_blocks, scale, split_len, threads);
-    project(layer, O, ptr(attn), delta_, hidden, q_size);
+    project(layer, O, ptr(attn), delta, hidden, q_size);
     rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
-    project(layer, GATE_UP, ptr(h), ptr(gate_up), 2 * inter, hidden);
+    project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
     silu_and_mul(gate_up.data(), act.data(), tokens, inter);
-    project(layer, DOWN, ptr(act), delta_, hidden, inter);
+    project(layer, DOWN, ptr(act), delta, hidden, inter);
   }
 }
 
@@ -311,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32", nogil);
-  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, packed weights", nogil);
+  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
+  m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);
 }

@@ -4,25 +4,27 @@
 comes as GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K) or, on a CPU, as an F16/BF16
 array; `quantized_module` is the one place that decides. Nothing is expanded at load: a weight
 stays a uint8 buffer [out_features, bytes_per_row] over the file's memory map, or (Q8_0/Q4_0 on
-a CPU) the same bytes repacked once.
+a CPU with AVX-512 VNNI) the same bytes repacked once.
 
 The kernels (docs/quantized-matmul.md has the measurements behind each choice):
 
-- CPU, Q8_0 and Q4_0: the blocks are repacked once, at load, into tiles of 32 rows (the same
-  bytes rearranged, the same size) and `packed_matmul` serves every batch size: activations
-  rounded to int8 per 32 values (llama.cpp's q8_0), int8 dot products (AVX-512 VNNI). The
-  file's pages are then released from this process (they stay in the page cache).
-- CPU, the other formats, read in place: `gemv` for few rows (fp32 activations against weights
-  decoded in registers: equal to dequantize-then-matmul up to fp32 rounding), `gemm_q8` for more
-  (int8 activations against 32-row tiles repacked on the fly).
+- CPU, every block format, every batch size: `int8_matmul`, activations rounded to int8 per block
+  of the weight's format (256 values for K-quants: llama.cpp's q8_K; 32 for the others: q8_0)
+  and integer dot products (AVX2 maddubs) against the GGUF blocks where they lie: their layout
+  already puts a sub-block's codes in consecutive bytes, one vector load per 32 weights.
+  With AVX-512 VNNI, Q8_0 and Q4_0 are instead repacked once, at load, into tiles of 32 rows
+  (the same bytes rearranged, the same size) that one VNNI instruction multiplies 16 rows of;
+  the file's pages are then released from this process (they stay in the page cache).
+- CPU, F16/BF16 arrays: `gemv` for few rows (fp32, converted in registers), past that BLAS.
 - The gpu backend (hearth/backend/gpu.py), Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: `TritonQuantLinear`,
   the blocks repacked once into planar arrays and multiplied by Triton kernels that dequantize
   in registers (hearth/triton_kernels/quant_matmul.py).
 - Anywhere else (the reference backend off a CPU, another format, or no C++ compiler): the
   weight dequantized a tile of rows at a time, then `F.linear` (never the whole weight at once).
 
-Error of the int8-activation kernels: |y - ref| <= sum over blocks of (amax_b / 254) sum_b |w|
-(each activation is off by at most half its block's step), plus fp32 rounding.
+Error of the int8-activation kernels: |y - ref| <= sum over activation blocks b of
+(amax_b / 254) sum_b |w| (each activation is off by at most half its block's step amax_b / 127),
+plus fp32 rounding.
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import QuantTensor
 
 Q = GGMLQuantizationType
-PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # repacked at load on a CPU
+# multiplied by `int8_matmul` on a CPU (activations as llama.cpp's q8_K / q8_0)
+INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # of those, repacked at load where the build has AVX-512 VNNI
 HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
-# Most rows for which the exact GEMV beats repacking for the int8 GEMM, per format (measured,
-# docs/quantized-matmul.md). F16/BF16 have no int8 GEMM: past their GEMV rows they take the
-# BLAS GEMM, in their own dtype when the activations have it (QuantLinear), else on tiles
-# converted to fp32 (the torch path, exact).
-GEMV_MAX_ROWS = {Q.Q8_0: 2, Q.Q4_0: 1, Q.Q4_1: 1, Q.Q5_0: 6, Q.Q5_1: 6, Q.Q2_K: 1, Q.Q3_K: 1,
-                 Q.Q4_K: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.F16: 8, Q.BF16: 8}
+# Most rows for which the fp32 GEMV of F16/BF16 weights beats the BLAS GEMM (measured,
+# docs/quantized-matmul.md): past them, the GEMM in their own dtype when the activations have it
+# (QuantLinear), else on tiles converted to fp32 (the torch path, exact).
+GEMV_MAX_ROWS = {Q.F16: 8, Q.BF16: 8}
 # Rows of the weight dequantized per step of the torch path: bounds its temporary to ~16 MB fp32.
 _TILE_ELEMENTS = 1 << 22
 
@@ -56,7 +58,8 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
                  kernel: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T -> [M, out_features] float32, W = GGUF blocks `data` uint8 [out_features, row_bytes].
 
-    kernel: "auto" (choose), "gemv", "gemm_q8" (compiled, CPU) or "torch" (tile by tile)."""
+    kernel: "auto" (choose), "gemv" (F16/BF16), "int8" (block formats; both compiled, CPU) or "torch"
+    (tile by tile)."""
     ext = kernels.extension() if data.device.type == "cpu" else None
     if kernel == "auto":
         kernel = choose_kernel(qtype, x.shape[0], ext is not None)
@@ -66,17 +69,17 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
         raise RuntimeError("hearth's compiled quantized kernels are not available here")
     x = x.float().contiguous()
     if kernel == "gemv":
-        return ext.gemv(x, data, int(qtype), out_features, False)
-    return ext.gemm_q8(x, data, int(qtype), out_features, False)
+        return ext.gemv(x, data, int(qtype), out_features)
+    return ext.int8_matmul(x, data, int(qtype), out_features)
 
 
 def choose_kernel(qtype: GGMLQuantizationType, rows: int, compiled: bool) -> str:
     """The kernel for `rows` activation rows against a `qtype` weight."""
     if not compiled:
         return "torch"
-    if rows <= GEMV_MAX_ROWS.get(qtype, 0):
-        return "gemv"
-    return "torch" if qtype in _HALF_DTYPES else "gemm_q8"
+    if qtype in _HALF_DTYPES:
+        return "gemv" if rows <= GEMV_MAX_ROWS[qtype] else "torch"
+    return "int8"
 
 
 def _torch_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
@@ -108,16 +111,21 @@ class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W kept in its storage format (GGUF blocks, or an F16/BF16 array).
 
     Holds either `qweight` (uint8 [out_features, bytes_per_row], the blocks as stored) or, for
-    Q8_0/Q4_0 on a CPU with the compiled kernels, `codes` and `scales` (the packed tiles)."""
+    Q8_0/Q4_0 on a CPU with AVX-512 VNNI, `codes` and `scales` (the packed tiles). On a CPU with
+    the compiled kernels, blocks in place and packed tiles alike run `int8_matmul`, called
+    straight from forward."""
 
     def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         super().__init__()
         data, self.qtype, self.out_features, self.in_features = _raw(weight)
-        ext = kernels.extension() if pack and self.qtype in PACKED_QTYPES and data.device.type == "cpu" else None
-        if ext is not None and ext.vnni:  # without VNNI the packed kernel has no fast path
+        ext = kernels.extension() if pack and self.qtype in INT8_QTYPES and data.device.type == "cpu" else None
+        self._kernel = self._qtype = None
+        if ext is not None:
+            ext._check(torch.empty(0, self.in_features), data, self.qtype, self.out_features)
+            self._kernel, self._qtype = ext.module.int8_matmul, int(self.qtype)
+        if ext is not None and self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
             codes, scales = ext.repack(data, self.qtype, self.out_features, self.in_features)
             release_pages(data)
-            self._kernel, self._qtype = ext.module.packed_matmul, int(self.qtype)  # shapes checked by repack
             self.qweight = None
             self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, 32 rows x row bytes]
             self.register_buffer("scales", scales, persistent=False)  # float16 [tiles, K / 32, 32]
@@ -125,33 +133,36 @@ class QuantLinear(nn.Module):
             self.codes = self.scales = None
             self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self._bind_packed_kernel()
+        self._bind_int8_kernel()
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
-        self._bind_packed_kernel()
+        self._bind_int8_kernel()
         return module
 
-    def _bind_packed_kernel(self) -> None:
-        """The packed kernel's weight pointers, looked up once (buffers only move through _apply):
-        at batch 1 a call's Python overhead is a visible share of its time."""
-        on_cpu = self.codes is not None and self.codes.device.type == "cpu"
-        self._packed_weight = (self.codes.data_ptr(), self.scales.data_ptr()) if on_cpu else None
+    def _bind_int8_kernel(self) -> None:
+        """The int8 kernel's weight pointers (blocks, packed scales or 0), looked up once (buffers
+        only move through _apply): at batch 1 a call's Python overhead is a visible share of its time."""
+        weight = self.qweight if self.codes is None else self.codes
+        if self._kernel is None or weight.device.type != "cpu":
+            self._int8_weight = None
+        else:
+            self._int8_weight = (weight.data_ptr(), 0 if self.scales is None else self.scales.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed_weight is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
-            y = self._packed_matmul(x)  # the decode hot path: straight to the kernel
+        if self._int8_weight is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            y = self._int8_matmul(x)  # the decode hot path: straight to the kernel
             return y if self.bias is None else y.add_(self.bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.codes is None:
+        if self._int8_weight is not None:
+            y = self._int8_matmul(x2.float().contiguous())
+        elif self.codes is None:
             if x2.dtype == _HALF_DTYPES.get(self.qtype) and x2.shape[0] > GEMV_MAX_ROWS[self.qtype]:
                 # activations already in the weight's own dtype (bf16 / f16 compute): one BLAS GEMM
                 # reading the weight in place, what a dense module in that dtype would run
                 y = F.linear(x2, self.qweight.view(x2.dtype))
             else:
                 y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
-        elif self._packed_weight is not None:
-            y = self._packed_matmul(x2.float().contiguous())
         else:  # moved to a GPU after packing
             y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
         if self.bias is not None:
@@ -159,9 +170,9 @@ class QuantLinear(nn.Module):
         y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K], contiguous
+    def _int8_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K], contiguous
         y = torch.empty(x.shape[0], self.out_features)
-        self._kernel(x.data_ptr(), *self._packed_weight, y.data_ptr(), x.shape[0], self.out_features,
+        self._kernel(x.data_ptr(), *self._int8_weight, y.data_ptr(), x.shape[0], self.out_features,
                      self.in_features, self._qtype, False, torch.get_num_threads())
         return y
 

@@ -37,18 +37,20 @@ class Kernels:
         return x.contiguous(), k
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
-        """x [M, K] W^T in fp32, exact up to summation order (small M)."""
-        return self._matmul(self.module.gemv, x, w, qtype, n, portable)
-
-    def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
-        """x [M, K] W^T with x rounded to int8 per 32 values (llama.cpp's q8_0); block formats only."""
-        return self._matmul(self.module.gemm_q8, x, w, qtype, n, portable)
-
-    def _matmul(self, kernel, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool) -> torch.Tensor:
+        """x [M, K] W^T in fp32 for F16 / BF16 W, exact up to summation order (small M)."""
         x, k = self._check(x, w, qtype, n)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        kernel(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype), portable,
-               torch.get_num_threads())
+        self.module.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype), portable,
+                         torch.get_num_threads())
+        return y
+
+    def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
+        """x [M, K] W^T with W's blocks read in place and x rounded to int8 per block of the format
+        (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only."""
+        x, k = self._check(x, w, qtype, n)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self.module.int8_matmul(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], n, k, int(qtype), portable,
+                                torch.get_num_threads())
         return y
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

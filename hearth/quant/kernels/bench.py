@@ -49,8 +49,7 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     dense = [w.dequantize(torch.float32) for w in chosen]
     candidates = {
         "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),
-        "gemv (fp32 x, GGUF layout)": ext and (lambda x, i: ext.gemv(x, raw[i][0], int(qtype), raw[i][1][0])),
-        "gemm_q8 (int8 x, tiles packed per call)": ext and (lambda x, i: ext.gemm_q8(x, raw[i][0], int(qtype), raw[i][1][0])),
+        "int8_matmul (int8 x, GGUF layout in place)": ext and (lambda x, i: ext.int8_matmul(x, raw[i][0], int(qtype), raw[i][1][0])),
         "torch: dequantize tiles + F.linear": lambda x, i: _torch_matmul(x, raw[i][0], qtype, raw[i][1][0]),
         "F.linear fp32 (dense, 4 B/weight)": lambda x, i: F.linear(x, dense[i]),
         "F.linear bf16 (dense, 2 B/weight)": None,
@@ -94,7 +93,7 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
         if fn is None:
             continue
         for m in rows:
-            if m > 32 and name.startswith(("gemv", "torch:", "F.linear fp32")):
+            if m > 32 and name.startswith(("torch:", "F.linear fp32")):
                 continue
             xs = {k: torch.randn(m, k) for k in {shape[1] for _, shape in raw}}
             seconds = _best(lambda: [fn(xs[raw[i][1][1]], i) for i in range(len(raw))], runs)

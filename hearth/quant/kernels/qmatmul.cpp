@@ -1,19 +1,18 @@
 // Quantized matmul on the CPU (docs/quantized-matmul.md).
 //
-//   packed_matmul: Q8_0 / Q4_0 repacked once (`repack`) into tiles of 32 rows; activations
-//                  rounded to int8 per 32 values (llama.cpp's q8_0), AVX-512 VNNI dot products.
-//                  Every batch size, decode included.
-//   gemv:          the other formats in their GGUF layout, few rows: fp32 activations, weights
-//                  decoded in registers; equals dequantize-then-matmul up to fp32 rounding.
-//   gemm_q8:       the same formats, more rows: int8 activations against 32-row tiles repacked
-//                  on the fly (never the whole weight).
+//   int8_matmul:   every block format, every batch size: activations rounded to int8 per block
+//                  of the weight's format (llama.cpp's q8_K for K-quants, q8_0 otherwise) and
+//                  integer dot products (AVX2 maddubs) against the GGUF blocks where they lie;
+//                  or, on AVX-512 VNNI builds, Q8_0 / Q4_0 repacked once into tiles of 32 rows
+//                  (`repack`, `packed_matmul`).
+//   gemv:          F16 / BF16 arrays, few rows: fp32, converted in registers.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
 //
 // Every format goes through one description, `unpack<QT>`: a block of BS values becomes
 // unsigned codes q (uint8), and per sub-block of S values a scale s and (for formats with a
 // minimum) an offset o, so that   w = s * (q - Z) + o   with Z a per-format zero point.
-// AVX-512 paths are compiled when the build machine has them (-march=native); the plain C++
-// loops are the portable path and the reference the fast paths are tested against.
+// AVX2 / AVX-512 paths are compiled when the build machine has them (-march=native); the plain
+// C++ loops are the portable path and the reference the fast paths are tested against.
 // No torch headers (they cost half a minute of compile time): the Python side passes data
 // pointers of tensors it has checked and allocated (hearth/quant/kernels/__init__.py), and the
 // thread count torch uses; threads are OpenMP's, the runtime torch itself runs on.
@@ -223,37 +222,11 @@ inline void decode(const uint8_t* b, float* w) {
     for (int i = 0; i < F::S; i++) w[j * F::S + i] = s[j] * float(int(q[j * F::S + i]) - F::Z) + o[j];
 }
 
-// ------------------------------------------------------------------ GEMV (exact)
+// ------------------------------------------------------------------ GEMV of half arrays (exact)
 
-// y[m, n] for rows [n0, n1) and all M (small): decode a block of R rows once, use it M times.
-// Portable path: every format, any machine.
+// F16 / BF16 rows [n0, n1) against all M activation rows (small M), fp32. Portable path.
 template <int QT>
-void gemv_rows_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float*, int64_t M,
-                       float* y, int64_t N, int64_t n0, int64_t n1) {
-  using F = Fmt<QT>;
-  const int64_t nb = K / F::BS;
-  std::vector<float> acc(M);
-  alignas(64) float v[F::BS];
-  for (int64_t n = n0; n < n1; n++) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    const uint8_t* row = w + n * row_bytes;
-    for (int64_t b = 0; b < nb; b++) {
-      decode<QT>(row + b * F::BYTES, v);
-      for (int64_t m = 0; m < M; m++) {
-        const float* xm = x + m * K + b * F::BS;
-        float a = 0.f;
-#pragma omp simd reduction(+ : a)
-        for (int i = 0; i < F::BS; i++) a += v[i] * xm[i];
-        acc[m] += a;
-      }
-    }
-    for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
-  }
-}
-
-// F16 / BF16 rows: plain half arrays
-template <int QT>
-void gemv_half_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float*, int64_t M,
+void gemv_half_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M,
                        float* y, int64_t N, int64_t n0, int64_t n1) {
   std::vector<float> v(K);
   for (int64_t n = n0; n < n1; n++) {
@@ -275,199 +248,31 @@ void gemv_half_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const flo
 #ifdef HEARTH_AVX512
 // Each thread walks its rows one after the other, so that every thread reads one sequential
 // stream (the hardware prefetchers follow it; interleaving several rows defeats them).
-
-inline __m512 i8x16_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
-
-// nibbles of 16 bytes as int8: low nibbles - z, high nibbles - z
-inline void nibbles_i8(const uint8_t* qs, int z, __m128i& lo, __m128i& hi) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F), zz = _mm_set1_epi8((char)z);
-  lo = _mm_sub_epi8(_mm_and_si128(v, m), zz);
-  hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), zz);
-}
-// Q5: the 5th bits from qh (bit j -> value j), as 16 in a byte
-inline void high_bits(uint32_t qh, __m128i& lo, __m128i& hi) {
-  const __m128i sixteen = _mm_set1_epi8(16);
-  lo = _mm_maskz_mov_epi8((__mmask16)(qh & 0xFFFF), sixteen);
-  hi = _mm_maskz_mov_epi8((__mmask16)(qh >> 16), sixteen);
-}
-// integer codes minus zero point as two fp32 vectors, and the block's scale (offset in m)
-template <int QT> inline void codes32(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m);
-template <> inline void codes32<Q8_0>(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m) {
-  d = h2f(b); m = 0.f;
-  q0 = i8x16_to_ps(_mm_loadu_si128((const __m128i*)(b + 2)));
-  q1 = i8x16_to_ps(_mm_loadu_si128((const __m128i*)(b + 18)));
-}
-template <> inline void codes32<Q4_0>(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m) {
-  d = h2f(b); m = 0.f;
-  __m128i lo, hi;
-  nibbles_i8(b + 2, 8, lo, hi);
-  q0 = i8x16_to_ps(lo); q1 = i8x16_to_ps(hi);
-}
-template <> inline void codes32<Q4_1>(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m) {
-  d = h2f(b); m = h2f(b + 2);
-  __m128i lo, hi;
-  nibbles_i8(b + 4, 0, lo, hi);
-  q0 = i8x16_to_ps(lo); q1 = i8x16_to_ps(hi);
-}
-template <> inline void codes32<Q5_0>(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m) {
-  d = h2f(b); m = 0.f;
-  __m128i lo, hi, hl, hh;
-  nibbles_i8(b + 6, 0, lo, hi);
-  high_bits(u32(b + 2), hl, hh);
-  const __m128i z = _mm_set1_epi8(16);
-  q0 = i8x16_to_ps(_mm_sub_epi8(_mm_or_si128(lo, hl), z));
-  q1 = i8x16_to_ps(_mm_sub_epi8(_mm_or_si128(hi, hh), z));
-}
-template <> inline void codes32<Q5_1>(const uint8_t* b, __m512& q0, __m512& q1, float& d, float& m) {
-  d = h2f(b); m = h2f(b + 2);
-  __m128i lo, hi, hl, hh;
-  nibbles_i8(b + 8, 0, lo, hi);
-  high_bits(u32(b + 4), hl, hh);
-  q0 = i8x16_to_ps(_mm_or_si128(lo, hl));
-  q1 = i8x16_to_ps(_mm_or_si128(hi, hh));
-}
-
-// One row against MB activation rows, 32-value block formats:
-//   sum_b d_b (q_b . x_b) + m_b sum(x_b)   (the offset term only for Q4_1 / Q5_1)
+// One row against MB activation rows: 32 values converted to fp32 in registers at a time.
 template <int QT, int MB>
-inline void gemv_row32(const uint8_t* row, int64_t K, const float* x, const float* xsum, float* y, int64_t N) {
-  using F = Fmt<QT>;
+inline void gemv_half_row(const uint8_t* row, int64_t K, const float* x, float* y, int64_t N) {
   constexpr int U = MB == 1 ? 4 : (MB == 2 ? 2 : 1);  // independent accumulators per activation row
-  const int64_t nb = K / 32;
   __m512 acc[U][MB];
-  float off[MB] = {};
   for (int u = 0; u < U; u++)
     for (int m = 0; m < MB; m++) acc[u][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
-    const uint8_t* blk = row + b * F::BYTES;
-    __m512 q0, q1;
-    float d, mn;
-    codes32<QT>(blk, q0, q1, d, mn);
-    const __m512 vd = _mm512_set1_ps(d);
-    if constexpr (MB == 1) {
-      const float* xb = x + b * 32;
-      __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
-      acc[u][0] = _mm512_fmadd_ps(t, vd, acc[u][0]);
-    } else {
-      q0 = _mm512_mul_ps(q0, vd);
-      q1 = _mm512_mul_ps(q1, vd);
-      for (int m = 0; m < MB; m++) {
-        const float* xb = x + m * K + b * 32;
-        acc[u][m] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xb), acc[u][m]);
-        acc[u][m] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), acc[u][m]);
-      }
-    }
-    if constexpr (F::OFF)
-      for (int m = 0; m < MB; m++) off[m] += mn * xsum[m * nb + b];
-  };
-  int64_t b = 0;
-  for (; b + U <= nb; b += U)
-    for (int u = 0; u < U; u++) step(b + u, u);
-  for (; b < nb; b++) step(b, 0);
-  for (int m = 0; m < MB; m++) {
-    __m512 a = acc[0][m];
-    for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[u][m]);
-    y[m * N] = _mm512_reduce_add_ps(a) + off[m];
-  }
-}
-
-// K-quant super-blocks decoded to 256 fp32 values with vector byte operations (the scalar
-// `decode` is the reference; Q2_K / Q3_K keep it).
-inline void store_codes32(__m256i codes_u8_or_i8, bool is_signed, __m512 scale0, __m512 off0, __m512 scale1, __m512 off1, float* w) {
-  const __m128i lo = _mm256_castsi256_si128(codes_u8_or_i8), hi = _mm256_extracti128_si256(codes_u8_or_i8, 1);
-  const __m512i a = is_signed ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
-  const __m512i b = is_signed ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
-  _mm512_store_ps(w, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale0, off0));
-  _mm512_store_ps(w + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), scale1, off1));
-}
-
-template <int QT> inline bool decode_vec(const uint8_t* b, float* w) {
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  if constexpr (QT == Q4_K || QT == Q5_K) {
-    // the 8 6-bit scales and mins, all at once (k_scale_min, byte-parallel)
-    const uint32_t r0 = u32(b + 4), r1 = u32(b + 8), r2 = u32(b + 12);
-    const uint64_t sc = uint64_t(r0 & 0x3F3F3F3Fu) | uint64_t((r2 & 0x0F0F0F0Fu) | ((r0 >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = uint64_t(r1 & 0x3F3F3F3Fu) | uint64_t(((r2 >> 4) & 0x0F0F0F0Fu) | ((r1 >> 2) & 0x30303030u)) << 32;
-    alignas(32) float scale[8], offset[8];
-    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))),
-                                         _mm256_set1_ps(h2f(b))));
-    _mm256_store_ps(offset, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))),
-                                          _mm256_set1_ps(-h2f(b + 2))));
-    const uint8_t* qs = b + (QT == Q4_K ? 16 : 48);
-    __m256i qh = QT == Q5_K ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-      __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      if constexpr (QT == Q5_K) {  // bit 2c / 2c+1 of qh[l]: the 5th bit of sub-block 2c / 2c+1
-        const __m256i one = _mm256_set1_epi8(1);
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-        qh = _mm256_srli_epi16(qh, 2);
-      }
-      for (int h = 0; h < 2; h++) {
-        const __m512 vs = _mm512_set1_ps(scale[2 * c + h]), vo = _mm512_set1_ps(offset[2 * c + h]);
-        store_codes32(h ? hi : lo, false, vs, vo, vs, vo, w + 64 * c + 32 * h);
-      }
-    }
-    return true;
-  } else if constexpr (QT == Q6_K) {
-    alignas(64) float scale[16];
-    _mm512_store_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))),
-                                         _mm512_set1_ps(h2f(b + 208))));
-    const __m256i three = _mm256_set1_epi8(3), z = _mm256_set1_epi8(32);
-    const __m512 zero = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; b++) {
+    const uint8_t* p = row + b * 64;
     for (int h = 0; h < 2; h++) {
-      const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-      for (int sh = 0; sh < 4; sh++) {
-        const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (sh & 1)));
-        const __m256i low = sh < 2 ? _mm256_and_si256(ql, nib) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), nib);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * sh), three);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), z);
-        const int j = (128 * h + 32 * sh) / 16;  // two sub-blocks of 16
-        store_codes32(q, true, _mm512_set1_ps(scale[j]), zero, _mm512_set1_ps(scale[j + 1]), zero, w + 128 * h + 32 * sh);
-      }
-    }
-    return true;
-  }
-  return false;
-}
-
-// Other formats (K-quants, half arrays): decode a block of the row to fp32, then FMA.
-template <int QT, int MB>
-inline void gemv_row_decoded(const uint8_t* row, int64_t K, const float* x, float* y, int64_t N) {
-  constexpr int BS = Fmt<QT>::BS;
-  constexpr int U = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  __m512 acc[U][MB];
-  for (int u = 0; u < U; u++)
-    for (int m = 0; m < MB; m++) acc[u][m] = _mm512_setzero_ps();
-  alignas(64) float v[BS];
-  for (int64_t b = 0; b < K / BS; b++) {
-    const float* vp = v;
-    if constexpr (is_half<QT>()) {
-      const uint8_t* p = row + b * 64;
-      for (int h = 0; h < 2; h++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * h));
-        __m512 f = QT == F16 ? _mm512_cvtph_ps(raw)
-                             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-        _mm512_store_ps(v + 16 * h, f);
-      }
-    } else {
-      if (!decode_vec<QT>(row + b * Fmt<QT>::BYTES, v)) decode<QT>(row + b * Fmt<QT>::BYTES, v);
-    }
-    for (int i = 0; i < BS / 16; i++) {
-      const __m512 wv = _mm512_load_ps(vp + 16 * i);
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * h));
+      const __m512 wv = QT == F16 ? _mm512_cvtph_ps(raw)
+                                  : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      const int u = (2 * b + h) % U;
       for (int m = 0; m < MB; m++)
-        acc[i % U][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + b * BS + 16 * i), acc[i % U][m]);
+        acc[u][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + b * 32 + 16 * h), acc[u][m]);
     }
   }
   float tail[MB] = {};
-  if constexpr (is_half<QT>())  // half arrays: K need not be a multiple of 32
-    for (int64_t k = K / BS * BS; k < K; k++) {
-      uint16_t h;
-      std::memcpy(&h, row + 2 * k, 2);
-      const float v1 = QT == F16 ? half_to_float(h) : bf16_to_float(h);
-      for (int m = 0; m < MB; m++) tail[m] += v1 * x[m * K + k];
-    }
+  for (int64_t k = K / 32 * 32; k < K; k++) {  // K need not be a multiple of 32
+    uint16_t h;
+    std::memcpy(&h, row + 2 * k, 2);
+    const float v1 = QT == F16 ? half_to_float(h) : bf16_to_float(h);
+    for (int m = 0; m < MB; m++) tail[m] += v1 * x[m * K + k];
+  }
   for (int m = 0; m < MB; m++) {
     __m512 a = acc[0][m];
     for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[u][m]);
@@ -475,42 +280,30 @@ inline void gemv_row_decoded(const uint8_t* row, int64_t K, const float* x, floa
   }
 }
 
-template <int QT, int MB>
-inline void gemv_row(const uint8_t* row, int64_t K, const float* x, const float* xsum, float* y, int64_t N) {
-  if constexpr (!is_half<QT>() && Fmt<QT>::BS == 32)
-    gemv_row32<QT, MB>(row, K, x, xsum, y, N);
-  else
-    gemv_row_decoded<QT, MB>(row, K, x, y, N);
-}
-
 // rows [n0, n1) against all M activation rows, four at a time (a row is re-read from L1/L2)
 template <int QT>
-void gemv_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
-                      int64_t M, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nb = K / 32;
+void gemv_half_avx512(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M, float* y, int64_t N,
+                      int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = w + n * row_bytes;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) gemv_row<QT, 4>(row, K, x + m * K, xsum + m * nb, y + m * N + n, N);
+    for (; m + 4 <= M; m += 4) gemv_half_row<QT, 4>(row, K, x + m * K, y + m * N + n, N);
     switch (M - m) {
-      case 3: gemv_row<QT, 3>(row, K, x + m * K, xsum + m * nb, y + m * N + n, N); break;
-      case 2: gemv_row<QT, 2>(row, K, x + m * K, xsum + m * nb, y + m * N + n, N); break;
-      case 1: gemv_row<QT, 1>(row, K, x + m * K, xsum + m * nb, y + m * N + n, N); break;
+      case 3: gemv_half_row<QT, 3>(row, K, x + m * K, y + m * N + n, N); break;
+      case 2: gemv_half_row<QT, 2>(row, K, x + m * K, y + m * N + n, N); break;
+      case 1: gemv_half_row<QT, 1>(row, K, x + m * K, y + m * N + n, N); break;
     }
   }
 }
 #endif  // HEARTH_AVX512
 
 template <int QT>
-void gemv_rows(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
-               int64_t M, float* y, int64_t N, int64_t n0, int64_t n1) {
+void gemv_half_rows(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M,
+                    float* y, int64_t N, int64_t n0, int64_t n1) {
 #ifdef HEARTH_AVX512
-  if (!portable) return gemv_rows_avx512<QT>(w, row_bytes, K, x, xsum, M, y, N, n0, n1);
+  if (!portable) return gemv_half_avx512<QT>(w, row_bytes, K, x, M, y, N, n0, n1);
 #endif
-  if constexpr (QT == F16 || QT == BF16)
-    gemv_half_generic<QT>(w, row_bytes, K, x, xsum, M, y, N, n0, n1);
-  else
-    gemv_rows_generic<QT>(w, row_bytes, K, x, xsum, M, y, N, n0, n1);
+  gemv_half_generic<QT>(w, row_bytes, K, x, M, y, N, n0, n1);
 }
 
 #define HEARTH_DISPATCH(qtype, CALL)                                          \
@@ -527,11 +320,6 @@ void gemv_rows(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, co
     case Q6_K: { constexpr int QT = Q6_K; CALL; break; }                      \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
-
-#define HEARTH_DISPATCH_HALF(qtype, CALL)                    \
-  if (qtype == F16) { constexpr int QT = F16; CALL; }        \
-  else if (qtype == BF16) { constexpr int QT = BF16; CALL; } \
-  else HEARTH_DISPATCH(qtype, CALL)
 
 int64_t block_values(int qtype) {
   int64_t bs = 0;
@@ -556,23 +344,17 @@ void parallel_ranges(int64_t n, int threads, int64_t min_per_thread, const Fn& f
 #endif
 }
 
-// y [M, N] = x [M, K] W^T, fp32, exact up to summation order; W uint8 [N, row_bytes]
+// y [M, N] = x [M, K] W^T, fp32, exact up to summation order; W F16 / BF16 [N, K] as uint8 [N, row_bytes]
 void gemv(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
           bool portable, int threads) {
+  if (qtype != F16 && qtype != BF16) throw std::invalid_argument("gemv: F16 and BF16 only");
   const float* xp = (const float*)x_;
   const uint8_t* wp = (const uint8_t*)w_;
   float* yp = (float*)y_;
-  // sums of x per 32 values: the offset term of Q4_1 / Q5_1
-  std::vector<float> xsum(M * (K / 32));
-  if (qtype == Q4_1 || qtype == Q5_1)
-    for (int64_t i = 0; i < M * (K / 32); i++) {
-      float a = 0.f;
-      for (int j = 0; j < 32; j++) a += xp[32 * i + j];
-      xsum[i] = a;
-    }
   // contiguous row ranges, one per thread: each thread reads one sequential stream
   parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
-    HEARTH_DISPATCH_HALF(qtype, gemv_rows<QT>(portable, wp, rb, K, xp, xsum.data(), M, yp, N, n0, n1));
+    if (qtype == F16) gemv_half_rows<F16>(portable, wp, rb, K, xp, M, yp, N, n0, n1);
+    else gemv_half_rows<BF16>(portable, wp, rb, K, xp, M, yp, N, n0, n1);
   });
 }
 
@@ -599,343 +381,52 @@ void dequantize_rows(uintptr_t w_, uintptr_t out_, int64_t rows, int64_t K, int6
   });
 }
 
-// ------------------------------------------------------------------ GEMM (q8 activations)
+// ------------------------------------------------------------------ int8 activations
 
-// x [M, K] fp32 -> int8 codes, per 32 values a scale d = amax / 127 (as llama.cpp's q8_0,
-// with the scale kept in fp32), and per 16 values the sum of the codes.
+// x [M, K] fp32 -> int8 codes, per block of `block` values (32: llama.cpp's q8_0; 256: its
+// q8_K) a scale d = amax / 127 kept in fp32, per 16 values the sum of the codes, and per block
+// d * (sum of its codes) (q8_1's term: multiplies a weight block's offset).
 struct QuantizedActivations {
-  std::vector<int8_t> q;   // [M, K]
-  std::vector<float> d;    // [M, K/32]
-  std::vector<int32_t> s16;  // [M, K/16]
+  int64_t block = 32;
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K/block]
+  std::vector<int16_t> s16;   // [M, K/16]
+  std::vector<float> dsum;    // [M, K/block]
 };
 
-void quantize_activations(const float* x, int64_t M, int64_t K, QuantizedActivations& a, int threads) {
+void quantize_activations(const float* x, int64_t M, int64_t K, QuantizedActivations& a, int threads,
+                          int64_t block = 32) {
+  const int64_t nb = K / block;
+  a.block = block;
   a.q.resize(M * K);
-  a.d.resize(M * K / 32);
+  a.d.resize(M * nb);
   a.s16.resize(M * K / 16);
+  a.dsum.resize(M * nb);
   parallel_ranges(M, threads, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++)
-      for (int64_t b = 0; b < K / 32; b++) {
-        const float* xb = x + m * K + 32 * b;
+      for (int64_t b = 0; b < nb; b++) {
+        const float* xb = x + m * K + block * b;
         float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = std::max(amax, std::abs(xb[i]));
-        float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        a.d[m * (K / 32) + b] = d;
-        int8_t* qb = a.q.data() + m * K + 32 * b;
-        for (int h = 0; h < 2; h++) {
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < block; i++) amax = std::max(amax, std::abs(xb[i]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        a.d[m * nb + b] = d;
+        int8_t* qb = a.q.data() + m * K + block * b;
+#pragma omp simd
+        for (int64_t i = 0; i < block; i++) qb[i] = (int8_t)std::nearbyint(xb[i] * id);
+        int32_t total = 0;
+        for (int64_t h = 0; h < block / 16; h++) {
           int32_t sum = 0;
-          for (int i = 16 * h; i < 16 * h + 16; i++) {
-            int v = (int)std::nearbyint(xb[i] * id);
-            qb[i] = (int8_t)v;
-            sum += v;
-          }
-          a.s16[m * (K / 16) + 2 * b + h] = sum;
+          for (int i = 0; i < 16; i++) sum += qb[16 * h + i];
+          a.s16[m * (K / 16) + b * (block / 16) + h] = (int16_t)sum;
+          total += sum;
         }
+        a.dsum[m * nb + b] = d * float(total);
       }
   });
 }
 
-constexpr int NR = 32;  // weight rows per tile (two 16-lane vectors)
-
-// A tile of NR weight rows in the layout the micro-kernel reads:
-//   q  [K/4][NR][4] uint8: for each group of 4 values, the 4 codes of each row side by side
-//   s, o [K/S][NR] fp32: scale and offset of each sub-block of each row
-template <int QT>
-void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows,
-               uint8_t* q, float* s, float* o) {
-  using F = Fmt<QT>;
-  constexpr int NS = F::BS / F::S;
-  const int64_t nsub = K / F::S;
-  alignas(64) uint8_t qb[F::BS];
-  float sb[NS], ob[NS];
-  for (int64_t j = 0; j < NR; j++) {
-    if (j >= rows) {  // padding rows: zero codes and scales
-      for (int64_t g = 0; g < K / 4; g++) std::memset(q + (g * NR + j) * 4, 0, 4);
-      for (int64_t t = 0; t < nsub; t++) { s[t * NR + j] = 0.f; o[t * NR + j] = 0.f; }
-      continue;
-    }
-    const uint8_t* row = w + (n0 + j) * row_bytes;
-    for (int64_t b = 0; b < K / F::BS; b++) {
-      for (int t = 0; t < NS; t++) ob[t] = 0.f;
-      unpack<QT>(row + b * F::BYTES, qb, sb, ob);
-      for (int g = 0; g < F::BS / 4; g++) std::memcpy(q + ((b * F::BS / 4 + g) * NR + j) * 4, qb + 4 * g, 4);
-      for (int t = 0; t < NS; t++) { s[(b * NS + t) * NR + j] = sb[t]; o[(b * NS + t) * NR + j] = ob[t]; }
-    }
-  }
-}
-
-#ifdef HEARTH_AVX512
-// The same tile for 32-value formats, 16 rows at a time with gathers (one dword of 16 rows).
-inline __m512i spread_bits4(__m512i x4) {  // 4 bits -> bit 4 of each of 4 bytes
-  x4 = _mm512_mullo_epi32(_mm512_and_si512(x4, _mm512_set1_epi32(0xF)), _mm512_set1_epi32(0x00204081));
-  return _mm512_slli_epi32(_mm512_and_si512(x4, _mm512_set1_epi32(0x01010101)), 4);
-}
-
-template <int QT>
-void pack_tile32(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows,
-                 uint8_t* q, float* s, float* o) {
-  using F = Fmt<QT>;
-  const uint8_t* base = w + n0 * row_bytes;
-  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
-  auto store = [&](int64_t group, int h, __m512i v) {
-    _mm512_store_si512((void*)(q + (group * NR + 16 * h) * 4), v);
-  };
-  for (int h = 0; h < 2; h++) {
-    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, rows - 16 * h));
-    const __mmask16 k = (__mmask16)((1u << valid) - 1);
-    const __m512i rowoff = _mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16 * h)),
-        _mm512_set1_epi32((int)row_bytes));
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t b = 0; b < K / 32; b++) {
-      const __m512i off = _mm512_add_epi32(rowoff, _mm512_set1_epi32((int)(b * F::BYTES)));
-      auto gather = [&](int at) {
-        return _mm512_mask_i32gather_epi32(zero, k, _mm512_add_epi32(off, _mm512_set1_epi32(at)), base, 1);
-      };
-      const __m512i dm = gather(0);  // d, and m for Q4_1 / Q5_1
-      _mm512_store_ps(s + b * NR + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      _mm512_store_ps(o + b * NR + 16 * h,
-                      F::OFF ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))) : _mm512_setzero_ps());
-      if constexpr (QT == Q8_0) {
-        for (int g = 0; g < 8; g++) store(b * 8 + g, h, _mm512_xor_si512(gather(2 + 4 * g), _mm512_set1_epi32((int)0x80808080)));
-      } else {
-        constexpr int QS = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        __m512i qh = zero;
-        if constexpr (QT == Q5_0 || QT == Q5_1) qh = gather(QT == Q5_0 ? 2 : 4);
-        for (int g = 0; g < 4; g++) {
-          __m512i v = gather(QS + 4 * g);
-          __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
-          if constexpr (QT == Q5_0 || QT == Q5_1) {
-            lo = _mm512_or_si512(lo, spread_bits4(_mm512_srli_epi32(qh, 4 * g)));
-            hi = _mm512_or_si512(hi, spread_bits4(_mm512_srli_epi32(qh, 16 + 4 * g)));
-          }
-          store(b * 8 + g, h, lo);
-          store(b * 8 + 4 + g, h, hi);
-        }
-      }
-    }
-  }
-}
-#endif
-
-// Q8_0 / Q4_0 / Q4_1 tiles by register transposition (gathers are slow on some CPUs): the 8
-// dwords of a block of 16 rows, loaded as rows, become 8 vectors of one dword from each row.
-inline void transpose_16x8(__m512i z[8]) {
-  // z[i]: row i (lanes 0-7) and row i + 8 (lanes 8-15), 8 dwords each
-  __m512i w[8];
-  for (int h = 0; h < 2; h++) {  // 4x4 transposes within 128-bit lanes, rows 4h..4h+3
-    __m512i* a = z + 4 * h;
-    __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
-    __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
-    w[4 * h + 0] = _mm512_unpacklo_epi64(t0, t2);
-    w[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
-    w[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3);
-    w[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
-  }
-  const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int c = 0; c < 4; c++) {
-    z[c] = _mm512_permutex2var_epi64(w[c], even, w[4 + c]);
-    z[4 + c] = _mm512_permutex2var_epi64(w[c], odd, w[4 + c]);
-  }
-}
-
-template <int QT>
-void pack_tile_transpose(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, uint8_t* q, float* s, float* o) {
-  using F = Fmt<QT>;
-  constexpr int QS = QT == Q8_0 ? 2 : QT == Q4_0 ? 2 : 4;
-  const uint8_t* base = w + n0 * row_bytes;
-  const __m512i iota = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)row_bytes));
-  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
-  for (int h = 0; h < 2; h++) {
-    const uint8_t* rows16 = base + 16 * h * row_bytes;
-    const __m512i rowoff = iota;
-    for (int64_t b = 0; b < K / 32; b++) {
-      const int64_t at = b * F::BYTES;
-      __m512i dm = _mm512_i32gather_epi32(_mm512_add_epi32(rowoff, _mm512_set1_epi32((int)at)), rows16, 1);
-      _mm512_store_ps(s + b * NR + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      _mm512_store_ps(o + b * NR + 16 * h,
-                      F::OFF ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))) : _mm512_setzero_ps());
-      __m512i z[8];
-      for (int i = 0; i < 8; i++) {
-        const uint8_t* r0 = rows16 + i * row_bytes + at + QS;
-        const uint8_t* r1 = rows16 + (i + 8) * row_bytes + at + QS;
-        if constexpr (QT == Q8_0) {
-          z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)r0)),
-                                    _mm256_loadu_si256((const __m256i*)r1), 1);
-          z[i] = _mm512_xor_si512(z[i], _mm512_set1_epi32((int)0x80808080));
-        } else {  // 16 bytes of nibbles -> [low nibbles | high nibbles] of each row
-          __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)r0)),
-                                              _mm_loadu_si128((const __m128i*)r1), 1);
-          __m512i t = _mm512_shuffle_i64x2(_mm512_castsi256_si512(u), _mm512_castsi256_si512(u), 0x50);  // lanes 0,0,1,1
-          z[i] = _mm512_and_si512(_mm512_srlv_epi32(t, shifts), nib);
-        }
-      }
-      transpose_16x8(z);
-      for (int g = 0; g < 8; g++) _mm512_store_si512((void*)(q + ((b * 8 + g) * NR + 16 * h) * 4), z[g]);
-    }
-  }
-}
-
-template <int QT>
-void pack(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows,
-          uint8_t* q, float* s, float* o) {
-#ifdef HEARTH_AVX512
-  if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1)
-    if (!portable && rows == NR) return pack_tile_transpose<QT>(w, row_bytes, K, n0, q, s, o);
-  if constexpr (Fmt<QT>::BS == 32)
-    if (!portable) return pack_tile32<QT>(w, row_bytes, K, n0, rows, q, s, o);
-#endif
-  pack_tile<QT>(w, row_bytes, K, n0, rows, q, s, o);
-}
-
-// Per activation row and sub-block: c0 = -Z * sum(codes) (int, starts the integer dot),
-// dx = the activation scale, cx = dx * sum(codes) (multiplies the weight offsets).
-template <int S, int Z>
-void activation_terms(const QuantizedActivations& a, int64_t M, int64_t K,
-                      std::vector<int32_t>& c0, std::vector<float>& dx, std::vector<float>& cx) {
-  const int64_t nsub = K / S;
-  c0.resize(M * nsub); dx.resize(M * nsub); cx.resize(M * nsub);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t t = 0; t < nsub; t++) {
-      int32_t sum = S == 16 ? a.s16[m * (K / 16) + t] : a.s16[m * (K / 16) + 2 * t] + a.s16[m * (K / 16) + 2 * t + 1];
-      float d = a.d[m * (K / 32) + t * S / 32];
-      c0[m * nsub + t] = -Z * sum;
-      dx[m * nsub + t] = d;
-      cx[m * nsub + t] = d * float(sum);
-    }
-}
-
-// Portable micro-kernel: MR activation rows x NR weight rows of a packed tile.
-template <int S, bool OFF>
-void ukernel_generic(int MR, const uint8_t* q, const float* s, const float* o, int64_t K,
-                     const int8_t* xq, const int32_t* c0, const float* dx, const float* cx,
-                     float* y, int64_t N, int64_t nvalid) {
-  const int64_t nsub = K / S;
-  for (int r = 0; r < MR; r++) {
-    float acc[NR] = {};
-    for (int64_t t = 0; t < nsub; t++) {
-      int32_t dot[NR];
-      for (int j = 0; j < NR; j++) dot[j] = c0[r * nsub + t];
-      for (int g = 0; g < S / 4; g++) {
-        const uint8_t* qg = q + ((t * S / 4 + g) * NR) * 4;
-        const int8_t* xg = xq + r * K + t * S + 4 * g;
-        for (int j = 0; j < NR; j++)
-          for (int i = 0; i < 4; i++) dot[j] += int32_t(qg[4 * j + i]) * int32_t(xg[i]);
-      }
-      for (int j = 0; j < NR; j++) {
-        acc[j] += float(dot[j]) * (s[t * NR + j] * dx[r * nsub + t]);
-        if (OFF) acc[j] += o[t * NR + j] * cx[r * nsub + t];
-      }
-    }
-    for (int j = 0; j < nvalid; j++) y[r * N + j] = acc[j];
-  }
-}
-
-#ifdef HEARTH_VNNI
-template <int MR, int S, bool OFF>
-inline void ukernel_vnni(const uint8_t* q, const float* s, const float* o, int64_t K,
-                         const int8_t* xq, const int32_t* c0, const float* dx, const float* cx,
-                         float* y, int64_t N, int64_t nvalid) {
-  const int64_t nsub = K / S;
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < nsub; t++) {
-    __m512i dot[MR][2];
-    for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(c0[r * nsub + t]);
-    const uint8_t* qt = q + t * S * NR;
-#pragma GCC unroll 8
-    for (int g = 0; g < S / 4; g++) {
-      __m512i w0 = _mm512_load_si512((const void*)(qt + g * NR * 4));
-      __m512i w1 = _mm512_load_si512((const void*)(qt + g * NR * 4 + 64));
-      for (int r = 0; r < MR; r++) {
-        int32_t xv;
-        std::memcpy(&xv, xq + r * K + t * S + 4 * g, 4);
-        __m512i xb = _mm512_set1_epi32(xv);
-        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
-        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
-      }
-    }
-    __m512 s0 = _mm512_load_ps(s + t * NR), s1 = _mm512_load_ps(s + t * NR + 16);
-    for (int r = 0; r < MR; r++) {
-      __m512 d = _mm512_set1_ps(dx[r * nsub + t]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(s0, d), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(s1, d), acc[r][1]);
-    }
-    if constexpr (OFF) {
-      __m512 o0 = _mm512_load_ps(o + t * NR), o1 = _mm512_load_ps(o + t * NR + 16);
-      for (int r = 0; r < MR; r++) {
-        __m512 c = _mm512_set1_ps(cx[r * nsub + t]);
-        acc[r][0] = _mm512_fmadd_ps(o0, c, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(o1, c, acc[r][1]);
-      }
-    }
-  }
-  __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
-  __mmask16 k1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (__mmask16)((1u << (nvalid - 16)) - 1);
-  for (int r = 0; r < MR; r++) {
-    _mm512_mask_storeu_ps(y + r * N, k0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * N + 16, k1, acc[r][1]);
-  }
-}
-#endif
-
-constexpr int MR_MAX = 4;
-
-template <int S, bool OFF>
-void ukernel(bool portable, int MR, const uint8_t* q, const float* s, const float* o, int64_t K,
-             const int8_t* xq, const int32_t* c0, const float* dx, const float* cx, float* y, int64_t N, int64_t nvalid) {
-#ifdef HEARTH_VNNI
-  if (!portable) {
-    switch (MR) {
-      case 4: return ukernel_vnni<4, S, OFF>(q, s, o, K, xq, c0, dx, cx, y, N, nvalid);
-      case 3: return ukernel_vnni<3, S, OFF>(q, s, o, K, xq, c0, dx, cx, y, N, nvalid);
-      case 2: return ukernel_vnni<2, S, OFF>(q, s, o, K, xq, c0, dx, cx, y, N, nvalid);
-      default: return ukernel_vnni<1, S, OFF>(q, s, o, K, xq, c0, dx, cx, y, N, nvalid);
-    }
-  }
-#endif
-  ukernel_generic<S, OFF>(MR, q, s, o, K, xq, c0, dx, cx, y, N, nvalid);
-}
-
-template <int QT>
-void gemm_q8_impl(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, const QuantizedActivations& a,
-                  int64_t M, float* y, int64_t N, int threads) {
-  using F = Fmt<QT>;
-  const int64_t nsub = K / F::S;
-  std::vector<int32_t> c0;
-  std::vector<float> dx, cx;
-  activation_terms<F::S, F::Z>(a, M, K, c0, dx, cx);
-  const int64_t tiles = (N + NR - 1) / NR;
-  parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
-    // one packed tile per thread: codes K * NR bytes, scales and offsets 2 * nsub * NR floats
-    auto q = (uint8_t*)std::aligned_alloc(64, ((K * NR + 63) / 64) * 64);
-    auto so = (float*)std::aligned_alloc(64, ((2 * nsub * NR * 4 + 63) / 64) * 64);
-    float* s = so;
-    float* o = so + nsub * NR;
-    for (int64_t tile = t0; tile < t1; tile++) {
-      const int64_t n0 = tile * NR, rows = std::min<int64_t>(NR, N - n0);
-      pack<QT>(portable, w, row_bytes, K, n0, rows, q, s, o);
-      for (int64_t m = 0; m < M; m += MR_MAX) {
-        int mr = (int)std::min<int64_t>(MR_MAX, M - m);
-        ukernel<F::S, F::OFF>(portable, mr, q, s, o, K, a.q.data() + m * K, c0.data() + m * nsub,
-                              dx.data() + m * nsub, cx.data() + m * nsub, y + m * N + n0, N, rows);
-      }
-    }
-    std::free(q);
-    std::free(so);
-  });
-}
-
-// y [M, N] = x [M, K] W^T with x quantized to int8 per 32 values (llama.cpp's numerics)
-void gemm_q8(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
-             bool portable, int threads) {
-  if (qtype == F16 || qtype == BF16) throw std::invalid_argument("gemm_q8: block-quantized weights only");
-  QuantizedActivations a;
-  quantize_activations((const float*)x_, M, K, a, threads);
-  HEARTH_DISPATCH(qtype, gemm_q8_impl<QT>(portable, (const uint8_t*)w_, rb, K, a, M, (float*)y_, N, threads));
-}
+constexpr int NR = 32;  // weight rows per packed tile (two 16-lane vectors)
 
 // ------------------------------------------------------------------ packed Q8_0 / Q4_0
 // Repacked once at load: the same bytes as the GGUF blocks, rearranged so that one 64-byte vector
@@ -1130,6 +621,318 @@ void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t scales_, uintptr_t 
   });
 }
 
+// ------------------------------------------------------------------ int8 dot products, blocks in place
+// Every block format, read where it lies:
+// the GGUF layout already keeps 32 codes of one sub-block in 16 or 32 consecutive bytes, so one
+// 256-bit load feeds one `maddubs` (unsigned codes x int8 activations) with no repacking, and a
+// thread walking its rows reads one sequential stream (what decode at batch 1 is bound by).
+// Activations are quantized per block of the weight's format: 256 values for K-quants
+// (llama.cpp's q8_K), 32 for the others (q8_0, with q8_1's d * sum term).
+//
+// A block of BS values is, per 16 values j, w = d sc_j q - f c_j / Zc: written for the dot with
+// x = dx xq as
+//   w . x = dx (d sum_j sc_j (q_j . xq_j) - f sum_j c_j sum(xq_j))
+// with integer sc_j and c_j: for a zero point Z (Q6_K, Q3_K) c_j = Z sc_j and f = d; for a
+// minimum (Q4_K, Q5_K, Q2_K: w = d sc q - dmin mn) c_j = mn_j and f = dmin. The integer sums run
+// in int32 over the whole block, then two fp32 multiply-adds per block and activation row.
+// 32-value blocks (one sub-block, sc = 1): the second term is the block's offset o times
+// dx sum(xq): o = m (Q4_1, Q5_1) or -Z d (Q4_0, Q5_0).
+
+// Activation rows handled per pass over a weight row: its codes are decoded once for all of them.
+constexpr int INT8_MR = 4;
+
+
+// Portable: the block as unpack<QT> describes it, the same sums in the same integer/fp32 split.
+template <int QT>
+void int8_dot_rows_generic(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, int mr,
+                           float* y, int64_t N) {
+  using F = Fmt<QT>;
+  constexpr int NS = F::BS / F::S;
+  const int64_t nb = K / F::BS;
+  uint8_t q[F::BS];
+  float s[NS], o[NS];
+  for (int r = 0; r < mr; r++) {
+    const int64_t m = m0 + r;
+    const int8_t* xq = a.q.data() + m * K;
+    double acc = 0.;
+    for (int64_t b = 0; b < nb; b++) {
+      for (int j = 0; j < NS; j++) o[j] = 0.f;
+      unpack<QT>(row + b * F::BYTES, q, s, o);
+      float block = 0.f;
+      for (int j = 0; j < NS; j++) {
+        int32_t dot = 0, sum = 0;
+        for (int i = 0; i < F::S; i++) {
+          const int v = xq[b * F::BS + j * F::S + i];
+          dot += (int(q[j * F::S + i]) - F::Z) * v;
+          sum += v;
+        }
+        block += s[j] * float(dot) + o[j] * float(sum);
+      }
+      acc += double(block * a.d[m * nb + b]);
+    }
+    y[r * N] = float(acc);
+  }
+}
+
+#ifdef __AVX2__
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 32 bits -> 32 bytes, byte i = 16 where bit i is set (the 5th bit of Q5_0 / Q5_1 codes)
+inline __m256i bits_to_sixteens(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// bit `from` of every byte moved to bit `to`, the other bits cleared (a 16-bit shift: what crosses
+// into the neighbouring byte is masked off)
+inline __m256i byte_bit(__m256i v, int from, int to) {
+  const __m256i moved = from < to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+  return _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << to)));
+}
+
+// nibbles of 16 bytes: [low nibbles | high nibbles], values 0..15 then 16..31 of a 32-value block
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)qs), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// One block's codes as 32-value chunks of unsigned bytes, and its terms (see the section's note):
+//   codes(c): uint8 [32], values 32c..32c+31;  scales(c): int16 [16], the scale of each int16 lane
+//   of maddubs(codes(c), x) (values 2i, 2i + 1);  c16: int16 [16], c_j per 16 values;  d, f: fp32.
+//   32-value formats: offset o instead of scales and c16.
+template <int QT> struct Block;
+
+// Q8_0's codes are signed: maddubs takes |q| and moves q's sign onto x (|q| <= 128, |x| <= 127:
+// a pair's sum stays below 2^15)
+template <> struct Block<Q8_0> {
+  static constexpr bool SIGNED = true;
+  const uint8_t* b; float d, o = 0.f;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)) {}
+  __m256i codes(int) const { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+};
+template <> struct Block<Q4_0> {
+  const uint8_t* b; float d, o;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), o(-8.f * d) {}
+  __m256i codes(int) const { return nibbles32(b + 2); }
+};
+template <> struct Block<Q4_1> {
+  const uint8_t* b; float d, o;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), o(h2f(p + 2)) {}
+  __m256i codes(int) const { return nibbles32(b + 4); }
+};
+template <> struct Block<Q5_0> {
+  const uint8_t* b; float d, o;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), o(-16.f * d) {}
+  __m256i codes(int) const { return _mm256_or_si256(nibbles32(b + 6), bits_to_sixteens(u32(b + 2))); }
+};
+template <> struct Block<Q5_1> {
+  const uint8_t* b; float d, o;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)), o(h2f(p + 2)) {}
+  __m256i codes(int) const { return _mm256_or_si256(nibbles32(b + 8), bits_to_sixteens(u32(b + 4))); }
+};
+
+// Scales per 16 values, int16, kept in memory: a chunk's scale vector is then built by broadcasts
+// from it (constants to permute registers would take the registers the accumulators need).
+struct Scales16 {
+  alignas(32) int16_t s[16];
+  void set(__m256i sc16) { _mm256_store_si256((__m256i*)s, sc16); }
+  // chunk c's two halves of 16, each scale repeated over its 8 int16 lanes of a maddubs result
+  __m256i halves(int c) const {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(s[2 * c])), _mm_set1_epi16(s[2 * c + 1]), 1);
+  }
+  __m256i whole(int c) const { return _mm256_set1_epi16(s[2 * c]); }  // one scale for all 32 values
+};
+
+// Q4_K / Q5_K: d | dmin | 12 bytes of 8 6-bit scales and mins (k_scale_min, all at once, each
+// repeated for its two halves of 16) | codes
+struct ScaleMinBlock {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
+  explicit ScaleMinBlock(const uint8_t* p) : b(p), d(h2f(p)), f(h2f(p + 2)) {
+    const uint32_t r0 = u32(p + 4), r1 = u32(p + 8), r2 = u32(p + 12);
+    const uint64_t sc = uint64_t(r0 & 0x3F3F3F3Fu) | uint64_t((r2 & 0x0F0F0F0Fu) | ((r0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = uint64_t(r1 & 0x3F3F3F3Fu) | uint64_t(((r2 >> 4) & 0x0F0F0F0Fu) | ((r1 >> 2) & 0x30303030u)) << 32;
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    this->sc.set(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)sc), pairs)));
+    c16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pairs));
+  }
+  __m256i scales(int c) const { return sc.whole(c); }  // one scale per chunk of 32
+  // 32 bytes of nibbles per two chunks at `qs`: low nibbles chunk 2i, high 2i + 1
+  static __m256i nibbles(const uint8_t* qs, int c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * (c / 2)));
+    return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+  }
+};
+template <> struct Block<Q4_K> : ScaleMinBlock {
+  using ScaleMinBlock::ScaleMinBlock;
+  __m256i codes(int c) const { return nibbles(b + 16, c); }
+};
+template <> struct Block<Q5_K> : ScaleMinBlock {
+  using ScaleMinBlock::ScaleMinBlock;
+  __m256i codes(int c) const {  // the 5th bit of value l of chunk c: bit c of qh[l]
+    return _mm256_or_si256(nibbles(b + 48, c), byte_bit(_mm256_loadu_si256((const __m256i*)(b + 16)), c, 4));
+  }
+};
+template <> struct Block<Q6_K> {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p + 208)), f(d) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+    sc.set(sc16);
+    c16 = _mm256_slli_epi16(sc16, 5);  // Z = 32
+  }
+  __m256i scales(int c) const { return sc.halves(c); }
+  __m256i codes(int c) const {  // chunk c = 4h + s: low 4 bits from ql, high 2 from qh (unpack<Q6_K>)
+    const int h = c / 4, s = c % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (s & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(s < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * s), 4), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(low, high);
+  }
+};
+template <> struct Block<Q3_K> {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p + 108)), f(d) {
+    const uint8_t* raw = p + 96;
+    for (int j = 0; j < 16; j++) {
+      const int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4), high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
+      sc.s[j] = (int16_t)((low | (high << 4)) - 32);
+    }
+    c16 = _mm256_slli_epi16(_mm256_load_si256((const __m256i*)sc.s), 2);  // Z = 4
+  }
+  __m256i scales(int c) const { return sc.halves(c); }
+  __m256i codes(int c) const {  // chunk c = 4h + s: 2 bits from qs, the 3rd from bit c of hmask[l]
+    const int h = c / 4, s = c % 4;
+    const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, byte_bit(_mm256_loadu_si256((const __m256i*)b), c, 2));
+  }
+};
+template <> struct Block<Q2_K> {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p + 80)), f(h2f(p + 82)) {
+    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    sc.set(_mm256_and_si256(raw, _mm256_set1_epi16(0x0F)));
+    c16 = _mm256_srli_epi16(raw, 4);
+  }
+  __m256i scales(int c) const { return sc.halves(c); }
+  __m256i codes(int c) const {  // chunk c = 4h + s: (qs[32h + l] >> 2s) & 3
+    const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c / 4)));
+    return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (c % 4)), _mm256_set1_epi8(3));
+  }
+};
+
+// One weight row against MR activation rows from m0: y[r * N] for r < MR.
+template <int QT, int MR>
+void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y, int64_t N) {
+  using F = Fmt<QT>;
+  constexpr int BS = F::BS;
+  const int64_t nb = K / BS;
+  const int8_t* xq = a.q.data() + m0 * K;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+  float off[MR] = {};
+  for (int64_t b = 0; b < nb; b++) {
+    const Block<QT> blk(row + b * F::BYTES);
+    const int8_t* xb = xq + b * BS;
+    if constexpr (BS == 256) {
+      __m256i dot[MR];
+      for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; c++) {
+        const __m256i codes = blk.codes(c), scales = blk.scales(c);
+        for (int r = 0; r < MR; r++) {
+          const __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales));
+          // keeps the sum in this order: left free, gcc computes all 8 x MR products first and
+          // adds them as a tree, spilling most of them to the stack
+          asm("" : "+x"(dot[r]));
+        }
+      }
+      for (int r = 0; r < MR; r++) {
+        const int64_t m = m0 + r;
+        const float dx = a.d[m * nb + b];
+        const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s16.data() + m * (K / 16) + b * 16));
+        const __m256i corr = _mm256_madd_epi16(sums, blk.c16);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(blk.d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(-blk.f * dx), acc[r]);
+      }
+    } else {
+      constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
+      const __m256i q = blk.codes(0), ones = _mm256_set1_epi16(1);
+      const __m256i codes = SIGNED ? _mm256_sign_epi8(q, q) : q;
+      for (int r = 0; r < MR; r++) {
+        const int64_t m = m0 + r;
+        __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K));
+        if constexpr (SIGNED) x = _mm256_sign_epi8(x, q);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(blk.d * a.d[m * nb + b]), acc[r]);
+        off[r] += blk.o * a.dsum[m * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < MR; r++) y[r * N] = hsum8(acc[r]) + off[r];
+}
+#endif  // __AVX2__
+
+template <int QT>
+void int8_dot_rows(bool portable, int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0,
+                   float* y, int64_t N) {
+#ifdef __AVX2__
+  if (!portable) {
+    switch (mr) {
+      case 4: return int8_dot_rows_avx2<QT, 4>(row, K, a, m0, y, N);
+      case 3: return int8_dot_rows_avx2<QT, 3>(row, K, a, m0, y, N);
+      case 2: return int8_dot_rows_avx2<QT, 2>(row, K, a, m0, y, N);
+      default: return int8_dot_rows_avx2<QT, 1>(row, K, a, m0, y, N);
+    }
+  }
+#endif
+  int8_dot_rows_generic<QT>(row, K, a, m0, mr, y, N);
+}
+
+// Weight rows per group: their blocks stay in L1 while every INT8_MR activation rows pass over them.
+constexpr int64_t INT8_ROW_GROUP = 16;
+
+template <int QT>
+void int8_matmul_impl(bool portable, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
+                      int64_t N, int threads) {
+  const int64_t row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES;
+  parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t g = n0; g < n1; g += INT8_ROW_GROUP)
+      for (int64_t m = 0; m < M; m += INT8_MR) {
+        const int mr = (int)std::min<int64_t>(INT8_MR, M - m);
+        for (int64_t n = g; n < std::min(n1, g + INT8_ROW_GROUP); n++)
+          int8_dot_rows<QT>(portable, mr, w + n * row_bytes, K, a, m, y + m * N + n, N);
+      }
+  });
+}
+
+// y [M, N] = x [M, K] W^T, W uint8 [N, K / BS * BYTES] GGUF blocks as stored; x quantized to int8
+// per block of the format (q8_K for K-quants, q8_0 for the others).
+void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
+                        bool portable, int threads) {
+  QuantizedActivations a;
+  HEARTH_DISPATCH(qtype, {
+    quantize_activations((const float*)x_, M, K, a, threads, Fmt<QT>::BS);
+    int8_matmul_impl<QT>(portable, (const uint8_t*)w_, K, a, M, (float*)y_, N, threads);
+  });
+}
+
+// The one entry for int8-activation matmuls (QuantLinear, cpu_kernels.cpp's decode_layers):
+// `scales` non-zero: Q8_0 / Q4_0 repacked into tiles (packed_matmul, VNNI builds); zero: `w` is
+// the GGUF blocks as stored (int8_matmul_blocks).
+void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
+                 bool portable, int threads) {
+  if (scales) return packed_matmul(x, w, scales, y, M, N, K, qtype, portable, threads);
+  int8_matmul_blocks(x, w, y, M, N, K, qtype, portable, threads);
+}
+
 bool has_avx512() {
 #ifdef HEARTH_AVX512
   return true;
@@ -1151,13 +954,13 @@ bool has_vnni() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("gemv", &gemv, "y = x W^T, fp32 activations (small M)", nogil);
-  m.def("gemm_q8", &gemm_q8, "y = x W^T, activations quantized to int8 per 32 (large M)", nogil);
+  m.def("gemv", &gemv, "y = x W^T, F16 / BF16 weights, fp32 activations (small M)", nogil);
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
   m.def("repack", &repack, "Q8_0 / Q4_0 blocks -> the packed layout", nogil);
   m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed, x rounded to int8 per 32", nogil);
+  m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
   // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
-  m.def("packed_matmul_address", [] { return reinterpret_cast<uintptr_t>(&packed_matmul); });
+  m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
   m.def("block_values", &block_values);
   m.def("has_avx512", &has_avx512);
   m.def("has_vnni", &has_vnni);
