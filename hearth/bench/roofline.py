@@ -97,17 +97,25 @@ def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = tor
     x = torch.ones(bandwidth_bytes // 4, dtype=torch.float32, device=device)
     bandwidth = x.numel() * 4 / _best_time(x.sum, device, 4 * repeats)  # cheap: more tries at a quiet moment
     del x
-    flops: dict[str, float] = {}
-    a = torch.randn(matmul_n, matmul_n, device=device)
-    b = torch.randn(matmul_n, matmul_n, device=device)
-    for kind in dict.fromkeys((dtype, torch.bfloat16)):
-        x, y = a.to(kind), b.to(kind)
-        flops[str(kind).removeprefix("torch.")] = 2 * matmul_n**3 / _best_time(lambda: x @ y, device, max(2, repeats // 2))
-    try:
-        x, y = a.to(torch.int8), b.to(torch.int8)
-        flops["int8"] = 2 * matmul_n**3 / _best_time(lambda: torch._int_mm(x, y), device, max(2, repeats // 2))
-    except (RuntimeError, AttributeError):  # no int8 matmul on this device or build
-        pass
+    kinds = [str(kind).removeprefix("torch.") for kind in dict.fromkeys((dtype, torch.bfloat16, torch.int8))]
+
+    def rate(kind: str, n: int, tries: int) -> float:
+        a, b = (torch.randn(n, n, device=device).to(getattr(torch, kind)) for _ in range(2))
+        matmul = torch._int_mm if kind == "int8" else torch.matmul
+        try:
+            return 2 * n**3 / _best_time(lambda: matmul(a, b), device, tries)
+        except (RuntimeError, AttributeError):  # no int8 matmul on this device or build
+            return 0.0
+
+    # n doubles from 256 to matmul_n while one product takes under half a second: a kind this
+    # machine runs slowly (bf16 without AVX-512 BF16) is measured small instead of for minutes
+    flops = {}
+    for kind in kinds:
+        n = 256
+        while (measured := rate(kind, n, max(2, repeats // 2))) and n < matmul_n and 2 * n**3 / measured < 0.5:
+            n *= 2
+        if measured:
+            flops[kind] = measured
     best = max(flops, key=flops.get)
     return Machine(str(device), torch.get_num_threads(), best, bandwidth, flops[best], flops)
 
