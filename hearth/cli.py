@@ -45,6 +45,7 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -83,9 +84,20 @@ def engine_options(args) -> dict:
     )
 
 
+def apply_threads(args) -> None:
+    """--threads: the CPU threads torch runs on (left at torch's default, one per core, without it)."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise HearthError(f"--threads must be at least 1 (got {args.threads})")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def _llm(args):
     from hearth.llm import LLM
 
+    apply_threads(args)
     return LLM(args.model, **engine_options(args))
 
 
@@ -289,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
+    g = p.add_argument_group("replicas (docs/distributed.md)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="N > 1: N engine replicas behind one endpoint, routed by prompt prefix")
+    g.add_argument("--ray", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the replicas as Ray actors on a Ray cluster (restarted by Ray if they die)")
+    g.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "random"],
+                   help="how the router picks a replica")
     _add_engine(p)
     p.set_defaults(func=run_server)
 
@@ -340,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # replicas (hearth serve --data-parallel-size) are started with the same arguments
     try:
         args.func(args)
     except (HearthError, ValueError) as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hearth.cli import _add_engine, _add_model, engine_options
+from hearth.cli import _add_engine, _add_model, apply_threads, engine_options
 
 
 def _int_list(text: str) -> list[int]:
@@ -28,19 +28,12 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
-def _set_threads(args) -> None:
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
 def _llm(args, tokens_needed: int | None, num_seqs: int):
     """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.llm import LLM
 
-    _set_threads(args)
+    apply_threads(args)
     kv = args.kv_cache_memory
     if kv is None and tokens_needed is not None:
         from hearth.loading.loader import read_model
@@ -117,7 +110,7 @@ def cmd_make_model(args) -> None:
 def cmd_roofline(args) -> None:
     from hearth.bench.roofline import run_roofline
 
-    _set_threads(args)
+    apply_threads(args)
     engine = {
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
@@ -184,7 +177,6 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed runs (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_latency)
@@ -197,7 +189,6 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--dataset", default=None,
                    help="prompts: a text file (one per line) or JSON lines with \"prompt\" (and \"output_len\")")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_throughput)
@@ -243,7 +234,6 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--measure-tokens", type=int, default=8, help="decode steps timed per batch size (with --measure)")
     p.add_argument("--runs", type=int, default=1, help="timed runs per batch size (with --measure)")
     p.add_argument("--plot", default=None, metavar="OUT.png")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true")
     _add_engine(p)
     p.set_defaults(func=cmd_roofline)

@@ -1,8 +1,11 @@
 """`hearth serve`: load the model, start the engine thread, run the HTTP API under uvicorn.
 
+With --data-parallel-size N (or --ray) the command runs a router instead (hearth/distributed):
+N replicas, each this same command on a free local port, behind one endpoint.
+
 SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets the open requests finish
 for up to --shutdown-timeout seconds, then cancels them (which aborts them in the engine);
-the engine thread is stopped and the command exits with status 0.
+the engine thread (or the replicas) is stopped and the command exits with status 0.
 
 Only the standard library is imported at module level: the CLI imports this to build its parser.
 """
@@ -14,8 +17,15 @@ import sys
 
 
 def run_server(args) -> None:
-    import uvicorn
+    from hearth.errors import HearthError
 
+    if args.data_parallel_size < 1:
+        raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
+    if args.data_parallel_size > 1 or args.ray:
+        from hearth.distributed.launch import run_router
+
+        run_router(args)
+        return
     from hearth.cli import _llm
     from hearth.engine.async_engine import AsyncEngine
     from hearth.server.app import build_app
@@ -28,6 +38,12 @@ def run_server(args) -> None:
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB); context {engine.max_model_len:,} tokens")
     sys.stdout.flush()
+    run_uvicorn(app, args, on_stop=async_engine.shutdown)
+
+
+def run_uvicorn(app, args, on_stop) -> None:
+    """Serve `app` until SIGTERM / Ctrl-C, printing the 'listening' line once bound; then on_stop()."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -41,12 +57,12 @@ def run_server(args) -> None:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped: the
-    # engine shutdown below is the rest of that handling, so the re-raised signal does nothing.
+    # shutdown below is the rest of that handling, so the re-raised signal does nothing.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         Server(config).run()
     finally:
-        async_engine.shutdown()
+        on_stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print("stopped", flush=True)

@@ -1,0 +1,49 @@
+"""`hearth serve --data-parallel-size N` / `--ray`: start the replicas, then serve the router in front.
+
+Each replica is `hearth serve` with the user's own arguments, followed by the ones that make it a
+replica (the last occurrence of an option wins): a free port on its machine, a private API key the
+router sends, no router of its own, and its share of the CPU threads unless --threads was given.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hearth.errors import HearthError
+
+
+def replica_argv(args, host: str, threads: int | None) -> list[str]:
+    argv = list(args.argv[1:])  # the user's `serve` arguments, without the subcommand
+    argv += ["--host", host, "--port", "0", "--api-key", args.replica_api_key, "--data-parallel-size", "1",
+             "--no-ray", "--no-access-log"]
+    if args.threads is None and threads is not None:
+        argv += ["--threads", str(threads)]
+    return argv
+
+
+def run_router(args) -> None:
+    import uvicorn  # noqa: F401 - fail before starting replicas if the server extra is missing
+
+    from hearth.distributed.router import Router, build_router_app, new_replica_key
+    from hearth.server.serve import run_uvicorn
+
+    args.replica_api_key = new_replica_key()
+    if args.ray:
+        from hearth.distributed.ray_replicas import RayReplicas
+
+        replicas = RayReplicas(args, max(1, args.data_parallel_size))
+    else:
+        from hearth.distributed.replicas import LocalReplicas
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // args.data_parallel_size)
+        replicas = LocalReplicas([replica_argv(args, "127.0.0.1", threads) for _ in range(args.data_parallel_size)])
+    try:
+        urls = replicas.start()
+    except RuntimeError as e:
+        raise HearthError(str(e)) from None
+    for i, url in enumerate(urls):
+        print(f"replica {i}  {url}", flush=True)
+    router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key)
+    app = build_router_app(router, api_key=args.api_key)
+    run_uvicorn(app, args, on_stop=replicas.stop)

@@ -1,0 +1,270 @@
+"""One OpenAI endpoint in front of several engine replicas (`hearth serve --data-parallel-size N`, `--ray`).
+
+Every request is forwarded unchanged to one replica, chosen by routing.PrefixRouter from its
+prompt (completions) or messages (chat). A request is retried on another replica while nothing
+of its answer has reached the client: when the replica cannot be reached, drops the connection,
+or answers 503 (its queue is full). A non-streaming answer is read whole before it is passed on,
+so it is always retryable; a stream that breaks after its first bytes ends with an error event.
+A health loop polls each replica and starts dead ones again (or, under Ray, waits for Ray to).
+
+/health is 200 while any replica is healthy; /metrics has the router's own counters and every
+replica's metrics with a `replica` label; /replicas lists the replicas and their state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Metric, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hearth.distributed.routing import PrefixRouter
+from hearth.server.app import BearerAuth
+from hearth.server.errors import error_body, error_response, install_error_handlers
+
+logger = logging.getLogger("hearth")
+GENERATION_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+HEALTH_INTERVAL = 0.5  # seconds between polls of each replica's /health
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization"}
+
+
+def prompt_key(path: str, body: bytes) -> str:
+    """The text whose prefix decides the replica: the prompt, or the messages in order ('' if neither)."""
+    field = GENERATION_PATHS.get(path)
+    if field is None:
+        return ""
+    try:
+        value = json.loads(body).get(field)
+    except (ValueError, AttributeError):
+        return ""  # the replica will answer the malformed body with its 400
+    if isinstance(value, str):
+        return value
+    return "" if value is None else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class _ReplicaCollector:
+    """Each replica's last scraped metrics, relabelled with its index (filled before each scrape)."""
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+
+    def collect(self):
+        return self.families
+
+
+class Router:
+    def __init__(self, replicas, policy: str = "prefix", api_key: str | None = None,
+                 replica_api_key: str | None = None, chunk_chars: int = 256) -> None:
+        self.replicas = replicas
+        self.routing = PrefixRouter(len(replicas), policy, chunk_chars=chunk_chars)
+        self.replica_headers = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=64))
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("hearth:router_requests", "Requests sent to each replica.", ["replica"], registry=r)
+        self.retries = Counter("hearth:router_retries", "Requests sent again to another replica.", registry=r)
+        self.prefix_chars = Counter("hearth:router_prefix_queries", "Prompt characters routed, in whole chunks.",
+                                    registry=r)
+        self.prefix_matched = Counter("hearth:router_prefix_hits",
+                                      "Routed prompt characters the chosen replica was sent before.", registry=r)
+        self.in_flight = Gauge("hearth:router_in_flight", "Requests open on each replica.", ["replica"], registry=r)
+        self.healthy = Gauge("hearth:router_replica_healthy", "1 while a replica answers /health.", ["replica"],
+                             registry=r)
+        self.replica_metrics = _ReplicaCollector()
+        r.register(self.replica_metrics)
+        self._recovering: set[int] = set()
+        self._health_task: asyncio.Task | None = None
+
+    # ---- replica state -------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Poll every replica once; a dead one is marked unhealthy and brought back in the background."""
+        async def check(index: int) -> None:
+            url = self.replicas.url(index)
+            ok = False
+            if url is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    ok = (await self.client.get(f"{url}/health", timeout=2.0)).status_code == 200
+            self.routing.replicas[index].healthy = ok
+            self.healthy.labels(str(index)).set(ok)
+            if not ok and index not in self._recovering:
+                self._recovering.add(index)
+                asyncio.get_running_loop().create_task(self._recover(index))
+
+        await asyncio.gather(*(check(i) for i in range(len(self.replicas))))
+
+    async def _recover(self, index: int) -> None:
+        try:
+            await self.replicas.recover(index)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start again stays unhealthy
+            logger.error("replica %d could not be started again: %s", index, e)
+            await asyncio.sleep(5.0)
+        finally:
+            self._recovering.discard(index)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(HEALTH_INTERVAL)
+
+    def _mark_failed(self, index: int) -> None:
+        self.routing.replicas[index].healthy = False
+        self.healthy.labels(str(index)).set(0)
+
+    # ---- forwarding ----------------------------------------------------------------------
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        path = request.url.path
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers.update(self.replica_headers)
+        key = prompt_key(path, body)
+        tried: set[int] = set()
+        busy: Response | None = None
+        while True:
+            try:
+                route = self.routing.choose(key, exclude=frozenset(tried))
+            except LookupError:
+                return busy or error_response(503, "no replica is available")
+            index = route.replica
+            tried.add(index)
+            self.prefix_chars.inc(route.total_chunks * self.routing.chunk_chars)
+            self.prefix_matched.inc(route.matched_chunks * self.routing.chunk_chars)
+            url = self.replicas.url(index)
+            if url is None:
+                self._mark_failed(index)
+                continue
+            if len(tried) > 1:
+                self.retries.inc()
+            self.requests.labels(str(index)).inc()
+            load = self.routing.replicas[index]
+            load.in_flight += 1
+            self.in_flight.labels(str(index)).inc()
+            upstream_request = self.client.build_request(
+                request.method, f"{url}{path}", params=request.query_params, headers=headers, content=body)
+            upstream, handed_over = None, False
+            try:
+                upstream = await self.client.send(upstream_request, stream=True)
+                if upstream.status_code == 503:  # this replica's queue is full: another may have room
+                    busy = Response(await upstream.aread(), status_code=503,
+                                    media_type=upstream.headers.get("content-type"))
+                    raise _Busy
+                if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    content = await upstream.aread()  # whole, so a failure here is still retryable
+                    return Response(content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type"))
+                handed_over = True  # _relay closes and releases it
+                return StreamingResponse(self._relay(upstream, index), status_code=200, media_type="text/event-stream")
+            except _Busy:
+                pass
+            except httpx.TransportError as e:
+                logger.warning("replica %d failed before answering (%s); trying another", index, e)
+                self._mark_failed(index)
+            finally:
+                if not handed_over:
+                    if upstream is not None:
+                        await upstream.aclose()
+                    self._release(index)
+
+    async def _relay(self, upstream: httpx.Response, index: int):
+        """The replica's event stream as it comes; a break ends it with an error event."""
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:
+            logger.warning("replica %d failed while streaming (%s)", index, e)
+            self._mark_failed(index)
+            yield f"data: {json.dumps(error_body(500, 'the replica serving this request failed'))}\n\n".encode()
+        finally:
+            await upstream.aclose()
+            self._release(index)
+
+    def _release(self, index: int) -> None:
+        self.routing.replicas[index].in_flight -= 1
+        self.in_flight.labels(str(index)).dec()
+
+    async def scrape_replicas(self) -> None:
+        async def scrape(index: int) -> list[Metric]:
+            url = self.replicas.url(index)
+            if url is None or not self.routing.replicas[index].healthy:
+                return []
+            try:
+                text = (await self.client.get(f"{url}/metrics", timeout=5.0)).text
+            except httpx.HTTPError:
+                return []
+            families = []
+            for family in text_string_to_metric_families(text):
+                metric = Metric(family.name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    metric.add_sample(sample.name, {**sample.labels, "replica": str(index)}, sample.value)
+                families.append(metric)
+            return families
+
+        results = await asyncio.gather(*(scrape(i) for i in range(len(self.replicas))))
+        merged: dict[str, Metric] = {}
+        for families in results:
+            for family in families:
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        self.replica_metrics.families = list(merged.values())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.client.aclose()
+
+
+class _Busy(Exception):
+    """A replica answered 503: try the next one, answer 503 if none has room."""
+
+
+def build_router_app(router: Router, api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.check_health()
+        router._health_task = asyncio.get_running_loop().create_task(router._health_loop())
+        yield
+        await router.close()
+
+    app = FastAPI(title="hearth router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if any(r.healthy for r in router.routing.replicas) else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        await router.scrape_replicas()
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/replicas")
+    async def replicas():
+        return {"replicas": [
+            {"index": i, "url": router.replicas.url(i), "pid": router.replicas.pid(i), "healthy": load.healthy,
+             "in_flight": load.in_flight}
+            for i, load in enumerate(router.routing.replicas)
+        ], "policy": router.routing.policy}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(request: Request):
+        return await router.forward(request)
+
+    return app
+
+
+def new_replica_key() -> str:
+    return secrets.token_urlsafe(24)

@@ -1,0 +1,228 @@
+"""Replicas behind one endpoint (hearth/distributed): outputs, prefix routing, a replica that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from hearth import LLM, SamplingParams
+from hearth.config import EngineConfig
+from hearth.distributed.router import Router, build_router_app, prompt_key
+from hearth.distributed.routing import PrefixRouter, prefix_hashes
+from hearth.engine.async_engine import AsyncEngine
+from hearth.engine.engine import LLMEngine
+from hearth.server.app import build_app
+from models import make_hf_model
+from test_server import serving
+
+REPO = Path(__file__).resolve().parents[1]
+BUILTIN = REPO / "hearth" / "assets" / "default.gguf"
+NAME = "tiny"
+PROMPTS = [f"Once upon a time there were {i} foxes" + " and a hen" * (i % 5) for i in range(16)]
+
+
+class FixedReplicas:
+    """Replicas the test started itself (in-process servers): the router only needs their URLs."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def url(self, index: int) -> str:
+        return self.urls[index]
+
+    async def recover(self, index: int) -> str:
+        return self.urls[index]
+
+    def pid(self, index: int) -> int:
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("dp-model") / "llama", "llama")
+
+
+@contextlib.contextmanager
+def replica_servers(folder: Path, count: int, **config):
+    """`count` engines of the model, each behind its own in-process server."""
+    engines = [AsyncEngine(LLMEngine(folder, EngineConfig(**config), progress=False)) for _ in range(count)]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(serving(build_app(e, NAME))) for e in engines]
+        try:
+            yield urls, engines
+        finally:
+            for engine in engines:
+                engine.shutdown()
+
+
+def test_prefix_hashes_name_whole_chunks_by_everything_before_them():
+    a = prefix_hashes("x" * 10 + "y" * 10 + "z" * 3, 10)
+    b = prefix_hashes("w" * 10 + "y" * 10, 10)
+    assert len(a) == 2 and len(b) == 2
+    assert a[1] != b[1]  # the same second chunk after another first chunk is another prefix
+    assert prefix_hashes("x" * 10 + "y" * 10, 10) == a
+
+
+def test_router_policy_prefers_the_holder_unless_it_is_much_busier():
+    router = PrefixRouter(3, chunk_chars=8, balance_slack=2)
+    shared = "s" * 64
+    first = router.choose(shared + "one")
+    assert first.matched_chunks == 0 and first.total_chunks == 8
+    router.replicas[first.replica].in_flight = 2
+    again = router.choose(shared + "two")
+    assert again.replica == first.replica and again.matched_chunks == 8
+    router.replicas[first.replica].in_flight = 3  # beyond the slack over idle replicas: balance instead
+    assert router.choose(shared + "three").replica != first.replica
+    router.replicas[first.replica].in_flight = 0
+    router.replicas[first.replica].healthy = False
+    assert router.choose(shared).replica != first.replica
+    for load in router.replicas:
+        load.healthy = False
+    with pytest.raises(LookupError):
+        router.choose(shared)
+    with pytest.raises(ValueError, match="routing policy"):
+        PrefixRouter(2, policy="fastest")
+
+
+def test_prompt_key_reads_the_prompt_or_the_messages():
+    assert prompt_key("/v1/completions", b'{"prompt": "abc", "max_tokens": 3}') == "abc"
+    messages = prompt_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert messages.startswith('[{"role":"user"')
+    assert prompt_key("/v1/completions", b"not json") == ""
+    assert prompt_key("/v1/models", b"") == ""
+
+
+def test_two_replicas_give_one_engines_greedy_outputs(folder):
+    expected = [o.outputs[0].text for o in LLM(folder, progress=False).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    with replica_servers(folder, 2) as (urls, engines):
+        router = Router(FixedReplicas(urls), policy="least_loaded")
+        with serving(build_router_app(router)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+            async def one(prompt: str, stream: bool) -> str:
+                kwargs = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+                if not stream:
+                    return (await client.completions.create(**kwargs)).choices[0].text
+                chunks = await client.completions.create(**kwargs, stream=True)
+                return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+            async def everything():
+                return await asyncio.gather(*(one(p, i % 2 == 1) for i, p in enumerate(PROMPTS)))
+
+            assert asyncio.run(everything()) == expected
+            sent = metric_samples(url, "hearth:router_requests_total")
+            assert sorted(sent) == ["0", "1"] and all(v > 0 for v in sent.values())  # both replicas served
+            assert all(e.engine.block_manager.check_all_free() for e in engines)
+
+
+def run_shared_prefix_traffic(folder: Path, policy: str) -> float:
+    """16 long prefixes sent round after round to two replicas whose KV caches hold 8 of them each:
+    the prefix-cache hit rate (in tokens) over both replicas. Routed by prefix, each replica keeps
+    its half cached; routed at random, a replica sent more than 8 evicts prefixes before they come
+    back, and a prefix comes back to the replica holding it only half of the time."""
+    prefixes = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(12)) for i in range(16)]
+    probe = LLMEngine(folder, EngineConfig(), progress=False)
+    block = probe.config.block_size
+    blocks = max(-(-(len(probe.tokenizer.encode(p + " q0")) + 1) // block) for p in prefixes)
+    kv_bytes = 8 * blocks * block * probe.model_config.kv_bytes_per_token(4)
+    with replica_servers(folder, 2, kv_cache_memory=kv_bytes) as (urls, engines):
+        router = Router(FixedReplicas(urls), policy=policy, chunk_chars=32)
+        router.routing._random.seed(0)
+        with serving(build_router_app(router)) as url, httpx.Client(base_url=url, timeout=60) as http:
+            for round_ in range(3):
+                for prefix in prefixes:
+                    r = http.post("/v1/completions", json={"prompt": f"{prefix} q{round_}", "max_tokens": 1})
+                    assert r.status_code == 200, r.text
+        stats = [e.stats() for e in engines]
+        return sum(s.prefix_cache_hits for s in stats) / sum(s.prefix_cache_queries for s in stats)
+
+
+def test_prefix_routing_hits_the_cache_at_least_twice_as_often_as_random(folder):
+    prefix_rate = run_shared_prefix_traffic(folder, "prefix")
+    random_rate = run_shared_prefix_traffic(folder, "random")
+    assert prefix_rate >= 2 * random_rate and prefix_rate > 0.4, (prefix_rate, random_rate)
+
+
+def metric_samples(url: str, name: str) -> dict[str, float]:
+    """The values of one metric by replica label, from the router's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels.get("replica", ""): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+@pytest.mark.skipif(not BUILTIN.exists(), reason="the built-in model is part of the repository")
+def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run():
+    """The real command on the built-in GGUF: outputs equal one engine's; a replica killed while
+    requests run: those not yet streaming complete on the other; the endpoint stays healthy; the
+    survivor's KV cache is empty afterwards; the dead replica is started again."""
+    prompts = [f"def function_{i}(x):" for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].text for o in LLM("builtin", progress=False).generate(prompts, params)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hearth.cli", "serve", "builtin", "--port", "0", "--data-parallel-size", "2",
+         "--no-access-log", "--kv-cache-memory", "8MiB", "--log-level", "warning",
+         "--threads", str(torch.get_num_threads())],  # the threads LLM runs on here: the same sums
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.startswith("listening"):
+                url = line.split()[1].removesuffix("/v1")
+                break
+        assert url, "the router did not start"
+        with httpx.Client(base_url=url, timeout=120) as http:
+            pids = [r["pid"] for r in http.get("/replicas").json()["replicas"]]
+
+            async def run_all() -> list[str]:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                    async def one(prompt: str) -> str:
+                        r = await client.post("/v1/completions", json={
+                            "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+                        assert r.status_code == 200, r.text
+                        return r.json()["choices"][0]["text"]
+
+                    tasks = [asyncio.create_task(one(p)) for p in prompts]
+                    await asyncio.sleep(0.5)  # the requests are spread over both replicas and running
+                    os.kill(pids[0], signal.SIGKILL)
+                    return await asyncio.gather(*tasks)
+
+            assert asyncio.run(run_all()) == expected
+            assert http.get("/health").status_code == 200
+            assert metric_samples(url, "hearth:router_retries_total")[""] >= 1
+            assert metric_samples(url, "hearth:kv_cache_usage_perc")["1"] == 0.0
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # the router starts replica 0 again
+                replicas = http.get("/replicas").json()["replicas"]
+                if replicas[0]["healthy"] and replicas[0]["pid"] != pids[0]:
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail(f"replica 0 was not started again: {replicas}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for pid in [pids[1], replicas[0]["pid"]]:  # no replica outlives the router
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
