@@ -167,19 +167,14 @@ def metric_samples(url: str, name: str) -> dict[str, float]:
             for s in family.samples if s.name == name}
 
 
-@pytest.mark.skipif(not BUILTIN.exists(), reason="the built-in model is part of the repository")
-def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run():
-    """The real command on the built-in GGUF: outputs equal one engine's; a replica killed while
-    requests run: those not yet streaming complete on the other; the endpoint stays healthy; the
-    survivor's KV cache is empty afterwards; the dead replica is started again."""
-    prompts = [f"def function_{i}(x):" for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].text for o in LLM("builtin", progress=False).generate(prompts, params)]
+@contextlib.contextmanager
+def hearth_serve(*options: str):
+    """`hearth serve builtin OPTIONS` as a child process; yields the router's URL, then SIGTERMs it
+    and checks that it exits cleanly."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hearth.cli", "serve", "builtin", "--port", "0", "--data-parallel-size", "2",
-         "--no-access-log", "--kv-cache-memory", "8MiB", "--log-level", "warning",
-         "--threads", str(torch.get_num_threads())],  # the threads LLM runs on here: the same sums
+        [sys.executable, "-m", "hearth.cli", "serve", "builtin", "--port", "0", "--no-access-log",
+         "--kv-cache-memory", "8MiB", "--log-level", "warning", *options],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -189,40 +184,87 @@ def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run():
                 url = line.split()[1].removesuffix("/v1")
                 break
         assert url, "the router did not start"
-        with httpx.Client(base_url=url, timeout=120) as http:
-            pids = [r["pid"] for r in http.get("/replicas").json()["replicas"]]
-
-            async def run_all() -> list[str]:
-                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-                    async def one(prompt: str) -> str:
-                        r = await client.post("/v1/completions", json={
-                            "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-                        assert r.status_code == 200, r.text
-                        return r.json()["choices"][0]["text"]
-
-                    tasks = [asyncio.create_task(one(p)) for p in prompts]
-                    await asyncio.sleep(0.5)  # the requests are spread over both replicas and running
-                    os.kill(pids[0], signal.SIGKILL)
-                    return await asyncio.gather(*tasks)
-
-            assert asyncio.run(run_all()) == expected
-            assert http.get("/health").status_code == 200
-            assert metric_samples(url, "hearth:router_retries_total")[""] >= 1
-            assert metric_samples(url, "hearth:kv_cache_usage_perc")["1"] == 0.0
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # the router starts replica 0 again
-                replicas = http.get("/replicas").json()["replicas"]
-                if replicas[0]["healthy"] and replicas[0]["pid"] != pids[0]:
-                    break
-                time.sleep(0.5)
-            else:
-                pytest.fail(f"replica 0 was not started again: {replicas}")
+        yield url
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        for pid in [pids[1], replicas[0]["pid"]]:  # no replica outlives the router
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def run_while_killing(url: str, prompts: list[str], pid: int) -> list[str]:
+    """Greedy completions of `prompts`, sent at once; process `pid` is killed while they run."""
+    async def run_all() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def one(prompt: str) -> str:
+                r = await client.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            await asyncio.sleep(0.5)  # the requests are spread over both replicas and running
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run_all())
+
+
+def wait_restarted(http: httpx.Client, index: int, old_pid: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replica = http.get("/replicas").json()["replicas"][index]
+        if replica["healthy"] and replica["pid"] != old_pid:
+            return replica
+        time.sleep(0.5)
+    pytest.fail(f"replica {index} was not started again: {replica}")
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+PROMPTS_GGUF = [f"def function_{i}(x):" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def builtin_greedy() -> list[str]:
+    """One engine's greedy outputs on the built-in GGUF, at the thread count the replicas get below."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [o.outputs[0].text for o in LLM("builtin", progress=False).generate(PROMPTS_GGUF, params)]
+
+
+def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run(builtin_greedy):
+    """The real command on the built-in GGUF: outputs equal one engine's; a replica killed while
+    requests run: those not yet streaming complete on the other; the endpoint stays healthy; the
+    survivor's KV cache is empty afterwards; the dead replica is started again."""
+    # the threads LLM runs on here, so that the replicas' sums are the same
+    with hearth_serve("--data-parallel-size", "2", "--threads", str(torch.get_num_threads())) as url, \
+            httpx.Client(base_url=url, timeout=120) as http:
+        pids = [r["pid"] for r in http.get("/replicas").json()["replicas"]]
+        assert run_while_killing(url, PROMPTS_GGUF, pids[0]) == builtin_greedy
+        assert http.get("/health").status_code == 200
+        assert metric_samples(url, "hearth:router_retries_total")[""] >= 1
+        assert metric_samples(url, "hearth:kv_cache_usage_perc")["1"] == 0.0
+        restarted = wait_restarted(http, 0, pids[0])
+    assert_gone([pids[1], restarted["pid"]])  # no replica outlives the router
+
+
+def test_hearth_serve_ray_restarts_a_killed_actor(builtin_greedy):
+    """--ray on a local Ray instance: the same outputs; the actor process of a replica killed
+    mid-run: Ray restarts it, its replica process goes with it, the requests complete elsewhere."""
+    with hearth_serve("--ray", "--data-parallel-size", "2", "--threads", str(torch.get_num_threads())) as url, \
+            httpx.Client(base_url=url, timeout=120) as http:
+        pids = [r["pid"] for r in http.get("/replicas").json()["replicas"]]
+        actor_pid = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        assert run_while_killing(url, PROMPTS_GGUF, actor_pid) == builtin_greedy
+        assert http.get("/health").status_code == 200
+        restarted = wait_restarted(http, 0, pids[0])
+        assert_gone([pids[0]])  # the dead actor's replica went with it
+        r = http.post("/v1/completions", json={"prompt": PROMPTS_GGUF[0], "max_tokens": 24, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.json()["choices"][0]["text"] == builtin_greedy[0]
+    assert_gone([pids[1], restarted["pid"]])
