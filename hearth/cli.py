@@ -46,6 +46,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -81,6 +83,7 @@ def engine_options(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

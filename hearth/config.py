@@ -184,6 +184,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -198,3 +199,4 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")

@@ -44,6 +44,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -59,6 +60,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(model, config, progress)
 

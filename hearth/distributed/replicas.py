@@ -23,8 +23,9 @@ LISTENING = re.compile(r"^listening\s+(http://\S+?)/v1\b")
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel sends SIGTERM when the parent goes, however it goes."""
+def die_with_parent() -> None:
+    """In a child process: the kernel sends SIGTERM when the parent goes, however it goes (the
+    parent being the thread that started the child)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -47,7 +48,7 @@ class ReplicaProcess:
         self._tail: deque[str] = deque(maxlen=20)
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            errors="replace", preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            errors="replace", preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         threading.Thread(target=self._relay, args=(self.process, self._ready), daemon=True,
                          name=f"{self.name}-output").start()

@@ -25,6 +25,7 @@ from hearth.engine.scheduler import Scheduler
 from hearth.engine.structured_output import GrammarCompiler, advance
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.errors import RequestError
+from hearth.default_model import resolve_model
 from hearth.loading.loader import load_model
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from hearth.sampling_params import SamplingParams
@@ -85,8 +86,23 @@ class LLMEngine:
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
-        loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len, progress=progress,
-                            backend=backend)
+        self.workers, shard = None, None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices in processes of their own
+            from hearth.distributed.tensor_parallel import TensorShard, start_workers
+
+            if self.device.type != "cpu":
+                raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
+            model = resolve_model(model)
+            self.workers = start_workers(model, config.tensor_parallel_size, self.dtype, config.max_model_len,
+                                         backend.name)
+            shard = TensorShard(0, config.tensor_parallel_size)
+        try:
+            loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len,
+                                progress=progress, backend=backend, shard=shard)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.kill()
+            raise
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         context = self.model_config.exact_context
@@ -128,6 +144,11 @@ class LLMEngine:
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     @property
     def kv_cache_tokens(self) -> int:

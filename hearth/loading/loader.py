@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from hearth.distributed.tensor_parallel import TensorShard
 
 
 @dataclass
@@ -49,15 +53,21 @@ def load_model(
     max_positions: int | None = None,
     progress: bool = True,
     backend: Backend | None = None,
+    shard: TensorShard | None = None,
 ) -> LoadedModel:
-    """backend: the kernels the model runs (None: choose_backend's choice for device and dtype)."""
+    """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
+    shard: this process's slice of a tensor-parallel model (its config is the slice's)."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
     config, weights, tokenizer = read_model(path, progress)
+    if shard is not None:
+        config, weights = shard.config(config), shard.weights(weights, config)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
         model = Transformer(config, max_positions, backend)
     model.load_weights(weights, dtype)
+    if shard is not None:
+        shard.wrap(model)
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).

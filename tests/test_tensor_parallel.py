@@ -1,0 +1,84 @@
+"""Tensor parallelism (hearth/distributed/tensor_parallel.py): two ranks give one process's outputs."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hearth import LLM, SamplingParams
+from hearth.distributed.tensor_parallel import TensorShard, _columns
+from hearth.errors import ModelLoadError
+from hearth.loading.convert import convert_hf_to_gguf
+from hearth.quant import QuantTensor
+from models import make_hf_model
+
+PROMPTS = [f"Once upon a time there were {i} foxes" + " and a hen" * (i % 4) for i in range(16)]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def greedy_tokens(model, **options) -> list[list[int]]:
+    llm = LLM(model, progress=False, **options)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases split with their rows
+    ("qwen3", {}),  # q/k norms on every rank's heads
+    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds the one
+])
+def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
+    folder = make_hf_model(tmp_path / arch, arch, **overrides)
+    assert greedy_tokens(folder, tensor_parallel_size=2) == greedy_tokens(folder)
+
+
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1"])
+def test_quantized_gguf_splits_on_block_boundaries(tmp_path, out_type):
+    """GGUF blocks split between ranks (down_proj's 128 columns: 64 a rank, two q8_0 blocks),
+    with chunked prefill and preemption in the mix (a KV cache smaller than the batch needs)."""
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
+    path = convert_hf_to_gguf(folder, tmp_path / f"model-{out_type}.gguf", out_type, progress=False)
+    options = dict(kv_cache_memory=256 * 1024, max_num_batched_tokens=64)
+    assert greedy_tokens(path, tensor_parallel_size=2, **options) == greedy_tokens(path, **options)
+
+
+def test_column_slices_of_blocks_dequantize_to_slices_of_the_matrix():
+    """A row-parallel weight's quantized slice equals gguf's dequantization of the whole, sliced."""
+    rng = np.random.default_rng(0)
+    q8_0 = gguf.quants.quantize(rng.normal(size=(8, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    q4_k = rng.integers(0, 256, size=(8, 2 * 144), dtype=np.uint8)  # two Q4_K blocks a row: random codes...
+    q4_k.reshape(8, 2, 144)[:, :, :4] = np.frombuffer(np.float16([0.01, 0.002]).tobytes(), np.uint8)  # ...d, dmin
+    for data, qtype, cols in ((q8_0, gguf.GGMLQuantizationType.Q8_0, 256), (q4_k, gguf.GGMLQuantizationType.Q4_K, 512)):
+        weight = QuantTensor(torch.from_numpy(data), qtype, (8, cols))
+        reference = gguf.quants.dequantize(data, qtype)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        for rank in range(cols // block):
+            part = _columns(weight, rank * block, block, "w")
+            np.testing.assert_array_equal(part.dequantize().numpy(), reference[:, rank * block : (rank + 1) * block])
+        if block > 32:
+            with pytest.raises(ModelLoadError, match="block boundaries"):
+                _columns(weight, 32, 32, "w")
+
+
+def test_a_model_that_does_not_split_is_refused_by_name(tmp_path):
+    folder = make_hf_model(tmp_path / "llama", "llama", num_attention_heads=3, num_key_value_heads=1,
+                           hidden_size=48)
+    with pytest.raises(ModelLoadError, match="num_heads = 3 does not split over 2 ranks"):
+        LLM(folder, progress=False, tensor_parallel_size=2)
+    # the workers were ended: the next tensor-parallel engine can start in this process
+    folder = make_hf_model(tmp_path / "ok", "llama")
+    assert greedy_tokens(folder, tensor_parallel_size=2)[0]
+
+
+def test_rank_configs_split_heads_and_width():
+    from hearth.config import ModelConfig
+
+    config = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    rank = TensorShard(1, 4).config(config)
+    assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.head_dim) == (2, 1, 32, 8)
