@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="write a Hugging Face folder as GGUF")
     p.add_argument("hf_dir")
     p.add_argument("out")
-    p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+    p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"],
+                   help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
     p.set_defaults(func=cmd_convert)
 
     from hearth.bench.cli import add_bench_parsers

@@ -26,12 +26,12 @@ from hearth.quant.formats import dequantize
 from hearth.quant.linear import QuantEmbedding, QuantLinear, dequantize_packed, quant_matmul
 from models import VOCAB_SIZE, make_hf_model
 
-BLOCK_QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BLOCK_QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0]
 HALF = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 ALL_QTYPES = BLOCK_QTYPES + list(HALF)
 # byte offsets of the float16 scales in each block: set to sane values, the rest is random bits
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
-               Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+               Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.TQ2_0: (64,), Q.TQ1_0: (52,)}
 ROWS = (1, 2, 3, 5, 8, 33, 300)  # decode, small batches, tails of 4-row passes, a prefill
 
 
@@ -145,6 +145,30 @@ def test_compiled_paths_agree_with_each_other(ext, qtype):
     w = dense(data, qtype, k)
     fast, plain = ext.int8_matmul(x, data, int(qtype), n), ext.int8_matmul(x, data, int(qtype), n, portable=True)
     assert_within(fast, plain.double(), fp32_tolerance(x, w))
+
+
+@pytest.mark.parametrize("qtype", [Q.TQ1_0, Q.TQ2_0], ids=lambda q: q.name)
+def test_ternary_weights_multiply_as_their_dequantization(ext, qtype):
+    """BitNet-style weights (d * {-1, 0, 1}) as gguf's quantizer writes them, and random blocks:
+    QuantLinear (TQ1_0 repacked to TQ2_0 at load, then the int8 kernel) against gguf's dequantizer
+    and a float64 matmul."""
+    import gguf
+
+    g = torch.Generator().manual_seed(int(qtype))
+    n, k = 37, 768
+    ternary = torch.randint(-1, 2, (n, k), generator=g).float() * (torch.rand(n, 1, generator=g) * 0.05 + 0.01)
+    quantized = torch.from_numpy(gguf.quantize(ternary.numpy(), qtype)).view(torch.uint8).reshape(n, -1)
+    block, size = GGML_QUANT_SIZES[qtype]
+    random = torch.randint(0, 256, (n * k // block, size), generator=g, dtype=torch.uint8)
+    scale = _F16_FIELDS[qtype][0]
+    random[:, scale:scale + 2] = torch.full((random.shape[0],), 0.02, dtype=torch.float16).view(torch.uint8).reshape(-1, 2)
+    for data in (quantized, random.reshape(n, -1)):
+        w = torch.from_numpy(gguf.dequantize(data.numpy(), qtype)).reshape(n, k)
+        layer = QuantLinear(QuantTensor(data, qtype, (n, k)))
+        assert layer.qtype == Q.TQ2_0 and layer._int8_weight is not None  # the int8 kernel, both formats
+        for m in (1, 5, 33):
+            x = torch.randn(m, k, generator=g)
+            assert_within(layer(x), x.double() @ w.double().T, q8_tolerance(x, w, 256))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0], ids=lambda q: q.name)

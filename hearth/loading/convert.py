@@ -38,7 +38,12 @@ OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q4_1": (LlamaFileType.MOSTLY_Q4_1, Q.Q4_1),
     "q5_0": (LlamaFileType.MOSTLY_Q5_0, Q.Q5_0),
     "q5_1": (LlamaFileType.MOSTLY_Q5_1, Q.Q5_1),
+    # ternary (BitNet b1.58): for models trained with weights in {-1, 0, 1} times a scale; any
+    # other model loses most of its weights' information to them
+    "tq1_0": (LlamaFileType.MOSTLY_TQ1_0, Q.TQ1_0),
+    "tq2_0": (LlamaFileType.MOSTLY_TQ2_0, Q.TQ2_0),
 }
+TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 
 # hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
@@ -120,9 +125,12 @@ def _plan_tensors(
 
 def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
     """llama.cpp's choice: norms and 1-D tensors F32; 2-D weights (token_embd and output
-    included) in the requested type, F16 where a row is not a whole number of blocks."""
+    included, except with ternary types: the embeddings of ternary models are not ternary) in the
+    requested type, F16 where a row is not a whole number of blocks."""
     if tensor.dim() <= 1 or name.endswith("_norm.weight") or weight_type == Q.F32:
         return Q.F32
+    if weight_type in TERNARY_TYPES and name in ("token_embd.weight", "output.weight"):
+        return Q.F16
     block_size = GGML_QUANT_SIZES[weight_type][0]
     return weight_type if tensor.shape[-1] % block_size == 0 else Q.F16
 

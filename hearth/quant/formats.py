@@ -182,6 +182,45 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(-1, QK_K)
 
 
+# Ternary formats (BitNet b1.58): every value is d * t, t in {-1, 0, 1}, stored as t + 1.
+# TQ2_0 (66 bytes / 256 values): qs[64] (crumbs laid out as Q2_K's) | d f16.
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 64) * (_tq2_0_codes(blocks).float() - 1)
+
+
+def _tq2_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    return _crumbs(blocks[:, :64].reshape(-1, 2, 32)).reshape(-1, QK_K)
+
+
+# TQ1_0 (54 bytes / 256 values): qs[48] | qh[4] | d f16, five trits a byte (four in qh) packed as
+# a base-3 fraction: trit p of byte x is the top of (x * 3^p mod 256) * 3 / 256. Values: qs[:32]
+# give 160 (trit p of byte m: value 32p + m), qs[32:48] the next 80 (16p + m), qh the last 16 (4p + m).
+_POWERS_OF_3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+
+
+def _trits(x: torch.Tensor, count: int) -> torch.Tensor:
+    """(n, k) bytes -> (n, count * k): trit p of byte m at p * k + m, each 0..2."""
+    shifted = x.unsqueeze(1) * _POWERS_OF_3[:count].view(1, count, 1).to(x.device)  # uint8: mod 256
+    return ((shifted.to(torch.int16) * 3) >> 8).to(torch.uint8).reshape(x.shape[0], -1)
+
+
+def _tq1_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.cat([_trits(blocks[:, :32], 5), _trits(blocks[:, 32:48], 5), _trits(blocks[:, 48:52], 4)], dim=1)
+
+
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 52) * (_tq1_0_codes(blocks).float() - 1)
+
+
+def tq1_0_to_tq2_0(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """TQ1_0 rows (uint8 [rows, bytes]) as TQ2_0 rows: the same trits and scales, two bits a trit,
+    which the int8 kernel reads without arithmetic (hearth/quant/kernels/qmatmul.cpp)."""
+    blocks = data.reshape(-1, 54)
+    codes = _tq1_0_codes(blocks).reshape(-1, 2, 4, 32)  # value 128h + 32s + l: crumb s of byte 32h + l
+    packed = codes[:, :, 0] | (codes[:, :, 1] << 2) | (codes[:, :, 2] << 4) | (codes[:, :, 3] << 6)
+    return torch.cat([packed.reshape(-1, 64), blocks[:, 52:54]], dim=1).reshape(shape[0], -1)
+
+
 DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.F32: _f32,
     Q.F16: _f16_array,
@@ -196,11 +235,13 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.TQ1_0: _tq1_0,
+    Q.TQ2_0: _tq2_0,
 }
 
 SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = tuple(DEQUANTIZERS)
 QUANTIZE_QTYPES: tuple[GGMLQuantizationType, ...] = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0,
 )
 
 

@@ -35,13 +35,13 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from hearth.quant import kernels
-from hearth.quant.formats import dequantize
+from hearth.quant.formats import dequantize, tq1_0_to_tq2_0
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import QuantTensor
 
 Q = GGMLQuantizationType
 # multiplied by `int8_matmul` on a CPU (activations as llama.cpp's q8_K / q8_0)
-INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0)
 PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # of those, repacked at load where the build has AVX-512 VNNI
 HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
@@ -118,6 +118,9 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         super().__init__()
         data, self.qtype, self.out_features, self.in_features = _raw(weight)
+        if pack and self.qtype == Q.TQ1_0 and data.device.type == "cpu" and kernels.extension() is not None:
+            # the same trits two bits apiece: read by the int8 kernel with no base-3 decoding
+            data, self.qtype = tq1_0_to_tq2_0(data, (self.out_features, self.in_features)), Q.TQ2_0
         ext = kernels.extension() if pack and self.qtype in INT8_QTYPES and data.device.type == "cpu" else None
         self._kernel = self._qtype = None
         if ext is not None:

@@ -73,7 +73,7 @@ inline float bf16_to_float(uint16_t h) {
 // GGMLQuantizationType values
 enum QType : int {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, TQ2_0 = 35,
 };
 
 inline float h2f(const uint8_t* p) {
@@ -104,6 +104,7 @@ template <> struct Fmt<Q3_K> { static constexpr int BS = 256, BYTES = 110, S = 1
 template <> struct Fmt<Q4_K> { static constexpr int BS = 256, BYTES = 144, S = 32, Z = 0;   static constexpr bool OFF = true; };
 template <> struct Fmt<Q5_K> { static constexpr int BS = 256, BYTES = 176, S = 32, Z = 0;   static constexpr bool OFF = true; };
 template <> struct Fmt<Q6_K> { static constexpr int BS = 256, BYTES = 210, S = 16, Z = 32;  static constexpr bool OFF = false; };
+template <> struct Fmt<TQ2_0> { static constexpr int BS = 256, BYTES = 66, S = 32, Z = 1;   static constexpr bool OFF = false; };
 // half arrays: 32 values taken as one "block"
 template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
 template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
@@ -155,6 +156,15 @@ template <> void unpack<Q2_K>(const uint8_t* b, uint8_t* q, float* s, float* o) 
   for (int h = 0; h < 2; h++)
     for (int sh = 0; sh < 4; sh++)
       for (int l = 0; l < 32; l++) q[128 * h + 32 * sh + l] = (b[16 + 32 * h + l] >> (2 * sh)) & 3;
+}
+// TQ2_0 (ternary): qs[64] (as Q2_K's) | d f16; w = d (q - 1), q in {0, 1, 2}. (TQ1_0, five
+// trits a byte, is repacked to this at load: hearth/quant/formats.py tq1_0_to_tq2_0.)
+template <> void unpack<TQ2_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  const float d = h2f(b + 64);
+  for (int j = 0; j < 8; j++) s[j] = d;
+  for (int h = 0; h < 2; h++)
+    for (int sh = 0; sh < 4; sh++)
+      for (int l = 0; l < 32; l++) q[128 * h + 32 * sh + l] = (b[32 * h + l] >> (2 * sh)) & 3;
 }
 // Q3_K: hmask[32] | qs[64] (as Q2_K) | scales[12] (6-bit, offset 32) | d f16.
 // q = low + 4 * high, w = d (scale - 32) (q - 4); high bit of value i: (hmask[i % 32] >> (i / 32)) & 1
@@ -318,6 +328,7 @@ void gemv_half_rows(bool portable, const uint8_t* w, int64_t row_bytes, int64_t 
     case Q4_K: { constexpr int QT = Q4_K; CALL; break; }                      \
     case Q5_K: { constexpr int QT = Q5_K; CALL; break; }                      \
     case Q6_K: { constexpr int QT = Q6_K; CALL; break; }                      \
+    case TQ2_0: { constexpr int QT = TQ2_0; CALL; break; }                    \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 
@@ -823,6 +834,19 @@ template <> struct Block<Q2_K> {
   __m256i scales(int c) const { return sc.halves(c); }
   __m256i codes(int c) const {  // chunk c = 4h + s: (qs[32h + l] >> 2s) & 3
     const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c / 4)));
+    return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (c % 4)), _mm256_set1_epi8(3));
+  }
+};
+
+// TQ2_0: the ternary codes as Q2_K lays them out, with no scales: a weight times an activation is
+// the activation, zero or its negative, which is what the integer sums add up (maddubs by codes
+// 0..2, less the block's sum of activations for the zero point 1).
+template <> struct Block<TQ2_0> {
+  const uint8_t* b; float d, f; __m256i c16;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p + 64)), f(d), c16(_mm256_set1_epi16(1)) {}
+  __m256i scales(int) const { return _mm256_set1_epi16(1); }
+  __m256i codes(int c) const {
+    const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 32 * (c / 4)));
     return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (c % 4)), _mm256_set1_epi8(3));
   }
 };
