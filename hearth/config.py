@@ -9,7 +9,7 @@ from typing import Any
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -17,6 +17,10 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 
@@ -38,7 +42,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2), and o_proj too (llama, qwen3, gemma)
     mlp_bias: bool = False  # gate/up/down carry a bias (llama's mlp_bias)
-    qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
+    # RMSNorm of q and k before RoPE: "head" over each head (qwen3), "all" over the whole projection (olmoe)
+    qk_norm: str | None = None
     # gemma stores RMSNorm weights as (w - 1) and scales embeddings by sqrt(hidden)
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
@@ -46,6 +51,16 @@ class ModelConfig:
     # `sliding_window` positions. hearth attends to the whole context, which is the same thing as
     # long as a sequence fits in the window: sequences stop there (exact_context).
     sliding_window: int | None = None
+    # Mixture of experts (mixtral, qwen2_moe, qwen3_moe, olmoe): a layer's MLP is the sum of the top
+    # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`, weighted by the
+    # router's softmax over all experts (renormalised over the chosen ones when norm_topk_prob).
+    num_experts: int = 0  # 0: a dense MLP in every layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # qwen2_moe: a dense MLP every token takes beside the routed ones, scaled by sigmoid(gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,10 +69,7 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name, most in _SIZE_LIMITS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
-                raise ModelLoadError(f"{name} = {value!r}: expected a whole number from 1 to {most:,}")
+        self._check_sizes(_SIZE_LIMITS)
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -73,6 +85,31 @@ class ModelConfig:
             raise ModelLoadError(f"hidden_act = {self.hidden_act!r}: expected an activation's name")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelLoadError(f"rope_scaling = {self.rope_scaling!r}: expected an object")
+        if self.qk_norm not in (None, "head", "all"):
+            raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_sizes(self, limits: dict[str, int]) -> None:
+        for name, most in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ModelLoadError(f"{name} = {value!r}: expected a whole number from 1 to {most:,}")
+
+    def _check_experts(self) -> None:
+        self._check_sizes(_EXPERT_LIMITS)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok = {self.num_experts_per_tok}: more than the "
+                                 f"{self.num_experts} experts")
+        if not 0 <= self.shared_expert_intermediate_size <= _EXPERT_LIMITS["moe_intermediate_size"]:
+            raise ModelLoadError(f"shared_expert_intermediate_size = {self.shared_expert_intermediate_size!r}: "
+                                 "expected a whole number of at least 0")
+        if any(not 0 <= layer < self.num_layers for layer in self.dense_mlp_layers):
+            raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
+                                 f"{self.num_layers}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def exact_context(self) -> int:
@@ -108,7 +145,7 @@ class ModelConfig:
                 act = "gelu_pytorch_tanh"
             _refuse_unimplemented(hf, where)
             window = hf.get("sliding_window")
-            if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
             return cls(
                 architecture=arch,
@@ -125,12 +162,13 @@ class ModelConfig:
                 rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
-                attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+                attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
-                qk_norm=arch == "qwen3",
+                qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+                **_experts_from_hf(hf, arch),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -144,12 +182,32 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
+def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or []} | {i for i in range(layers) if (i + 1) % step}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        dense_mlp_layers=tuple(sorted(dense)) if experts else (),
+    )
+
+
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
 # config must not make hearth allocate without limit.
 _SIZE_LIMITS = {
     "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 1 << 12,
     "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
 }
+_EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:
 # a config that switches one on is refused, never run without it.
@@ -157,6 +215,7 @@ _INACTIVE_FIELDS = {
     "partial_rotary_factor": (None, 1, 1.0),
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
+    "clip_qkv": (None,),  # olmoe
 }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB_SIZE = 320
 
 _TEXT = (
@@ -59,6 +60,18 @@ def hf_config(arch: str, **overrides):
         "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),
         "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "use_sliding_window": False}),
         "gemma": (transformers.GemmaConfig, {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"}),
+        # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
+        # quantized formats' (32) so that converted files quantize them
+        "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                 "intermediate_size": 64, "sliding_window": None}),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "num_experts_per_tok": 3,
+                                                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+                                                    "norm_topk_prob": False, "use_sliding_window": False}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                                    "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                    "use_sliding_window": False}),
+        "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                             "pad_token_id": None}),
     }
     cls, extra = specific[arch]
     return cls(**{**common, **extra, **overrides})

@@ -48,7 +48,8 @@ class GpuBackend(Backend):
     # ---- a step ------------------------------------------------------------------------
 
     def forward(self, model, step: StepInputs, kv_caches):
-        if step.decode_only and step.num_seqs <= self.max_graph_batch:
+        # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
+        if step.decode_only and step.num_seqs <= self.max_graph_batch and not model.config.num_experts:
             graphs = model.backend_state.get("decode_graphs")
             if graphs is None:
                 from hearth.backend.graphs import DecodeGraphs

@@ -21,7 +21,8 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, hf_to_gguf, qk_row_order
+from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
+                                  hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
@@ -40,8 +41,9 @@ OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q5_1": (LlamaFileType.MOSTLY_Q5_1, Q.Q5_1),
 }
 
-# hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral as llama)
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
+# hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                      "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -109,19 +111,39 @@ def _plan_tensors(
         yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
 
     tied = config.tie_word_embeddings or arch == "gemma"
+    stacks: set[tuple[int, str]] = set()  # (layer, projection) of the experts' weights
     for hf_name, tensor in weights.items():
         if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
             continue  # llama.cpp reads the output projection from token_embd when tied
+        if (expert := hf_expert(hf_name)) is not None and config.num_experts:
+            stacks.add((expert[0], expert[2]))
+            continue
         name = hf_to_gguf(hf_name)
         if name is None or name == "rope_freqs.weight":
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+    for layer, projection in sorted(stacks):
+        yield _expert_stack(config, weights, layer, projection, weight_type)
+
+
+def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str,
+                  weight_type: GGMLQuantizationType) -> tuple[str, tuple[int, ...], GGMLQuantizationType, Source]:
+    """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection`."""
+    names = [hf_expert_name(layer, e, projection) for e in range(config.num_experts)]
+    missing = [name for name in names if name not in weights]
+    if missing:
+        raise ModelLoadError(f"missing tensor {missing[0]}")
+    shape = (len(names), *weights[names[0]].shape)
+    name = gguf_expert_stack_name(layer, projection)
+    return name, shape, _tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
+        [weights[n].float() for n in names])
 
 
 def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
-    """llama.cpp's choice: norms and 1-D tensors F32; 2-D weights (token_embd and output
+    """llama.cpp's choice: norms, 1-D tensors and MoE routers F32; weights (token_embd and output
     included) in the requested type, F16 where a row is not a whole number of blocks."""
-    if tensor.dim() <= 1 or name.endswith("_norm.weight") or weight_type == Q.F32:
+    if tensor.dim() <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) \
+            or weight_type == Q.F32:
         return Q.F32
     block_size = GGML_QUANT_SIZES[weight_type][0]
     return weight_type if tensor.shape[-1] % block_size == 0 else Q.F16
@@ -182,6 +204,13 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+    if config.num_experts:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(config.norm_topk_prob)  # llama.cpp fixes it per family; hearth reads it
+        if config.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "linear":

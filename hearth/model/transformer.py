@@ -1,4 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3 and gemma.
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, and the mixtures of experts
+mixtral, qwen2_moe, qwen3_moe and olmoe.
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
 backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
@@ -16,7 +17,7 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
 from hearth.quant.linear import release_file_pages
@@ -31,11 +32,13 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
                                      config.attention_bias)
         # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
-        self.o_proj = Linear(q_size, config.hidden_size, config.attention_bias and config.architecture != "qwen2")
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
         self.qk_norm = config.qk_norm
+        if self.qk_norm:  # over each head, or over the whole projection
+            per_head = self.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -47,10 +50,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -58,12 +63,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend):
+    def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.self_attn = Attention(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.mlp = GatedMLP(config, ops)
+        self.mlp = SparseMoE(config, ops) if config.is_moe_layer(index) else GatedMLP(config, ops)
 
     def forward(self, x, residual, rotary, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
@@ -85,7 +90,7 @@ class Transformer(nn.Module):
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         # from an empty weight: nn.Embedding's own random init on the meta device imports torch._dynamo (seconds)
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
