@@ -217,6 +217,12 @@ def cmd_inspect(args) -> None:
     print(f"model            {info['path']}")
     print(f"architecture     {info['architecture']} ({info['embeddings']} embeddings)")
     print(f"parameters       {info['parameters']:,}")
+    if "experts" in info:
+        e = info["experts"]
+        shared = f", a shared expert of {e['shared_intermediate_size']}" if e["shared_intermediate_size"] else ""
+        print(f"experts          {e['count']} of intermediate size {e['intermediate_size']}, {e['used_per_token']} per "
+              f"token{' (weights renormalised)' if e['normalised'] else ''}{shared}; "
+              f"{e['active_parameters']:,} parameters active per token")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")

@@ -32,7 +32,8 @@ def _greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+# of the mixtures of experts (slow under the interpreter), the shared expert and olmoe's whole-projection q/k norms
+@pytest.mark.parametrize("arch", ARCHITECTURES + ("qwen2_moe", "olmoe"))
 def test_greedy_output_matches_transformers(tmp_path, arch):
     """Prompts chunked across steps (budget 32), a shared prefix served from the prefix cache,
     decodes batched with prefills: every token as transformers' generate picks it."""
@@ -73,8 +74,8 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     assert "decode_graphs" not in eager.engine.model.backend_state
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_0"])
-def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monkeypatch, out_type):
+@pytest.mark.parametrize("arch,out_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen3_moe", "q4_0")])
+def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monkeypatch, arch, out_type):
     """A GGUF file's matrices become TritonQuantLinear (the blocks kept, about the file's bytes);
     greedy tokens equal the reference backend's on the same file, there dequantized tile by tile
     (the exact path, tested against gguf's dequantizer; the C++ kernels round activations to int8)."""
@@ -82,13 +83,14 @@ def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monke
     from hearth.quant import kernels
     from hearth.quant.linear import TritonQuantLinear
 
-    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)  # whole 32-value blocks
-    path = convert_hf_to_gguf(folder, tmp_path / f"llama-{out_type}.gguf", out_type, progress=False)
+    fewer_experts = {"num_experts": 4, "num_hidden_layers": 1} if arch == "qwen3_moe" else {}  # the interpreter is slow
+    folder = make_hf_model(tmp_path / arch, arch, intermediate_size=128, **fewer_experts)  # whole 32-value blocks
+    path = convert_hf_to_gguf(folder, tmp_path / f"{arch}-{out_type}.gguf", out_type, progress=False)
     ours = _llm(path)
     monkeypatch.setattr(kernels, "extension", lambda: None)
     reference = LLM(path, device=DEVICE, dtype="float32", backend="reference", kv_cache_memory=1 << 22,
                     max_num_batched_tokens=32, progress=False)
     quantized = [m for m in ours.engine.model.modules() if isinstance(m, TritonQuantLinear)]
-    assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer
+    assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer (each expert's, in an MoE)
     prompts = _prompts(3, seed=7)
     assert _greedy(ours, prompts, 8) == _greedy(reference, prompts, 8)
