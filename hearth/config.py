@@ -9,7 +9,9 @@ from typing import Any
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+                           "qwen3_moe", "olmoe")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -17,6 +19,8 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -51,6 +55,15 @@ class ModelConfig:
     # `sliding_window` positions. hearth attends to the whole context, which is the same thing as
     # long as a sequence fits in the window: sequences stop there (exact_context).
     sliding_window: int | None = None
+    # layers that attend through the window (gemma2/3 alternate local and global layers); None: every layer
+    sliding_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None  # gemma3: the RoPE base of the sliding layers (unscaled); None: rope_theta
+    # gemma2/3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); attention scores
+    # and final logits soft-capped as cap * tanh(x / cap); norms after attention and after the MLP too
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
     # Mixture of experts (mixtral, qwen2_moe, qwen3_moe, olmoe): a layer's MLP is the sum of the top
     # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`, weighted by the
     # router's softmax over all experts (renormalised over the chosen ones when norm_topk_prob).
@@ -85,6 +98,10 @@ class ModelConfig:
             raise ModelLoadError(f"hidden_act = {self.hidden_act!r}: expected an activation's name")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelLoadError(f"rope_scaling = {self.rope_scaling!r}: expected an object")
+        for name in ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ModelLoadError(f"{name} = {value!r}: expected a positive number")
         if self.qk_norm not in (None, "head", "all"):
             raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
         if self.num_experts:
@@ -108,6 +125,9 @@ class ModelConfig:
             raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
                                  f"{self.num_layers}")
 
+    def is_sliding_layer(self, layer: int) -> bool:
+        return self.sliding_window is not None and (self.sliding_layers is None or layer in self.sliding_layers)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
@@ -125,7 +145,7 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
         arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
         if arch is None:
-            arch = hf.get("model_type")
+            arch = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -136,14 +156,17 @@ class ModelConfig:
             heads = int(hf["num_attention_heads"])
             kv_heads = int(hf.get("num_key_value_heads") or heads)
             head_dim = int(hf.get("head_dim") or hidden // heads)
-            gemma = arch == "gemma"
+            gemma = arch in GEMMA_ARCHITECTURES
             # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
+            # (gemma3: one per layer type)
             rope = hf.get("rope_parameters") or {}
+            local_rope = rope.get("sliding_attention")
+            rope = rope.get("full_attention", rope)
             act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
             if gemma:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
-            _refuse_unimplemented(hf, where)
+            _refuse_unimplemented(hf, where, arch)
             window = hf.get("sliding_window")
             if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
@@ -165,9 +188,10 @@ class ModelConfig:
                 attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
-                qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}.get(arch),
+                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+                **_gemma2_from_hf(hf, arch, local_rope),
                 **_experts_from_hf(hf, arch),
             )
         except KeyError as e:
@@ -180,6 +204,38 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """The ModelConfig fields of gemma2 and gemma3 (none for other families)."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types")
+    if kinds is None:  # older configs: gemma2 alternates from a local layer, gemma3 has a global one every N
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        kinds = ["sliding_attention" if (i % 2 == 0 if arch == "gemma2" else (i + 1) % pattern) else "full_attention"
+                 for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
+    local_theta = None
+    if arch == "gemma3":
+        if local_rope is not None:
+            if local_rope.get("rope_type", "default") != "default":
+                raise ModelLoadError(f"RoPE scaling {local_rope.get('rope_type')!r} of the sliding layers is not "
+                                     "implemented by hearth")
+            local_theta = float(local_rope["rope_theta"])
+        else:
+            local_theta = float(hf.get("rope_local_base_freq") or 10000.0)
+    capping = {name: float(hf[name]) if hf.get(name) is not None else None
+               for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(
+        sliding_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
+        sandwich_norms=True,
+        **capping,
+    )
 
 
 def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -216,14 +272,17 @@ _INACTIVE_FIELDS = {
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
     "clip_qkv": (None,),  # olmoe
+    "use_bidirectional_attention": (None, False),  # gemma3's encoder use
 }
+# of those, the ones some families implement
+_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3")}
 
 
-def _refuse_unimplemented(hf: dict[str, Any], where: str) -> None:
+def _refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 may put the rotary fraction here
     for name, inactive in _INACTIVE_FIELDS.items():
         value = hf.get(name, rope.get(name))
-        if value not in inactive:
+        if value not in inactive and arch not in _IMPLEMENTED_BY.get(name, ()):
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB_SIZE = 320
 
@@ -60,6 +60,15 @@ def hf_config(arch: str, **overrides):
         "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),
         "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "use_sliding_window": False}),
         "gemma": (transformers.GemmaConfig, {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"}),
+        # a query scale other than head_dim's, soft-caps that bite, a window longer than the tests' sequences
+        "gemma2": (transformers.Gemma2Config, {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 128,
+                                               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
+        # a local and a global layer, each with its RoPE base; linear scaling on the global one
+        "gemma3": (transformers.Gemma3TextConfig, {
+            "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
         # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
         # quantized formats' (32) so that converted files quantize them
         "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,
@@ -87,7 +96,7 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     with torch.no_grad():  # spread the weights so that logits are far from uniform
         for p in model.parameters():
             if p.dim() == 1:
-                p.normal_(1.0 if arch != "gemma" else 0.0, 0.2)
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)
     folder.mkdir(parents=True, exist_ok=True)

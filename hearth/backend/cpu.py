@@ -72,7 +72,9 @@ class CpuBackend(Backend):
         return q_out
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         split_len: int | None = None):  # None: decode_split_len's choice
+                         split_len: int | None = None, softcap: float | None = None):  # None: decode_split_len's choice
+        if softcap is not None:  # the kernel has no soft-capping
+            return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap)
         q = q.contiguous()
         num_decodes, heads, head_dim = q.shape
         kv_heads = k_cache.shape[1]

@@ -19,7 +19,7 @@ import torch
 from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType,
                   RopeScalingType, TokenType)
 
-from hearth.config import ModelConfig
+from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
                                   hf_to_gguf, qk_row_order)
@@ -43,6 +43,7 @@ OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
 
 # hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                      "gemma2": "gemma2", "gemma3": "gemma3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF tensors llama.cpp drops on purpose
@@ -110,7 +111,7 @@ def _plan_tensors(
         factors = (rope_inv_freq(base) / rope_inv_freq(config)).float()
         yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
 
-    tied = config.tie_word_embeddings or arch == "gemma"
+    tied = config.tie_word_embeddings or arch in GEMMA_ARCHITECTURES
     stacks: set[tuple[int, str]] = set()  # (layer, projection) of the experts' weights
     for hf_name, tensor in weights.items():
         if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
@@ -118,7 +119,7 @@ def _plan_tensors(
         if (expert := hf_expert(hf_name)) is not None and config.num_experts:
             stacks.add((expert[0], expert[2]))
             continue
-        name = hf_to_gguf(hf_name)
+        name = hf_to_gguf(hf_name, config.sandwich_norms)
         if name is None or name == "rope_freqs.weight":
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
@@ -157,7 +158,7 @@ def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Sourc
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 if hf_name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
                     t = t[qk_row_order(heads, config.head_dim, to_gguf=True)]
-        if config.architecture == "gemma" and hf_name.endswith("norm.weight"):
+        if config.architecture in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
             t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
         return t
 
@@ -204,6 +205,8 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+    if config.architecture in ("gemma2", "gemma3"):
+        _add_gemma2_metadata(writer, config)
     if config.num_experts:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -218,6 +221,25 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_rope_scaling_factor(float(scaling["factor"]))
     elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
+    """Soft-caps, and what llama.cpp otherwise fixes per family (hearth's reader takes the same
+    defaults, hearth/loading/gguf.py): written only where the model departs from them."""
+    if config.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    pattern = 2 if config.architecture == "gemma2" else 6
+    local = [config.is_sliding_layer(i) for i in range(config.num_layers)]
+    if local != [i % pattern < pattern - 1 for i in range(config.num_layers)]:
+        writer.add_sliding_window_pattern(local)
+    if config.local_rope_theta not in (None, 10000.0):
+        writer.add_rope_freq_base_swa(config.local_rope_theta)
+    big = config.num_layers == {"gemma2": 46, "gemma3": 62}[config.architecture]
+    llama_cpp_scalar = config.hidden_size // config.num_heads if big else config.head_dim
+    if (config.query_pre_attn_scalar or config.head_dim) != llama_cpp_scalar:
+        writer.add_attention_scale((config.query_pre_attn_scalar or config.head_dim) ** -0.5)
 
 
 # ---------------------------------------------------------------- tokenizer metadata

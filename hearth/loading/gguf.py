@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack, gguf_to_hf,
@@ -61,7 +61,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     kv_heads = int(get("attention.head_count_kv", heads))
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
-    gemma = arch == "gemma"
+    gemma = arch in GEMMA_ARCHITECTURES
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):  # llama3's scaling comes as the rope_freqs tensor instead
         raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented by "
@@ -87,11 +87,41 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         ),
         sliding_window=int(window) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        qk_norm={"qwen3": "head", "qwen3moe": "head", "olmoe": "all"}.get(arch),
+        qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
         **(_experts_from_metadata(md, arch, get) if experts else {}),
+        **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
+    )
+
+
+def _gemma2_from_metadata(md: dict[str, Any], arch: str, hidden_per_head: int) -> dict[str, Any]:
+    """gemma2/3 as llama.cpp runs them: local layers by its sliding_window_pattern (default: every
+    other layer for gemma2, five of six for gemma3), the local RoPE base 10000, and the query scale
+    1/sqrt(head_dim) except in the 27B models (62 layers for gemma3, 46 for gemma2: hidden / heads)."""
+    layers = int(md[f"{arch}.block_count"])
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern: {len(pattern)} entries for {layers} layers")
+        sliding = tuple(i for i, local in enumerate(pattern) if local)
+    else:  # llama.cpp's swa pattern n: layer i is local unless i % n == n - 1
+        sliding = tuple(i for i in range(layers) if int(pattern) == 0 or i % int(pattern) < int(pattern) - 1)
+    scale = md.get(f"{arch}.attention.scale")
+    if scale is not None:
+        query_scalar = float(scale) ** -2
+    elif layers == {"gemma2": 46, "gemma3": 62}[arch]:
+        query_scalar = float(hidden_per_head)
+    else:
+        query_scalar = None  # head_dim
+    return dict(
+        sliding_layers=sliding,
+        local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        query_pre_attn_scalar=query_scalar,
+        **{cap: float(md[f"{arch}.{cap}"]) if md.get(f"{arch}.{cap}") is not None else None
+           for cap in ("attn_logit_softcapping", "final_logit_softcapping")},
+        sandwich_norms=True,
     )
 
 
@@ -166,7 +196,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
             for e, weight in enumerate(_split_experts(_read(file, t, where), t, config, where)):
                 weights[hf_expert_name(layer, e, projection)] = weight
             continue
-        name = gguf_to_hf(t.name)
+        name = gguf_to_hf(t.name, config.sandwich_norms)
         if name is None:
             if UNUSED_GGUF_TENSORS.fullmatch(t.name):
                 continue

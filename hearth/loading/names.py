@@ -49,7 +49,15 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
 }
+# gemma2/3 norm attention's and the MLP's outputs too; llama.cpp's ffn_norm is then the MLP's input norm
+_SANDWICH_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # llama.cpp's converter permutes the rows of Q and K for these architectures so that its
@@ -61,13 +69,15 @@ PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral")
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
 
 
-def gguf_to_hf(name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None when hearth does not know it."""
+def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
+    """The HF name of a GGUF tensor, or None when hearth does not know it. sandwich_norms: a
+    gemma2/3 layer's names."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -102,13 +112,14 @@ def gguf_expert_stack_name(layer: int, projection: str) -> str:
     return f"blk.{layer}.{suffix}"
 
 
-def hf_to_gguf(name: str) -> str | None:
+def hf_to_gguf(name: str, sandwich_norms: bool = False) -> str | None:
     """The GGUF name of an HF tensor, or None when it has none."""
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_LAYER:
-        return f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_LAYER
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 

@@ -1,5 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, and the mixtures of experts
-mixtral, qwen2_moe, qwen3_moe and olmoe.
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, and the mixtures
+of experts mixtral, qwen2_moe, qwen3_moe and olmoe.
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
 backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
@@ -9,6 +9,7 @@ model is built.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -24,7 +25,7 @@ from hearth.quant.linear import release_file_pages
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend):
+    def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -37,9 +38,13 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         if self.qk_norm:  # over each head, or over the whole projection
             per_head = self.qk_norm == "head"
-            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops)
-        self.scale = self.head_dim**-0.5
+            offset = config.norm_weight_offset
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops, offset)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops, offset)
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+        # gemma3's sliding layers rotate by their own RoPE table (Transformer.local_rope)
+        self.local_rope = config.local_rope_theta is not None and config.is_sliding_layer(index)
 
     def forward(
         self,
@@ -58,28 +63,43 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap)
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; with sandwich_norms (gemma2/3) their outputs are normed too, and the
+    MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm norms attention's output)."""
+
     def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.self_attn = Attention(config, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, ops, index)
+        self.post_attention_layernorm = norm()
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = SparseMoE(config, ops) if config.is_moe_layer(index) else GatedMLP(config, ops)
 
-    def forward(self, x, residual, rotary, kv_cache, meta):
+    def forward(self, x, residual, rotaries, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
-        then x is the stream). Returns (this layer's addition, the stream): each add is fused
-        into the norm that follows it."""
+        then x is the stream). rotaries: the global and the local RoPE lookups. Returns (this
+        layer's addition, the stream): each add is fused into the norm that follows it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rotary, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, rotaries[self.self_attn.local_rope], kv_cache, meta)
+        if not self.sandwich_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Transformer(nn.Module):
@@ -94,6 +114,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
+        self.local_rope = None  # gemma3's sliding layers: their own base, unscaled
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rope = RotaryEmbedding(local, self.rope.max_positions, ops)
 
     @torch.inference_mode()
     def forward(
@@ -109,9 +133,10 @@ class Transformer(nn.Module):
         rotary = self.rope(positions, x.dtype)
         if (out := self.backend.decode_layers(self, x, rotary, kv_caches, meta)) is not None:
             return self.norm(*out)[0]
+        rotaries = (rotary, self.local_rope(positions, x.dtype) if self.local_rope is not None else None)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rotary, kv_cache, meta)
+            x, residual = layer(x, residual, rotaries, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def _apply(self, fn, recurse=True):
@@ -125,7 +150,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
         """Take every parameter from `weights` (HF names), checking presence and shape. Weights

@@ -82,16 +82,19 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
 
 @triton.jit
 def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Keys at context positions `key` [BLOCK_N] (those < end) folded into the online softmax
-    (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees keys up to last[r]."""
+    (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees keys up to last[r].
+    SOFTCAP: scores capped as softcap * tanh(score / softcap) (both in the log2-scaled units)."""
     valid = key < end
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     s = tl.where(valid[None, :] & (key[None, :] <= last[:, None]), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
@@ -109,9 +112,10 @@ def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, 
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
-    num_heads, qk_scale,
+    num_heads, qk_scale, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads against one range of the context."""
     seq = tl.program_id(0).to(tl.int64)
@@ -138,7 +142,8 @@ def _decode_split_kernel(
     last = tl.zeros([BLOCK_G], tl.int32) + end - 1  # every row sees the whole range
     for tile in range(start, end, BLOCK_N):  # every tile has a valid position: m stays finite
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, BLOCK_SIZE, DOT_PRECISION)
+                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, BLOCK_SIZE,
+                                 DOT_PRECISION, SOFTCAP)
 
     l = tl.where(l > 0, l, 1.0)  # an empty range (m = -inf) leaves zeros
     o = acc / l[:, None]
@@ -184,6 +189,7 @@ def decode_attention(
     block_size: int,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D] in q.dtype
+    softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Paged split-KV decode attention; returns [B, H, D] in q.dtype. `num_splits` defaults to
     choose_num_splits over the block table's width (fixed by shapes, so graph-capturable)."""
@@ -206,10 +212,10 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, scale * LOG2E,
+        num_heads, scale * LOG2E, (softcap or 1.0) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -227,10 +233,10 @@ def decode_attention(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (query block, sequence, KV head): BLOCK_Q new rows of a sequence x the group's heads,
     as BLOCK_Q * BLOCK_G tile rows (row-major: row r is query r // BLOCK_G, head r % BLOCK_G)."""
@@ -263,7 +269,8 @@ def _prefill_kernel(
     table = tables_ptr + seq.to(tl.int64) * stride_tb
     for tile in range(0, end, BLOCK_N):  # key 0 is in every row's first tile: m stays finite
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, pos, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, BLOCK_SIZE, DOT_PRECISION)
+                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, BLOCK_SIZE,
+                                 DOT_PRECISION, SOFTCAP)
 
     o = acc / l[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -281,6 +288,7 @@ def prefill_attention(
     block_size: int,
     max_query_len: int,  # host int: the longest query_len (sizes the grid)
     out: torch.Tensor | None = None,  # [T, H, D] in q.dtype
+    softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Paged varlen causal attention; returns [T, H, D] in q.dtype. Row i of sequence s is at
     position seq_lens[s] - query_len_s + i and attends to positions 0..that one."""
@@ -298,9 +306,9 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E, (softcap or 1.0) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4 if block_d <= 128 else 8,
     )
     return out

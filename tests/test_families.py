@@ -1,6 +1,8 @@
-"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe) against transformers on tiny random
-models: from HF folders, from GGUF files hearth converts (float and quantized, against gguf's own
-dequantizer) and from GGUF files named as llama.cpp's converter names them (gguf's tensor map)."""
+"""Today's model families against transformers on tiny random models: the mixtures of experts
+(mixtral, qwen2_moe, qwen3_moe, olmoe) and gemma2 / gemma3 (soft-capping, sandwich norms, local
+and global layers). From HF folders, from GGUF files hearth converts (float and quantized, against
+gguf's own dequantizer) and, for the experts, from GGUF files named as llama.cpp's converter names
+them (gguf's tensor map). Logits of every family against transformers: tests/test_model.py."""
 
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ from test_engine import greedy, random_prompts, reference_greedy, token_ids
 from test_model import _hearth_logits as paged_logits
 
 TOKENS = torch.randint(0, VOCAB_SIZE, (45,), generator=torch.Generator().manual_seed(1)).tolist()
-KV_BYTES_PER_TOKEN = {"mixtral": 2 * 2 * 2 * 16 * 4, "qwen2_moe": 2 * 2 * 2 * 16 * 4, "qwen3_moe": 2 * 2 * 2 * 16 * 4,
-                      "olmoe": 2 * 2 * 2 * 16 * 4}  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32 (every family here)
+FAMILIES = MOE_ARCHITECTURES + ("gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe")
-    return {arch: make_hf_model(root / arch, arch) for arch in MOE_ARCHITECTURES}
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_hf_model(root / arch, arch) for arch in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_logits_match_transformers(folders, reference_logits, arch):
+def test_experts_replace_the_mlp(folders, reference_logits, arch):
     model = load_model(folders[arch], progress=False).model
-    assert isinstance(model.layers[0].mlp, SparseMoE)
+    assert all(isinstance(layer.mlp, SparseMoE) and len(layer.mlp.experts) == 8 for layer in model.layers)
     assert _relative_error(paged_logits(model, TOKENS), reference_logits[arch]) <= 1e-4
 
 
@@ -69,16 +71,16 @@ def test_dense_layers_of_a_sparse_model(tmp_path):
     assert _relative_error(hearth_logits(config, weights, TOKENS), _logits_of(folder)) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_batched_chunked_prefix_cached_preempted_matches_generate(folders, arch, tmp_path):
     """32 requests sharing a prefix, 17-token steps (chunked prefill), a cache too small for them all
     (preemption): greedy tokens equal transformers' generate; then the same from the GGUF hearth writes."""
     shared = random_prompts(1, seed=3, shortest=20, longest=20)[0]
-    prompts = [shared + tail for tail in random_prompts(32, seed=MOE_ARCHITECTURES.index(arch), longest=12)]
+    prompts = [shared + tail for tail in random_prompts(32, seed=FAMILIES.index(arch), longest=12)]
     expected = reference_greedy(folders[arch], prompts, max_tokens=16)
     gguf_path = convert_hf_to_gguf(folders[arch], tmp_path / "m.gguf", "f32", progress=False)
     for path in (folders[arch], gguf_path):
-        llm = LLM(path, max_num_batched_tokens=17, kv_cache_memory=12 * 16 * KV_BYTES_PER_TOKEN[arch], progress=False)
+        llm = LLM(path, max_num_batched_tokens=17, kv_cache_memory=12 * 16 * KV_BYTES_PER_TOKEN, progress=False)
         outputs = llm.generate(prompts, greedy(16), use_tqdm=False)
         assert token_ids(outputs) == expected
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
@@ -96,29 +98,34 @@ def _gguf_dequantized(weight) -> torch.Tensor:
 
 
 def _dequantized_reference(folder: Path, weights: dict, out: Path) -> Path:
-    """A copy of the HF folder whose weights are the GGUF file's, dequantized by gguf."""
+    """A copy of the HF folder whose weights are the GGUF file's, dequantized by gguf (gemma's norms
+    back from llama.cpp's 1 + w)."""
     out.mkdir()
     for f in folder.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
     original = load_file(folder / "model.safetensors")
-    save_file({k: _gguf_dequantized(weights[canonical_hf_name(k)]).contiguous() for k in original},
-              out / "model.safetensors")
+    shift = json.loads((folder / "config.json").read_text())["model_type"].startswith("gemma")
+    save_file({k: (_gguf_dequantized(weights[canonical_hf_name(k)]) - float(shift and k.endswith("norm.weight"))).contiguous()
+               for k in original}, out / "model.safetensors")
     return out
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("out_type", ["q8_0", "q4_0"])
-def test_quantized_experts_against_gguf_dequantizer(folders, arch, out_type, tmp_path, monkeypatch):
-    """Experts stay in their blocks (one QuantLinear per expert over the file's stack). The exact
-    kernel path equals transformers on gguf's dequantized weights; the int8 kernels (activations
-    rounded to int8 per block, as llama.cpp) stay within dense q8_0's error except at tokens whose
-    top-k choice is nearly tied, where the rounding may pick another expert (as in llama.cpp)."""
+def test_quantized_against_gguf_dequantizer(folders, arch, out_type, tmp_path, monkeypatch):
+    """Weights stay in their blocks (experts: one QuantLinear per expert over the file's stack). The
+    exact kernel path equals transformers on gguf's dequantized weights; the int8 kernels (activations
+    rounded to int8 per block, as llama.cpp) stay within dense q8_0's error except, in a mixture of
+    experts, at tokens whose top-k choice is nearly tied, where the rounding may pick another expert
+    (as in llama.cpp)."""
     path = convert_hf_to_gguf(folders[arch], tmp_path / "m.gguf", out_type, progress=False)
     config, weights, _ = load_gguf(path, progress=False)
-    expert = weights["model.layers.0.mlp.experts.3.gate_proj.weight"]
-    assert isinstance(expert, QuantTensor) and expert.qtype.name == out_type.upper()
-    assert not isinstance(weights["model.layers.0.mlp.gate.weight"], QuantTensor)  # routers stay F32, as llama.cpp
+    matrix = weights["model.layers.0.mlp.experts.3.gate_proj.weight" if config.num_experts else
+                     "model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(matrix, QuantTensor) and matrix.qtype.name == out_type.upper()
+    if config.num_experts:  # routers stay F32, as llama.cpp's
+        assert not isinstance(weights["model.layers.0.mlp.gate.weight"], QuantTensor)
     want = _logits_of(_dequantized_reference(folders[arch], weights, tmp_path / "ref"))
     kernel_logits = hearth_logits(config, weights, TOKENS)
     per_token = (kernel_logits - want).abs().max(-1).values / want.abs().max()
