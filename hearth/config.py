@@ -51,9 +51,8 @@ class ModelConfig:
     # gemma stores RMSNorm weights as (w - 1) and scales embeddings by sqrt(hidden)
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
-    # Sliding-window attention (mistral, qwen2's use_sliding_window): a query attends to the last
-    # `sliding_window` positions. hearth attends to the whole context, which is the same thing as
-    # long as a sequence fits in the window: sequences stop there (exact_context).
+    # Sliding-window attention (mistral, qwen2's use_sliding_window, gemma2/3's local layers): a query
+    # attends to the last `sliding_window` positions, itself included
     sliding_window: int | None = None
     # layers that attend through the window (gemma2/3 alternate local and global layers); None: every layer
     sliding_layers: tuple[int, ...] | None = None
@@ -131,13 +130,6 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
-    @property
-    def exact_context(self) -> int:
-        """The longest sequence hearth computes as the model defines it."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         archs = hf.get("architectures") or []
@@ -188,6 +180,7 @@ class ModelConfig:
                 attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
+                sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
                 qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
@@ -206,18 +199,32 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
+def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
+    """The layers that attend through the sliding window (None: every layer): config.json's
+    layer_types, else each family's rule as transformers derives it."""
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        after = int(hf.get("max_window_layers") or 0)
+        local = {
+            "gemma2": lambda i: i % 2 == 0,  # alternating, from a local layer
+            "gemma3": lambda i: (i + 1) % pattern != 0,  # a global layer every `pattern`
+            "qwen2": lambda i: i >= after, "qwen3": lambda i: i >= after,
+            "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < after,
+        }.get(arch)
+        if local is None:
+            return None
+        kinds = ["sliding_attention" if local(i) else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
 def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
     """The ModelConfig fields of gemma2 and gemma3 (none for other families)."""
     if arch not in ("gemma2", "gemma3"):
         return {}
-    layers = int(hf["num_hidden_layers"])
-    kinds = hf.get("layer_types")
-    if kinds is None:  # older configs: gemma2 alternates from a local layer, gemma3 has a global one every N
-        pattern = int(hf.get("sliding_window_pattern") or 6)
-        kinds = ["sliding_attention" if (i % 2 == 0 if arch == "gemma2" else (i + 1) % pattern) else "full_attention"
-                 for i in range(layers)]
-    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
     local_theta = None
     if arch == "gemma3":
         if local_rope is not None:
@@ -230,7 +237,6 @@ def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | 
     capping = {name: float(hf[name]) if hf.get(name) is not None else None
                for name in ("attn_logit_softcapping", "final_logit_softcapping")}
     return dict(
-        sliding_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
         local_rope_theta=local_theta,
         query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
         sandwich_norms=True,

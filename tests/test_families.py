@@ -219,6 +219,17 @@ def test_inspect_shows_experts(folders):
                                "normalised": False, "active_parameters": total - unused}
 
 
+def test_inspect_shows_windows_and_soft_caps(folders, capsys):
+    from hearth.cli import main
+
+    assert main(["inspect", str(folders["gemma2"])]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window   128 tokens (layers 0)" in out and "soft-capping     attn 5, final 10" in out
+    assert main(["inspect", str(folders["gemma3"]), "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["sliding_layers"], config["local_rope_theta"], config["rope_theta"]) == ([0], 10000.0, 1e6)
+
+
 def test_bad_expert_configs_and_files_are_refused(folders, tmp_path):
     hf = json.loads((folders["mixtral"] / "config.json").read_text())
     bad = tmp_path / "bad"
@@ -237,3 +248,16 @@ def test_bad_expert_configs_and_files_are_refused(folders, tmp_path):
     (tmp_path / "clip" / "config.json").write_text(json.dumps({**olmoe, "clip_qkv": 8.0}))
     with pytest.raises(ModelLoadError, match="clip_qkv"):
         load_model(tmp_path / "clip", progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_local_layers_past_their_window(arch, tmp_path):
+    """A 16-token window on the local layers (the global ones see everything): prompts longer than
+    it prefilled in chunks of 8, generations well past it: greedy tokens as transformers' windowed
+    generate, from the HF folder and from the GGUF hearth writes."""
+    folder = make_hf_model(tmp_path / arch, arch, sliding_window=16)
+    prompts = random_prompts(4, seed=5, shortest=20, longest=40)
+    expected = reference_greedy(folder, prompts, max_tokens=30)
+    for path in (folder, convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)):
+        llm = LLM(path, max_num_batched_tokens=8, kv_cache_memory=1 << 20, progress=False)
+        assert token_ids(llm.generate(prompts, greedy(30), use_tqdm=False)) == expected

@@ -50,6 +50,20 @@ def test_greedy_output_matches_transformers(tmp_path, arch):
         assert tokens == expected
 
 
+def test_sliding_window_past_the_window_matches_transformers(tmp_path):
+    """mistral with an 8-token window, prompts and generations longer than it (prefill chunks whose
+    windows start past whole tiles, split decode over the window only)."""
+    folder = make_hf_model(tmp_path / "mistral", "mistral", sliding_window=8)
+    reference = load_hf_reference(folder).to(DEVICE)
+    prompts = _prompts(3, seed=2, shortest=10)
+    for prompt, tokens in zip(prompts, _greedy(_llm(folder), prompts, 12)):
+        ids = torch.tensor([prompt], device=DEVICE)
+        with torch.no_grad():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected
+
+
 def test_bucket_sizes():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(3) == [1, 2, 3]

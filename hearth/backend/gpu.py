@@ -90,12 +90,15 @@ class GpuBackend(Backend):
         positions, cos, sin = rotary
         return rope.rope_and_store_kv(q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
 
-    def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None):
+    def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
+                  window: int | None = None):
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                              meta.block_size, num_splits=meta.num_splits, softcap=softcap)
+                                              meta.block_size, num_splits=meta.num_splits, softcap=softcap,
+                                              window=window)
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                           meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap)
+                                           meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
+                                           window=window)
 
     def act_and_mul(self, gate, up, activation_name):
         return activation.act_and_mul(gate, up, activation_name)

@@ -21,6 +21,7 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 
 from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.gguf import SWA_PATTERNS
 from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
                                   hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
@@ -205,6 +206,10 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+        local = [config.is_sliding_layer(i) for i in range(config.num_layers)]
+        period = SWA_PATTERNS.get(config.architecture)
+        if local != [period is None or i % period < period - 1 for i in range(config.num_layers)]:
+            writer.add_sliding_window_pattern(local)  # where the layers depart from llama.cpp's default
     if config.architecture in ("gemma2", "gemma3"):
         _add_gemma2_metadata(writer, config)
     if config.num_experts:
@@ -230,10 +235,6 @@ def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if config.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    pattern = 2 if config.architecture == "gemma2" else 6
-    local = [config.is_sliding_layer(i) for i in range(config.num_layers)]
-    if local != [i % pattern < pattern - 1 for i in range(config.num_layers)]:
-        writer.add_sliding_window_pattern(local)
     if config.local_rope_theta not in (None, 10000.0):
         writer.add_rope_freq_base_swa(config.local_rope_theta)
     big = config.num_layers == {"gemma2": 46, "gemma3": 62}[config.architecture]

@@ -86,6 +86,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
             {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))} if scaling == "linear" else None
         ),
         sliding_window=int(window) if window else None,
+        sliding_layers=_sliding_layers(md, arch, int(get("block_count"))) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
@@ -96,18 +97,28 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def _gemma2_from_metadata(md: dict[str, Any], arch: str, hidden_per_head: int) -> dict[str, Any]:
-    """gemma2/3 as llama.cpp runs them: local layers by its sliding_window_pattern (default: every
-    other layer for gemma2, five of six for gemma3), the local RoPE base 10000, and the query scale
-    1/sqrt(head_dim) except in the 27B models (62 layers for gemma3, 46 for gemma2: hidden / heads)."""
-    layers = int(md[f"{arch}.block_count"])
-    pattern = md.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+# llama.cpp's sliding-window pattern of the families that alternate local and global layers
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+
+
+def _sliding_layers(md: dict[str, Any], arch: str, layers: int) -> tuple[int, ...] | None:
+    """The local layers as llama.cpp reads them: {arch}.attention.sliding_window_pattern, a flag per
+    layer or a period n (layer i local unless i % n == n - 1), else the family's period; None: all."""
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern", SWA_PATTERNS.get(arch))
+    if pattern is None:
+        return None
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise ModelLoadError(f"{arch}.attention.sliding_window_pattern: {len(pattern)} entries for {layers} layers")
-        sliding = tuple(i for i, local in enumerate(pattern) if local)
-    else:  # llama.cpp's swa pattern n: layer i is local unless i % n == n - 1
-        sliding = tuple(i for i in range(layers) if int(pattern) == 0 or i % int(pattern) < int(pattern) - 1)
+        return tuple(i for i, local in enumerate(pattern) if local)
+    period = int(pattern)
+    return tuple(i for i in range(layers) if period == 0 or i % period < period - 1)
+
+
+def _gemma2_from_metadata(md: dict[str, Any], arch: str, hidden_per_head: int) -> dict[str, Any]:
+    """gemma2/3 as llama.cpp runs them: the local RoPE base 10000, and the query scale 1/sqrt(head_dim)
+    except in the 27B models (62 layers for gemma3, 46 for gemma2: hidden / heads)."""
+    layers = int(md[f"{arch}.block_count"])
     scale = md.get(f"{arch}.attention.scale")
     if scale is not None:
         query_scalar = float(scale) ** -2
@@ -116,7 +127,6 @@ def _gemma2_from_metadata(md: dict[str, Any], arch: str, hidden_per_head: int) -
     else:
         query_scalar = None  # head_dim
     return dict(
-        sliding_layers=sliding,
         local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
         query_pre_attn_scalar=query_scalar,
         **{cap: float(md[f"{arch}.{cap}"]) if md.get(f"{arch}.{cap}") is not None else None

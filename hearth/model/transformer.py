@@ -43,6 +43,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops, offset)
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
+        self.window = config.sliding_window if config.is_sliding_layer(index) else None
         # gemma3's sliding layers rotate by their own RoPE table (Transformer.local_rope)
         self.local_rope = config.local_rope_theta is not None and config.is_sliding_layer(index)
 
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
 
