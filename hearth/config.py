@@ -9,8 +9,8 @@ from typing import Any
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-                           "qwen3_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "mixtral",
+                           "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
@@ -21,6 +21,7 @@ HF_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
+    "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -63,6 +64,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
+    no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (smollm3's NoPE layers)
     # Mixture of experts (mixtral, qwen2_moe, qwen3_moe, olmoe): a layer's MLP is the sum of the top
     # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`, weighted by the
     # router's softmax over all experts (renormalised over the chosen ones when norm_topk_prob).
@@ -181,6 +183,7 @@ class ModelConfig:
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
                 sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
+                no_rope_layers=_no_rope_layers(hf) if arch == "smollm3" else (),
                 qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
@@ -219,6 +222,19 @@ def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
     if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
     return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
+def _no_rope_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """smollm3's no_rope_layers (1: the layer rotates, 0: it does not), else one NoPE layer every
+    no_rope_layer_interval layers, as transformers derives it."""
+    layers = int(hf["num_hidden_layers"])
+    uses_rope = hf.get("no_rope_layers")
+    if uses_rope is None:
+        interval = int(hf.get("no_rope_layer_interval") or 4)
+        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) != layers or set(uses_rope) - {0, 1}:
+        raise ModelLoadError(f"no_rope_layers = {uses_rope!r}: expected 0 or 1 for each layer")
+    return tuple(i for i, use in enumerate(uses_rope) if not use)
 
 
 def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB_SIZE = 320
 
@@ -69,6 +69,9 @@ def hf_config(arch: str, **overrides):
             "layer_types": ["sliding_attention", "full_attention"],
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+        # a NoPE layer every 4, the layout llama.cpp's smollm3 assumes
+        "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
+                                                 "tie_word_embeddings": False, "pad_token_id": None}),
         # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
         # quantized formats' (32) so that converted files quantize them
         "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,

@@ -230,6 +230,17 @@ def test_inspect_shows_windows_and_soft_caps(folders, capsys):
     assert (config["sliding_layers"], config["local_rope_theta"], config["rope_theta"]) == ([0], 10000.0, 1e6)
 
 
+def test_nope_layers_llama_cpp_cannot_express_are_refused_by_convert(tmp_path):
+    """smollm3 with its NoPE layer elsewhere than every 4th: runs from HF, but llama.cpp's smollm3
+    has no key for that layout, so hearth convert refuses it (never writes a file that runs wrongly)."""
+    folder = make_hf_model(tmp_path / "s", "smollm3", num_hidden_layers=2, no_rope_layers=[1, 0])
+    model = load_model(folder, progress=False).model
+    assert model.config.no_rope_layers == (1,)
+    assert _relative_error(paged_logits(model, TOKENS), _logits_of(folder)) <= 1e-4
+    with pytest.raises(ModelLoadError, match="NoPE layers"):
+        convert_hf_to_gguf(folder, tmp_path / "s.gguf", "f32", progress=False)
+
+
 def test_bad_expert_configs_and_files_are_refused(folders, tmp_path):
     hf = json.loads((folders["mixtral"] / "config.json").read_text())
     bad = tmp_path / "bad"

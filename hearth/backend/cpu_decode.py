@@ -5,7 +5,8 @@ calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a t
 again: each runs with the caches that the weights' stream has just emptied. When every projection
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
 hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
-no q/k norms, norms without offset, no sandwich norms, one window for every layer if any), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
+no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
+every layer), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
 kernels that the modules call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
@@ -45,7 +46,7 @@ class CpuDecodePath:
         if (qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
                 or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
                 or config.norm_weight_offset or config.head_dim % 2 or config.num_experts or config.sandwich_norms
-                or config.sliding_layers is not None):
+                or config.sliding_layers is not None or config.no_rope_layers):
             return None
         rows = []
         for layer in model.layers:

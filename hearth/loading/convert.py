@@ -21,7 +21,7 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 
 from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.gguf import SWA_PATTERNS
+from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
                                   hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
@@ -44,7 +44,7 @@ OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
 
 # hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-                      "gemma2": "gemma2", "gemma3": "gemma3",
+                      "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF tensors llama.cpp drops on purpose
@@ -212,6 +212,9 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
             writer.add_sliding_window_pattern(local)  # where the layers depart from llama.cpp's default
     if config.architecture in ("gemma2", "gemma3"):
         _add_gemma2_metadata(writer, config)
+    if config.architecture == "smollm3" and config.no_rope_layers != smollm3_no_rope_layers(config.num_layers):
+        raise ModelLoadError(f"NoPE layers {list(config.no_rope_layers)}: llama.cpp's smollm3 has one every 4 layers "
+                             "and no GGUF key for another layout")
     if config.num_experts:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

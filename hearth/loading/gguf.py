@@ -94,7 +94,13 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
         **(_experts_from_metadata(md, arch, get) if experts else {}),
         **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
+        no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
     )
+
+
+def smollm3_no_rope_layers(layers: int) -> tuple[int, ...]:
+    """llama.cpp's smollm3: a NoPE layer every 4 (its n_no_rope_layer_step; no key in the file says otherwise)."""
+    return tuple(i for i in range(layers) if (i + 1) % 4 == 0)
 
 
 # llama.cpp's sliding-window pattern of the families that alternate local and global layers

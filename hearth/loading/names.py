@@ -62,7 +62,7 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # llama.cpp's converter permutes the rows of Q and K for these architectures so that its
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
-PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral")
+PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)

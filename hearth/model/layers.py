@@ -159,10 +159,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """HF's rotate-half RoPE over a precomputed cos/sin table."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, ops: Backend):
+    def __init__(self, config: ModelConfig, max_positions: int, ops: Backend, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.ops = ops
-        self.inv_freq = rope_inv_freq(config)
+        self.inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq  # [head_dim / 2]
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
 

@@ -44,8 +44,12 @@ class Attention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if config.is_sliding_layer(index) else None
-        # gemma3's sliding layers rotate by their own RoPE table (Transformer.local_rope)
-        self.local_rope = config.local_rope_theta is not None and config.is_sliding_layer(index)
+        # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
+        # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)
+        if index in config.no_rope_layers:
+            self.rope_index = 2
+        else:
+            self.rope_index = int(config.local_rope_theta is not None and config.is_sliding_layer(index))
 
     def forward(
         self,
@@ -89,13 +93,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rotaries, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
-        then x is the stream). rotaries: the global and the local RoPE lookups. Returns (this
+        then x is the stream). rotaries: the lookups of Transformer.ropes. Returns (this
         layer's addition, the stream): each add is fused into the norm that follows it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rotaries[self.self_attn.local_rope], kv_cache, meta)
+        h = self.self_attn(h, rotaries[self.self_attn.rope_index], kv_cache, meta)
         if not self.sandwich_norms:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
@@ -115,10 +119,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
-        self.local_rope = None  # gemma3's sliding layers: their own base, unscaled
-        if config.local_rope_theta is not None:
+        self.local_rope = self.no_rope = None
+        if config.local_rope_theta is not None:  # gemma3's sliding layers: their own base, unscaled
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
             self.local_rope = RotaryEmbedding(local, self.rope.max_positions, ops)
+        if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
+            zeros = torch.zeros_like(self.rope.inv_freq)
+            self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
 
     @torch.inference_mode()
     def forward(
@@ -134,7 +141,7 @@ class Transformer(nn.Module):
         rotary = self.rope(positions, x.dtype)
         if (out := self.backend.decode_layers(self, x, rotary, kv_caches, meta)) is not None:
             return self.norm(*out)[0]
-        rotaries = (rotary, self.local_rope(positions, x.dtype) if self.local_rope is not None else None)
+        rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rotaries, kv_cache, meta)
