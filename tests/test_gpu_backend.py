@@ -32,8 +32,9 @@ def _greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-# of the mixtures of experts (slow under the interpreter), the shared expert and olmoe's whole-projection q/k norms
-@pytest.mark.parametrize("arch", ARCHITECTURES + ("qwen2_moe", "olmoe"))
+# slow under the interpreter: of the mixtures of experts one (with a shared expert); smollm3's NoPE layers
+# are the RoPE kernel on a table of cos 1, sin 0 (tested on the CPU)
+@pytest.mark.parametrize("arch", tuple(a for a in ARCHITECTURES if a != "smollm3") + ("qwen2_moe",))
 def test_greedy_output_matches_transformers(tmp_path, arch):
     """Prompts chunked across steps (budget 32), a shared prefix served from the prefix cache,
     decodes batched with prefills: every token as transformers' generate picks it."""
