@@ -232,10 +232,25 @@ def cmd_inspect(args) -> None:
     print(f"model            {info['path']}")
     print(f"architecture     {info['architecture']} ({info['embeddings']} embeddings)")
     print(f"parameters       {info['parameters']:,}")
+    if "experts" in info:
+        e = info["experts"]
+        shared = f", a shared expert of {e['shared_intermediate_size']}" if e["shared_intermediate_size"] else ""
+        print(f"experts          {e['count']} of intermediate size {e['intermediate_size']}, {e['used_per_token']} per "
+              f"token{' (weights renormalised)' if e['normalised'] else ''}{shared}; "
+              f"{e['active_parameters']:,} parameters active per token")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")
     print(f"context length   {info['context_length']}")
+    config = info["config"]
+    if config["sliding_window"] is not None:
+        layers = config["sliding_layers"]
+        which = "every layer" if layers is None else f"layers {', '.join(map(str, layers)) or 'none'}"
+        print(f"sliding window   {config['sliding_window']} tokens ({which})")
+    caps = [f"{kind} {config[f'{kind}_logit_softcapping']:g}" for kind in ("attn", "final")
+            if config[f"{kind}_logit_softcapping"] is not None]
+    if caps:
+        print(f"soft-capping     {', '.join(caps)}")
     print(f"KV cache         {info['kv_cache_bytes_per_token']:,} bytes/token at {info['kv_bytes_per_element']} bytes/element")
     if "kv_budget_tokens" in info:
         print(f"KV budget        {info['kv_budget_bytes'] / 2**30:.2f} GiB holds {info['kv_budget_tokens']:,} tokens")

@@ -9,7 +9,9 @@ from typing import Any
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "mixtral",
+                           "qwen2_moe", "qwen3_moe", "olmoe")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -17,6 +19,13 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
+    "SmolLM3ForCausalLM": "smollm3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 
@@ -38,14 +47,34 @@ class ModelConfig:
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2), and o_proj too (llama, qwen3, gemma)
     mlp_bias: bool = False  # gate/up/down carry a bias (llama's mlp_bias)
-    qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
+    # RMSNorm of q and k before RoPE: "head" over each head (qwen3), "all" over the whole projection (olmoe)
+    qk_norm: str | None = None
     # gemma stores RMSNorm weights as (w - 1) and scales embeddings by sqrt(hidden)
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
-    # Sliding-window attention (mistral, qwen2's use_sliding_window): a query attends to the last
-    # `sliding_window` positions. hearth attends to the whole context, which is the same thing as
-    # long as a sequence fits in the window: sequences stop there (exact_context).
+    # Sliding-window attention (mistral, qwen2's use_sliding_window, gemma2/3's local layers): a query
+    # attends to the last `sliding_window` positions, itself included
     sliding_window: int | None = None
+    # layers that attend through the window (gemma2/3 alternate local and global layers); None: every layer
+    sliding_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None  # gemma3: the RoPE base of the sliding layers (unscaled); None: rope_theta
+    # gemma2/3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); attention scores
+    # and final logits soft-capped as cap * tanh(x / cap); norms after attention and after the MLP too
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
+    no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (smollm3's NoPE layers)
+    # Mixture of experts (mixtral, qwen2_moe, qwen3_moe, olmoe): a layer's MLP is the sum of the top
+    # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size`, weighted by the
+    # router's softmax over all experts (renormalised over the chosen ones when norm_topk_prob).
+    num_experts: int = 0  # 0: a dense MLP in every layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # qwen2_moe: a dense MLP every token takes beside the routed ones, scaled by sigmoid(gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,10 +83,7 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name, most in _SIZE_LIMITS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
-                raise ModelLoadError(f"{name} = {value!r}: expected a whole number from 1 to {most:,}")
+        self._check_sizes(_SIZE_LIMITS)
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -73,13 +99,38 @@ class ModelConfig:
             raise ModelLoadError(f"hidden_act = {self.hidden_act!r}: expected an activation's name")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelLoadError(f"rope_scaling = {self.rope_scaling!r}: expected an object")
+        for name in ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ModelLoadError(f"{name} = {value!r}: expected a positive number")
+        if self.qk_norm not in (None, "head", "all"):
+            raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
+        if self.num_experts:
+            self._check_experts()
 
-    @property
-    def exact_context(self) -> int:
-        """The longest sequence hearth computes as the model defines it."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+    def _check_sizes(self, limits: dict[str, int]) -> None:
+        for name, most in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ModelLoadError(f"{name} = {value!r}: expected a whole number from 1 to {most:,}")
+
+    def _check_experts(self) -> None:
+        self._check_sizes(_EXPERT_LIMITS)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok = {self.num_experts_per_tok}: more than the "
+                                 f"{self.num_experts} experts")
+        if not 0 <= self.shared_expert_intermediate_size <= _EXPERT_LIMITS["moe_intermediate_size"]:
+            raise ModelLoadError(f"shared_expert_intermediate_size = {self.shared_expert_intermediate_size!r}: "
+                                 "expected a whole number of at least 0")
+        if any(not 0 <= layer < self.num_layers for layer in self.dense_mlp_layers):
+            raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
+                                 f"{self.num_layers}")
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        return self.sliding_window is not None and (self.sliding_layers is None or layer in self.sliding_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
@@ -88,7 +139,7 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
         arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
         if arch is None:
-            arch = hf.get("model_type")
+            arch = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -99,16 +150,19 @@ class ModelConfig:
             heads = int(hf["num_attention_heads"])
             kv_heads = int(hf.get("num_key_value_heads") or heads)
             head_dim = int(hf.get("head_dim") or hidden // heads)
-            gemma = arch == "gemma"
+            gemma = arch in GEMMA_ARCHITECTURES
             # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
+            # (gemma3: one per layer type)
             rope = hf.get("rope_parameters") or {}
+            local_rope = rope.get("sliding_attention")
+            rope = rope.get("full_attention", rope)
             act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
             if gemma:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
-            _refuse_unimplemented(hf, where)
+            _refuse_unimplemented(hf, where, arch)
             window = hf.get("sliding_window")
-            if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
             return cls(
                 architecture=arch,
@@ -125,12 +179,16 @@ class ModelConfig:
                 rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
-                attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+                attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
-                qk_norm=arch == "qwen3",
+                sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
+                no_rope_layers=_no_rope_layers(hf) if arch == "smollm3" else (),
+                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+                **_gemma2_from_hf(hf, arch, local_rope),
+                **_experts_from_hf(hf, arch),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -144,12 +202,90 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
+def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
+    """The layers that attend through the sliding window (None: every layer): config.json's
+    layer_types, else each family's rule as transformers derives it."""
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        after = int(hf.get("max_window_layers") or 0)
+        local = {
+            "gemma2": lambda i: i % 2 == 0,  # alternating, from a local layer
+            "gemma3": lambda i: (i + 1) % pattern != 0,  # a global layer every `pattern`
+            "qwen2": lambda i: i >= after, "qwen3": lambda i: i >= after,
+            "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < after,
+        }.get(arch)
+        if local is None:
+            return None
+        kinds = ["sliding_attention" if local(i) else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
+def _no_rope_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """smollm3's no_rope_layers (1: the layer rotates, 0: it does not), else one NoPE layer every
+    no_rope_layer_interval layers, as transformers derives it."""
+    layers = int(hf["num_hidden_layers"])
+    uses_rope = hf.get("no_rope_layers")
+    if uses_rope is None:
+        interval = int(hf.get("no_rope_layer_interval") or 4)
+        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(uses_rope) != layers or set(uses_rope) - {0, 1}:
+        raise ModelLoadError(f"no_rope_layers = {uses_rope!r}: expected 0 or 1 for each layer")
+    return tuple(i for i, use in enumerate(uses_rope) if not use)
+
+
+def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """The ModelConfig fields of gemma2 and gemma3 (none for other families)."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    local_theta = None
+    if arch == "gemma3":
+        if local_rope is not None:
+            if local_rope.get("rope_type", "default") != "default":
+                raise ModelLoadError(f"RoPE scaling {local_rope.get('rope_type')!r} of the sliding layers is not "
+                                     "implemented by hearth")
+            local_theta = float(local_rope["rope_theta"])
+        else:
+            local_theta = float(hf.get("rope_local_base_freq") or 10000.0)
+    capping = {name: float(hf[name]) if hf.get(name) is not None else None
+               for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
+        sandwich_norms=True,
+        **capping,
+    )
+
+
+def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or []} | {i for i in range(layers) if (i + 1) % step}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        dense_mlp_layers=tuple(sorted(dense)) if experts else (),
+    )
+
+
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
 # config must not make hearth allocate without limit.
 _SIZE_LIMITS = {
     "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 1 << 12,
     "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
 }
+_EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:
 # a config that switches one on is refused, never run without it.
@@ -157,14 +293,18 @@ _INACTIVE_FIELDS = {
     "partial_rotary_factor": (None, 1, 1.0),
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
+    "clip_qkv": (None,),  # olmoe
+    "use_bidirectional_attention": (None, False),  # gemma3's encoder use
 }
+# of those, the ones some families implement
+_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3")}
 
 
-def _refuse_unimplemented(hf: dict[str, Any], where: str) -> None:
+def _refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 may put the rotary fraction here
     for name, inactive in _INACTIVE_FIELDS.items():
         value = hf.get(name, rope.get(name))
-        if value not in inactive:
+        if value not in inactive and arch not in _IMPLEMENTED_BY.get(name, ()):
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 

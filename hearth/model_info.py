@@ -49,7 +49,20 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_b
         "tokenizer": {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": tokenizer.eos_token_ids,
                       "has_chat_template": tokenizer.chat_template is not None},
     }
+    if config.num_experts:
+        info["experts"] = _experts(config, params)
     if kv_budget_bytes is not None:
         info["kv_budget_bytes"] = kv_budget_bytes
         info["kv_budget_tokens"] = kv_budget_bytes // kv_per_token
     return info
+
+
+def _experts(config, params: int) -> dict:
+    """A mixture of experts' shape, and the parameters a token uses (the unchosen experts' left out)."""
+    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size  # gate, up, down
+    unused = moe_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
+    return {"count": config.num_experts, "used_per_token": config.num_experts_per_tok,
+            "intermediate_size": config.moe_intermediate_size,
+            "shared_intermediate_size": config.shared_expert_intermediate_size,
+            "normalised": config.norm_topk_prob, "active_parameters": params - unused}

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB_SIZE = 320
 
 _TEXT = (
@@ -59,6 +60,30 @@ def hf_config(arch: str, **overrides):
         "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),
         "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "use_sliding_window": False}),
         "gemma": (transformers.GemmaConfig, {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"}),
+        # a query scale other than head_dim's, soft-caps that bite, a window longer than the tests' sequences
+        "gemma2": (transformers.Gemma2Config, {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 128,
+                                               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
+        # a local and a global layer, each with its RoPE base; linear scaling on the global one
+        "gemma3": (transformers.Gemma3TextConfig, {
+            "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+        # a NoPE layer every 4, the layout llama.cpp's smollm3 assumes
+        "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
+                                                 "tie_word_embeddings": False, "pad_token_id": None}),
+        # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
+        # quantized formats' (32) so that converted files quantize them
+        "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                 "intermediate_size": 64, "sliding_window": None}),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "num_experts_per_tok": 3,
+                                                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+                                                    "norm_topk_prob": False, "use_sliding_window": False}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                                    "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                    "use_sliding_window": False}),
+        "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                             "pad_token_id": None}),
     }
     cls, extra = specific[arch]
     return cls(**{**common, **extra, **overrides})
@@ -74,7 +99,7 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     with torch.no_grad():  # spread the weights so that logits are far from uniform
         for p in model.parameters():
             if p.dim() == 1:
-                p.normal_(1.0 if arch != "gemma" else 0.0, 0.2)
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)
     folder.mkdir(parents=True, exist_ok=True)

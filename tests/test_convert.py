@@ -107,7 +107,8 @@ def _expected_tensor_names(arch: gguf.MODEL_ARCH, blocks: int) -> set[str]:
 
 @pytest.mark.parametrize("name, arch", [("llama", gguf.MODEL_ARCH.LLAMA), ("mistral", gguf.MODEL_ARCH.LLAMA),
                                         ("qwen2", gguf.MODEL_ARCH.QWEN2), ("qwen3", gguf.MODEL_ARCH.QWEN3),
-                                        ("gemma", gguf.MODEL_ARCH.GEMMA), ("llama3-tied", gguf.MODEL_ARCH.LLAMA)])
+                                        ("gemma", gguf.MODEL_ARCH.GEMMA), ("gemma2", gguf.MODEL_ARCH.GEMMA2),
+                                        ("llama3-tied", gguf.MODEL_ARCH.LLAMA)])
 def test_metadata_and_tensors_as_llama_cpp_expects(name, arch, hf_dirs, tmp_path_factory):
     reader = gguf.GGUFReader(_convert(hf_dirs, name, "q8_0", tmp_path_factory))
     md = _metadata(reader)
@@ -125,7 +126,7 @@ def test_metadata_and_tensors_as_llama_cpp_expects(name, arch, hf_dirs, tmp_path
 
     tensors = {t.name: t for t in reader.tensors}
     assert set(tensors) <= _expected_tensor_names(arch, 2)
-    tied = name in ("gemma", "llama3-tied")
+    tied = name in ("gemma", "gemma2", "llama3-tied")
     assert ("output.weight" in tensors) == (not tied)
     assert ("rope_freqs.weight" in tensors) == (name == "llama3-tied")
     assert ("blk.0.attn_q.bias" in tensors) == (name == "qwen2")
@@ -147,6 +148,11 @@ def test_metadata_and_tensors_as_llama_cpp_expects(name, arch, hf_dirs, tmp_path
             assert t.tensor_type == Q.Q8_0, t.name  # token_embd and output too, as llama.cpp's q8_0
     if name == "llama3-tied":
         assert tensors["rope_freqs.weight"].shape.tolist() == [head_dim // 2]
+    if name == "gemma2":  # soft-caps, the window, and the query scale llama.cpp would not derive (24, not head_dim)
+        assert (md[f"{a}.attn_logit_softcapping"], md[f"{a}.final_logit_softcapping"]) == (5.0, 10.0)
+        assert md[f"{a}.attention.sliding_window"] == 128
+        assert md[f"{a}.attention.scale"] == pytest.approx(24**-0.5)
+        assert {"blk.1.post_attention_norm.weight", "blk.1.ffn_norm.weight", "blk.1.post_ffw_norm.weight"} <= set(tensors)
 
 
 def _hf_tokenizer(folder: Path):

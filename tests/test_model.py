@@ -120,27 +120,28 @@ def test_biases_on_every_projection_match_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("out_type", [None, "f32"])
-def test_sliding_window_model_is_exact_up_to_its_window(tmp_path, out_type):
-    """hearth attends to the whole context: equal to mistral's 24-token window for sequences that
-    fit in it, so sequences stop there (from the HF folder and from the GGUF hearth writes)."""
+@pytest.mark.parametrize("arch,overrides", [("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1})])
+def test_sliding_window_generations_longer_than_the_window_match(tmp_path, out_type, arch, overrides):
+    """A 24-token window (mistral: every layer; qwen2: the layers from max_window_layers on):
+    prompts longer than it, prefilled in chunks of 8 (each chunk's window reaching into the previous
+    ones), then decoded well past it, batched: greedy tokens as transformers' windowed generate
+    (from the HF folder and from the GGUF hearth writes)."""
     from hearth import LLM, SamplingParams
     from hearth.loading.convert import convert_hf_to_gguf
 
-    folder = make_hf_model(tmp_path / "mistral", "mistral", sliding_window=24)
+    folder = make_hf_model(tmp_path / arch, arch, sliding_window=24, **overrides)
     path = folder if out_type is None else convert_hf_to_gguf(folder, tmp_path / "m.gguf", out_type, progress=False)
-    llm = LLM(path, kv_cache_memory=1 << 20, progress=False)
-    assert llm.engine.max_model_len == 24
-    prompt = TOKENS[:10]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    assert len(prompt) + len(tokens) == 24 and out.outputs[0].finish_reason == "length"
+    llm = LLM(path, kv_cache_memory=1 << 20, max_num_batched_tokens=8, progress=False)
+    assert llm.engine.max_model_len == 512
+    assert llm.engine.model_config.sliding_layers == (None if arch == "mistral" else (1,))
+    prompts = [TOKENS[:30], TOKENS[5:15], TOKENS[:41]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     reference = load_hf_reference(folder)
-    ids = torch.tensor([prompt])
-    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens),
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert tokens == expected
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(path, max_model_len=100, kv_cache_memory=1 << 20, progress=False)
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected
 
 
 def test_unimplemented_features_are_refused(tmp_path):

@@ -416,12 +416,13 @@ def k_quant_mix_model(folder):
     return model
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "k-quant mix"])
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "k-quant mix", "q8_0 sliding window"])
 def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_type):
     """Every matmul on the int8 kernel: decode-only steps run cpu_decode.py's one-call path; its
     logits equal the modules' (same kernels, same order) and the dequantized dense model's within
     the int8-activation tolerance above. GGUF files from hearth's converter (gguf's quantizer),
-    and a Q4_K_M-like mix of K-quants (hidden 256, intermediate 512: whole super-blocks)."""
+    a Q4_K_M-like mix of K-quants (hidden 256, intermediate 512: whole super-blocks), and mistral
+    with an 8-token window (the decodes past it)."""
     from hearth.backend.cpu import cpu_kernels
     from hearth.backend.cpu_decode import CpuDecodePath
 
@@ -431,8 +432,9 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
         folder = make_hf_model(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512)
         build = lambda: k_quant_mix_model(folder)  # noqa: E731
     else:
-        folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
-        path = convert_hf_to_gguf(folder, tmp_path / f"llama-{out_type}.gguf", out_type, progress=False)
+        arch, window = ("mistral", {"sliding_window": 8}) if "window" in out_type else ("llama", {})
+        folder = make_hf_model(tmp_path / arch, arch, intermediate_size=128, **window)
+        path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", out_type.split()[0], progress=False)
         build = lambda: load_model(path, progress=False).model  # noqa: E731
     model = build()
     assert CpuDecodePath.for_model(model, cpu_kernels()) is not None

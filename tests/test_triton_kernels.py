@@ -66,8 +66,10 @@ def _paged_cache(context_lens: list[int], num_kv_heads: int, head_dim: int, bloc
     return k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
 
 
-def _reference_attention(q, k_cache, v_cache, table, context_len, block_size, scale):
-    """q [rows, H, D]: the sequence's last `rows` positions against its whole context, causal, float64."""
+def _reference_attention(q, k_cache, v_cache, table, context_len, block_size, scale, softcap=None, window=None):
+    """q [rows, H, D]: the sequence's last `rows` positions against its whole context, causal, float64;
+    softcap: scores capped as softcap * tanh(score / softcap) (gemma2); window: each row sees only the
+    last `window` positions."""
     rows, num_heads, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float64)
     if context_len == 0:
@@ -78,8 +80,12 @@ def _reference_attention(q, k_cache, v_cache, table, context_len, block_size, sc
     keys = k_cache.cpu()[slots].double().repeat_interleave(group, dim=1)  # [L, H, D]
     values = v_cache.cpu()[slots].double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.cpu().double(), keys) * scale  # [H, rows, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_positions = torch.arange(context_len - rows, context_len)
     scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(positions[None, :] <= query_positions[:, None] - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
@@ -182,6 +188,29 @@ def test_prefill_attention(case, dtype):
     ref = torch.cat([_reference_attention(q[starts[s] : starts[s + 1]], k_cache, v_cache, tables[s], length,
                                           block_size, scale) for s, length in enumerate(context_lens)])
     _assert_matches(out, ref, dtype)
+
+
+@pytest.mark.parametrize("softcap,window", [(2.0, None), (None, 40), (2.0, 100)])
+def test_soft_capped_and_windowed_attention(softcap, window):
+    """A cap that bites (scores up to ~3x it), a sliding window shorter than the contexts: split
+    decode and prefill (rows whose window starts past whole tiles) against the reference."""
+    context_lens = [300, 17]
+    q, k_cache, v_cache, tables, lens, _, _ = _decode_case(context_lens, 8, 2, torch.float32, head_dim=32, block_size=8)
+    scale = 0.5
+    ref = torch.stack([_reference_attention(q[b : b + 1], k_cache, v_cache, tables[b], length, 8, scale, softcap,
+                                            window)[0] for b, length in enumerate(context_lens)])
+    for splits in (1, 3):
+        out = decode_attention(q, k_cache, v_cache, tables, lens, scale, 8, num_splits=splits, softcap=softcap,
+                               window=window)
+        _assert_matches(out, ref, torch.float32)
+    plain = decode_attention(q, k_cache, v_cache, tables, lens, scale, 8, num_splits=1)
+    assert (plain - ref.to(plain)).abs().max() > 1e-2  # the cap or the window changes the result
+    starts = torch.tensor([0, 90, 107], dtype=torch.int32, device=DEVICE)  # 90 and 17 new rows
+    rows = torch.randn(107, 8, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    out = prefill_attention(rows, k_cache, v_cache, tables, starts, lens, scale, 8, 90, softcap=softcap, window=window)
+    ref = torch.cat([_reference_attention(rows[starts[s] : starts[s + 1]], k_cache, v_cache, tables[s], length, 8,
+                                          scale, softcap, window) for s, length in enumerate(context_lens)])
+    _assert_matches(out, ref, torch.float32)
 
 
 def test_prefill_attention_strided_q():

@@ -62,6 +62,14 @@ class PrefillSequence:
     context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
     causal_mask: torch.Tensor  # [query_len, context_len] bool, True = may attend
 
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The causal mask, and with a sliding window only the last `window` positions of each row."""
+        if window is None:
+            return self.causal_mask
+        new, context = self.causal_mask.shape
+        rows = torch.arange(context - new, context, device=self.causal_mask.device)[:, None]  # query positions
+        return self.causal_mask & (torch.arange(context, device=rows.device)[None, :] > rows - window)
+
 
 @dataclass
 class AttentionMetadata:
@@ -107,15 +115,21 @@ class AttentionMetadata:
             block_size=step.block_size,
         )
 
-    def decode_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache slots [D, L] (padded) and [D, 1, 1, L] True where real, for the SDPA path."""
+    def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots [D, L] (padded) and [D, 1, 1, L] True where real (and, given a sliding window,
+        within the last `window` positions), for the SDPA path."""
         if not hasattr(self, "_decode_slots"):  # every layer asks; built once a step
             offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
             slots = (self.decode_block_tables.long()[:, :, None] * self.block_size + offsets).flatten(1)
             slots = slots[:, : self.decode_max_len]
             positions = torch.arange(self.decode_max_len, device=slots.device)
-            self._decode_slots = slots, (positions < self.decode_context_lens[:, None])[:, None, None, :]
-        return self._decode_slots
+            self._decode_slots = slots, positions
+        slots, positions = self._decode_slots
+        lens = self.decode_context_lens[:, None]
+        mask = positions < lens
+        if window is not None:
+            mask &= positions >= lens - window
+        return slots, mask[:, None, None, :]
 
 
 class Backend:
@@ -166,35 +180,34 @@ class Backend:
         return apply_rope(q, rotary)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
-        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim]."""
+                  scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim].
+        softcap: scores become softcap * tanh(scores / softcap) before the softmax (gemma2).
+        window: a query sees only the last `window` positions, itself included (sliding window)."""
         if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
-            return self.decode_attention(q, k_cache, v_cache, meta, scale)
+            return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k_cache.shape[1]
         for seq in meta.prefills:
             # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
             query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
             keys = k_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
             values = v_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=seq.causal_mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = _attend(query, keys, values, seq.mask(window), scale, softcap)
             out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
         if meta.num_decodes:
             out[meta.decode_token_index] = self.decode_attention(q[meta.decode_token_index], k_cache, v_cache,
-                                                                 meta, scale)
+                                                                 meta, scale, softcap=softcap, window=window)
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                         window: int | None = None) -> torch.Tensor:
         """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers."""
         # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
-        slots, mask = meta.decode_slots_and_mask()
+        slots, mask = meta.decode_slots_and_mask(window)
         keys = k_cache[slots].transpose(1, 2).to(q.dtype)
         values = v_cache[slots].transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=q.shape[1] != k_cache.shape[1])
-        return o.squeeze(2)
+        return _attend(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
@@ -213,6 +226,20 @@ class Backend:
         from hearth.quant.linear import quantized_module
 
         return quantized_module(module, weight, bias, dtype, self.device)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of query [B, heads, Q, D] over keys / values [B, kv_heads, K, D] where mask (True:
+    may attend) allows: SDPA, or with soft-capped scores the same written out (SDPA has no cap)."""
+    gqa = query.shape[1] != keys.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.tanh(query @ keys.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
 
 
 def apply_rope(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

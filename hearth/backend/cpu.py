@@ -72,18 +72,23 @@ class CpuBackend(Backend):
         return q_out
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         split_len: int | None = None):  # None: decode_split_len's choice
+                         split_len: int | None = None,  # None: decode_split_len's choice
+                         softcap: float | None = None, window: int | None = None):
+        if softcap is not None:  # the kernel has no soft-capping
+            return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         q = q.contiguous()
         num_decodes, heads, head_dim = q.shape
         kv_heads = k_cache.shape[1]
         threads = torch.get_num_threads()
         if split_len is None:
-            split_len = decode_split_len(num_decodes, kv_heads, meta.decode_max_len, threads)
+            split_len = decode_split_len(num_decodes, kv_heads, min(meta.decode_max_len, window or meta.decode_max_len),
+                                         threads)
         out = torch.empty_like(q)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         self.kernels.decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, threads,
+            num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, window or 0,
+            threads,
         )
         return out
 

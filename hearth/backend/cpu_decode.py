@@ -4,8 +4,9 @@ At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch 
 calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
 again: each runs with the caches that the weights' stream has just emptied. When every projection
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
-hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no biases, no q/k norms,
-norms without offset), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
+hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
+no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
+every layer), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
 kernels that the modules call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
@@ -34,6 +35,7 @@ class CpuDecodePath:
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.scale = model.layers[0].self_attn.scale
+        self.window = config.sliding_window or 0  # every layer's (for_model takes no per-layer windows)
 
     @classmethod
     def for_model(cls, model, kernels) -> CpuDecodePath | None:
@@ -43,7 +45,8 @@ class CpuDecodePath:
         config = model.config
         if (qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
                 or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
-                or config.norm_weight_offset or config.head_dim % 2):
+                or config.norm_weight_offset or config.head_dim % 2 or config.num_experts or config.sandwich_norms
+                or config.sliding_layers is not None or config.no_rope_layers):
             return None
         rows = []
         for layer in model.layers:
@@ -89,7 +92,8 @@ class CpuDecodePath:
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), tokens, hidden, heads, kv_heads,
             head_dim, intermediate, self.eps, meta.block_size, tables.shape[1], self.scale,
-            decode_split_len(tokens, kv_heads, meta.decode_max_len, threads), threads,
+            decode_split_len(tokens, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),
+            self.window, threads,
         )
         return delta, residual
 

@@ -79,10 +79,11 @@ inline float exp_nonpositive(float x) {
 }
 
 // q, out [S, H, D]; k_cache, v_cache [slots, KH, D]; block_tables int32 [S, max_blocks];
-// context_lens int32 [S]. Every sequence has at least one token.
+// context_lens int32 [S]. Every sequence has at least one token. window > 0: the query sees only the
+// last `window` positions (sliding-window attention); 0: the whole context.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables_, uintptr_t lens_, uintptr_t out_,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t max_blocks, double scale, int64_t split_len, int threads) {
+                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
   const float* k_cache = reinterpret_cast<const float*>(k_);
   const float* v_cache = reinterpret_cast<const float*>(v_);
@@ -94,11 +95,12 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
   std::vector<Item> items;
   std::vector<int64_t> first_split(num_seqs + 1, 0);  // splits of sequence s: [first_split[s], first_split[s+1])
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s], n_splits = (len + split_len - 1) / split_len;
+    const int64_t len = lens[s], begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t n_splits = (len - begin + split_len - 1) / split_len;
     first_split[s + 1] = first_split[s] + n_splits;
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t i = 0; i < n_splits; ++i)
-        items.push_back({s, h, i * split_len, std::min(len, (i + 1) * split_len), first_split[s] + i});
+        items.push_back({s, h, begin + i * split_len, std::min(len, begin + (i + 1) * split_len), first_split[s] + i});
   }
   // per (split, query head): running max, sum of exp, unnormalised output [D]
   const int64_t total_splits = first_split[num_seqs];
@@ -280,7 +282,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
-                   int64_t split_len, int threads) {
+                   int64_t split_len, int64_t window, int threads) {
   const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
   const int64_t* table = reinterpret_cast<const int64_t*>(table_);
   const int64_t* caches = reinterpret_cast<const int64_t*>(caches_);
@@ -317,7 +319,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), k_cache, v_cache, tokens, num_heads,
                       num_kv_heads, head_dim, threads);
     decode_attention(ptr(q), k_cache, v_cache, block_tables_, lens_, ptr(attn), tokens, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, scale, split_len, threads);
+                     head_dim, block_size, max_blocks, scale, split_len, window, threads);
     project(layer, O, ptr(attn), delta, hidden, q_size);
     rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);

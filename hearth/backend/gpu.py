@@ -48,7 +48,8 @@ class GpuBackend(Backend):
     # ---- a step ------------------------------------------------------------------------
 
     def forward(self, model, step: StepInputs, kv_caches):
-        if step.decode_only and step.num_seqs <= self.max_graph_batch:
+        # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
+        if step.decode_only and step.num_seqs <= self.max_graph_batch and not model.config.num_experts:
             graphs = model.backend_state.get("decode_graphs")
             if graphs is None:
                 from hearth.backend.graphs import DecodeGraphs
@@ -89,12 +90,15 @@ class GpuBackend(Backend):
         positions, cos, sin = rotary
         return rope.rope_and_store_kv(q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
 
-    def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float):
+    def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
+                  window: int | None = None):
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                              meta.block_size, num_splits=meta.num_splits)
+                                              meta.block_size, num_splits=meta.num_splits, softcap=softcap,
+                                              window=window)
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                           meta.seq_lens, scale, meta.block_size, meta.max_query_len)
+                                           meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
+                                           window=window)
 
     def act_and_mul(self, gate, up, activation_name):
         return activation.act_and_mul(gate, up, activation_name)

@@ -105,12 +105,9 @@ class LLMEngine:
             raise
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
-        context = self.model_config.exact_context
+        context = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > context:
-            window = self.model_config.sliding_window
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}" + (
-                f" (its sliding window: hearth attends to the whole context, which equals the model's windowed "
-                f"attention only up to {window} tokens)" if context == window else ""))
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
         bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the

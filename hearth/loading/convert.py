@@ -19,9 +19,11 @@ import torch
 from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType,
                   RopeScalingType, TokenType)
 
-from hearth.config import ModelConfig
+from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, hf_to_gguf, qk_row_order
+from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
+from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
+                                  hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
@@ -45,8 +47,10 @@ OUT_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
 }
 TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 
-# hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral as llama)
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma"}
+# hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                      "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3",
+                      "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -113,21 +117,41 @@ def _plan_tensors(
         factors = (rope_inv_freq(base) / rope_inv_freq(config)).float()
         yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
 
-    tied = config.tie_word_embeddings or arch == "gemma"
+    tied = config.tie_word_embeddings or arch in GEMMA_ARCHITECTURES
+    stacks: set[tuple[int, str]] = set()  # (layer, projection) of the experts' weights
     for hf_name, tensor in weights.items():
         if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
             continue  # llama.cpp reads the output projection from token_embd when tied
-        name = hf_to_gguf(hf_name)
+        if (expert := hf_expert(hf_name)) is not None and config.num_experts:
+            stacks.add((expert[0], expert[2]))
+            continue
+        name = hf_to_gguf(hf_name, config.sandwich_norms)
         if name is None or name == "rope_freqs.weight":
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+    for layer, projection in sorted(stacks):
+        yield _expert_stack(config, weights, layer, projection, weight_type)
+
+
+def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str,
+                  weight_type: GGMLQuantizationType) -> tuple[str, tuple[int, ...], GGMLQuantizationType, Source]:
+    """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection`."""
+    names = [hf_expert_name(layer, e, projection) for e in range(config.num_experts)]
+    missing = [name for name in names if name not in weights]
+    if missing:
+        raise ModelLoadError(f"missing tensor {missing[0]}")
+    shape = (len(names), *weights[names[0]].shape)
+    name = gguf_expert_stack_name(layer, projection)
+    return name, shape, _tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
+        [weights[n].float() for n in names])
 
 
 def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
-    """llama.cpp's choice: norms and 1-D tensors F32; 2-D weights (token_embd and output
+    """llama.cpp's choice: norms, 1-D tensors and MoE routers F32; weights (token_embd and output
     included, except with ternary types: the embeddings of ternary models are not ternary) in the
     requested type, F16 where a row is not a whole number of blocks."""
-    if tensor.dim() <= 1 or name.endswith("_norm.weight") or weight_type == Q.F32:
+    if tensor.dim() <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) \
+            or weight_type == Q.F32:
         return Q.F32
     if weight_type in TERNARY_TYPES and name in ("token_embd.weight", "output.weight"):
         return Q.F16
@@ -143,7 +167,7 @@ def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Sourc
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 if hf_name.endswith((f"self_attn.{proj}.weight", f"self_attn.{proj}.bias")):
                     t = t[qk_row_order(heads, config.head_dim, to_gguf=True)]
-        if config.architecture == "gemma" and hf_name.endswith("norm.weight"):
+        if config.architecture in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
             t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
         return t
 
@@ -190,6 +214,22 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+        local = [config.is_sliding_layer(i) for i in range(config.num_layers)]
+        period = SWA_PATTERNS.get(config.architecture)
+        if local != [period is None or i % period < period - 1 for i in range(config.num_layers)]:
+            writer.add_sliding_window_pattern(local)  # where the layers depart from llama.cpp's default
+    if config.architecture in ("gemma2", "gemma3"):
+        _add_gemma2_metadata(writer, config)
+    if config.architecture == "smollm3" and config.no_rope_layers != smollm3_no_rope_layers(config.num_layers):
+        raise ModelLoadError(f"NoPE layers {list(config.no_rope_layers)}: llama.cpp's smollm3 has one every 4 layers "
+                             "and no GGUF key for another layout")
+    if config.num_experts:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(config.norm_topk_prob)  # llama.cpp fixes it per family; hearth reads it
+        if config.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "linear":
@@ -197,6 +237,21 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_rope_scaling_factor(float(scaling["factor"]))
     elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
+    """Soft-caps, and what llama.cpp otherwise fixes per family (hearth's reader takes the same
+    defaults, hearth/loading/gguf.py): written only where the model departs from them."""
+    if config.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.local_rope_theta not in (None, 10000.0):
+        writer.add_rope_freq_base_swa(config.local_rope_theta)
+    big = config.num_layers == {"gemma2": 46, "gemma3": 62}[config.architecture]
+    llama_cpp_scalar = config.hidden_size // config.num_heads if big else config.head_dim
+    if (config.query_pre_attn_scalar or config.head_dim) != llama_cpp_scalar:
+        writer.add_attention_scale((config.query_pre_attn_scalar or config.head_dim) ** -0.5)
 
 
 # ---------------------------------------------------------------- tokenizer metadata

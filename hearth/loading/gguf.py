@@ -10,10 +10,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
-from hearth.loading.names import PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_to_hf, qk_row_order
+from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack, gguf_to_hf,
+                                  hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -34,9 +35,16 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: malformed metadata: {e}") from None
 
 
+# llama.cpp's general.architecture -> hearth's, where they differ (llama with experts is mixtral)
+_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+
+
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    hearth_arch = _ARCHITECTURES.get(arch, arch)
+    if hearth_arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r} (general.architecture); "
             f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -53,14 +61,17 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     kv_heads = int(get("attention.head_count_kv", heads))
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
-    gemma = arch == "gemma"
+    gemma = arch in GEMMA_ARCHITECTURES
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):  # llama3's scaling comes as the rope_freqs tensor instead
         raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented by "
                              "hearth (it has: linear, and llama3's rope_freqs)")
     window = md.get(f"{arch}.attention.sliding_window")
+    experts = int(md.get(f"{arch}.expert_count") or 0)
+    if experts and arch == "llama":
+        hearth_arch = "mixtral"
     return ModelConfig(
-        architecture=arch,
+        architecture=hearth_arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -75,11 +86,68 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
             {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))} if scaling == "linear" else None
         ),
         sliding_window=int(window) if window else None,
+        sliding_layers=_sliding_layers(md, arch, int(get("block_count"))) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        qk_norm=arch == "qwen3",
+        qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
+        **(_experts_from_metadata(md, arch, get) if experts else {}),
+        **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
+        no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
+    )
+
+
+def smollm3_no_rope_layers(layers: int) -> tuple[int, ...]:
+    """llama.cpp's smollm3: a NoPE layer every 4 (its n_no_rope_layer_step; no key in the file says otherwise)."""
+    return tuple(i for i in range(layers) if (i + 1) % 4 == 0)
+
+
+# llama.cpp's sliding-window pattern of the families that alternate local and global layers
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+
+
+def _sliding_layers(md: dict[str, Any], arch: str, layers: int) -> tuple[int, ...] | None:
+    """The local layers as llama.cpp reads them: {arch}.attention.sliding_window_pattern, a flag per
+    layer or a period n (layer i local unless i % n == n - 1), else the family's period; None: all."""
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern", SWA_PATTERNS.get(arch))
+    if pattern is None:
+        return None
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern: {len(pattern)} entries for {layers} layers")
+        return tuple(i for i, local in enumerate(pattern) if local)
+    period = int(pattern)
+    return tuple(i for i in range(layers) if period == 0 or i % period < period - 1)
+
+
+def _gemma2_from_metadata(md: dict[str, Any], arch: str, hidden_per_head: int) -> dict[str, Any]:
+    """gemma2/3 as llama.cpp runs them: the local RoPE base 10000, and the query scale 1/sqrt(head_dim)
+    except in the 27B models (62 layers for gemma3, 46 for gemma2: hidden / heads)."""
+    layers = int(md[f"{arch}.block_count"])
+    scale = md.get(f"{arch}.attention.scale")
+    if scale is not None:
+        query_scalar = float(scale) ** -2
+    elif layers == {"gemma2": 46, "gemma3": 62}[arch]:
+        query_scalar = float(hidden_per_head)
+    else:
+        query_scalar = None  # head_dim
+    return dict(
+        local_rope_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        query_pre_attn_scalar=query_scalar,
+        **{cap: float(md[f"{arch}.{cap}"]) if md.get(f"{arch}.{cap}") is not None else None
+           for cap in ("attn_logit_softcapping", "final_logit_softcapping")},
+        sandwich_norms=True,
+    )
+
+
+def _experts_from_metadata(md: dict[str, Any], arch: str, get) -> dict[str, Any]:
+    return dict(
+        num_experts=int(get("expert_count")),
+        num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(md.get(f"{arch}.expert_feed_forward_length") or get("feed_forward_length")),
+        norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", _NORM_TOPK_PROB.get(arch, False))),
+        shared_expert_intermediate_size=int(md.get(f"{arch}.expert_shared_feed_forward_length") or 0),
     )
 
 
@@ -99,9 +167,33 @@ def _tensor(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
             f"{where}: tensor {t.name} has unsupported type {t.qtype.name}; "
             f"supported: {', '.join(q.name for q in SUPPORTED_QTYPES)}"
         )
+    if len(rows_cols) == 3 and gguf_expert_stack(t.name):  # [experts, rows, cols]: rows of all experts end to end
+        rows_cols = (rows_cols[0] * rows_cols[1], rows_cols[2])
     if len(rows_cols) != 2:
         raise ModelLoadError(f"{where}: quantized tensor {t.name} is not 2-D (shape {rows_cols})")
     return QuantTensor(_mapped(file.tensor_bytes(t)).reshape(rows_cols[0], -1), t.qtype, rows_cols)
+
+
+def _split_experts(stack: Weight, t: TensorInfo, config: ModelConfig, where: str) -> list[Weight]:
+    """One weight per expert out of llama.cpp's stack of them (views: nothing is copied)."""
+    experts = t.shape[2] if len(t.shape) == 3 else 0
+    if experts != config.num_experts:
+        raise ModelLoadError(f"{where}: tensor {t.name} has shape {tuple(reversed(t.shape))}, expected "
+                             f"{config.num_experts} experts stacked")
+    rows = t.shape[1]
+    if isinstance(stack, QuantTensor):
+        return [QuantTensor(stack.data[e * rows:(e + 1) * rows], stack.qtype, (rows, stack.shape[1]))
+                for e in range(experts)]
+    return list(stack.unbind(0))
+
+
+def _read(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
+    try:
+        return _tensor(file, t, where)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
 
 
 def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
@@ -114,18 +206,24 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     config = config_from_metadata(md, where)
     weights: dict[str, Weight] = {}
     for t in tqdm(file.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
-        name = gguf_to_hf(t.name)
+        stack = gguf_expert_stack(t.name)
+        if stack is not None and config.num_experts:
+            layer, projection = stack
+            for e, weight in enumerate(_split_experts(_read(file, t, where), t, config, where)):
+                weights[hf_expert_name(layer, e, projection)] = weight
+            continue
+        name = gguf_to_hf(t.name, config.sandwich_norms)
         if name is None:
             if UNUSED_GGUF_TENSORS.fullmatch(t.name):
                 continue
             raise ModelLoadError(f"{where}: tensor {t.name} is not part of the {config.architecture} model hearth "
                                  "implements (a feature of the file hearth would otherwise drop)")
-        try:
-            weights[name] = _tensor(file, t, where)
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
+        weights[name] = _read(file, t, where)
+        if name.endswith("shared_expert_gate.weight") and weights[name].dim() == 1:
+            weights[name] = weights[name].unsqueeze(0)  # [hidden] as a [1, hidden] projection
+    if config.num_experts:  # layers without a router have a dense MLP
+        config.dense_mlp_layers = tuple(layer for layer in range(config.num_layers)
+                                        if f"model.layers.{layer}.mlp.gate.weight" not in weights)
     config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
     config.mlp_bias = "model.layers.0.mlp.gate_proj.bias" in weights
     if config.architecture in PERMUTED_QK_ARCHITECTURES:

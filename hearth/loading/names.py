@@ -26,42 +26,100 @@ _LAYER_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the router of a mixture of experts
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
+_EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                  "ffn_down_exps.weight": "down_proj"}
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# mixtral's checkpoint names -> the (qwen-style) names of hearth's modules
+_HF_ALIASES = (
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
 }
+# gemma2/3 norm attention's and the MLP's outputs too; llama.cpp's ffn_norm is then the MLP's input norm
+_SANDWICH_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # llama.cpp's converter permutes the rows of Q and K for these architectures so that its
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
-PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
 
 
-def gguf_to_hf(name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None when hearth does not know it."""
+def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
+    """The HF name of a GGUF tensor, or None when hearth does not know it. sandwich_norms: a
+    gemma2/3 layer's names."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
-def hf_to_gguf(name: str) -> str | None:
+def canonical_hf_name(name: str) -> str:
+    """A checkpoint's tensor name as hearth's modules name it (mixtral's block_sparse_moe.experts.N.w1
+    is mlp.experts.N.gate_proj)."""
+    for pattern, replacement in _HF_ALIASES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def gguf_expert_stack(name: str) -> tuple[int, str] | None:
+    """(layer, projection) of a GGUF stack of experts (blk.N.ffn_gate_exps.weight), else None."""
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _EXPERT_STACKS:
+        return int(m.group(1)), _EXPERT_STACKS[m.group(2)]
+    return None
+
+
+def hf_expert(name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, projection) of one expert's weight in HF naming, else None."""
+    m = _HF_EXPERT.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def hf_expert_name(layer: int, expert: int, projection: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+
+
+def gguf_expert_stack_name(layer: int, projection: str) -> str:
+    suffix = next(k for k, v in _EXPERT_STACKS.items() if v == projection)
+    return f"blk.{layer}.{suffix}"
+
+
+def hf_to_gguf(name: str, sandwich_norms: bool = False) -> str | None:
     """The GGUF name of an HF tensor, or None when it has none."""
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _HF_LAYER:
-        return f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_LAYER
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.names import canonical_hf_name
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
-                        weights[name] = f.get_tensor(name)
+                        weights[canonical_hf_name(name)] = f.get_tensor(name)
             except ModelLoadError:
                 raise
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files

@@ -1,4 +1,4 @@
-"""The transformer's building blocks: RMSNorm, rotary embedding, gated MLP, linear."""
+"""The transformer's building blocks: RMSNorm, rotary embedding, gated MLP, mixture of experts, linear."""
 
 from __future__ import annotations
 
@@ -69,10 +69,10 @@ class MergedLinear(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma)."""
 
-    def __init__(self, config: ModelConfig, ops: Backend):
+    def __init__(self, config: ModelConfig, ops: Backend, intermediate_size: int | None = None):
         super().__init__()
         self.ops = ops
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
         self.activation = _ACTIVATIONS.get(config.hidden_act)
@@ -82,6 +82,48 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
         return self.down_proj(self.ops.act_and_mul(gate, up, self.activation))
+
+
+class SparseMoE(nn.Module):
+    """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
+    router's softmax over all experts (renormalised over the k when norm_topk_prob), plus a shared
+    expert scaled by sigmoid(shared_expert_gate(x)) where the family has one (qwen2_moe).
+
+    The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
+    its tokens: an expert's weights are read once per step, whatever the batch, and experts no token
+    chose are not read at all. The experts are ordinary GatedMLPs, so quantized weights go through
+    the same quantized modules as a dense MLP's."""
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts)  # the router
+        self.experts = nn.ModuleList(GatedMLP(config, ops, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(config, ops, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts], float32 as transformers
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
+        pairs_by_expert = chosen.argsort(stable=True)
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()  # one host sync per layer
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                pairs = pairs_by_expert[start : start + count]
+                tokens = pairs // self.top_k
+                out.index_add_(0, tokens, expert(x[tokens]) * weights[pairs, None])
+                start += count
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 # config.hidden_act -> the backends' activation names
@@ -117,10 +159,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """HF's rotate-half RoPE over a precomputed cos/sin table."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, ops: Backend):
+    def __init__(self, config: ModelConfig, max_positions: int, ops: Backend, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.ops = ops
-        self.inv_freq = rope_inv_freq(config)
+        self.inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq  # [head_dim / 2]
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
 

@@ -1,4 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3 and gemma.
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, and the mixtures
+of experts mixtral, qwen2_moe, qwen3_moe and olmoe.
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
 backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
@@ -8,6 +9,7 @@ model is built.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -16,14 +18,14 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
 from hearth.quant.linear import release_file_pages
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend):
+    def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -31,12 +33,23 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
                                      config.attention_bias)
         # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
-        self.o_proj = Linear(q_size, config.hidden_size, config.attention_bias and config.architecture != "qwen2")
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
         self.qk_norm = config.qk_norm
-        self.scale = self.head_dim**-0.5
+        if self.qk_norm:  # over each head, or over the whole projection
+            per_head = self.qk_norm == "head"
+            offset = config.norm_weight_offset
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops, offset)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops, offset)
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+        self.window = config.sliding_window if config.is_sliding_layer(index) else None
+        # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
+        # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)
+        if index in config.no_rope_layers:
+            self.rope_index = 2
+        else:
+            self.rope_index = int(config.local_rope_theta is not None and config.is_sliding_layer(index))
 
     def forward(
         self,
@@ -47,34 +60,51 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.self_attn = Attention(config, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.mlp = GatedMLP(config, ops)
+    """Pre-norm attention and MLP; with sandwich_norms (gemma2/3) their outputs are normed too, and the
+    MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm norms attention's output)."""
 
-    def forward(self, x, residual, rotary, kv_cache, meta):
+    def __init__(self, config: ModelConfig, ops: Backend, index: int):
+        super().__init__()
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, ops, index)
+        self.post_attention_layernorm = norm()
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = SparseMoE(config, ops) if config.is_moe_layer(index) else GatedMLP(config, ops)
+
+    def forward(self, x, residual, rotaries, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
-        then x is the stream). Returns (this layer's addition, the stream): each add is fused
-        into the norm that follows it."""
+        then x is the stream). rotaries: the lookups of Transformer.ropes. Returns (this
+        layer's addition, the stream): each add is fused into the norm that follows it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rotary, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, rotaries[self.self_attn.rope_index], kv_cache, meta)
+        if not self.sandwich_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Transformer(nn.Module):
@@ -85,10 +115,17 @@ class Transformer(nn.Module):
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         # from an empty weight: nn.Embedding's own random init on the meta device imports torch._dynamo (seconds)
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
+        self.local_rope = self.no_rope = None
+        if config.local_rope_theta is not None:  # gemma3's sliding layers: their own base, unscaled
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rope = RotaryEmbedding(local, self.rope.max_positions, ops)
+        if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
+            zeros = torch.zeros_like(self.rope.inv_freq)
+            self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
 
     @torch.inference_mode()
     def forward(
@@ -104,9 +141,10 @@ class Transformer(nn.Module):
         rotary = self.rope(positions, x.dtype)
         if (out := self.backend.decode_layers(self, x, rotary, kv_caches, meta)) is not None:
             return self.norm(*out)[0]
+        rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rotary, kv_cache, meta)
+            x, residual = layer(x, residual, rotaries, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def _apply(self, fn, recurse=True):
@@ -120,7 +158,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
         """Take every parameter from `weights` (HF names), checking presence and shape. Weights

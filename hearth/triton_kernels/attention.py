@@ -36,6 +36,7 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
+_NO_WINDOW = 1 << 30  # the window of full attention: longer than any context
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partial writes than it gains
 PROGRAMS_PER_SM = 2  # decode splits aim at this many programs per SM
 PREFILL_ROWS = 64  # query rows (tokens x heads of a group) per prefill program, at least
@@ -82,20 +83,26 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
 
 @triton.jit
 def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """Keys at context positions `key` [BLOCK_N] (those < end) folded into the online softmax
-    (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees keys up to last[r]."""
+    (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees keys from
+    last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score / softcap)
+    (both in the log2-scaled units). A row may see no key of a tile: its m stays -inf, its sums 0."""
     valid = key < end
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
-    s = tl.where(valid[None, :] & (key[None, :] <= last[:, None]), s, float("-inf"))
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+    seen = valid[None, :] & (key[None, :] <= last[:, None]) & (key[None, :] > last[:, None] - window)
+    s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
@@ -109,17 +116,19 @@ def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, 
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
-    num_heads, qk_scale,
+    num_heads, qk_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads against one range of the context."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.maximum(context - window, 0)  # the window's first position
+    split_len = tl.cdiv(tl.cdiv(context - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, context)  # <= start: nothing to do (past the end, or padding)
 
     g = tl.arange(0, BLOCK_G)
@@ -138,7 +147,8 @@ def _decode_split_kernel(
     last = tl.zeros([BLOCK_G], tl.int32) + end - 1  # every row sees the whole range
     for tile in range(start, end, BLOCK_N):  # every tile has a valid position: m stays finite
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, BLOCK_SIZE, DOT_PRECISION)
+                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP)
 
     l = tl.where(l > 0, l, 1.0)  # an empty range (m = -inf) leaves zeros
     o = acc / l[:, None]
@@ -184,6 +194,8 @@ def decode_attention(
     block_size: int,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D] in q.dtype
+    softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
+    window: int | None = None,  # the query sees only the last `window` positions (sliding window)
 ) -> torch.Tensor:
     """Paged split-KV decode attention; returns [B, H, D] in q.dtype. `num_splits` defaults to
     choose_num_splits over the block table's width (fixed by shapes, so graph-capturable)."""
@@ -206,10 +218,10 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, scale * LOG2E,
+        num_heads, scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -227,10 +239,10 @@ def decode_attention(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (query block, sequence, KV head): BLOCK_Q new rows of a sequence x the group's heads,
     as BLOCK_Q * BLOCK_G tile rows (row-major: row r is query r // BLOCK_G, head r % BLOCK_G)."""
@@ -247,7 +259,7 @@ def _prefill_kernel(
     query = q_block * BLOCK_Q + r // BLOCK_G  # [R] row among the sequence's new ones
     g = r % BLOCK_G
     heads = kv_head * GROUP + g
-    pos = context - q_len + query  # [R] position in the sequence: sees keys 0..pos
+    pos = context - q_len + query  # [R] position in the sequence: sees keys pos - window + 1..pos
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < HEAD_DIM
@@ -261,11 +273,14 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     end = context - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # the block's last position + 1
     table = tables_ptr + seq.to(tl.int64) * stride_tb
-    for tile in range(0, end, BLOCK_N):  # key 0 is in every row's first tile: m stays finite
+    # from the first tile the block's first row sees (with no window, key 0: every tile after has keys)
+    lowest = tl.maximum(context - q_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    for tile in range(lowest, end, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, pos, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, BLOCK_SIZE, DOT_PRECISION)
+                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP)
 
-    o = acc / l[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows past a window see no key
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -281,6 +296,8 @@ def prefill_attention(
     block_size: int,
     max_query_len: int,  # host int: the longest query_len (sizes the grid)
     out: torch.Tensor | None = None,  # [T, H, D] in q.dtype
+    softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
+    window: int | None = None,  # a row sees only the last `window` positions, itself included
 ) -> torch.Tensor:
     """Paged varlen causal attention; returns [T, H, D] in q.dtype. Row i of sequence s is at
     position seq_lens[s] - query_len_s + i and attends to positions 0..that one."""
@@ -298,9 +315,9 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4 if block_d <= 128 else 8,
     )
     return out
