@@ -35,10 +35,11 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
-    app.state.served = ServedModel(engine, names)
+    app.state.served = ServedModel(engine, names, tool_call_parser)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     install_error_handlers(app)
