@@ -160,14 +160,21 @@ def test_the_page_asks_for_the_key_streams_a_reply_and_keeps_the_conversation(se
 
 def test_stop_ends_the_reply_and_the_server_aborts_it(served, browser):
     url, engine, llm_engine = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    full = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPT}], temperature=0,
+                                          max_tokens=400).choices[0].message.content
+    assert len(full) > 200  # greedy: a reply long enough to stop in the middle
     step = llm_engine.step
     llm_engine.step = lambda: (time.sleep(0.05), step())[1]  # slow enough to stop mid-reply
     try:
         browser.load(url + "/")
-        browser.until("document.getElementById('model').value")  # the key is remembered
+        browser.js(f"localStorage.setItem('hearth.key', {json.dumps(json.dumps(API_KEY))})")
+        browser.load(url + "/")
+        browser.until("document.getElementById('model').value")  # the stored key is used
         browser.js("document.getElementById('new-chat').click();"
                    "const m = document.getElementById('max_tokens'); m.value = '400'; m.dispatchEvent(new Event('change'));"
-                   "const t = document.getElementById('temperature'); t.value = '1'; t.dispatchEvent(new Event('change'));"
+                   "const t = document.getElementById('temperature'); t.value = '0'; t.dispatchEvent(new Event('change'));"
+                   "const s = document.getElementById('system'); s.value = ''; s.dispatchEvent(new Event('change'));"
                    f"document.getElementById('prompt').value = {json.dumps(PROMPT)};"
                    "document.getElementById('composer').requestSubmit()")
         browser.until("document.querySelector('.message.assistant .body')?.textContent.length > 0")
@@ -178,7 +185,8 @@ def test_stop_ends_the_reply_and_the_server_aborts_it(served, browser):
         while engine.num_running and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.num_running == 0  # the server saw the connection go and aborted the request
-        assert stored(browser, "messages")[-1]["role"] == "assistant"  # what came before the stop is kept
+        kept = stored(browser, "messages")[-1]  # what came before the stop is kept
+        assert kept["role"] == "assistant" and 0 < len(kept["content"]) < len(full) and full.startswith(kept["content"])
     finally:
         llm_engine.step = step
     assert browser.page.errors == []
