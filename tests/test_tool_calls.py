@@ -104,12 +104,17 @@ def test_plain_replies_stay_content_and_a_marker_is_held_back_until_it_is_one():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def engine(tmp_path_factory):
     folder = make_hf_model(tmp_path_factory.mktemp("tools-model") / "llama", "llama")
     engine = AsyncEngine(LLMEngine(folder, EngineConfig(), progress=False))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     with serving(build_app(engine, NAME, api_key=API_KEY)) as url:
         yield url
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +192,16 @@ def test_auto_reads_a_reply_in_the_model_format(client):
     assert calls[0]["arguments"] == message.tool_calls[0].function.arguments  # same seed, same reply
     plain = ask(client, seed=6, tool_choice="none", extra_body={"guided_regex": reply}).choices[0]
     assert plain.message.tool_calls is None and plain.message.content.startswith("Let me check.\n<tool_call>")
+
+
+def test_a_chosen_parser_reads_its_format(engine):
+    # `hearth serve --tool-call-parser mistral`: Mistral Small's format, special tokens kept in the text
+    reply = r'\[TOOL_CALLS\]get_time\[ARGS\]\{"zone": "PST", "hours": [1-9]\}'
+    with serving(build_app(engine, NAME, tool_call_parser="mistral")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        message = ask(client, seed=9, extra_body={"guided_regex": reply}).choices[0].message
+    [call] = message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] == "PST"
 
 
 def test_a_conversation_with_a_tool_result_continues(client, server):
