@@ -308,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     from hearth.server.serve import run_server
+    from hearth.tool_calls import PARSERS
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     _add_model(p)
@@ -319,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="the format of tool calls in replies (default: the one the chat template writes)")
     g = p.add_argument_group("replicas (docs/distributed.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="N > 1: N engine replicas behind one endpoint, routed by prompt prefix")

@@ -31,6 +31,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
@@ -61,6 +64,14 @@ class EngineStats:
     num_generation_tokens: int = 0
 
 
+def call_in(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run fn(*args) on a consumer's event loop, from the engine thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass
+
+
 class RequestStream:
     """The outputs of one request, as they come from the engine thread."""
 
@@ -75,10 +86,7 @@ class RequestStream:
     # ---- engine thread side
 
     def _call(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-            pass
+        call_in(self._loop, fn, *args)
 
     def _accept(self, error: BaseException | None) -> None:
         def settle() -> None:
@@ -199,6 +207,14 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    async def embed(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The prompts' pooled embeddings [N, hidden] (hearth/engine/embedding.py), computed on the
+        engine thread between two steps; RequestError, CacheFull, EngineStopped."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[torch.Tensor] = loop.create_future()
+        self._command(("embed", loop, future, prompts))
+        return await future
+
     def abort(self, request_id: str) -> None:
         try:
             self._command(("abort", request_id))
@@ -261,6 +277,9 @@ class AsyncEngine:
                 self._streams.pop(command[1], None)
                 self._publish()
                 continue
+            if command[0] == "embed":
+                self._embed(*command[1:])
+                continue
             _, stream, prompt, params = command
             try:
                 self.engine.add_request(stream.request_id, prompt, params)
@@ -271,6 +290,18 @@ class AsyncEngine:
                 stream._accept(None)
             finally:
                 self._publish(pending_adds=-1)  # counted as waiting until the scheduler holds it
+
+    def _embed(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, prompts: list[list[int]]) -> None:
+        try:
+            result, error = embed(self.engine, prompts), None
+        except Exception as e:  # RequestError, CacheFull; anything else reaches the caller too
+            result, error = None, e
+
+        def settle() -> None:
+            if not future.done():  # the caller may have gone
+                future.set_result(result) if error is None else future.set_exception(error)
+
+        call_in(loop, settle)
 
     def _publish(self, num_generated: int = 0, num_preempted: int = 0, pending_adds: int = 0) -> None:
         """Replace the stats snapshot (engine thread only), with the queued adds in the same lock."""

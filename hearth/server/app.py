@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI): the app and its routes.
 
 Routes, one module each by job: completions.py (/v1/completions), chat.py
-(/v1/chat/completions), tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py (/health,
-/metrics, /version, /v1/models). Both generation routes stream through streaming.py; the
-state they share is a ServedModel (served.py); errors are OpenAI's error JSON (errors.py).
+(/v1/chat/completions, with tools.py for tool calling), embeddings.py (/v1/embeddings),
+tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py (/health, /metrics, /version,
+/v1/models), page.py (the chat page at /). Both generation routes stream through
+streaming.py; the state they share is a ServedModel (served.py); errors are OpenAI's error
+JSON (errors.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import secrets
 from fastapi import FastAPI
 
 from hearth.engine.async_engine import AsyncEngine
-from hearth.server import chat, completions, info, tokens
+from hearth.server import chat, completions, embeddings, info, page, tokens
 from hearth.server.errors import error_response, install_error_handlers
 from hearth.server.served import ServedModel
 
-PUBLIC_PATHS = ("/health", "/metrics", "/version")  # open without the API key
+PUBLIC_PATHS = ("/health", "/metrics", "/version", *page.PAGE_PATHS)  # open without the API key
 
 
 class BearerAuth:
@@ -35,13 +37,14 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
-    app.state.served = ServedModel(engine, names)
+    app.state.served = ServedModel(engine, names, tool_call_parser)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     install_error_handlers(app)
-    for module in (info, tokens, completions, chat):
+    for module in (info, tokens, completions, chat, embeddings, page):
         app.include_router(module.router)
     return app

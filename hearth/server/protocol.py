@@ -17,6 +17,7 @@ from hearth.errors import RequestError
 from hearth.outputs import PositionLogprobs, RequestOutput
 from hearth.sampling_params import SamplingParams, WatermarkParams
 from hearth.server.structured import StructuredOutputFields
+from hearth.server.tools import template_tool_call
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's stand-in)
@@ -153,10 +154,13 @@ class ChatMessage(OpenAIModel):
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content if content is not None or self.tool_calls else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        # "" for none (an assistant's turn of tool calls): templates such as Qwen 3's concatenate it
+        message: dict[str, Any] = {"role": self.role, "content": "" if content is None else content}
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
         return message
 
 
@@ -167,6 +171,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # checked by hearth/server/tools.py
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False  # the template already wrote the special tokens

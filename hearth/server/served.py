@@ -18,16 +18,19 @@ from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.server.errors import APIError
 from hearth.server.metrics import ServerMetrics
+from hearth.tool_calls import parser_for
 
 
 class ServedModel:
-    def __init__(self, engine: AsyncEngine, names: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, names: list[str], tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.names = names
         self.metrics = ServerMetrics(engine, names[0])
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        # the format of tool calls in replies: given, or the one the chat template writes
+        self.tool_call_parser = tool_call_parser or parser_for(self.tokenizer.chat_template)
 
     # ---- checks
 
