@@ -255,45 +255,81 @@ void gemv_half_generic(const uint8_t* w, int64_t row_bytes, int64_t K, const flo
   }
 }
 
-#ifdef HEARTH_AVX512
+#ifdef __AVX2__
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// fp32 vectors for the F16 / BF16 GEMV: AVX-512 (16 lanes) or AVX2 with F16C and FMA (8 lanes)
+#if defined(HEARTH_AVX512)
+#define HEARTH_HALF_GEMV 1
+struct HalfSimd {
+  using V = __m512;
+  static constexpr int L = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+  template <int QT> static V halves(const uint8_t* p) {  // L halves -> fp32
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+    return QT == F16 ? _mm512_cvtph_ps(raw) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+};
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define HEARTH_HALF_GEMV 1
+struct HalfSimd {
+  using V = __m256;
+  static constexpr int L = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float sum(V a) { return hsum8(a); }
+  template <int QT> static V halves(const uint8_t* p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+    return QT == F16 ? _mm256_cvtph_ps(raw) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+};
+#endif
+
+#ifdef HEARTH_HALF_GEMV
 // Each thread walks its rows one after the other, so that every thread reads one sequential
 // stream (the hardware prefetchers follow it; interleaving several rows defeats them).
-// One row against MB activation rows: 32 values converted to fp32 in registers at a time.
+// One row against MB activation rows: L values converted to fp32 in registers at a time.
 template <int QT, int MB>
 inline void gemv_half_row(const uint8_t* row, int64_t K, const float* x, float* y, int64_t N) {
+  using S = HalfSimd;
   constexpr int U = MB == 1 ? 4 : (MB == 2 ? 2 : 1);  // independent accumulators per activation row
-  __m512 acc[U][MB];
+  typename S::V acc[U][MB];
   for (int u = 0; u < U; u++)
-    for (int m = 0; m < MB; m++) acc[u][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 32; b++) {
-    const uint8_t* p = row + b * 64;
-    for (int h = 0; h < 2; h++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 32 * h));
-      const __m512 wv = QT == F16 ? _mm512_cvtph_ps(raw)
-                                  : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      const int u = (2 * b + h) % U;
-      for (int m = 0; m < MB; m++)
-        acc[u][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + b * 32 + 16 * h), acc[u][m]);
-    }
+    for (int m = 0; m < MB; m++) acc[u][m] = S::zero();
+  for (int64_t c = 0; c < K / S::L; c++) {
+    const typename S::V wv = S::template halves<QT>(row + c * 2 * S::L);
+    const int u = c % U;
+    for (int m = 0; m < MB; m++) acc[u][m] = S::fmadd(wv, S::load(x + m * K + c * S::L), acc[u][m]);
   }
   float tail[MB] = {};
-  for (int64_t k = K / 32 * 32; k < K; k++) {  // K need not be a multiple of 32
+  for (int64_t k = K / S::L * S::L; k < K; k++) {  // K need not be a multiple of L
     uint16_t h;
     std::memcpy(&h, row + 2 * k, 2);
     const float v1 = QT == F16 ? half_to_float(h) : bf16_to_float(h);
     for (int m = 0; m < MB; m++) tail[m] += v1 * x[m * K + k];
   }
   for (int m = 0; m < MB; m++) {
-    __m512 a = acc[0][m];
-    for (int u = 1; u < U; u++) a = _mm512_add_ps(a, acc[u][m]);
-    y[m * N] = _mm512_reduce_add_ps(a) + tail[m];
+    typename S::V a = acc[0][m];
+    for (int u = 1; u < U; u++) a = S::add(a, acc[u][m]);
+    y[m * N] = S::sum(a) + tail[m];
   }
 }
 
 // rows [n0, n1) against all M activation rows, four at a time (a row is re-read from L1/L2)
 template <int QT>
-void gemv_half_avx512(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M, float* y, int64_t N,
-                      int64_t n0, int64_t n1) {
+void gemv_half_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M, float* y, int64_t N,
+                    int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = w + n * row_bytes;
     int64_t m = 0;
@@ -305,13 +341,13 @@ void gemv_half_avx512(const uint8_t* w, int64_t row_bytes, int64_t K, const floa
     }
   }
 }
-#endif  // HEARTH_AVX512
+#endif  // HEARTH_HALF_GEMV
 
 template <int QT>
 void gemv_half_rows(bool portable, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M,
                     float* y, int64_t N, int64_t n0, int64_t n1) {
-#ifdef HEARTH_AVX512
-  if (!portable) return gemv_half_avx512<QT>(w, row_bytes, K, x, M, y, N, n0, n1);
+#ifdef HEARTH_HALF_GEMV
+  if (!portable) return gemv_half_simd<QT>(w, row_bytes, K, x, M, y, N, n0, n1);
 #endif
   gemv_half_generic<QT>(w, row_bytes, K, x, M, y, N, n0, n1);
 }
@@ -686,11 +722,6 @@ void int8_dot_rows_generic(const uint8_t* row, int64_t K, const QuantizedActivat
 }
 
 #ifdef __AVX2__
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // 32 bits -> 32 bytes, byte i = 16 where bit i is set (the 5th bit of Q5_0 / Q5_1 codes)
 inline __m256i bits_to_sixteens(uint32_t bits) {
