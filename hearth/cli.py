@@ -277,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p, max_num_seqs=1)
     p.set_defaults(func=cmd_chat)
 
+    from hearth.server.limits import add_limit_arguments
     from hearth.server.serve import run_server
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
+    add_limit_arguments(p, parse_size)
     _add_engine(p)
     p.set_defaults(func=run_server)
 

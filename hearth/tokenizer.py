@@ -260,7 +260,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         with self._lock:
             self._backend.encode_special_tokens = not parse_special  # special tokens' text as plain text
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch lets go of the GIL while it works (encode does not): a long prompt
+            # tokenized on a server's worker thread then leaves its event loop free
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._piece_bytes is None:
