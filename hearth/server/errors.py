@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.engine.async_engine import EngineStopped, QueueFull
+from hearth.engine.async_engine import EngineStopped, QueueFull, RequestFailed
 from hearth.errors import RequestError
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -48,7 +48,7 @@ def _invalid(_, exc: RequestValidationError) -> JSONResponse:
     return error_response(400, "invalid request: " + "; ".join(parts), param)
 
 
-STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503}  # hearth's exceptions a route may raise
+STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503, RequestFailed: 500}  # hearth's exceptions a route may raise
 
 
 def exception_body(e: Exception) -> tuple[int, dict]:
