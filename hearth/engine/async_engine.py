@@ -61,6 +61,8 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0  # in the scheduler's queue; AsyncEngine.num_waiting adds the adds not applied yet
     kv_cache_usage: float = 0.0
+    num_kv_blocks_used: int = 0  # blocks held by requests (of num_kv_blocks)
+    num_kv_blocks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # totals over the engine's life
@@ -309,6 +311,8 @@ class AsyncEngine:
                 num_running=engine.scheduler.num_running,
                 num_waiting=engine.scheduler.num_waiting,
                 kv_cache_usage=blocks.usage,
+                num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+                num_kv_blocks=blocks.num_blocks,
                 prefix_cache_queries=blocks.prefix_cache_queries,
                 prefix_cache_hits=blocks.prefix_cache_hits,
                 num_preemptions=old.num_preemptions + num_preempted,
