@@ -307,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p, max_num_seqs=1)
     p.set_defaults(func=cmd_chat)
 
+    from hearth.server.limits import add_limit_arguments
     from hearth.server.serve import run_server
     from hearth.tool_calls import PARSERS
 
@@ -322,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format of tool calls in replies (default: the one the chat template writes)")
+    add_limit_arguments(p, parse_size)
     g = p.add_argument_group("replicas (docs/distributed.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="N > 1: N engine replicas behind one endpoint, routed by prompt prefix")

@@ -34,7 +34,8 @@ import tokenizers
 
 from hearth.errors import ModelLoadError, RequestError
 from hearth.tokenizer_gguf import (
-    BYTE, CONTROL, NORMAL, SPIECE_SPACE, UNKNOWN, UNUSED, build_gguf_backend, byte_level_bytes, spm_bytes,
+    BYTE, CONTROL, NORMAL, SPIECE_SPACE, UNKNOWN, UNUSED, build_gguf_backend, byte_level_bytes, check_gguf_vocab,
+    spm_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,12 +136,15 @@ class Tokenizer:
                 f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; hearth supports "
                 "'llama' (SentencePiece BPE), 'gpt2' (byte-level BPE) and 'bert' (WordPiece)"
             )
-        tokens = list(md.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
+        tokens = md.get("tokenizer.ggml.tokens") or []
+        if not tokens or not isinstance(tokens, list):
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
-        types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-        if len(types) != len(tokens):
-            raise ModelLoadError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        types = md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if not isinstance(types, list) or len(types) != len(tokens):
+            raise ModelLoadError(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} "
+                                 f"entries for {len(tokens)} tokens")
+        check_gguf_vocab(md, tokens, types)
+        types = list(types)
         end_of_turn = [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS]
         for i in end_of_turn:  # as llama.cpp: these are control tokens, whatever the file says
             if types[i] == NORMAL:
@@ -260,7 +264,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         with self._lock:
             self._backend.encode_special_tokens = not parse_special  # special tokens' text as plain text
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch lets go of the GIL while it works (encode does not): a long prompt
+            # tokenized on a server's worker thread then leaves its event loop free
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._piece_bytes is None:

@@ -177,6 +177,27 @@ def _added_token(token_id: int, content: str, special: bool, rstrip: bool = Fals
             "rstrip": rstrip, "normalized": False, "special": special}
 
 
+def check_gguf_vocab(md: dict[str, Any], tokens: list, types: list) -> None:
+    """ModelLoadError unless the vocabulary's arrays have the types and lengths the builder reads."""
+    def fail(what: str) -> None:
+        raise ModelLoadError(f"GGUF vocabulary: {what}")
+
+    if not all(isinstance(t, str) for t in tokens):
+        fail("tokenizer.ggml.tokens holds values that are not strings")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        fail("tokenizer.ggml.token_type holds values that are not integers")
+    scores = md.get("tokenizer.ggml.scores")
+    if scores is not None:
+        if not isinstance(scores, list) or len(scores) != len(tokens):
+            fail(f"tokenizer.ggml.scores has {len(scores) if isinstance(scores, list) else 'no'} entries "
+                 f"for {len(tokens)} tokens")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores):
+            fail("tokenizer.ggml.scores holds values that are not numbers")
+    merges = md.get("tokenizer.ggml.merges")
+    if merges is not None and not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        fail("tokenizer.ggml.merges is not a list of strings")
+
+
 def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
     kind = md.get("tokenizer.ggml.model")
     added = []

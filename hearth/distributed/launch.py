@@ -25,6 +25,7 @@ def run_router(args) -> None:
     import uvicorn  # noqa: F401 - fail before starting replicas if the server extra is missing
 
     from hearth.distributed.router import Router, build_router_app, new_replica_key
+    from hearth.server.limits import ServerLimits
     from hearth.server.serve import run_uvicorn
 
     args.replica_api_key = new_replica_key()
@@ -45,5 +46,5 @@ def run_router(args) -> None:
     for i, url in enumerate(urls):
         print(f"replica {i}  {url}", flush=True)
     router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key)
-    app = build_router_app(router, api_key=args.api_key)
+    app = build_router_app(router, api_key=args.api_key, limits=ServerLimits.from_args(args))
     run_uvicorn(app, args, on_stop=replicas.stop)

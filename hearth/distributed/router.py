@@ -26,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearth.distributed.routing import PrefixRouter
-from hearth.server.app import BearerAuth
+from hearth.server.limits import ServerLimits
+from hearth.server.middleware import install_middleware
 from hearth.server.errors import error_body, error_response, install_error_handlers
 
 logger = logging.getLogger("hearth")
@@ -229,7 +230,9 @@ class _Busy(Exception):
     """A replica answered 503: try the next one, answer 503 if none has room."""
 
 
-def build_router_app(router: Router, api_key: str | None = None) -> FastAPI:
+def build_router_app(router: Router, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The router's app: the same limits before a route as a single server's (each replica also
+    applies its own per-request ones), then forwarding."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.check_health()
@@ -238,8 +241,7 @@ def build_router_app(router: Router, api_key: str | None = None) -> FastAPI:
         await router.close()
 
     app = FastAPI(title="hearth router", docs_url=None, redoc_url=None, lifespan=lifespan)
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+    install_middleware(app, limits or ServerLimits(), api_key)
     install_error_handlers(app)
 
     @app.get("/health")

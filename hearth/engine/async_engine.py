@@ -1,7 +1,9 @@
 """AsyncEngine: an LLMEngine stepping on its own thread, streaming to asyncio consumers.
 
 One thread owns the engine (the engine is not thread-safe): it takes the queued commands
-(add, abort), runs step() while there is work and sleeps on an event otherwise. Each request
+(add, abort), runs step() while there is work and sleeps on an event otherwise. A step that
+raises fails its own requests (RequestFailed, HTTP 500) and the engine goes on; a thread that
+dies ends every request (EngineStopped) and `is_running` turns false (/health answers 503). Each request
 has an asyncio queue on its consumer's event loop, fed with `loop.call_soon_threadsafe`.
 
     stream = await async_engine.add_request(prompt_ids, params)   # RequestError, QueueFull
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hearth.engine.embedding import embed
-from hearth.engine.engine import LLMEngine
+from hearth.engine.engine import LLMEngine, StepFailed
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
@@ -48,7 +50,11 @@ class QueueFull(HearthError):
 
 
 class EngineStopped(HearthError):
-    """The engine is shut down, or its step failed; the request cannot go on."""
+    """The engine is shut down, or its thread died; the request cannot go on (HTTP 503)."""
+
+
+class RequestFailed(HearthError):
+    """The engine step that ran this request raised; the request was aborted (HTTP 500)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,8 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0  # in the scheduler's queue; AsyncEngine.num_waiting adds the adds not applied yet
     kv_cache_usage: float = 0.0
+    num_kv_blocks_used: int = 0  # blocks held by requests (of num_kv_blocks)
+    num_kv_blocks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # totals over the engine's life
@@ -240,6 +248,21 @@ class AsyncEngine:
     # ---- the engine thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+            reason = EngineStopped("the server is shutting down")
+        except BaseException as e:  # a dead engine thread: every request ends, /health turns 503
+            logger.exception("the engine thread died")
+            reason = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
+        with self._lock:
+            self._stopping = True
+            commands, self._commands = list(self._commands), deque()
+        for command in commands:  # adds that came too late: their callers wait on `accepted`
+            if command[0] == "add":
+                command[1]._accept(reason)
+        self._abort_all(reason)
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             self._wake.wait()
@@ -251,7 +274,16 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bug: fail every request rather than hang them
+            except StepFailed as e:  # that step's requests fail (aborted already); the others go on
+                logger.error("engine step failed for %d requests", len(e.request_ids), exc_info=e.error)
+                for request_id in e.request_ids:
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream._put(RequestFailed(f"the engine failed while running this request: {e}"))
+                self._publish()
+                self._wake.set()
+                continue
+            except Exception as e:  # a bug outside any step's requests: fail every request rather than hang them
                 logger.exception("engine step failed")
                 self._abort_all(EngineStopped(f"the engine failed: {type(e).__name__}: {e}"))
                 continue
@@ -263,8 +295,6 @@ class AsyncEngine:
                     if output.finished:
                         del self._streams[output.request_id]
             self._wake.set()  # keep stepping while there is work
-        self._apply_commands()
-        self._abort_all(EngineStopped("the server is shutting down"))
 
     def _apply_commands(self) -> None:
         while True:
@@ -312,6 +342,8 @@ class AsyncEngine:
                 num_running=engine.scheduler.num_running,
                 num_waiting=engine.scheduler.num_waiting,
                 kv_cache_usage=blocks.usage,
+                num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+                num_kv_blocks=blocks.num_blocks,
                 prefix_cache_queries=blocks.prefix_cache_queries,
                 prefix_cache_hits=blocks.prefix_cache_hits,
                 num_preemptions=old.num_preemptions + num_preempted,
@@ -327,4 +359,7 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", request_id)
             stream._put(error)
         self._streams.clear()
-        self._publish()
+        try:
+            self._publish()
+        except Exception:  # the engine's state may be what broke: the stats stay as they were
+            logger.exception("engine stats could not be read")

@@ -21,7 +21,7 @@ from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_m
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.sampler import Sampler, SamplingBatch, prompt_logprobs
-from hearth.engine.scheduler import Scheduler
+from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.structured_output import GrammarCompiler, advance
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.errors import RequestError
@@ -31,6 +31,14 @@ from hearth.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, R
 from hearth.sampling_params import SamplingParams
 
 logger = logging.getLogger("hearth")
+
+
+class StepFailed(Exception):
+    """A step raised; `request_ids` (aborted, their KV blocks free) were in it, `error` is why."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.request_ids, self.error = request_ids, error
 
 
 @dataclass
@@ -243,8 +251,21 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the (cumulative) output of every group that progressed."""
+        """Run one iteration; returns the (cumulative) output of every group that progressed.
+
+        If it raises (a kernel error, out of memory), the requests it planned are aborted (their
+        KV blocks freed) and StepFailed names them: the engine serves the others on."""
         plan = self.scheduler.schedule()
+        try:
+            return self._run_plan(plan)
+        except Exception as e:
+            failed = sorted({self._group_id(r.request_id) for r, _ in plan.scheduled}
+                            | {self._group_id(r.request_id) for r in plan.finished})
+            for group_id in failed:
+                self.abort_request(group_id)
+            raise StepFailed(failed, e) from e
+
+    def _run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
         stats = StepStats(
             batch_size=len(plan.scheduled),
             num_tokens=plan.num_batched_tokens,

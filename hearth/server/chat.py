@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated
@@ -75,14 +76,14 @@ def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: boo
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
     model = s.check_model(body.model)
-    ids = render_chat(s, body.conversation(), body.add_generation_prompt is not False,
-                      bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
+    ids = await asyncio.to_thread(render_chat, s, body.conversation(), body.add_generation_prompt is not False,
+                                  bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
     ids = body.truncate(ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    s.check_length(len(ids), max_tokens)
+    max_tokens = s.check_length(len(ids), max_tokens)
     k = body.num_logprobs()
     params = body.sampling_params(max_tokens, k, body.prompt_logprobs)
     calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, s.tool_call_parser)

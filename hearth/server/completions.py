@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated
@@ -66,9 +67,9 @@ class CompletionFormat:
         return choices
 
 
-def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
-    """Each prompt's text (None for token ids unless echoed) and token ids, checked."""
-    texts, prompts = [], []
+def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None], list[list[int]], int | None]:
+    """Each prompt's text (None for token ids unless echoed) and token ids, checked, and the max_tokens to use."""
+    texts, prompts, max_tokens = [], [], body.max_tokens
     for p in body.prompts():
         if isinstance(p, str):
             ids = s.tokenizer.encode(p, add_special_tokens=body.add_special_tokens is not False)
@@ -80,19 +81,19 @@ def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None],
         ids = body.truncate(ids)
         if not ids:
             raise RequestError("the prompt is empty")
-        s.check_length(len(ids), body.max_tokens)
+        max_tokens = s.check_length(len(ids), body.max_tokens)
         prompts.append(ids)
-    return texts, prompts
+    return texts, prompts, max_tokens
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
     model = s.check_model(body.model)
-    texts, prompts = _prompts(s, body)
+    texts, prompts, max_tokens = await asyncio.to_thread(_prompts, s, body)  # a long prompt must not stall the server
     k, prompt_k = body.logprobs, body.prompt_logprobs
     if body.echo and k is not None:
         prompt_k = k if prompt_k is None else max(k, prompt_k)
-    params = body.sampling_params(body.max_tokens, k, prompt_k)
+    params = body.sampling_params(max_tokens, k, prompt_k)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await s.add_all(prompts, params, request_id)
     fmt = CompletionFormat(s, body, texts, params.n)

@@ -1,7 +1,8 @@
 """OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for every failure.
 
 Bad input (validation, RequestError) is a 400, a busy or stopping engine a 503, a bug a 500:
-never a traceback in the response.
+never a traceback in the response. A stream that already started reports the same JSON as
+its last event (exception_body).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.engine.async_engine import EngineStopped, QueueFull
+from hearth.engine.async_engine import EngineStopped, QueueFull, RequestFailed
 from hearth.errors import RequestError
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError",
+               413: "RequestTooLargeError",
                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 
@@ -46,11 +48,26 @@ def _invalid(_, exc: RequestValidationError) -> JSONResponse:
     return error_response(400, "invalid request: " + "; ".join(parts), param)
 
 
+STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503, RequestFailed: 500}  # hearth's exceptions a route may raise
+
+
+def exception_body(e: Exception) -> tuple[int, dict]:
+    """The status and error JSON of an exception, for a response or a stream's error event."""
+    if isinstance(e, APIError):
+        return e.status, error_body(e.status, e.message, e.param)
+    status = next((code for cls, code in STATUS_OF.items() if isinstance(e, cls)), None)
+    if status is None:
+        return 500, error_body(500, f"internal error: {type(e).__name__}: {e}")
+    return status, error_body(status, str(e))
+
+
+def _from_exception(_, e: Exception) -> JSONResponse:
+    status, body = exception_body(e)
+    return JSONResponse(body, status_code=status)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, lambda _, e: error_response(e.status_code, str(e.detail)))
-    app.add_exception_handler(APIError, lambda _, e: error_response(e.status, e.message, e.param))
-    app.add_exception_handler(RequestError, lambda _, e: error_response(400, str(e)))
-    app.add_exception_handler(QueueFull, lambda _, e: error_response(503, str(e)))
-    app.add_exception_handler(EngineStopped, lambda _, e: error_response(503, str(e)))
-    app.add_exception_handler(Exception, lambda _, e: error_response(500, f"internal error: {type(e).__name__}: {e}"))
+    for cls in (APIError, *STATUS_OF, Exception):
+        app.add_exception_handler(cls, _from_exception)

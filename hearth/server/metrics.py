@@ -2,13 +2,14 @@
 
 Request-level numbers (prompt tokens, finished requests by reason, TTFT, TPOT, end-to-end
 latency, queue time) are observed by the server as requests are accepted and end. Engine
-state (running / waiting requests, KV cache usage, prefix cache, preemptions, generated
-tokens) is the AsyncEngine's latest EngineStats snapshot, read when /metrics is scraped.
+state (running / waiting requests, KV cache usage and blocks, prefix cache, preemptions,
+generated tokens) is the AsyncEngine's latest EngineStats snapshot, read when /metrics is
+scraped; the process's own numbers (resident memory, CPU, file descriptors) are prometheus_client's.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hearth.engine.async_engine import AsyncEngine
@@ -48,6 +49,8 @@ class _EngineCollector:
         yield gauge("hearth:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("hearth:num_requests_waiting", "Requests waiting to be scheduled.", self.engine.num_waiting)
         yield gauge("hearth:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage)
+        yield gauge("hearth:kv_cache_blocks_used", "KV cache blocks held by requests.", stats.num_kv_blocks_used)
+        yield gauge("hearth:kv_cache_blocks", "KV cache blocks in all.", stats.num_kv_blocks)
         yield gauge("hearth:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
                     hits / queries if queries else 0.0)
         yield counter("hearth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
@@ -76,6 +79,7 @@ class ServerMetrics:
         self.queue_time = Histogram("hearth:request_queue_time_seconds", "Arrival to first scheduling.", labels,
                                     buckets=LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine, model_name))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (on Linux)
         for reason in ("stop", "length", "abort"):  # show the series before the first request ends
             self.request_success.labels(model_name, reason)
 

@@ -29,11 +29,16 @@ def run_server(args) -> None:
     from hearth.cli import _llm
     from hearth.engine.async_engine import AsyncEngine
     from hearth.server.app import build_app
+    from hearth.server.limits import ServerLimits
 
+    try:
+        limits = ServerLimits.from_args(args)
+    except ValueError as e:
+        sys.exit(f"hearth serve: {e}")
     engine = _llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = build_app(async_engine, name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB); context {engine.max_model_len:,} tokens")

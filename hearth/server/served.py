@@ -1,5 +1,5 @@
 """ServedModel: what every route shares: the AsyncEngine, the served names, the metrics,
-and the checks and bookkeeping of requests in flight.
+the limits, and the checks and bookkeeping of requests in flight.
 
 Routes read the model only through the AsyncEngine's fixed facts (tokenizer, context length,
 vocabulary size): never the LLMEngine, which belongs to the engine thread.
@@ -8,6 +8,7 @@ vocabulary size): never the LLMEngine, which belongs to the engine thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -17,14 +18,22 @@ from hearth.errors import RequestError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.server.errors import APIError
+from hearth.server.limits import ServerLimits
 from hearth.server.metrics import ServerMetrics
 from hearth.tool_calls import parser_for
 
 
+class RequestTimeout(APIError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request ran past this server's limit of {seconds:g} s and was stopped")
+
+
 class ServedModel:
-    def __init__(self, engine: AsyncEngine, names: list[str], tool_call_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, names: list[str], limits: ServerLimits,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.names = names
+        self.limits = limits
         self.metrics = ServerMetrics(engine, names[0])
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -45,7 +54,24 @@ class ServedModel:
         if bad:
             raise RequestError(f"{what} outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+    def check_sequences(self, num_prompts: int, params: SamplingParams) -> None:
+        """A request may start at most max_sequences sequences (prompts x max(n, best_of))."""
+        per_prompt = max(params.n, params.best_of or 1)
+        if num_prompts * per_prompt > self.limits.max_sequences:
+            raise APIError(400, f"this request asks for {num_prompts * per_prompt} sequences ({num_prompts} prompts x "
+                                f"n/best_of {per_prompt}); this server's limit is {self.limits.max_sequences}",
+                           "best_of" if params.best_of and params.best_of > params.n else "n")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None) -> int | None:
+        """Check a prompt's length and max_tokens against the context and the server's caps;
+        returns the max_tokens to use (the cap, when the request gave none)."""
+        max_prompt, max_output = self.limits.max_prompt_tokens, self.limits.max_output_tokens
+        if max_prompt is not None and num_prompt > max_prompt:
+            raise RequestError(f"the prompt has {num_prompt} tokens; this server's limit is {max_prompt}")
+        if max_output is not None:
+            if max_tokens is not None and max_tokens > max_output:
+                raise APIError(400, f"max_tokens is {max_tokens}; this server's limit is {max_output}", "max_tokens")
+            max_tokens = max_output if max_tokens is None else max_tokens
         limit = self.max_model_len
         if num_prompt > limit:
             raise RequestError(
@@ -58,6 +84,7 @@ class ServedModel:
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
                 "Please reduce the length of the prompt or of max_tokens."
             )
+        return max_tokens
 
     def piece(self, token_id: int) -> str:
         """A token's own text (special tokens included), as logprobs show it."""
@@ -67,6 +94,7 @@ class ServedModel:
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`); all or none are added."""
+        self.check_sequences(len(prompts), params)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -79,11 +107,17 @@ class ServedModel:
         return streams
 
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as the requests progress; aborts what is unfinished when closed."""
+        """(prompt index, output) as the requests progress; aborts what is unfinished when closed,
+        or when they run past the server's request_timeout (RequestTimeout)."""
+        timeout = self.limits.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
         try:
             while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise RequestTimeout(timeout)
                 for task in done:
                     i = pending.pop(task)
                     output = task.result()

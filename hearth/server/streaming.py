@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from hearth.engine.async_engine import EngineStopped, RequestStream
+from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from hearth.server.errors import error_body
+from hearth.server.errors import exception_body
 from hearth.server.protocol import usage
 from hearth.server.served import ServedModel
 
@@ -126,8 +126,8 @@ def stream_response(served: ServedModel, streams: list[RequestStream], fmt: Chun
                         yield chunk([item], usage([output]) if header.continuous_usage else None)
             if header.include_usage:
                 yield chunk([], usage(final))
-        except EngineStopped as e:
-            yield sse(error_body(503, str(e)))
+        except Exception as e:  # the headers are sent: the error is the stream's last event
+            yield sse(exception_body(e)[1])
         yield "data: [DONE]\n\n"
 
     return SSEResponse(events(), lambda: served.close(streams))

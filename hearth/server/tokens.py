@@ -3,6 +3,7 @@ and what a remote client (lm-eval's remote tokenizer) needs to know of the token
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -21,11 +22,13 @@ async def tokenize(body: TokenizeRequest, s: Served):
     s.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give either prompt or messages")
-    if body.prompt is not None:
-        ids = s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    if body.prompt is not None:  # in a thread: a long text must not stall the server
+        ids = await asyncio.to_thread(s.tokenizer.encode, body.prompt,
+                                      add_special_tokens=body.add_special_tokens is not False)
     else:
-        ids = render_chat(s, [m.for_template() for m in body.messages], body.add_generation_prompt is not False,
-                          bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
+        ids = await asyncio.to_thread(
+            render_chat, s, [m.for_template() for m in body.messages], body.add_generation_prompt is not False,
+            bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
     strs = [s.tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -1,0 +1,53 @@
+"""The limits a public server needs (ServerLimits), and their `hearth serve` options.
+
+middleware.py enforces those met before a route (body size and time, requests in flight);
+ServedModel checks the rest per request (prompt and output tokens, sequences, time).
+Only the standard library is imported: the CLI imports this to build its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_body_bytes: int = 4 * 2**20  # a context of 128k tokens, as text or as ids, is ~1 MiB
+    body_timeout: float = 30.0  # seconds to receive a request's whole body
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    max_output_tokens: int | None = None  # cap on max_tokens (and its value when a request gives none)
+    max_sequences: int = 64  # sequences one request may start: prompts x max(n, best_of)
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token (None: no limit)
+    max_concurrent_requests: int = 512  # requests in flight, streaming ones included
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{f.name} must be positive, got {value}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerLimits":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+_HELP = {
+    "max_body_bytes": ("--max-body-size", "largest request body in bytes, or e.g. 8MiB"),
+    "body_timeout": ("--body-timeout", "seconds a client has to send a request's body"),
+    "max_prompt_tokens": ("--max-prompt-tokens", "longest prompt in tokens (none: the context)"),
+    "max_output_tokens": ("--max-output-tokens",
+                          "largest max_tokens, and its value when a request gives none (none: the context)"),
+    "max_sequences": ("--max-sequences", "sequences one request may start: prompts x max(n, best_of)"),
+    "request_timeout": ("--request-timeout", "seconds a request may run before it is stopped with a 408"),
+    "max_concurrent_requests": ("--max-concurrent-requests", "requests in flight, streams included, before 503s"),
+}
+
+
+def add_limit_arguments(p: argparse.ArgumentParser, parse_size) -> None:
+    """One option per ServerLimits field, with its default; `parse_size` reads '8MiB'."""
+    g = p.add_argument_group("limits (past one: an OpenAI-shaped 4xx error, or a 503 while busy)")
+    for f in fields(ServerLimits):
+        flag, text = _HELP[f.name]
+        kind = parse_size if f.name == "max_body_bytes" else (float if "timeout" in f.name else int)
+        g.add_argument(flag, dest=f.name, type=kind, default=f.default, help=text + " (default %(default)s)".replace("None", "none"))
