@@ -28,6 +28,10 @@ def run_router(args) -> None:
     from hearth.server.limits import ServerLimits
     from hearth.server.serve import run_uvicorn
 
+    try:
+        limits = ServerLimits.from_args(args)
+    except ValueError as e:
+        raise HearthError(str(e)) from None
     args.replica_api_key = new_replica_key()
     if args.ray:
         from hearth.distributed.ray_replicas import RayReplicas
@@ -46,5 +50,5 @@ def run_router(args) -> None:
     for i, url in enumerate(urls):
         print(f"replica {i}  {url}", flush=True)
     router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key)
-    app = build_router_app(router, api_key=args.api_key, limits=ServerLimits.from_args(args))
+    app = build_router_app(router, api_key=args.api_key, limits=limits)
     run_uvicorn(app, args, on_stop=replicas.stop)
