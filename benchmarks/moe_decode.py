@@ -36,18 +36,9 @@ def build(config, qtype):
         model = Transformer(config, backend=CpuBackend())
     g = torch.Generator().manual_seed(0)
     weights = {}
-    for name, param in model.named_parameters():
-        hf = f"model.{name}"
-        if ".parts." in name:  # merged projections: the checkpoint's parts
-            merged = model.get_submodule(name.rsplit(".parts.", 1)[0])
-            prefix = hf.rsplit(".", 4)[0]
-            for part, rows in zip(merged.part_names, merged.part_sizes):
-                weights[f"{prefix}.{part}.weight"] = _random((rows, merged.in_features), g, qtype)
-        elif param.dim() == 1:  # norms
-            weights[hf] = torch.ones(param.shape)
-        else:  # routers stay float, as llama.cpp keeps them
-            weights[name if name.startswith("lm_head") else hf] = _random(
-                tuple(param.shape), g, None if name.endswith("mlp.gate.weight") else qtype)
+    for name, shape in model.checkpoint_shapes():  # norms 1; routers stay float, as llama.cpp keeps them
+        weights[name] = torch.ones(shape) if len(shape) == 1 else _random(
+            shape, g, None if name.endswith("mlp.gate.weight") else qtype)
     model.load_weights(weights, torch.float32)
     return model
 

@@ -9,8 +9,8 @@ from typing import Any
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "mixtral",
-                           "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
@@ -22,6 +22,7 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
     "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored merged
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -139,7 +140,8 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
         arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
         if arch is None:
-            arch = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
+            arch = hf.get("model_type")
+            arch = "gemma3" if arch == "gemma3_text" else arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "

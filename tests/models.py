@@ -72,6 +72,8 @@ def hf_config(arch: str, **overrides):
         # a NoPE layer every 4, the layout llama.cpp's smollm3 assumes
         "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
                                                  "tie_word_embeddings": False, "pad_token_id": None}),
+        # q/k/v and gate/up stored merged; a window on every layer, shorter than the engine tests' sequences
+        "phi3": (transformers.Phi3Config, {"sliding_window": 24, "pad_token_id": None}),
         # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
         # quantized formats' (32) so that converted files quantize them
         "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,

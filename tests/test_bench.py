@@ -54,7 +54,38 @@ def test_architecture_shapes_have_the_published_parameter_counts():
     for spec in bench_models.ARCHS.values():
         if spec.parameters is not None:
             assert spec.num_parameters() == spec.parameters, spec.name
-    assert {"tinyllama-1.1b", "llama-3.2-1b", "qwen2.5-0.5b"} <= set(bench_models.ARCHS)
+    assert {"tinyllama-1.1b", "llama-3.2-1b", "qwen2.5-0.5b", "gemma-2-2b", "gemma-3-1b"} <= set(bench_models.ARCHS)
+
+
+@pytest.mark.parametrize("name,layers,published", [("qwen3-30b-a3b-4l", 48, 30_532_122_624),
+                                                   ("mixtral-8x7b-2l", 32, 46_702_792_704)])
+def test_reduced_depth_experts_have_the_published_layers(name, layers, published):
+    """A reduced-depth mixture of experts, extended to the release's depth layer by layer, has the
+    release's parameter count (Qwen3-30B-A3B, Mixtral-8x7B): each layer is the release's."""
+    spec = bench_models.ARCHS[name]
+    per_layer = spec.num_parameters() - dataclasses.replace(spec, num_layers=spec.num_layers - 1).num_parameters()
+    assert spec.num_parameters() + (layers - spec.num_layers) * per_layer == published
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-4l", "mixtral-8x7b-2l", "gemma-2-2b", "gemma-3-1b"])
+def test_new_family_shapes_make_models_hearth_runs(name, tmp_path):
+    """The families' specs, shrunk, written and converted: hearth loads the HF folder and the GGUF as
+    the family (experts, local layers) and the two give the same greedy tokens."""
+    from hearth import LLM, SamplingParams
+
+    spec = dataclasses.replace(bench_models.ARCHS[name], vocab_size=1024, hidden_size=64, intermediate_size=64,
+                               num_layers=2, num_heads=4, num_kv_heads=2, bos_token_id=1000, eos_token_id=1001,
+                               parameters=None, extra={**bench_models.ARCHS[name].extra, "head_dim": 16})
+    files = bench_models.make_model(spec, tmp_path, ["f32"], progress=False)["files"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for path in (files["hf"], files["f32"]):
+        llm = LLM(path, kv_cache_memory=1 << 20, progress=False)
+        config = llm.engine.model_config
+        assert bool(config.num_experts) == name.startswith(("qwen3-30b", "mixtral"))
+        assert (config.sliding_layers is not None) == name.startswith("gemma")
+        outputs.append(llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
 
 
 def test_generated_model_loads_as_hf_and_gguf(tiny):

@@ -29,7 +29,7 @@ from test_model import _hearth_logits as paged_logits
 
 TOKENS = torch.randint(0, VOCAB_SIZE, (45,), generator=torch.Generator().manual_seed(1)).tolist()
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32 (every family here)
-FAMILIES = MOE_ARCHITECTURES + ("gemma2", "gemma3")
+FAMILIES = MOE_ARCHITECTURES + ("gemma2", "gemma3", "phi3")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_quantized_against_gguf_dequantizer(folders, arch, out_type, tmp_path, m
     path = convert_hf_to_gguf(folders[arch], tmp_path / "m.gguf", out_type, progress=False)
     config, weights, _ = load_gguf(path, progress=False)
     matrix = weights["model.layers.0.mlp.experts.3.gate_proj.weight" if config.num_experts else
-                     "model.layers.0.self_attn.q_proj.weight"]
+                     "model.layers.0.self_attn.o_proj.weight"]
     assert isinstance(matrix, QuantTensor) and matrix.qtype.name == out_type.upper()
     if config.num_experts:  # routers stay F32, as llama.cpp's
         assert not isinstance(weights["model.layers.0.mlp.gate.weight"], QuantTensor)
@@ -239,6 +239,26 @@ def test_nope_layers_llama_cpp_cannot_express_are_refused_by_convert(tmp_path):
     assert _relative_error(paged_logits(model, TOKENS), _logits_of(folder)) <= 1e-4
     with pytest.raises(ModelLoadError, match="NoPE layers"):
         convert_hf_to_gguf(folder, tmp_path / "s.gguf", "f32", progress=False)
+
+
+def test_phi3_merged_projections_as_llama_cpp_names_them(folders, tmp_path):
+    """phi3 stores q/k/v and gate/up merged; the GGUF keeps them merged (attn_qkv, and ffn_up holding
+    gate and up, as llama.cpp's phi3 reads them), names within gguf's list for the architecture."""
+    path = convert_hf_to_gguf(folders["phi3"], tmp_path / "p.gguf", "f32", progress=False)
+    tensors = {t.name: t.shape.tolist() for t in gguf.GGUFReader(path).tensors}
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=b) + ".weight" for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.PHI3]
+               for b in range(2)}
+    assert set(tensors) <= allowed
+    assert tensors["blk.0.attn_qkv.weight"] == [64, 64 + 2 * 32] and tensors["blk.0.ffn_up.weight"] == [64, 2 * 112]
+
+
+def test_longrope_is_refused(tmp_path):
+    """Phi-3's LongRoPE (128k models, Phi-4-mini) is not implemented: refused by name, not run without."""
+    long = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    folder = make_hf_model(tmp_path / "p", "phi3", rope_parameters=long, max_position_embeddings=1024)
+    with pytest.raises(ModelLoadError, match="longrope"):
+        load_model(folder, progress=False)
 
 
 def test_bad_expert_configs_and_files_are_refused(folders, tmp_path):

@@ -80,27 +80,13 @@ class ArchSpec:
         return config
 
     def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """(HF name, shape) of every weight, in checkpoint order."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        yield "model.embed_tokens.weight", (self.vocab_size, h)
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            yield p + "input_layernorm.weight", (h,)
-            yield p + "self_attn.q_proj.weight", (self.num_heads * self.head_dim, h)
-            yield p + "self_attn.k_proj.weight", (kv, h)
-            yield p + "self_attn.v_proj.weight", (kv, h)
-            if self.attention_bias:
-                yield p + "self_attn.q_proj.bias", (self.num_heads * self.head_dim,)
-                yield p + "self_attn.k_proj.bias", (kv,)
-                yield p + "self_attn.v_proj.bias", (kv,)
-            yield p + "self_attn.o_proj.weight", (h, self.num_heads * self.head_dim)
-            yield p + "post_attention_layernorm.weight", (h,)
-            yield p + "mlp.gate_proj.weight", (self.intermediate_size, h)
-            yield p + "mlp.up_proj.weight", (self.intermediate_size, h)
-            yield p + "mlp.down_proj.weight", (h, self.intermediate_size)
-        yield "model.norm.weight", (h,)
-        if not self.tie_word_embeddings:
-            yield "lm_head.weight", (self.vocab_size, h)
+        """(HF name, shape) of every weight: what hearth's model of this config.json loads."""
+        from hearth.config import ModelConfig
+        from hearth.model.transformer import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_hf(self.hf_config()), max_positions=1)
+        yield from model.checkpoint_shapes()
 
     def num_parameters(self) -> int:
         return sum(math.prod(shape) for _, shape in self.tensor_shapes())
@@ -109,8 +95,10 @@ class ArchSpec:
 _LLAMA3_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
+_GEMMA = {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256}
+
 # config.json values of the public releases (TinyLlama/TinyLlama-1.1B-Chat-v1.0,
-# meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-0.5B) and hearth's default model shape.
+# meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-0.5B, and the families below) and hearth's default model shape.
 ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
     ArchSpec("tinyllama-1.1b", "LlamaForCausalLM", "llama", vocab_size=32000, hidden_size=2048,
              intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4,
@@ -127,6 +115,31 @@ ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
              tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643, attention_bias=True,
              add_bos=False, parameters=494_032_768,
              extra={"use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24}),
+    # Mixture of experts at full width, fewer layers (Qwen/Qwen3-30B-A3B has 48, mistralai/Mixtral-8x7B-v0.1 32):
+    # each layer as the release's; the experts named as qwen's (mlp.experts.N.gate_proj), which hearth reads
+    # for every family
+    ArchSpec("qwen3-30b-a3b-4l", "Qwen3MoeForCausalLM", "qwen3_moe", vocab_size=151936, hidden_size=2048,
+             intermediate_size=6144, num_layers=4, num_heads=32, num_kv_heads=4, max_position_embeddings=40960,
+             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+             eos_token_id=151645, add_bos=False,
+             extra={"head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "use_sliding_window": False, "sliding_window": None}),
+    ArchSpec("mixtral-8x7b-2l", "MixtralForCausalLM", "mixtral", vocab_size=32000, hidden_size=4096,
+             intermediate_size=14336, num_layers=2, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+             rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+             extra={"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    # google/gemma-2-2b and google/gemma-3-1b-pt
+    ArchSpec("gemma-2-2b", "Gemma2ForCausalLM", "gemma2", vocab_size=256000, hidden_size=2304,
+             intermediate_size=9216, num_layers=26, num_heads=8, num_kv_heads=4, max_position_embeddings=8192,
+             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+             parameters=2_614_341_888,
+             extra={**_GEMMA, "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    ArchSpec("gemma-3-1b", "Gemma3ForCausalLM", "gemma3_text", vocab_size=262144, hidden_size=1152,
+             intermediate_size=6912, num_layers=26, num_heads=4, num_kv_heads=1, max_position_embeddings=32768,
+             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+             parameters=999_885_952,
+             extra={**_GEMMA, "sliding_window": 512, "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
     # the shape of hearth's built-in model (recipes/train_default_model.py, preset main)
     ArchSpec("hearth-tiny", "LlamaForCausalLM", "llama", vocab_size=4096, hidden_size=256,
              intermediate_size=688, num_layers=6, num_heads=4, num_kv_heads=2,

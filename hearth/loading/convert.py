@@ -49,7 +49,7 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 
 # hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-                      "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3",
+                      "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF tensors llama.cpp drops on purpose

@@ -218,6 +218,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
                 continue
             raise ModelLoadError(f"{where}: tensor {t.name} is not part of the {config.architecture} model hearth "
                                  "implements (a feature of the file hearth would otherwise drop)")
+        if config.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):
+            name = name.replace("up_proj", "gate_up_proj")  # llama.cpp's phi3 ffn_up: gate and up in one matrix
         weights[name] = _read(file, t, where)
         if name.endswith("shared_expert_gate.weight") and weights[name].dim() == 1:
             weights[name] = weights[name].unsqueeze(0)  # [hidden] as a [1, hidden] projection

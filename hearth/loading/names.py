@@ -20,6 +20,7 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # q, k and v in one matrix (phi3)
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -57,6 +58,7 @@ _SANDWICH_LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER["mlp.gate_up_proj.weight"] = "ffn_up.weight"  # phi3: llama.cpp's ffn_up holds gate and up
 _HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 

@@ -1,5 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, and the mixtures
-of experts mixtral, qwen2_moe, qwen3_moe and olmoe.
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, and
+the mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe.
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
 backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
@@ -211,14 +211,39 @@ class Transformer(nn.Module):
             raise ModelLoadError(f"tensor {unused[0]}{more} is not part of the {self.config.architecture} model "
                                  "hearth implements")
 
+    def checkpoint_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of every tensor load_weights takes, in module order (MergedLinear's parts
+        by their own names; no lm_head when the embeddings are tied)."""
+        shapes = []
+        for name, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                prefix = "model." + name.rpartition(".")[0]
+                for part, size in zip(module.part_names, module.part_sizes):
+                    shapes.append((f"{prefix}.{part}.weight", (size, module.in_features)))
+                    if module.bias:
+                        shapes.append((f"{prefix}.{part}.bias", (size,)))
+            elif ".parts." not in name:
+                hf_name = name if name.startswith("lm_head") else f"model.{name}"
+                if hf_name == "lm_head" and self.config.tie_word_embeddings:
+                    continue
+                shapes += [(f"{hf_name}.{attr}", tuple(p.shape)) for attr, p in module.named_parameters(recurse=False)]
+        return shapes
+
     def _plan_merges(self, weights: dict) -> dict[str, list[str]]:
         """Group each MergedLinear's parts by storage format (checking each part's presence and
-        shape); returns the checkpoint names behind each merged parameter name."""
+        shape), or take the checkpoint's own merged matrix (phi3's qkv_proj, gate_up_proj); returns
+        the checkpoint names behind each merged parameter name."""
         merged = {}
         for name, module in self.named_modules():
             if not isinstance(module, MergedLinear):
                 continue
             prefix = "model." + name.rpartition(".")[0]
+            fused = f"model.{name}.weight"  # a checkpoint that stores the merged matrix itself (phi3)
+            if fused in weights:
+                _check_shape(fused, weights[fused], (sum(module.part_sizes), module.in_features))
+                module.set_groups([list(range(len(module.part_names)))])
+                merged[f"model.{name}.parts.0.weight"] = [fused]
+                continue
             part_weights = []
             for part, size in zip(module.part_names, module.part_sizes):
                 hf_name = f"{prefix}.{part}.weight"
