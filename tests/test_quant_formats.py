@@ -14,6 +14,7 @@ from hearth.quant.formats import QUANTIZE_QTYPES
 F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.TQ1_0: (52,), Q.TQ2_0: (64,),
 }
 ROWS = 6
 BLOCKS_PER_ROW = 3
@@ -79,14 +80,14 @@ def test_chunked_path_matches_gguf(monkeypatch):
 
 @pytest.mark.parametrize("qtype", QUANTIZE_QTYPES, ids=lambda q: q.name)
 def test_quantize_matches_gguf(qtype):
-    values = np.random.default_rng(3).standard_normal((5, 128)).astype(np.float32)
+    values = np.random.default_rng(3).standard_normal((5, 256)).astype(np.float32)  # whole ternary blocks
     values[0, :32] = 0.0  # an all-zero block
     ours = quantize(torch.from_numpy(values), qtype)
     ref = np.ascontiguousarray(gguf_quants.quantize(values, qtype)).view(np.uint8).reshape(5, -1)
     assert ours.dtype == torch.uint8 and ours.shape == ref.shape
     assert np.array_equal(ours.numpy(), ref)
-    back = dequantize(ours, qtype, (5, 128))
-    assert_bit_exact(back, gguf_quants.dequantize(ref, qtype).reshape(5, 128))
+    back = dequantize(ours, qtype, (5, 256))
+    assert_bit_exact(back, gguf_quants.dequantize(ref, qtype).reshape(5, 256))
 
 
 def test_quant_tensor_round_trip():
