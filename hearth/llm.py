@@ -44,6 +44,11 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         seed: int = 0,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 4,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
+        speculative_disable_by_batch_size: int = 32,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -59,6 +64,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
+            speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size,
         )
         self.engine = LLMEngine(model, config, progress)
 

@@ -18,9 +18,10 @@ from hearth.config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
-from hearth.engine.request import Request
-from hearth.engine.runner import ModelRunner, ScheduledSequence
+from hearth.engine.request import Request, RequestStatus
+from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.scheduler import Scheduler
+from hearth.engine.speculative import NgramProposer, SpecDecodeCounts, num_guesses
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
 from hearth.loading.loader import load_model
@@ -74,6 +75,10 @@ class LLMEngine:
                 file=sys.stderr,
             )
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
+        self.proposer = None
+        self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
@@ -182,6 +187,9 @@ class LLMEngine:
         self.scheduler.update_after_step(plan)
         self._release_prompt_sharers()
         outputs = self.output_processor.process(plan, result, stats)
+        if self.proposer is not None:
+            self._propose(result)
+        self.spec_decode_totals.add(stats.spec_decode)
         stats.kv_usage = self.block_manager.usage
         stats.prefix_cache_queries = plan.prefix_cache_queries
         stats.prefix_cache_hits = plan.prefix_cache_hits
@@ -193,6 +201,22 @@ class LLMEngine:
         score_prompt = (state.index == 0 and request.num_output_tokens == 0
                         and request.sampling_params.prompt_logprobs is not None)
         return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt)
+
+    def _propose(self, result: StepResult) -> None:
+        """Guess the next tokens of every request that sampled this step and goes on."""
+        config, num_running = self.config, self.scheduler.num_running
+        for request in result.sampled:
+            params = request.sampling_params
+            if request.status is not RequestStatus.RUNNING or not params.speculative:
+                continue
+            state = self.output_processor.sequences[request.request_id]
+            k = num_guesses(state.acceptance.rate, num_running, config.num_speculative_tokens,
+                            config.speculative_disable_by_batch_size)
+            # never past max_tokens (the last guess is followed by one more token) or the context
+            if params.max_tokens is not None:
+                k = min(k, params.max_tokens - request.num_output_tokens - 1)
+            k = min(k, self.max_model_len - request.num_tokens)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""

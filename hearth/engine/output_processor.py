@@ -17,6 +17,7 @@ import torch
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import Alternatives, SampledTokens, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
+from hearth.engine.speculative import AcceptanceRate, SpecDecodeCounts
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.engine.structured_output import advance
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -37,6 +38,7 @@ class SequenceState:
     logprobs: list[PositionLogprobs] | None = None
     stop_reason: int | str | None = None
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
+    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # of its speculative guesses
 
 
 @dataclass
@@ -69,6 +71,7 @@ class StepStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     finished_reasons: list[str] = field(default_factory=list)
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 class OutputProcessor:
@@ -99,6 +102,9 @@ class OutputProcessor:
             self.groups[self.group_id(request.request_id)].prompt_logprobs.extend(entries)
         for request, tokens in result.sampled.items():
             state = self.sequences[request.request_id]
+            num_accepted = len(tokens.token_ids) - 1
+            stats.spec_decode.record(tokens.num_guesses, num_accepted)
+            state.acceptance.update(tokens.num_guesses, num_accepted)
             num_appended = self._append_tokens(state, tokens, now, stats)
             self.scheduler.accept_spec_tokens(request, num_appended - 1)
         progressed: dict[str, RequestGroup] = {}  # by group id: each group's output is built once
