@@ -22,9 +22,10 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.engine.request import Request
-from hearth.engine.sampler import Sampler, SamplingBatch, prompt_logprobs
+from hearth.engine.sampler import Sampler, SamplingBatch, prompt_logprobs, skip_draws
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
+from hearth.sampling_params import SamplingType
 
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
 
@@ -145,6 +146,9 @@ class ModelRunner:
         hidden, _ = self.forward(entries)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
+        # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
+        rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
+                   and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
         if sampled:
             batch, guesses = self._sampling_batch(sampled, masks)
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
@@ -175,6 +179,9 @@ class ModelRunner:
                 while kept <= num_guesses and accepted[row + kept - 1]:
                     kept += 1
                 rows = range(row, row + kept)
+                if seq.request in rewinds and kept <= num_guesses:
+                    seq.generator.set_state(rewinds[seq.request])
+                    skip_draws(seq.generator, kept, self.model.config.vocab_size)
                 result.sampled[seq.request] = SampledTokens(
                     [token_ids[r] for r in rows], [logprobs[r] for r in rows],
                     None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses)

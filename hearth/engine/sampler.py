@@ -18,8 +18,8 @@ Per row, in the order HF's generate and vLLM apply them:
       -> draw                    argmax(softmax / Exp(1) noise), the noise of a seeded row from its
                                  own torch.Generator, so its tokens do not depend on the batch
 
-Speculative decoding: a row may carry a guessed token; it is verified against the row's final
-distribution by the rejection rule (verify_guesses), greedy rows by the argmax.
+Speculative decoding: a row may carry a guessed token, verified against the row's final
+distribution by the rejection rule (Sampler.__call__).
 
 Logprobs are those of the model's raw distribution (log_softmax of the raw logits), as
 vLLM's default: the chosen token's, and the top K by the same distribution.
@@ -333,6 +333,13 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, num_rows: int, vocab_size: int) -> None:
+    """Advance a generator past num_rows draws of sample_from_probs over float32 probabilities
+    (a seeded request's rows whose tokens were not kept: its stream stays that of plain decoding)."""
+    for _ in range(num_rows):
+        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
     """Log-softmax of `logits` [N, V] at `ids` [N], and its top k (ids, logprobs) sorted descending."""
     lse = logits.logsumexp(dim=-1, keepdim=True)
@@ -342,54 +349,28 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
     return chosen, top_ids, top_values - lse
 
 
-def uniform_per_row(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row [B] float64: a seeded row's from its own generator."""
-    u = torch.rand(len(generators), dtype=torch.float64, device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i : i + 1] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(device)
-    return u
-
-
-def verify_guesses(
-    probs: torch.Tensor, guesses: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling's rule for a draft that put all its mass on its guess g (q = one-hot):
-    accept g with probability min(1, p(g) / q(g)) = p(g); on rejection the next token is drawn
-    from normalise(max(0, p - q)), which is p with g removed. probs [B, V], guesses [B] (-1: the
-    row has no guess). Returns (accepted [B] bool, the probabilities to draw from [B, V], not
-    normalised: the exponential race needs no normalisation)."""
-    guessed = guesses >= 0
-    column = guesses.clamp_min(0).unsqueeze(1)
-    p_guess = probs.gather(1, column).squeeze(1).double()
-    accepted = guessed & (uniform_per_row(generators, probs.device) < p_guess)
-    residual = torch.where(guessed.unsqueeze(1), probs.scatter(1, column, 0.0), probs)
-    return accepted, residual
-
-
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: torch.Tensor | None = None) -> SamplerOutput:
-        """guesses [B] int64 (speculative decoding): a row's guessed token (-1: none) is kept when
-        accepted, and otherwise replaced by a draw from the rule of verify_guesses."""
+        """guesses [B] int64 (speculative decoding): a row's guessed token, -1 for none.
+
+        A guess is verified by speculative sampling's rule for a draft that puts all its mass
+        on it (q = one-hot g): accept with probability min(1, p(g) / q(g)) = p(g), and on
+        rejection draw from normalise(max(0, p - q)), p without g. The row's own draw x ~ p
+        realises exactly that: accept when x == g, else x is the replacement. So every kept
+        token is the draw plain decoding would make (greedy rows: the argmax), and a seeded
+        request keeps its tokens with and without speculation."""
         raw = logits.float()
         logits = apply_penalties_and_bias(raw, batch)
-        accepted = None
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
-            if guesses is not None:
-                accepted, probs = verify_guesses(probs, guesses, batch.generators)
             sampled = sample_from_probs(probs, batch.generators)
             if batch.any_greedy:
                 sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
-        if guesses is not None:
-            # greedy rows: the guess is right exactly when it is the argmax
-            greedy_accepted = (guesses >= 0) & (sampled == guesses)
-            accepted = greedy_accepted if accepted is None else torch.where(batch.greedy, greedy_accepted, accepted)
-            sampled = torch.where(accepted, guesses, sampled)
+        accepted = None if guesses is None else sampled == guesses
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)

@@ -139,6 +139,8 @@ class GrammarCompiler:
             taken = [0] * len(matchers)  # guesses each matcher has consumed
             for depth in range(max(len(g) for g in guesses) + 1):
                 live = [i for i, g in enumerate(guesses) if taken[i] == depth]
+                if not live:
+                    break
                 rows = [(matchers[i], first_rows[i] + depth) for i in live]
                 self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, num_rows)
                 for i in live:
