@@ -117,3 +117,19 @@ class SpecDecodeCounts:
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def copy(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                list(self.accepted_per_position))
+
+    def since(self, earlier: SpecDecodeCounts) -> SpecDecodeCounts:
+        """The counts added after `earlier` (a copy taken before)."""
+        positions = [n - (earlier.accepted_per_position[i] if i < len(earlier.accepted_per_position) else 0)
+                     for i, n in enumerate(self.accepted_per_position)]
+        return SpecDecodeCounts(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                                self.num_accepted_tokens - earlier.num_accepted_tokens, positions)
+
+    def summary(self) -> str:
+        rate = self.acceptance_rate
+        return (f"{self.num_drafts} drafts, {self.num_draft_tokens} guessed tokens, {self.num_accepted_tokens} accepted"
+                f" ({'-' if rate is None else f'{rate:.0%}'}); accepted by position {self.accepted_per_position}")
