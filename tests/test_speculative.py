@@ -16,7 +16,7 @@ from scipy import stats
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.sampler import Sampler
-from hearth.engine.speculative import AcceptanceRate, NgramProposer, num_guesses
+from hearth.engine.speculative import PROBE_EVERY, AcceptanceRate, NgramProposer, SpeedGate, num_guesses
 from models import VOCAB_SIZE, make_hf_model
 from test_sampler import build
 
@@ -165,3 +165,16 @@ def test_unimplemented_methods_are_refused():
             EngineConfig(speculative_method=method)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
+    gate = SpeedGate()
+    assert gate.allow()  # nothing measured yet: guess
+    gate.record(True, num_tokens=6, num_requests=2, seconds=1.0)  # 3 tokens/s per request with guesses
+    assert not gate.allow()  # then measure a plain step once
+    gate.record(False, num_tokens=8, num_requests=2, seconds=1.0)  # 4 tokens/s per request without
+    decisions = [gate.allow() for _ in range(2 * PROBE_EVERY)]
+    assert 1 <= sum(decisions) <= 2  # only the probes guess
+    for _ in range(20):
+        gate.record(True, num_tokens=20, num_requests=2, seconds=1.0)  # guessing becomes faster
+    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1

@@ -21,7 +21,7 @@ from hearth.engine.output_processor import OutputProcessor, RequestGroup, Sequen
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.scheduler import Scheduler
-from hearth.engine.speculative import NgramProposer, SpecDecodeCounts, num_guesses
+from hearth.engine.speculative import NgramProposer, SpecDecodeCounts, SpeedGate, num_guesses
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
 from hearth.loading.loader import load_model
@@ -77,6 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.proposer = None
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
+        self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._groups_sharing_prompt: list[RequestGroup] = []
@@ -179,6 +180,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the (cumulative) output of every group that progressed."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
@@ -188,6 +190,9 @@ class LLMEngine:
         self._release_prompt_sharers()
         outputs = self.output_processor.process(plan, result, stats)
         if self.proposer is not None:
+            if plan.scheduled and len(result.sampled) == len(plan.scheduled):  # decodes only: comparable steps
+                self.speed_gate.record(stats.spec_decode.num_drafts > 0, stats.num_generated, len(plan.scheduled),
+                                       time.perf_counter() - start)
             self._propose(result)
         self.spec_decode_totals.add(stats.spec_decode)
         stats.kv_usage = self.block_manager.usage
@@ -204,6 +209,8 @@ class LLMEngine:
 
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
+        if not self.speed_gate.allow():
+            return
         config, num_running = self.config, self.scheduler.num_running
         for request in result.sampled:
             params = request.sampling_params

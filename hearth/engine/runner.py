@@ -22,7 +22,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.engine.request import Request
-from hearth.engine.sampler import Sampler, SamplingBatch, prompt_logprobs, skip_draws
+from hearth.engine.sampler import Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
@@ -124,8 +124,51 @@ class ModelRunner:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
         if not sequences:
             return StepResult({}, {})
-        entries, sampled, scored = [], [], []
-        sample_rows: list[int] = []  # rows whose logits are sampled: each guess's and the one after
+        entries, sampled, sample_rows, scored = self._lay_out(sequences)
+        constrained = [seq for seq in sampled if seq.matcher is not None]
+        # the grammar masks are filled while the model runs
+        masks = self.grammars.start_masks([s.matcher for s in constrained],
+                                          [s.request.spec_token_ids for s in constrained]) if constrained else None
+        # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
+        rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
+                   and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
+        hidden, _ = self.forward(entries)
+
+        device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
+        out = None
+        if sampled:
+            batch, guesses = self._sampling_batch(sampled, masks)
+            out = self.sampler(self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)]),
+                               batch, guesses)
+            device_results += [out.sampled_token_ids, out.logprobs]
+            device_results += [] if out.accepted is None else [out.accepted]
+            device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
+        scoring = []
+        for request, first_row, start, count in scored:
+            count = min(count, request.num_prompt_tokens - 1 - start)
+            if count > 0:  # the rows predicting prompt tokens start+1 .. start+count
+                targets = request.prompt_token_ids[start + 1 : start + 1 + count]
+                logits = self.model.compute_logits(hidden[first_row : first_row + count])
+                scoring.append((request, targets))
+                device_results += prompt_logprobs(logits, torch.tensor(targets, device=logits.device),
+                                                  request.sampling_params.prompt_logprobs)
+        host = iter(to_host(device_results))
+
+        result = StepResult({}, {})
+        if out is not None:
+            result.sampled = self._kept_tokens(sampled, out, host, rewinds)
+        for request, targets in scoring:
+            chosen, top_ids, top_lps = next(host).tolist(), next(host).tolist(), next(host).tolist()
+            entries = [{t: lp} for t, lp in zip(targets, chosen)]
+            for entry, ids, lps in zip(entries, top_ids, top_lps):
+                entry.update(zip(ids, lps))
+            result.prompt_logprobs[request] = entries
+        return result
+
+    def _lay_out(self, sequences: list[ScheduledSequence]):
+        """The step's BatchEntry list, the sequences that sample and their rows (each guess's and
+        the one after), and the prompt-scoring (request, first row, start, count) of each."""
+        entries, sampled, sample_rows, scored = [], [], [], []
         row = 0
         for seq in sequences:
             request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
@@ -139,60 +182,30 @@ class ModelRunner:
                 sample_rows.extend(range(row + count - num_rows, row + count))
                 sampled.append(seq)
             row += count
-        constrained = [seq for seq in sampled if seq.matcher is not None]
-        # the grammar masks are filled while the model runs
-        masks = self.grammars.start_masks([s.matcher for s in constrained],
-                                          [s.request.spec_token_ids for s in constrained]) if constrained else None
-        hidden, _ = self.forward(entries)
+        return entries, sampled, sample_rows, scored
 
-        device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
-        # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
-        rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
-                   and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
-        if sampled:
-            batch, guesses = self._sampling_batch(sampled, masks)
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            out = self.sampler(logits, batch, guesses)
-            device_results += [out.sampled_token_ids, out.logprobs]
-            device_results += [] if out.accepted is None else [out.accepted]
-            device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
-        scoring = []
-        for request, first_row, start, count in scored:
-            count = min(count, request.num_prompt_tokens - 1 - start)
-            if count > 0:  # the rows predicting prompt tokens start+1 .. start+count
-                targets = request.prompt_token_ids[start + 1 : start + 1 + count]
-                logits = self.model.compute_logits(hidden[first_row : first_row + count])
-                k = request.sampling_params.prompt_logprobs
-                scoring.append((request, targets))
-                device_results += prompt_logprobs(logits, torch.tensor(targets, device=logits.device), k)
-        host = iter(to_host(device_results))
-
-        result = StepResult({}, {})
-        if sampled:
-            token_ids, logprobs = next(host).tolist(), next(host).tolist()
-            accepted = next(host).tolist() if out.accepted is not None else None
-            top = (next(host).tolist(), next(host).tolist()) if out.top_logprobs is not None else None
-            row = 0
-            for seq in sampled:
-                num_guesses = len(seq.request.spec_token_ids)
-                kept = 1  # the guesses up to the first rejected one, then that row's own draw
-                while kept <= num_guesses and accepted[row + kept - 1]:
-                    kept += 1
-                rows = range(row, row + kept)
-                if seq.request in rewinds and kept <= num_guesses:
-                    seq.generator.set_state(rewinds[seq.request])
-                    skip_draws(seq.generator, kept, self.model.config.vocab_size)
-                result.sampled[seq.request] = SampledTokens(
-                    [token_ids[r] for r in rows], [logprobs[r] for r in rows],
-                    None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses)
-                row += num_guesses + 1
-        for request, targets in scoring:
-            chosen, top_ids, top_lps = next(host).tolist(), next(host).tolist(), next(host).tolist()
-            entries = [{t: lp} for t, lp in zip(targets, chosen)]
-            for entry, ids, lps in zip(entries, top_ids, top_lps):
-                entry.update(zip(ids, lps))
-            result.prompt_logprobs[request] = entries
-        return result
+    def _kept_tokens(self, sampled: list[ScheduledSequence], out: SamplerOutput, host,
+                     rewinds: dict[Request, torch.Tensor]) -> dict[Request, SampledTokens]:
+        """Per sampling sequence, from the host copies of `out`: its guesses up to the first rejected
+        one, then that row's own draw. A seeded generator is wound back to the kept draws."""
+        token_ids, logprobs = next(host).tolist(), next(host).tolist()
+        accepted = next(host).tolist() if out.accepted is not None else None
+        top = (next(host).tolist(), next(host).tolist()) if out.top_logprobs is not None else None
+        kept_tokens, row = {}, 0
+        for seq in sampled:
+            num_guesses = len(seq.request.spec_token_ids)
+            kept = 1
+            while kept <= num_guesses and accepted[row + kept - 1]:
+                kept += 1
+            if seq.request in rewinds and kept <= num_guesses:
+                seq.generator.set_state(rewinds[seq.request])
+                skip_draws(seq.generator, kept, self.model.config.vocab_size)
+            rows = range(row, row + kept)
+            kept_tokens[seq.request] = SampledTokens(
+                [token_ids[r] for r in rows], [logprobs[r] for r in rows],
+                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses)
+            row += num_guesses + 1
+        return kept_tokens
 
     def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, torch.Tensor | None]:
         """One row per verified position: a request with k guesses has k + 1 rows, row j seeing its

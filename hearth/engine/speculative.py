@@ -13,6 +13,11 @@ acceptance rate. It costs one more token of the step, which is nearly free when 
 bound by reading the weights (few running requests) and a full token's work when the batch
 already fills the machine. The cost is taken as running requests / disable_by_batch_size; a
 guess is made while rate ** i exceeds it, so a busy engine makes none.
+
+That cost is a model; `SpeedGate` holds the measurement: decode steps' output tokens per second
+per request, with guesses and without. While steps with guesses are measured slower (a backend
+whose multi-token steps leave its decode fast path, a machine whose cores are taken), no guesses
+are made, except one step in PROBE_EVERY that keeps measuring them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# How fast the acceptance estimate forgets: the weight of the past at each update.
+# How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
+# One step in this many tries the option (guesses or none) that measured slower, to keep measuring it.
+PROBE_EVERY = 16
 
 
 class NgramProposer:
@@ -57,6 +64,30 @@ class NgramProposer:
         while len(guesses) < k:
             guesses.append(guesses[len(guesses) - period])
         return guesses
+
+
+class SpeedGate:
+    """Whether the next step may carry guesses: only while steps with them are not measured slower."""
+
+    def __init__(self) -> None:
+        self.speed: dict[bool, float | None] = {True: None, False: None}  # with guesses? -> tokens/s/request
+        self._steps = 0
+
+    def record(self, with_guesses: bool, num_tokens: int, num_requests: int, seconds: float) -> None:
+        """A step made only of decodes (and verifications): its output tokens and duration."""
+        if seconds <= 0 or num_requests <= 0:
+            return
+        speed = num_tokens / seconds / num_requests
+        old = self.speed[with_guesses]
+        self.speed[with_guesses] = speed if old is None else RATE_MEMORY * old + (1 - RATE_MEMORY) * speed
+
+    def allow(self) -> bool:
+        self._steps += 1
+        with_guesses, without = self.speed[True], self.speed[False]
+        preferred = with_guesses is None or without is None or with_guesses >= without
+        if without is None and with_guesses is not None:
+            preferred = False  # measure plain steps once
+        return preferred != (self._steps % PROBE_EVERY == 0)
 
 
 @dataclass
