@@ -53,6 +53,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=32,
                    help="running requests at which guessing stops (fewer guesses as the batch grows)")
+    g.add_argument("--no-speculative-adaptive", action="store_true",
+                   help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -93,6 +95,7 @@ def engine_options(args) -> dict:
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        speculative_adaptive=not args.no_speculative_adaptive,
     )
 
 

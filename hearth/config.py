@@ -190,6 +190,9 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
     prompt_lookup_max: int = 4  # ngram: the longest match looked for
     speculative_disable_by_batch_size: int = 32  # running requests at which guessing stops
+    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
+    # acceptance or measured speed (deterministic: for tests and measurements)
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

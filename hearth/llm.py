@@ -49,6 +49,7 @@ class LLM:
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
         speculative_disable_by_batch_size: int = 32,
+        speculative_adaptive: bool = True,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -69,6 +70,7 @@ class LLM:
             prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+            speculative_adaptive=speculative_adaptive,
         )
         self.engine = LLMEngine(model, config, progress)
 

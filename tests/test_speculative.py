@@ -92,7 +92,7 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder):
     params = SamplingParams(temperature=0.15, max_tokens=4, ignore_eos=True)
     plain = first_tokens(LLM(folder, progress=False, seed=1), prompt, params, 600)
     llm = LLM(folder, progress=False, seed=2, speculative_method="ngram", prompt_lookup_min=1,
-              speculative_disable_by_batch_size=10_000)
+              speculative_adaptive=False)
     speculative = first_tokens(llm, prompt, params, 600)
     counts = llm.engine.spec_decode_totals
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
@@ -109,7 +109,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way."""
     kv_bytes_per_token = 2 * 2 * 2 * 16 * 4
     llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token, speculative_method="ngram",
-              prompt_lookup_min=1, speculative_disable_by_batch_size=10_000)
+              prompt_lookup_min=1, speculative_adaptive=False)
     engine = llm.engine
     rng = random.Random(3)
     ids = []
@@ -136,7 +136,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
 
 
 def test_a_request_can_opt_out(folder):
-    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1)
+    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
     prompt = [7, 8, 9, 10] * 4
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
     llm.generate([prompt] * 3, greedy, use_tqdm=False)
@@ -178,3 +178,15 @@ def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
     for _ in range(20):
         gate.record(True, num_tokens=20, num_requests=2, seconds=1.0)  # guessing becomes faster
     assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1
+
+
+def test_adaptive_engine_guesses_alone_and_not_when_busy(folder):
+    prompt = [7, 8, 9, 10] * 4
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1,
+              speculative_disable_by_batch_size=8)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    alone = llm.engine.spec_decode_totals.num_draft_tokens
+    assert alone > 0
+    llm.generate([prompt] * 8, greedy, use_tqdm=False)  # 8 running: a guess costs a whole step
+    assert llm.engine.spec_decode_totals.num_draft_tokens == alone

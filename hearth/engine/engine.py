@@ -209,16 +209,17 @@ class LLMEngine:
 
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
-        if not self.speed_gate.allow():
-            return
         config, num_running = self.config, self.scheduler.num_running
+        if config.speculative_adaptive and not self.speed_gate.allow():
+            return
         for request in result.sampled:
             params = request.sampling_params
             if request.status is not RequestStatus.RUNNING or not params.speculative:
                 continue
             state = self.output_processor.sequences[request.request_id]
-            k = num_guesses(state.acceptance.rate, num_running, config.num_speculative_tokens,
-                            config.speculative_disable_by_batch_size)
+            k = config.num_speculative_tokens
+            if config.speculative_adaptive:
+                k = num_guesses(state.acceptance.rate, num_running, k, config.speculative_disable_by_batch_size)
             # never past max_tokens (the last guess is followed by one more token) or the context
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
