@@ -66,13 +66,13 @@ def decode_ms(model, context: int, batch: int, steps: int) -> float:
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
     g = torch.Generator().manual_seed(1)
     for s in range(batch):  # prefill the context
-        runner.execute([BatchEntry(torch.randint(0, 256, (context,), generator=g).tolist(), 0, tables[s])])
+        runner.forward([BatchEntry(torch.randint(0, 256, (context,), generator=g).tolist(), 0, tables[s])])
     times = []
     for step in range(steps):
         entries = [BatchEntry([int(torch.randint(0, 256, (1,), generator=g))], context + step, tables[s])
                    for s in range(batch)]
         start = time.perf_counter()
-        runner.execute(entries)
+        runner.forward(entries)
         times.append(time.perf_counter() - start)
     return median(times[2:]) * 1e3
 

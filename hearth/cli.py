@@ -48,6 +48,16 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=["ngram"], default=None,
+                   help="ngram: guesses copied from the request's own text (prompt lookup), verified in one pass")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")
+    g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=32,
+                   help="running requests at which guessing stops (fewer guesses as the batch grows)")
+    g.add_argument("--no-speculative-adaptive", action="store_true",
+                   help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -84,6 +94,12 @@ def engine_options(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        speculative_adaptive=not args.no_speculative_adaptive,
     )
 
 

@@ -45,6 +45,12 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 4,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 4,
+        speculative_disable_by_batch_size: int = 32,
+        speculative_adaptive: bool = True,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -61,6 +67,12 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+            speculative_adaptive=speculative_adaptive,
         )
         self.engine = LLMEngine(model, config, progress)
 

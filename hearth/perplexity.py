@@ -40,7 +40,7 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     for first in range(0, len(windows), per_step):
         step = windows[first:first + per_step]
-        hidden, last_rows = runner.execute([BatchEntry(w, 0, table) for w, table in zip(step, tables)])
+        hidden, last_rows = runner.forward([BatchEntry(w, 0, table) for w, table in zip(step, tables)])
         # every row but each window's last predicts the token after it
         scored = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
         scored[last_rows] = False

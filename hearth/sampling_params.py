@@ -130,6 +130,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a schema or grammar
     watermark: WatermarkParams | None = None  # green-list watermark (hearth/watermark.py)
+    speculative: bool = True  # hearth's: False opts this request out of the engine's speculative decoding
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM: -1 means "no seed"
@@ -190,6 +191,7 @@ class SamplingParams:
         _check(isinstance(self.top_k, int), f"top_k must be an integer, got {type(self.top_k).__name__}.")
         _check(self.top_k >= -1, f"top_k must be 0 (disable), -1 (disable) or at least 1, got {self.top_k}.")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(isinstance(self.speculative, bool), f"speculative must be true or false, got {self.speculative!r}.")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")

@@ -158,5 +158,5 @@ def hearth_logits(config, weights, token_ids: list[int]) -> torch.Tensor:
     blocks = (len(token_ids) + block_size - 1) // block_size
     runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device=torch.device("cpu"),
                          kv_dtype=torch.float32)
-    hidden, _ = runner.execute([BatchEntry(list(token_ids), 0, list(range(blocks)))])
+    hidden, _ = runner.forward([BatchEntry(list(token_ids), 0, list(range(blocks)))])
     return model.compute_logits(hidden)

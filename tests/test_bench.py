@@ -143,6 +143,16 @@ def test_latency_json(tiny, capsys):
     assert r["weight_bytes_per_step"] > 0 and r["decode_gb_per_s"] > 0
 
 
+def test_latency_reports_speculation(tiny, capsys):
+    r = run_cli(capsys, "bench", "latency", tiny["q8_0"], "--input-len", "20", "--output-len", "6",
+                "--batch-size", "2", "--runs", "1", "--warmup", "0", "--json", "--speculative-method", "ngram",
+                "--prompt-lookup-min", "1")
+    spec = r["spec_decode"]
+    assert r["speculative_method"] == "ngram" and all(run["output_tokens"] == 2 * 6 for run in r["per_run"])
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
+
+
 def test_throughput_json_random_and_dataset(tiny, capsys, tmp_path):
     r = run_cli(capsys, "bench", "throughput", tiny["f16"], "--num-prompts", "6", "--input-len", "10",
                 "--output-len", "5", "--max-num-seqs", "4", "--json")

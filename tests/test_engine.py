@@ -49,34 +49,56 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# The matrix below runs with and without prompt-lookup speculation: greedy outputs must be
+# transformers' either way. A match of one token makes guesses frequent on random prompts, and
+# every match guesses (no adapting), so that 32 requests at once still guess.
+SPECULATION = {"plain": {}, "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)}
+
+
+def check_speculated(llm, spec: str) -> None:
+    """With speculation on, guesses were made and accepted (and rejected: test_rejected_guesses...)."""
+    counts = llm.engine.spec_decode_totals
+    if spec == "plain":
+        assert counts.num_draft_tokens == 0
+    else:
+        assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
+
+
+@pytest.mark.parametrize("spec", SPECULATION)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_alone_and_32_at_once_match_transformers(model_folders, arch):
+def test_greedy_alone_and_32_at_once_match_transformers(model_folders, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)
-    llm = LLM(model_folders[arch], max_num_batched_tokens=96, progress=False)
+    llm = LLM(model_folders[arch], max_num_batched_tokens=96, progress=False, **SPECULATION[spec])
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
     alone = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts[:6]]
     assert token_ids(alone) == expected[:6]
     assert llm.engine.block_manager.check_all_free()
+    check_speculated(llm, spec)
 
 
+@pytest.mark.parametrize("spec", SPECULATION)
 @pytest.mark.parametrize("chunked,budget", [(True, 8), (True, 17), (True, 2048), (False, 64)])
-def test_chunked_prefill_on_and_off(model_folders, chunked, budget):
+def test_chunked_prefill_on_and_off(model_folders, chunked, budget, spec):
     prompts = random_prompts(12, seed=7, longest=60)
     expected = reference_greedy(model_folders["llama"], prompts)
-    llm = LLM(model_folders["llama"], max_num_batched_tokens=budget, enable_chunked_prefill=chunked, progress=False)
+    llm = LLM(model_folders["llama"], max_num_batched_tokens=budget, enable_chunked_prefill=chunked, progress=False,
+              **SPECULATION[spec])
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
+    check_speculated(llm, spec)
 
 
+@pytest.mark.parametrize("spec", SPECULATION)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_caching_on_and_off(model_folders, prefix_caching):
+def test_prefix_caching_on_and_off(model_folders, prefix_caching, spec):
     shared = random_prompts(1, seed=3, shortest=50, longest=50)[0]
     prompts = [shared + tail for tail in random_prompts(8, seed=4, shortest=1, longest=12)]
     expected = reference_greedy(model_folders["qwen2"], prompts)
-    llm = LLM(model_folders["qwen2"], enable_prefix_caching=prefix_caching, progress=False)
+    llm = LLM(model_folders["qwen2"], enable_prefix_caching=prefix_caching, progress=False, **SPECULATION[spec])
     first = llm.generate(prompts[:2], greedy(), use_tqdm=False)  # fills the cache
     rest = llm.generate(prompts[2:], greedy(), use_tqdm=False)  # shares its blocks
     assert token_ids(first + rest) == expected
+    check_speculated(llm, spec)
     hits = llm.engine.block_manager.prefix_cache_hits
     if prefix_caching:
         assert hits >= 6 * 48 and all(o.num_cached_tokens >= 48 for o in rest)
@@ -84,20 +106,24 @@ def test_prefix_caching_on_and_off(model_folders, prefix_caching):
         assert hits == 0
 
 
-def test_preemption_under_a_small_kv_budget(model_folders):
+@pytest.mark.parametrize("spec", SPECULATION)
+def test_preemption_under_a_small_kv_budget(model_folders, spec):
     prompts = random_prompts(16, seed=11, shortest=20, longest=40)
     expected = reference_greedy(model_folders["gemma"], prompts, max_tokens=24)
     # 14 blocks of 16 tokens: room for about 4 of the 16 requests at their full length
-    llm = LLM(model_folders["gemma"], kv_cache_memory=14 * 16 * KV_BYTES_PER_TOKEN, progress=False)
+    llm = LLM(model_folders["gemma"], kv_cache_memory=14 * 16 * KV_BYTES_PER_TOKEN, progress=False,
+              **SPECULATION[spec])
     assert llm.engine.num_blocks == 14
     outputs = llm.generate(prompts, greedy(24), use_tqdm=False)
     assert token_ids(outputs) == expected
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert llm.engine.block_manager.check_all_free()
+    check_speculated(llm, spec)
 
 
-def test_every_block_free_after_finished_and_aborted_requests(model_folders):
-    llm = LLM(model_folders["llama"], max_num_batched_tokens=32, progress=False)
+@pytest.mark.parametrize("spec", SPECULATION)
+def test_every_block_free_after_finished_and_aborted_requests(model_folders, spec):
+    llm = LLM(model_folders["llama"], max_num_batched_tokens=32, progress=False, **SPECULATION[spec])
     engine = llm.engine
     ids = [engine.add_request(None, p, greedy(30)) for p in random_prompts(10, seed=5)]
     for _ in range(3):

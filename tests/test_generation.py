@@ -24,9 +24,12 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def llm(folder):
-    return LLM(folder, progress=False)
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def llm(folder, request):
+    """Every test runs with and without prompt-lookup speculation (guessing from one-token matches)."""
+    if request.param == "plain":
+        return LLM(folder, progress=False)
+    return LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
 
 
 @pytest.fixture(scope="module")

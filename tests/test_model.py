@@ -31,7 +31,7 @@ def _hearth_logits(model, tokens, chunks=(len(TOKENS),), block_size=16):
     table = list(reversed(range(num_blocks)))
     hidden, start = [], 0
     for size in chunks:
-        h, _ = runner.execute([BatchEntry(tokens[start : start + size], start, table)])
+        h, _ = runner.forward([BatchEntry(tokens[start : start + size], start, table)])
         hidden.append(h)
         start += size
     return model.compute_logits(torch.cat(hidden))

@@ -278,7 +278,7 @@ def _logits(model, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
     table, out, start = list(range(8)), [], 0
     for size in chunks:
-        hidden, _ = runner.execute([BatchEntry(tokens[start:start + size], start, table)])
+        hidden, _ = runner.forward([BatchEntry(tokens[start:start + size], start, table)])
         out.append(model.compute_logits(hidden))
         start += size
     return torch.cat(out)
@@ -469,10 +469,10 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
         runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
         tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
         lengths = [5, 17, 33]
-        runner.execute([BatchEntry(tokens[:n], 0, t) for n, t in zip(lengths, tables)])
+        runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(lengths, tables)])
         steps = []
         for s in range(3):
-            hidden, last = runner.execute([BatchEntry([tokens[n + s]], n + s, t) for n, t in zip(lengths, tables)])
+            hidden, last = runner.forward([BatchEntry([tokens[n + s]], n + s, t) for n, t in zip(lengths, tables)])
             steps.append(m.compute_logits(hidden[last]))
         return torch.stack(steps)
 

@@ -402,6 +402,34 @@ def test_metrics_count_a_request(server, client):
         assert (name, ()) in after, name
 
 
+def test_speculative_decoding_metrics_and_opt_out(folder, llm):
+    """A server with prompt-lookup speculation: greedy replies equal plain offline decoding, the
+    spec_decode counters (vLLM's names) count the guesses, and "speculative": false opts out."""
+    engine = AsyncEngine(LLMEngine(folder, EngineConfig(speculative_method="ngram", prompt_lookup_min=1,
+                                                                speculative_adaptive=False),
+                                   progress=False))
+    with serving(build_app(engine, NAME, api_key=API_KEY)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        prompt = "one two three one two three one two"
+        expected = llm.generate(prompt, greedy(max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+
+        def ask(**extra):
+            return client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                             extra_body={"ignore_eos": True, **extra}).choices[0].text
+
+        before = metric_values(url)
+        assert ask() == expected
+        after = metric_values(url)
+        drafts = after[("hearth:spec_decode_num_draft_tokens_total", ())]
+        accepted = after[("hearth:spec_decode_num_accepted_tokens_total", ())]
+        assert drafts > before.get(("hearth:spec_decode_num_draft_tokens_total", ()), 0) and 0 < accepted <= drafts
+        assert after[("hearth:spec_decode_num_drafts_total", ())] > 0
+        assert after[("hearth:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] > 0
+        assert ask(speculative=False) == expected
+        assert metric_values(url)[("hearth:spec_decode_num_draft_tokens_total", ())] == drafts
+    engine.shutdown()
+
+
 def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, client):
     url, _ = server
     post = lambda path, **kw: httpx.post(url + path, headers={**auth(), **kw.pop("headers", {})}, **kw)  # noqa: E731

@@ -45,7 +45,7 @@ def next_token_logprobs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     num_blocks = -(-len(ids) // block_size)
     runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device("cpu"), loaded.model.dtype)
     with torch.no_grad():
-        hidden, _ = runner.execute([BatchEntry(ids, 0, list(range(num_blocks)))])
+        hidden, _ = runner.forward([BatchEntry(ids, 0, list(range(num_blocks)))])
         return loaded.model.compute_logits(hidden).double().log_softmax(dim=-1)
 
 

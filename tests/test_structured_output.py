@@ -160,3 +160,17 @@ def test_what_cannot_compile_is_a_clear_value_error(llm, spec, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         llm.generate(["Once"], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_speculation_keeps_seeded_constrained_outputs(llm):
+    """Guesses are verified under each position's grammar mask: a seeded constrained request gives
+    the same tokens with and without prompt-lookup speculation (which keeps seeded draws)."""
+    speculative = LLM(llm.engine.model_path, progress=False, speculative_method="ngram", prompt_lookup_min=1,
+                      speculative_adaptive=False)
+    params = [constrained(i, json=SCHEMAS[i % len(SCHEMAS)]) for i in range(12)]
+    params += [constrained(i, regex=REGEXES[i % len(REGEXES)]) for i in range(12)]
+    expected = llm.generate(["Once upon a time"] * len(params), params, use_tqdm=False)
+    outputs = speculative.generate(["Once upon a time"] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    counts = speculative.engine.spec_decode_totals
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens

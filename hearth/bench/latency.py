@@ -78,6 +78,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, runs: int
     for _ in range(warmup):
         one_run(engine, random_prompts(batch_size, input_len, vocab, rng), output_len)
     results = []
+    spec_before = engine.spec_decode_totals.copy()
     for _ in tqdm(range(runs), desc="runs", unit="run", disable=not progress, leave=False):
         results.append(one_run(engine, random_prompts(batch_size, input_len, vocab, rng), output_len))
     keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "latency_s", "prefill_s", "decode_s", "ttft_s")
@@ -93,6 +94,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, runs: int
         "threads": _threads(),
         **{k: summary([r[k] for r in results]) for k in keys},
         "per_run": results,
+        **spec_decode_report(engine, spec_before),
     }
     # what a decode step reads (weights as held in memory + the KV cache at the mid context), at the measured rate
     weights = model_weight_bytes(engine.model)
@@ -102,6 +104,21 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, runs: int
     report["weight_bytes_per_step"] = weights.per_step
     report["decode_gb_per_s"] = cost.bytes * decode_steps_per_s / 1e9
     return report
+
+
+def spec_decode_report(engine, before) -> dict:
+    """The speculative-decoding counts of the measured runs (none without speculation)."""
+    if engine.config.speculative_method is None:
+        return {}
+    counts = engine.spec_decode_totals.since(before)
+    return {"speculative_method": engine.config.speculative_method, "spec_decode": {
+        "num_drafts": counts.num_drafts, "num_draft_tokens": counts.num_draft_tokens,
+        "num_accepted_tokens": counts.num_accepted_tokens, "accepted_per_position": counts.accepted_per_position,
+        "summary": counts.summary()}}
+
+
+def format_spec_decode(r: dict) -> list[str]:
+    return [f"{'speculation':<18} {r['speculative_method']}: {r['spec_decode']['summary']}"] if "spec_decode" in r else []
 
 
 def _threads() -> int:
@@ -123,4 +140,5 @@ def format_latency(r: dict) -> str:
         line("time to 1st token", "ttft_s", "ms", 1000),
         line("latency", "latency_s", "s"),
         f"{'decode bandwidth':<18} {r['decode_gb_per_s']:>10.2f} GB/s   (weights {r['weight_bytes_per_step'] / 1e9:.3f} GB + KV per step)",
+        *format_spec_decode(r),
     ])

@@ -12,7 +12,7 @@ import random
 import time
 from pathlib import Path
 
-from hearth.bench.latency import random_prompts
+from hearth.bench.latency import format_spec_decode, random_prompts, spec_decode_report
 from hearth.errors import HearthError
 from hearth.sampling_params import SamplingParams
 
@@ -55,6 +55,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, datas
     else:
         prompts = random_prompts(num_prompts, input_len, engine.model_config.vocab_size, random.Random(seed))
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    spec_before = engine.spec_decode_totals.copy()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     elapsed = time.perf_counter() - start
@@ -78,6 +79,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, datas
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "median_ttft_s": ttft[len(ttft) // 2] if ttft else None,
+        **spec_decode_report(engine, spec_before),
     }
 
 
@@ -90,4 +92,5 @@ def format_throughput(r: dict) -> str:
         f"{'requests':<16} {r['requests_per_s']:>10.3f} req/s",
         f"{'output tokens':<16} {r['output_tokens_per_s']:>10.2f} tok/s ({r['output_tokens']} tokens)",
         f"{'total tokens':<16} {r['total_tokens_per_s']:>10.2f} tok/s ({r['prompt_tokens']} prompt tokens)",
+        *format_spec_decode(r),
     ])

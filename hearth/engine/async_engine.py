@@ -30,13 +30,14 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
+from hearth.engine.speculative import SpecDecodeCounts
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # totals over the engine's life
     num_generation_tokens: int = 0
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 def call_in(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -348,6 +350,7 @@ class AsyncEngine:
                 prefix_cache_hits=blocks.prefix_cache_hits,
                 num_preemptions=old.num_preemptions + num_preempted,
                 num_generation_tokens=old.num_generation_tokens + num_generated,
+                spec_decode=engine.spec_decode_totals.copy(),
             )
             self._pending_adds += pending_adds
 

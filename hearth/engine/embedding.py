@@ -67,7 +67,7 @@ def _run(engine: LLMEngine, batch: list[list[int]], method: str) -> list[torch.T
         for request in borrowed:
             if not blocks.allocate_slots(request, len(request.prompt_token_ids)):
                 raise CacheFull("the KV cache is full with running requests; retry the embedding later")
-        hidden, _ = engine.runner.execute([BatchEntry(r.prompt_token_ids, 0, r.block_table) for r in borrowed])
+        hidden, _ = engine.runner.forward([BatchEntry(r.prompt_token_ids, 0, r.block_table) for r in borrowed])
     finally:
         for request in borrowed:
             blocks.free(request)

@@ -198,6 +198,18 @@ class BlockManager:
             self.prefix_cache_hits += num_computed
         return True
 
+    def free_excess(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past the first blocks_needed(num_tokens): the slots of
+        speculative tokens that were rejected. Those blocks hold no full computed block, so no
+        prefix-cache content; they go to the head of the free list."""
+        keep = self.blocks_needed(num_tokens)
+        while len(request.block_table) > keep:
+            block = self.blocks[request.block_table.pop()]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Drop the request's refs (tail blocks first) and clear its block_table."""
         for block_id in reversed(request.block_table):

@@ -67,6 +67,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list, init=False)
+    # Guessed next tokens (speculative decoding) to verify in the next step, after the last
+    # real token; not part of all_token_ids until verified. The scheduler may trim them.
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
     # prompt + output in one list, appended to, so all_token_ids is O(1)
     _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 

@@ -1,21 +1,33 @@
-"""ModelRunner: owns the KV cache tensors and runs a step's batch through the model's backend.
+"""ModelRunner: owns the KV cache tensors and the whole tensor side of a step.
 
-The only engine module that builds tensors: the scheduler hands it, per sequence, the new
-tokens, how many tokens are already cached and the block table; it lays them out as one
-`StepInputs` (host arrays) and the backend (chosen once per engine, hearth/backend) turns that
-into its tensors and metadata, runs the model, and returns hidden states.
+The only engine module that builds tensors. `execute` takes the step's scheduled requests
+(how many new tokens each, its guesses, its generator and grammar matcher) and returns plain
+host results: per request that reached the end of its tokens, the tokens it keeps (verified
+guesses, then one sampled token) with their logprobs, and the prompt logprobs asked for.
+On the way: the batch laid out as one `StepInputs` (host arrays), which the backend (chosen once
+per engine, hearth/backend) turns into its tensors and attention metadata to run the model;
+logits of the rows that are sampled or scored; one SamplingBatch; the Sampler; and exactly one
+copy to the host. `forward` is the bare model pass, for callers that want hidden states
+(perplexity, kernels' benchmarks, tests).
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hearth.backend import StepInputs
+from hearth.engine.request import Request
+from hearth.engine.sampler import Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
+from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
+from hearth.sampling_params import SamplingType
+
+Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
 
 
 @dataclass
@@ -23,6 +35,33 @@ class BatchEntry:
     token_ids: list[int]  # the new tokens of this sequence this step
     num_computed_tokens: int  # tokens already in the cache before them
     block_table: list[int]
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step, as the engine hands it to the runner (no tensors)."""
+
+    request: Request
+    num_new_tokens: int  # from num_computed_tokens on; its guesses (spec_token_ids) are the last ones
+    generator: torch.Generator | None = None  # a seeded request's own
+    matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
+    score_prompt: bool = False  # return the logprobs of the prompt tokens this step computes
+
+
+@dataclass
+class SampledTokens:
+    """What one request keeps from a step: its verified guesses that were right, then one draw."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # of each token under the raw distribution
+    top_logprobs: list[Alternatives] | None  # per token, when the request asked for logprobs
+    num_guesses: int  # guesses verified this step; len(token_ids) - 1 of them were accepted
+
+
+@dataclass
+class StepResult:
+    sampled: dict[Request, SampledTokens]  # the requests that reached the end of their tokens
+    prompt_logprobs: dict[Request, list[dict[int, float]]]  # per scored prompt token: {id: logprob}
 
 
 class ModelRunner:
@@ -33,8 +72,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        eos_token_ids: Sequence[int] = (),
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        self.sampler = Sampler()
         self.backend = model.backend
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -70,11 +114,130 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def execute(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one step: hidden states of every new token [T, hidden] and each entry's last row [B]."""
+    def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
         hidden = self.backend.forward(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+    def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
+        """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
+        if not sequences:
+            return StepResult({}, {})
+        entries, sampled, sample_rows, scored = self._lay_out(sequences)
+        constrained = [seq for seq in sampled if seq.matcher is not None]
+        # the grammar masks are filled while the model runs
+        masks = self.grammars.start_masks([s.matcher for s in constrained],
+                                          [s.request.spec_token_ids for s in constrained]) if constrained else None
+        # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
+        rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
+                   and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
+        hidden, _ = self.forward(entries)
+
+        device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
+        out = None
+        if sampled:
+            batch, guesses = self._sampling_batch(sampled, masks)
+            out = self.sampler(self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)]),
+                               batch, guesses)
+            device_results += [out.sampled_token_ids, out.logprobs]
+            device_results += [] if out.accepted is None else [out.accepted]
+            device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
+        scoring = []
+        for request, first_row, start, count in scored:
+            count = min(count, request.num_prompt_tokens - 1 - start)
+            if count > 0:  # the rows predicting prompt tokens start+1 .. start+count
+                targets = request.prompt_token_ids[start + 1 : start + 1 + count]
+                logits = self.model.compute_logits(hidden[first_row : first_row + count])
+                scoring.append((request, targets))
+                device_results += prompt_logprobs(logits, torch.tensor(targets, device=logits.device),
+                                                  request.sampling_params.prompt_logprobs)
+        host = iter(to_host(device_results))
+
+        result = StepResult({}, {})
+        if out is not None:
+            result.sampled = self._kept_tokens(sampled, out, host, rewinds)
+        for request, targets in scoring:
+            chosen, top_ids, top_lps = next(host).tolist(), next(host).tolist(), next(host).tolist()
+            entries = [{t: lp} for t, lp in zip(targets, chosen)]
+            for entry, ids, lps in zip(entries, top_ids, top_lps):
+                entry.update(zip(ids, lps))
+            result.prompt_logprobs[request] = entries
+        return result
+
+    def _lay_out(self, sequences: list[ScheduledSequence]):
+        """The step's BatchEntry list, the sequences that sample and their rows (each guess's and
+        the one after), and the prompt-scoring (request, first row, start, count) of each."""
+        entries, sampled, sample_rows, scored = [], [], [], []
+        row = 0
+        for seq in sequences:
+            request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
+            tokens = request.all_token_ids[start : start + count]
+            tokens += request.spec_token_ids[: count - len(tokens)]
+            entries.append(BatchEntry(tokens, start, request.block_table))
+            if seq.score_prompt:
+                scored.append((request, row, start, count))
+            if start + count == request.num_tokens + len(request.spec_token_ids):
+                num_rows = len(request.spec_token_ids) + 1
+                sample_rows.extend(range(row + count - num_rows, row + count))
+                sampled.append(seq)
+            row += count
+        return entries, sampled, sample_rows, scored
+
+    def _kept_tokens(self, sampled: list[ScheduledSequence], out: SamplerOutput, host,
+                     rewinds: dict[Request, torch.Tensor]) -> dict[Request, SampledTokens]:
+        """Per sampling sequence, from the host copies of `out`: its guesses up to the first rejected
+        one, then that row's own draw. A seeded generator is wound back to the kept draws."""
+        token_ids, logprobs = next(host).tolist(), next(host).tolist()
+        accepted = next(host).tolist() if out.accepted is not None else None
+        top = (next(host).tolist(), next(host).tolist()) if out.top_logprobs is not None else None
+        kept_tokens, row = {}, 0
+        for seq in sampled:
+            num_guesses = len(seq.request.spec_token_ids)
+            kept = 1
+            while kept <= num_guesses and accepted[row + kept - 1]:
+                kept += 1
+            if seq.request in rewinds and kept <= num_guesses:
+                seq.generator.set_state(rewinds[seq.request])
+                skip_draws(seq.generator, kept, self.model.config.vocab_size)
+            rows = range(row, row + kept)
+            kept_tokens[seq.request] = SampledTokens(
+                [token_ids[r] for r in rows], [logprobs[r] for r in rows],
+                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses)
+            row += num_guesses + 1
+        return kept_tokens
+
+    def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, torch.Tensor | None]:
+        """One row per verified position: a request with k guesses has k + 1 rows, row j seeing its
+        output followed by the first j guesses. Returns the batch and each row's guess (-1: none)."""
+        params, prompts, outputs, generators, guesses, constrained_rows = [], [], [], [], [], []
+        for seq in sampled:
+            request, spec = seq.request, seq.request.spec_token_ids
+            if seq.matcher is not None:
+                constrained_rows.extend(range(len(params), len(params) + len(spec) + 1))
+            for j in range(len(spec) + 1):
+                params.append(request.sampling_params)
+                prompts.append(request.prompt_token_ids)
+                outputs.append(request.output_token_ids + spec[:j] if j else request.output_token_ids)
+                generators.append(seq.generator)
+                guesses.append(spec[j] if j < len(spec) else -1)
+        batch = SamplingBatch.build(
+            params, prompts, outputs, generators, self.model.config.vocab_size, self.device,
+            eos_token_ids=self.eos_token_ids,
+            grammar_masks=None if masks is None else (constrained_rows, masks.result()),
+        )
+        has_guesses = len(guesses) > len(sampled)
+        return batch, torch.tensor(guesses, device=self.device) if has_guesses else None
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy the tensors to the host in one transfer (one synchronisation); each keeps its shape.
+    They travel as float64, which holds token ids and float32 values exactly."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,6 +18,9 @@ Per row, in the order HF's generate and vLLM apply them:
       -> draw                    argmax(softmax / Exp(1) noise), the noise of a seeded row from its
                                  own torch.Generator, so its tokens do not depend on the batch
 
+Speculative decoding: a row may carry a guessed token, verified against the row's final
+distribution by the rejection rule (Sampler.__call__).
+
 Logprobs are those of the model's raw distribution (log_softmax of the raw logits), as
 vLLM's default: the chosen token's, and the top K by the same distribution.
 """
@@ -42,6 +45,7 @@ class SamplerOutput:
     # (ids [B, K], logprobs [B, K]) sorted descending, K = the largest `logprobs` asked in the batch;
     # None when no row asked for alternatives. A row that asked for k < K reads its first k columns.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+    accepted: torch.Tensor | None = None  # [B] bool: the row's guess was kept (None: no guesses)
 
 
 def make_generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
@@ -329,6 +333,13 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, num_rows: int, vocab_size: int) -> None:
+    """Advance a generator past num_rows draws of sample_from_probs over float32 probabilities
+    (a seeded request's rows whose tokens were not kept: its stream stays that of plain decoding)."""
+    for _ in range(num_rows):
+        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
     """Log-softmax of `logits` [N, V] at `ids` [N], and its top k (ids, logprobs) sorted descending."""
     lse = logits.logsumexp(dim=-1, keepdim=True)
@@ -341,7 +352,15 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: torch.Tensor | None = None) -> SamplerOutput:
+        """guesses [B] int64 (speculative decoding): a row's guessed token, -1 for none.
+
+        A guess is verified by speculative sampling's rule for a draft that puts all its mass
+        on it (q = one-hot g): accept with probability min(1, p(g) / q(g)) = p(g), and on
+        rejection draw from normalise(max(0, p - q)), p without g. The row's own draw x ~ p
+        realises exactly that: accept when x == g, else x is the replacement. So every kept
+        token is the draw plain decoding would make (greedy rows: the argmax), and a seeded
+        request keeps its tokens with and without speculation."""
         raw = logits.float()
         logits = apply_penalties_and_bias(raw, batch)
         if batch.all_greedy:
@@ -351,9 +370,10 @@ class Sampler:
             sampled = sample_from_probs(probs, batch.generators)
             if batch.any_greedy:
                 sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        accepted = None if guesses is None else sampled == guesses
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)
 
 
 def prompt_logprobs(

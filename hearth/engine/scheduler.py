@@ -9,10 +9,15 @@ One step, as the engine drives it:
     out = scheduler.schedule()
     runner.execute(out.scheduled)        # reads num_computed_tokens / block_table as is
     scheduler.update_after_step(out)     # advance num_computed_tokens, fill the prefix cache
-    for request, _ in out.scheduled:     # a request that reached its end yields a token:
-        if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token(...); maybe scheduler.finish_request(...)
+    for request, _ in out.scheduled:     # a request that reached its end yields tokens:
+        request.append_output_token(...); maybe scheduler.finish_request(...)
+        scheduler.accept_spec_tokens(request, number of its guesses accepted)
     ... and report out.finished (requests the scheduler ended for lack of room).
+
+Speculative decoding is the same mechanism: a request caught up with its tokens and
+carrying k guesses (request.spec_token_ids) is scheduled for 1 + k tokens; the guesses'
+K/V count as computed only once accept_spec_tokens says how many were right, and the
+blocks of the rejected ones are given back.
 
 Decisions:
   * Running requests go first, in admission order. When blocks run out, the most recently
@@ -27,6 +32,8 @@ Decisions:
   * With chunked prefill off, a request whose remaining tokens exceed the remaining budget
     waits for a later step; if nothing at all has been scheduled in the step it runs
     whole, over the budget, so that a prompt longer than the budget never hangs.
+  * Guesses are the first thing to give way: they are trimmed to the remaining budget, and
+    dropped (never a reason to preempt anyone) when their blocks cannot be had.
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -149,7 +156,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._fit(request.num_tokens - request.num_computed_tokens, budget, out)
+            num_new = self._fit(self._num_unscheduled(request, budget), budget, out)
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
@@ -157,12 +164,18 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
-            while not bm.allocate_slots(request, num_new):
+            fits = bm.allocate_slots(request, num_new)
+            if not fits and request.spec_token_ids:  # no room for guesses: plain decoding
+                num_new -= len(request.spec_token_ids)
+                request.spec_token_ids.clear()
+                fits = bm.allocate_slots(request, num_new)
+            while not fits:
                 victim = self.running[-1]  # most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
+                fits = bm.allocate_slots(request, num_new)
             else:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
@@ -206,15 +219,39 @@ class Scheduler:
         """After the forward pass: advance num_computed_tokens and cache the full blocks.
 
         Call it before finishing any request of the step, so the blocks the step wrote
-        reach the prefix cache. Requests ended since schedule() are skipped.
+        reach the prefix cache. Requests ended since schedule() are skipped. Guesses are not
+        counted here: accept_spec_tokens does once they are verified.
         """
         for request, num_new in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
 
+    def accept_spec_tokens(self, request: Request, num_accepted: int) -> None:
+        """After the step's tokens are appended: the first num_accepted guesses were right (they
+        are in all_token_ids now and their K/V stay); the rest's slots are given back."""
+        num_guesses = len(request.spec_token_ids)
+        request.spec_token_ids.clear()
+        if request.status is not RequestStatus.RUNNING or not num_guesses:
+            return
+        if not 0 <= num_accepted <= num_guesses:
+            raise ValueError(f"{num_accepted} of {num_guesses} guesses accepted")
+        request.num_computed_tokens += num_accepted
+        self.block_manager.cache_blocks(request, request.num_computed_tokens)
+        self.block_manager.free_excess(request, request.num_computed_tokens)
+
     # ---- helpers -------------------------------------------------------------------
+
+    def _num_unscheduled(self, request: Request, budget: int) -> int:
+        """Tokens the request has left to compute, its guesses included: trimmed to the budget
+        and to what the whole cache holds."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new != 1:  # guesses follow only the last real token
+            request.spec_token_ids.clear()
+        room = self.block_manager.num_blocks * self.block_manager.block_size - request.num_tokens
+        del request.spec_token_ids[max(min(budget - num_new, room), 0):]
+        return num_new + len(request.spec_token_ids)
 
     def _fit(self, num_new: int, budget: int, out: SchedulerOutput) -> int:
         """Tokens to schedule for a request with num_new left, given the remaining budget."""
@@ -231,5 +268,6 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -117,18 +117,40 @@ class GrammarCompiler:
         """A fresh matcher at the grammar's start (one per sequence)."""
         return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
 
-    def start_masks(self, matchers: list[llguidance.LLMatcher]) -> Future[torch.Tensor]:
-        """Fill the matchers' next-token masks, one row each, on a background thread: llguidance
-        releases the GIL, so the model's forward pass goes on meanwhile."""
+    def start_masks(self, matchers: list[llguidance.LLMatcher],
+                    guesses: list[list[int]] | None = None) -> Future[torch.Tensor]:
+        """Fill the matchers' next-token masks on a background thread: llguidance releases the
+        GIL, so the model's forward pass goes on meanwhile. With speculative guesses, matcher i
+        gets len(guesses[i]) + 1 consecutive rows: the mask at each verified position, as if the
+        guesses before it were taken (the matcher is rolled back afterwards). A position after a
+        guess the grammar refuses repeats the last mask: that guess is rejected anyway."""
         with self._lock:
             if self._mask_thread is None:
                 self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="hearth-grammar")
-        bitmask = torch.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        guesses = guesses or [[] for _ in matchers]
+        first_rows = [0]
+        for g in guesses:
+            first_rows.append(first_rows[-1] + len(g) + 1)
+        num_rows = first_rows[-1]
+        bitmask = torch.zeros((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
 
         def fill() -> torch.Tensor:
-            rows = [(m, row) for row, m in enumerate(matchers)]
-            self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
+            taken = [0] * len(matchers)  # guesses each matcher has consumed
+            for depth in range(max(len(g) for g in guesses) + 1):
+                live = [i for i, g in enumerate(guesses) if taken[i] == depth]
+                if not live:
+                    break
+                rows = [(matchers[i], first_rows[i] + depth) for i in live]
+                self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, num_rows)
+                for i in live:
+                    if depth < len(guesses[i]) and matchers[i].try_consume_tokens([guesses[i][depth]]) == 1:
+                        taken[i] += 1
+            for i, matcher in enumerate(matchers):
+                if taken[i]:
+                    matcher.rollback(taken[i])
+                last = first_rows[i] + taken[i]
+                bitmask[last + 1 : first_rows[i + 1]] = bitmask[last]
             return bitmask
 
         return self._mask_thread.submit(fill)

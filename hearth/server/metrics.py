@@ -58,6 +58,16 @@ class _EngineCollector:
         yield counter("hearth:num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
                       stats.num_preemptions)
         yield counter("hearth:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        spec = stats.spec_decode  # speculative decoding, vLLM's names
+        yield counter("hearth:spec_decode_num_drafts", "Verifications of a request's guesses.", spec.num_drafts)
+        yield counter("hearth:spec_decode_num_draft_tokens", "Guessed tokens verified.", spec.num_draft_tokens)
+        yield counter("hearth:spec_decode_num_accepted_tokens", "Guessed tokens accepted.", spec.num_accepted_tokens)
+        per_position = CounterMetricFamily("hearth:spec_decode_num_accepted_tokens_per_pos",
+                                           "Guessed tokens accepted, by position among the guesses (0: the first).",
+                                           labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:

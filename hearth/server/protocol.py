@@ -66,6 +66,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep only the last N prompt tokens
     use_beam_search: bool | None = False
     watermark: WatermarkRequest | None = None
+    speculative: bool | None = True  # hearth's: false opts this request out of speculative decoding
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -102,6 +103,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
             logit_bias=self.logit_bias,
             structured_outputs=self.structured_outputs_params(),
             watermark=None if self.watermark is None else WatermarkParams(**self.watermark.model_dump()),
+            speculative=self.speculative is not False,
         )
 
     def truncate(self, ids: list[int]) -> list[int]:

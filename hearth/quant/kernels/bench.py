@@ -118,17 +118,17 @@ def model(path: str, runs: int, llama_cpp: bool) -> None:
     def hearth_decode(batch: int, steps: int = 16, context: int = 64) -> float:
         tables = [list(range(i * 8, (i + 1) * 8)) for i in range(batch)]
         for table in tables:
-            runner.execute([BatchEntry(tokens(context), 0, table)])
+            runner.forward([BatchEntry(tokens(context), 0, table)])
         start = time.perf_counter()
         for s in range(steps):
-            hidden, last = runner.execute([BatchEntry(tokens(1), context + s, t) for t in tables])
+            hidden, last = runner.forward([BatchEntry(tokens(1), context + s, t) for t in tables])
             net.compute_logits(hidden[last] if last is not None else hidden)
         return batch * steps / (time.perf_counter() - start)
 
     def hearth_prefill(n: int = 512) -> float:
         table = list(range(32 * 8, 32 * 8 + 40))
         start = time.perf_counter()
-        hidden, _ = runner.execute([BatchEntry(tokens(n), 0, table)])
+        hidden, _ = runner.forward([BatchEntry(tokens(n), 0, table)])
         net.compute_logits(hidden[-1:])
         return n / (time.perf_counter() - start)
 

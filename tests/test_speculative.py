@@ -1,0 +1,192 @@
+"""Speculative decoding: prompt-lookup guesses, their verification, the guess count, KV blocks.
+
+Greedy outputs with speculation are checked against transformers by test_engine's matrix and
+test_generation (both run with and without it); here: the proposer against a brute-force
+search, sampled outputs against the target distribution (chi-square), and the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy import stats
+
+from hearth import LLM, SamplingParams
+from hearth.config import EngineConfig
+from hearth.engine.sampler import Sampler
+from hearth.engine.speculative import PROBE_EVERY, AcceptanceRate, NgramProposer, SpeedGate, num_guesses
+from models import VOCAB_SIZE, make_hf_model
+from test_sampler import build
+
+P_VALUE = 1e-3  # the draws are seeded: a pass is reproducible, a real bias fails far below this
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("speculative") / "llama", "llama")
+
+
+def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The longest n (max_n .. min_n) whose last-n-token suffix occurs earlier; of those the latest
+    occurrence; its next k tokens, the text read on periodically past the end."""
+    for n in range(max_n, min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if start >= 0 and len(suffix) == n and tokens[start : start + n] == suffix:
+                text = list(tokens)
+                pos = start + n
+                while len(text) < len(tokens) + k:
+                    text.append(text[pos])
+                    pos += 1
+                return text[len(tokens) :]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(500):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        k, min_n = rng.randint(1, 6), rng.randint(1, 3)
+        max_n = min_n + rng.randint(0, 3)
+        assert NgramProposer(min_n, max_n).propose(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n), tokens
+    assert NgramProposer(1, 3).propose([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+    with pytest.raises(ValueError):
+        NgramProposer(3, 2)
+
+
+@pytest.mark.parametrize("case", ["unlike", "identical"])
+def test_verification_keeps_the_target_distribution(case):
+    """A row with a guess yields tokens distributed as the target p, whatever the guess: a guess p
+    finds unlikely, and one it is certain of (top_k=1: every guess accepted)."""
+    torch.manual_seed(0)
+    vocab, draws = 24, 20_000
+    logits = torch.randn(vocab, dtype=torch.float64) * 1.5
+    top_k = 1 if case == "identical" else 0
+    p = torch.softmax(logits, 0) if case == "unlike" else torch.nn.functional.one_hot(logits.argmax(), vocab).float()
+    guess = int(logits.argmax()) if case == "identical" else int(logits.argsort()[2])  # third least likely
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    batch = build([params] * draws, vocab=vocab)
+    out = Sampler()(logits.float().repeat(draws, 1), batch, torch.full((draws,), guess))
+    counts = torch.bincount(out.sampled_token_ids, minlength=vocab).double()
+    accepted = int(out.accepted.sum())
+    assert torch.equal(out.accepted, out.sampled_token_ids == guess)
+    assert stats.binomtest(accepted, draws, p[guess].item()).pvalue > P_VALUE
+    if case == "identical":
+        assert accepted == draws
+    else:
+        assert (p * draws >= 5).all()  # chi-square wants expected counts of at least 5
+        assert stats.chisquare(counts, p * draws).pvalue > P_VALUE
+
+
+def first_tokens(llm: LLM, prompt: list[int], params: SamplingParams, count: int) -> list[tuple[int, ...]]:
+    return [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * count, params, use_tqdm=False)]
+
+
+def test_sampled_outputs_keep_the_distribution_through_the_engine(folder):
+    """Unseeded draws of the first tokens, speculative against plain: the same distribution
+    (chi-square on the second to fourth tokens, where guesses were verified)."""
+    prompt = [7, 8, 9, 10] * 4 + [7, 8]  # its continuation is guessed from the prompt
+    params = SamplingParams(temperature=0.15, max_tokens=4, ignore_eos=True)
+    plain = first_tokens(LLM(folder, progress=False, seed=1), prompt, params, 600)
+    llm = LLM(folder, progress=False, seed=2, speculative_method="ngram", prompt_lookup_min=1,
+              speculative_adaptive=False)
+    speculative = first_tokens(llm, prompt, params, 600)
+    counts = llm.engine.spec_decode_totals
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    for position in (1, 2, 3):
+        a = [t[position] for t in plain]
+        b = [t[position] for t in speculative]
+        common = sorted({t for t in a + b if a.count(t) + b.count(t) >= 10})
+        table = [[sum(x == t for x in xs) for t in common] + [sum(x not in common for x in xs)] for xs in (a, b)]
+        table = [row for row in zip(*table) if sum(row)]  # drop an empty "other" column
+        assert stats.chi2_contingency(list(zip(*table))).pvalue > P_VALUE, position
+
+
+def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
+    """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way."""
+    kv_bytes_per_token = 2 * 2 * 2 * 16 * 4
+    llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token, speculative_method="ngram",
+              prompt_lookup_min=1, speculative_adaptive=False)
+    engine = llm.engine
+    rng = random.Random(3)
+    ids = []
+    for i in range(12):
+        prompt = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 12))] * 3
+        ids.append(engine.add_request(None, prompt, SamplingParams(temperature=0.3 if i % 2 else 0, max_tokens=40,
+                                                                   ignore_eos=True, seed=i)))
+    preempted = 0
+    for step in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        preempted += engine.last_step.num_preempted
+        if step == 6:
+            for request_id in ids[::4]:
+                engine.abort_request(request_id)
+        for request in engine.scheduler.running:  # decoding: the blocks of its computed tokens, no more
+            if request.num_tokens - request.num_computed_tokens == 1:
+                assert len(request.block_table) == engine.block_manager.blocks_needed(request.num_computed_tokens)
+    assert not engine.has_unfinished_requests()
+    counts = engine.spec_decode_totals
+    assert preempted > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert engine.block_manager.check_all_free()
+
+
+def test_a_request_can_opt_out(folder):
+    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    prompt = [7, 8, 9, 10] * 4
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
+    llm.generate([prompt] * 3, greedy, use_tqdm=False)
+    assert llm.engine.spec_decode_totals.num_draft_tokens == 0
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="yes")
+
+
+def test_guess_count_follows_acceptance_and_batch_size():
+    rate = AcceptanceRate()
+    assert rate.rate == 0.5
+    high, low = AcceptanceRate(), AcceptanceRate()
+    for _ in range(10):
+        high.update(4, 4)
+        low.update(4, 0)
+    assert high.rate > 0.9 and low.rate < 0.2
+    assert num_guesses(high.rate, 1, 4, 32) == 4
+    assert num_guesses(low.rate, 1, 4, 32) < num_guesses(high.rate, 1, 4, 32)
+    counts = [num_guesses(high.rate, batch, 4, 32) for batch in (1, 8, 16, 24, 31, 32, 64)]
+    assert counts == sorted(counts, reverse=True) and counts[-2:] == [0, 0]  # none once busy
+
+
+def test_unimplemented_methods_are_refused():
+    for method in ("draft", "lookahead", "eagle"):
+        with pytest.raises(ValueError, match="not implemented"):
+            EngineConfig(speculative_method=method)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
+    gate = SpeedGate()
+    assert gate.allow()  # nothing measured yet: guess
+    gate.record(True, num_tokens=6, num_requests=2, seconds=1.0)  # 3 tokens/s per request with guesses
+    assert not gate.allow()  # then measure a plain step once
+    gate.record(False, num_tokens=8, num_requests=2, seconds=1.0)  # 4 tokens/s per request without
+    decisions = [gate.allow() for _ in range(2 * PROBE_EVERY)]
+    assert 1 <= sum(decisions) <= 2  # only the probes guess
+    for _ in range(20):
+        gate.record(True, num_tokens=20, num_requests=2, seconds=1.0)  # guessing becomes faster
+    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1
+
+
+def test_adaptive_engine_guesses_alone_and_not_when_busy(folder):
+    prompt = [7, 8, 9, 10] * 4
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1,
+              speculative_disable_by_batch_size=8)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    alone = llm.engine.spec_decode_totals.num_draft_tokens
+    assert alone > 0
+    llm.generate([prompt] * 8, greedy, use_tqdm=False)  # 8 running: a guess costs a whole step
+    assert llm.engine.spec_decode_totals.num_draft_tokens == alone
