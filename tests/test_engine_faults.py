@@ -31,14 +31,14 @@ class EngineDied(BaseException):
 
 def poison_runner(engine: LLMEngine, error: BaseException) -> None:
     """Make the forward pass raise `error` when a batch holds the POISON token."""
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
     def faulty(entries, *args, **kwargs):
         if any(POISON in entry.token_ids for entry in entries):
             raise error
-        return execute(entries, *args, **kwargs)
+        return forward(entries, *args, **kwargs)
 
-    engine.runner.execute = faulty
+    engine.runner.forward = faulty
 
 
 def greedy(max_tokens: int = 12) -> SamplingParams:
