@@ -199,12 +199,13 @@ def run_while_killing(url: str, prompts: list[str], pid: int) -> list[str]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             async def one(prompt: str) -> str:
                 r = await client.post("/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+                    "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["text"]
 
             tasks = [asyncio.create_task(one(p)) for p in prompts]
-            await asyncio.sleep(0.5)  # the requests are spread over both replicas and running
+            while not (await client.get("/replicas")).json()["replicas"][0]["in_flight"]:
+                await asyncio.sleep(0.01)  # until replica 0 holds some of them
             os.kill(pid, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
@@ -228,12 +229,13 @@ def assert_gone(pids: list[int]) -> None:
 
 
 PROMPTS_GGUF = [f"def function_{i}(x):" for i in range(8)]
+MAX_TOKENS = 64  # long enough that the requests still run when a replica is killed
 
 
 @pytest.fixture(scope="module")
 def builtin_greedy() -> list[str]:
     """One engine's greedy outputs on the built-in GGUF, at the thread count the replicas get below."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].text for o in LLM("builtin", progress=False).generate(PROMPTS_GGUF, params)]
 
 
@@ -264,7 +266,7 @@ def test_hearth_serve_ray_restarts_a_killed_actor(builtin_greedy):
         assert http.get("/health").status_code == 200
         restarted = wait_restarted(http, 0, pids[0])
         assert_gone([pids[0]])  # the dead actor's replica went with it
-        r = http.post("/v1/completions", json={"prompt": PROMPTS_GGUF[0], "max_tokens": 24, "temperature": 0,
+        r = http.post("/v1/completions", json={"prompt": PROMPTS_GGUF[0], "max_tokens": MAX_TOKENS, "temperature": 0,
                                                "ignore_eos": True})
         assert r.json()["choices"][0]["text"] == builtin_greedy[0]
     assert_gone([pids[1], restarted["pid"]])

@@ -79,7 +79,7 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     graphs, eager = _llm(folder), _llm(folder)
     graphs.engine.runner.backend.max_graph_batch = 8  # buckets 1, 2, 4, 8
     eager.engine.runner.backend.max_graph_batch = 0  # never a graph
-    for size in (1, 2, 3, 4, 5, 7, 8, 9):
+    for size in (1, 3, 8, 9):  # a bucket, between buckets (padded), the largest bucket, past it (slow under the interpreter)
         prompts = _prompts(size, seed=size, longest=20)
         assert _greedy(graphs, prompts, 5) == _greedy(eager, prompts, 5), f"batch of {size}"
     runner = graphs.engine.model.backend_state["decode_graphs"]
@@ -107,5 +107,5 @@ def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monke
                     max_num_batched_tokens=32, progress=False)
     quantized = [m for m in ours.engine.model.modules() if isinstance(m, TritonQuantLinear)]
     assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer (each expert's, in an MoE)
-    prompts = _prompts(3, seed=7)
-    assert _greedy(ours, prompts, 8) == _greedy(reference, prompts, 8)
+    prompts = _prompts(3, seed=7, longest=24)
+    assert _greedy(ours, prompts, 6) == _greedy(reference, prompts, 6)
