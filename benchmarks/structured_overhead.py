@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,7 +69,9 @@ def compile_times(engine: LLMEngine, count: int) -> tuple[list[float], list[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="/work/shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "models" /
+                                               "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                        help="default: SmolLM2 from ../shared/data beside the repository")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
