@@ -162,6 +162,13 @@ def test_prompt_and_max_tokens_caps(limited, client):
     res = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
                                          extra_body={"ignore_eos": True}, timeout=10)
     assert res.usage.completion_tokens == 40 and res.choices[0].finish_reason == "length"
+    # a completion that gives none gets OpenAI's default of 16, and the cap where it is lower
+    res = client.completions.create(model=NAME, prompt="hi", extra_body={"ignore_eos": True})
+    assert res.usage.completion_tokens == 16
+    with serving(build_app(limited[1], NAME, api_key=API_KEY, limits=ServerLimits(max_output_tokens=8))) as url:
+        low = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        res = low.completions.create(model=NAME, prompt="hi", extra_body={"ignore_eos": True})
+        assert res.usage.completion_tokens == 8 and res.choices[0].finish_reason == "length"
 
 
 def test_a_request_past_its_time_is_stopped_with_a_408_streamed_or_not(limited):

@@ -69,7 +69,10 @@ class CompletionFormat:
 
 def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None], list[list[int]], int | None]:
     """Each prompt's text (None for token ids unless echoed) and token ids, checked, and the max_tokens to use."""
-    texts, prompts, max_tokens = [], [], body.max_tokens
+    requested = body.max_tokens
+    if "max_tokens" not in body.model_fields_set and s.limits.max_output_tokens is not None:
+        requested = min(requested, s.limits.max_output_tokens)  # OpenAI's default of 16, within the server's cap
+    texts, prompts, max_tokens = [], [], requested
     for p in body.prompts():
         if isinstance(p, str):
             ids = s.tokenizer.encode(p, add_special_tokens=body.add_special_tokens is not False)
@@ -81,7 +84,7 @@ def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None],
         ids = body.truncate(ids)
         if not ids:
             raise RequestError("the prompt is empty")
-        max_tokens = s.check_length(len(ids), body.max_tokens)
+        max_tokens = s.check_length(len(ids), requested)
         prompts.append(ids)
     return texts, prompts, max_tokens
 
