@@ -79,7 +79,7 @@ def test_prefix_hashes_name_whole_chunks_by_everything_before_them():
 
 
 def test_router_policy_prefers_the_holder_unless_it_is_much_busier():
-    router = PrefixRouter(3, chunk_chars=8, balance_slack=2)
+    router = PrefixRouter(3, chunk_bytes=8, balance_slack=2)
     shared = "s" * 64
     first = router.choose(shared + "one")
     assert first.matched_chunks == 0 and first.total_chunks == 8
@@ -143,7 +143,7 @@ def run_shared_prefix_traffic(folder: Path, policy: str) -> float:
     blocks = max(-(-(len(probe.tokenizer.encode(p + " q0")) + 1) // block) for p in prefixes)
     kv_bytes = 8 * blocks * block * probe.model_config.kv_bytes_per_token(4)
     with replica_servers(folder, 2, kv_cache_memory=kv_bytes) as (urls, engines):
-        router = Router(FixedReplicas(urls), policy=policy, chunk_chars=32)
+        router = Router(FixedReplicas(urls), policy=policy, chunk_bytes=32)
         router.routing._random.seed(0)
         with serving(build_router_app(router)) as url, httpx.Client(base_url=url, timeout=60) as http:
             for round_ in range(3):

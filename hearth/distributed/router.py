@@ -62,19 +62,19 @@ class _ReplicaCollector:
 
 class Router:
     def __init__(self, replicas, policy: str = "prefix", api_key: str | None = None,
-                 replica_api_key: str | None = None, chunk_chars: int = 256) -> None:
+                 replica_api_key: str | None = None, chunk_bytes: int = 256) -> None:
         self.replicas = replicas
-        self.routing = PrefixRouter(len(replicas), policy, chunk_chars=chunk_chars)
+        self.routing = PrefixRouter(len(replicas), policy, chunk_bytes=chunk_bytes)
         self.replica_headers = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=64))
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter("hearth:router_requests", "Requests sent to each replica.", ["replica"], registry=r)
         self.retries = Counter("hearth:router_retries", "Requests sent again to another replica.", registry=r)
-        self.prefix_chars = Counter("hearth:router_prefix_queries", "Prompt characters routed, in whole chunks.",
+        self.prefix_bytes = Counter("hearth:router_prefix_queries", "Prompt bytes routed, in whole chunks.",
                                     registry=r)
         self.prefix_matched = Counter("hearth:router_prefix_hits",
-                                      "Routed prompt characters the chosen replica was sent before.", registry=r)
+                                      "Routed prompt bytes the chosen replica was sent before.", registry=r)
         self.in_flight = Gauge("hearth:router_in_flight", "Requests open on each replica.", ["replica"], registry=r)
         self.healthy = Gauge("hearth:router_replica_healthy", "1 while a replica answers /health.", ["replica"],
                              registry=r)
@@ -136,8 +136,8 @@ class Router:
                 return busy or error_response(503, "no replica is available")
             index = route.replica
             tried.add(index)
-            self.prefix_chars.inc(route.total_chunks * self.routing.chunk_chars)
-            self.prefix_matched.inc(route.matched_chunks * self.routing.chunk_chars)
+            self.prefix_bytes.inc(route.total_chunks * self.routing.chunk_bytes)
+            self.prefix_matched.inc(route.matched_chunks * self.routing.chunk_bytes)
             url = self.replicas.url(index)
             if url is None:
                 self._mark_failed(index)

@@ -1,7 +1,7 @@
 """Which replica a request goes to: the one most likely to hold its prompt's prefix in its KV cache.
 
 The router never sees token ids (it forwards JSON), so prefixes are tracked in characters: a
-prompt is cut into chunks of `chunk_chars` and each chunk is named by a hash chained through all
+prompt's UTF-8 bytes are cut into chunks of `chunk_bytes` and each chunk is named by a hash chained through all
 chunks before it, the way the engine names KV blocks by their tokens and everything before them.
 Each replica keeps a bounded, least-recently-used set of the chunk hashes it was sent. A request
 goes to the replica holding the longest run of its leading chunks, unless that replica is busier
@@ -18,11 +18,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
-def prefix_hashes(text: str, chunk_chars: int) -> list[bytes]:
+def prefix_hashes(text: str, chunk_bytes: int) -> list[bytes]:
     """The chained hashes of text's whole chunks (a trailing partial chunk is not a shareable prefix)."""
     hashes, previous = [], b""
     data = text.encode("utf-8", "surrogatepass")
-    chunk_bytes = chunk_chars  # bytes, so that multi-byte text is cut the same way every time
     for start in range(0, len(data) - chunk_bytes + 1, chunk_bytes):
         previous = hashlib.blake2b(previous + data[start : start + chunk_bytes], digest_size=16).digest()
         hashes.append(previous)
@@ -44,12 +43,12 @@ class Route:
 
 
 class PrefixRouter:
-    def __init__(self, num_replicas: int, policy: str = "prefix", chunk_chars: int = 256,
+    def __init__(self, num_replicas: int, policy: str = "prefix", chunk_bytes: int = 256,
                  max_chunks_per_replica: int = 65536, balance_slack: int = 4, seed: int | None = None) -> None:
         if policy not in ("prefix", "least_loaded", "random"):
             raise ValueError(f"unknown routing policy {policy!r} (prefix, least_loaded or random)")
         self.policy = policy
-        self.chunk_chars = chunk_chars
+        self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks_per_replica
         self.balance_slack = balance_slack
         self.replicas = [ReplicaLoad() for _ in range(num_replicas)]
@@ -60,7 +59,7 @@ class PrefixRouter:
         candidates = [i for i, r in enumerate(self.replicas) if r.healthy and i not in exclude]
         if not candidates:
             raise LookupError("no healthy replica")
-        hashes = prefix_hashes(prompt, self.chunk_chars)
+        hashes = prefix_hashes(prompt, self.chunk_bytes)
         if self.policy == "random":
             chosen = self._random.choice(candidates)
         else:

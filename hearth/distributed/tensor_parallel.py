@@ -76,7 +76,7 @@ class TensorShard:
                 sliced[name] = _rows(tensor, start, size)
             elif match := ROW_PARALLEL.search(name):
                 if match.group(2) == "bias":  # added once, after the sum: rank 0 keeps it
-                    sliced[name] = tensor if self.rank == 0 else torch.zeros_like(_dense(tensor))
+                    sliced[name] = tensor if self.rank == 0 else torch.zeros(tuple(tensor.shape))
                 else:
                     width = tensor.shape[1] // self.world_size
                     sliced[name] = _columns(tensor, self.rank * width, width, name)
@@ -124,10 +124,6 @@ def _columns(tensor, start: int, size: int, name: str):
     return QuantTensor(blocks.reshape(rows, -1).contiguous(), tensor.qtype, (rows, size))
 
 
-def _dense(tensor):
-    return tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
-
-
 # ---- the processes --------------------------------------------------------------------------
 
 
@@ -159,7 +155,7 @@ def start_workers(model_path, world_size: int, dtype: torch.dtype, max_positions
 class WorkerGroup:
     def __init__(self, processes) -> None:
         self.processes = processes
-        self._finalizer = weakref.finalize(self, _stop, processes)
+        self._finalizer = weakref.finalize(self, _end, processes, True)
 
     def stop(self) -> None:
         """Tell the workers to end, and wait for them."""
@@ -169,10 +165,6 @@ class WorkerGroup:
         """End the workers without a word (rank 0 failed before they could be told)."""
         self._finalizer.detach()
         _end(self.processes, tell=False)
-
-
-def _stop(processes) -> None:
-    _end(processes, tell=True)
 
 
 def _end(processes: list[subprocess.Popen], tell: bool) -> None:
