@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGTERM")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one engine step may run before the engine counts as stalled: every request "
+                        "ends with a 503 and /health answers 503 (default %(default)s)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format of tool calls in replies (default: the one the chat template writes)")
     add_limit_arguments(p, parse_size)

@@ -9,6 +9,7 @@ the same engine's outputs without any fault (the offline LLM on the same folder)
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -111,21 +112,48 @@ def test_a_dead_engine_thread_makes_health_503_and_ends_every_request(folder):  
     llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=4), progress=False)
     poison_runner(llm_engine, EngineDied("the engine thread was killed"))
     engine = AsyncEngine(llm_engine)
-    long = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     try:
-        with serving(build_app(engine, NAME)) as url, httpx.Client(base_url=url, timeout=30) as http:
-            assert http.get("/health").status_code == 200
-            with http.stream("POST", "/v1/completions", json=long) as running:
-                lines = running.iter_lines()
-                next(lines)  # it streams
-                start = time.monotonic()
-                r = completion(http, [1, 2, POISON])  # kills the engine thread
-                assert r.status_code == 503 and "EngineDied" in r.json()["error"]["message"]
-                rest = [line for line in lines if line.startswith("data: ")]
-                assert rest[-1] == "data: [DONE]" and json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == 503
-                assert time.monotonic() - start < 10
-            assert http.get("/health").status_code == 503
-            r = completion(http, PROMPTS[1])
-            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert_poison_ends_every_request(engine, "EngineDied")  # the poisoned step kills the engine thread
     finally:
         engine.shutdown()
+
+
+def assert_poison_ends_every_request(engine: AsyncEngine, message: str) -> None:
+    """Served: a streaming request runs, a POISON request comes; both end in 503s saying `message`
+    within seconds, /health answers 503 and later requests get 503s."""
+    long = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with serving(build_app(engine, NAME)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        with http.stream("POST", "/v1/completions", json=long) as running:
+            lines = running.iter_lines()
+            next(lines)  # it streams
+            start = time.monotonic()
+            r = completion(http, [1, 2, POISON])
+            assert r.status_code == 503 and message in r.json()["error"]["message"], r.text
+            rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == 503
+            assert time.monotonic() - start < 10
+        assert http.get("/health").status_code == 503
+        r = completion(http, PROMPTS[1])
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_a_step_that_hangs_is_caught_by_the_watchdog_health_503_every_request_ended(folder):  # noqa: F811
+    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=4), progress=False)
+    release = threading.Event()
+    forward = llm_engine.runner.forward
+
+    def hanging(entries, *args, **kwargs):  # a kernel that deadlocks on the POISON token, until released
+        if any(POISON in entry.token_ids for entry in entries):
+            release.wait()
+        return forward(entries, *args, **kwargs)
+
+    llm_engine.runner.forward = hanging
+    engine = AsyncEngine(llm_engine, step_timeout=1.0)
+    try:
+        assert_poison_ends_every_request(engine, "stalled")  # the poisoned step never returns
+    finally:
+        release.set()  # the step returns at last: the engine thread stops and frees every block
+        engine.shutdown()
+    assert not engine._thread.is_alive()
+    assert llm_engine.block_manager.check_all_free()

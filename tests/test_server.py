@@ -31,6 +31,8 @@ from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.config import EngineConfig
 from hearth.server.app import build_app
+from hearth.server.connections import uvicorn_config
+from hearth.server.limits import ServerLimits
 from models import make_hf_model
 
 API_KEY = "sk-hearth-test"
@@ -45,9 +47,9 @@ MESSAGES = [
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Run `app` under uvicorn on a free port in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+def serving(app, limits: ServerLimits = ServerLimits()):
+    """Run `app` under uvicorn, as `hearth serve` configures it, on a free port in a thread; yields its base URL."""
+    server = uvicorn.Server(uvicorn_config(app, limits, host="127.0.0.1", port=0, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

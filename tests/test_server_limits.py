@@ -215,6 +215,56 @@ def test_requests_in_flight_are_bounded_and_health_stays_outside_the_count(limit
     assert r.status_code == 200
 
 
+CONNECTION_LIMITS = ServerLimits(max_connections=4, header_timeout=1.5)
+
+
+@pytest.fixture(scope="module")
+def few_connections(folder):  # noqa: F811
+    engine = AsyncEngine(LLMEngine(folder, EngineConfig(), progress=False))
+    with serving(build_app(engine, NAME, limits=CONNECTION_LIMITS), CONNECTION_LIMITS) as url:
+        yield url
+    engine.shutdown()
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes `sock` within `within` seconds (the client sends nothing more)."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_sockets_that_send_no_whole_head_are_closed_after_the_header_timeout(few_connections):
+    host, port = few_connections.removeprefix("http://").split(":")
+    silent = socket.create_connection((host, int(port)))
+    trickling = socket.create_connection((host, int(port)))
+    start = time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):  # the server closes it mid-head
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 10:  # each byte would reset a keep-alive timer
+            trickling.sendall(bytes([byte]))
+            time.sleep(0.1)
+    assert CONNECTION_LIMITS.header_timeout <= time.monotonic() - start < 5
+    assert closed_by_server(silent, within=1)
+    with httpx.Client(base_url=few_connections) as http:  # the server answers everyone else
+        assert http.get("/health").status_code == 200
+
+
+def test_connections_past_the_limit_get_503_until_idle_ones_are_closed(few_connections):
+    host, port = few_connections.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(CONNECTION_LIMITS.max_connections)]
+    time.sleep(0.2)  # the server has taken them
+    r = httpx.get(few_connections + "/v1/models")
+    assert r.status_code == 503  # uvicorn's own answer: no route, not even /health, runs past the limit
+    assert all(closed_by_server(sock, within=3) for sock in idle)  # the head deadline frees their places
+    r = httpx.get(few_connections + "/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == NAME
+    for sock in idle:
+        sock.close()
+
+
 def test_a_wrong_key_of_any_length_is_refused(limited):
     url, _ = limited
     for key in ("x", API_KEY[:-1], API_KEY + "x", "x" * len(API_KEY)):
@@ -225,8 +275,9 @@ def test_a_wrong_key_of_any_length_is_refused(limited):
 def test_hearth_serve_takes_every_limit_as_an_option():
     args = build_parser().parse_args(["serve", "--max-body-size", "2MiB", "--body-timeout", "5", "--max-prompt-tokens",
                                       "1000", "--max-output-tokens", "200", "--max-sequences", "4",
-                                      "--request-timeout", "30", "--max-concurrent-requests", "16"])
-    assert ServerLimits.from_args(args) == ServerLimits(2 * 2**20, 5.0, 1000, 200, 4, 30.0, 16)
+                                      "--request-timeout", "30", "--max-concurrent-requests", "16",
+                                      "--max-connections", "64", "--header-timeout", "5"])
+    assert ServerLimits.from_args(args) == ServerLimits(2 * 2**20, 5.0, 1000, 200, 4, 30.0, 16, 64, 5.0)
     assert ServerLimits.from_args(build_parser().parse_args(["serve"])) == ServerLimits()
     with pytest.raises(ValueError, match="max_sequences must be positive"):
         ServerLimits.from_args(build_parser().parse_args(["serve", "--max-sequences", "0"]))

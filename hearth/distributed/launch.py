@@ -51,4 +51,4 @@ def run_router(args) -> None:
         print(f"replica {i}  {url}", flush=True)
     router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key)
     app = build_router_app(router, api_key=args.api_key, limits=limits)
-    run_uvicorn(app, args, on_stop=replicas.stop)
+    run_uvicorn(app, args, limits, on_stop=replicas.stop)

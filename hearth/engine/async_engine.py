@@ -3,7 +3,11 @@
 One thread owns the engine (the engine is not thread-safe): it takes the queued commands
 (add, abort), runs step() while there is work and sleeps on an event otherwise. A step that
 raises fails its own requests (RequestFailed, HTTP 500) and the engine goes on; a thread that
-dies ends every request (EngineStopped) and `is_running` turns false (/health answers 503). Each request
+dies ends every request (EngineStopped) and `is_running` turns false (/health answers 503). A step
+that neither returns nor raises (a kernel that deadlocks, a collective whose peer is gone) is
+caught by a watchdog thread after `step_timeout` seconds: the engine is declared stalled, every
+request ends with EngineStopped and /health answers 503, so a supervisor restarts the process
+instead of clients waiting on it (the stuck thread cannot be stopped from Python). Each request
 has an asyncio queue on its consumer's event loop, fed with `loop.call_soon_threadsafe`.
 
     stream = await async_engine.add_request(prompt_ids, params)   # RequestError, QueueFull
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -133,9 +138,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None, step_timeout: float | None = None) -> None:
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if step_timeout is not None and step_timeout <= 0:
+            raise ValueError(f"step_timeout must be positive, got {step_timeout}")
         self.engine = engine
         self.max_queue = max_queue
         # fixed facts of the model, safe to read from any thread
@@ -151,9 +158,12 @@ class AsyncEngine:
         self._pending_adds = 0
         self._stopping = False
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}  # the engine thread's own
+        self._streams: dict[str, RequestStream] = {}  # the engine thread's own (but for a stalled engine's end)
+        self._step_started: float | None = None  # time.monotonic() while a step runs
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
         self._thread.start()
+        if step_timeout is not None:
+            threading.Thread(target=self._watch, args=(step_timeout,), name="hearth-watchdog", daemon=True).start()
 
     # ---- numbers (read from any thread)
 
@@ -256,13 +266,17 @@ class AsyncEngine:
         except BaseException as e:  # a dead engine thread: every request ends, /health turns 503
             logger.exception("the engine thread died")
             reason = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
+        self._stop_taking_commands(reason)
+        self._abort_all(reason)
+
+    def _stop_taking_commands(self, reason: EngineStopped) -> None:
+        """Refuse new commands, and end the adds still queued with `reason` (their callers wait on `accepted`)."""
         with self._lock:
             self._stopping = True
             commands, self._commands = list(self._commands), deque()
-        for command in commands:  # adds that came too late: their callers wait on `accepted`
+        for command in commands:
             if command[0] == "add":
                 command[1]._accept(reason)
-        self._abort_all(reason)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -274,6 +288,7 @@ class AsyncEngine:
                 break
             if not engine.has_unfinished_requests():
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
             except StepFailed as e:  # that step's requests fail (aborted already); the others go on
@@ -289,6 +304,8 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._abort_all(EngineStopped(f"the engine failed: {type(e).__name__}: {e}"))
                 continue
+            finally:
+                self._step_started = None
             self._publish(engine.last_step.num_generated, engine.last_step.num_preempted)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -297,6 +314,21 @@ class AsyncEngine:
                     if output.finished:
                         del self._streams[output.request_id]
             self._wake.set()  # keep stepping while there is work
+
+    def _watch(self, step_timeout: float) -> None:
+        """The watchdog: end every request and stop serving once one step has run past step_timeout."""
+        while self.is_running:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > step_timeout:
+                break
+            time.sleep(min(1.0, step_timeout / 4))
+        else:
+            return
+        logger.error("an engine step has run for more than %g s: the engine is stalled", step_timeout)
+        reason = EngineStopped(f"the engine stalled: a step ran for more than {step_timeout:g} s")
+        self._stop_taking_commands(reason)  # the engine thread, should its step ever return, stops at once
+        for stream in list(self._streams.values()):  # not aborted in the engine: its thread holds it
+            stream._put(reason)
 
     def _apply_commands(self) -> None:
         while True:

@@ -37,18 +37,20 @@ def run_server(args) -> None:
         sys.exit(f"hearth serve: {e}")
     engine = _llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
-    async_engine = AsyncEngine(engine, max_queue=args.max_queue)
+    async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
     app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB); context {engine.max_model_len:,} tokens")
     sys.stdout.flush()
-    run_uvicorn(app, args, on_stop=async_engine.shutdown)
+    run_uvicorn(app, args, limits, on_stop=async_engine.shutdown)
 
 
-def run_uvicorn(app, args, on_stop) -> None:
+def run_uvicorn(app, args, limits, on_stop) -> None:
     """Serve `app` until SIGTERM / Ctrl-C, printing the 'listening' line once bound; then on_stop()."""
     import uvicorn
+
+    from hearth.server.connections import uvicorn_config
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -57,8 +59,8 @@ def run_uvicorn(app, args, on_stop) -> None:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"listening  http://{host}:{port}/v1  (metrics at /metrics)", flush=True)
 
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level,
+    config = uvicorn_config(
+        app, limits, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     # uvicorn handles SIGTERM/SIGINT itself, then re-raises the signal once it has stopped: the
