@@ -152,3 +152,25 @@ def test_rope_and_store_kv_matches_transformers(compiled, tokens):
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 49_152 + 5])
+def test_token_bitmask_matches_numpy_unpackbits(vocab):
+    """Grammar masks on rows 4 and 1 of 6 (bitmask rows in that order): numpy unpacks each int32
+    word's bits, least significant first, as llguidance lays them out."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    rows = torch.tensor([4, 1])
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    bitmask[1, 0] = -1  # a word allowing all of its 32 tokens
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    expected = logits.numpy().copy()
+    for row, ok in zip(rows.tolist(), allowed):
+        expected[row][~ok] = -np.inf
+    for backend in (Backend, _cpu_backend()):
+        before = logits.clone()
+        out = backend.apply_token_bitmask(logits, rows, bitmask)
+        assert torch.equal(out, torch.from_numpy(expected))
+        assert torch.equal(logits, before)  # the raw logits stay as they were (logprobs read them)

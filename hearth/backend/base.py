@@ -212,6 +212,15 @@ class Backend:
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
 
+    @staticmethod
+    def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """The sampler's grammar masks: in rows [R] of logits [B, V], tokens whose bit is clear in
+        the row's bitmask [R, ceil(V/32)] int32 -> -inf (bit t of word t // 32). A new tensor."""
+        V = logits.shape[-1]
+        bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
+        return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
+
     def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
         """A whole decode step through every layer in one call, where a backend has one: returns
         (the last layer's output, the residual stream) or None (then the modules run)."""

@@ -19,6 +19,10 @@
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
 //
+// mask_tokens (hearth/backend/cpu.py, the sampler's grammar masks): in the given rows of the
+// logits, -inf for every token whose bit is clear in the row's bitmask (bit t of word t / 32):
+// one pass, where torch unpacks the bits into a [rows, vocab] tensor first.
+//
 // rope_and_store_kv (hearth/backend/cpu.py): rotate-half RoPE of each token's q and k heads,
 // k written rotated straight into its cache slot and v copied to its slot: one pass where torch
 // would run a dozen ops per layer.
@@ -250,6 +254,26 @@ void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_strid
 
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
 // -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
+void mask_tokens(uintptr_t logits_, int64_t row_stride, uintptr_t rows_, int64_t num_rows, uintptr_t bitmask_,
+                 int64_t words, int64_t vocab, int threads) {
+  float* logits = reinterpret_cast<float*>(logits_);
+  const int64_t* rows = reinterpret_cast<const int64_t*>(rows_);
+  const uint32_t* bitmask = reinterpret_cast<const uint32_t*>(bitmask_);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, num_rows * vocab / 65536));
+#pragma omp parallel for num_threads(threads)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* row = logits + rows[r] * row_stride;
+    const uint32_t* mask = bitmask + r * words;
+    for (int64_t w = 0; w < words; ++w) {
+      const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+      const uint32_t bits = mask[w];
+      for (int64_t b = 0; b < n; ++b)
+        if (!((bits >> b) & 1u)) row[base + b] = neg_inf;
+    }
+  }
+}
+
 void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter) {
   for (int64_t t = 0; t < tokens; ++t) {
     const float* g = gate_up + t * 2 * inter;
@@ -336,6 +360,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32", nogil);
+  m.def("mask_tokens", &mask_tokens, "grammar bitmasks applied to rows of float32 logits, in place", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);

@@ -78,8 +78,8 @@ class ModelRunner:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
-        self.sampler = Sampler()
         self.backend = model.backend
+        self.sampler = Sampler(self.backend.apply_token_bitmask)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device

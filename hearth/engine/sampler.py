@@ -27,11 +27,12 @@ vLLM's default: the chosen token's, and the top K by the same distribution.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hearth.backend.base import Backend
 from hearth.sampling_params import SamplingParams, SamplingType
 from hearth.watermark import green_mask
 
@@ -180,6 +181,10 @@ class SamplingBatch:
         )
 
 
+# (logits [B, V], rows [R], bitmask [R, ceil(V/32)] int32) -> logits with the tokens each row's mask refuses at -inf
+TokenBitmaskOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _flat_ids(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
     """Row-major flat indices row * V + token into a [B, V] table (ids outside the vocab dropped)."""
     rows = [i for i, ids in enumerate(token_ids) for _ in ids]
@@ -215,14 +220,6 @@ def apply_token_bans(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Tokens whose bit is clear in their row's mask -> -inf; rows [R], bitmask [R, ceil(V/32)] int32."""
-    V = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
-    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, _NEG_INF))
-
-
 def apply_watermark(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, prev_ids: torch.Tensor,
                     gamma: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """+delta on the green tokens of each watermarked row (all [W])."""
@@ -244,9 +241,10 @@ def apply_presence_frequency_penalties(
     return logits - counts * frequency.unsqueeze(1) - (counts > 0).to(logits.dtype) * presence.unsqueeze(1)
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties,
-    watermark: what greedy rows see too."""
+def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch,
+                             apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask) -> torch.Tensor:
+    """Grammar masks (by the backend's op), logit_bias, min_tokens bans, repetition penalty,
+    presence/frequency penalties, watermark: what greedy rows see too."""
     if batch.allowed is not None:
         logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
@@ -352,6 +350,9 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
+    def __init__(self, apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask) -> None:
+        self.apply_token_bitmask = apply_token_bitmask  # the engine's backend's
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: torch.Tensor | None = None) -> SamplerOutput:
         """guesses [B] int64 (speculative decoding): a row's guessed token, -1 for none.
 
@@ -362,7 +363,7 @@ class Sampler:
         token is the draw plain decoding would make (greedy rows: the argmax), and a seeded
         request keeps its tokens with and without speculation."""
         raw = logits.float()
-        logits = apply_penalties_and_bias(raw, batch)
+        logits = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask)
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
