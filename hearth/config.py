@@ -178,7 +178,7 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+                rope_scaling=_rope_scaling_from_hf(hf, rope, head_dim),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
                 attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
@@ -224,6 +224,26 @@ def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
     if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
     return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+
+
+def _rope_scaling_from_hf(hf: dict[str, Any], rope: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
+    """The config's RoPE scaling; LongRoPE's (Phi-3's "su" too) made whole: its original context
+    (in the scaling or at the top level), and its attention factor as transformers derives it."""
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if not isinstance(scaling, dict) or (scaling.get("rope_type") or scaling.get("type")) not in ("longrope", "su"):
+        return scaling
+    original = int(scaling.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if (not isinstance(factors, list) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors)):
+            raise ModelLoadError(f"rope_scaling.{name}: expected {head_dim // 2} positive numbers")
+    factor = scaling.get("factor") or int(hf.get("max_position_embeddings", 2048)) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {"rope_type": "longrope", "short_factor": scaling["short_factor"], "long_factor": scaling["long_factor"],
+            "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
 
 
 def _no_rope_layers(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ them (gguf's tensor map). Logits of every family against transformers: tests/tes
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -252,12 +253,40 @@ def test_phi3_merged_projections_as_llama_cpp_names_them(folders, tmp_path):
     assert tensors["blk.0.attn_qkv.weight"] == [64, 64 + 2 * 32] and tensors["blk.0.ffn_up.weight"] == [64, 2 * 112]
 
 
-def test_longrope_is_refused(tmp_path):
-    """Phi-3's LongRoPE (128k models, Phi-4-mini) is not implemented: refused by name, not run without."""
+@pytest.mark.parametrize("context", ["within the original", "past the original"])
+def test_longrope_matches_transformers(context, tmp_path):
+    """Phi-3's LongRoPE (a 64-token original context stretched to 256): hearth rotates every token
+    with one factor list chosen by its context (llama.cpp's rule). An engine of 64 tokens runs the
+    short factors, as transformers does on sequences within 64; one of 256 the long factors, as
+    transformers does on prompts longer than 64. Both with the attention factor on cos and sin;
+    from the HF folder and the GGUF hearth writes (the factors as llama.cpp's phi3 tensors)."""
+    head_half = 8  # head_dim 16
+    long = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(head_half)],
+            "long_factor": [1.0 + 3.0 * i for i in range(head_half)],
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    folder = make_hf_model(tmp_path / "p", "phi3", rope_parameters=long, max_position_embeddings=256,
+                           original_max_position_embeddings=64, sliding_window=None)
+    within = context == "within the original"
+    prompts = random_prompts(3, seed=11, shortest=10 if within else 70, longest=30 if within else 90)
+    expected = reference_greedy(folder, prompts, max_tokens=20)
+    gguf_file = convert_hf_to_gguf(folder, tmp_path / "p.gguf", "f32", progress=False)
+    names = {t.name for t in gguf.GGUFReader(gguf_file).tensors}
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= names
+    for path in (folder, gguf_file):
+        llm = LLM(path, max_model_len=64 if within else 256, max_num_batched_tokens=32, progress=False)
+        assert llm.engine.model.rope.attention_factor == pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+        assert token_ids(llm.generate(prompts, greedy(20), use_tqdm=False)) == expected
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused(tmp_path):
     long = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 256, "rope_theta": 10000.0}
-    folder = make_hf_model(tmp_path / "p", "phi3", rope_parameters=long, max_position_embeddings=1024)
-    with pytest.raises(ModelLoadError, match="longrope"):
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    folder = make_hf_model(tmp_path / "p", "phi3", rope_parameters=long, max_position_embeddings=256,
+                           original_max_position_embeddings=64)
+    hf = json.loads((folder / "config.json").read_text())
+    hf["rope_parameters"]["short_factor"] = [1.0] * 3
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ModelLoadError, match="short_factor: expected 8 positive numbers"):
         load_model(folder, progress=False)
 
 

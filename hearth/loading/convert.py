@@ -116,6 +116,10 @@ def _plan_tensors(
         base = dataclasses.replace(config, rope_scaling=None)
         factors = (rope_inv_freq(base) / rope_inv_freq(config)).float()
         yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
+    if scaling.get("rope_type") == "longrope":  # the two lists as llama.cpp's phi3 tensors
+        for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
+            values = torch.tensor(scaling[key], dtype=torch.float32)
+            yield name, tuple(values.shape), Q.F32, lambda values=values: values
 
     tied = config.tie_word_embeddings or arch in GEMMA_ARCHITECTURES
     stacks: set[tuple[int, str]] = set()  # (layer, projection) of the experts' weights
@@ -126,7 +130,7 @@ def _plan_tensors(
             stacks.add((expert[0], expert[2]))
             continue
         name = hf_to_gguf(hf_name, config.sandwich_norms)
-        if name is None or name == "rope_freqs.weight":
+        if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
     for layer, projection in sorted(stacks):
@@ -235,8 +239,11 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     if kind == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "longrope":  # the factors: tensors (_plan_tensors)
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(scaling["attention_factor"])
     elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
-        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
 
 
 def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:

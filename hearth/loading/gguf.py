@@ -82,9 +82,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=(
-            {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))} if scaling == "linear" else None
-        ),
+        rope_scaling=_rope_scaling_from_metadata(md, arch, scaling, get),
         sliding_window=int(window) if window else None,
         sliding_layers=_sliding_layers(md, arch, int(get("block_count"))) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
@@ -194,6 +192,17 @@ def _read(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
         raise
     except Exception as e:
         raise ModelLoadError(f"{where}: tensor {t.name} cannot be read ({e})") from None
+
+
+def _rope_scaling_from_metadata(md: dict[str, Any], arch: str, scaling: str, get) -> dict[str, Any] | None:
+    """Linear scaling, or LongRoPE (llama.cpp's phi3 writes its attention factor, and the two factor
+    lists as the rope_factors_long / rope_factors_short tensors that the model loads)."""
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if md.get(f"{arch}.rope.scaling.attn_factor") is not None:
+        return {"rope_type": "longrope", "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                "attention_factor": float(get("rope.scaling.attn_factor"))}
+    return None
 
 
 def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:

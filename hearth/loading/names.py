@@ -49,6 +49,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
+    "rope_factors_long.weight": "rope_factors.long_factor",  # LongRoPE's (phi3): divisors of the base frequencies
+    "rope_factors_short.weight": "rope_factors.short_factor",
 }
 # gemma2/3 norm attention's and the MLP's outputs too; llama.cpp's ffn_norm is then the MLP's input norm
 _SANDWICH_LAYER_NAMES = {

@@ -130,8 +130,20 @@ class SparseMoE(nn.Module):
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary frequencies [head_dim / 2], with llama3 / linear scaling applied."""
+def longrope_factors(config: ModelConfig, max_positions: int) -> str:
+    """Which of LongRoPE's two factor lists rotates every token of an engine whose context is
+    max_positions: "long_factor" when that context passes the model's original one, else
+    "short_factor". llama.cpp's rule (by its context size): every token of every request rotated
+    alike, so that batching, chunked prefill and prefix caching cannot change a result.
+    transformers chooses per forward call instead (long once the call reaches past the original
+    context): the two agree while max_positions <= original, and on prompts longer than it."""
+    return "long_factor" if max_positions > config.rope_scaling["original_max_position_embeddings"] else "short_factor"
+
+
+def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2], with llama3 / linear / LongRoPE scaling applied
+    (LongRoPE's by the engine's context, max_positions; a GGUF's factors come as tensors instead,
+    Transformer.load_weights)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -143,6 +155,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "longrope":
+        factors = scaling.get(longrope_factors(config, max_positions or config.max_position_embeddings))
+        return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -153,17 +168,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
 
 
 class RotaryEmbedding(nn.Module):
-    """HF's rotate-half RoPE over a precomputed cos/sin table."""
+    """HF's rotate-half RoPE over a precomputed cos/sin table (both scaled by LongRoPE's attention factor)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, ops: Backend, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.ops = ops
-        self.inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq  # [head_dim / 2]
+        self.inv_freq = rope_inv_freq(config, max_positions) if inv_freq is None else inv_freq  # [head_dim / 2]
         self.max_positions = max_positions
+        self.attention_factor = float((config.rope_scaling or {}).get("attention_factor", 1.0))
         self._set_table(self.inv_freq)
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:
@@ -173,8 +189,8 @@ class RotaryEmbedding(nn.Module):
     def _set_table(self, inv_freq: torch.Tensor) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         # [max_positions, head_dim / 2]; buffers so that .to(device) moves them
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * self.attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * self.attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the backend's rope_and_store_kv needs of positions [T]: looked up once per step,

@@ -18,7 +18,7 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE
+from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
 from hearth.quant.linear import release_file_pages
@@ -162,6 +162,23 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _load_rope_factors(self, weights: dict[str, torch.Tensor | QuantTensor]) -> set[str]:
+        """A GGUF's frequency divisors: llama3's rope_freqs, or LongRoPE's list for this context
+        (a config with the lists has them already). The names it takes."""
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            names, name = {"rope_freqs"}, "rope_freqs"
+        elif "long_factor" in scaling:
+            return set()
+        else:
+            names = {"rope_factors.long_factor", "rope_factors.short_factor"}
+            name = "rope_factors." + longrope_factors(self.config, self.rope.max_positions)
+            if name not in weights:
+                raise ModelLoadError(f"LongRoPE without its factors: missing tensor {name}")
+        if name in weights:
+            self.rope.set_frequency_factors(_dense(weights[name], torch.float32))
+        return names
+
     def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
         """Take every parameter from `weights` (HF names), checking presence and shape. Weights
         kept in their storage format (GGUF blocks; F16/BF16 on a CPU) swap their Linear or
@@ -170,12 +187,9 @@ class Transformer(nn.Module):
         weights = dict(weights)
         if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied embeddings
-        rope_freqs = weights.get("rope_freqs")
-        if rope_freqs is not None:
-            self.rope.set_frequency_factors(_dense(rope_freqs, torch.float32))
+        used = self._load_rope_factors(weights)
         release_file_pages(weights.values())
         merged = self._plan_merges(weights)
-        used = {"rope_freqs"}
 
         def source(hf_name: str) -> torch.Tensor | QuantTensor | None:
             names = merged.get(hf_name, [hf_name])
