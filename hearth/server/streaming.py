@@ -56,10 +56,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response], on_c
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the client went first: cancel the work and let the cancellation land
+            task.cancel()
+            await asyncio.wait({task})
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+        task.cancel()  # (nothing once done; here if this handler itself was cancelled)
         on_close()
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening
