@@ -39,6 +39,7 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                    help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="gpu backend: no CUDA graphs")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
+    _add_kv_cache_dtype(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"sequences run at once; the KV cache holds this many contexts (default {max_num_seqs})")
@@ -80,6 +81,12 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
 
 
+def _add_kv_cache_dtype(g) -> None:
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "q8_0", "fp8_e4m3"],
+                   help="how K and V are stored: auto (the compute dtype), q8_0 (llama.cpp's 8-bit blocks: "
+                        "about 2x the tokens of a 16-bit cache), fp8_e4m3 (gpu backend)")
+
+
 def engine_options(args) -> dict:
     """The LLM keyword arguments of _add_engine's options."""
     return dict(
@@ -88,6 +95,7 @@ def engine_options(args) -> dict:
         backend=args.backend,
         enforce_eager=args.enforce_eager,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
