@@ -326,7 +326,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), q8_0, fp8_e4m3 (gpu backend): hearth/backend/kv_quant.py
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) or q8_0: hearth/backend/kv_quant.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -354,8 +354,8 @@ class EngineConfig:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
-        need(self.kv_cache_dtype in ("auto", "q8_0", "fp8_e4m3"),
-             f"kv_cache_dtype must be auto, q8_0 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype in ("auto", "q8_0"),
+             f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {self.kv_cache_dtype!r}")
         need(self.block_size >= 1, "block_size must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")

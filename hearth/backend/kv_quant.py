@@ -1,4 +1,4 @@
-"""How K and V are stored in the paged cache: in the compute dtype, as llama.cpp's q8_0 blocks, or in fp8.
+"""How K and V are stored in the paged cache: in the compute dtype, or as llama.cpp's q8_0 blocks.
 
 q8_0 (`--kv-cache-dtype q8_0`): each token's head row of head_dim values is cut into blocks of 32;
 a block keeps one float16 scale d = max|x| / 127 and 32 int8 codes round(x / d) (halves away from
@@ -8,8 +8,8 @@ reads a row's codes as one contiguous run and its scales beside them: 34 bytes p
 a quarter of a float32 cache and half of a bfloat16 one. Rows are quantized when they are written
 (each backend's RoPE + cache write) and dequantized inside the attention kernels, tile by tile.
 
-fp8_e4m3 (GPU backend only): torch.float8_e4m3fn storage with a per-tensor scale of 1 (vLLM's
-default without calibration), values clamped to the format's range on write.
+fp8_e4m3 is refused by name: Triton's interpreter, which tests the GPU kernels on machines
+without a GPU, cannot cast to fp8, so no kernel path for it could be checked here.
 
 The functions below are the reference path's (plain torch, any device) and the tests' definition.
 """
@@ -20,9 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "q8_0", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "q8_0")
 Q8_BLOCK = 32  # values per q8_0 block (one scale each)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 class Q8Cache(NamedTuple):
@@ -39,21 +38,18 @@ class Q8Cache(NamedTuple):
 KVCache = torch.Tensor | Q8Cache  # one layer's K or V: [num_slots, kv_heads, head_dim] of values, or q8_0
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, head_dim: int) -> None:
-    """Raises ValueError where `kv_cache_dtype` cannot run on `backend` for heads of head_dim values."""
+def check_kv_cache_dtype(kv_cache_dtype: str, head_dim: int) -> None:
+    """Raises ValueError where `kv_cache_dtype` cannot store heads of head_dim values."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {kv_cache_dtype!r}")
     if kv_cache_dtype == "q8_0" and head_dim % Q8_BLOCK:
         raise ValueError(f"kv_cache_dtype q8_0 needs a head_dim that is a multiple of {Q8_BLOCK} (q8_0 blocks); "
                          f"this model's is {head_dim}")
-    if kv_cache_dtype == "fp8_e4m3" and backend != "gpu":
-        raise ValueError(f"kv_cache_dtype fp8_e4m3 runs on the gpu backend only (this engine's is {backend}); "
-                         "q8_0 runs everywhere")
 
 
-def kv_bytes_per_element(kv_cache_dtype: str, dtype: torch.dtype) -> float:
-    """Bytes the cache spends per K or V value: the compute dtype's size ("auto"), 34 / 32 (q8_0), 1 (fp8)."""
-    return {"auto": dtype.itemsize, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK, "fp8_e4m3": 1}[kv_cache_dtype]
+def kv_bytes_per_element(kv_cache_dtype: str, itemsize: int) -> float:
+    """Bytes the cache spends per K or V value: the compute dtype's `itemsize` ("auto"), 34 / 32 (q8_0)."""
+    return itemsize if kv_cache_dtype == "auto" else (Q8_BLOCK + 2) / Q8_BLOCK
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +90,5 @@ def write_rows(cache: KVCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
         codes, scales = quantize_q8_0(rows)
         cache.codes.index_copy_(0, slots, codes)
         cache.scales.index_copy_(0, slots, scales)
-    elif cache.dtype == torch.float8_e4m3fn:
-        cache.index_copy_(0, slots, rows.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype))
     else:
         cache.index_copy_(0, slots, rows.to(cache.dtype))

@@ -70,8 +70,8 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
-        check_kv_cache_dtype(config.kv_cache_dtype, backend.name, self.model_config.head_dim)
-        bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype))
+        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config.head_dim)
+        bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
         blocks_per_seq = -(-(self.max_model_len + 1) // config.block_size)
@@ -116,7 +116,7 @@ class LLMEngine:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """What K and V are stored as: the compute dtype's name, q8_0 or fp8_e4m3."""
+        """What K and V are stored as: the compute dtype's name, or q8_0."""
         return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     @property

@@ -75,7 +75,7 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
-        kv_cache_dtype: str = "auto",  # or q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
+        kv_cache_dtype: str = "auto",  # or q8_0 (hearth/backend/kv_quant.py)
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -243,14 +243,14 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def allocate_kv_caches(config, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
                        ) -> list[tuple[KVCache, KVCache]]:
-    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype`, fp8, or q8_0 codes and scales."""
+    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype`, or q8_0 codes and scales."""
     shape = (2 * config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype == "q8_0":
         codes = zeroed(shape, torch.int8, device)
         scales = zeroed((*shape[:-1], config.head_dim // Q8_BLOCK), torch.float16, device)
         caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
     else:
-        caches = list(zeroed(shape, torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else dtype, device))
+        caches = list(zeroed(shape, dtype, device))
     return [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
 
 
