@@ -264,3 +264,24 @@ def test_unsupported_kv_cache_dtypes_are_refused(tmp_path):
     folder = make_hf_model(tmp_path / "llama", "llama")  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32.*16"):
         LLM(folder, kv_cache_dtype="q8_0", progress=False)
+
+
+def test_cli_inspect_and_perplexity_with_a_q8_0_cache(capsys):
+    import json
+
+    from hearth.cli import main
+
+    assert main(["inspect", "builtin", "--kv-cache-dtype", "q8_0", "--kv-budget", "1MiB", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    config = info["config"]
+    per_token = 2 * config["num_layers"] * config["num_kv_heads"] * config["head_dim"] // 32 * 34
+    assert (info["kv_cache_dtype"], info["kv_cache_bytes_per_token"]) == ("q8_0", per_token)
+    assert info["kv_budget_tokens"] == (1 << 20) // per_token and info["kv_window"] is None
+    assert main(["inspect", "builtin", "--kv-cache-dtype", "q8_0"]) == 0
+    assert f"KV cache         {per_token:,} bytes/token in q8_0 (1.0625 bytes/element)" in capsys.readouterr().out
+    text = ["--text", (ROOT / "hearth" / "perplexity.py").read_text(encoding="utf-8")]
+    results = {}
+    for kind in ("auto", "q8_0"):
+        assert main(["perplexity", "builtin", *text, "--kv-cache-dtype", kind, "--json"]) == 0
+        results[kind] = json.loads(capsys.readouterr().out)["perplexity"]
+    assert results["q8_0"] != results["auto"] and results["q8_0"] == pytest.approx(results["auto"], rel=0.005)
