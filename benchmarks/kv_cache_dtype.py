@@ -22,7 +22,7 @@ import shlex
 import sys
 import time
 
-from common import machine, machine_markdown, median, set_threads, table, threads, write_results
+from common import decode_step_ms, machine, machine_markdown, median, set_threads, table, threads, write_results
 
 KINDS = ("auto", "q8_0")
 
@@ -54,30 +54,6 @@ def greedy_agreement(model: str, prompts: list[list[int]], max_tokens: int) -> d
         result[name] = {"tokens_before_first_difference": prefix / (len(prompts) * max_tokens),
                         "identical_continuations": sum(a == b for a, b in pairs)}
     return result
-
-
-def decode_cpu_ms(model, kind: str, context: int, batch: int, steps: int) -> float:
-    """Median CPU milliseconds of a decode step of `batch` sequences at `context` tokens."""
-    import torch
-
-    from hearth.engine.runner import BatchEntry, ModelRunner
-
-    block = 16
-    per_seq = -(-(context + steps + 1) // block)
-    runner = ModelRunner(model, per_seq * batch, block, torch.device("cpu"), torch.float32, kv_cache_dtype=kind)
-    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
-    g = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    for s in range(batch):
-        runner.forward([BatchEntry(torch.randint(0, vocab, (context,), generator=g).tolist(), 0, tables[s])])
-    times = []
-    for step in range(steps):
-        entries = [BatchEntry([int(torch.randint(0, vocab, (1,), generator=g))], context + step, tables[s])
-                   for s in range(batch)]
-        start = time.process_time()
-        runner.forward(entries)
-        times.append(time.process_time() - start)
-    return median(times[2:]) * 1e3
 
 
 def main() -> None:
@@ -113,7 +89,8 @@ def main() -> None:
     samples = {kind: [] for kind in KINDS}
     for _ in range(args.runs):  # interleaved: both caches see the same machine load
         for kind in KINDS:
-            samples[kind].append(decode_cpu_ms(model, kind, args.decode_context, args.batch, args.steps))
+            samples[kind].append(decode_step_ms(model, args.decode_context, args.batch, args.steps,
+                                                time.process_time, kind))
     ms = {kind: median(samples[kind]) for kind in KINDS}
 
     command = "python benchmarks/kv_cache_dtype.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
