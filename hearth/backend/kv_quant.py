@@ -70,11 +70,18 @@ def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (codes.float().unflatten(-1, (-1, Q8_BLOCK)) * scales.float()[..., None]).flatten(-2)
 
 
+def cache_operands(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """What a kernel takes for one cache: (values or codes, scales (for a cache of values the values
+    again, never read), quantized?)."""
+    if isinstance(cache, Q8Cache):
+        return cache.codes, cache.scales, True
+    return cache, cache, False
+
+
 def data_pointers(cache: KVCache) -> tuple[int, int]:
     """(values or codes, scales or 0): what the C++ kernels take for one cache (contiguous)."""
-    if isinstance(cache, Q8Cache):
-        return cache.codes.data_ptr(), cache.scales.data_ptr()
-    return cache.data_ptr(), 0
+    values, scales, quantized = cache_operands(cache)
+    return values.data_ptr(), scales.data_ptr() if quantized else 0
 
 
 def read_rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
+from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
@@ -73,13 +73,6 @@ def _tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, str]:
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, min(64, 16384 // (block_d * dtype.itemsize)))
     return block_d, block_n, "ieee" if dtype == torch.float32 else "tf32"
-
-
-def cache_operands(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(values or codes, scales (the values again for a cache of values: unused), quantized?)."""
-    if isinstance(cache, Q8Cache):
-        return cache.codes, cache.scales, True
-    return cache, cache, False
 
 
 def _check(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, out: torch.Tensor | None) -> torch.Tensor:

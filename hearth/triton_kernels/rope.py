@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
+from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
 
 _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 
@@ -119,8 +119,7 @@ def rope_and_store_kv(
     slot_mapping: torch.Tensor,  # int [T]; < 0: not stored
 ) -> torch.Tensor:
     """Stores rope(k) and v at their slots; returns rope(q) as a new contiguous [T, H, D] in q.dtype."""
-    quant = isinstance(k_cache, Q8Cache)
-    (k_cache, k_scales), (v_cache, v_scales) = ((c.codes, c.scales) if quant else (c, c) for c in (k_cache, v_cache))
+    (k_cache, k_scales, quant), (v_cache, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
