@@ -3,7 +3,8 @@
 Decode attention reads K/V in place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
-with the K/V cache write, are one call each. Where every matmul is a QuantLinear on the int8 kernel,
+with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
+write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on the int8 kernel,
 a decode-only step runs all layers in one call (cpu_decode.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """

@@ -6,8 +6,9 @@ again: each runs with the caches that the weights' stream has just emptied. When
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
 hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
-every layer), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
-kernels that the modules call, in the same order, with no Python between them. A merged
+every layer; K/V in float32 or q8_0), a step made only of decodes runs cpu_kernels.cpp's
+`decode_layers`: the kernels that the modules call, in the same order, with no Python between
+them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
