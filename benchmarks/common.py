@@ -204,3 +204,30 @@ def write_results(path: str | Path | None, markdown: str, data: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".md").write_text(markdown + "\n")
         path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_counter,
+                   kv_cache_dtype: str = "auto") -> float:
+    """Median milliseconds (by `clock`) of a decode step of `batch` sequences at `context` random
+    tokens, through hearth's ModelRunner on the CPU (the first 2 steps left out)."""
+    import torch
+
+    from hearth.engine.runner import BatchEntry, ModelRunner
+
+    block = 16
+    per_seq = -(-(context + steps + 1) // block)
+    runner = ModelRunner(model, per_seq * batch, block, torch.device("cpu"), torch.float32,
+                         kv_cache_dtype=kv_cache_dtype)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    for s in range(batch):  # prefill the context
+        runner.forward([BatchEntry(torch.randint(0, vocab, (context,), generator=g).tolist(), 0, tables[s])])
+    times = []
+    for step in range(steps):
+        entries = [BatchEntry([int(torch.randint(0, vocab, (1,), generator=g))], context + step, tables[s])
+                   for s in range(batch)]
+        start = clock()
+        runner.forward(entries)
+        times.append(clock() - start)
+    return median(times[2:]) * 1e3

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import time
 
-from common import machine, machine_markdown, median, set_threads, table, threads, write_results
+from common import decode_step_ms, machine, machine_markdown, median, set_threads, table, threads, write_results
 
 WIDTH = dict(vocab_size=256, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
              rope_theta=1e6, max_position_embeddings=4096, qk_norm="head")
@@ -54,29 +53,6 @@ def _random(shape, g, qtype):
     return QuantTensor(quantize(values, qtype), qtype, shape)
 
 
-def decode_ms(model, context: int, batch: int, steps: int) -> float:
-    """Median milliseconds of a decode step of `batch` sequences at `context` tokens."""
-    import torch
-
-    from hearth.engine.runner import BatchEntry, ModelRunner
-
-    block = 16
-    per_seq = -(-(context + steps + 1) // block)
-    runner = ModelRunner(model, per_seq * batch, block, torch.device("cpu"), torch.float32)
-    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
-    g = torch.Generator().manual_seed(1)
-    for s in range(batch):  # prefill the context
-        runner.forward([BatchEntry(torch.randint(0, 256, (context,), generator=g).tolist(), 0, tables[s])])
-    times = []
-    for step in range(steps):
-        entries = [BatchEntry([int(torch.randint(0, 256, (1,), generator=g))], context + step, tables[s])
-                   for s in range(batch)]
-        start = time.perf_counter()
-        runner.forward(entries)
-        times.append(time.perf_counter() - start)
-    return median(times[2:]) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -107,7 +83,7 @@ def main() -> None:
         samples = {name: [] for name in models}
         for _ in range(args.runs):  # interleaved: both models see the same machine load
             for name, model in models.items():
-                samples[name].append(decode_ms(model, args.context, batch, args.steps))
+                samples[name].append(decode_step_ms(model, args.context, batch, args.steps))
         dense_ms = median(samples["dense (intermediate 6144)"])
         for name in models:
             ms = median(samples[name])

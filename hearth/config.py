@@ -199,9 +199,16 @@ class ModelConfig:
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, bytes_per_element: float) -> int:
+        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes (q8_0: 34 / 32 bytes)."""
+        return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends through, or None where some layer sees the whole context:
+        a running request's K/V older than its last kv_window positions are never read again."""
+        every_layer = all(self.is_sliding_layer(layer) for layer in range(self.num_layers))
+        return self.sliding_window if every_layer else None
 
 
 def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
@@ -339,6 +346,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) or q8_0: hearth/backend/kv_quant.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -366,11 +374,15 @@ class EngineConfig:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        need(self.kv_cache_dtype in ("auto", "q8_0"),
+             f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {self.kv_cache_dtype!r}")
         need(self.block_size >= 1, "block_size must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+        need(self.tensor_parallel_size == 1 or self.kv_cache_dtype == "auto",
+             "a quantized KV cache (kv_cache_dtype) is not implemented with tensor parallelism")
         need(self.speculative_method in (None, "ngram"),
              f"speculative_method must be ngram (draft-model, lookahead and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")

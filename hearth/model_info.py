@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from hearth.backend.kv_quant import kv_bytes_per_element
 from hearth.default_model import resolve_model
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
@@ -17,7 +18,9 @@ def weight_type(weight) -> str:
     return str(weight.dtype).removeprefix("torch.")
 
 
-def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_bytes_per_element: int = 2) -> dict:
+def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int = 2,
+               kv_cache_dtype: str = "auto") -> dict:
+    """kv_cache_dtype: auto (K/V of kv_element_size bytes) or q8_0 (hearth/backend/kv_quant.py)."""
     path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0
@@ -33,7 +36,8 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_b
         tied = "tied"
     else:
         tied = "untied"
-    kv_per_token = config.kv_bytes_per_token(kv_bytes_per_element)
+    kv_element = kv_bytes_per_element(kv_cache_dtype, kv_element_size)
+    kv_per_token = config.kv_bytes_per_token(kv_element)
     info = {
         "path": str(path),
         "architecture": config.architecture,
@@ -43,7 +47,9 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_b
         "weight_bytes": sum(type_bytes.values()),
         "context_length": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
-        "kv_bytes_per_element": kv_bytes_per_element,
+        "kv_cache_dtype": {1: "8-bit", 2: "16-bit", 4: "float32"}[kv_element_size] if kv_cache_dtype == "auto" else kv_cache_dtype,
+        "kv_bytes_per_element": kv_element,
+        "kv_window": config.kv_window,
         "kv_cache_bytes_per_token": kv_per_token,
         "config": {k: v for k, v in asdict(config).items() if k != "extra"},
         "tokenizer": {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": tokenizer.eos_token_ids,

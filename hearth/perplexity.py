@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hearth.backend.kv_quant import check_kv_cache_dtype
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.model.transformer import Transformer
 
@@ -23,10 +24,11 @@ LOGIT_ROWS = 512  # rows of logits at once: [512, vocab] float32 is 100 MB at a 
 
 
 def perplexity(model: Transformer, token_ids: list[int], context: int, device: torch.device,
-               max_batch_tokens: int = 2048) -> dict:
+               max_batch_tokens: int = 2048, kv_cache_dtype: str = "auto") -> dict:
     """Returns {"perplexity", "nll" (mean negative log-likelihood, nats), "tokens" (scored)}.
 
-    max_batch_tokens: windows per forward pass, as many as fit (at least one)."""
+    max_batch_tokens: windows per forward pass, as many as fit (at least one). kv_cache_dtype: how
+    the windows' K/V are stored (hearth/backend/kv_quant.py), what a quantized cache costs in quality."""
     if context < 2:
         raise ValueError("context must be at least 2 tokens")
     if len(token_ids) < 2:
@@ -35,7 +37,9 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
     windows = [w for w in windows if len(w) >= 2]
     per_step = max(1, min(len(windows), max_batch_tokens // context))
     blocks_per_window = -(-context // BLOCK_SIZE)
-    runner = ModelRunner(model, per_step * blocks_per_window, BLOCK_SIZE, device, model.dtype)
+    check_kv_cache_dtype(kv_cache_dtype, model.config.head_dim)
+    runner = ModelRunner(model, per_step * blocks_per_window, BLOCK_SIZE, device, model.dtype,
+                         kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(per_step)]
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     for first in range(0, len(windows), per_step):

@@ -229,6 +229,8 @@ def test_inspect_shows_windows_and_soft_caps(folders, capsys):
     assert main(["inspect", str(folders["gemma3"]), "--json"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
     assert (config["sliding_layers"], config["local_rope_theta"], config["rope_theta"]) == ([0], 10000.0, 1e6)
+    assert main(["inspect", str(folders["phi3"])]) == 0  # a window on every layer: old blocks are freed
+    assert "KV blocks        freed once older than every layer's window (24 tokens)" in capsys.readouterr().out
 
 
 def test_nope_layers_llama_cpp_cannot_express_are_refused_by_convert(tmp_path):

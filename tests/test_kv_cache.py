@@ -257,3 +257,33 @@ def test_skip_prefix_cache_computes_everything_but_still_fills_the_cache():
     step_done(bm, b)
     blocks, hit = bm.get_computed_blocks(req("c", list(range(9)) + [5, 5, 5, 5, 1]))
     assert hit == 12 and blocks == a.block_table[:2] + b.block_table[2:3]
+
+
+def test_blocks_outside_the_window_are_freed_and_stay_findable():
+    """A request decoding past a window: its old blocks go back to the free list (as cached content,
+    found by a later request with the same prefix), NO_BLOCK marks their place, the content-id chain
+    goes on from the last entered block (window shorter than a block), and free() skips the marks."""
+    from hearth.engine.kv_cache import NO_BLOCK
+
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = req("a", list(range(10)))
+    assert admit(bm, a)
+    step_done(bm, a)
+    first_blocks = list(a.block_table)
+    bm.free_outside_window(a, a.num_computed_tokens - 3 + 1)  # window 3: positions 8, 9 and 10 seen next
+    assert a.block_table == [NO_BLOCK, NO_BLOCK, first_blocks[2]] and bm.num_free_blocks == 7
+    bm.free_outside_window(a, a.num_computed_tokens - 3 + 1)  # again: nothing more
+    assert bm.num_free_blocks == 7
+    for token in range(10, 17):  # decode on: blocks 2 and 3 fill and enter the cache
+        a.append_output_token(token)
+        assert bm.allocate_slots(a, 1)
+        step_done(bm, a, 1)
+        bm.free_outside_window(a, a.num_computed_tokens - 3 + 1)
+    assert a.block_table[:3] == [NO_BLOCK] * 3 and NO_BLOCK not in a.block_table[3:]
+    b = req("b", list(range(17)) + [99])  # the same 17 tokens, then its own
+    computed, hit = bm.get_computed_blocks(b)
+    assert hit == 16 and computed[:2] == first_blocks[:2]  # blocks 0..3, freed ones revived
+    assert bm.allocate_slots(b, b.num_tokens - hit, computed)
+    bm.free(a)
+    bm.free(b)
+    assert bm.check_all_free()

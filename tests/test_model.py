@@ -144,6 +144,52 @@ def test_sliding_window_generations_longer_than_the_window_match(tmp_path, out_t
         assert out.outputs[0].token_ids == expected
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sliding_window_blocks_are_freed_behind_the_window(tmp_path, backend):
+    """mistral with a 24-token window on every layer, blocks of 4: prompts longer than the window in
+    chunks of 8, generations well past it, then the same prompts again (prefix-cache hits on blocks
+    freed behind the window) and under a cache too small for all at once (preemption and recompute):
+    greedy tokens as transformers' windowed generate, while no request ever holds more blocks than
+    its window and a chunk span, and every block is free at the end."""
+    from hearth import LLM, SamplingParams
+    from hearth.engine.kv_cache import NO_BLOCK
+
+    window, block, budget, max_tokens = 24, 4, 8, 40
+    folder = make_hf_model(tmp_path / "mistral", "mistral", sliding_window=window)
+    prompts = [TOKENS[:30], TOKENS[5:15], TOKENS[:41], TOKENS[2:32]]
+    reference = load_hf_reference(folder)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        expected.append(reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    most_held = -(-(window - 1 + budget) // block) + 1  # the window's positions and a chunk's, block-aligned
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * block  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
+    for blocks in (200, 21):  # 21 blocks (84 tokens): room for each request alone, not for all four
+        llm = LLM(folder, backend=backend, block_size=block, max_num_batched_tokens=budget,
+                  kv_cache_memory=blocks * bytes_per_block, progress=False)
+        engine = llm.engine
+        assert engine.model_config.kv_window == window and engine.num_blocks == blocks
+        for _ in range(2):  # the second time through, the prompts' blocks come from the prefix cache
+            for prompt in prompts:
+                engine.add_request(None, prompt, params)
+            outputs, held, preemptions = {}, 0, 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[int(out.request_id)] = out.outputs[0].token_ids
+                        preemptions += out.metrics.num_preemptions
+                running = engine.scheduler.running
+                held = max([held] + [sum(b != NO_BLOCK for b in r.block_table) for r in running])
+            assert [outputs[i] for i in sorted(outputs)] == expected
+            assert 0 < held <= most_held < -(-(41 + max_tokens) // block) // 2  # bounded, and it matters
+            assert engine.block_manager.check_all_free()
+            assert preemptions > 0 if blocks == 21 else preemptions == 0
+        if blocks == 200:
+            assert engine.block_manager.prefix_cache_hits >= sum(len(p) // block - 1 for p in prompts) * block
+
+
 def test_unimplemented_features_are_refused(tmp_path):
     """A config field or a tensor hearth has no place for is an error naming it, never dropped."""
     import json

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.backend.kv_quant import KVCache, read_rows, write_rows
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -171,15 +173,15 @@ class Backend:
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
     def rope_and_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
-                          kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+                          kv_cache: tuple[KVCache, KVCache], slot_mapping: torch.Tensor) -> torch.Tensor:
         """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]; k and v written into their
-        cache slots; returns q rotated."""
+        cache slots (quantized where the cache is: kv_quant.py); returns q rotated."""
         k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, slot_mapping, apply_rope(k, rotary).to(k_cache.dtype))
-        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        write_rows(k_cache, slot_mapping, apply_rope(k, rotary))
+        write_rows(v_cache, slot_mapping, v)
         return apply_rope(q, rotary)
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    def attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,
                   scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
         """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim].
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (gemma2).
@@ -190,8 +192,8 @@ class Backend:
         for seq in meta.prefills:
             # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
             query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
-            keys = k_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            values = v_cache[seq.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            keys = read_rows(k_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            values = read_rows(v_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
             o = _attend(query, keys, values, seq.mask(window), scale, softcap)
             out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
         if meta.num_decodes:
@@ -199,14 +201,14 @@ class Backend:
                                                                  meta, scale, softcap=softcap, window=window)
         return out
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def decode_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,
                          window: int | None = None) -> torch.Tensor:
         """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers."""
         # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
         slots, mask = meta.decode_slots_and_mask(window)
-        keys = k_cache[slots].transpose(1, 2).to(q.dtype)
-        values = v_cache[slots].transpose(1, 2).to(q.dtype)
+        keys = read_rows(k_cache, slots, q.dtype).transpose(1, 2)
+        values = read_rows(v_cache, slots, q.dtype).transpose(1, 2)
         return _attend(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Decode attention reads K/V in place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
-with the K/V cache write, are one call each. Where every matmul is a QuantLinear on the int8 kernel,
+with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
+write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on the int8 kernel,
 a decode-only step runs all layers in one call (cpu_decode.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hearth.backend.base import AttentionMetadata, Backend
+from hearth.backend.kv_quant import data_pointers
 from hearth.native import build
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
@@ -56,17 +58,18 @@ class CpuBackend(Backend):
         return out if residual is None else (out, target)
 
     def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
-        """One kernel call: k rotated straight into its cache slot (rows may be strided views of a
-        merged projection, each token's heads side by side)."""
+        """One kernel call: k rotated straight into its cache slot, quantized there for a q8_0 cache
+        (rows may be strided views of a merged projection, each token's heads side by side)."""
         k_cache, v_cache = kv_cache
         if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)):
             return super().rope_and_store_kv(q, k, v, rotary, kv_cache, slot_mapping)
         tokens, heads, head_dim = q.shape
         q_out = torch.empty(tokens, heads, head_dim)
         cos, sin = (t.contiguous() for t in rotary)
+        (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.rope_and_store_kv(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), cos.data_ptr(),
-            sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_data, v_data, k_scales, v_scales,
             tokens, heads, k.shape[1], head_dim, torch.get_num_threads(),
         )
         return q_out
@@ -85,8 +88,9 @@ class CpuBackend(Backend):
                                          threads)
         out = torch.empty_like(q)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, window or 0,
             threads,
         )

@@ -6,8 +6,9 @@ again: each runs with the caches that the weights' stream has just emptied. When
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
 hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
-every layer), a step made only of decodes runs cpu_kernels.cpp's `decode_layers`: the
-kernels that the modules call, in the same order, with no Python between them. A merged
+every layer; K/V in float32 or q8_0), a step made only of decodes runs cpu_kernels.cpp's
+`decode_layers`: the kernels that the modules call, in the same order, with no Python between
+them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hearth.backend.base import AttentionMetadata
+from hearth.backend.kv_quant import Q8Cache, data_pointers
 from hearth.backend.cpu import decode_split_len
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import QuantLinear
@@ -74,12 +76,12 @@ class CpuDecodePath:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it), or None where this step's
         tensors do not fit the kernel (then the modules run it)."""
-        k_cache = kv_caches[0][0]
-        if not (x.is_cpu and x.dtype == k_cache.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64
-                and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)):
+        if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64
+                and all(_kernel_readable(k) and _kernel_readable(v) for k, v in kv_caches)):
             return None
-        # int64 [layers, 2]: each layer's K and V cache
-        caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv_caches], dtype=torch.int64)
+        # int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: float32)
+        pointers = [(data_pointers(k), data_pointers(v)) for k, v in kv_caches]
+        caches = torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64)
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         tokens = x.shape[0]
         residual = x.contiguous()
@@ -96,6 +98,13 @@ class CpuDecodePath:
             self.window, threads,
         )
         return delta, residual
+
+
+def _kernel_readable(cache) -> bool:
+    """A float32 or q8_0 cache in contiguous tensors."""
+    if isinstance(cache, Q8Cache):
+        return cache.codes.is_contiguous() and cache.scales.is_contiguous()
+    return cache.dtype == torch.float32 and cache.is_contiguous()
 
 
 def _on_int8_kernel(module) -> bool:

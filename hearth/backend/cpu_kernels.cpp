@@ -26,6 +26,12 @@
 // rope_and_store_kv (hearth/backend/cpu.py): rotate-half RoPE of each token's q and k heads,
 // k written rotated straight into its cache slot and v copied to its slot: one pass where torch
 // would run a dozen ops per layer.
+//
+// A q8_0 KV cache (hearth/backend/kv_quant.py) is passed as int8 codes [slots, KH, D] and float16
+// scales [slots, KH, D/32] (scale pointers 0: a float32 cache): rope_and_store_kv quantizes each
+// head row as it writes it (llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, codes
+// round(x / d) half away from zero), decode_attention dequantizes each row it reads into a
+// D-float buffer in L1 before using it.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -57,8 +63,57 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // the caches every row comes from DRAM, and without this the kernel runs at its latency.
 constexpr int64_t PREFETCH_ROWS = 8;
 
-inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i);
+inline void prefetch_bytes(const void* row, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i);
+}
+
+constexpr int64_t Q8_BLOCK = 32;
+
+// One layer's K or V cache: float32 rows, or q8_0 codes and scales (scales null: float32).
+struct KVRows {
+  const void* data;
+  const _Float16* scales;
+  int64_t D;
+
+  // the row's values: in place (float32), or dequantized into buf [D] (q8_0)
+  const float* get(int64_t row, float* buf) const {
+    if (!scales) return static_cast<const float*>(data) + row * D;
+    const int8_t* codes = static_cast<const int8_t*>(data) + row * D;
+    const _Float16* d = scales + row * (D / Q8_BLOCK);
+    for (int64_t b = 0; b < D / Q8_BLOCK; ++b) {
+      const float scale = (float)d[b];
+#pragma omp simd
+      for (int64_t i = 0; i < Q8_BLOCK; ++i) buf[b * Q8_BLOCK + i] = scale * (float)codes[b * Q8_BLOCK + i];
+    }
+    return buf;
+  }
+
+  void prefetch(int64_t row) const {
+    if (!scales) return prefetch_bytes(static_cast<const float*>(data) + row * D, D * sizeof(float));
+    prefetch_bytes(static_cast<const int8_t*>(data) + row * D, D);
+    __builtin_prefetch(scales + row * (D / Q8_BLOCK));
+  }
+};
+
+// x [D] -> codes [D], scales [D/32]: llama.cpp's quantize_row_q8_0_ref (and gguf-py's Q8_0), bit for bit
+inline void quantize_row_q8_0(const float* x, int8_t* codes, _Float16* scales, int64_t D) {
+  for (int64_t b = 0; b < D / Q8_BLOCK; ++b) {
+    const float* xb = x + b * Q8_BLOCK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < Q8_BLOCK; ++i) amax = std::max(amax, std::abs(xb[i]));
+    const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+    for (int64_t i = 0; i < Q8_BLOCK; ++i) codes[b * Q8_BLOCK + i] = (int8_t)std::round(xb[i] * inverse);
+    scales[b] = (_Float16)d;
+  }
+}
+
+// Store a head row x [D] at `row` of a float32 or q8_0 cache.
+inline void store_row(void* cache, _Float16* scales, int64_t row, const float* x, int64_t D) {
+  if (!scales) {
+    std::memcpy(static_cast<float*>(cache) + row * D, x, D * sizeof(float));
+    return;
+  }
+  quantize_row_q8_0(x, static_cast<int8_t*>(cache) + row * D, scales + row * (D / Q8_BLOCK), D);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
@@ -82,15 +137,18 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// q, out [S, H, D]; k_cache, v_cache [slots, KH, D]; block_tables int32 [S, max_blocks];
+// q, out [S, H, D]; k_cache, v_cache [slots, KH, D] float32, or int8 codes with float16 scales
+// k_scales, v_scales [slots, KH, D/32] (0: float32); block_tables int32 [S, max_blocks];
 // context_lens int32 [S]. Every sequence has at least one token. window > 0: the query sees only the
-// last `window` positions (sliding-window attention); 0: the whole context.
-void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables_, uintptr_t lens_, uintptr_t out_,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
+// last `window` positions (sliding-window attention; the blocks before them are never read); 0: the
+// whole context.
+void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
+                      uintptr_t tables_, uintptr_t lens_, uintptr_t out_, int64_t num_seqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, double scale,
+                      int64_t split_len, int64_t window, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
-  const float* k_cache = reinterpret_cast<const float*>(k_);
-  const float* v_cache = reinterpret_cast<const float*>(v_);
+  const KVRows k_cache{reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim};
+  const KVRows v_cache{reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim};
   const int32_t* tables = reinterpret_cast<const int32_t*>(tables_);
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_);
   float* out = reinterpret_cast<float*>(out_);
@@ -120,6 +178,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
   {
     std::vector<float> scores;  // [group, split_len]
     std::vector<int64_t> rows;  // cache row of each token of the split
+    std::vector<float> row_buf(D);  // a q8_0 row dequantized
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
@@ -132,11 +191,11 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
         rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
       }
       const float* q_group = q + (it.seq * num_heads + it.kv_head * group) * D;
-      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) prefetch_row(k_cache + rows[t] * D, D);
+      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(rows[t]);
       for (int64_t t = 0; t < n; ++t) {
-        if (t + PREFETCH_ROWS < n) prefetch_row(k_cache + rows[t + PREFETCH_ROWS] * D, D);
-        prefetch_row(v_cache + rows[t] * D, D);  // read after the scores
-        const float* k = k_cache + rows[t] * D;
+        if (t + PREFETCH_ROWS < n) k_cache.prefetch(rows[t + PREFETCH_ROWS]);
+        v_cache.prefetch(rows[t]);  // read after the scores
+        const float* k = k_cache.get(rows[t], row_buf.data());
         for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q_group + g * D, k, D) * fscale;
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -154,7 +213,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t tables
         std::fill_n(part_out.data() + p * D, D, 0.f);
       }
       for (int64_t t = 0; t < n; ++t) {
-        const float* v = v_cache + rows[t] * D;
+        const float* v = v_cache.get(rows[t], row_buf.data());
         for (int64_t g = 0; g < group; ++g) {
           float* acc = part_out.data() + (it.split * num_heads + it.kv_head * group + g) * D;
           const float p = scores[g * n + t];
@@ -224,11 +283,12 @@ inline void rope_head(const float* x, const float* cos, const float* sin, float*
 }
 
 // q [T, H, D], k and v [T, KH, D], each with its own token stride (heads contiguous); cos, sin
-// [T, D/2]; slots int64 [T]; q_out [T, H, D]; k_cache, v_cache [slots, KH, D]
+// [T, D/2]; slots int64 [T]; q_out [T, H, D]; k_cache, v_cache [slots, KH, D] float32, or int8
+// codes with float16 scales k_scales, v_scales [slots, KH, D/32] (0: float32)
 void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,
                        int64_t v_stride, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t q_out_,
-                       uintptr_t k_cache_, uintptr_t v_cache_, int64_t tokens, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int threads) {
+                       uintptr_t k_cache_, uintptr_t v_cache_, uintptr_t k_scales_, uintptr_t v_scales_,
+                       int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
   const float* k = reinterpret_cast<const float*>(k_);
   const float* v = reinterpret_cast<const float*>(v_);
@@ -236,19 +296,28 @@ void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_strid
   const float* sin = reinterpret_cast<const float*>(sin_);
   const int64_t* slots = reinterpret_cast<const int64_t*>(slots_);
   float* q_out = reinterpret_cast<float*>(q_out_);
-  float* k_cache = reinterpret_cast<float*>(k_cache_);
-  float* v_cache = reinterpret_cast<float*>(v_cache_);
-  const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
+  void* k_cache = reinterpret_cast<void*>(k_cache_);
+  void* v_cache = reinterpret_cast<void*>(v_cache_);
+  _Float16* k_scales = reinterpret_cast<_Float16*>(k_scales_);
+  _Float16* v_scales = reinterpret_cast<_Float16*>(v_scales_);
+  const int64_t half = head_dim / 2;
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, tokens * (num_heads + num_kv_heads) * head_dim / 65536));
-#pragma omp parallel for num_threads(threads)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* c = cos + t * half;
-    const float* s = sin + t * half;
-    for (int64_t h = 0; h < num_heads; ++h)
-      rope_head(q + t * q_stride + h * head_dim, c, s, q_out + (t * num_heads + h) * head_dim, half);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      rope_head(k + t * k_stride + h * head_dim, c, s, k_cache + slots[t] * kv_row + h * head_dim, half);
-    std::memcpy(v_cache + slots[t] * kv_row, v + t * v_stride, kv_row * sizeof(float));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> k_rotated(head_dim);
+#pragma omp for
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_head(q + t * q_stride + h * head_dim, c, s, q_out + (t * num_heads + h) * head_dim, half);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t row = slots[t] * num_kv_heads + h;
+        rope_head(k + t * k_stride + h * head_dim, c, s, k_rotated.data(), half);
+        store_row(k_cache, k_scales, row, k_rotated.data(), head_dim);
+        store_row(v_cache, v_scales, row, v + t * v_stride + h * head_dim, head_dim);
+      }
+    }
   }
 }
 
@@ -301,7 +370,8 @@ enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
-// (in place); delta [T, hidden]: that addition. caches int64 [layers, 2]: K and V cache pointers.
+// (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
+// then their q8_0 scales' (0: float32 caches).
 void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
@@ -338,12 +408,12 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
     const int64_t* layer = table + l * LAYER_FIELDS;
     rms_norm(residual_, l == 0 ? 0 : delta_, layer[IN_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, QKV, ptr(h), qkv.data(), qkv_size, hidden);
-    const uintptr_t k_cache = caches[2 * l], v_cache = caches[2 * l + 1];
+    const int64_t* cache = caches + 4 * l;  // K, V, K scales, V scales
     rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
-                      qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), k_cache, v_cache, tokens, num_heads,
-                      num_kv_heads, head_dim, threads);
-    decode_attention(ptr(q), k_cache, v_cache, block_tables_, lens_, ptr(attn), tokens, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, scale, split_len, window, threads);
+                      qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
+                      tokens, num_heads, num_kv_heads, head_dim, threads);
+    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, ptr(attn), tokens,
+                     num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window, threads);
     project(layer, O, ptr(attn), delta, hidden, q_size);
     rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
@@ -357,9 +427,9 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32", nogil);
+  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32 or q8_0 K/V", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
-  m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32", nogil);
+  m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32 or q8_0", nogil);
   m.def("mask_tokens", &mask_tokens, "grammar bitmasks applied to rows of float32 logits, in place", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;

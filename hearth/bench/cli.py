@@ -28,9 +28,16 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _kv_element(args) -> float:
+    """Bytes per K or V value of the engine options' KV cache."""
+    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.engine.memory import choose_device, choose_dtype
+
+    return kv_bytes_per_element(args.kv_cache_dtype, choose_dtype(args.dtype, choose_device(args.device)).itemsize)
+
+
 def _llm(args, tokens_needed: int | None, num_seqs: int):
     """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
-    from hearth.engine.memory import choose_device, choose_dtype
     from hearth.llm import LLM
 
     apply_threads(args)
@@ -39,7 +46,7 @@ def _llm(args, tokens_needed: int | None, num_seqs: int):
         from hearth.loading.loader import read_model
 
         config, _, _ = read_model(args.model, progress=False)
-        element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
+        element = _kv_element(args)
         blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
         kv = config.kv_bytes_per_token(element) * 16 * blocks
     options = engine_options(args) | {"kv_cache_memory": kv, "max_num_seqs": max(args.max_num_seqs, 1)}
@@ -116,15 +123,15 @@ def cmd_roofline(args) -> None:
         "enable_prefix_caching": not args.no_prefix_caching,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "max_model_len": args.max_model_len,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.kv_cache_memory is not None:
         engine["kv_cache_memory"] = args.kv_cache_memory
     elif args.measure:
-        from hearth.engine.memory import choose_device, choose_dtype
         from hearth.loading.loader import read_model
 
         config, _, _ = read_model(args.model, progress=False)
-        element = choose_dtype(args.dtype, choose_device(args.device)).itemsize
+        element = _kv_element(args)
         longest = max(args.batch_sizes)
         tokens = longest * (args.context + args.measure_tokens + 1 + 32)
         engine["kv_cache_memory"] = config.kv_bytes_per_token(element) * tokens

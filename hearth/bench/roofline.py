@@ -224,6 +224,7 @@ def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = 
                  progress: bool = True) -> dict:
     """The `hearth roofline` report: machine, model bytes, a row per phase and batch size;
     with measure, hearth's measured tokens/s and its share of the ceiling."""
+    from hearth.backend.kv_quant import kv_bytes_per_element
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.default_model import resolve_model
     from hearth.loading.loader import read_model
@@ -235,7 +236,7 @@ def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = 
     stored = file_weight_bytes(config, weights)
     del weights
     machine = measure_machine(dev, torch_dtype)
-    kv_element = torch_dtype.itemsize
+    kv_element = kv_bytes_per_element((engine_kwargs or {}).get("kv_cache_dtype", "auto"), torch_dtype.itemsize)
     rows = roofline_table(config, stored, machine, batch_sizes, context, kv_element)
     report = {
         "model": str(model_path),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hearth.backend import choose_backend
+from hearth.backend.kv_quant import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
@@ -69,7 +70,8 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
-        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config.head_dim)
+        bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
         blocks_per_seq = -(-(self.max_model_len + 1) // config.block_size)
@@ -83,15 +85,17 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            kv_window=self.model_config.kv_window,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.dtype,
-                                  eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars)
+                                  eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.kv_cache_bytes = self.num_blocks * config.block_size * bytes_per_token
         if progress:
             print(
                 f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
-                f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB holds {self.kv_cache_tokens:,} tokens "
+                f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds {self.kv_cache_tokens:,} tokens "
                 f"({self.num_blocks:,} blocks of {config.block_size})",
                 file=sys.stderr,
             )
@@ -110,6 +114,11 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
         if self.workers is not None:
             self.workers.stop()
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What K and V are stored as: the compute dtype's name, or q8_0."""
+        return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     @property
     def kv_cache_tokens(self) -> int:

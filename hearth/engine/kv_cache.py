@@ -27,6 +27,14 @@ Prefix caching (a chain over full blocks, as in vLLM v1):
     before its head blocks (which more requests are likely to share).
   * A lookup never returns every token of a request: the last token is always computed
     so the model yields logits for it.
+
+Sliding windows: when every layer of the model attends only to its last `window` positions,
+a running request's blocks whose tokens are all older than that are never read again;
+`free_outside_window` gives them back as decoding proceeds and leaves NO_BLOCK in their
+place in the block table, so that positions keep indexing it (the runner sends block 0 for
+it, and no kernel reads a position outside the window). They were entered into the prefix
+cache when computed, so they stay findable until evicted; the chain of content ids goes on
+from the request's last entered block, which is remembered rather than read from the table.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 from hearth.engine.request import Request
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent content id, token ids of the block)
+NO_BLOCK = -1  # a block_table entry whose block was freed behind the sliding window
 
 
 @dataclass(slots=True, eq=False)
@@ -61,8 +70,11 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU: head first
         self.cached: dict[BlockKey, int] = {}  # full computed block content -> block id
         self._next_content_id = 1
-        # Per request, how many of its leading blocks have passed through cache_blocks.
-        self._num_cached_blocks: dict[Request, int] = {}
+        # Per request, how many of its leading blocks have passed through cache_blocks, and the
+        # content id of the last of them (the parent of the next).
+        self._cached_chain: dict[Request, tuple[int, int]] = {}
+        # Per request, how many of its leading blocks free_outside_window has given back.
+        self._num_window_freed: dict[Request, int] = {}
         # Metrics, in tokens, counted once per successful admission (see allocate_slots).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -123,12 +135,11 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        start = self._num_cached_blocks.get(request, 0)
+        start, parent = self._cached_chain.get(request, (0, 0))
         end = min(num_computed_tokens // self.block_size, len(request.block_table))
         if end <= start:
             return
         tokens, bs, table = request.all_token_ids, self.block_size, request.block_table
-        parent = self.blocks[table[start - 1]].content_id if start else 0
         for i in range(start, end):
             block = self.blocks[table[i]]
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
@@ -141,7 +152,7 @@ class BlockManager:
             else:
                 block.content_id = self.blocks[existing].content_id
             parent = block.content_id
-        self._num_cached_blocks[request] = end
+        self._cached_chain[request] = (end, parent)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds a block."""
@@ -150,7 +161,7 @@ class BlockManager:
         self.cached.clear()
         for block in self.blocks:
             block.key, block.content_id = None, 0
-        self._num_cached_blocks.clear()
+        self._cached_chain.clear()
         return True
 
     # ---- allocation ----------------------------------------------------------------
@@ -183,7 +194,7 @@ class BlockManager:
             request.block_table.append(block_id)
         if computed:
             request.num_computed_tokens = num_computed
-            self._num_cached_blocks[request] = len(computed)
+            self._cached_chain[request] = (len(computed), self.blocks[computed[-1]].content_id)
         for _ in range(num_new_blocks):
             block_id, _ = self.free_blocks.popitem(last=False)
             block = self.blocks[block_id]
@@ -204,20 +215,34 @@ class BlockManager:
         prefix-cache content; they go to the head of the free list."""
         keep = self.blocks_needed(num_tokens)
         while len(request.block_table) > keep:
-            block = self.blocks[request.block_table.pop()]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_blocks[block.block_id] = None
-                self.free_blocks.move_to_end(block.block_id, last=False)
+            self._release(request.block_table.pop())
+
+    def free_outside_window(self, request: Request, first_needed_position: int) -> None:
+        """Give back the request's blocks whose tokens all lie before first_needed_position (no
+        later query of it reads them: they are outside every layer's window); NO_BLOCK stays in
+        their place in the block table."""
+        table = request.block_table
+        end = min(max(first_needed_position, 0) // self.block_size, len(table))
+        for i in range(self._num_window_freed.get(request, 0), end):
+            self._release(table[i])
+            table[i] = NO_BLOCK
+        self._num_window_freed[request] = max(end, self._num_window_freed.get(request, 0))
 
     def free(self, request: Request) -> None:
         """Drop the request's refs (tail blocks first) and clear its block_table."""
         for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_blocks[block_id] = None  # tail: evicted last
-                if block.key is None:  # nothing reusable in it: reuse it first
-                    self.free_blocks.move_to_end(block_id, last=False)
+            if block_id != NO_BLOCK:
+                self._release(block_id)
         request.block_table.clear()
-        self._num_cached_blocks.pop(request, None)
+        self._cached_chain.pop(request, None)
+        self._num_window_freed.pop(request, None)
+
+    def _release(self, block_id: int) -> None:
+        """One ref fewer; at none the block is free: at the LRU tail (evicted last) when it holds cached
+        content, at the head (reused first) when it holds nothing reusable."""
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_blocks[block_id] = None
+            if block.key is None:
+                self.free_blocks.move_to_end(block_id, last=False)

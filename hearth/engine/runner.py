@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hearth.backend import StepInputs
+from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
 from hearth.engine.request import Request
 from hearth.engine.sampler import Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
 from hearth.engine.structured_output import GrammarCompiler
@@ -71,9 +72,10 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        kv_dtype: torch.dtype,
+        kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
+        kv_cache_dtype: str = "auto",  # or q8_0 (hearth/backend/kv_quant.py)
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -83,10 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        config = model.config
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        caches = zeroed((2 * config.num_layers, *shape), kv_dtype, device)
-        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -102,6 +101,8 @@ class ModelRunner:
         block_tables = np.zeros((len(entries), int(used_blocks.max())), dtype=np.int32)
         for i, (entry, used) in enumerate(zip(entries, used_blocks)):
             block_tables[i, :used] = entry.block_table[:used]
+        # blocks freed behind a sliding window (NO_BLOCK, < 0) read as block 0: no kernel reads them
+        np.maximum(block_tables, 0, out=block_tables)
         slot_mapping = (block_tables[seq_of_row, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
         return StepInputs(
@@ -238,6 +239,19 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
     parts = flat.split([t.numel() for t in tensors])
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
+
+
+def allocate_kv_caches(config, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
+                       ) -> list[tuple[KVCache, KVCache]]:
+    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype`, or q8_0 codes and scales."""
+    shape = (2 * config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
+    if kv_cache_dtype == "q8_0":
+        codes = zeroed(shape, torch.int8, device)
+        scales = zeroed((*shape[:-1], config.head_dim // Q8_BLOCK), torch.float16, device)
+        caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
+    else:
+        caches = list(zeroed(shape, dtype, device))
+    return [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -34,6 +34,10 @@ Decisions:
     whole, over the budget, so that a prompt longer than the budget never hangs.
   * Guesses are the first thing to give way: they are trimmed to the remaining budget, and
     dropped (never a reason to preempt anyone) when their blocks cannot be had.
+  * With a model whose every layer attends through a window of W positions (kv_window), a
+    request's blocks wholly before its last W - 1 computed tokens are freed each time it is
+    scheduled (BlockManager.free_outside_window; at admission, prefix-cache hits behind the
+    window): the blocks it holds stay bounded by the window however long it runs.
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -83,7 +87,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, kv_window: int | None = None):
+        """kv_window: the window every layer of the model attends through (None: some layer sees all)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -92,6 +97,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.clock = clock
+        self.kv_window = kv_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request by id
@@ -156,6 +162,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._free_behind_window(request)
             num_new = self._fit(self._num_unscheduled(request, budget), budget, out)
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
@@ -200,6 +207,7 @@ class Scheduler:
                 break
             out.prefix_cache_queries += bm.prefix_cache_queries - queries
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
+            self._free_behind_window(request)  # prefix-cache hits older than the window
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -262,6 +270,12 @@ class Scheduler:
         if num_new <= budget or not out.scheduled:
             return num_new
         return 0
+
+    def _free_behind_window(self, request: Request) -> None:
+        """With a window on every layer: free the request's blocks that its next query (at
+        num_computed_tokens) and every later one cannot see."""
+        if self.kv_window is not None:
+            self.block_manager.free_outside_window(request, request.num_computed_tokens - self.kv_window + 1)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -18,6 +18,12 @@ folded into the scale) and an fp32 accumulator.
   bottom-right aligned: the new rows of a sequence are its last query_len positions, so a chunk
   attends to its cached prefix.
 
+A q8_0 cache (hearth/backend/kv_quant.py: int8 codes [num_slots, num_kv_heads, head_dim] and
+float16 scales [num_slots, num_kv_heads, head_dim / 32]) is read the same way, each tile
+dequantized as it is loaded (code x its block's scale, in float32). Keys before the first
+position any row of a program sees are never loaded: the blocks a sliding window has left behind
+may have been freed (their block-table entries are placeholders).
+
 CUDA-graph safe: nothing reads a tensor's values on the host; grids come from shapes and host
 ints (`num_splits`, `max_query_len`). Padding rows are harmless: context length 0 gives zeros,
 never NaN, and splits past a sequence's end do no work. float32 inputs are multiplied in IEEE
@@ -34,8 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
+
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
+_Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 _NO_WINDOW = 1 << 30  # the window of full attention: longer than any context
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partial writes than it gains
 PROGRAMS_PER_SM = 2  # decode splits aim at this many programs per SM
@@ -66,12 +75,15 @@ def _tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, str]:
     return block_d, block_n, "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _check(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, out: torch.Tensor | None) -> torch.Tensor:
     """The output tensor (new, contiguous, or `out`) after checking the layouts the kernels assume."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "k/v cache [slots, kv_heads, head_dim]"
     assert num_heads % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
-    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head_dim must be contiguous"
+    for cache in (k_cache, v_cache):
+        values, scales, _ = cache_operands(cache)
+        assert values.stride(2) == 1 and scales.stride(2) == 1, "head_dim must be contiguous"
+    assert q.stride(2) == 1, "head_dim must be contiguous"
     if out is None:
         return q.new_empty(q.shape)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
@@ -82,18 +94,32 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Keys at context positions `key` [BLOCK_N] (those < end) folded into the online softmax
-    (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees keys from
-    last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score / softcap)
-    (both in the log2-scaled units). A row may see no key of a tile: its m stays -inf, its sums 0."""
-    valid = key < end
+def _load_rows(ptr, scale_ptr, slot, kv_head, d, mask, stride_s, stride_h, stride_ss, stride_sh,
+               QUANT: tl.constexpr):
+    """Cache rows [BLOCK_N, BLOCK_D] of one KV head at `slot`: values, or q8_0 codes x their scales."""
+    rows = tl.load(ptr + slot[:, None] * stride_s + kv_head * stride_h + d[None, :], mask=mask, other=0)
+    if QUANT:
+        scales = tl.load(scale_ptr + slot[:, None] * stride_ss + kv_head * stride_sh + (d // _Q8_BLOCK)[None, :],
+                         mask=mask, other=0.0)
+        return rows.to(tl.float32) * scales.to(tl.float32)
+    return rows
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head, d, d_mask,
+                 stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+                 qk_scale, softcap, window,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
+    """Keys at context positions `key` [BLOCK_N] (those in [begin, end): no other is loaded) folded
+    into the online softmax (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees
+    keys from last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score /
+    softcap) (both in the log2-scaled units). QUANT: the caches are q8_0 codes, ks_ptr / vs_ptr their
+    scales. A row may see no key of a tile: its m stays -inf, its sums 0."""
+    valid = (key >= begin) & (key < end)
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(k_ptr, ks_ptr, slot, kv_head, d, kv_mask, stride_ks, stride_kh, stride_kss, stride_ksh, QUANT)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -104,7 +130,7 @@ def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, 
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    v = _load_rows(v_ptr, vs_ptr, slot, kv_head, d, kv_mask, stride_vs, stride_vh, stride_vss, stride_vsh, QUANT)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l, acc
 
@@ -114,12 +140,13 @@ def _attend_tile(q, m, l, acc, key, end, last, table, k_ptr, v_ptr, kv_head, d, 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+    stride_tb, stride_ob, stride_oh,
     num_heads, qk_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads against one range of the context."""
     seq = tl.program_id(0).to(tl.int64)
@@ -146,9 +173,10 @@ def _decode_split_kernel(
     table = tables_ptr + seq * stride_tb
     last = tl.zeros([BLOCK_G], tl.int32) + end - 1  # every row sees the whole range
     for tile in range(start, end, BLOCK_N):  # every tile has a valid position: m stays finite
-        m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, last, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP)
+        m, l, acc = _attend_tile(q, m, l, acc, tile + n, start, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                 kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                                 stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, QUANT)
 
     l = tl.where(l > 0, l, 1.0)  # an empty range (m = -inf) leaves zeros
     o = acc / l[:, None]
@@ -186,8 +214,8 @@ def _decode_merge_kernel(
 
 def decode_attention(
     q: torch.Tensor,  # [B, H, D], one new token per sequence
-    k_cache: torch.Tensor,  # [num_slots, KVH, D]
-    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
+    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
     block_tables: torch.Tensor,  # int32 [B, max_blocks]
     context_lens: torch.Tensor,  # int32 [B], this token included; 0 for padding rows
     scale: float,
@@ -214,14 +242,16 @@ def decode_attention(
     else:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    (k, k_scales, quant), (v, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q, k, v, k_scales, v_scales, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, QUANT=quant, num_warps=4,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -237,12 +267,13 @@ def decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
+    stride_tb, stride_ot, stride_oh,
     qk_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (query block, sequence, KV head): BLOCK_Q new rows of a sequence x the group's heads,
     as BLOCK_Q * BLOCK_G tile rows (row-major: row r is query r // BLOCK_G, head r % BLOCK_G)."""
@@ -273,12 +304,13 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     end = context - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # the block's last position + 1
     table = tables_ptr + seq.to(tl.int64) * stride_tb
-    # from the first tile the block's first row sees (with no window, key 0: every tile after has keys)
-    lowest = tl.maximum(context - q_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
-    for tile in range(lowest, end, BLOCK_N):
-        m, l, acc = _attend_tile(q, m, l, acc, tile + n, end, pos, table, k_ptr, v_ptr, kv_head, d, d_mask,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP)
+    # from the first key the block's first row sees (with no window, key 0: every tile after has keys)
+    first = tl.maximum(context - q_len + q_block * BLOCK_Q - window + 1, 0)
+    for tile in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
+        m, l, acc = _attend_tile(q, m, l, acc, tile + n, first, end, pos, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                 kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                                 stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, QUANT)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows past a window see no key
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -287,8 +319,8 @@ def _prefill_kernel(
 
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D], the new tokens of S sequences end to end
-    k_cache: torch.Tensor,  # [num_slots, KVH, D]
-    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
+    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
     block_tables: torch.Tensor,  # int32 [S, max_blocks]
     query_start_loc: torch.Tensor,  # int32 [S + 1]: sequence s owns q rows [start[s], start[s + 1])
     seq_lens: torch.Tensor,  # int32 [S], tokens in the cache after this step (prefix included)
@@ -311,13 +343,15 @@ def prefill_attention(
     block_g = triton.next_power_of_2(group)
     block_q = max(1, PREFILL_ROWS // block_g)
     block_d, block_n, precision = _tile_sizes(head_dim, q.dtype)
+    (k, k_scales, quant), (v, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q, k, v, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, QUANT=quant, num_warps=4 if block_d <= 128 else 8,
     )
     return out

@@ -6,6 +6,11 @@ rotated k and the unrotated v go straight into their cache slot (cast to the cac
 slot < 0 (a CUDA graph's padding row) stores nothing. q comes back rotated as a new contiguous
 tensor. q, k and v may be strided views of one merged projection output: heads are contiguous
 within a token's row, rows are addressed by their own stride.
+
+A q8_0 cache (hearth/backend/kv_quant.py) gets each head row of k and v quantized in the kernel:
+the rotated k is built as whole rows (each value with its rotation partner) so that a row's
+blocks of 32 are whole, then d = max|x| / 127 per block and codes round(x / d), halves away from
+zero, as llama.cpp's quantize_row_q8_0_ref.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
+
+_Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 
 
 @triton.jit
@@ -26,12 +35,31 @@ def _rope_heads(src, stride_h, cos, sin, mask, HALF: tl.constexpr, BLOCK_H: tl.c
 
 
 @triton.jit
+def _store_q8_0(codes_ptr, scales_ptr, x, h, d, stored, stride_ch, stride_sh,
+                HEAD_DIM: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [BLOCK_KVH, BLOCK_D] float32 (columns from HEAD_DIM, a multiple of 32, on: 0) quantized as
+    q8_0: codes at codes_ptr + h * stride_ch + d, scales at scales_ptr + h * stride_sh + block, rows
+    `stored` [BLOCK_KVH, 1] only."""
+    blocks = tl.reshape(x, (BLOCK_KVH, BLOCK_D // _Q8_BLOCK, _Q8_BLOCK))
+    scale = tl.max(tl.abs(blocks), 2) / 127.0  # [BLOCK_KVH, BLOCK_D / 32]
+    inverse = tl.where(scale == 0.0, 0.0, 1.0 / tl.where(scale == 0.0, 1.0, scale))  # no division by 0
+    y = blocks * inverse[:, :, None]
+    a = tl.abs(y)
+    whole = tl.floor(a)
+    rounded = whole + tl.floor(2.0 * (a - whole))  # half away from zero, as roundf
+    codes = tl.reshape(tl.where(y < 0, -rounded, rounded), (BLOCK_KVH, BLOCK_D))
+    tl.store(codes_ptr + h * stride_ch + d, codes.to(tl.int8), mask=stored & (d < HEAD_DIM))
+    b = tl.arange(0, BLOCK_D // _Q8_BLOCK)[None, :]
+    tl.store(scales_ptr + h * stride_sh + b, scale.to(tl.float16), mask=stored & (b < HEAD_DIM // _Q8_BLOCK))
+
+
+@triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, q_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slots_ptr,
+    q_out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_ksh, stride_vss, stride_vsh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t).to(tl.int64)
@@ -50,17 +78,33 @@ def _rope_store_kernel(
 
     h = tl.arange(0, BLOCK_KVH)[:, None]
     stored_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # a padding row stores nothing
-    mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
-    out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
-    store = (h < stored_heads) & (i < HALF)
-    k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
-    tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
-    tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=store)
-
     d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=(h < NUM_KV_HEADS) & (d < 2 * HALF), other=0.0)
-    tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d, v.to(v_cache_ptr.dtype.element_ty),
-             mask=(h < stored_heads) & (d < 2 * HALF))
+    row_mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=row_mask, other=0.0)
+    if QUANT:
+        # whole rows: value d with its partner d +- D/2, cos and sin at d mod D/2
+        first = d < HALF
+        j = tl.where(first, d, d - HALF)
+        c = tl.load(cos_ptr + position * stride_table + j, mask=d < 2 * HALF, other=0.0)
+        s = tl.load(sin_ptr + position * stride_table + j, mask=d < 2 * HALF, other=0.0)
+        x = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=row_mask, other=0.0).to(tl.float32)
+        partner = tl.load(k_ptr + t * stride_kt + h * stride_kh + tl.where(first, d + HALF, j), mask=row_mask,
+                          other=0.0).to(tl.float32)
+        k_rotated = tl.where(first, x * c - partner * s, x * c + partner * s)
+        stored = h < stored_heads
+        _store_q8_0(k_cache_ptr + slot * stride_kcs, ks_ptr + slot * stride_kss, k_rotated, h, d, stored,
+                    stride_kch, stride_ksh, 2 * HALF, BLOCK_KVH, 2 * BLOCK_HALF)
+        _store_q8_0(v_cache_ptr + slot * stride_vcs, vs_ptr + slot * stride_vss, v.to(tl.float32), h, d, stored,
+                    stride_vch, stride_vsh, 2 * HALF, BLOCK_KVH, 2 * BLOCK_HALF)
+    else:
+        mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
+        out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
+        store = (h < stored_heads) & (i < HALF)
+        k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
+        tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
+        tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=store)
+        tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=(h < stored_heads) & (d < 2 * HALF))
 
 
 def rope_and_store_kv(
@@ -70,11 +114,12 @@ def rope_and_store_kv(
     positions: torch.Tensor,  # int [T]
     cos_table: torch.Tensor,  # float32 [max_positions, D / 2]
     sin_table: torch.Tensor,  # float32 [max_positions, D / 2]
-    k_cache: torch.Tensor,  # [num_slots, KVH, D]
-    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0 (head_dim a multiple of 32)
+    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
     slot_mapping: torch.Tensor,  # int [T]; < 0: not stored
 ) -> torch.Tensor:
     """Stores rope(k) and v at their slots; returns rope(q) as a new contiguous [T, H, D] in q.dtype."""
+    (k_cache, k_scales, quant), (v_cache, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -88,11 +133,12 @@ def rope_and_store_kv(
     if tokens == 0:
         return q_out
     _rope_store_kernel[(tokens,)](
-        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping, q_out,
+        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, k_scales, v_scales, slot_mapping, q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), QUANT=quant, num_warps=4,
     )
     return q_out
