@@ -49,8 +49,11 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram"], default=None,
-                   help="ngram: guesses copied from the request's own text (prompt lookup), verified in one pass")
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="ngram: guesses copied from the request's own text (prompt lookup); draft: guesses from "
+                        "--speculative-model; either verified by the model in one pass")
+    g.add_argument("--speculative-model", metavar="PATH", default=None,
+                   help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
@@ -95,6 +98,7 @@ def engine_options(args) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_method=args.speculative_method,
+        speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,

@@ -15,6 +15,7 @@ import torch
 
 from hearth.backend import choose_backend
 from hearth.config import EngineConfig
+from hearth.engine.draft import DraftProposer, SecondModel
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
@@ -30,6 +31,9 @@ from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 
 logger = logging.getLogger("hearth")
+
+# Added to a seeded request's seed for the generator of its speculative draws (guesses, verification coins).
+SPEC_SEED = 0x5BEC_0000_0000
 
 
 class StepFailed(Exception):
@@ -101,10 +105,32 @@ class LLMEngine:
         self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.speculative_method == "draft":
+            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _second_model(self, path: str, what: str, progress: bool) -> SecondModel:
+        """Load a model to run beside the target (a draft): same vocabulary, context at least max_model_len,
+        its own KV cache of as many blocks as the target's."""
+        loaded = load_model(path, self.dtype, self.device, max_positions=self.max_model_len, progress=progress,
+                            backend=self.model.backend)
+        config = loaded.config
+        if (config.vocab_size != self.model_config.vocab_size
+                or loaded.tokenizer.token_bytes() != self.tokenizer.token_bytes()):
+            raise ValueError(f"{what} {path} does not share the target's vocabulary ({config.vocab_size:,} tokens "
+                             f"against {self.model_config.vocab_size:,}, or different token texts)")
+        if config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"{what} {path} has a context of {config.max_position_embeddings:,} tokens, less than "
+                             f"max_model_len {self.max_model_len:,}: give a smaller max_model_len")
+        runner = ModelRunner(loaded.model, self.num_blocks, self.config.block_size, self.device, self.dtype,
+                             eos_token_ids=self.tokenizer.eos_token_ids)
+        if progress:
+            size = self.num_blocks * self.config.block_size * config.kv_bytes_per_token(self.dtype.itemsize)
+            print(f"hearth: {what} {config.architecture} model, its KV cache {size / 2**20:.1f} MiB", file=sys.stderr)
+        return SecondModel(runner, self.config.block_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
@@ -147,11 +173,15 @@ class LLMEngine:
             request = Request(seq_id, list(prompt_ids), params, arrival_time=now)
             # prompt logprobs need every prompt position computed: no prefix-cache skipping
             request.skip_prefix_cache = params.prompt_logprobs is not None
-            generator = None
+            generator = spec_generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+                if self.proposer is not None:  # draws of guessing and verifying: a stream of their own
+                    spec_seed = (params.seed + index + SPEC_SEED) % 2**64
+                    spec_generator = torch.Generator(device=self.device).manual_seed(spec_seed)
             state = SequenceState(
                 request, index, self.tokenizer.incremental_decoder(params.skip_special_tokens, prompt_ids), generator,
+                spec_generator=spec_generator,
                 logprobs=[] if params.logprobs is not None else None,
                 matcher=None if grammar is None else self.grammars.matcher(grammar),
             )
@@ -197,6 +227,8 @@ class LLMEngine:
             return False
         for state in group.sequences:
             self.scheduler.abort_request(state.request.request_id)
+        if self.proposer is not None:
+            self.proposer.release_stopped()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -245,13 +277,17 @@ class LLMEngine:
         state = self.output_processor.sequences[request.request_id]
         score_prompt = (state.index == 0 and request.num_output_tokens == 0
                         and request.sampling_params.prompt_logprobs is not None)
-        return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt)
+        guess_probs = self.proposer.probs_of(request) if self.proposer is not None else None
+        return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt,
+                                 guess_probs, state.spec_generator)
 
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
         config, num_running = self.config, self.scheduler.num_running
         if config.speculative_adaptive and not self.speed_gate.allow():
+            self.proposer.release_stopped()
             return
+        wanted, generators = {}, {}
         for request in result.sampled:
             params = request.sampling_params
             if request.status is not RequestStatus.RUNNING or not params.speculative:
@@ -264,7 +300,9 @@ class LLMEngine:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
             k = min(k, self.max_model_len - request.num_tokens)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+            if k > 0:
+                wanted[request], generators[request] = k, state.spec_generator
+        self.proposer.guess(wanted, generators)
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""

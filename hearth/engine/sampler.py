@@ -19,7 +19,7 @@ Per row, in the order HF's generate and vLLM apply them:
                                  own torch.Generator, so its tokens do not depend on the batch
 
 Speculative decoding: a row may carry a guessed token, verified against the row's final
-distribution by the rejection rule (Sampler.__call__).
+distribution by speculative sampling's rejection rule (verify_guesses).
 
 Logprobs are those of the model's raw distribution (log_softmax of the raw logits), as
 vLLM's default: the chosen token's, and the top K by the same distribution.
@@ -349,28 +349,95 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
     return chosen, top_ids, top_values - lse
 
 
+@dataclass
+class Guesses:
+    """The guessed tokens a step verifies: rows [G] of the batch that carry one, the guess of each
+    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup), and
+    per row the generator of the verification's own randomness (None: the global RNG)."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    probs: torch.Tensor
+    generators: list[torch.Generator | None]
+
+
+def uniforms(count: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[len(generators), count] uniform draws in [0, 1), a seeded row's from its own generator."""
+    out = torch.rand(len(generators), count, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(count, generator=g, device=g.device).to(device)
+    return out
+
+
+def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's rejection rule on the guess rows: accept guess g ~ q with probability
+    min(1, p(g) / q(g)); on rejection the row's token comes from normalise(max(0, p - q)).
+
+    probs [B, V]: the target's final distributions (one-hot on greedy rows); sampled [B]: each
+    row's own draw x ~ p, the token plain decoding would take. Returns each row's token [B] and
+    whether its guess was kept [B] (False on rows without one).
+
+    The rule is realised from x, so that a point-mass draft (q = one-hot g, prompt lookup) keeps
+    exactly the tokens of plain decoding: x == g happens with probability p(g), and a coin adds
+    the rest of min(1, p(g) / q(g)) (nothing for a point mass). A rejected row's x is distributed
+    as p without g (s); it is kept with probability min(1, r(x) / s(x)), r = normalise(max(0, p - q)),
+    and otherwise replaced by a draw from normalise(max(0, r - s)), the maximal coupling of s to r,
+    so the replacement is distributed as r. For a point mass r == s: x is always kept."""
+    tokens, accepted = sampled.clone(), torch.zeros_like(sampled, dtype=torch.bool)
+    if len(guesses.rows) == 0:
+        return tokens, accepted
+    rows, g = guesses.rows, guesses.token_ids
+    p, q, x = probs[rows], guesses.probs.to(probs.dtype), sampled[rows]
+    p_g, q_g = p.gather(1, g.unsqueeze(1)).squeeze(1), q.gather(1, g.unsqueeze(1)).squeeze(1)
+    accept_prob = (p_g / q_g.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0)
+    coin = ((accept_prob - p_g) / (1.0 - p_g).clamp_min(torch.finfo(p.dtype).eps)).clamp(0.0, 1.0)
+    u = uniforms(2, guesses.generators, probs.device)  # [G, 2]: the acceptance coin, the coupling coin
+    keep_guess = (x == g) | (u[:, 0] < coin)
+    s = p.scatter(1, g.unsqueeze(1), 0.0)
+    s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    r = (p - q).clamp_min(0.0)
+    r_sum = r.sum(dim=-1, keepdim=True)
+    r = torch.where(r_sum > 0, r / r_sum.clamp_min(torch.finfo(p.dtype).tiny), s)  # p == q: never rejected
+    s_x, r_x = s.gather(1, x.unsqueeze(1)).squeeze(1), r.gather(1, x.unsqueeze(1)).squeeze(1)
+    keep_x = u[:, 1] * s_x <= r_x
+    other = sample_from_probs((r - s).clamp_min(0.0), guesses.generators)  # the race needs no normalising
+    tokens[rows] = torch.where(keep_guess, g, torch.where(keep_x, x, other))
+    accepted[rows] = keep_guess
+    return tokens, accepted
+
+
+def final_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """After penalties and filters: the distribution each row draws from [B, V] (one-hot at the
+    argmax on greedy rows), and the greedy argmax [B] (None without greedy rows)."""
+    logits = apply_penalties_and_bias(logits.float(), batch)
+    greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+    if batch.all_greedy:
+        return torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(logits.dtype), greedy_ids
+    probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
+    if batch.any_greedy:
+        one_hot = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(probs.dtype)
+        probs = torch.where(batch.greedy.unsqueeze(1), one_hot, probs)
+    return probs, greedy_ids
+
+
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: torch.Tensor | None = None) -> SamplerOutput:
-        """guesses [B] int64 (speculative decoding): a row's guessed token, -1 for none.
-
-        A guess is verified by speculative sampling's rule for a draft that puts all its mass
-        on it (q = one-hot g): accept with probability min(1, p(g) / q(g)) = p(g), and on
-        rejection draw from normalise(max(0, p - q)), p without g. The row's own draw x ~ p
-        realises exactly that: accept when x == g, else x is the replacement. So every kept
-        token is the draw plain decoding would make (greedy rows: the argmax), and a seeded
-        request keeps its tokens with and without speculation."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: Guesses | None = None) -> SamplerOutput:
+        """guesses (speculative decoding): rows carrying a guessed token, verified by the
+        rejection rule (verify_guesses); a kept guess is that row's token."""
         raw = logits.float()
-        logits = apply_penalties_and_bias(raw, batch)
-        if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        if batch.all_greedy and guesses is None:
+            sampled = apply_penalties_and_bias(raw, batch).argmax(dim=-1)
         else:
-            probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
-            sampled = sample_from_probs(probs, batch.generators)
-            if batch.any_greedy:
-                sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
-        accepted = None if guesses is None else sampled == guesses
+            probs, greedy_ids = final_distribution(raw, batch)
+            sampled = greedy_ids if batch.all_greedy else sample_from_probs(probs, batch.generators)
+            if batch.any_greedy and not batch.all_greedy:
+                sampled = torch.where(batch.greedy, greedy_ids, sampled)
+        accepted = None
+        if guesses is not None:
+            sampled, accepted = verify_guesses(probs, sampled, guesses)
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)
