@@ -61,6 +61,9 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                    help="running requests at which guessing stops (fewer guesses as the batch grows)")
     g.add_argument("--no-speculative-adaptive", action="store_true",
                    help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    p.add_argument_group("contrastive decoding").add_argument(
+        "--contrastive-model", metavar="PATH", default=None,
+        help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -81,6 +84,11 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("watermark")
     g.add_argument("--watermark-key", type=int, default=None, help="watermark the output with this key (0 to 2**32-1)")
     g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
+    g = p.add_argument_group("contrastive decoding (with --contrastive-model)")
+    g.add_argument("--contrastive-weight", type=float, default=0.0,
+                   help="scores log p_model - WEIGHT * log p_amateur (0: off; Li et al. use 1)")
+    g.add_argument("--contrastive-alpha", type=float, default=0.1,
+                   help="only tokens with p_model >= ALPHA * max p_model are candidates")
 
 
 def engine_options(args) -> dict:
@@ -104,6 +112,7 @@ def engine_options(args) -> dict:
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         speculative_adaptive=not args.no_speculative_adaptive,
+        contrastive_model=args.contrastive_model,
     )
 
 
@@ -158,6 +167,8 @@ def _sampling(args):
         stop=args.stop,
         structured_outputs=_structured_outputs(args),
         watermark=None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta),
+        contrastive_weight=args.contrastive_weight,
+        contrastive_alpha=args.contrastive_alpha,
     )
 
 

@@ -338,6 +338,8 @@ class EngineConfig:
     # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
     # acceptance or measured speed (deterministic: for tests and measurements)
     speculative_adaptive: bool = True
+    # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
+    contrastive_model: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

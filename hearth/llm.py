@@ -52,6 +52,7 @@ class LLM:
         prompt_lookup_max: int = 4,
         speculative_disable_by_batch_size: int = 32,
         speculative_adaptive: bool = True,
+        contrastive_model: str | None = None,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -75,6 +76,7 @@ class LLM:
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_by_batch_size=speculative_disable_by_batch_size,
             speculative_adaptive=speculative_adaptive,
+            contrastive_model=None if contrastive_model is None else str(contrastive_model),
         )
         self.engine = LLMEngine(model, config, progress)
 

@@ -84,7 +84,6 @@ class DraftProposer:
     def guess(self, wanted: dict[Request, int], generators: dict[Request, torch.Generator | None]) -> None:
         """Set request.spec_token_ids of each request to its k guesses (none when the draft's cache
         has no room for it); `generators`: each request's spec generator (seeded requests)."""
-        self.release_stopped()
         entries, rows = [], []
         for request, k in wanted.items():
             entry = self.draft.catch_up(request, k - 1)

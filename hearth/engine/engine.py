@@ -107,6 +107,9 @@ class LLMEngine:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.speculative_method == "draft":
             self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
+        self.amateur = None  # contrastive decoding's second model
+        if config.contrastive_model is not None:
+            self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
@@ -161,6 +164,9 @@ class LLMEngine:
             params.validate_for_vocab(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if params.contrastive_weight > 0 and self.amateur is None:
+            raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
+                               "(--contrastive-model PATH)")
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -227,9 +233,14 @@ class LLMEngine:
             return False
         for state in group.sequences:
             self.scheduler.abort_request(state.request.request_id)
-        if self.proposer is not None:
-            self.proposer.release_stopped()
+        self._release_stopped()
         return True
+
+    def _release_stopped(self) -> None:
+        """The second models (draft, amateur) let go of the requests that no longer run."""
+        for second in (self.proposer, self.amateur):
+            if second is not None:
+                second.release_stopped()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
@@ -257,7 +268,8 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
-        result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
+        amateur_logits = self._amateur_logits(plan) if self.amateur is not None else {}
+        result = self.runner.execute([self._scheduled_sequence(r, n, amateur_logits.get(r)) for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self._release_prompt_sharers()
         outputs = self.output_processor.process(plan, result, stats)
@@ -266,6 +278,7 @@ class LLMEngine:
                 self.speed_gate.record(stats.spec_decode.num_drafts > 0, stats.num_generated, len(plan.scheduled),
                                        time.perf_counter() - start)
             self._propose(result)
+        self._release_stopped()
         self.spec_decode_totals.add(stats.spec_decode)
         stats.kv_usage = self.block_manager.usage
         stats.prefix_cache_queries = plan.prefix_cache_queries
@@ -273,25 +286,41 @@ class LLMEngine:
         self.last_step = stats
         return outputs
 
-    def _scheduled_sequence(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
+    def _amateur_logits(self, plan: SchedulerOutput) -> dict[Request, torch.Tensor]:
+        """Contrastive decoding: the amateur's logits [V] for each contrastive request that samples
+        this step (the amateur caught up with its tokens through its own KV cache)."""
+        requests = [r for r, n in plan.scheduled
+                    if r.sampling_params.contrastive_weight > 0 and r.num_computed_tokens + n == r.num_tokens]
+        if not requests:
+            return {}
+        entries = [self.amateur.catch_up(r, 0) for r in requests]
+        if None in entries:
+            raise RuntimeError("the contrastive model's KV cache is full (its requests share no prefix blocks): "
+                               "run fewer requests with contrastive_weight at once")
+        logits = self.amateur.runner.last_logits(entries)
+        for request, entry in zip(requests, entries):
+            self.amateur.fed(request, entry.token_ids)
+        return dict(zip(requests, logits))
+
+    def _scheduled_sequence(self, request: Request, num_new_tokens: int,
+                            amateur_logits: torch.Tensor | None = None) -> ScheduledSequence:
         state = self.output_processor.sequences[request.request_id]
         score_prompt = (state.index == 0 and request.num_output_tokens == 0
                         and request.sampling_params.prompt_logprobs is not None)
         guess_probs = self.proposer.probs_of(request) if self.proposer is not None else None
         return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt,
-                                 guess_probs, state.spec_generator)
+                                 guess_probs, state.spec_generator, amateur_logits)
 
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
         config, num_running = self.config, self.scheduler.num_running
         if config.speculative_adaptive and not self.speed_gate.allow():
-            self.proposer.release_stopped()
             return
         wanted, generators = {}, {}
         for request in result.sampled:
             params = request.sampling_params
-            if request.status is not RequestStatus.RUNNING or not params.speculative:
-                continue
+            if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
+                continue  # opted out, or contrastive (its scores come from one position at a time)
             state = self.output_processor.sequences[request.request_id]
             k = config.num_speculative_tokens
             if config.speculative_adaptive:

@@ -50,6 +50,7 @@ class ScheduledSequence:
     # the distribution each guess was drawn from [k, V] (a draft model's); None: point masses (prompt lookup)
     guess_probs: torch.Tensor | None = None
     spec_generator: torch.Generator | None = None  # a seeded request's randomness for verifying guesses
+    amateur_logits: torch.Tensor | None = None  # [V] contrastive decoding: the amateur's at the sampled position
 
 
 @dataclass
@@ -123,6 +124,11 @@ class ModelRunner:
         step = self.prepare(entries)
         hidden = self.backend.forward(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+    def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """The model pass and the logits of each entry's last token [B, V]."""
+        hidden, last_rows = self.forward(entries)
+        return self.model.compute_logits(hidden[last_rows])
 
     def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
@@ -214,13 +220,15 @@ class ModelRunner:
     def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, Guesses | None]:
         """One row per verified position: a request with k guesses has k + 1 rows, row j seeing its
         output followed by the first j guesses. Returns the batch and the rows' guesses (None: no row has one)."""
-        params, prompts, outputs, generators, constrained_rows = [], [], [], [], []
+        params, prompts, outputs, generators, constrained_rows, contrastive_rows = [], [], [], [], [], []
         guess_rows, guess_ids, guess_probs, guess_generators = [], [], [], []
         V = self.model.config.vocab_size
         for seq in sampled:
             request, spec = seq.request, seq.request.spec_token_ids
             if seq.matcher is not None:
                 constrained_rows.extend(range(len(params), len(params) + len(spec) + 1))
+            if seq.amateur_logits is not None:  # such a request makes no guesses: one row
+                contrastive_rows.append(len(params))
             if spec:
                 guess_rows.extend(range(len(params), len(params) + len(spec)))
                 guess_ids.extend(spec)
@@ -236,6 +244,8 @@ class ModelRunner:
             params, prompts, outputs, generators, V, self.device,
             eos_token_ids=self.eos_token_ids,
             grammar_masks=None if masks is None else (constrained_rows, masks.result()),
+            amateur_logits=None if not contrastive_rows else (
+                contrastive_rows, torch.stack([s.amateur_logits for s in sampled if s.amateur_logits is not None])),
         )
         if not guess_rows:
             return batch, None
@@ -247,11 +257,10 @@ class ModelRunner:
         """A draft model's pass: each entry's next token drawn from its request's final distribution
         (its sampling parameters applied; `outputs`: each request's output so far, guesses included;
         `generators`: a seeded request's spec generator). Returns the tokens and the distributions [B, V]."""
-        hidden, last_rows = self.forward(entries)
         batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
                                     outputs, generators, self.model.config.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids)
-        probs, _ = final_distribution(self.model.compute_logits(hidden[last_rows]), batch)
+        probs, _ = final_distribution(self.last_logits(entries), batch)
         tokens = sample_from_probs(probs, generators)
         return tokens.tolist(), probs
 

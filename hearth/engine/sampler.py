@@ -3,6 +3,7 @@
 Per row, in the order HF's generate and vLLM apply them:
 
     raw logits [B, V]
+      -> contrastive decoding    log p - weight * log p_amateur where p >= alpha * max p, -inf elsewhere
       -> grammar masks           tokens a row's grammar does not allow -> -inf (structured output)
       -> logit_bias              logit[t] += bias[t]
       -> min_tokens              EOS / stop_token_ids -> -inf while fewer than min_tokens were generated
@@ -79,6 +80,8 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None
     # (rows [W], keys [W] int64, previous tokens [W] int64, gamma [W] float64, delta [W] float32)
     watermark: tuple[torch.Tensor, ...] | None
+    # (rows [C], the amateur's logits [C, V], alpha [C] float32, weight [C] float32): contrastive decoding
+    contrastive: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
 
@@ -93,10 +96,12 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         grammar_masks: tuple[list[int], torch.Tensor] | None = None,
+        amateur_logits: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
-        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py)."""
+        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py).
+        `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
@@ -157,6 +162,13 @@ class SamplingBatch:
                          vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
                          vec([w.delta for _, w, _ in marked], torch.float32))
 
+        contrastive = None
+        if amateur_logits is not None:
+            rows = amateur_logits[0]
+            contrastive = (vec(rows, torch.int64), amateur_logits[1].to(device),
+                           vec([params[i].contrastive_alpha for i in rows], torch.float32),
+                           vec([params[i].contrastive_weight for i in rows], torch.float32))
+
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -175,6 +187,7 @@ class SamplingBatch:
             banned=banned,
             allowed=allowed,
             watermark=watermark,
+            contrastive=contrastive,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
         )
@@ -205,6 +218,16 @@ def _token_mask(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
 
 
 # ---- building blocks, each [B, V] -> [B, V] with per-row parameters --------------------------
+
+
+def apply_contrastive(logits: torch.Tensor, rows: torch.Tensor, amateur: torch.Tensor, alpha: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+    """Contrastive decoding (Li et al. 2023) on rows [C]: log p - weight * log p_amateur over the
+    plausible tokens (p >= alpha * max p), -inf elsewhere; amateur [C, V] logits, alpha and weight [C]."""
+    expert = logits[rows].log_softmax(dim=-1)
+    plausible = expert >= expert.amax(dim=-1, keepdim=True) + alpha.log().unsqueeze(1)
+    scores = expert - weight.unsqueeze(1) * amateur.float().log_softmax(dim=-1)
+    return logits.index_copy(0, rows, scores.masked_fill(~plausible, _NEG_INF))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -245,8 +268,10 @@ def apply_presence_frequency_penalties(
 
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Grammar masks, logit_bias, min_tokens bans, repetition penalty, presence/frequency penalties,
-    watermark: what greedy rows see too."""
+    """Contrastive scores, grammar masks, logit_bias, min_tokens bans, repetition penalty,
+    presence/frequency penalties, watermark: what greedy rows see too."""
+    if batch.contrastive is not None:
+        logits = apply_contrastive(logits, *batch.contrastive)
     if batch.allowed is not None:
         logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
