@@ -22,8 +22,8 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.engine.request import Request
-from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, final_distribution,
-                                   prompt_logprobs, sample_from_probs, skip_draws)
+from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, draw, final_distribution,
+                                   prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
@@ -260,9 +260,8 @@ class ModelRunner:
         batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
                                     outputs, generators, self.model.config.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids)
-        probs, _ = final_distribution(self.last_logits(entries), batch)
-        tokens = sample_from_probs(probs, generators)
-        return tokens.tolist(), probs
+        probs, greedy_ids = final_distribution(self.last_logits(entries), batch)
+        return draw(probs, greedy_ids, batch, generators).tolist(), probs
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -446,6 +446,15 @@ def final_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torc
     return probs, greedy_ids
 
 
+def draw(probs: torch.Tensor, greedy_ids: torch.Tensor | None, batch: SamplingBatch,
+         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Each row's token from final_distribution's output: the argmax on greedy rows, else a draw."""
+    if batch.all_greedy:
+        return greedy_ids
+    sampled = sample_from_probs(probs, generators)
+    return torch.where(batch.greedy, greedy_ids, sampled) if batch.any_greedy else sampled
+
+
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
@@ -457,9 +466,7 @@ class Sampler:
             sampled = apply_penalties_and_bias(raw, batch).argmax(dim=-1)
         else:
             probs, greedy_ids = final_distribution(raw, batch)
-            sampled = greedy_ids if batch.all_greedy else sample_from_probs(probs, batch.generators)
-            if batch.any_greedy and not batch.all_greedy:
-                sampled = torch.where(batch.greedy, greedy_ids, sampled)
+            sampled = draw(probs, greedy_ids, batch, batch.generators)
         accepted = None
         if guesses is not None:
             sampled, accepted = verify_guesses(probs, sampled, guesses)
