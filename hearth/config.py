@@ -358,6 +358,8 @@ class EngineConfig:
         need(self.speculative_method in (None, "ngram", "draft"),
              f"speculative_method must be ngram or draft (lookahead and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")
+        need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
+             "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
         need((self.speculative_method == "draft") == (self.speculative_model is not None),
              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
         need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")

@@ -407,7 +407,8 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     exactly the tokens of plain decoding: x == g happens with probability p(g), and a coin adds
     the rest of min(1, p(g) / q(g)) (nothing for a point mass). A rejected row's x is distributed
     as p without g (s); it is kept with probability min(1, r(x) / s(x)), r = normalise(max(0, p - q)),
-    and otherwise replaced by a draw from normalise(max(0, r - s)), the maximal coupling of s to r,
+    and otherwise replaced by a draw from normalise(max(0, r - s)) (its inverse CDF at a uniform
+    draw), the maximal coupling of s to r,
     so the replacement is distributed as r. For a point mass r == s: x is always kept."""
     tokens, accepted = sampled.clone(), torch.zeros_like(sampled, dtype=torch.bool)
     if len(guesses.rows) == 0:
@@ -417,7 +418,8 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     p_g, q_g = p.gather(1, g.unsqueeze(1)).squeeze(1), q.gather(1, g.unsqueeze(1)).squeeze(1)
     accept_prob = (p_g / q_g.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0)
     coin = ((accept_prob - p_g) / (1.0 - p_g).clamp_min(torch.finfo(p.dtype).eps)).clamp(0.0, 1.0)
-    u = uniforms(2, guesses.generators, probs.device)  # [G, 2]: the acceptance coin, the coupling coin
+    # [G, 3]: the acceptance coin, the coupling coin, the replacement's draw
+    u = uniforms(3, guesses.generators, probs.device)
     keep_guess = (x == g) | (u[:, 0] < coin)
     s = p.scatter(1, g.unsqueeze(1), 0.0)
     s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
@@ -426,7 +428,9 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     r = torch.where(r_sum > 0, r / r_sum.clamp_min(torch.finfo(p.dtype).tiny), s)  # p == q: never rejected
     s_x, r_x = s.gather(1, x.unsqueeze(1)).squeeze(1), r.gather(1, x.unsqueeze(1)).squeeze(1)
     keep_x = u[:, 1] * s_x <= r_x
-    other = sample_from_probs((r - s).clamp_min(0.0), guesses.generators)  # the race needs no normalising
+    cdf = (r - s).clamp_min(0.0).cumsum(dim=-1)  # the replacement by the inverse CDF: one uniform a row
+    other = torch.searchsorted(cdf, (u[:, 2] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    other = other.clamp_(max=p.shape[-1] - 1)
     tokens[rows] = torch.where(keep_guess, g, torch.where(keep_x, x, other))
     accepted[rows] = keep_guess
     return tokens, accepted
