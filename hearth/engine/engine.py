@@ -110,6 +110,7 @@ class LLMEngine:
         self.amateur = None  # contrastive decoding's second model
         if config.contrastive_model is not None:
             self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
+        self._guessing_seconds = 0.0  # how long the last guessing took (the draft's passes)
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
@@ -269,15 +270,19 @@ class LLMEngine:
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
         amateur_logits = self._amateur_logits(plan) if self.amateur is not None else {}
-        result = self.runner.execute([self._scheduled_sequence(r, n, amateur_logits.get(r)) for r, n in plan.scheduled])
+        result = self.runner.execute([self._scheduled_sequence(r, n, amateur_logits.get(r))
+                                      for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self._release_prompt_sharers()
         outputs = self.output_processor.process(plan, result, stats)
         if self.proposer is not None:
             if plan.scheduled and len(result.sampled) == len(plan.scheduled):  # decodes only: comparable steps
+                # the guessing after the previous step (a draft model's passes) belongs to this step's cost
                 self.speed_gate.record(stats.spec_decode.num_drafts > 0, stats.num_generated, len(plan.scheduled),
-                                       time.perf_counter() - start)
+                                       time.perf_counter() - start + self._guessing_seconds)
+            guessing_start = time.perf_counter()
             self._propose(result)
+            self._guessing_seconds = time.perf_counter() - guessing_start
         self._release_stopped()
         self.spec_decode_totals.add(stats.spec_decode)
         stats.kv_usage = self.block_manager.usage
