@@ -243,11 +243,12 @@ def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
     assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1
 
 
-def test_adaptive_engine_guesses_alone_and_not_when_busy(folder):
+@pytest.mark.parametrize("method", ["ngram", "draft identical"])
+def test_adaptive_engine_guesses_alone_and_not_when_busy(folder, unlike_draft, method):
     prompt = [7, 8, 9, 10] * 4
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1,
-              speculative_disable_by_batch_size=8)
+    llm = LLM(folder, progress=False, speculative_disable_by_batch_size=8,
+              **(speculation(method, folder, unlike_draft) | {"speculative_adaptive": True}))
     llm.generate([prompt], greedy, use_tqdm=False)
     alone = llm.engine.spec_decode_totals.num_draft_tokens
     assert alone > 0
