@@ -50,8 +50,11 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram"], default=None,
-                   help="ngram: guesses copied from the request's own text (prompt lookup), verified in one pass")
+    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                   help="ngram: guesses copied from the request's own text (prompt lookup); draft: guesses from "
+                        "--speculative-model; either verified by the model in one pass")
+    g.add_argument("--speculative-model", metavar="PATH", default=None,
+                   help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
@@ -59,6 +62,9 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                    help="running requests at which guessing stops (fewer guesses as the batch grows)")
     g.add_argument("--no-speculative-adaptive", action="store_true",
                    help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    p.add_argument_group("contrastive decoding").add_argument(
+        "--contrastive-model", metavar="PATH", default=None,
+        help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
 
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -79,6 +85,11 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("watermark")
     g.add_argument("--watermark-key", type=int, default=None, help="watermark the output with this key (0 to 2**32-1)")
     g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
+    g = p.add_argument_group("contrastive decoding (with --contrastive-model)")
+    g.add_argument("--contrastive-weight", type=float, default=0.0,
+                   help="scores log p_model - WEIGHT * log p_amateur (0: off; Li et al. use 1)")
+    g.add_argument("--contrastive-alpha", type=float, default=0.1,
+                   help="only tokens with p_model >= ALPHA * max p_model are candidates")
 
 
 def _add_kv_cache_dtype(g) -> None:
@@ -103,11 +114,13 @@ def engine_options(args) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_method=args.speculative_method,
+        speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         speculative_adaptive=not args.no_speculative_adaptive,
+        contrastive_model=args.contrastive_model,
     )
 
 
@@ -162,6 +175,8 @@ def _sampling(args):
         stop=args.stop,
         structured_outputs=_structured_outputs(args),
         watermark=None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta),
+        contrastive_weight=args.contrastive_weight,
+        contrastive_alpha=args.contrastive_alpha,
     )
 
 

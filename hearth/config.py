@@ -355,8 +355,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
-    # speculative decoding (hearth/engine/speculative.py): None (off) or "ngram" (prompt lookup)
+    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup) or
+    # "draft" (a smaller model with the target's vocabulary guesses: speculative_model)
     speculative_method: str | None = None
+    speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
     num_speculative_tokens: int = 4  # the most guesses per request per step
     prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
     prompt_lookup_max: int = 4  # ngram: the longest match looked for
@@ -364,6 +366,8 @@ class EngineConfig:
     # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
     # acceptance or measured speed (deterministic: for tests and measurements)
     speculative_adaptive: bool = True
+    # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
+    contrastive_model: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -383,9 +387,13 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
         need(self.tensor_parallel_size == 1 or self.kv_cache_dtype == "auto",
              "a quantized KV cache (kv_cache_dtype) is not implemented with tensor parallelism")
-        need(self.speculative_method in (None, "ngram"),
-             f"speculative_method must be ngram (draft-model, lookahead and tree speculation are not "
+        need(self.speculative_method in (None, "ngram", "draft"),
+             f"speculative_method must be ngram or draft (lookahead and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")
+        need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
+             "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
+        need((self.speculative_method == "draft") == (self.speculative_model is not None),
+             "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
         need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "need 1 <= prompt_lookup_min <= prompt_lookup_max")

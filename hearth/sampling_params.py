@@ -131,6 +131,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a schema or grammar
     watermark: WatermarkParams | None = None  # green-list watermark (hearth/watermark.py)
     speculative: bool = True  # hearth's: False opts this request out of the engine's speculative decoding
+    # contrastive decoding (Li et al. 2023) against the engine's contrastive_model (the amateur):
+    # scores log p_expert - weight * log p_amateur over the tokens with p_expert >= alpha * max p_expert
+    contrastive_weight: float = 0.0  # >= 0; 0: off
+    contrastive_alpha: float = 0.1  # [0, 1]: the plausibility cut-off
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM: -1 means "no seed"
@@ -192,6 +196,9 @@ class SamplingParams:
         _check(self.top_k >= -1, f"top_k must be 0 (disable), -1 (disable) or at least 1, got {self.top_k}.")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         _check(isinstance(self.speculative, bool), f"speculative must be true or false, got {self.speculative!r}.")
+        _check(math.isfinite(self.contrastive_weight) and self.contrastive_weight >= 0.0,
+               f"contrastive_weight must be a finite number >= 0, got {self.contrastive_weight}.")
+        _check(0.0 <= self.contrastive_alpha <= 1.0, f"contrastive_alpha must be in [0, 1], got {self.contrastive_alpha}.")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")

@@ -110,6 +110,24 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def make_draft_model(target: Path, folder: Path, noise: float, seed: int = 1) -> Path:
+    """A draft for speculative decoding: the target's weights plus Gaussian noise of `noise` times their std
+    (0: the target itself), with its tokenizer (the same vocabulary)."""
+    import shutil
+
+    model = load_hf_reference(target)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def load_hf_reference(folder: Path):
     import transformers
 

@@ -143,14 +143,20 @@ def test_latency_json(tiny, capsys):
     assert r["weight_bytes_per_step"] > 0 and r["decode_gb_per_s"] > 0
 
 
-def test_latency_reports_speculation(tiny, capsys):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_latency_reports_speculation(tiny, capsys, method):
+    """vLLM's spec_decode counts in the report; the draft is the model itself (every guess right)."""
+    options = ["--prompt-lookup-min", "1"] if method == "ngram" else ["--speculative-model", str(tiny["q8_0"])]
     r = run_cli(capsys, "bench", "latency", tiny["q8_0"], "--input-len", "20", "--output-len", "6",
-                "--batch-size", "2", "--runs", "1", "--warmup", "0", "--json", "--speculative-method", "ngram",
-                "--prompt-lookup-min", "1")
+                "--batch-size", "2", "--runs", "1", "--warmup", "0", "--json", "--speculative-method", method,
+                "--no-speculative-adaptive", *options)
     spec = r["spec_decode"]
-    assert r["speculative_method"] == "ngram" and all(run["output_tokens"] == 2 * 6 for run in r["per_run"])
+    assert r["speculative_method"] == method and all(run["output_tokens"] == 2 * 6 for run in r["per_run"])
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
     assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
+    assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    if method == "draft":
+        assert spec["acceptance_rate"] == 1
 
 
 def test_throughput_json_random_and_dataset(tiny, capsys, tmp_path):

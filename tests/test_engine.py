@@ -11,7 +11,7 @@ import torch
 
 from hearth import LLM, SamplingParams
 from hearth.errors import RequestError
-from models import ARCHITECTURES, VOCAB_SIZE, load_hf_reference, make_hf_model
+from models import ARCHITECTURES, VOCAB_SIZE, load_hf_reference, make_draft_model, make_hf_model
 
 MAX_TOKENS = 10
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -49,10 +49,28 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-# The matrix below runs with and without prompt-lookup speculation: greedy outputs must be
-# transformers' either way. A match of one token makes guesses frequent on random prompts, and
-# every match guesses (no adapting), so that 32 requests at once still guess.
-SPECULATION = {"plain": {}, "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)}
+# The matrix below runs without speculation, with prompt lookup and with a draft model: greedy
+# outputs must be transformers' either way. A match of one token makes guesses frequent on random
+# prompts; the draft is the target with noise on its weights (most guesses right, some wrong); and
+# every request guesses (no adapting), so that 32 requests at once still guess.
+SPECULATION = ("plain", "ngram", "draft")
+
+
+@pytest.fixture(scope="module")
+def speculation(model_folders, tmp_path_factory):
+    """(spec, arch) -> the LLM options of that speculation for that architecture's model."""
+    drafts = {}
+
+    def options(spec: str, arch: str) -> dict:
+        if spec == "plain":
+            return {}
+        if spec == "ngram":
+            return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+        if arch not in drafts:
+            drafts[arch] = make_draft_model(model_folders[arch], tmp_path_factory.mktemp("draft") / arch, noise=0.2)
+        return dict(speculative_method="draft", speculative_model=drafts[arch], speculative_adaptive=False)
+
+    return options
 
 
 def check_speculated(llm, spec: str) -> None:
@@ -62,14 +80,20 @@ def check_speculated(llm, spec: str) -> None:
         assert counts.num_draft_tokens == 0
     else:
         assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
+    if spec == "draft":  # the draft's own cache is empty again too
+        assert llm.engine.proposer.draft.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("spec", SPECULATION)
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_alone_and_32_at_once_match_transformers(model_folders, arch, spec):
+# the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE)
+DRAFT_ARCHITECTURES = ("llama", "qwen3", "gemma2", "smollm3")
+
+
+@pytest.mark.parametrize("arch,spec", [(arch, spec) for arch in ARCHITECTURES for spec in SPECULATION
+                                       if spec != "draft" or arch in DRAFT_ARCHITECTURES])
+def test_greedy_alone_and_32_at_once_match_transformers(model_folders, speculation, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)
-    llm = LLM(model_folders[arch], max_num_batched_tokens=96, progress=False, **SPECULATION[spec])
+    llm = LLM(model_folders[arch], max_num_batched_tokens=96, progress=False, **speculation(spec, arch))
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
     alone = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts[:6]]
     assert token_ids(alone) == expected[:6]
@@ -79,22 +103,23 @@ def test_greedy_alone_and_32_at_once_match_transformers(model_folders, arch, spe
 
 @pytest.mark.parametrize("spec", SPECULATION)
 @pytest.mark.parametrize("chunked,budget", [(True, 8), (True, 17), (True, 2048), (False, 64)])
-def test_chunked_prefill_on_and_off(model_folders, chunked, budget, spec):
+def test_chunked_prefill_on_and_off(model_folders, speculation, chunked, budget, spec):
     prompts = random_prompts(12, seed=7, longest=60)
     expected = reference_greedy(model_folders["llama"], prompts)
     llm = LLM(model_folders["llama"], max_num_batched_tokens=budget, enable_chunked_prefill=chunked, progress=False,
-              **SPECULATION[spec])
+              **speculation(spec, "llama"))
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
     check_speculated(llm, spec)
 
 
 @pytest.mark.parametrize("spec", SPECULATION)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_prefix_caching_on_and_off(model_folders, prefix_caching, spec):
+def test_prefix_caching_on_and_off(model_folders, speculation, prefix_caching, spec):
     shared = random_prompts(1, seed=3, shortest=50, longest=50)[0]
     prompts = [shared + tail for tail in random_prompts(8, seed=4, shortest=1, longest=12)]
     expected = reference_greedy(model_folders["qwen2"], prompts)
-    llm = LLM(model_folders["qwen2"], enable_prefix_caching=prefix_caching, progress=False, **SPECULATION[spec])
+    llm = LLM(model_folders["qwen2"], enable_prefix_caching=prefix_caching, progress=False,
+              **speculation(spec, "qwen2"))
     first = llm.generate(prompts[:2], greedy(), use_tqdm=False)  # fills the cache
     rest = llm.generate(prompts[2:], greedy(), use_tqdm=False)  # shares its blocks
     assert token_ids(first + rest) == expected
@@ -107,12 +132,12 @@ def test_prefix_caching_on_and_off(model_folders, prefix_caching, spec):
 
 
 @pytest.mark.parametrize("spec", SPECULATION)
-def test_preemption_under_a_small_kv_budget(model_folders, spec):
+def test_preemption_under_a_small_kv_budget(model_folders, speculation, spec):
     prompts = random_prompts(16, seed=11, shortest=20, longest=40)
     expected = reference_greedy(model_folders["gemma"], prompts, max_tokens=24)
     # 14 blocks of 16 tokens: room for about 4 of the 16 requests at their full length
     llm = LLM(model_folders["gemma"], kv_cache_memory=14 * 16 * KV_BYTES_PER_TOKEN, progress=False,
-              **SPECULATION[spec])
+              **speculation(spec, "gemma"))
     assert llm.engine.num_blocks == 14
     outputs = llm.generate(prompts, greedy(24), use_tqdm=False)
     assert token_ids(outputs) == expected
@@ -122,8 +147,8 @@ def test_preemption_under_a_small_kv_budget(model_folders, spec):
 
 
 @pytest.mark.parametrize("spec", SPECULATION)
-def test_every_block_free_after_finished_and_aborted_requests(model_folders, spec):
-    llm = LLM(model_folders["llama"], max_num_batched_tokens=32, progress=False, **SPECULATION[spec])
+def test_every_block_free_after_finished_and_aborted_requests(model_folders, speculation, spec):
+    llm = LLM(model_folders["llama"], max_num_batched_tokens=32, progress=False, **speculation(spec, "llama"))
     engine = llm.engine
     ids = [engine.add_request(None, p, greedy(30)) for p in random_prompts(10, seed=5)]
     for _ in range(3):
@@ -135,6 +160,8 @@ def test_every_block_free_after_finished_and_aborted_requests(model_folders, spe
         engine.step()
     assert engine.block_manager.check_all_free()
     assert engine.block_manager.usage == 0
+    if spec == "draft":
+        assert engine.proposer.draft.block_manager.check_all_free()
 
 
 def test_too_long_prompt_is_refused_and_others_still_served(model_folders):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hearth import LLM, BeamSearchParams, SamplingParams
-from models import VOCAB_SIZE, load_hf_reference, make_hf_model
+from models import VOCAB_SIZE, load_hf_reference, make_draft_model, make_hf_model
 
 EOS = 1  # tests/models.py: "</s>"
 
@@ -24,12 +24,16 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
-def llm(folder, request):
-    """Every test runs with and without prompt-lookup speculation (guessing from one-token matches)."""
+@pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
+def llm(folder, request, tmp_path_factory):
+    """Every test runs without speculation, with prompt lookup (guessing from one-token matches) and
+    with a draft model (the target with noise on its weights)."""
     if request.param == "plain":
         return LLM(folder, progress=False)
-    return LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    if request.param == "ngram":
+        return LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    draft = make_draft_model(folder, tmp_path_factory.mktemp("generation") / "draft", noise=0.2)
+    return LLM(folder, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
 
 
 @pytest.fixture(scope="module")

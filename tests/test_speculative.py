@@ -15,9 +15,9 @@ from scipy import stats
 
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
-from hearth.engine.sampler import Sampler
+from hearth.engine.sampler import Guesses, Sampler
 from hearth.engine.speculative import PROBE_EVERY, AcceptanceRate, NgramProposer, SpeedGate, num_guesses
-from models import VOCAB_SIZE, make_hf_model
+from models import VOCAB_SIZE, make_draft_model, make_hf_model
 from test_sampler import build
 
 P_VALUE = 1e-3  # the draws are seeded: a pass is reproducible, a real bias fails far below this
@@ -57,45 +57,80 @@ def test_ngram_proposer_matches_a_brute_force_search():
         NgramProposer(3, 2)
 
 
-@pytest.mark.parametrize("case", ["unlike", "identical"])
-def test_verification_keeps_the_target_distribution(case):
-    """A row with a guess yields tokens distributed as the target p, whatever the guess: a guess p
-    finds unlikely, and one it is certain of (top_k=1: every guess accepted)."""
+@pytest.mark.parametrize("draft", ["point mass, unlikely", "point mass, certain", "unlike", "identical"])
+def test_verification_keeps_the_target_distribution(draft):
+    """Rows with a guess g ~ q yield tokens distributed as the target p, whatever the draft q, and
+    accept sum_x min(p(x), q(x)) of the guesses (the rejection rule's rate): a point mass on a token
+    p finds unlikely, a point mass on the token p is certain of (top_k=1), a draft unlike p, and
+    q = p (every guess accepted). A point mass keeps plain decoding's draw: accepted iff x == g."""
     torch.manual_seed(0)
     vocab, draws = 24, 20_000
-    logits = torch.randn(vocab, dtype=torch.float64) * 1.5
-    top_k = 1 if case == "identical" else 0
-    p = torch.softmax(logits, 0) if case == "unlike" else torch.nn.functional.one_hot(logits.argmax(), vocab).float()
-    guess = int(logits.argmax()) if case == "identical" else int(logits.argsort()[2])  # third least likely
-    params = SamplingParams(temperature=1.0, top_k=top_k)
-    batch = build([params] * draws, vocab=vocab)
-    out = Sampler()(logits.float().repeat(draws, 1), batch, torch.full((draws,), guess))
+    logits = torch.randn(vocab) * 1.5
+    params = SamplingParams(temperature=1.0, top_k=1 if draft == "point mass, certain" else 0)
+    rows = logits.repeat(draws, 1)
+    p = torch.softmax(rows, dim=-1)  # as the sampler computes it
+    if draft == "point mass, certain":
+        p = torch.nn.functional.one_hot(logits.argmax(), vocab).float().repeat(draws, 1)
+    q = {"point mass, unlikely": torch.nn.functional.one_hot(logits.argsort()[2], vocab).float().repeat(draws, 1),
+         "point mass, certain": p,
+         "unlike": torch.softmax(torch.randn(vocab) * 1.5, dim=0).repeat(draws, 1),
+         "identical": p}[draft]
+    guesses = torch.multinomial(q, 1).squeeze(1)
+    out = Sampler()(rows.clone(), build([params] * draws, vocab=vocab),
+                    Guesses(torch.arange(draws), guesses, q, [None] * draws))
     counts = torch.bincount(out.sampled_token_ids, minlength=vocab).double()
     accepted = int(out.accepted.sum())
-    assert torch.equal(out.accepted, out.sampled_token_ids == guess)
-    assert stats.binomtest(accepted, draws, p[guess].item()).pvalue > P_VALUE
-    if case == "identical":
+    expected_rate = torch.minimum(p[0], q[0]).sum().item()
+    if draft.startswith("point mass"):
+        assert torch.equal(out.accepted, out.sampled_token_ids == guesses)
+    if expected_rate > 1 - 1e-6:
         assert accepted == draws
     else:
-        assert (p * draws >= 5).all()  # chi-square wants expected counts of at least 5
-        assert stats.chisquare(counts, p * draws).pvalue > P_VALUE
+        assert stats.binomtest(accepted, draws, expected_rate).pvalue > P_VALUE
+    expected = p[0].double() / p[0].double().sum() * draws
+    if draft != "point mass, certain":
+        assert (expected >= 5).all()  # chi-square wants expected counts of at least 5
+        assert stats.chisquare(counts, expected).pvalue > P_VALUE
+    else:
+        assert torch.equal(counts, expected)
 
 
 def first_tokens(llm: LLM, prompt: list[int], params: SamplingParams, count: int) -> list[tuple[int, ...]]:
     return [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * count, params, use_tqdm=False)]
 
 
-def test_sampled_outputs_keep_the_distribution_through_the_engine(folder):
+@pytest.fixture(scope="module")
+def unlike_draft(tmp_path_factory):
+    """A draft with the target's vocabulary and weights of its own (another random model)."""
+    return make_hf_model(tmp_path_factory.mktemp("speculative") / "other", "llama", seed=1)
+
+
+def speculation(method: str, folder, unlike_draft) -> dict:
+    """The LLM options of prompt lookup, a draft unlike the target, and the target as its own draft."""
+    if method == "ngram":
+        return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    draft = unlike_draft if method == "draft unlike" else folder
+    return dict(speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
+
+
+METHODS = ["ngram", "draft unlike", "draft identical"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike_draft, method):
     """Unseeded draws of the first tokens, speculative against plain: the same distribution
-    (chi-square on the second to fourth tokens, where guesses were verified)."""
+    (chi-square on the second to fourth tokens, where guesses were verified). The target as its
+    own draft has every guess accepted."""
     prompt = [7, 8, 9, 10] * 4 + [7, 8]  # its continuation is guessed from the prompt
-    params = SamplingParams(temperature=0.15, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.15 if method == "ngram" else 0.7, max_tokens=4, ignore_eos=True)
     plain = first_tokens(LLM(folder, progress=False, seed=1), prompt, params, 600)
-    llm = LLM(folder, progress=False, seed=2, speculative_method="ngram", prompt_lookup_min=1,
-              speculative_adaptive=False)
+    llm = LLM(folder, progress=False, seed=2, **speculation(method, folder, unlike_draft))
     speculative = first_tokens(llm, prompt, params, 600)
     counts = llm.engine.spec_decode_totals
-    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    if method == "draft identical":
+        assert counts.num_draft_tokens > 0 and counts.acceptance_rate == 1
+    else:
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     for position in (1, 2, 3):
         a = [t[position] for t in plain]
         b = [t[position] for t in speculative]
@@ -105,11 +140,24 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder):
         assert stats.chi2_contingency(list(zip(*table))).pvalue > P_VALUE, position
 
 
-def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
-    """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way."""
+def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft):
+    """A seeded request's tokens with a draft do not depend on the batch it runs in."""
+    llm = LLM(folder, progress=False, **speculation("draft unlike", folder, unlike_draft))
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True) for seed in range(6)]
+    prompt = [7, 8, 9, 10] * 3
+    together = llm.generate([prompt] * 6, params, use_tqdm=False)
+    alone = [llm.generate([prompt], p, use_tqdm=False)[0] for p in params[::-1]][::-1]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert llm.engine.spec_decode_totals.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft unlike"])
+def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, unlike_draft, method):
+    """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way: every
+    block of the target's cache and of the draft's is free at the end."""
     kv_bytes_per_token = 2 * 2 * 2 * 16 * 4
-    llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token, speculative_method="ngram",
-              prompt_lookup_min=1, speculative_adaptive=False)
+    llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token,
+              **speculation(method, folder, unlike_draft))
     engine = llm.engine
     rng = random.Random(3)
     ids = []
@@ -133,16 +181,25 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
     counts = engine.spec_decode_totals
     assert preempted > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     assert engine.block_manager.check_all_free()
+    if method != "ngram":
+        assert engine.proposer.draft.block_manager.check_all_free()
 
 
-def test_a_request_can_opt_out(folder):
-    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+@pytest.mark.parametrize("method", ["ngram", "draft unlike"])
+def test_a_request_can_opt_out(folder, unlike_draft, method):
+    llm = LLM(folder, progress=False, **speculation(method, folder, unlike_draft))
     prompt = [7, 8, 9, 10] * 4
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
     llm.generate([prompt] * 3, greedy, use_tqdm=False)
     assert llm.engine.spec_decode_totals.num_draft_tokens == 0
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="yes")
+
+
+def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path):
+    other = make_hf_model(tmp_path / "other-vocab", "llama", vocab_size=VOCAB_SIZE + 8)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(folder, progress=False, speculative_method="draft", speculative_model=other)
 
 
 def test_guess_count_follows_acceptance_and_batch_size():
@@ -159,10 +216,16 @@ def test_guess_count_follows_acceptance_and_batch_size():
     assert counts == sorted(counts, reverse=True) and counts[-2:] == [0, 0]  # none once busy
 
 
-def test_unimplemented_methods_are_refused():
-    for method in ("draft", "lookahead", "eagle"):
+def test_unimplemented_methods_and_missing_drafts_are_refused():
+    for method in ("lookahead", "eagle"):
         with pytest.raises(ValueError, match="not implemented"):
             EngineConfig(speculative_method=method)
+    with pytest.raises(ValueError, match="needs a speculative_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="needs speculative_method draft"):
+        EngineConfig(speculative_method="ngram", speculative_model="builtin")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
 
@@ -180,13 +243,31 @@ def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
     assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1
 
 
-def test_adaptive_engine_guesses_alone_and_not_when_busy(folder):
+@pytest.mark.parametrize("method", ["ngram", "draft identical"])
+def test_adaptive_engine_guesses_alone_and_not_when_busy(folder, unlike_draft, method):
     prompt = [7, 8, 9, 10] * 4
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1,
-              speculative_disable_by_batch_size=8)
+    llm = LLM(folder, progress=False, speculative_disable_by_batch_size=8,
+              **(speculation(method, folder, unlike_draft) | {"speculative_adaptive": True}))
     llm.generate([prompt], greedy, use_tqdm=False)
     alone = llm.engine.spec_decode_totals.num_draft_tokens
     assert alone > 0
     llm.generate([prompt] * 8, greedy, use_tqdm=False)  # 8 running: a guess costs a whole step
     assert llm.engine.spec_decode_totals.num_draft_tokens == alone
+
+
+def test_the_shipped_pair_keeps_greedy_outputs():
+    """The built-in model with its draft (`builtin-draft`): greedy outputs equal plain decoding's
+    on Python prompts, alone and together, and the draft's guesses are mostly right."""
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM("builtin", progress=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM("builtin", progress=False, speculative_method="draft", speculative_model="builtin-draft",
+              speculative_adaptive=False)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    expected = [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert [o.outputs[0].token_ids for o in alone] == expected
+    assert llm.engine.spec_decode_totals.acceptance_rate > 0.4
+    assert llm.engine.proposer.draft.block_manager.check_all_free()

@@ -174,3 +174,22 @@ def test_speculation_keeps_seeded_constrained_outputs(llm):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     counts = speculative.engine.spec_decode_totals
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def test_draft_speculation_keeps_constrained_outputs_valid(llm):
+    """With a draft model (the same model: its guesses ignore the grammar, the target's masks
+    reject the ones it forbids), every constrained reply still parses and validates."""
+    speculative = LLM(llm.engine.model_path, progress=False, speculative_method="draft",
+                      speculative_model=llm.engine.model_path, speculative_adaptive=False)
+    params = [constrained(i, json=SCHEMAS[i % len(SCHEMAS)]) for i in range(8)]
+    params += [constrained(i, regex=REGEXES[i % len(REGEXES)]) for i in range(8)]
+    outputs = speculative.generate(["Once upon a time"] * len(params), params, use_tqdm=False)
+    for p, o in zip(params, outputs):
+        text = o.outputs[0].text
+        if p.structured_outputs.json is not None:
+            jsonschema.validate(json.loads(text), json.loads(p.structured_outputs.json)
+                                if isinstance(p.structured_outputs.json, str) else p.structured_outputs.json)
+        else:
+            assert re.fullmatch(p.structured_outputs.regex, text), text
+    counts = speculative.engine.spec_decode_totals
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens

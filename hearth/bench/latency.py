@@ -114,7 +114,7 @@ def spec_decode_report(engine, before) -> dict:
     return {"speculative_method": engine.config.speculative_method, "spec_decode": {
         "num_drafts": counts.num_drafts, "num_draft_tokens": counts.num_draft_tokens,
         "num_accepted_tokens": counts.num_accepted_tokens, "accepted_per_position": counts.accepted_per_position,
-        "summary": counts.summary()}}
+        "acceptance_rate": counts.acceptance_rate, "summary": counts.summary()}}
 
 
 def format_spec_decode(r: dict) -> list[str]:

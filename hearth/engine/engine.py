@@ -16,6 +16,7 @@ import torch
 from hearth.backend import choose_backend
 from hearth.backend.kv_quant import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig
+from hearth.engine.draft import DraftProposer, SecondModel
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
@@ -31,6 +32,9 @@ from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 
 logger = logging.getLogger("hearth")
+
+# Added to a seeded request's seed for the generator of its speculative draws (guesses, verification coins).
+SPEC_SEED = 0x5BEC_0000_0000
 
 
 class StepFailed(Exception):
@@ -105,10 +109,36 @@ class LLMEngine:
         self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.speculative_method == "draft":
+            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
+        self.amateur = None  # contrastive decoding's second model
+        if config.contrastive_model is not None:
+            self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
+        self._guessing_seconds = 0.0  # how long the last guessing took (the draft's passes)
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _second_model(self, path: str, what: str, progress: bool) -> SecondModel:
+        """Load a model to run beside the target (a draft): same vocabulary, context at least max_model_len,
+        its own KV cache of as many blocks as the target's."""
+        loaded = load_model(path, self.dtype, self.device, max_positions=self.max_model_len, progress=progress,
+                            backend=self.model.backend)
+        config = loaded.config
+        if (config.vocab_size != self.model_config.vocab_size
+                or loaded.tokenizer.token_bytes() != self.tokenizer.token_bytes()):
+            raise ValueError(f"{what} {path} does not share the target's vocabulary ({config.vocab_size:,} tokens "
+                             f"against {self.model_config.vocab_size:,}, or different token texts)")
+        if config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"{what} {path} has a context of {config.max_position_embeddings:,} tokens, less than "
+                             f"max_model_len {self.max_model_len:,}: give a smaller max_model_len")
+        runner = ModelRunner(loaded.model, self.num_blocks, self.config.block_size, self.device, self.dtype,
+                             eos_token_ids=self.tokenizer.eos_token_ids)
+        if progress:
+            size = self.num_blocks * self.config.block_size * config.kv_bytes_per_token(self.dtype.itemsize)
+            print(f"hearth: {what} {config.architecture} model, its KV cache {size / 2**20:.1f} MiB", file=sys.stderr)
+        return SecondModel(runner, self.config.block_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
@@ -144,6 +174,9 @@ class LLMEngine:
             params.validate_for_vocab(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if params.contrastive_weight > 0 and self.amateur is None:
+            raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
+                               "(--contrastive-model PATH)")
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -156,11 +189,15 @@ class LLMEngine:
             request = Request(seq_id, list(prompt_ids), params, arrival_time=now)
             # prompt logprobs need every prompt position computed: no prefix-cache skipping
             request.skip_prefix_cache = params.prompt_logprobs is not None
-            generator = None
+            generator = spec_generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+                if self.proposer is not None:  # draws of guessing and verifying: a stream of their own
+                    spec_seed = (params.seed + index + SPEC_SEED) % 2**64
+                    spec_generator = torch.Generator(device=self.device).manual_seed(spec_seed)
             state = SequenceState(
                 request, index, self.tokenizer.incremental_decoder(params.skip_special_tokens, prompt_ids), generator,
+                spec_generator=spec_generator,
                 logprobs=[] if params.logprobs is not None else None,
                 matcher=None if grammar is None else self.grammars.matcher(grammar),
             )
@@ -206,7 +243,14 @@ class LLMEngine:
             return False
         for state in group.sequences:
             self.scheduler.abort_request(state.request.request_id)
+        self._release_stopped()
         return True
+
+    def _release_stopped(self) -> None:
+        """The second models (draft, amateur) let go of the requests that no longer run."""
+        for second in (self.proposer, self.amateur):
+            if second is not None:
+                second.release_stopped()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
@@ -234,15 +278,21 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
-        result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
+        amateur_logits = self._amateur_logits(plan) if self.amateur is not None else {}
+        result = self.runner.execute([self._scheduled_sequence(r, n, amateur_logits.get(r))
+                                      for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self._release_prompt_sharers()
         outputs = self.output_processor.process(plan, result, stats)
         if self.proposer is not None:
             if plan.scheduled and len(result.sampled) == len(plan.scheduled):  # decodes only: comparable steps
+                # the guessing after the previous step (a draft model's passes) belongs to this step's cost
                 self.speed_gate.record(stats.spec_decode.num_drafts > 0, stats.num_generated, len(plan.scheduled),
-                                       time.perf_counter() - start)
+                                       time.perf_counter() - start + self._guessing_seconds)
+            guessing_start = time.perf_counter()
             self._propose(result)
+            self._guessing_seconds = time.perf_counter() - guessing_start
+        self._release_stopped()
         self.spec_decode_totals.add(stats.spec_decode)
         stats.kv_usage = self.block_manager.usage
         stats.prefix_cache_queries = plan.prefix_cache_queries
@@ -250,21 +300,41 @@ class LLMEngine:
         self.last_step = stats
         return outputs
 
-    def _scheduled_sequence(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
+    def _amateur_logits(self, plan: SchedulerOutput) -> dict[Request, torch.Tensor]:
+        """Contrastive decoding: the amateur's logits [V] for each contrastive request that samples
+        this step (the amateur caught up with its tokens through its own KV cache)."""
+        requests = [r for r, n in plan.scheduled
+                    if r.sampling_params.contrastive_weight > 0 and r.num_computed_tokens + n == r.num_tokens]
+        if not requests:
+            return {}
+        entries = [self.amateur.catch_up(r, 0) for r in requests]
+        if None in entries:
+            raise RuntimeError("the contrastive model's KV cache is full (its requests share no prefix blocks): "
+                               "run fewer requests with contrastive_weight at once")
+        logits = self.amateur.runner.last_logits(entries)
+        for request, entry in zip(requests, entries):
+            self.amateur.fed(request, entry.token_ids)
+        return dict(zip(requests, logits))
+
+    def _scheduled_sequence(self, request: Request, num_new_tokens: int,
+                            amateur_logits: torch.Tensor | None = None) -> ScheduledSequence:
         state = self.output_processor.sequences[request.request_id]
         score_prompt = (state.index == 0 and request.num_output_tokens == 0
                         and request.sampling_params.prompt_logprobs is not None)
-        return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt)
+        guess_probs = self.proposer.probs_of(request) if self.proposer is not None else None
+        return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt,
+                                 guess_probs, state.spec_generator, amateur_logits)
 
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
         config, num_running = self.config, self.scheduler.num_running
         if config.speculative_adaptive and not self.speed_gate.allow():
             return
+        wanted, generators = {}, {}
         for request in result.sampled:
             params = request.sampling_params
-            if request.status is not RequestStatus.RUNNING or not params.speculative:
-                continue
+            if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
+                continue  # opted out, or contrastive (its scores come from one position at a time)
             state = self.output_processor.sequences[request.request_id]
             k = config.num_speculative_tokens
             if config.speculative_adaptive:
@@ -273,7 +343,9 @@ class LLMEngine:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
             k = min(k, self.max_model_len - request.num_tokens)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+            if k > 0:
+                wanted[request], generators[request] = k, state.spec_generator
+        self.proposer.guess(wanted, generators)
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""

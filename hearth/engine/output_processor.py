@@ -33,6 +33,7 @@ class SequenceState:
     index: int  # which of its group's samples
     detokenizer: object
     generator: torch.Generator | None
+    spec_generator: torch.Generator | None = None  # a seeded request's draws for guessing and verifying
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None

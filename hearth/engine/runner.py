@@ -23,7 +23,8 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
 from hearth.engine.request import Request
-from hearth.engine.sampler import Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
+from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, draw, final_distribution,
+                                   prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
@@ -47,6 +48,10 @@ class ScheduledSequence:
     generator: torch.Generator | None = None  # a seeded request's own
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
     score_prompt: bool = False  # return the logprobs of the prompt tokens this step computes
+    # the distribution each guess was drawn from [k, V] (a draft model's); None: point masses (prompt lookup)
+    guess_probs: torch.Tensor | None = None
+    spec_generator: torch.Generator | None = None  # a seeded request's randomness for verifying guesses
+    amateur_logits: torch.Tensor | None = None  # [V] contrastive decoding: the amateur's at the sampled position
 
 
 @dataclass
@@ -120,6 +125,11 @@ class ModelRunner:
         step = self.prepare(entries)
         hidden = self.backend.forward(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+    def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """The model pass and the logits of each entry's last token [B, V]."""
+        hidden, last_rows = self.forward(entries)
+        return self.model.compute_logits(hidden[last_rows])
 
     def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
@@ -208,27 +218,51 @@ class ModelRunner:
             row += num_guesses + 1
         return kept_tokens
 
-    def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, torch.Tensor | None]:
+    def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, Guesses | None]:
         """One row per verified position: a request with k guesses has k + 1 rows, row j seeing its
-        output followed by the first j guesses. Returns the batch and each row's guess (-1: none)."""
-        params, prompts, outputs, generators, guesses, constrained_rows = [], [], [], [], [], []
+        output followed by the first j guesses. Returns the batch and the rows' guesses (None: no row has one)."""
+        params, prompts, outputs, generators, constrained_rows, contrastive_rows = [], [], [], [], [], []
+        guess_rows, guess_ids, guess_probs, guess_generators = [], [], [], []
+        V = self.model.config.vocab_size
         for seq in sampled:
             request, spec = seq.request, seq.request.spec_token_ids
             if seq.matcher is not None:
                 constrained_rows.extend(range(len(params), len(params) + len(spec) + 1))
+            if seq.amateur_logits is not None:  # such a request makes no guesses: one row
+                contrastive_rows.append(len(params))
+            if spec:
+                guess_rows.extend(range(len(params), len(params) + len(spec)))
+                guess_ids.extend(spec)
+                guess_generators.extend([seq.spec_generator] * len(spec))
+                guess_probs.append(seq.guess_probs[: len(spec)] if seq.guess_probs is not None else
+                                   torch.nn.functional.one_hot(torch.tensor(spec, device=self.device), V).float())
             for j in range(len(spec) + 1):
                 params.append(request.sampling_params)
                 prompts.append(request.prompt_token_ids)
                 outputs.append(request.output_token_ids + spec[:j] if j else request.output_token_ids)
                 generators.append(seq.generator)
-                guesses.append(spec[j] if j < len(spec) else -1)
         batch = SamplingBatch.build(
-            params, prompts, outputs, generators, self.model.config.vocab_size, self.device,
+            params, prompts, outputs, generators, V, self.device,
             eos_token_ids=self.eos_token_ids,
             grammar_masks=None if masks is None else (constrained_rows, masks.result()),
+            amateur_logits=None if not contrastive_rows else (
+                contrastive_rows, torch.stack([s.amateur_logits for s in sampled if s.amateur_logits is not None])),
         )
-        has_guesses = len(guesses) > len(sampled)
-        return batch, torch.tensor(guesses, device=self.device) if has_guesses else None
+        if not guess_rows:
+            return batch, None
+        return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
+                              torch.cat(guess_probs).to(self.device), guess_generators)
+
+    def draw_next(self, entries: list[BatchEntry], requests: list[Request], outputs: list[list[int]],
+                  generators: list[torch.Generator | None]) -> tuple[list[int], torch.Tensor]:
+        """A draft model's pass: each entry's next token drawn from its request's final distribution
+        (its sampling parameters applied; `outputs`: each request's output so far, guesses included;
+        `generators`: a seeded request's spec generator). Returns the tokens and the distributions [B, V]."""
+        batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
+                                    outputs, generators, self.model.config.vocab_size, self.device,
+                                    eos_token_ids=self.eos_token_ids)
+        probs, greedy_ids = final_distribution(self.last_logits(entries), batch, self.backend.apply_token_bitmask)
+        return draw(probs, greedy_ids, batch, generators).tolist(), probs
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

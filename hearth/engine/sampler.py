@@ -3,6 +3,7 @@
 Per row, in the order HF's generate and vLLM apply them:
 
     raw logits [B, V]
+      -> contrastive decoding    log p - weight * log p_amateur where p >= alpha * max p, -inf elsewhere
       -> grammar masks           tokens a row's grammar does not allow -> -inf (structured output)
       -> logit_bias              logit[t] += bias[t]
       -> min_tokens              EOS / stop_token_ids -> -inf while fewer than min_tokens were generated
@@ -19,7 +20,7 @@ Per row, in the order HF's generate and vLLM apply them:
                                  own torch.Generator, so its tokens do not depend on the batch
 
 Speculative decoding: a row may carry a guessed token, verified against the row's final
-distribution by the rejection rule (Sampler.__call__).
+distribution by speculative sampling's rejection rule (verify_guesses).
 
 Logprobs are those of the model's raw distribution (log_softmax of the raw logits), as
 vLLM's default: the chosen token's, and the top K by the same distribution.
@@ -80,6 +81,8 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None
     # (rows [W], keys [W] int64, previous tokens [W] int64, gamma [W] float64, delta [W] float32)
     watermark: tuple[torch.Tensor, ...] | None
+    # (rows [C], the amateur's logits [C, V], alpha [C] float32, weight [C] float32): contrastive decoding
+    contrastive: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
 
@@ -94,10 +97,12 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         grammar_masks: tuple[list[int], torch.Tensor] | None = None,
+        amateur_logits: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
-        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py)."""
+        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py).
+        `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
@@ -158,6 +163,13 @@ class SamplingBatch:
                          vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
                          vec([w.delta for _, w, _ in marked], torch.float32))
 
+        contrastive = None
+        if amateur_logits is not None:
+            rows = amateur_logits[0]
+            contrastive = (vec(rows, torch.int64), amateur_logits[1].to(device),
+                           vec([params[i].contrastive_alpha for i in rows], torch.float32),
+                           vec([params[i].contrastive_weight for i in rows], torch.float32))
+
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -176,6 +188,7 @@ class SamplingBatch:
             banned=banned,
             allowed=allowed,
             watermark=watermark,
+            contrastive=contrastive,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
         )
@@ -212,6 +225,16 @@ def _token_mask(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
 # ---- building blocks, each [B, V] -> [B, V] with per-row parameters --------------------------
 
 
+def apply_contrastive(logits: torch.Tensor, rows: torch.Tensor, amateur: torch.Tensor, alpha: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+    """Contrastive decoding (Li et al. 2023) on rows [C]: log p - weight * log p_amateur over the
+    plausible tokens (p >= alpha * max p), -inf elsewhere; amateur [C, V] logits, alpha and weight [C]."""
+    expert = logits[rows].log_softmax(dim=-1)
+    plausible = expert >= expert.amax(dim=-1, keepdim=True) + alpha.log().unsqueeze(1)
+    scores = expert - weight.unsqueeze(1) * amateur.float().log_softmax(dim=-1)
+    return logits.index_copy(0, rows, scores.masked_fill(~plausible, _NEG_INF))
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return logits.index_put((rows, token_ids), values, accumulate=True)
 
@@ -243,8 +266,10 @@ def apply_presence_frequency_penalties(
 
 def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch,
                              apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask) -> torch.Tensor:
-    """Grammar masks (by the backend's op), logit_bias, min_tokens bans, repetition penalty,
-    presence/frequency penalties, watermark: what greedy rows see too."""
+    """Contrastive scores, grammar masks (by the backend's op), logit_bias, min_tokens bans,
+    repetition penalty, presence/frequency penalties, watermark: what greedy rows see too."""
+    if batch.contrastive is not None:
+        logits = apply_contrastive(logits, *batch.contrastive)
     if batch.allowed is not None:
         logits = apply_token_bitmask(logits, *batch.allowed)
     if batch.bias is not None:
@@ -347,31 +372,111 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
     return chosen, top_ids, top_values - lse
 
 
+@dataclass
+class Guesses:
+    """The guessed tokens a step verifies: rows [G] of the batch that carry one, the guess of each
+    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup), and
+    per row the generator of the verification's own randomness (None: the global RNG)."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    probs: torch.Tensor
+    generators: list[torch.Generator | None]
+
+
+def uniforms(count: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[len(generators), count] uniform draws in [0, 1), a seeded row's from its own generator."""
+    out = torch.rand(len(generators), count, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(count, generator=g, device=g.device).to(device)
+    return out
+
+
+def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's rejection rule on the guess rows: accept guess g ~ q with probability
+    min(1, p(g) / q(g)); on rejection the row's token comes from normalise(max(0, p - q)).
+
+    probs [B, V]: the target's final distributions (one-hot on greedy rows); sampled [B]: each
+    row's own draw x ~ p, the token plain decoding would take. Returns each row's token [B] and
+    whether its guess was kept [B] (False on rows without one).
+
+    The rule is realised from x, so that a point-mass draft (q = one-hot g, prompt lookup) keeps
+    exactly the tokens of plain decoding: x == g happens with probability p(g), and a coin adds
+    the rest of min(1, p(g) / q(g)) (nothing for a point mass). A rejected row's x is distributed
+    as p without g (s); it is kept with probability min(1, r(x) / s(x)), r = normalise(max(0, p - q)),
+    and otherwise replaced by a draw from normalise(max(0, r - s)) (its inverse CDF at a uniform
+    draw), the maximal coupling of s to r,
+    so the replacement is distributed as r. For a point mass r == s: x is always kept."""
+    tokens, accepted = sampled.clone(), torch.zeros_like(sampled, dtype=torch.bool)
+    if len(guesses.rows) == 0:
+        return tokens, accepted
+    rows, g = guesses.rows, guesses.token_ids
+    p, q, x = probs[rows], guesses.probs.to(probs.dtype), sampled[rows]
+    p_g, q_g = p.gather(1, g.unsqueeze(1)).squeeze(1), q.gather(1, g.unsqueeze(1)).squeeze(1)
+    accept_prob = (p_g / q_g.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0)
+    coin = ((accept_prob - p_g) / (1.0 - p_g).clamp_min(torch.finfo(p.dtype).eps)).clamp(0.0, 1.0)
+    # [G, 3]: the acceptance coin, the coupling coin, the replacement's draw
+    u = uniforms(3, guesses.generators, probs.device)
+    keep_guess = (x == g) | (u[:, 0] < coin)
+    s = p.scatter(1, g.unsqueeze(1), 0.0)
+    s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    r = (p - q).clamp_min(0.0)
+    r_sum = r.sum(dim=-1, keepdim=True)
+    r = torch.where(r_sum > 0, r / r_sum.clamp_min(torch.finfo(p.dtype).tiny), s)  # p == q: never rejected
+    s_x, r_x = s.gather(1, x.unsqueeze(1)).squeeze(1), r.gather(1, x.unsqueeze(1)).squeeze(1)
+    keep_x = u[:, 1] * s_x <= r_x
+    cdf = (r - s).clamp_min(0.0).cumsum(dim=-1)  # the replacement by the inverse CDF: one uniform a row
+    other = torch.searchsorted(cdf, (u[:, 2] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    other = other.clamp_(max=p.shape[-1] - 1)
+    tokens[rows] = torch.where(keep_guess, g, torch.where(keep_x, x, other))
+    accepted[rows] = keep_guess
+    return tokens, accepted
+
+
+def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
+                       apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """After penalties and filters: the distribution each row draws from [B, V] (one-hot at the
+    argmax on greedy rows), and the greedy argmax [B] (None without greedy rows)."""
+    logits = apply_penalties_and_bias(logits.float(), batch, apply_token_bitmask)
+    greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+    if batch.all_greedy:
+        return torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(logits.dtype), greedy_ids
+    probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
+    if batch.any_greedy:
+        one_hot = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(probs.dtype)
+        probs = torch.where(batch.greedy.unsqueeze(1), one_hot, probs)
+    return probs, greedy_ids
+
+
+def draw(probs: torch.Tensor, greedy_ids: torch.Tensor | None, batch: SamplingBatch,
+         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Each row's token from final_distribution's output: the argmax on greedy rows, else a draw."""
+    if batch.all_greedy:
+        return greedy_ids
+    sampled = sample_from_probs(probs, generators)
+    return torch.where(batch.greedy, greedy_ids, sampled) if batch.any_greedy else sampled
+
+
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
     def __init__(self, apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask) -> None:
         self.apply_token_bitmask = apply_token_bitmask  # the engine's backend's
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: torch.Tensor | None = None) -> SamplerOutput:
-        """guesses [B] int64 (speculative decoding): a row's guessed token, -1 for none.
-
-        A guess is verified by speculative sampling's rule for a draft that puts all its mass
-        on it (q = one-hot g): accept with probability min(1, p(g) / q(g)) = p(g), and on
-        rejection draw from normalise(max(0, p - q)), p without g. The row's own draw x ~ p
-        realises exactly that: accept when x == g, else x is the replacement. So every kept
-        token is the draw plain decoding would make (greedy rows: the argmax), and a seeded
-        request keeps its tokens with and without speculation."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: Guesses | None = None) -> SamplerOutput:
+        """guesses (speculative decoding): rows carrying a guessed token, verified by the
+        rejection rule (verify_guesses); a kept guess is that row's token."""
         raw = logits.float()
-        logits = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask)
-        if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        if batch.all_greedy and guesses is None:
+            sampled = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask).argmax(dim=-1)
         else:
-            probs = apply_sampling_filters(logits, batch).softmax(dim=-1)
-            sampled = sample_from_probs(probs, batch.generators)
-            if batch.any_greedy:
-                sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
-        accepted = None if guesses is None else sampled == guesses
+            probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
+            sampled = draw(probs, greedy_ids, batch, batch.generators)
+        accepted = None
+        if guesses is not None:
+            sampled, accepted = verify_guesses(probs, sampled, guesses)
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)

@@ -5,7 +5,9 @@ most recent words appeared: the continuation of the longest recent match of the 
 last n tokens (prompt_lookup_max >= n >= prompt_lookup_min) in its own prompt and output (a
 match that ends less than k tokens before the end continues periodically: "a b a b" -> "a b").
 The guesses are verified by the target model in the step that follows (runner + sampler), as
-extra tokens of their request.
+extra tokens of their request. Draft-model guesses (hearth/engine/draft.py) take the same path;
+the proposers share one call, `guess`, and a point mass is the draft distribution of an n-gram
+guess (sampler.verify_guesses).
 
 How many guesses (`num_guesses`): the i-th guess pays off only when the i - 1 before it were
 accepted, so it is worth about rate ** i tokens, where rate is the request's measured
@@ -25,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hearth.engine.request import Request
 
 # How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
@@ -64,6 +68,19 @@ class NgramProposer:
         while len(guesses) < k:
             guesses.append(guesses[len(guesses) - period])
         return guesses
+
+
+    def guess(self, wanted: dict[Request, int], generators: dict) -> None:
+        """Set request.spec_token_ids of each request to up to k guesses (the proposers' common call)."""
+        for request, k in wanted.items():
+            request.spec_token_ids = self.propose(request.all_token_ids, k)
+
+    def probs_of(self, request: Request) -> None:
+        """The guesses' distributions: point masses (None)."""
+        return None
+
+    def release_stopped(self) -> None:
+        """Nothing held per request."""
 
 
 class SpeedGate:

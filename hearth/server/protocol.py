@@ -67,6 +67,8 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     use_beam_search: bool | None = False
     watermark: WatermarkRequest | None = None
     speculative: bool | None = True  # hearth's: false opts this request out of speculative decoding
+    contrastive_weight: float | None = None  # hearth's: contrastive decoding against --contrastive-model
+    contrastive_alpha: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -104,6 +106,8 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
             structured_outputs=self.structured_outputs_params(),
             watermark=None if self.watermark is None else WatermarkParams(**self.watermark.model_dump()),
             speculative=self.speculative is not False,
+            contrastive_weight=self.contrastive_weight or 0.0,
+            contrastive_alpha=0.1 if self.contrastive_alpha is None else self.contrastive_alpha,
         )
 
     def truncate(self, ids: list[int]) -> list[int]:
