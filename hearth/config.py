@@ -10,7 +10,7 @@ from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
-                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
@@ -27,6 +27,7 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (hearth/model/latent_attention.py)
 }
 
 
@@ -39,7 +40,7 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of q and k; with multi-head latent attention, of their rotated part (qk_rope_head_dim)
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -76,6 +77,15 @@ class ModelConfig:
     # qwen2_moe: a dense MLP every token takes beside the routed ones, scaled by sigmoid(gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
+    shared_expert_gated: bool = True  # qwen2_moe's shared expert is scaled by its gate; deepseek_v2's is not
+    routed_scaling_factor: float = 1.0  # deepseek_v2: the chosen experts' weights times this
+    # Multi-head latent attention (deepseek_v2): K and V of every head come from one latent per token,
+    # kv_lora_rank wide, which the cache holds with the rotated key part shared by all heads (head_dim
+    # wide); each head's q and k have qk_nope_head_dim unrotated dimensions before the rotated ones, its
+    # v v_head_dim. 0: ordinary attention.
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,7 +101,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim = {self.head_dim}: rotary embeddings need an even head size")
-        for name in ("rms_norm_eps", "rope_theta", "embedding_scale"):
+        for name in ("rms_norm_eps", "rope_theta", "embedding_scale", "routed_scaling_factor"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ModelLoadError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -108,6 +118,8 @@ class ModelConfig:
             raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
         if self.num_experts:
             self._check_experts()
+        if self.kv_lora_rank:
+            self._check_sizes(_LATENT_LIMITS)
 
     def _check_sizes(self, limits: dict[str, int]) -> None:
         for name, most in limits.items():
@@ -163,6 +175,8 @@ class ModelConfig:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
             _refuse_unimplemented(hf, where, arch)
+            if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
+                head_dim = int(hf["qk_rope_head_dim"])
             window = hf.get("sliding_window")
             if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
@@ -191,6 +205,7 @@ class ModelConfig:
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
                 **_gemma2_from_hf(hf, arch, local_rope),
                 **_experts_from_hf(hf, arch),
+                **_latent_attention_from_hf(hf, arch, heads, kv_heads),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -199,9 +214,18 @@ class ModelConfig:
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
 
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x
+        head_dim, or with multi-head latent attention one tensor of one latent, kv_lora_rank +
+        head_dim wide (the rotated key part after the latent)."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        """The cache of every layer: tensors x layers x heads x values x bytes."""
+        tensors, heads, width = self.kv_cache_layout()
+        return tensors * self.num_layers * heads * width * bytes_per_element
 
 
 def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
@@ -264,6 +288,8 @@ def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | 
 
 def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
+    if arch == "deepseek_v2":
+        return _deepseek_experts_from_hf(hf)
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -281,12 +307,51 @@ def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
+def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """deepseek_v2's experts as transformers runs them: dense MLPs in the first first_k_dense_replace
+    layers, then the top num_experts_per_tok of n_routed_experts by softmax, times
+    routed_scaling_factor, plus n_shared_experts experts' worth of an ungated shared MLP."""
+    # (transformers' default, the values hearth implements); norm_topk_prob: transformers' deepseek_v2
+    # ignores it where DeepSeek's own code renormalises, so that no reference says what true means
+    for name, (default, implemented) in {
+        "topk_method": ("greedy", ("greedy",)), "scoring_func": ("softmax", ("softmax",)),
+        "moe_layer_freq": (1, (1,)), "norm_topk_prob": (False, (False,)), "q_lora_rank": (1536, (None,)),
+    }.items():
+        if hf.get(name, default) not in implemented:
+            raise ModelLoadError(f"{name}={hf.get(name, default)!r} is not implemented by hearth for deepseek_v2")
+    experts = int(hf["n_routed_experts"])
+    layers = int(hf["num_hidden_layers"])
+    shared = int(hf.get("n_shared_experts") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=shared * int(hf["moe_intermediate_size"]),
+        shared_expert_gated=False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        dense_mlp_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
+    )
+
+
+def _latent_attention_from_hf(hf: dict[str, Any], arch: str, heads: int, kv_heads: int) -> dict[str, Any]:
+    """deepseek_v2's multi-head latent attention sizes (none for other families)."""
+    if arch != "deepseek_v2":
+        return {}
+    if kv_heads != heads:  # the latent gives every head its own K and V
+        raise ModelLoadError(f"num_key_value_heads = {kv_heads}: multi-head latent attention needs one per head "
+                             f"({heads})")
+    return dict(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+                v_head_dim=int(hf["v_head_dim"]))
+
+
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
 # config must not make hearth allocate without limit.
 _SIZE_LIMITS = {
     "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 1 << 12,
     "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
 }
+_LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_dim": 1 << 12}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:

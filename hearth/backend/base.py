@@ -136,6 +136,7 @@ class Backend:
     """The reference path: torch's operations, any device, any dtype."""
 
     name = "reference"
+    latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -181,12 +182,13 @@ class Backend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
-        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim].
+        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, V's head_dim]
+        (V may be narrower than K: multi-head latent attention's values are a view of its keys).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (gemma2).
         window: a query sees only the last `window` positions, itself included (sliding window)."""
         if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
             return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for seq in meta.prefills:
             # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
             query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)

@@ -84,9 +84,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         config = model.config
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        caches = zeroed((2 * config.num_layers, *shape), kv_dtype, device)
-        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
+        tensors, heads, width = config.kv_cache_layout()  # K and V, or one latent (multi-head latent attention)
+        caches = zeroed((tensors * config.num_layers, num_blocks * block_size, heads, width), kv_dtype, device)
+        self.kv_caches = [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(config.num_layers)]
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""

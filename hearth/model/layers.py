@@ -86,8 +86,9 @@ class GatedMLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
-    router's softmax over all experts (renormalised over the k when norm_topk_prob), plus a shared
-    expert scaled by sigmoid(shared_expert_gate(x)) where the family has one (qwen2_moe).
+    router's softmax over all experts (renormalised over the k when norm_topk_prob; times
+    routed_scaling_factor), plus a shared expert where the family has one: scaled by
+    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2).
 
     The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
     its tokens: an expert's weights are read once per step, whatever the batch, and experts no token
@@ -97,19 +98,23 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router
         self.experts = nn.ModuleList(GatedMLP(config, ops, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(config, ops, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(config.hidden_size, 1)
+            if config.shared_expert_gated:
+                self.shared_expert_gate = Linear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts], float32 as transformers
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
         pairs_by_expert = chosen.argsort(stable=True)
         counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()  # one host sync per layer
@@ -122,7 +127,8 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, tokens, expert(x[tokens]) * weights[pairs, None])
                 start += count
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out += shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
 
@@ -130,19 +136,24 @@ class SparseMoE(nn.Module):
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
+def _rope_kind(config: ModelConfig) -> str:
+    scaling = config.rope_scaling or {}
+    return scaling.get("rope_type") or scaling.get("type") or "default"
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary frequencies [head_dim / 2], with llama3 / linear scaling applied."""
+    """Rotary frequencies [head_dim / 2], with llama3 / linear / yarn scaling applied."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    kind = _rope_kind(config)
+    if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, config)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -153,7 +164,48 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn)")
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    return float(scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """YaRN as transformers computes it: the original frequencies where a dimension turns more than
+    beta_fast times over the original context, divided by the factor where it turns less than
+    beta_slow times, and a linear ramp between."""
+    scaling, dim = config.rope_scaling, config.head_dim
+    old_context = float(scaling["original_max_position_embeddings"])
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over old_context
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = dimension(float(scaling.get("beta_fast") or 32)), dimension(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / _yarn_factor(config) * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (transformers' rule), else 1."""
+    if _rope_kind(config) != "yarn":
+        return 1.0
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = _yarn_factor(config), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -163,6 +215,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.ops = ops
         self.inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq  # [head_dim / 2]
+        self.attention_factor = rope_attention_factor(config) if inv_freq is None else 1.0
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
 
@@ -173,8 +226,8 @@ class RotaryEmbedding(nn.Module):
     def _set_table(self, inv_freq: torch.Tensor) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         # [max_positions, head_dim / 2]; buffers so that .to(device) moves them
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * self.attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * self.attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the backend's rope_and_store_kv needs of positions [T]: looked up once per step,
