@@ -5,6 +5,7 @@ fields and files hearth refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -132,3 +133,25 @@ def test_gpu_backend_refused_by_name(folder):
 
     with pytest.raises(ModelLoadError, match="backend reference"):
         load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
+
+
+def test_bench_shape_of_deepseek_v2_lite(tmp_path):
+    """`hearth bench make-model`'s deepseek-v2-lite-4l: DeepSeek-V2-Lite's 15.7B parameters when extended
+    to its 27 layers; shrunk, its HF folder runs in hearth as in transformers; GGUF refused by name."""
+    from hearth.bench import models as bench_models
+    from hearth.errors import HearthError
+
+    spec = bench_models.ARCHS["deepseek-v2-lite-4l"]
+    per_layer = spec.num_parameters() - dataclasses.replace(spec, num_layers=spec.num_layers - 1).num_parameters()
+    assert round((spec.num_parameters() + (27 - spec.num_layers) * per_layer) / 1e8) == 157
+    small = dataclasses.replace(spec, vocab_size=1024, hidden_size=64, intermediate_size=64, num_layers=2,
+                                num_heads=4, num_kv_heads=4, bos_token_id=1000, eos_token_id=1001,
+                                extra={**spec.extra, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                                       "head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32})
+    with pytest.raises(HearthError, match="no GGUF of deepseek_v2"):
+        bench_models.make_model(small, tmp_path, ["f16"], progress=False)
+    folder = Path(bench_models.make_model(small, tmp_path, [], progress=False)["files"]["hf"])
+    llm = LLM(folder, kv_cache_memory=1 << 20, progress=False)
+    assert llm.engine.model_config.kv_cache_layout() == (1, 1, 40)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == reference_greedy(folder, prompts, 6)

@@ -95,6 +95,17 @@ def canonical_hf_name(name: str) -> str:
     return name
 
 
+# hearth's names -> a family's own checkpoint names, where transformers reads only those
+_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)}
+
+
+def checkpoint_name(name: str, architecture: str) -> str:
+    """The name `architecture`'s checkpoints give hearth's tensor `name` (canonical_hf_name's inverse)."""
+    for pattern, replacement in _CHECKPOINT_NAMES.get(architecture, ()):
+        name = pattern.sub(replacement, name)
+    return name
+
+
 def gguf_expert_stack(name: str) -> tuple[int, str] | None:
     """(layer, projection) of a GGUF stack of experts (blk.N.ffn_gate_exps.weight), else None."""
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
