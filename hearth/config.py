@@ -79,11 +79,16 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
     shared_expert_gated: bool = True  # qwen2_moe's shared expert is scaled by its gate; deepseek_v2's is not
     routed_scaling_factor: float = 1.0  # deepseek_v2: the chosen experts' weights times this
+    # deepseek_v2's group_limited_greedy: the experts in expert_groups groups, of which a token chooses
+    # only among those of the topk_groups groups with the highest best scores; 0: no groups
+    expert_groups: int = 0
+    topk_groups: int = 0
     # Multi-head latent attention (deepseek_v2): K and V of every head come from one latent per token,
     # kv_lora_rank wide, which the cache holds with the rotated key part shared by all heads (head_dim
     # wide); each head's q and k have qk_nope_head_dim unrotated dimensions before the rotated ones, its
     # v v_head_dim. 0: ordinary attention.
     kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # q made through a norm between two projections of this rank (0: by q_proj)
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,6 +125,8 @@ class ModelConfig:
             self._check_experts()
         if self.kv_lora_rank:
             self._check_sizes(_LATENT_LIMITS)
+            if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
+                raise ModelLoadError(f"q_lora_rank = {self.q_lora_rank}: expected 0 to {_QUERY_RANK_LIMIT:,}")
 
     def _check_sizes(self, limits: dict[str, int]) -> None:
         for name, most in limits.items():
@@ -135,6 +142,11 @@ class ModelConfig:
         if not 0 <= self.shared_expert_intermediate_size <= _EXPERT_LIMITS["moe_intermediate_size"]:
             raise ModelLoadError(f"shared_expert_intermediate_size = {self.shared_expert_intermediate_size!r}: "
                                  "expected a whole number of at least 0")
+        groups, chosen_groups = self.expert_groups, self.topk_groups
+        if groups and (self.num_experts % groups or not 1 <= chosen_groups <= groups
+                       or chosen_groups * (self.num_experts // groups) < self.num_experts_per_tok):
+            raise ModelLoadError(f"n_group = {groups}, topk_group = {chosen_groups}: expected groups that split the "
+                                 f"{self.num_experts} experts and leave {self.num_experts_per_tok} to choose from")
         if any(not 0 <= layer < self.num_layers for layer in self.dense_mlp_layers):
             raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
                                  f"{self.num_layers}")
@@ -309,16 +321,18 @@ def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """deepseek_v2's experts as transformers runs them: dense MLPs in the first first_k_dense_replace
-    layers, then the top num_experts_per_tok of n_routed_experts by softmax, times
-    routed_scaling_factor, plus n_shared_experts experts' worth of an ungated shared MLP."""
+    layers, then the top num_experts_per_tok of n_routed_experts by softmax (greedy, or within the best
+    groups: group_limited_greedy), times routed_scaling_factor, plus n_shared_experts experts' worth of
+    an ungated shared MLP."""
     # (transformers' default, the values hearth implements); norm_topk_prob: transformers' deepseek_v2
     # ignores it where DeepSeek's own code renormalises, so that no reference says what true means
     for name, (default, implemented) in {
-        "topk_method": ("greedy", ("greedy",)), "scoring_func": ("softmax", ("softmax",)),
-        "moe_layer_freq": (1, (1,)), "norm_topk_prob": (False, (False,)), "q_lora_rank": (1536, (None,)),
+        "topk_method": ("greedy", ("greedy", "group_limited_greedy")), "scoring_func": ("softmax", ("softmax",)),
+        "moe_layer_freq": (1, (1,)), "norm_topk_prob": (False, (False,)),
     }.items():
         if hf.get(name, default) not in implemented:
             raise ModelLoadError(f"{name}={hf.get(name, default)!r} is not implemented by hearth for deepseek_v2")
+    grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
     experts = int(hf["n_routed_experts"])
     layers = int(hf["num_hidden_layers"])
     shared = int(hf.get("n_shared_experts") or 0)
@@ -331,6 +345,8 @@ def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         shared_expert_gated=False,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         dense_mlp_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
+        expert_groups=int(hf["n_group"]) if grouped else 0,
+        topk_groups=int(hf["topk_group"]) if grouped else 0,
     )
 
 
@@ -342,7 +358,8 @@ def _latent_attention_from_hf(hf: dict[str, Any], arch: str, heads: int, kv_head
         raise ModelLoadError(f"num_key_value_heads = {kv_heads}: multi-head latent attention needs one per head "
                              f"({heads})")
     return dict(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-                v_head_dim=int(hf["v_head_dim"]))
+                v_head_dim=int(hf["v_head_dim"]),
+                q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0))  # 1536: transformers' default
 
 
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
@@ -352,6 +369,7 @@ _SIZE_LIMITS = {
     "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
 }
 _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_dim": 1 << 12}
+_QUERY_RANK_LIMIT = 1 << 16
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:

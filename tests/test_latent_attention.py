@@ -58,6 +58,23 @@ def test_logits_match_transformers(folder, reference, backend, chunks):
     assert _relative_error(paged_logits(model, TOKENS, chunks), want) <= 1e-5
 
 
+def test_deepseek_v2_query_rank_expert_groups_and_biases(tmp_path):
+    """DeepSeek-V2's features that Lite lacks: the query through q_a_proj, q_a_layernorm and q_b_proj,
+    experts chosen within the best groups (group_limited_greedy; without the groups the logits differ),
+    and attention biases."""
+    folder = make_hf_model(tmp_path / "v2", "deepseek_v2", q_lora_rank=24, topk_method="group_limited_greedy",
+                           n_group=2, topk_group=1, attention_bias=True)
+    model = load_model(folder, progress=False).model
+    assert (model.config.q_lora_rank, model.config.expert_groups, model.config.topk_groups) == (24, 2, 1)
+    with torch.no_grad():
+        want = load_hf_reference(folder)(torch.tensor([TOKENS])).logits[0]
+    chunks = (20, 1, 1, 16, 1, 1, 5)
+    assert _relative_error(paged_logits(model, TOKENS, chunks), want) <= 1e-5
+    for layer in model.layers[1:]:
+        layer.mlp.expert_groups = 0
+    assert _relative_error(paged_logits(model, TOKENS, chunks), want) > 1e-3
+
+
 def test_cache_holds_the_normed_latent_and_rotated_key(folder, reference):
     """Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim values: transformers' own
     cache entries (the latent after kv_a_layernorm, k_pe after RoPE; hearth keeps k_pe's even
@@ -103,15 +120,15 @@ def test_inspect_shows_the_latent(folder):
     assert info["experts"]["count"] == 8 and info["experts"]["shared_intermediate_size"] == 64
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("topk_method", "group_limited_greedy", "topk_method"), ("scoring_func", "sigmoid", "scoring_func"),
-    ("norm_topk_prob", True, "norm_topk_prob"), ("q_lora_rank", 16, "q_lora_rank"), ("moe_layer_freq", 2, "moe_layer_freq"),
-    ("num_key_value_heads", 2, "num_key_value_heads"),
-    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_scaling type 'dynamic'"),
+@pytest.mark.parametrize("fields,message", [
+    ({"topk_method": "noaux_tc"}, "topk_method"), ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"norm_topk_prob": True}, "norm_topk_prob"), ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group = 3"),  # 8 experts
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_scaling type 'dynamic'"),
 ])
-def test_unimplemented_fields_are_refused_by_name(folder, tmp_path, field, value, message):
-    config = json.loads((folder / "config.json").read_text())
-    config[field] = value
+def test_unimplemented_fields_are_refused_by_name(folder, tmp_path, fields, message):
+    config = {**json.loads((folder / "config.json").read_text()), **fields}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for file in folder.iterdir():
         if file.name != "config.json":

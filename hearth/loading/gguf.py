@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
-from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack, gguf_to_hf,
-                                  hf_expert_name, qk_row_order)
+from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack,
+                                  gguf_to_hf, hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
 Weight = torch.Tensor | QuantTensor

@@ -27,7 +27,7 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.layers import Linear, RMSNorm, yarn_mscale
 
-# transformers' and DeepSeek's kv_a_layernorm keeps RMSNorm's default epsilon, not rms_norm_eps
+# transformers' and DeepSeek's kv_a_layernorm and q_a_layernorm keep RMSNorm's default epsilon, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
 
 
@@ -50,7 +50,14 @@ class LatentAttention(nn.Module):
         self.num_heads, self.rank = config.num_heads, config.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.head_dim, config.v_head_dim
         heads, hidden = self.num_heads, config.hidden_size
-        self.q_proj = Linear(hidden, heads * (self.nope_dim + self.rope_dim))
+        q_size = heads * (self.nope_dim + self.rope_dim)
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank:  # DeepSeek-V2's query through a normed low rank (Lite has none)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, config.attention_bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size)
+        else:
+            self.q_proj = Linear(hidden, q_size)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, config.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = DenseWeight(heads * (self.nope_dim + self.v_dim), self.rank)  # used absorbed, per head
@@ -69,7 +76,8 @@ class LatentAttention(nn.Module):
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
-        q_nope, q_pe = self.q_proj(x).view(tokens, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(tokens, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cache = kv_cache[0]

@@ -87,7 +87,8 @@ class GatedMLP(nn.Module):
 class SparseMoE(nn.Module):
     """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
     router's softmax over all experts (renormalised over the k when norm_topk_prob; times
-    routed_scaling_factor), plus a shared expert where the family has one: scaled by
+    routed_scaling_factor; with expert groups, chosen only from the topk_groups groups whose best
+    expert scores highest), plus a shared expert where the family has one: scaled by
     sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2).
 
     The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
@@ -99,6 +100,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router
         self.experts = nn.ModuleList(GatedMLP(config, ops, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
@@ -110,6 +112,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts], float32 as transformers
+        if self.expert_groups:  # experts outside the best groups score 0
+            groups = probs.view(x.shape[0], self.expert_groups, -1)  # [T, groups, experts per group]
+            best = groups.amax(dim=-1).topk(self.topk_groups, dim=-1).indices
+            kept = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            probs = groups.masked_fill(~kept[..., None], 0.0).view_as(probs)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -186,7 +193,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     return inv_freq / _yarn_factor(config) * ramp + inv_freq * (1 - ramp)
 
 

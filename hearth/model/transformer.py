@@ -134,7 +134,8 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        # per layer (k, v), each [slots, kv_heads, head_dim]; with latent attention (latent,) (ModelConfig.kv_cache_layout)
+        # per layer (k, v), each [slots, kv_heads, head_dim]; with latent attention (latent,)
+        # (ModelConfig.kv_cache_layout)
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:  # [T, hidden], after the final norm
