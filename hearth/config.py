@@ -123,7 +123,7 @@ class ModelConfig:
             raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
         if self.num_experts:
             self._check_experts()
-        if self.kv_lora_rank:
+        if self.kv_lora_rank or self.architecture == "deepseek_v2":  # never run as ordinary attention
             self._check_sizes(_LATENT_LIMITS)
             if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
                 raise ModelLoadError(f"q_lora_rank = {self.q_lora_rank}: expected 0 to {_QUERY_RANK_LIMIT:,}")

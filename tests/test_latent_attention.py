@@ -124,7 +124,7 @@ def test_inspect_shows_the_latent(folder):
     ({"topk_method": "noaux_tc"}, "topk_method"), ({"scoring_func": "sigmoid"}, "scoring_func"),
     ({"norm_topk_prob": True}, "norm_topk_prob"), ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group = 3"),  # 8 experts
-    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"), ({"kv_lora_rank": 0}, "kv_lora_rank = 0"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_scaling type 'dynamic'"),
 ])
 def test_unimplemented_fields_are_refused_by_name(folder, tmp_path, fields, message):
