@@ -204,12 +204,15 @@ class Backend:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,
                          window: int | None = None) -> torch.Tensor:
-        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers."""
-        # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
+        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers.
+        The query heads that share a KV head are rows of one query (SDPA's own GQA copies K and V
+        per query head: 7x the time for multi-head latent attention's one 576-wide KV head)."""
+        # [D, kv_heads, heads / kv_heads, head_dim] against [D, kv_heads, L, head_dim]
         slots, mask = meta.decode_slots_and_mask(window)
         keys = k_cache[slots].transpose(1, 2).to(q.dtype)
         values = v_cache[slots].transpose(1, 2).to(q.dtype)
-        return _attend(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+        grouped = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])
+        return _attend(grouped, keys, values, mask, scale, softcap).reshape(*q.shape[:2], -1)
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
