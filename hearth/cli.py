@@ -277,6 +277,11 @@ def cmd_inspect(args) -> None:
         print(f"experts          {e['count']} of intermediate size {e['intermediate_size']}, {e['used_per_token']} per "
               f"token{' (weights renormalised)' if e['normalised'] else ''}{shared}; "
               f"{e['active_parameters']:,} parameters active per token")
+    if "latent_attention" in info:
+        a = info["latent_attention"]
+        print(f"latent attention rank {a['kv_lora_rank']} + rotated key {a['qk_rope_head_dim']}: "
+              f"{a['values_per_token_per_layer']} cached values per token and layer (per-head K and V: "
+              f"{a['per_head_kv_values_per_token_per_layer']:,})")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")

@@ -10,7 +10,7 @@ from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
-                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
@@ -27,6 +27,7 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (hearth/model/latent_attention.py)
 }
 
 
@@ -39,7 +40,7 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of q and k; with multi-head latent attention, of their rotated part (qk_rope_head_dim)
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -76,6 +77,20 @@ class ModelConfig:
     # qwen2_moe: a dense MLP every token takes beside the routed ones, scaled by sigmoid(gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
+    shared_expert_gated: bool = True  # qwen2_moe's shared expert is scaled by its gate; deepseek_v2's is not
+    routed_scaling_factor: float = 1.0  # deepseek_v2: the chosen experts' weights times this
+    # deepseek_v2's group_limited_greedy: the experts in expert_groups groups, of which a token chooses
+    # only among those of the topk_groups groups with the highest best scores; 0: no groups
+    expert_groups: int = 0
+    topk_groups: int = 0
+    # Multi-head latent attention (deepseek_v2): K and V of every head come from one latent per token,
+    # kv_lora_rank wide, which the cache holds with the rotated key part shared by all heads (head_dim
+    # wide); each head's q and k have qk_nope_head_dim unrotated dimensions before the rotated ones, its
+    # v v_head_dim. 0: ordinary attention.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # q made through a norm between two projections of this rank (0: by q_proj)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,7 +106,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim = {self.head_dim}: rotary embeddings need an even head size")
-        for name in ("rms_norm_eps", "rope_theta", "embedding_scale"):
+        for name in ("rms_norm_eps", "rope_theta", "embedding_scale", "routed_scaling_factor"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ModelLoadError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -108,6 +123,10 @@ class ModelConfig:
             raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
         if self.num_experts:
             self._check_experts()
+        if self.kv_lora_rank or self.architecture == "deepseek_v2":  # never run as ordinary attention
+            self._check_sizes(_LATENT_LIMITS)
+            if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
+                raise ModelLoadError(f"q_lora_rank = {self.q_lora_rank}: expected 0 to {_QUERY_RANK_LIMIT:,}")
 
     def _check_sizes(self, limits: dict[str, int]) -> None:
         for name, most in limits.items():
@@ -123,6 +142,11 @@ class ModelConfig:
         if not 0 <= self.shared_expert_intermediate_size <= _EXPERT_LIMITS["moe_intermediate_size"]:
             raise ModelLoadError(f"shared_expert_intermediate_size = {self.shared_expert_intermediate_size!r}: "
                                  "expected a whole number of at least 0")
+        groups, chosen_groups = self.expert_groups, self.topk_groups
+        if groups and (self.num_experts % groups or not 1 <= chosen_groups <= groups
+                       or chosen_groups * (self.num_experts // groups) < self.num_experts_per_tok):
+            raise ModelLoadError(f"n_group = {groups}, topk_group = {chosen_groups}: expected groups that split the "
+                                 f"{self.num_experts} experts and leave {self.num_experts_per_tok} to choose from")
         if any(not 0 <= layer < self.num_layers for layer in self.dense_mlp_layers):
             raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
                                  f"{self.num_layers}")
@@ -163,6 +187,8 @@ class ModelConfig:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
             _refuse_unimplemented(hf, where, arch)
+            if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
+                head_dim = int(hf["qk_rope_head_dim"])
             window = hf.get("sliding_window")
             if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
@@ -191,6 +217,7 @@ class ModelConfig:
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
                 **_gemma2_from_hf(hf, arch, local_rope),
                 **_experts_from_hf(hf, arch),
+                **_latent_attention_from_hf(hf, arch, heads, kv_heads),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -199,9 +226,18 @@ class ModelConfig:
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
 
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x
+        head_dim, or with multi-head latent attention one tensor of one latent, kv_lora_rank +
+        head_dim wide (the rotated key part after the latent)."""
+        if self.kv_lora_rank:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes (q8_0: 34 / 32 bytes)."""
-        return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
+        """The cache of every layer: tensors x layers x heads x values x bytes (q8_0: 34 / 32 bytes)."""
+        tensors, heads, width = self.kv_cache_layout()
+        return round(tensors * self.num_layers * heads * width * bytes_per_element)
 
     @property
     def kv_window(self) -> int | None:
@@ -291,6 +327,8 @@ def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | 
 
 def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
+    if arch == "deepseek_v2":
+        return _deepseek_experts_from_hf(hf)
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -308,12 +346,57 @@ def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
+def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """deepseek_v2's experts as transformers runs them: dense MLPs in the first first_k_dense_replace
+    layers, then the top num_experts_per_tok of n_routed_experts by softmax (greedy, or within the best
+    groups: group_limited_greedy), times routed_scaling_factor, plus n_shared_experts experts' worth of
+    an ungated shared MLP."""
+    # (transformers' default, the values hearth implements); norm_topk_prob: transformers' deepseek_v2
+    # ignores it where DeepSeek's own code renormalises, so that no reference says what true means
+    for name, (default, implemented) in {
+        "topk_method": ("greedy", ("greedy", "group_limited_greedy")), "scoring_func": ("softmax", ("softmax",)),
+        "moe_layer_freq": (1, (1,)), "norm_topk_prob": (False, (False,)),
+    }.items():
+        if hf.get(name, default) not in implemented:
+            raise ModelLoadError(f"{name}={hf.get(name, default)!r} is not implemented by hearth for deepseek_v2")
+    grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
+    experts = int(hf["n_routed_experts"])
+    layers = int(hf["num_hidden_layers"])
+    shared = int(hf.get("n_shared_experts") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=shared * int(hf["moe_intermediate_size"]),
+        shared_expert_gated=False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        dense_mlp_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
+        expert_groups=int(hf["n_group"]) if grouped else 0,
+        topk_groups=int(hf["topk_group"]) if grouped else 0,
+    )
+
+
+def _latent_attention_from_hf(hf: dict[str, Any], arch: str, heads: int, kv_heads: int) -> dict[str, Any]:
+    """deepseek_v2's multi-head latent attention sizes (none for other families)."""
+    if arch != "deepseek_v2":
+        return {}
+    if kv_heads != heads:  # the latent gives every head its own K and V
+        raise ModelLoadError(f"num_key_value_heads = {kv_heads}: multi-head latent attention needs one per head "
+                             f"({heads})")
+    return dict(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+                v_head_dim=int(hf["v_head_dim"]),
+                q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0))  # 1536: transformers' default
+
+
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
 # config must not make hearth allocate without limit.
 _SIZE_LIMITS = {
     "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_layers": 1 << 12,
     "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
 }
+_LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_dim": 1 << 12}
+_QUERY_RANK_LIMIT = 1 << 16
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 # config.json fields of features hearth does not implement, with the values that switch them off:

@@ -57,6 +57,8 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
     }
     if config.num_experts:
         info["experts"] = _experts(config, params)
+    if config.kv_lora_rank:
+        info["latent_attention"] = _latent_attention(config)
     if kv_budget_bytes is not None:
         info["kv_budget_bytes"] = kv_budget_bytes
         info["kv_budget_tokens"] = kv_budget_bytes // kv_per_token
@@ -72,3 +74,12 @@ def _experts(config, params: int) -> dict:
             "intermediate_size": config.moe_intermediate_size,
             "shared_intermediate_size": config.shared_expert_intermediate_size,
             "normalised": config.norm_topk_prob, "active_parameters": params - unused}
+
+
+def _latent_attention(config) -> dict:
+    """Multi-head latent attention's sizes, and the values a token takes in a layer's cache (the latent
+    and the shared rotated key part) against the per-head K and V it stands for."""
+    nope, rope, v = config.qk_nope_head_dim, config.head_dim, config.v_head_dim
+    return {"kv_lora_rank": config.kv_lora_rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v,
+            "values_per_token_per_layer": config.kv_lora_rank + rope,
+            "per_head_kv_values_per_token_per_layer": config.num_heads * (nope + rope + v)}

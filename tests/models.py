@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # deepseek_v2: tests/test_latent_attention.py
 VOCAB_SIZE = 320
 
 _TEXT = (
@@ -86,6 +86,17 @@ def hf_config(arch: str, **overrides):
                                                     "use_sliding_window": False}),
         "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                              "pad_token_id": None}),
+        # DeepSeek-V2-Lite's shape, small: multi-head latent attention without a query LoRA; a dense
+        # first layer, then 8 routed experts (2 chosen, scaled) and a shared MLP of 2 experts' width;
+        # YaRN with a factor that bites within the tests' sequences and both of its temperatures
+        "deepseek_v2": (transformers.DeepseekV2Config, {
+            "num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 2, "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.5, "topk_method": "greedy", "norm_topk_prob": False, "pad_token_id": None,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 0.707, "mscale_all_dim": 1.0}}),
     }
     cls, extra = specific[arch]
     return cls(**{**common, **extra, **overrides})

@@ -53,6 +53,9 @@ def test_logits_match_transformers_fp32(tmp_path, arch):
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
         ("qwen2", {"num_key_value_heads": 4}),  # plain multi-head
+        # YaRN (deepseek_v2's; any family's in transformers): ramped frequencies and a cos/sin factor
+        ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                       "original_max_position_embeddings": 16}}),
     ],
 )
 def test_variants_match_transformers(tmp_path, arch, overrides):

@@ -138,6 +138,7 @@ class Backend:
     """The reference path: torch's operations, any device, any dtype."""
 
     name = "reference"
+    latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -183,12 +184,13 @@ class Backend:
 
     def attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,
                   scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
-        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, head_dim].
+        """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, V's head_dim]
+        (V may be narrower than K: multi-head latent attention's values are a view of its keys).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (gemma2).
         window: a query sees only the last `window` positions, itself included (sliding window)."""
         if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
             return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for seq in meta.prefills:
             # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
             query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
@@ -204,12 +206,15 @@ class Backend:
     def decode_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,
                          window: int | None = None) -> torch.Tensor:
-        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers."""
-        # [D, heads, 1, head_dim] against [D, kv_heads, L, head_dim]
+        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers.
+        The query heads that share a KV head are rows of one query (SDPA's own GQA copies K and V
+        per query head: 7x the time for multi-head latent attention's one 576-wide KV head)."""
+        # [D, kv_heads, heads / kv_heads, head_dim] against [D, kv_heads, L, head_dim]
         slots, mask = meta.decode_slots_and_mask(window)
         keys = read_rows(k_cache, slots, q.dtype).transpose(1, 2)
         values = read_rows(v_cache, slots, q.dtype).transpose(1, 2)
-        return _attend(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+        grouped = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])
+        return _attend(grouped, keys, values, mask, scale, softcap).reshape(*q.shape[:2], -1)
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up

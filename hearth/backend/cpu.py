@@ -61,7 +61,8 @@ class CpuBackend(Backend):
         """One kernel call: k rotated straight into its cache slot, quantized there for a q8_0 cache
         (rows may be strided views of a merged projection, each token's heads side by side)."""
         k_cache, v_cache = kv_cache
-        if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)):
+        if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)
+                and _whole_caches(k_cache, v_cache)):
             return super().rope_and_store_kv(q, k, v, rotary, kv_cache, slot_mapping)
         tokens, heads, head_dim = q.shape
         q_out = torch.empty(tokens, heads, head_dim)
@@ -77,7 +78,7 @@ class CpuBackend(Backend):
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          split_len: int | None = None,  # None: decode_split_len's choice
                          softcap: float | None = None, window: int | None = None):
-        if softcap is not None:  # the kernel has no soft-capping
+        if softcap is not None or not _whole_caches(k_cache, v_cache):  # the kernel has no soft-capping
             return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         q = q.contiguous()
         num_decodes, heads, head_dim = q.shape
@@ -115,6 +116,12 @@ class CpuBackend(Backend):
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         path = state["decode_path"]
         return None if path is None else path(x, rotary, kv_caches, meta)
+
+
+def _whole_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """K and V caches the kernels read: each its own contiguous tensor, of one width. Multi-head latent
+    attention's views of its one latent cache (hearth/model/latent_attention.py) take the reference path."""
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

@@ -38,13 +38,16 @@ class Q8Cache(NamedTuple):
 KVCache = torch.Tensor | Q8Cache  # one layer's K or V: [num_slots, kv_heads, head_dim] of values, or q8_0
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, head_dim: int) -> None:
-    """Raises ValueError where `kv_cache_dtype` cannot store heads of head_dim values."""
+def check_kv_cache_dtype(kv_cache_dtype: str, config) -> None:
+    """Raises ValueError where `kv_cache_dtype` cannot store the caches of the model of `config`."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "q8_0" and head_dim % Q8_BLOCK:
+    if kv_cache_dtype == "q8_0" and config.kv_lora_rank:
+        raise ValueError("kv_cache_dtype q8_0 is not implemented for multi-head latent attention (its keys and "
+                         "values are views of one latent cache)")
+    if kv_cache_dtype == "q8_0" and config.head_dim % Q8_BLOCK:
         raise ValueError(f"kv_cache_dtype q8_0 needs a head_dim that is a multiple of {Q8_BLOCK} (q8_0 blocks); "
-                         f"this model's is {head_dim}")
+                         f"this model's is {config.head_dim}")
 
 
 def kv_bytes_per_element(kv_cache_dtype: str, itemsize: int) -> float:

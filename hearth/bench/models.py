@@ -82,11 +82,13 @@ class ArchSpec:
     def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every weight: what hearth's model of this config.json loads."""
         from hearth.config import ModelConfig
+        from hearth.loading.names import checkpoint_name
         from hearth.model.transformer import Transformer
 
+        config = ModelConfig.from_hf(self.hf_config())
         with torch.device("meta"):
-            model = Transformer(ModelConfig.from_hf(self.hf_config()), max_positions=1)
-        yield from model.checkpoint_shapes()
+            model = Transformer(config, max_positions=1)
+        yield from ((checkpoint_name(name, config.architecture), shape) for name, shape in model.checkpoint_shapes())
 
     def num_parameters(self) -> int:
         return sum(math.prod(shape) for _, shape in self.tensor_shapes())
@@ -129,6 +131,20 @@ ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
              intermediate_size=14336, num_layers=2, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
              rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
              extra={"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    # deepseek-ai/DeepSeek-V2-Lite at 4 of its 27 layers (the dense first one and three of experts; 15.7B
+    # parameters at full depth): multi-head latent attention, 64 routed experts (6 per token) and 2 shared,
+    # YaRN to 160K positions. HF folder only: hearth writes no GGUF of it.
+    ArchSpec("deepseek-v2-lite-4l", "DeepseekV2ForCausalLM", "deepseek_v2", vocab_size=102400, hidden_size=2048,
+             intermediate_size=10944, num_layers=4, num_heads=16, num_kv_heads=16, max_position_embeddings=163840,
+             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=100000,
+             eos_token_id=100001,
+             rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                           "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+             extra={"head_dim": 64, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                    "moe_layer_freq": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                    "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
     # google/gemma-2-2b and google/gemma-3-1b-pt
     ArchSpec("gemma-2-2b", "Gemma2ForCausalLM", "gemma2", vocab_size=256000, hidden_size=2304,
              intermediate_size=9216, num_layers=26, num_heads=8, num_kv_heads=4, max_position_embeddings=8192,
@@ -285,10 +301,14 @@ def make_model(arch: str | ArchSpec, out: str | Path, gguf_types: list[str] | tu
                seed: int = 0, force: bool = False, progress: bool = True) -> dict[str, Any]:
     """Write DIR/hf (the HF folder) and DIR/<arch>-<type>.gguf; existing files are kept unless force."""
     from hearth.loading.convert import OUT_TYPES, convert_hf_to_gguf
+    from hearth.loading.names import NO_GGUF
 
     spec = arch if isinstance(arch, ArchSpec) else ARCHS.get(arch)
     if spec is None:
         raise HearthError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if gguf_types and spec.model_type in NO_GGUF:
+        raise HearthError(f"{spec.name}: hearth writes no GGUF of {spec.model_type} ({NO_GGUF[spec.model_type]}); "
+                          "ask for none (--gguf '')")
     bad = [t for t in gguf_types if t not in OUT_TYPES]
     if bad:
         raise HearthError(f"unknown GGUF type {bad[0]!r}; choose from {', '.join(OUT_TYPES)}")

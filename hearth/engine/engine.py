@@ -74,7 +74,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
-        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config.head_dim)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config)
         bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)

@@ -276,16 +276,18 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def allocate_kv_caches(config, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
-                       ) -> list[tuple[KVCache, KVCache]]:
-    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype`, or q8_0 codes and scales."""
-    shape = (2 * config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-    if kv_cache_dtype == "q8_0":
+                       ) -> list[tuple[KVCache, ...]]:
+    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype` or q8_0 codes and scales;
+    with multi-head latent attention (one latent), [num_slots, 1, latent width] (ModelConfig.kv_cache_layout)."""
+    tensors, heads, width = config.kv_cache_layout()
+    shape = (tensors * config.num_layers, num_slots, heads, width)
+    if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
         codes = zeroed(shape, torch.int8, device)
-        scales = zeroed((*shape[:-1], config.head_dim // Q8_BLOCK), torch.float16, device)
+        scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
         caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
     else:
         caches = list(zeroed(shape, dtype, device))
-    return [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
+    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(config.num_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
-from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
+from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
                                   hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
@@ -51,7 +51,6 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                       "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
-
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -66,6 +65,9 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str =
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
+    if config.architecture not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
+                             f"({NO_GGUF[config.architecture]}); run the folder itself")
     file_type, weight_type = OUT_TYPES[out_type]
     plan = list(_plan_tensors(config, weights, weight_type))
 

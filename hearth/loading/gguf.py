@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
-from hearth.loading.names import (PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack, gguf_to_hf,
-                                  hf_expert_name, qk_row_order)
+from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack,
+                                  gguf_to_hf, hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -44,6 +44,9 @@ _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": 
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
     hearth_arch = _ARCHITECTURES.get(arch, arch)
+    if arch == "deepseek2":
+        raise ModelLoadError(f"{where}: GGUF files of architecture 'deepseek2' are not read by hearth "
+                             f"({NO_GGUF['deepseek_v2']}); run the Hugging Face folder")
     if hearth_arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r} (general.architecture); "

@@ -43,6 +43,7 @@ _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
 )
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,6 +69,9 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
+# architectures hearth runs from HF folders only (no GGUF either way), and why
+NO_GGUF = {"deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
+                          "names in hearth's GGUF mapping"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
@@ -87,8 +91,19 @@ def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
 
 def canonical_hf_name(name: str) -> str:
     """A checkpoint's tensor name as hearth's modules name it (mixtral's block_sparse_moe.experts.N.w1
-    is mlp.experts.N.gate_proj)."""
+    is mlp.experts.N.gate_proj, deepseek_v2's mlp.shared_experts is mlp.shared_expert)."""
     for pattern, replacement in _HF_ALIASES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+# hearth's names -> a family's own checkpoint names, where transformers reads only those
+_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)}
+
+
+def checkpoint_name(name: str, architecture: str) -> str:
+    """The name `architecture`'s checkpoints give hearth's tensor `name` (canonical_hf_name's inverse)."""
+    for pattern, replacement in _CHECKPOINT_NAMES.get(architecture, ()):
         name = pattern.sub(replacement, name)
     return name
 

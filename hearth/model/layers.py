@@ -86,8 +86,10 @@ class GatedMLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
-    router's softmax over all experts (renormalised over the k when norm_topk_prob), plus a shared
-    expert scaled by sigmoid(shared_expert_gate(x)) where the family has one (qwen2_moe).
+    router's softmax over all experts (renormalised over the k when norm_topk_prob; times
+    routed_scaling_factor; with expert groups, chosen only from the topk_groups groups whose best
+    expert scores highest), plus a shared expert where the family has one: scaled by
+    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2).
 
     The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
     its tokens: an expert's weights are read once per step, whatever the batch, and experts no token
@@ -97,19 +99,29 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router
         self.experts = nn.ModuleList(GatedMLP(config, ops, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(config, ops, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(config.hidden_size, 1)
+            if config.shared_expert_gated:
+                self.shared_expert_gate = Linear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts], float32 as transformers
+        if self.expert_groups:  # experts outside the best groups score 0
+            groups = probs.view(x.shape[0], self.expert_groups, -1)  # [T, groups, experts per group]
+            best = groups.amax(dim=-1).topk(self.topk_groups, dim=-1).indices
+            kept = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            probs = groups.masked_fill(~kept[..., None], 0.0).view_as(probs)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
         pairs_by_expert = chosen.argsort(stable=True)
         counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()  # one host sync per layer
@@ -122,12 +134,18 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, tokens, expert(x[tokens]) * weights[pairs, None])
                 start += count
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out += shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
 
 # config.hidden_act -> the backends' activation names
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _rope_kind(config: ModelConfig) -> str:
+    scaling = config.rope_scaling or {}
+    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 def longrope_factors(config: ModelConfig, max_positions: int) -> str:
@@ -141,23 +159,23 @@ def longrope_factors(config: ModelConfig, max_positions: int) -> str:
 
 
 def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
-    """Rotary frequencies [head_dim / 2], with llama3 / linear / LongRoPE scaling applied
+    """Rotary frequencies [head_dim / 2], with llama3 / linear / yarn / LongRoPE scaling applied
     (LongRoPE's by the engine's context, max_positions; a GGUF's factors come as tensors instead,
     Transformer.load_weights)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    kind = _rope_kind(config)
+    if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "longrope":
         factors = scaling.get(longrope_factors(config, max_positions or config.max_position_embeddings))
         return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, config)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -168,7 +186,52 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn, longrope)")
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    return float(scaling.get("factor") or config.max_position_embeddings / scaling["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """YaRN as transformers computes it: the original frequencies where a dimension turns more than
+    beta_fast times over the original context, divided by the factor where it turns less than
+    beta_slow times, and a linear ramp between."""
+    scaling, dim = config.rope_scaling, config.head_dim
+    old_context = float(scaling["original_max_position_embeddings"])
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over old_context
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = dimension(float(scaling.get("beta_fast") or 32)), dimension(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / _yarn_factor(config) * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: LongRoPE's or YaRN's attention factor (transformers'
+    rules; LongRoPE's is worked out when the config is read), else 1."""
+    kind, scaling = _rope_kind(config), config.rope_scaling
+    if kind == "longrope":
+        return float(scaling["attention_factor"])
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = _yarn_factor(config), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -178,8 +241,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.ops = ops
         self.inv_freq = rope_inv_freq(config, max_positions) if inv_freq is None else inv_freq  # [head_dim / 2]
+        self.attention_factor = rope_attention_factor(config) if inv_freq is None else 1.0
         self.max_positions = max_positions
-        self.attention_factor = float((config.rope_scaling or {}).get("attention_factor", 1.0))
         self._set_table(self.inv_freq)
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, and
-the mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe.
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, the
+mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe, and deepseek_v2 (experts and multi-head
+latent attention, hearth/model/latent_attention.py).
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
 backend's attention metadata; it knows nothing about requests. Its operations (norms, RoPE and
@@ -18,6 +19,7 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors
 from hearth.quant import QuantTensor
 from hearth.quant.kernels.memory import release_pages
@@ -83,7 +85,7 @@ class DecoderLayer(nn.Module):
             return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, ops, index)
+        self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, ops, index)
         self.post_attention_layernorm = norm()
         self.sandwich_norms = config.sandwich_norms
         if self.sandwich_norms:
@@ -132,7 +134,9 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v), each [slots, kv_heads, head_dim]
+        # per layer (k, v), each [slots, kv_heads, head_dim]; with latent attention (latent,)
+        # (ModelConfig.kv_cache_layout)
+        kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)
