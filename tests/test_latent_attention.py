@@ -172,3 +172,9 @@ def test_bench_shape_of_deepseek_v2_lite(tmp_path):
     assert llm.engine.model_config.kv_cache_layout() == (1, 1, 40)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == reference_greedy(folder, prompts, 6)
+
+
+def test_a_q8_0_cache_is_refused_for_the_latent(folder):
+    """The latent cache's keys and values are views of one tensor: no q8_0 blocks for it (yet)."""
+    with pytest.raises(ValueError, match="not implemented for multi-head latent attention"):
+        LLM(folder, kv_cache_dtype="q8_0", progress=False)
