@@ -48,13 +48,14 @@ class LLMEngine:
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
         self.workers, shard = None, None
         if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices in processes of their own
-            from hearth.distributed.tensor_parallel import TensorShard, start_workers
+            from hearth.distributed.tensor_parallel import TensorShard
+            from hearth.distributed.workers import start_workers
 
             if self.device.type != "cpu":
                 raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
             model = resolve_model(model)
-            self.workers = start_workers(model, config.tensor_parallel_size, self.dtype, config.max_model_len,
-                                         backend.name)
+            self.workers = start_workers("tensor", model, config.tensor_parallel_size, self.dtype,
+                                         config.max_model_len, backend.name, self.device)
             shard = TensorShard(0, config.tensor_parallel_size)
         try:
             loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len,

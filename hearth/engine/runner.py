@@ -85,8 +85,7 @@ class ModelRunner:
         self.device = device
         config = model.config
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        caches = zeroed((2 * config.num_layers, *shape), kv_dtype, device)
-        self.kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(config.num_layers)]
+        self.kv_caches = layer_caches(len(model.layers), shape, kv_dtype, device)
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -238,6 +237,13 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
     parts = flat.split([t.numel() for t in tensors])
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
+
+
+def layer_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache, each `shape` [slots, kv_heads, head_dim], zeroed."""
+    caches = zeroed((2 * num_layers, *shape), dtype, device)
+    return [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

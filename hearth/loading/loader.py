@@ -56,7 +56,8 @@ def load_model(
     shard: TensorShard | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
-    shard: this process's slice of a tensor-parallel model (its config is the slice's)."""
+    shard: this process's part of a model split over processes (hearth/distributed/workers.py):
+    a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers)."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
@@ -65,6 +66,8 @@ def load_model(
         config, weights = shard.config(config), shard.weights(weights, config)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
         model = Transformer(config, max_positions, backend)
+    if shard is not None:
+        shard.select(model)
     model.load_weights(weights, dtype)
     if shard is not None:
         shard.wrap(model)
