@@ -48,6 +48,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the model's layers into N stages, one process each (docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=["ngram"], default=None,
                    help="ngram: guesses copied from the request's own text (prompt lookup), verified in one pass")
@@ -94,6 +96,7 @@ def engine_options(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min,

@@ -327,6 +327,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
     # speculative decoding (hearth/engine/speculative.py): None (off) or "ngram" (prompt lookup)
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # the most guesses per request per step
@@ -351,6 +352,10 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
+        need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+             "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
+             "pipeline_parallel_size, not both")
         need(self.speculative_method in (None, "ngram"),
              f"speculative_method must be ngram (draft-model, lookahead and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")

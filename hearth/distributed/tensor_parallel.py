@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hearth.backend.base import Backend
 from hearth.config import ModelConfig
 from hearth.distributed.workers import announce_pass
 from hearth.errors import ModelLoadError
@@ -89,6 +90,10 @@ class TensorShard:
             layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
         if self.rank == 0:
             model.register_forward_pre_hook(_broadcast_inputs)
+
+    def model_pass(self, backend: Backend):
+        """Rank 0's pass of a step (the runner's): the backend's, announced by wrap's pre-hook."""
+        return backend.forward
 
     def run(self, model: nn.Module, work: tuple, kv_caches: list) -> None:
         """A worker's share of the pass rank 0 announced: the same pass on its slice."""

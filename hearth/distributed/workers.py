@@ -33,6 +33,18 @@ def shard_class(kind: str):
     return PipelineShard
 
 
+def start_split(model_path, tensor_parallel_size: int, pipeline_parallel_size: int, dtype: torch.dtype,
+                max_positions: int | None, backend: str, device: torch.device):
+    """The worker processes of an engine whose model is split, and rank 0's shard."""
+    if tensor_parallel_size > 1:
+        if device.type != "cpu":
+            raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
+        kind, size = "tensor", tensor_parallel_size
+    else:
+        kind, size = "pipeline", pipeline_parallel_size
+    return start_workers(kind, model_path, size, dtype, max_positions, backend, device), shard_class(kind)(0, size)
+
+
 def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, max_positions: int | None,
                   backend: str, device: torch.device) -> "WorkerGroup":
     """Start ranks 1..world_size-1 of a `kind` ("tensor" or "pipeline") split, each loading its

@@ -47,16 +47,12 @@ class LLMEngine:
         self.dtype = choose_dtype(config.dtype, self.device)
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
         self.workers, shard = None, None
-        if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices in processes of their own
-            from hearth.distributed.tensor_parallel import TensorShard
-            from hearth.distributed.workers import start_workers
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            from hearth.distributed.workers import start_split  # ranks 1..N-1: processes of their own
 
-            if self.device.type != "cpu":
-                raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
             model = resolve_model(model)
-            self.workers = start_workers("tensor", model, config.tensor_parallel_size, self.dtype,
-                                         config.max_model_len, backend.name, self.device)
-            shard = TensorShard(0, config.tensor_parallel_size)
+            self.workers, shard = start_split(model, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                              self.dtype, config.max_model_len, backend.name, self.device)
         try:
             loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len,
                                 progress=progress, backend=backend, shard=shard)
@@ -87,7 +83,8 @@ class LLMEngine:
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.dtype,
-                                  eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars)
+                                  eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
+                                  model_pass=None if shard is None else shard.model_pass(backend))
         self.kv_cache_bytes = self.num_blocks * config.block_size * bytes_per_token
         if progress:
             print(
@@ -108,7 +105,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        """Stop the workers of a split model, if any (also done when the engine is collected)."""
         if self.workers is not None:
             self.workers.stop()
 

@@ -14,7 +14,7 @@ copy to the host. `forward` is the bare model pass, for callers that want hidden
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [slots, kv_heads, head_dim]
 
 
 @dataclass
@@ -74,12 +75,16 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
+        model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
+        """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
+        forward; a pipeline-parallel model's passes through its stages)."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
         self.sampler = Sampler()
         self.backend = model.backend
+        self.model_pass = model_pass or self.backend.forward
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
@@ -116,7 +121,7 @@ class ModelRunner:
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
-        hidden = self.backend.forward(self.model, step, self.kv_caches)
+        hidden = self.model_pass(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
 
     def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
@@ -239,8 +244,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
 
 
-def layer_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> KVCaches:
     """Each layer's (K, V) cache, each `shape` [slots, kv_heads, head_dim], zeroed."""
     caches = zeroed((2 * num_layers, *shape), dtype, device)
     return [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]

@@ -16,6 +16,7 @@ from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from hearth.distributed.pipeline_parallel import PipelineShard
     from hearth.distributed.tensor_parallel import TensorShard
 
 
@@ -53,7 +54,7 @@ def load_model(
     max_positions: int | None = None,
     progress: bool = True,
     backend: Backend | None = None,
-    shard: TensorShard | None = None,
+    shard: TensorShard | PipelineShard | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
     shard: this process's part of a model split over processes (hearth/distributed/workers.py):
