@@ -351,6 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")
     g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "random"],
                    help="how the router picks a replica")
+    g.add_argument("--disaggregate", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefill and decode on separate workers: --prefill-workers prefill workers and "
+                        "--data-parallel-size decode workers behind the router")
+    g.add_argument("--prefill-workers", type=int, default=1, help="with --disaggregate: the prefill workers")
+    g.add_argument("--role", default=None, choices=["prefill", "decode"],
+                   help="this server's part in a disaggregated set: prefill (serves prompts' KV) or decode "
+                        "(pulls a prompt's KV from the prefill worker the router names)")
     _add_engine(p)
     p.set_defaults(func=run_server)
 

@@ -200,6 +200,35 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
 
+    # ---- KV handed between engines (hearth/distributed/disaggregated.py) ------------------
+
+    def export_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """The K/V of the cached full blocks that start `token_ids` (short of its last token):
+        [layers, 2, tokens, kv_heads, head_dim], tokens a multiple of the block size (maybe 0)."""
+        self._check_kv_local()
+        return self.runner.read_kv(self.block_manager.lookup(token_ids))
+
+    def import_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Enter the blocks of `kv` (export_kv's, computed elsewhere for `token_ids`) into this
+        engine's prefix cache, so that a request with that prompt finds them computed; returns the
+        tokens entered (blocks already cached here, or with no room left, are not)."""
+        self._check_kv_local()
+        block_size, k_cache = self.config.block_size, self.runner.kv_caches[0][0]
+        if (kv.dim() != 5 or kv.shape[:2] != (len(self.runner.kv_caches), 2) or kv.shape[2] % block_size
+                or kv.shape[3:] != k_cache.shape[1:]):
+            raise RequestError(f"KV of shape {tuple(kv.shape)} does not fit this engine's cache "
+                               f"({len(self.runner.kv_caches)} layers, blocks of {block_size}, {tuple(k_cache.shape[1:])})")
+        covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
+        entered = self.block_manager.import_prefix(covered)
+        if entered:
+            rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
+            self.runner.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
+        return len(entered) * block_size
+
+    def _check_kv_local(self) -> None:
+        if self.workers is not None:
+            raise RequestError("KV transfer between engines is not implemented for a model split over processes")
+
     # ---- one iteration ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

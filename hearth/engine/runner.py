@@ -124,6 +124,21 @@ class ModelRunner:
         hidden = self.model_pass(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
 
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
+        slots = self._slots(block_ids)
+        return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches]).cpu()
+
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write kv (read_kv's layout, for these blocks) into the blocks."""
+        slots = self._slots(block_ids)
+        for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
+            k[slots], v[slots] = layer[0].to(k.dtype), layer[1].to(v.dtype)
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
+
     def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
         if not sequences:
