@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -204,3 +205,40 @@ def write_results(path: str | Path | None, markdown: str, data: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".md").write_text(markdown + "\n")
         path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def workload_parser(doc: str, num_prompts: int) -> argparse.ArgumentParser:
+    """The options of a script comparing set-ups on one workload: [MODEL], runs, the requests, --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=None, help="default: the built-in model")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+def run_interleaved(setups: dict[str, list[str]], measure, runs: int, metric: str) -> dict[str, list[dict]]:
+    """measure(options) of every set-up, the set-ups alternating run by run; each run's report by set-up."""
+    results = {name: [] for name in setups}
+    for run in range(runs):
+        for name, options in setups.items():
+            results[name].append(measure(options))
+            print(f"run {run + 1}: {name}: {results[name][-1][metric]:.1f} output tok/s", file=sys.stderr)
+    return results
+
+
+def report_interleaved(results: dict[str, list[dict]], model: str, args, metric: str, extra: tuple[str, str]) -> None:
+    """Print (and with --out write) the medians of `metric` (output tok/s) and of extra = (column,
+    key) per set-up, with the ratio to the first set-up."""
+    rows, base = [], None
+    for name, runs in results.items():
+        throughput = median([r[metric] for r in runs])
+        base = base or throughput
+        rows.append([name, f"{throughput:.1f}", f"{median([r[extra[1]] for r in runs]):.1f}",
+                     f"{throughput / base:.2f}x"])
+    markdown = (f"{machine_markdown(machine())}\n\n{args.num_prompts} requests at once, {args.input_len} prompt / "
+                f"{args.output_len} output tokens, {model}; medians of {args.runs} runs, interleaved\n\n"
+                + table(["set-up", "output tok/s", extra[0], "ratio"], rows))
+    write_results(args.out, markdown, {"model": model, "args": vars(args), "results": results})
