@@ -219,26 +219,27 @@ def workload_parser(doc: str, num_prompts: int) -> argparse.ArgumentParser:
     return parser
 
 
-def run_interleaved(setups: dict[str, list[str]], measure, runs: int, metric: str) -> dict[str, list[dict]]:
+def run_interleaved(setups: dict, measure, runs: int, metric: str) -> dict[str, list[dict]]:
     """measure(options) of every set-up, the set-ups alternating run by run; each run's report by set-up."""
     results = {name: [] for name in setups}
     for run in range(runs):
         for name, options in setups.items():
             results[name].append(measure(options))
-            print(f"run {run + 1}: {name}: {results[name][-1][metric]:.1f} output tok/s", file=sys.stderr)
+            print(f"run {run + 1}: {name}: {metric} {results[name][-1][metric]:.1f}", file=sys.stderr)
     return results
 
 
-def report_interleaved(results: dict[str, list[dict]], model: str, args, metric: str, extra: tuple[str, str]) -> None:
-    """Print (and with --out write) the medians of `metric` (output tok/s) and of extra = (column,
-    key) per set-up, with the ratio to the first set-up."""
+def report_interleaved(results: dict[str, list[dict]], model: str, args, metric: tuple[str, str],
+                       extra: tuple[str, str]) -> None:
+    """Print (and with --out write) the medians of metric and extra, each (column, key), per set-up,
+    with the ratio of metric to the first set-up's."""
     rows, base = [], None
     for name, runs in results.items():
-        throughput = median([r[metric] for r in runs])
+        throughput = median([r[metric[1]] for r in runs])
         base = base or throughput
         rows.append([name, f"{throughput:.1f}", f"{median([r[extra[1]] for r in runs]):.1f}",
                      f"{throughput / base:.2f}x"])
     markdown = (f"{machine_markdown(machine())}\n\n{args.num_prompts} requests at once, {args.input_len} prompt / "
                 f"{args.output_len} output tokens, {model}; medians of {args.runs} runs, interleaved\n\n"
-                + table(["set-up", "output tok/s", extra[0], "ratio"], rows))
+                + table(["set-up", metric[0], extra[0], "ratio"], rows))
     write_results(args.out, markdown, {"model": model, "args": vars(args), "results": results})

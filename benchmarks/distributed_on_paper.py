@@ -82,7 +82,7 @@ def main() -> None:
     links = dict(LINKS)
     if args.measured_bytes_per_s:
         links["hearth's HTTP transfer as measured on CPU"] = args.measured_bytes_per_s
-    rows = [[name, f"{rate / 1e9:.1f}", f"{1e6 * kv_token / rate:.1f}", f"{kv_token / rate / prefill_token:.2f}"]
+    rows = [[name, f"{rate / 1e9:.3g}", f"{1e6 * kv_token / rate:.1f}", f"{kv_token / rate / prefill_token:.2f}"]
             for name, rate in links.items()]
     print(table(["link", "GB/s", "µs a token", "transfer / prefill compute"], rows))
 

@@ -45,7 +45,7 @@ def main() -> None:
     model = args.model or tiny_model()[0]
     results = run_interleaved(SETUPS, lambda options: serve_and_measure(model, options, args), args.runs,
                               "output_throughput")
-    report_interleaved(results, model, args, "output_throughput", ("p50 e2e ms", "p50_e2el_ms"))
+    report_interleaved(results, model, args, ("output tok/s", "output_throughput"), ("p50 e2e ms", "p50_e2el_ms"))
 
 
 if __name__ == "__main__":

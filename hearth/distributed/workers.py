@@ -6,7 +6,8 @@ and then run what rank 0 broadcasts, until it says stop. A shard (TensorShard, P
 says which part of the model a rank holds (`config`, `weights`, `select`, `wrap`: the loader's
 steps) and what a worker does with each pass rank 0 announces (`run`). Each worker holds the KV
 cache of its own part, allocated on the first pass and again when rank 0's cache shape changes.
-A worker that loses rank 0 fails its next collective and exits.
+A worker ends with the process that started it (the kernel's parent-death signal), and one that
+loses rank 0 fails its next collective and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from hearth.distributed.replicas import die_with_parent
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waiting longer than this: a rank is gone
 
@@ -56,7 +59,7 @@ def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, ma
     processes = [subprocess.Popen([sys.executable, "-m", "hearth.distributed.workers", kind, address, str(rank),
                                    str(world_size), str(model_path), str(dtype).removeprefix("torch."),
                                    str(max_positions or 0), backend, str(threads), device.type],
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
                  for rank in range(1, world_size)]
     _join(address, 0, world_size, device.type)
     torch.set_num_threads(threads)
