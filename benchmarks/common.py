@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -231,3 +232,41 @@ def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_
         runner.forward(entries)
         times.append(clock() - start)
     return median(times[2:]) * 1e3
+
+
+def workload_parser(doc: str, num_prompts: int) -> argparse.ArgumentParser:
+    """The options of a script comparing set-ups on one workload: [MODEL], runs, the requests, --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=None, help="default: the built-in model")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+def run_interleaved(setups: dict, measure, runs: int, metric: str) -> dict[str, list[dict]]:
+    """measure(options) of every set-up, the set-ups alternating run by run; each run's report by set-up."""
+    results = {name: [] for name in setups}
+    for run in range(runs):
+        for name, options in setups.items():
+            results[name].append(measure(options))
+            print(f"run {run + 1}: {name}: {metric} {results[name][-1][metric]:.1f}", file=sys.stderr)
+    return results
+
+
+def report_interleaved(results: dict[str, list[dict]], model: str, args, metric: tuple[str, str],
+                       extra: tuple[str, str]) -> None:
+    """Print (and with --out write) the medians of metric and extra, each (column, key), per set-up,
+    with the ratio of metric to the first set-up's."""
+    rows, base = [], None
+    for name, runs in results.items():
+        throughput = median([r[metric[1]] for r in runs])
+        base = base or throughput
+        rows.append([name, f"{throughput:.1f}", f"{median([r[extra[1]] for r in runs]):.1f}",
+                     f"{throughput / base:.2f}x"])
+    markdown = (f"{machine_markdown(machine())}\n\n{args.num_prompts} requests at once, {args.input_len} prompt / "
+                f"{args.output_len} output tokens, {model}; medians of {args.runs} runs, interleaved\n\n"
+                + table(["set-up", metric[0], extra[0], "ratio"], rows))
+    write_results(args.out, markdown, {"model": model, "args": vars(args), "results": results})

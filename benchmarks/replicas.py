@@ -11,12 +11,11 @@ and the table gives medians and the ratio.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 
-from common import REPO, machine, machine_markdown, median, table, tiny_model, write_results
+from common import REPO, report_interleaved, run_interleaved, tiny_model, workload_parser
 
 from hearth.bench.serve import run_serve
 
@@ -42,30 +41,11 @@ def serve_and_measure(model: str, options: list[str], args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None, help="default: the built-in model")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = workload_parser(__doc__, 64).parse_args()
     model = args.model or tiny_model()[0]
-    results = {name: [] for name in SETUPS}
-    for run in range(args.runs):
-        for name, options in SETUPS.items():
-            results[name].append(serve_and_measure(model, options, args))
-            print(f"run {run + 1}: {name}: {results[name][-1]['output_throughput']:.1f} output tok/s", file=sys.stderr)
-    rows, base = [], None
-    for name, runs in results.items():
-        throughput = median([r["output_throughput"] for r in runs])
-        base = base or throughput
-        rows.append([name, f"{throughput:.1f}", f"{median([r['p50_e2el_ms'] for r in runs]):.0f}",
-                     f"{throughput / base:.2f}x"])
-    markdown = (f"{machine_markdown(machine())}\n\n{args.num_prompts} requests at once, {args.input_len} prompt / "
-                f"{args.output_len} output tokens, {model}; medians of {args.runs} runs, interleaved\n\n"
-                + table(["set-up", "output tok/s", "p50 e2e ms", "ratio"], rows))
-    write_results(args.out, markdown, {"model": model, "args": vars(args), "results": results})
+    results = run_interleaved(SETUPS, lambda options: serve_and_measure(model, options, args), args.runs,
+                              "output_throughput")
+    report_interleaved(results, model, args, ("output tok/s", "output_throughput"), ("p50 e2e ms", "p50_e2el_ms"))
 
 
 if __name__ == "__main__":

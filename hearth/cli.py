@@ -49,6 +49,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the model's layers into N stages, one process each (docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                    help="ngram: guesses copied from the request's own text (prompt lookup); draft: guesses from "
@@ -113,6 +115,7 @@ def engine_options(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_method=args.speculative_method,
         speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -382,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")
     g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "random"],
                    help="how the router picks a replica")
+    g.add_argument("--disaggregate", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefill and decode on separate workers: --prefill-workers prefill workers and "
+                        "--data-parallel-size decode workers behind the router")
+    g.add_argument("--prefill-workers", type=int, default=1, help="with --disaggregate: the prefill workers")
+    g.add_argument("--role", default=None, choices=["prefill", "decode"],
+                   help="this server's part in a disaggregated set: prefill (serves prompts' KV) or decode "
+                        "(pulls a prompt's KV from the prefill worker the router names)")
     _add_engine(p)
     p.set_defaults(func=run_server)
 

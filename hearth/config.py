@@ -438,6 +438,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
     # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup) or
     # "draft" (a smaller model with the target's vocabulary guesses: speculative_model)
     speculative_method: str | None = None
@@ -468,8 +469,12 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
-        need(self.tensor_parallel_size == 1 or self.kv_cache_dtype == "auto",
-             "a quantized KV cache (kv_cache_dtype) is not implemented with tensor parallelism")
+        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
+        need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+             "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
+             "pipeline_parallel_size, not both")
+        need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
+             "a quantized KV cache (kv_cache_dtype) is not implemented with tensor or pipeline parallelism")
         need(self.speculative_method in (None, "ngram", "draft"),
              f"speculative_method must be ngram or draft (lookahead and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")

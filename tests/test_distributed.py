@@ -113,23 +113,27 @@ def test_two_replicas_give_one_engines_greedy_outputs(folder):
     with replica_servers(folder, 2) as (urls, engines):
         router = Router(FixedReplicas(urls), policy="least_loaded")
         with serving(build_router_app(router)) as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-
-            async def one(prompt: str, stream: bool) -> str:
-                kwargs = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                              extra_body={"ignore_eos": True})
-                if not stream:
-                    return (await client.completions.create(**kwargs)).choices[0].text
-                chunks = await client.completions.create(**kwargs, stream=True)
-                return "".join([c.choices[0].text async for c in chunks if c.choices])
-
-            async def everything():
-                return await asyncio.gather(*(one(p, i % 2 == 1) for i, p in enumerate(PROMPTS)))
-
-            assert asyncio.run(everything()) == expected
+            assert complete_all(url, PROMPTS, 12) == expected
             sent = metric_samples(url, "hearth:router_requests_total")
             assert sorted(sent) == ["0", "1"] and all(v > 0 for v in sent.values())  # both replicas served
             assert all(e.engine.block_manager.check_all_free() for e in engines)
+
+
+def complete_all(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy completions of the prompts through the openai client, all sent at once, every other one streamed."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    async def one(prompt: str, stream: bool) -> str:
+        kwargs = dict(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await client.completions.create(**kwargs)).choices[0].text
+        chunks = await client.completions.create(**kwargs, stream=True)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def everything():
+        return await asyncio.gather(*(one(p, i % 2 == 1) for i, p in enumerate(prompts)))
+
+    return asyncio.run(everything())
 
 
 def run_shared_prefix_traffic(folder: Path, policy: str) -> float:

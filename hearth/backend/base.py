@@ -54,6 +54,13 @@ class StepInputs:
     def last_rows(self) -> np.ndarray:  # int64 [S] the row of each sequence's last new token
         return self.query_start_loc[1:].astype(np.int64) - 1
 
+    def sequences(self, first: int, end: int) -> StepInputs:
+        """The step of sequences first..end-1 alone (their rows, in order)."""
+        start, stop = int(self.query_start_loc[first]), int(self.query_start_loc[end])
+        return StepInputs(self.input_ids[start:stop], self.positions[start:stop], self.slot_mapping[start:stop],
+                          self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
+                          self.block_tables[first:end], self.block_size)
+
 
 @dataclass
 class PrefillSequence:
@@ -147,10 +154,14 @@ class Backend:
 
     def forward(self, model: nn.Module, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:  # [T, hidden] after the final norm
+        input_ids, positions, meta = self.inputs(model, step)
+        return model(input_ids, positions, kv_caches, meta)
+
+    def inputs(self, model: nn.Module, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids [T], positions [T] and attention metadata, on this backend's device."""
         dev = self.device
-        meta = AttentionMetadata.from_step(step, dev)
-        return model(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
-                     kv_caches, meta)
+        return (torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
+                AttentionMetadata.from_step(step, dev))
 
     # ---- the model's operations --------------------------------------------------------
 

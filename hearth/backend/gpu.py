@@ -61,6 +61,9 @@ class GpuBackend(Backend):
                     capture=self.use_cuda_graphs)
             if graphs.fits(step):
                 return graphs.run(step)
+        return super().forward(model, step, kv_caches)
+
+    def inputs(self, model, step: StepInputs):
         dev = self.device
         meta = self.metadata(
             torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
@@ -69,8 +72,7 @@ class GpuBackend(Backend):
             torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
             step.block_size, int(step.query_lens.max()), model.config.num_kv_heads,
         )
-        return model(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
-                     kv_caches, meta)
+        return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev), meta
 
     def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
                  num_kv_heads: int) -> GpuMetadata:

@@ -1,4 +1,4 @@
-"""`hearth serve --data-parallel-size N` / `--ray`: start the replicas, then serve the router in front.
+"""`hearth serve --data-parallel-size N` / `--ray` / `--disaggregate`: start the replicas, then the router in front.
 
 Each replica is `hearth serve` with the user's own arguments, followed by the ones that make it a
 replica (the last occurrence of an option wins): a free port on its machine, a private API key the
@@ -12,10 +12,12 @@ import os
 from hearth.errors import HearthError
 
 
-def replica_argv(args, host: str, threads: int | None) -> list[str]:
+def replica_argv(args, host: str, threads: int | None, role: str | None = None) -> list[str]:
     argv = list(args.argv[1:])  # the user's `serve` arguments, without the subcommand
     argv += ["--host", host, "--port", "0", "--api-key", args.replica_api_key, "--data-parallel-size", "1",
-             "--no-ray", "--no-access-log"]
+             "--no-ray", "--no-disaggregate", "--no-access-log"]
+    if role is not None:
+        argv += ["--role", role]
     if args.threads is None and threads is not None:
         argv += ["--threads", str(threads)]
     return argv
@@ -33,6 +35,8 @@ def run_router(args) -> None:
     except ValueError as e:
         raise HearthError(str(e)) from None
     args.replica_api_key = new_replica_key()
+    if args.ray and args.disaggregate:
+        raise HearthError("--disaggregate starts its workers on this machine; with --ray it is not implemented yet")
     if args.ray:
         from hearth.distributed.ray_replicas import RayReplicas
 
@@ -40,15 +44,20 @@ def run_router(args) -> None:
     else:
         from hearth.distributed.replicas import LocalReplicas
 
+        # --disaggregate: the prefill workers first, then the decode workers (disaggregated.py)
+        roles = [None] * args.data_parallel_size
+        if args.disaggregate:
+            roles = ["prefill"] * args.prefill_workers + ["decode"] * args.data_parallel_size
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // args.data_parallel_size)
-        replicas = LocalReplicas([replica_argv(args, "127.0.0.1", threads) for _ in range(args.data_parallel_size)])
+        threads = max(1, cores // len(roles))
+        replicas = LocalReplicas([replica_argv(args, "127.0.0.1", threads, role) for role in roles])
     try:
         urls = replicas.start()
     except RuntimeError as e:
         raise HearthError(str(e)) from None
     for i, url in enumerate(urls):
         print(f"replica {i}  {url}", flush=True)
-    router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key)
+    router = Router(replicas, policy=args.routing, replica_api_key=args.replica_api_key,
+                    prefill_replicas=frozenset(range(args.prefill_workers if args.disaggregate else 0)))
     app = build_router_app(router, api_key=args.api_key, limits=limits)
     run_uvicorn(app, args, limits, on_stop=replicas.stop)

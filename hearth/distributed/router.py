@@ -28,12 +28,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from hearth.distributed.routing import PrefixRouter
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
+from hearth.server.served import PREFILL_HEADER
 from hearth.server.errors import error_body, error_response, install_error_handlers
 
 logger = logging.getLogger("hearth")
 GENERATION_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 HEALTH_INTERVAL = 0.5  # seconds between polls of each replica's /health
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization"}
+# not passed on from clients (a client must not make a decode worker fetch from a URL of its choosing)
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization",
+               PREFILL_HEADER}
 
 
 def prompt_key(path: str, body: bytes) -> str:
@@ -62,8 +65,13 @@ class _ReplicaCollector:
 
 class Router:
     def __init__(self, replicas, policy: str = "prefix", api_key: str | None = None,
-                 replica_api_key: str | None = None, chunk_bytes: int = 256) -> None:
+                 replica_api_key: str | None = None, chunk_bytes: int = 256,
+                 prefill_replicas: frozenset[int] = frozenset()) -> None:
+        """prefill_replicas: the replicas started with --role prefill (disaggregated.py): no request is
+        routed to them; each generation request names one to the decode replica it goes to."""
         self.replicas = replicas
+        self.prefill_replicas = prefill_replicas
+        self._prefill_turn = 0
         self.routing = PrefixRouter(len(replicas), policy, chunk_bytes=chunk_bytes)
         self.replica_headers = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
@@ -127,11 +135,13 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         headers.update(self.replica_headers)
         key = prompt_key(path, body)
+        if self.prefill_replicas and path in GENERATION_PATHS and (prefill_url := self._prefill_url()):
+            headers[PREFILL_HEADER] = prefill_url
         tried: set[int] = set()
         busy: Response | None = None
         while True:
             try:
-                route = self.routing.choose(key, exclude=frozenset(tried))
+                route = self.routing.choose(key, exclude=frozenset(tried) | self.prefill_replicas)
             except LookupError:
                 return busy or error_response(503, "no replica is available")
             index = route.replica
@@ -173,6 +183,13 @@ class Router:
                     if upstream is not None:
                         await upstream.aclose()
                     self._release(index)
+
+    def _prefill_url(self) -> str | None:
+        """The healthy prefill replicas in turn (None: none is, and the decode replica computes the prompt)."""
+        urls = [url for i in sorted(self.prefill_replicas)
+                if self.routing.replicas[i].healthy and (url := self.replicas.url(i)) is not None]
+        self._prefill_turn += 1
+        return urls[self._prefill_turn % len(urls)] if urls else None
 
     async def _relay(self, upstream: httpx.Response, index: int):
         """The replica's event stream as it comes; a break ends it with an error event."""

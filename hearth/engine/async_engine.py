@@ -230,9 +230,21 @@ class AsyncEngine:
     async def embed(self, prompts: list[list[int]]) -> torch.Tensor:
         """The prompts' pooled embeddings [N, hidden] (hearth/engine/embedding.py), computed on the
         engine thread between two steps; RequestError, CacheFull, EngineStopped."""
+        return await self._between_steps(embed, self.engine, prompts)
+
+    async def export_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """LLMEngine.export_kv, between two steps."""
+        return await self._between_steps(self.engine.export_kv, token_ids)
+
+    async def import_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """LLMEngine.import_kv, between two steps (before any request added after it is scheduled)."""
+        return await self._between_steps(self.engine.import_kv, token_ids, kv)
+
+    async def _between_steps(self, fn, *args):
+        """fn(*args) on the engine thread between two steps; what it returns or raises."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[torch.Tensor] = loop.create_future()
-        self._command(("embed", loop, future, prompts))
+        future: asyncio.Future = loop.create_future()
+        self._command(("call", loop, future, fn, args))
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -341,8 +353,8 @@ class AsyncEngine:
                 self._streams.pop(command[1], None)
                 self._publish()
                 continue
-            if command[0] == "embed":
-                self._embed(*command[1:])
+            if command[0] == "call":
+                self._call(*command[1:])
                 continue
             _, stream, prompt, params = command
             try:
@@ -355,9 +367,9 @@ class AsyncEngine:
             finally:
                 self._publish(pending_adds=-1)  # counted as waiting until the scheduler holds it
 
-    def _embed(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, prompts: list[list[int]]) -> None:
+    def _call(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn, args: tuple) -> None:
         try:
-            result, error = embed(self.engine, prompts), None
+            result, error = fn(*args), None
         except Exception as e:  # RequestError, CacheFull; anything else reaches the caller too
             result, error = None, e
 

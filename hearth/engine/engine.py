@@ -52,15 +52,12 @@ class LLMEngine:
         self.dtype = choose_dtype(config.dtype, self.device)
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
         self.workers, shard = None, None
-        if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices in processes of their own
-            from hearth.distributed.tensor_parallel import TensorShard, start_workers
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            from hearth.distributed.workers import start_split  # ranks 1..N-1: processes of their own
 
-            if self.device.type != "cpu":
-                raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
             model = resolve_model(model)
-            self.workers = start_workers(model, config.tensor_parallel_size, self.dtype, config.max_model_len,
-                                         backend.name)
-            shard = TensorShard(0, config.tensor_parallel_size)
+            self.workers, shard = start_split(model, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                              self.dtype, config.max_model_len, backend.name, self.device)
         try:
             loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len,
                                 progress=progress, backend=backend, shard=shard)
@@ -94,7 +91,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
-                                  kv_cache_dtype=config.kv_cache_dtype)
+                                  kv_cache_dtype=config.kv_cache_dtype,
+                                  model_pass=None if shard is None else shard.model_pass(backend))
         self.kv_cache_bytes = self.num_blocks * config.block_size * bytes_per_token
         if progress:
             print(
@@ -141,7 +139,7 @@ class LLMEngine:
         return SecondModel(runner, self.config.block_size)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        """Stop the workers of a split model, if any (also done when the engine is collected)."""
         if self.workers is not None:
             self.workers.stop()
 
@@ -254,6 +252,37 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
+
+    # ---- KV handed between engines (hearth/distributed/disaggregated.py) ------------------
+
+    def export_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """The K/V of the cached full blocks that start `token_ids` (short of its last token):
+        [layers, 2, tokens, kv_heads, head_dim], tokens a multiple of the block size (maybe 0)."""
+        self._check_kv_local()
+        return self.runner.read_kv(self.block_manager.lookup(token_ids))
+
+    def import_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Enter the blocks of `kv` (export_kv's, computed elsewhere for `token_ids`) into this
+        engine's prefix cache, so that a request with that prompt finds them computed; returns the
+        tokens entered (blocks already cached here, or with no room left, are not)."""
+        self._check_kv_local()
+        block_size, k_cache = self.config.block_size, self.runner.kv_caches[0][0]
+        if (kv.dim() != 5 or kv.shape[:2] != (len(self.runner.kv_caches), 2) or kv.shape[2] % block_size
+                or kv.shape[3:] != k_cache.shape[1:]):
+            raise RequestError(f"KV of shape {tuple(kv.shape)} does not fit this engine's cache "
+                               f"({len(self.runner.kv_caches)} layers, blocks of {block_size}, {tuple(k_cache.shape[1:])})")
+        covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
+        entered = self.block_manager.import_prefix(covered)
+        if entered:
+            rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
+            self.runner.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
+        return len(entered) * block_size
+
+    def _check_kv_local(self) -> None:
+        if self.workers is not None:
+            raise RequestError("KV transfer between engines is not implemented for a model split over processes")
+        if self.config.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
+            raise RequestError("KV transfer between engines is not implemented for a q8_0 or latent KV cache")
 
     # ---- one iteration ----------------------------------------------------------------
 

@@ -114,16 +114,48 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
-        tokens, bs = request.all_token_ids, self.block_size
-        hits: list[int] = []
-        parent = 0
+        hits = self.lookup(request.all_token_ids)
+        return hits, len(hits) * self.block_size
+
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks of `tokens`, short of its last token."""
+        bs, hits, parent = self.block_size, [], 0
         for i in range((len(tokens) - 1) // bs):
             block_id = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if block_id is None:
                 break
             hits.append(block_id)
             parent = self.blocks[block_id].content_id
-        return hits, len(hits) * bs
+        return hits
+
+    def import_prefix(self, tokens: list[int]) -> list[tuple[int, int]]:
+        """Enter the full blocks of `tokens` (short of its last token, as a lookup finds them) that
+        the cache lacks, for K/V computed elsewhere (a prefill worker's). Each takes a free block
+        (evicting what it held) and stays free and cached, most recently used; the cached blocks of
+        the prefix are touched likewise. Returns (block's index in tokens, block id) of each block
+        entered: the caller writes its K/V now, before any step. Stops early with no room."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, parent, entered, chain = self.block_size, 0, [], set()
+        for i in range((len(tokens) - 1) // bs):
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            block_id = self.cached.get(key)
+            if block_id is None:
+                block_id = next((b for b in self.free_blocks if b not in chain), None)  # least recently used
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                if block.key is not None:
+                    del self.cached[block.key]
+                block.key, block.content_id = key, self._next_content_id
+                self._next_content_id += 1
+                self.cached[key] = block_id
+                entered.append((i, block_id))
+            if self.blocks[block_id].ref_cnt == 0:
+                self.free_blocks.move_to_end(block_id)
+            chain.add(block_id)
+            parent = self.blocks[block_id].content_id
+        return entered
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's blocks that are full within num_computed_tokens into the cache.

@@ -14,7 +14,7 @@ copy to the host. `forward` is the bare model pass, for callers that want hidden
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
+KVCaches = list[tuple[KVCache, ...]]  # per layer (K, V), each [slots, kv_heads, head_dim]; or (latent,)
 
 
 @dataclass
@@ -81,16 +82,21 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
         kv_cache_dtype: str = "auto",  # or q8_0 (hearth/backend/kv_quant.py)
+        model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
+        """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
+        forward; a pipeline-parallel model's passes through its stages)."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
         self.backend = model.backend
         self.sampler = Sampler(self.backend.apply_token_bitmask)
+        self.model_pass = model_pass or self.backend.forward
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
+        self.kv_caches = allocate_kv_caches(model.config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
+                                            kv_dtype, device)
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -123,13 +129,29 @@ class ModelRunner:
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
-        hidden = self.backend.forward(self.model, step, self.kv_caches)
+        hidden = self.model_pass(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
 
     def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The model pass and the logits of each entry's last token [B, V]."""
         hidden, last_rows = self.forward(entries)
         return self.model.compute_logits(hidden[last_rows])
+
+
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
+        slots = self._slots(block_ids)
+        return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches]).cpu()
+
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write kv (read_kv's layout, for these blocks) into the blocks."""
+        slots = self._slots(block_ids)
+        for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
+            k[slots], v[slots] = layer[0].to(k.dtype), layer[1].to(v.dtype)
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
 
     def execute(self, sequences: list[ScheduledSequence]) -> StepResult:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
@@ -275,19 +297,20 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
 
 
-def allocate_kv_caches(config, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
-                       ) -> list[tuple[KVCache, ...]]:
-    """Per layer (K, V), each [num_slots, kv_heads, head_dim] in `dtype` or q8_0 codes and scales;
-    with multi-head latent attention (one latent), [num_slots, 1, latent width] (ModelConfig.kv_cache_layout)."""
+def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
+                       device: torch.device) -> KVCaches:
+    """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
+    head_dim] in `dtype` or q8_0 codes and scales; with multi-head latent attention (one latent),
+    [num_slots, 1, latent width] (ModelConfig.kv_cache_layout)."""
     tensors, heads, width = config.kv_cache_layout()
-    shape = (tensors * config.num_layers, num_slots, heads, width)
+    shape = (tensors * num_layers, num_slots, heads, width)
     if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
         codes = zeroed(shape, torch.int8, device)
         scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
         caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
     else:
         caches = list(zeroed(shape, dtype, device))
-    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(config.num_layers)]
+    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

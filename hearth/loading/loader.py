@@ -16,6 +16,7 @@ from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from hearth.distributed.pipeline_parallel import PipelineShard
     from hearth.distributed.tensor_parallel import TensorShard
 
 
@@ -53,10 +54,11 @@ def load_model(
     max_positions: int | None = None,
     progress: bool = True,
     backend: Backend | None = None,
-    shard: TensorShard | None = None,
+    shard: TensorShard | PipelineShard | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
-    shard: this process's slice of a tensor-parallel model (its config is the slice's)."""
+    shard: this process's part of a model split over processes (hearth/distributed/workers.py):
+    a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers)."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
@@ -65,6 +67,8 @@ def load_model(
         config, weights = shard.config(config), shard.weights(weights, config)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
         model = Transformer(config, max_positions, backend)
+    if shard is not None:
+        shard.select(model)
     model.load_weights(weights, dtype)
     if shard is not None:
         shard.wrap(model)

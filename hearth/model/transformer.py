@@ -139,17 +139,28 @@ class Transformer(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:  # [T, hidden], after the final norm
+        return self.norm(*self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta))[0]
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer of self.layers (a pipeline stage's: its own) on x [T, hidden], what the layer
+        before adds to the residual stream (None: x is the stream). Returns the same pair after the last."""
         rotary = self.rope(positions, x.dtype)
-        if (out := self.backend.decode_layers(self, x, rotary, kv_caches, meta)) is not None:
-            return self.norm(*out)[0]
+        stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
+        if (out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
+            return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
-        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rotaries, kv_cache, meta)
-        return self.norm(x, residual)[0]
+        return x, residual
 
     def _apply(self, fn, recurse=True):
         self.backend_state.clear()  # weight pointers change when tensors move

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hearth.outputs import CompletionOutput
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
-from hearth.server.served import ServedModel, served
+from hearth.server.served import PREFILL_HEADER, ServedModel, served
 from hearth.server.streaming import Delta, StreamHeader, cancel_on_disconnect, stream_response
 from hearth.server.tools import ToolCalling, ToolCallStream, tool_calling
 
@@ -90,7 +90,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ann
     if calling is not None:
         params = calling.sampling_params(params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all([ids], params, request_id)
+    streams = await s.add_all([ids], params, request_id, request.headers.get(PREFILL_HEADER))
     fmt = ChatFormat(s, k, calling)
     if body.stream:
         header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)

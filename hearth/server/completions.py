@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from hearth.errors import RequestError
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hearth.server.protocol import CompletionRequest, completion_logprobs, prompt_logprobs_json, usage
-from hearth.server.served import ServedModel, served
+from hearth.server.served import PREFILL_HEADER, ServedModel, served
 from hearth.server.streaming import Delta, StreamHeader, cancel_on_disconnect, stream_response
 
 router = APIRouter()
@@ -98,7 +98,7 @@ async def completions(body: CompletionRequest, request: Request, s: Annotated[Se
         prompt_k = k if prompt_k is None else max(k, prompt_k)
     params = body.sampling_params(max_tokens, k, prompt_k)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all(prompts, params, request_id)
+    streams = await s.add_all(prompts, params, request_id, request.headers.get(PREFILL_HEADER))
     fmt = CompletionFormat(s, body, texts, params.n)
     if body.stream:
         header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)

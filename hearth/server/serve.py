@@ -21,7 +21,9 @@ def run_server(args) -> None:
 
     if args.data_parallel_size < 1:
         raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
-    if args.data_parallel_size > 1 or args.ray:
+    if args.prefill_workers < 1:
+        raise HearthError(f"--prefill-workers must be at least 1 (got {args.prefill_workers})")
+    if args.data_parallel_size > 1 or args.ray or args.disaggregate:
         from hearth.distributed.launch import run_router
 
         run_router(args)
@@ -38,7 +40,8 @@ def run_server(args) -> None:
     engine = _llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
-    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
+                    role=args.role)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")

@@ -23,6 +23,9 @@ from hearth.server.metrics import ServerMetrics
 from hearth.tool_calls import parser_for
 
 
+PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from
+
+
 class RequestTimeout(APIError):
     def __init__(self, seconds: float) -> None:
         super().__init__(408, f"the request ran past this server's limit of {seconds:g} s and was stopped")
@@ -40,6 +43,7 @@ class ServedModel:
         self.vocab_size = engine.vocab_size
         # the format of tool calls in replies: given, or the one the chat template writes
         self.tool_call_parser = tool_call_parser or parser_for(self.tokenizer.chat_template)
+        self.kv_puller = None  # a decode worker's KVPuller (hearth/distributed/disaggregated.py)
 
     # ---- checks
 
@@ -92,9 +96,14 @@ class ServedModel:
 
     # ---- requests in flight
 
-    async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
-        """One engine request per prompt (ids `{request_id}-{i}`); all or none are added."""
+    async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                      prefill_url: str | None = None) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`); all or none are added. On a decode
+        worker, given a prefill worker's URL, each prompt's KV is pulled from it first."""
         self.check_sequences(len(prompts), params)
+        if prefill_url is not None and self.kv_puller is not None:
+            for ids in prompts:
+                await self.kv_puller.pull(self, prefill_url, ids)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):

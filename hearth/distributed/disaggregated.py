@@ -1,0 +1,111 @@
+"""Prefill and decode on separate workers: `hearth serve --role prefill|decode`, `--disaggregate`.
+
+A prefill worker computes prompts; a decode worker generates. The router (router.py) sends every
+generation request to a decode worker, naming a prefill worker in a header; the decode worker,
+once it has the prompt's token ids, asks that prefill worker for the prompt's KV
+(POST /kv/prefill with the ids): the prefill worker runs the prompt (its KV computed, one token
+sampled) and answers with the K/V of the prompt's full blocks, read from its paged cache, as
+safetensors bytes. The decode worker writes them into free blocks of its own paged cache and
+enters them into its prefix cache (LLMEngine.import_kv), then adds the request as any other:
+the scheduler finds those blocks computed, and the decode worker computes only the prompt's
+last, partial block (at least its last token, whose logits give the first output token) before
+decoding. So the prefill worker does the prompt's work, the decode worker the generation's, and
+what it receives is checked like any prefix-cache hit: the blocks are named by their tokens.
+
+The transfer is plain HTTP between the two processes, the bytes of the tensors in the body:
+the workers already speak HTTP to the router and to each other's machines, it needs no process
+group (whose members are fixed when it starts: a worker that dies and starts again could not
+rejoin) and no Ray (the replicas run without it on one machine). It is robust by construction:
+a failed or partial transfer (the prefill worker down, its blocks evicted before they were read,
+no room in the decode worker's cache) leaves the decode worker to compute what is missing, with
+the same result. The cost is the copies: the cache to host tensors, the body over the loopback,
+and back into the cache (docs/benchmarks.md measures it per prompt token).
+
+Metrics on the decode worker (the router's /metrics shows them per replica):
+hearth:kv_transfer_bytes, hearth:kv_transfer_tokens, hearth:kv_transfer_failures and the
+histograms hearth:kv_transfer_seconds (the prefill worker's answer read and written into the
+cache) and hearth:kv_prefill_seconds (the whole pull, the prefill worker's compute included).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Annotated
+
+import httpx
+import safetensors.torch
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from hearth.sampling_params import SamplingParams
+from hearth.server.protocol import OpenAIModel
+from hearth.server.served import ServedModel, served
+
+logger = logging.getLogger("hearth")
+KV_PATH = "/kv/prefill"
+SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+prefill_routes = APIRouter()  # what a prefill worker serves besides the OpenAI API
+
+
+class PrefillRequest(OpenAIModel):
+    prompt_token_ids: list[int]
+
+
+@prefill_routes.post(KV_PATH)
+async def prefill(body: PrefillRequest, s: Annotated[ServedModel, Depends(served)]):
+    """Run the prompt (one greedy token) and answer with its full blocks' K/V, safetensors bytes
+    {"kv": [layers, 2, tokens, kv_heads, head_dim]}."""
+    ids = body.prompt_token_ids
+    s.check_token_ids(ids, "prompt token ids")
+    s.check_length(len(ids), 1)
+    streams = await s.add_all([ids], SamplingParams(temperature=0, max_tokens=1), f"prefill-{uuid.uuid4().hex}")
+    await s.final_outputs(streams)
+    kv = await s.engine.export_kv(ids)
+    return Response(safetensors.torch.save({"kv": kv.contiguous()}), media_type="application/octet-stream")
+
+
+class KVPuller:
+    """A decode worker's side: fetch a prompt's KV from a prefill worker into the engine's cache."""
+
+    def __init__(self, registry: CollectorRegistry, api_key: str | None) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        r = registry
+        self.bytes = Counter("hearth:kv_transfer_bytes", "KV bytes received from prefill workers.", registry=r)
+        self.tokens = Counter("hearth:kv_transfer_tokens", "Prompt tokens whose KV was received.", registry=r)
+        self.failures = Counter("hearth:kv_transfer_failures",
+                                "Pulls that failed (the prompt was computed here instead).", registry=r)
+        self.transfer_seconds = Histogram("hearth:kv_transfer_seconds",
+                                          "A prefill worker's answer read and written into the cache.",
+                                          buckets=SECONDS_BUCKETS, registry=r)
+        self.prefill_seconds = Histogram("hearth:kv_prefill_seconds",
+                                         "A whole pull: the prefill worker's compute and the transfer.",
+                                         buckets=SECONDS_BUCKETS, registry=r)
+
+    async def pull(self, s: ServedModel, prefill_url: str, ids: list[int]) -> int:
+        """The prompt's KV from the prefill worker at `prefill_url`, entered into this engine's
+        prefix cache; returns the tokens entered (0 when the pull failed: logged and counted)."""
+        start = time.perf_counter()
+        try:
+            async with self.client.stream("POST", f"{prefill_url}{KV_PATH}", json={"prompt_token_ids": ids},
+                                          headers=self.headers) as answer:
+                answered = time.perf_counter()
+                body = await answer.aread()
+            if answer.status_code != 200:
+                raise RuntimeError(f"status {answer.status_code}: {body[:200]!r}")
+            kv = safetensors.torch.load(body)["kv"]
+            entered = await s.engine.import_kv(ids, kv)
+        except Exception as e:  # noqa: BLE001 - any failure: this worker computes the prompt itself
+            logger.warning("KV pull from %s failed (%s); computing the prompt here", prefill_url, e)
+            self.failures.inc()
+            return 0
+        done = time.perf_counter()
+        self.bytes.inc(len(body))
+        self.tokens.inc(kv.shape[2])
+        self.transfer_seconds.observe(done - answered)
+        self.prefill_seconds.observe(done - start)
+        return entered
