@@ -112,7 +112,7 @@ def test_greedy_batched_chunked_prefix_cached_preempted_matches_generate(folder)
 
 
 def test_inspect_shows_the_latent(folder):
-    info = model_info(folder, kv_bytes_per_element=4)
+    info = model_info(folder, kv_element_size=4)
     assert info["kv_cache_bytes_per_token"] == KV_BYTES_PER_TOKEN
     assert info["latent_attention"] == {"kv_lora_rank": RANK, "qk_rope_head_dim": ROPE, "qk_nope_head_dim": 16,
                                         "v_head_dim": 12, "values_per_token_per_layer": RANK + ROPE,
