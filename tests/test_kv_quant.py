@@ -259,8 +259,9 @@ def test_unsupported_kv_cache_dtypes_are_refused(tmp_path):
         EngineConfig(kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="auto or q8_0"):
         EngineConfig(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(kv_cache_dtype="q8_0", tensor_parallel_size=2)
+    for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with pytest.raises(ValueError, match="not implemented with tensor or pipeline parallelism"):
+            EngineConfig(kv_cache_dtype="q8_0", **split)
     folder = make_hf_model(tmp_path / "llama", "llama")  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32.*16"):
         LLM(folder, kv_cache_dtype="q8_0", progress=False)

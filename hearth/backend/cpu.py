@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hearth.backend.base import AttentionMetadata, Backend
-from hearth.backend.kv_quant import data_pointers
+from hearth.backend.kv_quant import KVCache, Q8Cache, data_pointers
 from hearth.native import build
 
 MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
@@ -118,9 +118,12 @@ class CpuBackend(Backend):
         return None if path is None else path(x, rotary, kv_caches, meta)
 
 
-def _whole_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """K and V caches the kernels read: each its own contiguous tensor, of one width. Multi-head latent
-    attention's views of its one latent cache (hearth/model/latent_attention.py) take the reference path."""
+def _whole_caches(k_cache: KVCache, v_cache: KVCache) -> bool:
+    """K and V caches the kernels read: each its own contiguous tensor, of one width (q8_0 caches
+    always are). Multi-head latent attention's views of its one latent cache
+    (hearth/model/latent_attention.py) take the reference path."""
+    if isinstance(k_cache, Q8Cache):
+        return True
     return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
 
 
