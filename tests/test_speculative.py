@@ -190,3 +190,34 @@ def test_adaptive_engine_guesses_alone_and_not_when_busy(folder):
     assert alone > 0
     llm.generate([prompt] * 8, greedy, use_tqdm=False)  # 8 running: a guess costs a whole step
     assert llm.engine.spec_decode_totals.num_draft_tokens == alone
+
+
+def test_quantized_model_verifies_in_the_one_call_path(tmp_path):
+    """A GGUF with every matmul on the int8 kernel: verification steps run the CPU backend's
+    one-call decode path (hearth/backend/cpu_decode.py) and give the plain engine's greedy output."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)  # whole q8_0 blocks
+    path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", "q8_0", progress=False)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 9))] * 3 for _ in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, progress=False)
+    spec = LLM(path, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    model = spec.engine.runner.model
+    steps = []
+    spec.generate([prompts[0]], greedy, use_tqdm=False)  # builds the path
+    path_of_model = model.backend_state["decode_path"]
+    assert path_of_model is not None
+    model.backend_state["decode_path"] = lambda x, *rest: steps.append(x.shape[0]) or path_of_model(x, *rest)
+    for batch in (prompts[:1], prompts):
+        expected = [o.outputs[0].token_ids for o in plain.generate(batch, greedy, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in spec.generate(batch, greedy, use_tqdm=False)] == expected
+    counts = spec.engine.spec_decode_totals
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert max(steps) > 8  # steps with verifications (more rows than sequences) took the path
+    assert spec.engine.block_manager.check_all_free()

@@ -1,10 +1,11 @@
 """The CPU backend: float32 on a CPU through cpu_kernels.cpp (built on first use by hearth/native.py).
 
-Decode attention reads K/V in place through the block tables and, when sequences x KV heads
+Decode attention (a few new rows per sequence: decodes, verifications of guesses) reads K/V in
+place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. Where every matmul is a QuantLinear on the int8 kernel,
-a decode-only step runs all layers in one call (cpu_decode.py). Prompts take the reference path
+a step of decodes only runs all layers in one call (cpu_decode.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
@@ -77,18 +78,18 @@ class CpuBackend(Backend):
         if softcap is not None:  # the kernel has no soft-capping
             return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         q = q.contiguous()
-        num_decodes, heads, head_dim = q.shape
+        heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[1]
         threads = torch.get_num_threads()
         if split_len is None:
-            split_len = decode_split_len(num_decodes, kv_heads, min(meta.decode_max_len, window or meta.decode_max_len),
-                                         threads)
+            split_len = decode_split_len(meta.num_decodes, kv_heads,
+                                         min(meta.decode_max_len, window or meta.decode_max_len), threads)
         out = torch.empty_like(q)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         self.kernels.decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, window or 0,
-            threads,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            meta.decode_query_start.data_ptr(), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
+            meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
         return out
 
