@@ -8,6 +8,7 @@ the same requests in alternation, --runs times; medians. The plain and speculati
 checked to be token-identical.
 
     python benchmarks/speculative.py --threads 2 --out benchmarks/results/speculative-smollm2
+    python benchmarks/speculative.py --threads 1 --cpu-time   # a shared machine: CPU seconds
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from common import machine, machine_markdown, median, set_threads, table, write_results
@@ -50,8 +52,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time in CPU seconds of the one thread (needs --threads 1): what a shared machine can compare")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     set_threads(args.threads)
     from hearth import LLM
     from hearth.bench.latency import one_run
@@ -71,7 +78,7 @@ def main() -> None:
         for _ in range(args.runs):
             for name, llm in engines.items():
                 before = llm.engine.spec_decode_totals.copy()
-                rates[name].append(one_run(llm.engine, batch, args.output_len)["decode_tokens_per_s"])
+                rates[name].append(one_run(llm.engine, batch, args.output_len, clock)["decode_tokens_per_s"])
                 counts[name] = llm.engine.spec_decode_totals.since(before)
         plain, spec = median(rates["plain"]), median(rates["ngram"])
         c = counts["ngram"]
@@ -86,7 +93,8 @@ def main() -> None:
         f"`python benchmarks/{Path(__file__).name} {shlex.join(sys.argv[1:])}`", "",
         machine_markdown(data["machine"]),
         f"- model {Path(args.model).name}; the task: repeat a {args.lines}-line code block renaming one variable; "
-        f"greedy, {args.output_len} output tokens; decode tokens/s, median of {args.runs} runs; outputs "
+        f"greedy, {args.output_len} output tokens; decode tokens/s{' (per CPU-second)' if args.cpu_time else ''}, "
+        f"median of {args.runs} runs; outputs "
         f"{'token-identical' if same else 'DIFFERENT'} with and without speculation", "",
         table(["requests", "plain tok/s", "ngram tok/s", "ratio", "acceptance", "accepted per verification"], rows),
     ])

@@ -49,8 +49,9 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram"], default=None,
-                   help="ngram: guesses copied from the request's own text (prompt lookup), verified in one pass")
+    g.add_argument("--speculative-method", choices=["ngram", "lookahead"], default=None,
+                   help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the "
+                        "model's own earlier guesses (a Jacobi window and an n-gram pool); verified in one pass")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")

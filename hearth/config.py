@@ -327,7 +327,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
-    # speculative decoding (hearth/engine/speculative.py): None (off) or "ngram" (prompt lookup)
+    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup) or
+    # "lookahead" (Jacobi window and n-gram pool)
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # the most guesses per request per step
     prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
@@ -351,8 +352,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
-        need(self.speculative_method in (None, "ngram"),
-             f"speculative_method must be ngram (draft-model, lookahead and tree speculation are not "
+        need(self.speculative_method in (None, "ngram", "lookahead"),
+             f"speculative_method must be ngram or lookahead (draft-model and tree speculation are not "
              f"implemented yet), got {self.speculative_method!r}")
         need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,

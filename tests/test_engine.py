@@ -49,10 +49,11 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-# The matrix below runs with and without prompt-lookup speculation: greedy outputs must be
+# The matrix below runs with and without prompt-lookup and lookahead speculation: greedy outputs must be
 # transformers' either way. A match of one token makes guesses frequent on random prompts, and
 # every match guesses (no adapting), so that 32 requests at once still guess.
-SPECULATION = {"plain": {}, "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)}
+SPECULATION = {"plain": {}, "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False),
+               "lookahead": dict(speculative_method="lookahead", speculative_adaptive=False)}
 
 
 def check_speculated(llm, spec: str) -> None:

@@ -24,12 +24,14 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "lookahead"])
 def llm(folder, request):
-    """Every test runs with and without prompt-lookup speculation (guessing from one-token matches)."""
+    """Every test runs with and without speculation: prompt lookup (guessing from one-token
+    matches) and lookahead."""
     if request.param == "plain":
         return LLM(folder, progress=False)
-    return LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    lookup = dict(prompt_lookup_min=1) if request.param == "ngram" else {}
+    return LLM(folder, progress=False, speculative_method=request.param, speculative_adaptive=False, **lookup)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from scipy import stats
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.sampler import Sampler
-from hearth.engine.speculative import PROBE_EVERY, AcceptanceRate, NgramProposer, SpeedGate, num_guesses
+from hearth.engine.request import Request
+from hearth.engine.speculative import (PROBE_EVERY, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
+                                        num_guesses)
 from models import VOCAB_SIZE, make_hf_model
 from test_sampler import build
 
@@ -51,10 +53,44 @@ def test_ngram_proposer_matches_a_brute_force_search():
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         k, min_n = rng.randint(1, 6), rng.randint(1, 3)
         max_n = min_n + rng.randint(0, 3)
-        assert NgramProposer(min_n, max_n).propose(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n), tokens
-    assert NgramProposer(1, 3).propose([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+        assert NgramProposer(min_n, max_n).lookup(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n), tokens
+    assert NgramProposer(1, 3).lookup([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def greedy_rule(context: list[int]) -> int:
+    """A stand-in model's greedy choice: each token a fixed random function of the two before it,
+    over 10 tokens (the text falls into loops, as small models' greedy text does)."""
+    return random.Random(context[-2] * 10 + context[-1]).randrange(10)
+
+
+def test_lookahead_guesses_converge_and_keep_the_greedy_text():
+    """Verification simulated with the rule as the model: each step's rows give the rule's token
+    after the text and after each guess; the guesses up to the first wrong one are kept, then one
+    more token. Jacobi iterations and the pool make 200 tokens take far fewer steps than 200 (at
+    most 5 tokens a step: at least 40; 60 as written)."""
+    expected = [1, 2]
+    while len(expected) < 202:
+        expected.append(greedy_rule(expected))
+    request = Request("r", expected[:2])
+    proposer = LookaheadProposer()
+    row_tokens = [greedy_rule(request.all_token_ids)]  # the prompt's step: one row
+    request.append_output_token(row_tokens[0])
+    steps = 1
+    while request.num_tokens < len(expected):
+        guesses = proposer.propose(request, 4, row_tokens)
+        assert len(guesses) == 4
+        context = list(request.all_token_ids)
+        row_tokens = [greedy_rule(context + guesses[:i]) for i in range(len(guesses) + 1)]
+        kept = 1
+        while kept <= len(guesses) and guesses[kept - 1] == row_tokens[kept - 1]:
+            kept += 1
+        for token in row_tokens[:kept]:
+            request.append_output_token(token)
+        steps += 1
+    assert request.all_token_ids[: len(expected)] == expected
+    assert steps <= 100, steps
 
 
 @pytest.mark.parametrize("case", ["unlike", "identical"])
@@ -105,11 +141,13 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder):
         assert stats.chi2_contingency(list(zip(*table))).pvalue > P_VALUE, position
 
 
-def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder):
+@pytest.mark.parametrize("method", ["ngram", "lookahead"])
+def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, method):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way."""
     kv_bytes_per_token = 2 * 2 * 2 * 16 * 4
-    llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token, speculative_method="ngram",
-              prompt_lookup_min=1, speculative_adaptive=False)
+    lookup = dict(prompt_lookup_min=1) if method == "ngram" else {}
+    llm = LLM(folder, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token, speculative_method=method,
+              speculative_adaptive=False, **lookup)
     engine = llm.engine
     rng = random.Random(3)
     ids = []
@@ -160,7 +198,7 @@ def test_guess_count_follows_acceptance_and_batch_size():
 
 
 def test_unimplemented_methods_are_refused():
-    for method in ("draft", "lookahead", "eagle"):
+    for method in ("draft", "eagle"):
         with pytest.raises(ValueError, match="not implemented"):
             EngineConfig(speculative_method=method)
     with pytest.raises(ValueError, match="prompt_lookup_min"):

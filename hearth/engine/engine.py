@@ -21,7 +21,7 @@ from hearth.engine.output_processor import OutputProcessor, RequestGroup, Sequen
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
-from hearth.engine.speculative import NgramProposer, SpecDecodeCounts, SpeedGate, num_guesses
+from hearth.engine.speculative import SpecDecodeCounts, SpeedGate, make_proposer, num_guesses
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
 from hearth.default_model import resolve_model
@@ -96,11 +96,9 @@ class LLMEngine:
                 file=sys.stderr,
             )
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
-        self.proposer = None
+        self.proposer = make_proposer(config.speculative_method, config.prompt_lookup_min, config.prompt_lookup_max)
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
         self.speed_gate = SpeedGate()
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._groups_sharing_prompt: list[RequestGroup] = []
         self.last_step = StepStats()
         self._ids = itertools.count()
@@ -252,7 +250,7 @@ class LLMEngine:
         config, num_running = self.config, self.scheduler.num_running
         if config.speculative_adaptive and not self.speed_gate.allow():
             return
-        for request in result.sampled:
+        for request, sampled in result.sampled.items():
             params = request.sampling_params
             if request.status is not RequestStatus.RUNNING or not params.speculative:
                 continue
@@ -264,7 +262,7 @@ class LLMEngine:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
             k = min(k, self.max_model_len - request.num_tokens)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+            request.spec_token_ids = self.proposer.propose(request, k, sampled.row_token_ids)
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""
