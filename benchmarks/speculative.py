@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Decode tokens/s with and without prompt-lookup speculation, side by side in one run.
+"""Decode tokens/s with and without speculation (--methods: ngram, lookahead), side by side in one run.
 
-The task is input-grounded: the model is asked to repeat a code block with one name changed, so
-its output is mostly a copy of its prompt. Greedy, a fixed number of output tokens (ignore_eos).
-Batch 1 and N concurrent requests (N copies of the task with different names); each engine runs
-the same requests in alternation, --runs times; medians. The plain and speculative outputs are
-checked to be token-identical.
+Two tasks. `repeat` is input-grounded: the model is asked to repeat a code block with one name
+changed, so its output is mostly a copy of its prompt. `write`: the model writes code from a
+one-line description (nothing to copy). Greedy, a fixed number of output tokens (ignore_eos).
+Batch 1 and N concurrent requests (N variants of the task); each engine runs the same requests
+in alternation, --runs times; medians. The plain and speculative outputs are checked to be
+token-identical.
 
     python benchmarks/speculative.py --threads 2 --out benchmarks/results/speculative-smollm2
     python benchmarks/speculative.py --threads 1 --cpu-time   # a shared machine: CPU seconds
@@ -23,6 +24,9 @@ from common import machine, machine_markdown, median, set_threads, table, write_
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "smollm2-135m-instruct"
 NAMES = ["position", "offset", "index", "where", "at", "cursor", "place", "spot"]
+TOPICS = ["parses a JSON string without the json module", "merges two sorted lists", "reads a CSV file into dicts",
+          "checks whether a string is a palindrome", "computes the n-th Fibonacci number iteratively",
+          "flattens a nested list", "counts the words of a text file", "implements binary search"]
 
 
 def code_block(lines: int) -> str:
@@ -31,13 +35,17 @@ def code_block(lines: int) -> str:
     return "\n".join(text[start:].splitlines()[:lines])
 
 
-def prompts(llm, count: int, lines: int) -> list[list[int]]:
+def prompts(llm, task: str, count: int, lines: int) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     code = code_block(lines)
     out = []
     for i in range(count):
-        ask = (f"Repeat this Python code exactly, but rename the variable `pos` to `{NAMES[i % len(NAMES)]}`"
-               f"{'' if i < len(NAMES) else f' (version {i})'}:\n\n```python\n{code}\n```")
+        version = '' if i < len(NAMES) else f' (version {i})'
+        if task == "repeat":
+            ask = (f"Repeat this Python code exactly, but rename the variable `pos` to `{NAMES[i % len(NAMES)]}`"
+                   f"{version}:\n\n```python\n{code}\n```")
+        else:
+            ask = f"Write a Python function that {TOPICS[i % len(TOPICS)]}{version}."
         text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], True)
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
@@ -46,7 +54,9 @@ def prompts(llm, count: int, lines: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--lines", type=int, default=24, help="lines of the code block")
+    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, lookahead")
+    ap.add_argument("--task", choices=["repeat", "write"], default="repeat")
+    ap.add_argument("--lines", type=int, default=24, help="lines of the code block (repeat)")
     ap.add_argument("--output-len", type=int, default=192)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
@@ -62,49 +72,58 @@ def main() -> None:
     set_threads(args.threads)
     from hearth import LLM
     from hearth.bench.latency import one_run
+    from hearth.engine.speculative import SpecDecodeCounts
 
     common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30)
-    engines = {"plain": LLM(args.model, **common),
-               "ngram": LLM(args.model, speculative_method="ngram",
-                            num_speculative_tokens=args.num_speculative_tokens, **common)}
-    batches = {1: prompts(engines["plain"], 1, args.lines), args.concurrent: prompts(engines["plain"],
-                                                                                     args.concurrent, args.lines)}
+    methods = args.methods.split(",")
+    engines = {"plain": LLM(args.model, **common)}
+    for method in methods:
+        engines[method] = LLM(args.model, speculative_method=method,
+                              num_speculative_tokens=args.num_speculative_tokens, **common)
+    batches = {size: prompts(engines["plain"], args.task, size, args.lines) for size in (1, args.concurrent)}
     rows, data = [], {"machine": machine(), "args": vars(args), "results": {}}
     for size, batch in batches.items():
-        for llm in engines.values():  # warm-up, and the outputs compared
+        for llm in engines.values():  # warm-up
             one_run(llm.engine, batch[:1], 8)
         rates = {name: [] for name in engines}
-        counts = {}
+        counts = {name: SpecDecodeCounts() for name in methods}
         for _ in range(args.runs):
             for name, llm in engines.items():
                 before = llm.engine.spec_decode_totals.copy()
                 rates[name].append(one_run(llm.engine, batch, args.output_len, clock)["decode_tokens_per_s"])
-                counts[name] = llm.engine.spec_decode_totals.since(before)
-        plain, spec = median(rates["plain"]), median(rates["ngram"])
-        c = counts["ngram"]
-        rows.append([size, plain, spec, spec / plain, c.acceptance_rate, c.num_accepted_tokens / max(c.num_drafts, 1)])
-        data["results"][size] = {"plain": rates["plain"], "ngram": rates["ngram"], "spec_decode": vars(c)}
-        print(rows[-1], file=sys.stderr)
-    same = all(
-        [o.outputs[0].token_ids for o in engines["plain"].generate(batch, _greedy(args.output_len), use_tqdm=False)]
-        == [o.outputs[0].token_ids for o in engines["ngram"].generate(batch, _greedy(args.output_len), use_tqdm=False)]
-        for batch in batches.values())
+                if name in counts:
+                    counts[name].add(llm.engine.spec_decode_totals.since(before))
+        plain = median(rates["plain"])
+        data["results"][size] = {"plain": rates["plain"]}
+        for name in methods:
+            c, spec = counts[name], median(rates[name])
+            rows.append([size, name, plain, spec, spec / plain, c.acceptance_rate,
+                         c.num_accepted_tokens / max(c.num_drafts, 1)])
+            data["results"][size][name] = {"rates": rates[name], "spec_decode": vars(c)}
+            print(rows[-1], file=sys.stderr)
+    expected = {size: _outputs(engines["plain"], batch, args.output_len) for size, batch in batches.items()}
+    same = {name: all(_outputs(engines[name], batch, args.output_len) == expected[size]
+                      for size, batch in batches.items()) for name in methods}
+    task = (f"repeat a {args.lines}-line code block renaming one variable" if args.task == "repeat"
+            else "write a Python function from a one-line description")
     markdown = "\n".join([
         f"`python benchmarks/{Path(__file__).name} {shlex.join(sys.argv[1:])}`", "",
         machine_markdown(data["machine"]),
-        f"- model {Path(args.model).name}; the task: repeat a {args.lines}-line code block renaming one variable; "
-        f"greedy, {args.output_len} output tokens; decode tokens/s{' (per CPU-second)' if args.cpu_time else ''}, "
-        f"median of {args.runs} runs; outputs "
-        f"{'token-identical' if same else 'DIFFERENT'} with and without speculation", "",
-        table(["requests", "plain tok/s", "ngram tok/s", "ratio", "acceptance", "accepted per verification"], rows),
+        f"- model {Path(args.model).name}; the task: {task}; greedy, {args.output_len} output tokens, up to "
+        f"{args.num_speculative_tokens} guesses a step; decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "
+        f"median of {args.runs} runs; outputs with each method "
+        + ", ".join(f"{name}: {'token-identical' if ok else 'DIFFERENT'}" for name, ok in same.items()), "",
+        table(["requests", "method", "plain tok/s", "method tok/s", "ratio", "acceptance",
+               "accepted per verification"], rows),
     ])
     write_results(args.out, markdown, data)
 
 
-def _greedy(max_tokens: int):
+def _outputs(llm, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
     from hearth import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
 
 
 if __name__ == "__main__":

@@ -103,6 +103,19 @@ def test_reference_decode_attention_matches(dtype):
     torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.2), ref)
 
 
+def test_silu_and_mul_matches_torch():
+    """The one-call decode path's SiLU, which the modules' path on the CPU backend runs too, against
+    torch's (gate and up as the halves of one merged projection's rows; other layouts: torch's)."""
+    backend = _cpu_backend()
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(7, 2 * 300, generator=g) * 6
+    gate, up = gate_up.split(300, dim=-1)
+    expected = F.silu(gate.double()) * up.double()
+    torch.testing.assert_close(backend.act_and_mul(gate, up, "silu").double(), expected, rtol=1e-6, atol=1e-6)
+    separate = backend.act_and_mul(gate.contiguous(), up.contiguous(), "silu")
+    torch.testing.assert_close(separate.double(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_split_len_policy():
     # enough sequences x KV heads for every thread: whole contexts
     assert decode_split_len(8, 4, 5000, threads=2) == 5000

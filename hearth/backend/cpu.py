@@ -93,6 +93,19 @@ class CpuBackend(Backend):
         )
         return out
 
+    def act_and_mul(self, gate, up, activation):
+        """SiLU's through the kernel decode_layers runs (gate and up side by side in each row of
+        one merged projection's output), so that a token's K/V come out the same whichever path
+        computed it: speculative steps change which steps take which path."""
+        inter = gate.shape[-1]
+        if not (activation == "silu" and gate.dtype == torch.float32 and gate.dim() == 2
+                and gate.stride() == (2 * inter, 1)
+                and up.stride() == gate.stride() and up.data_ptr() == gate.data_ptr() + inter * gate.element_size()):
+            return super().act_and_mul(gate, up, activation)
+        out = torch.empty(gate.shape[0], inter)
+        self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter)
+        return out
+
     def decode_layers(self, model, x, rotary, kv_caches, meta):
         from hearth.backend.cpu_decode import CpuDecodePath
 

@@ -381,6 +381,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention of a few query rows per sequence, split-KV, float32", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32", nogil);
+  m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
+    silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
+  }, "silu(gate) * up of each row of [gate | up], float32", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);
