@@ -56,7 +56,8 @@ def main() -> None:
                 q = torch.randn(batch, heads, head_dim, generator=g)
                 meta = AttentionMetadata(
                     slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[],
-                    decode_token_index=torch.arange(batch), decode_block_tables=tables,
+                    decode_token_index=torch.arange(batch),
+                    decode_query_start=torch.arange(batch + 1, dtype=torch.int32), decode_block_tables=tables,
                     decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
                     decode_max_len=context, block_size=block,
                 )

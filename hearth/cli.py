@@ -52,9 +52,10 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="split the model's layers into N stages, one process each (docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
-                   help="ngram: guesses copied from the request's own text (prompt lookup); draft: guesses from "
-                        "--speculative-model; either verified by the model in one pass")
+    g.add_argument("--speculative-method", choices=["ngram", "lookahead", "draft"], default=None,
+                   help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the "
+                        "model's own earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from "
+                        "--speculative-model; all verified by the model in one pass")
     g.add_argument("--speculative-model", metavar="PATH", default=None,
                    help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")

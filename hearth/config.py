@@ -439,8 +439,9 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
-    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup) or
-    # "draft" (a smaller model with the target's vocabulary guesses: speculative_model)
+    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup),
+    # "lookahead" (Jacobi window and n-gram pool) or "draft" (a smaller model with the target's
+    # vocabulary guesses: speculative_model)
     speculative_method: str | None = None
     speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
     num_speculative_tokens: int = 4  # the most guesses per request per step
@@ -475,8 +476,8 @@ class EngineConfig:
              "pipeline_parallel_size, not both")
         need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
              "a quantized KV cache (kv_cache_dtype) is not implemented with tensor or pipeline parallelism")
-        need(self.speculative_method in (None, "ngram", "draft"),
-             f"speculative_method must be ngram or draft (lookahead and tree speculation are not "
+        need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
+             f"speculative_method must be ngram, lookahead or draft (tree speculation is not "
              f"implemented yet), got {self.speculative_method!r}")
         need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")

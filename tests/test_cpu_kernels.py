@@ -19,9 +19,11 @@ def _cpu_backend() -> CpuBackend:
 BLOCK = 16
 
 
-def _case(lens, heads, kv_heads, head_dim=64, dtype=torch.float32, seed=0):
-    """Caches with blocks handed out in a shuffled order, so tables are not contiguous."""
+def _case(lens, heads, kv_heads, head_dim=64, dtype=torch.float32, seed=0, rows=None):
+    """Caches with blocks handed out in a shuffled order, so tables are not contiguous; rows[i]
+    query rows for sequence i (its last rows[i] positions: a verification), one each by default."""
     g = torch.Generator().manual_seed(seed)
+    rows = rows or [1] * len(lens)
     blocks_per_seq = [-(-n // BLOCK) for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=g).tolist()
@@ -31,28 +33,35 @@ def _case(lens, heads, kv_heads, head_dim=64, dtype=torch.float32, seed=0):
         used += n
     k_cache = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=g, dtype=dtype)
     v_cache = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=g, dtype=dtype)
-    q = torch.randn(len(lens), heads, head_dim, generator=g, dtype=dtype)
+    q = torch.randn(sum(rows), heads, head_dim, generator=g, dtype=dtype)
     width = max(blocks_per_seq)
     padded = torch.zeros(len(lens), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[],
-        decode_token_index=torch.arange(len(lens)), decode_block_tables=padded,
-        decode_context_lens=torch.tensor(lens, dtype=torch.int32), decode_max_len=max(lens), block_size=BLOCK,
+        slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[], decode_token_index=torch.arange(sum(rows)),
+        decode_query_start=torch.tensor([0, *rows], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        decode_block_tables=padded, decode_context_lens=torch.tensor(lens, dtype=torch.int32),
+        decode_max_len=max(lens), block_size=BLOCK,
     )
     return q, k_cache, v_cache, tables, meta
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale):
-    out = []
+def _reference(q, k_cache, v_cache, tables, lens, scale, rows=None, window=None):
+    """Each query row by itself: SDPA over its sequence's context up to its own position (and
+    within the window), gathered densely, in float64."""
+    out, row, rows = [], 0, rows or [1] * len(lens)
     for i, n in enumerate(lens):
-        slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-        k = k_cache[slots].transpose(0, 1).double()  # [kv_heads, n, head_dim]
-        v = v_cache[slots].transpose(0, 1).double()
-        o = F.scaled_dot_product_attention(q[i].double()[:, None], k, v, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[0])
-        out.append(o[:, 0])
+        for r in range(rows[i]):
+            end = n - rows[i] + 1 + r
+            begin = 0 if window is None else max(0, end - window)
+            slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(begin, end)])
+            k = k_cache[slots].transpose(0, 1).double()  # [kv_heads, end - begin, head_dim]
+            v = v_cache[slots].transpose(0, 1).double()
+            o = F.scaled_dot_product_attention(q[row].double()[:, None], k, v, scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[0])
+            out.append(o[:, 0])
+            row += 1
     return torch.stack(out)
 
 
@@ -70,6 +79,21 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
                                    rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("split_len", [None, 1, 7, 256])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len, window):
+    """Verification steps: a few query rows per sequence (different counts side by side), each
+    causal among its sequence's new rows; the reference backend's SDPA path likewise."""
+    lens, rows = [1, 5, 16, 17, 300, 1000], [1, 5, 3, 1, 16, 2]
+    q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads, rows=rows)
+    expected = _reference(q, k_cache, v_cache, tables, lens, 0.125, rows, window)
+    out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, 0.125, split_len, window=window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.125, window=window).double(),
+                               expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_decode_attention_matches(dtype):
     # the reference backend's batched SDPA over padded gathers
@@ -77,6 +101,19 @@ def test_reference_decode_attention_matches(dtype):
     q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, head_dim=32, dtype=dtype)
     ref = _reference(q, k_cache, v_cache, tables, lens, 0.2).to(dtype)
     torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.2), ref)
+
+
+def test_silu_and_mul_matches_torch():
+    """The one-call decode path's SiLU, which the modules' path on the CPU backend runs too, against
+    torch's (gate and up as the halves of one merged projection's rows; other layouts: torch's)."""
+    backend = _cpu_backend()
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(7, 2 * 300, generator=g) * 6
+    gate, up = gate_up.split(300, dim=-1)
+    expected = F.silu(gate.double()) * up.double()
+    torch.testing.assert_close(backend.act_and_mul(gate, up, "silu").double(), expected, rtol=1e-6, atol=1e-6)
+    separate = backend.act_and_mul(gate.contiguous(), up.contiguous(), "silu")
+    torch.testing.assert_close(separate.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_split_len_policy():

@@ -49,11 +49,11 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-# The matrix below runs without speculation, with prompt lookup and with a draft model: greedy
+# The matrix below runs without speculation, with prompt lookup, lookahead and a draft model: greedy
 # outputs must be transformers' either way. A match of one token makes guesses frequent on random
 # prompts; the draft is the target with noise on its weights (most guesses right, some wrong); and
 # every request guesses (no adapting), so that 32 requests at once still guess.
-SPECULATION = ("plain", "ngram", "draft")
+SPECULATION = ("plain", "ngram", "lookahead", "draft")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,8 @@ def speculation(model_folders, tmp_path_factory):
             return {}
         if spec == "ngram":
             return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+        if spec == "lookahead":
+            return dict(speculative_method="lookahead", speculative_adaptive=False)
         if arch not in drafts:
             drafts[arch] = make_draft_model(model_folders[arch], tmp_path_factory.mktemp("draft") / arch, noise=0.2)
         return dict(speculative_method="draft", speculative_model=drafts[arch], speculative_adaptive=False)

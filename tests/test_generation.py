@@ -24,14 +24,15 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "lookahead", "draft"])
 def llm(folder, request, tmp_path_factory):
-    """Every test runs without speculation, with prompt lookup (guessing from one-token matches) and
-    with a draft model (the target with noise on its weights)."""
+    """Every test runs without speculation, with prompt lookup (guessing from one-token matches),
+    lookahead, and with a draft model (the target with noise on its weights)."""
     if request.param == "plain":
         return LLM(folder, progress=False)
-    if request.param == "ngram":
-        return LLM(folder, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    if request.param in ("ngram", "lookahead"):
+        lookup = dict(prompt_lookup_min=1) if request.param == "ngram" else {}
+        return LLM(folder, progress=False, speculative_method=request.param, speculative_adaptive=False, **lookup)
     draft = make_draft_model(folder, tmp_path_factory.mktemp("generation") / "draft", noise=0.2)
     return LLM(folder, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
 

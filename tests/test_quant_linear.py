@@ -478,3 +478,34 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
 
     ours, modules = batch_decode(model), batch_decode(modules_only)
     torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())
+
+    # verification steps (a few new rows per sequence, 1, 4 and 3 side by side) take the one-call
+    # path too; each row's logits equal the modules' in the same step, and those of the same
+    # tokens decoded one at a time
+    def verify(m, rows_per_step):
+        from hearth.engine.runner import BatchEntry, ModelRunner
+
+        runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
+        tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+        done = [5, 17, 33]
+        runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(done, tables)])
+        logits = [[] for _ in tables]
+        for rows in rows_per_step:
+            live = [i for i in range(3) if rows[i]]
+            hidden, _ = runner.forward([BatchEntry(tokens[done[i]:done[i] + rows[i]], done[i], tables[i])
+                                        for i in live])
+            out = m.compute_logits(hidden).split([rows[i] for i in live])
+            for i, o in zip(live, out):
+                logits[i].append(o)
+                done[i] += rows[i]
+        return torch.cat([torch.cat(rows) for rows in logits])
+
+    path_calls = []
+    original = model.backend_state["decode_path"]
+    model.backend_state["decode_path"] = lambda *a: path_calls.append(1) or original(*a)
+    ours = verify(model, [[1, 4, 3], [2, 1, 4]])
+    assert len(path_calls) == 2  # both steps through the one-call path
+    same_step = verify(modules_only, [[1, 4, 3], [2, 1, 4]])
+    one_at_a_time = verify(modules_only, [[1, 1, 1]] * 3 + [[0, 1, 1]] * 2 + [[0, 0, 1]] * 2)
+    for modules in (same_step, one_at_a_time):
+        torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())

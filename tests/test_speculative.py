@@ -15,8 +15,10 @@ from scipy import stats
 
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
+from hearth.engine.request import Request
 from hearth.engine.sampler import Guesses, Sampler
-from hearth.engine.speculative import PROBE_EVERY, AcceptanceRate, NgramProposer, SpeedGate, num_guesses
+from hearth.engine.speculative import (PROBE_EVERY, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
+                                        num_guesses)
 from models import VOCAB_SIZE, make_draft_model, make_hf_model
 from test_sampler import build
 
@@ -51,10 +53,44 @@ def test_ngram_proposer_matches_a_brute_force_search():
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         k, min_n = rng.randint(1, 6), rng.randint(1, 3)
         max_n = min_n + rng.randint(0, 3)
-        assert NgramProposer(min_n, max_n).propose(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n), tokens
-    assert NgramProposer(1, 3).propose([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+        assert NgramProposer(min_n, max_n).lookup(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n), tokens
+    assert NgramProposer(1, 3).lookup([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def greedy_rule(context: list[int]) -> int:
+    """A stand-in model's greedy choice: each token a fixed random function of the two before it,
+    over 10 tokens (the text falls into loops, as small models' greedy text does)."""
+    return random.Random(context[-2] * 10 + context[-1]).randrange(10)
+
+
+def test_lookahead_guesses_converge_and_keep_the_greedy_text():
+    """Verification simulated with the rule as the model: each step's rows give the rule's token
+    after the text and after each guess; the guesses up to the first wrong one are kept, then one
+    more token. Jacobi iterations and the pool make 200 tokens take far fewer steps than 200 (at
+    most 5 tokens a step: at least 40; 60 as written)."""
+    expected = [1, 2]
+    while len(expected) < 202:
+        expected.append(greedy_rule(expected))
+    request = Request("r", expected[:2])
+    proposer = LookaheadProposer()
+    row_tokens = [greedy_rule(request.all_token_ids)]  # the prompt's step: one row
+    request.append_output_token(row_tokens[0])
+    steps = 1
+    while request.num_tokens < len(expected):
+        guesses = proposer.propose(request, 4, row_tokens)
+        assert len(guesses) == 4
+        context = list(request.all_token_ids)
+        row_tokens = [greedy_rule(context + guesses[:i]) for i in range(len(guesses) + 1)]
+        kept = 1
+        while kept <= len(guesses) and guesses[kept - 1] == row_tokens[kept - 1]:
+            kept += 1
+        for token in row_tokens[:kept]:
+            request.append_output_token(token)
+        steps += 1
+    assert request.all_token_ids[: len(expected)] == expected
+    assert steps <= 100, steps
 
 
 @pytest.mark.parametrize("draft", ["point mass, unlikely", "point mass, certain", "unlike", "identical"])
@@ -109,6 +145,8 @@ def speculation(method: str, folder, unlike_draft) -> dict:
     """The LLM options of prompt lookup, a draft unlike the target, and the target as its own draft."""
     if method == "ngram":
         return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    if method == "lookahead":
+        return dict(speculative_method="lookahead", speculative_adaptive=False)
     draft = unlike_draft if method == "draft unlike" else folder
     return dict(speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
 
@@ -151,7 +189,7 @@ def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft):
     assert llm.engine.spec_decode_totals.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft unlike"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike"])
 def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, unlike_draft, method):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way: every
     block of the target's cache and of the draft's is free at the end."""
@@ -217,7 +255,7 @@ def test_guess_count_follows_acceptance_and_batch_size():
 
 
 def test_unimplemented_methods_and_missing_drafts_are_refused():
-    for method in ("lookahead", "eagle"):
+    for method in ("tree", "eagle"):
         with pytest.raises(ValueError, match="not implemented"):
             EngineConfig(speculative_method=method)
     with pytest.raises(ValueError, match="needs a speculative_model"):
@@ -271,3 +309,34 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert llm.engine.spec_decode_totals.acceptance_rate > 0.4
     assert llm.engine.proposer.draft.block_manager.check_all_free()
+
+
+def test_quantized_model_verifies_in_the_one_call_path(tmp_path):
+    """A GGUF with every matmul on the int8 kernel: verification steps run the CPU backend's
+    one-call decode path (hearth/backend/cpu_decode.py) and give the plain engine's greedy output."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)  # whole q8_0 blocks
+    path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", "q8_0", progress=False)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 9))] * 3 for _ in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, progress=False)
+    spec = LLM(path, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
+    model = spec.engine.runner.model
+    steps = []
+    spec.generate([prompts[0]], greedy, use_tqdm=False)  # builds the path
+    path_of_model = model.backend_state["decode_path"]
+    assert path_of_model is not None
+    model.backend_state["decode_path"] = lambda x, *rest: steps.append(x.shape[0]) or path_of_model(x, *rest)
+    for batch in (prompts[:1], prompts):
+        expected = [o.outputs[0].token_ids for o in plain.generate(batch, greedy, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in spec.generate(batch, greedy, use_tqdm=False)] == expected
+    counts = spec.engine.spec_decode_totals
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert max(steps) > 8  # steps with verifications (more rows than sequences) took the path
+    assert spec.engine.block_manager.check_all_free()

@@ -80,29 +80,37 @@ class PrefillSequence:
         return self.causal_mask & (torch.arange(context, device=rows.device)[None, :] > rows - window)
 
 
+# A sequence with at most this many new tokens this step (a decode: 1; the verification of k
+# guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
+# longer ones (prompts) take per-sequence SDPA. vLLM calls it the decode threshold.
+MAX_DECODE_QUERY_LEN = 16
+
+
 @dataclass
 class AttentionMetadata:
-    """The reference and CPU backends' view of a step: prompts one by one, decodes together."""
+    """The reference and CPU backends' view of a step: prompts one by one, decodes (a few new
+    rows per sequence) together."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V go
     prefills: list[PrefillSequence]
-    decode_token_index: torch.Tensor  # [D] rows of the batch that are single-token decodes
+    decode_token_index: torch.Tensor  # [R] rows of the batch that belong to decodes, in order
+    decode_query_start: torch.Tensor  # [D + 1] int32: decode d owns rows [start[d], start[d + 1]) of those R
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0
-    decode_context_lens: torch.Tensor  # [D] int32, new token included
+    decode_context_lens: torch.Tensor  # [D] int32, new tokens included
     decode_max_len: int
     block_size: int
 
     @property
     def num_decodes(self) -> int:
-        return self.decode_token_index.numel()
+        return self.decode_context_lens.numel()
 
     @classmethod
     def from_step(cls, step: StepInputs, device: torch.device) -> AttentionMetadata:
         prefills, decode_rows, decode_seqs = [], [], []
         for s, (start, end) in enumerate(zip(step.query_start_loc[:-1], step.query_start_loc[1:])):
             start, end = int(start), int(end)
-            if end - start == 1:  # a decode reads its context through the block table
-                decode_rows.append(start)
+            if end - start <= MAX_DECODE_QUERY_LEN:  # a decode reads its context through the block table
+                decode_rows.extend(range(start, end))
                 decode_seqs.append(s)
                 continue
             seq_len = int(step.seq_lens[s])
@@ -113,11 +121,14 @@ class AttentionMetadata:
             prefills.append(PrefillSequence(start, end, torch.from_numpy(context).to(device),
                                             torch.from_numpy(mask).to(device)))
         lens = step.seq_lens[decode_seqs]
+        query_start = np.zeros(len(decode_seqs) + 1, dtype=np.int32)
+        np.cumsum(step.query_lens[decode_seqs], out=query_start[1:])
         widest = -(-int(lens.max()) // step.block_size) if len(lens) else 0
         return cls(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
             prefills=prefills,
             decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_query_start=torch.from_numpy(query_start).to(device),
             decode_block_tables=torch.from_numpy(np.ascontiguousarray(step.block_tables[decode_seqs, :widest])).to(device),
             decode_context_lens=torch.from_numpy(lens).to(device),
             decode_max_len=int(lens.max()) if len(lens) else 0,
@@ -125,16 +136,20 @@ class AttentionMetadata:
         )
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache slots [D, L] (padded) and [D, 1, 1, L] True where real (and, given a sliding window,
-        within the last `window` positions), for the SDPA path."""
+        """For the SDPA path, per decode row: cache slots [R, L] (its sequence's, padded) and
+        [R, 1, 1, L] True where the row may attend (its sequence's context up to its own position,
+        and, given a sliding window, within its last `window` positions)."""
         if not hasattr(self, "_decode_slots"):  # every layer asks; built once a step
             offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
             slots = (self.decode_block_tables.long()[:, :, None] * self.block_size + offsets).flatten(1)
-            slots = slots[:, : self.decode_max_len]
-            positions = torch.arange(self.decode_max_len, device=slots.device)
-            self._decode_slots = slots, positions
-        slots, positions = self._decode_slots
-        lens = self.decode_context_lens[:, None]
+            query_lens = self.decode_query_start.diff().long()
+            row_seq = torch.repeat_interleave(torch.arange(self.num_decodes, device=slots.device), query_lens)
+            # one past each row's position: its sequence's length less the rows after it
+            row_in_seq = torch.arange(len(row_seq), device=slots.device) - self.decode_query_start.long()[row_seq]
+            row_lens = self.decode_context_lens.long()[row_seq] - query_lens[row_seq] + 1 + row_in_seq
+            self._decode_slots = slots[row_seq, : self.decode_max_len], row_lens[:, None]
+        slots, lens = self._decode_slots
+        positions = torch.arange(self.decode_max_len, device=slots.device)
         mask = positions < lens
         if window is not None:
             mask &= positions >= lens - window
@@ -217,10 +232,11 @@ class Backend:
     def decode_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,
                          window: int | None = None) -> torch.Tensor:
-        """One new token per sequence, q [D, heads, head_dim]: one batched SDPA over padded gathers.
-        The query heads that share a KV head are rows of one query (SDPA's own GQA copies K and V
-        per query head: 7x the time for multi-head latent attention's one 576-wide KV head)."""
-        # [D, kv_heads, heads / kv_heads, head_dim] against [D, kv_heads, L, head_dim]
+        """The decodes' rows, q [R, heads, head_dim] (a sequence may have several: a verification's):
+        one batched SDPA over padded gathers, a row at a time. The query heads that share a KV head
+        are rows of one query (SDPA's own GQA copies K and V per query head: 7x the time for
+        multi-head latent attention's one 576-wide KV head)."""
+        # [R, kv_heads, heads / kv_heads, head_dim] against [R, kv_heads, L, head_dim]
         slots, mask = meta.decode_slots_and_mask(window)
         keys = read_rows(k_cache, slots, q.dtype).transpose(1, 2)
         values = read_rows(v_cache, slots, q.dtype).transpose(1, 2)

@@ -1,11 +1,12 @@
 """The CPU backend: float32 on a CPU through cpu_kernels.cpp (built on first use by hearth/native.py).
 
-Decode attention reads K/V in place through the block tables and, when sequences x KV heads
+Decode attention (a few new rows per sequence: decodes, verifications of guesses) reads K/V in
+place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
-write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on the int8 kernel,
-a decode-only step runs all layers in one call (cpu_decode.py). Prompts take the reference path
+write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on
+the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
@@ -81,20 +82,33 @@ class CpuBackend(Backend):
         if softcap is not None or not _whole_caches(k_cache, v_cache):  # the kernel has no soft-capping
             return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         q = q.contiguous()
-        num_decodes, heads, head_dim = q.shape
+        heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[1]
         threads = torch.get_num_threads()
         if split_len is None:
-            split_len = decode_split_len(num_decodes, kv_heads, min(meta.decode_max_len, window or meta.decode_max_len),
-                                         threads)
+            split_len = decode_split_len(meta.num_decodes, kv_heads,
+                                         min(meta.decode_max_len, window or meta.decode_max_len), threads)
         out = torch.empty_like(q)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
-            q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            num_decodes, heads, kv_heads, head_dim, meta.block_size, tables.shape[1], scale, split_len, window or 0,
-            threads,
+            q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(),
+            meta.decode_query_start.data_ptr(), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
+            meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
+        return out
+
+    def act_and_mul(self, gate, up, activation):
+        """SiLU's through the kernel decode_layers runs (gate and up side by side in each row of
+        one merged projection's output), so that a token's K/V come out the same whichever path
+        computed it: speculative steps change which steps take which path."""
+        inter = gate.shape[-1]
+        if not (activation == "silu" and gate.dtype == torch.float32 and gate.dim() == 2
+                and gate.stride() == (2 * inter, 1)
+                and up.stride() == gate.stride() and up.data_ptr() == gate.data_ptr() + inter * gate.element_size()):
+            return super().act_and_mul(gate, up, activation)
+        out = torch.empty(gate.shape[0], inter)
+        self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter)
         return out
 
     def apply_token_bitmask(self, logits, rows, bitmask):

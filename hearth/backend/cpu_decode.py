@@ -6,9 +6,10 @@ again: each runs with the caches that the weights' stream has just emptied. When
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
 hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
-every layer; K/V in float32 or q8_0), a step made only of decodes runs cpu_kernels.cpp's
-`decode_layers`: the kernels that the modules call, in the same order, with no Python between
-them. A merged
+every layer; K/V in float32 or q8_0), a step made only of decodes (sequences with a few new
+tokens each: a plain decode's one, a verification's guesses and the token before them;
+base.MAX_DECODE_QUERY_LEN) runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules
+call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
@@ -69,7 +70,7 @@ class CpuDecodePath:
 
     def __call__(
         self,
-        x: torch.Tensor,  # [T, hidden] embeddings of a step whose every row is a decode
+        x: torch.Tensor,  # [T, hidden] embeddings of a step whose every sequence is a decode (a few rows each)
         rotary: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
@@ -92,9 +93,10 @@ class CpuDecodePath:
         self.kernels.decode_layers(
             self.matmul_address, self.layer_table.data_ptr(), caches.data_ptr(),
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), tokens, hidden, heads, kv_heads,
-            head_dim, intermediate, self.eps, meta.block_size, tables.shape[1], self.scale,
-            decode_split_len(tokens, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),
+            meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
+            meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
+            tables.shape[1], self.scale,
+            decode_split_len(meta.num_decodes, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),
             self.window, threads,
         )
         return delta, residual

@@ -3,10 +3,12 @@
 // would run several small ops, each with its own dispatch and, with several threads, its own
 // fork and join: at batch 1 those cost more than the arithmetic.
 //
-// decode_attention (hearth/backend/cpu.py): one query token per sequence against that sequence's cached K/V, read in place through its
-// block table: no gather into a padded copy, no mask. A work item is (sequence, KV head, split):
-// the query heads sharing that KV head (GQA) go together, so each K/V row is read once for the
-// group. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
+// decode_attention (hearth/backend/cpu.py): a few query rows per sequence (one for a decode,
+// k + 1 for the verification of k guesses) against that sequence's cached K/V, read in place
+// through its block table: no gather into a padded copy, no mask (each row's causal range is an
+// interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
+// the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
+// of them. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
 // a few long sequences still give every thread work; each split keeps its running max m, sum l
 // and unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
@@ -14,7 +16,8 @@
 // rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
 // optionally after x += add in place (the residual stream's add fused into the norm's pass).
 //
-// decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers, the
+// decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers (its
+// sequences' few new rows each: decodes and verifications), the
 // kernels above and the int8 matmul (passed in from hearth/quant/kernels/qmatmul.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
@@ -47,7 +50,7 @@
 namespace {
 
 struct Item {
-  int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context
+  int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context; split: its number
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -137,102 +140,141 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// q, out [S, H, D]; k_cache, v_cache [slots, KH, D] float32, or int8 codes with float16 scales
-// k_scales, v_scales [slots, KH, D/32] (0: float32); block_tables int32 [S, max_blocks];
-// context_lens int32 [S]. Every sequence has at least one token. window > 0: the query sees only the
-// last `window` positions (sliding-window attention; the blocks before them are never read); 0: the
-// whole context.
+// q, out [R, H, D]: the new rows of S sequences end to end, sequence s owning rows
+// [query_start[s], query_start[s + 1]) (int32 [S + 1]), at least one each; k_cache, v_cache
+// [slots, KH, D] float32, or int8 codes with float16 scales k_scales, v_scales [slots, KH, D/32]
+// (0: float32); block_tables int32 [S, max_blocks]; context_lens int32 [S], the new rows
+// included (their K/V already in the cache). Row r of a sequence with n rows and context len
+// sits at position len - n + r and sees positions up to its own (causal among the new rows);
+// window > 0: only its last `window` positions (sliding-window attention); 0: all of them.
+// A work item reads each K/V row once for every query row and head of its group.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
-                      uintptr_t tables_, uintptr_t lens_, uintptr_t out_, int64_t num_seqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, double scale,
-                      int64_t split_len, int64_t window, int threads) {
+                      uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t out_, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
   const KVRows k_cache{reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim};
   const KVRows v_cache{reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim};
   const int32_t* tables = reinterpret_cast<const int32_t*>(tables_);
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_);
+  const int32_t* query_start = reinterpret_cast<const int32_t*>(query_start_);
   float* out = reinterpret_cast<float*>(out_);
-  const int64_t group = num_heads / num_kv_heads, D = head_dim;
+  const int64_t group = num_heads / num_kv_heads, D = head_dim, num_rows = query_start[num_seqs];
+  // the first and one-past-the-last position row r of sequence s sees
+  const auto row_end = [&](int64_t s, int64_t r) {
+    return (int64_t)lens[s] - (query_start[s + 1] - query_start[s]) + 1 + r;
+  };
+  const auto row_begin = [&](int64_t s, int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, row_end(s, r) - window) : (int64_t)0;
+  };
 
   std::vector<Item> items;
-  std::vector<int64_t> first_split(num_seqs + 1, 0);  // splits of sequence s: [first_split[s], first_split[s+1])
+  // splits of sequence s: [first_split[s], first_split[s+1]); partial results of its split i and
+  // row r: entry first_part[s] + i * rows + r (times num_heads, plus the query head)
+  std::vector<int64_t> first_split(num_seqs + 1, 0), first_part(num_seqs + 1, 0), row_seq(num_rows);
+  int64_t work = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s], begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t rows = query_start[s + 1] - query_start[s];
+    const int64_t len = lens[s], begin = row_begin(s, 0);
     const int64_t n_splits = (len - begin + split_len - 1) / split_len;
     first_split[s + 1] = first_split[s] + n_splits;
+    first_part[s + 1] = first_part[s] + n_splits * rows;
+    for (int64_t r = 0; r < rows; ++r) row_seq[query_start[s] + r] = s;
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t i = 0; i < n_splits; ++i)
-        items.push_back({s, h, begin + i * split_len, std::min(len, begin + (i + 1) * split_len), first_split[s] + i});
+        items.push_back({s, h, begin + i * split_len, std::min(len, begin + (i + 1) * split_len), i});
+    work += (len - begin) * rows * num_heads * D * 2;
   }
-  // per (split, query head): running max, sum of exp, unnormalised output [D]
-  const int64_t total_splits = first_split[num_seqs];
+  // per (split, row, query head): running max, sum of exp, unnormalised output [D]
+  const int64_t total_parts = first_part[num_seqs];
   // threads only where there is enough work to pay for waking them (~64K multiply-adds each)
-  int64_t work = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) work += (int64_t)lens[s] * num_heads * D * 2;
   threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(), work / 65536}));
-  std::vector<float> part_max(total_splits * num_heads), part_sum(total_splits * num_heads);
-  std::vector<float> part_out(total_splits * num_heads * D);
+  std::vector<float> part_max(total_parts * num_heads), part_sum(total_parts * num_heads);
+  std::vector<float> part_out(total_parts * num_heads * D);
   const float fscale = (float)scale;
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;  // [group, split_len]
-    std::vector<int64_t> rows;  // cache row of each token of the split
+    std::vector<float> scores;  // [rows, group, split_len]
+    std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
     std::vector<float> row_buf(D);  // a q8_0 row dequantized
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
-      const int64_t n = it.end - it.begin;
-      scores.resize(group * n);
-      rows.resize(n);
+      const int64_t n = it.end - it.begin, rows = query_start[it.seq + 1] - query_start[it.seq];
+      scores.resize(rows * group * n);
+      cache_rows.resize(n);
+      lo.resize(rows);
+      hi.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {  // split tokens [lo, hi) are the row's to see
+        lo[r] = std::max<int64_t>(0, row_begin(it.seq, r) - it.begin);
+        hi[r] = std::max(lo[r], std::min(n, row_end(it.seq, r) - it.begin));
+      }
       const int32_t* table = tables + it.seq * max_blocks;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = it.begin + t;
-        rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
+        cache_rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
       }
-      const float* q_group = q + (it.seq * num_heads + it.kv_head * group) * D;
-      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(rows[t]);
+      const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
+      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
       for (int64_t t = 0; t < n; ++t) {
-        if (t + PREFETCH_ROWS < n) k_cache.prefetch(rows[t + PREFETCH_ROWS]);
-        v_cache.prefetch(rows[t]);  // read after the scores
-        const float* k = k_cache.get(rows[t], row_buf.data());
-        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q_group + g * D, k, D) * fscale;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * n;
-        const float m = *std::max_element(sc, sc + n);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < n; ++t) {
-          sc[t] = exp_nonpositive(sc[t] - m);
-          l += sc[t];
+        if (t + PREFETCH_ROWS < n) k_cache.prefetch(cache_rows[t + PREFETCH_ROWS]);
+        v_cache.prefetch(cache_rows[t]);  // read after the scores
+        const float* k = k_cache.get(cache_rows[t], row_buf.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          if (t < lo[r] || t >= hi[r]) continue;
+          for (int64_t g = 0; g < group; ++g)
+            scores[(r * group + g) * n + t] = dot(q_seq + (r * num_heads + g) * D, k, D) * fscale;
         }
-        const int64_t p = it.split * num_heads + it.kv_head * group + g;
-        part_max[p] = m;
-        part_sum[p] = l;
-        std::fill_n(part_out.data() + p * D, D, 0.f);
+      }
+      const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          float* sc = scores.data() + (r * group + g) * n;
+          const int64_t p = (part_row + r) * num_heads + it.kv_head * group + g;
+          std::fill_n(part_out.data() + p * D, D, 0.f);
+          if (lo[r] == hi[r]) {  // the row sees nothing of this split
+            part_max[p] = -std::numeric_limits<float>::infinity();
+            part_sum[p] = 0.f;
+            continue;
+          }
+          const float m = *std::max_element(sc + lo[r], sc + hi[r]);
+          float l = 0.f;
+#pragma omp simd reduction(+ : l)
+          for (int64_t t = lo[r]; t < hi[r]; ++t) {
+            sc[t] = exp_nonpositive(sc[t] - m);
+            l += sc[t];
+          }
+          part_max[p] = m;
+          part_sum[p] = l;
+        }
       }
       for (int64_t t = 0; t < n; ++t) {
-        const float* v = v_cache.get(rows[t], row_buf.data());
-        for (int64_t g = 0; g < group; ++g) {
-          float* acc = part_out.data() + (it.split * num_heads + it.kv_head * group + g) * D;
-          const float p = scores[g * n + t];
+        const float* v = v_cache.get(cache_rows[t], row_buf.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          if (t < lo[r] || t >= hi[r]) continue;
+          for (int64_t g = 0; g < group; ++g) {
+            float* acc = part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + g) * D;
+            const float p = scores[(r * group + g) * n + t];
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+            for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+          }
         }
       }
     }
-    // merge the splits of each (sequence, query head)
+    // merge the splits of each (row, query head); a split the row saw nothing of weighs exp(-inf) = 0
 #pragma omp for collapse(2)
-    for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t row = 0; row < num_rows; ++row) {
       for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t s = row_seq[row], rows = query_start[s + 1] - query_start[s], r = row - query_start[s];
+        const int64_t n_splits = first_split[s + 1] - first_split[s];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first_split[s]; i < first_split[s + 1]; ++i) m = std::max(m, part_max[i * num_heads + h]);
+        for (int64_t i = 0; i < n_splits; ++i) m = std::max(m, part_max[(first_part[s] + i * rows + r) * num_heads + h]);
         float l = 0.f;
-        float* o = out + (s * num_heads + h) * D;
+        float* o = out + (row * num_heads + h) * D;
         std::fill_n(o, D, 0.f);
-        for (int64_t i = first_split[s]; i < first_split[s + 1]; ++i) {
-          const int64_t p = i * num_heads + h;
+        for (int64_t i = 0; i < n_splits; ++i) {
+          const int64_t p = (first_part[s] + i * rows + r) * num_heads + h;
           const float c = std::exp(part_max[p] - m);
           l += c * part_sum[p];
           const float* acc = part_out.data() + p * D;
@@ -369,12 +411,13 @@ constexpr int PART_FIELDS = 4;
 enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 
+// rows of sequence s: [query_start[s], query_start[s + 1]) (as decode_attention's).
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
 // then their q8_0 scales' (0: float32 caches).
 void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads) {
   const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
@@ -412,8 +455,9 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
     rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
                       tokens, num_heads, num_kv_heads, head_dim, threads);
-    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, ptr(attn), tokens,
-                     num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window, threads);
+    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, query_start_, ptr(attn),
+                     num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window,
+                     threads);
     project(layer, O, ptr(attn), delta, hidden, q_size);
     rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
@@ -427,10 +471,14 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "paged decode attention, split-KV, float32 or q8_0 K/V", nogil);
+  m.def("decode_attention", &decode_attention,
+        "paged attention of a few query rows per sequence, split-KV, float32 or q8_0 K/V", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32 or q8_0", nogil);
   m.def("mask_tokens", &mask_tokens, "grammar bitmasks applied to rows of float32 logits, in place", nogil);
+  m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
+    silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
+  }, "silu(gate) * up of each row of [gate | up], float32", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);

@@ -81,9 +81,11 @@ class DraftProposer:
         self.draft = draft
         self.guess_probs: dict[Request, torch.Tensor] = {}  # [k, V] per request with guesses
 
-    def guess(self, wanted: dict[Request, int], generators: dict[Request, torch.Generator | None]) -> None:
+    def guess(self, wanted: dict[Request, int], generators: dict[Request, torch.Generator | None],
+              verified_rows: dict[Request, list[int]]) -> None:
         """Set request.spec_token_ids of each request to its k guesses (none when the draft's cache
-        has no room for it); `generators`: each request's spec generator (seeded requests)."""
+        has no room for it); `generators`: each request's spec generator (seeded requests);
+        verified_rows: lookahead's, not the draft's."""
         entries, rows = [], []
         for request, k in wanted.items():
             entry = self.draft.catch_up(request, k - 1)

@@ -23,7 +23,8 @@ from hearth.engine.output_processor import OutputProcessor, RequestGroup, Sequen
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
-from hearth.engine.speculative import NgramProposer, SpecDecodeCounts, SpeedGate, num_guesses
+from hearth.engine.speculative import (LookaheadProposer, NgramProposer, SpecDecodeCounts, SpeedGate,
+                                      num_guesses)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
 from hearth.default_model import resolve_model
@@ -107,6 +108,8 @@ class LLMEngine:
         self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.speculative_method == "lookahead":
+            self.proposer = LookaheadProposer()
         elif config.speculative_method == "draft":
             self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
         self.amateur = None  # contrastive decoding's second model
@@ -359,8 +362,8 @@ class LLMEngine:
         config, num_running = self.config, self.scheduler.num_running
         if config.speculative_adaptive and not self.speed_gate.allow():
             return
-        wanted, generators = {}, {}
-        for request in result.sampled:
+        wanted, generators, verified_rows = {}, {}, {}
+        for request, sampled in result.sampled.items():
             params = request.sampling_params
             if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
                 continue  # opted out, or contrastive (its scores come from one position at a time)
@@ -372,9 +375,10 @@ class LLMEngine:
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
             k = min(k, self.max_model_len - request.num_tokens)
+            verified_rows[request] = sampled.row_token_ids
             if k > 0:
                 wanted[request], generators[request] = k, state.spec_generator
-        self.proposer.guess(wanted, generators)
+        self.proposer.guess(wanted, generators, verified_rows)
 
     def _release_prompt_sharers(self) -> None:
         """Queue the samples whose group's first sample has its prompt in the cache now."""

@@ -45,7 +45,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)  # weak references: per-request state kept beside it
 class Request:
     request_id: str
     prompt_token_ids: list[int]

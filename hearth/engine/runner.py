@@ -63,6 +63,9 @@ class SampledTokens:
     logprobs: list[float]  # of each token under the raw distribution
     top_logprobs: list[Alternatives] | None  # per token, when the request asked for logprobs
     num_guesses: int  # guesses verified this step; len(token_ids) - 1 of them were accepted
+    # the draw of every verified row (the last token's, then each guess's): past the first
+    # rejected guess, what the model gave after a wrong one (lookahead's Jacobi iteration)
+    row_token_ids: list[int]
 
 
 @dataclass
@@ -236,7 +239,8 @@ class ModelRunner:
             rows = range(row, row + kept)
             kept_tokens[seq.request] = SampledTokens(
                 [token_ids[r] for r in rows], [logprobs[r] for r in rows],
-                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses)
+                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses,
+                token_ids[row : row + num_guesses + 1])
             row += num_guesses + 1
         return kept_tokens
 

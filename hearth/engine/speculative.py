@@ -9,6 +9,18 @@ extra tokens of their request. Draft-model guesses (hearth/engine/draft.py) take
 the proposers share one call, `guess`, and a point mass is the draft distribution of an n-gram
 guess (sampler.verify_guesses).
 
+Lookahead decoding (Fu et al., 2024) guesses from the model's own parallel guesses, in one
+chain of rows (the verification path that prompt lookup uses; no tree mask): a request keeps a
+Jacobi window, its current guesses for the next positions, and a pool of N-grams. Every
+verification step is also a Jacobi iteration: the row after a wrong guess gives the model's token
+for the next position under that guess, which becomes the window's new guess there. Each row's
+trajectory joins the pool: the tokens the N - 2 steps before had one, two... positions before
+the row, its own token and its draw, each one the model's next token after the one before it
+(the window's guesses are); so does the text that was kept. A step's guesses are the pool's most
+frequent continuation of the request's last token, then the window's tokens for the positions
+after it. What the paper does beside that: its window keeps N - 1 iterations side by side,
+iterated every step through a mask of its own, and it verifies several pool n-grams at once.
+
 How many guesses (`num_guesses`): the i-th guess pays off only when the i - 1 before it were
 accepted, so it is worth about rate ** i tokens, where rate is the request's measured
 acceptance rate. It costs one more token of the step, which is nearly free when decoding is
@@ -24,6 +36,7 @@ are made, except one step in PROBE_EVERY that keeps measuring them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +47,10 @@ from hearth.engine.request import Request
 RATE_MEMORY = 0.8
 # One step in this many tries the option (guesses or none) that measured slower, to keep measuring it.
 PROBE_EVERY = 16
+# Lookahead: the n-grams' length N (the paper's 5 and 4 do alike; shorter ones match more often),
+# and the most continuations the pool keeps for one first token (the most recent).
+LOOKAHEAD_NGRAM = 4
+LOOKAHEAD_POOL_PER_TOKEN = 8
 
 
 class NgramProposer:
@@ -43,7 +60,7 @@ class NgramProposer:
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest (then the latest) earlier match of the last
         n tokens; [] when no n >= prompt_lookup_min matches."""
         if k <= 0 or len(token_ids) <= self.min_n:
@@ -70,10 +87,12 @@ class NgramProposer:
         return guesses
 
 
-    def guess(self, wanted: dict[Request, int], generators: dict) -> None:
-        """Set request.spec_token_ids of each request to up to k guesses (the proposers' common call)."""
+    def guess(self, wanted: dict[Request, int], generators: dict, verified_rows: dict[Request, list[int]]) -> None:
+        """Set request.spec_token_ids of each request to up to k guesses (the proposers' common call:
+        generators, the draft's; verified_rows, each request's token at each row of the step just
+        verified, lookahead's)."""
         for request, k in wanted.items():
-            request.spec_token_ids = self.propose(request.all_token_ids, k)
+            request.spec_token_ids = self.lookup(request.all_token_ids, k)
 
     def probs_of(self, request: Request) -> None:
         """The guesses' distributions: point masses (None)."""
@@ -81,6 +100,104 @@ class NgramProposer:
 
     def release_stopped(self) -> None:
         """Nothing held per request."""
+
+
+@dataclass
+class LookaheadState:
+    """One request's lookahead: its Jacobi window and n-gram pool."""
+
+    window: list[int] = field(default_factory=list)  # guesses for positions window_start, window_start + 1, ...
+    window_start: int = 0
+    # first token -> the N - 1 tokens that followed it -> times seen (the latest last)
+    pool: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    guesses: list[int] = field(default_factory=list)  # the last step's, as proposed
+    history: list[dict[int, int]] = field(default_factory=list)  # the last N - 2 steps' rows: position -> token
+
+    def add_ngram(self, ngram: list[int]) -> None:
+        continuations = self.pool.setdefault(ngram[0], {})
+        seen = continuations.pop(tuple(ngram[1:]), 0)
+        continuations[tuple(ngram[1:])] = seen + 1
+        if len(continuations) > LOOKAHEAD_POOL_PER_TOKEN:
+            del continuations[next(iter(continuations))]
+
+    def best_continuation(self, token: int) -> tuple[int, ...]:
+        """The continuation of `token` seen most often, of those the latest; () for none."""
+        continuations = self.pool.get(token)
+        if not continuations:
+            return ()
+        return max(reversed(continuations.items()), key=lambda item: item[1])[0]
+
+
+class LookaheadProposer:
+    """Lookahead decoding's guesses (module docstring): a pool n-gram, then the Jacobi window."""
+
+    def __init__(self) -> None:
+        self.states: weakref.WeakKeyDictionary[Request, LookaheadState] = weakref.WeakKeyDictionary()
+
+    def guess(self, wanted: dict[Request, int], generators: dict, verified_rows: dict[Request, list[int]]) -> None:
+        """Learn from every request's verified rows; set the guesses of those in `wanted`."""
+        for request, rows in verified_rows.items():
+            request.spec_token_ids = self.propose(request, wanted.get(request, 0), rows)
+
+    def probs_of(self, request: Request) -> None:
+        """The guesses' distributions: point masses (None)."""
+        return None
+
+    def release_stopped(self) -> None:
+        """Nothing held but by the requests themselves (a weak dictionary)."""
+
+    def propose(self, request: Request, k: int, row_token_ids: list[int]) -> list[int]:
+        """Up to k guesses to follow `request`'s tokens, after learning from the step just verified:
+        row_token_ids, the model's token at each of its rows (the last token, then each guess)."""
+        state = self.states.setdefault(request, LookaheadState())
+        tokens = request.all_token_ids
+        self._learn(state, tokens, row_token_ids)
+        if k <= 0:
+            state.guesses = []
+            return []
+        last = len(tokens) - 1  # position of the last token; guesses go to last + 1, ...
+        guesses = list(state.best_continuation(tokens[-1])[:k])
+        first = last + 1 + len(guesses) - state.window_start  # the window's entry for the next position
+        guesses += state.window[max(first, 0) : max(first, 0) + k - len(guesses)]
+        while len(guesses) < k:  # a window not grown yet: the text read on as if it repeated
+            guesses.append(tokens[len(tokens) - k + len(guesses)] if len(tokens) >= k else tokens[-1])
+        state.guesses = list(guesses)  # the scheduler trims and clears the request's own list
+        return guesses
+
+    @staticmethod
+    def _learn(state: LookaheadState, tokens: list[int], row_token_ids: list[int]) -> None:
+        """The step that gave row_token_ids verified state.guesses[: rows - 1] after the token at
+        position c; tokens (the request's, the step's kept ones appended) end at c + kept."""
+        guesses = state.guesses[: len(row_token_ids) - 1]
+        kept = 1
+        while kept <= len(guesses) and guesses[kept - 1] == row_token_ids[kept - 1]:
+            kept += 1
+        c = len(tokens) - kept - 1
+        n = LOOKAHEAD_NGRAM
+        inputs = {c + i: t for i, t in enumerate([tokens[c], *guesses])}  # this step's rows by position
+        for i, given in enumerate(row_token_ids):
+            # a trajectory: the token each earlier step had one position before, each one the
+            # model's next token after the one before it (the window's guesses are)
+            ngram = [inputs[c + i], given]
+            for back, past in enumerate(reversed(state.history), 1):
+                if len(ngram) == n or c + i - back not in past:
+                    break
+                ngram.insert(0, past[c + i - back])
+            if len(ngram) == n:
+                state.add_ngram(ngram)
+        for i in range(kept):  # and the text itself, up to the first wrong guess
+            if c + i + 2 >= n:
+                state.add_ngram(tokens[c + i + 2 - n : c + i + 2])
+        state.history = [*state.history, inputs][-(n - 2):]
+        # the Jacobi iteration: after the first wrong guess, each row's token is the new guess
+        # for the position after it; the old window stays where the rows did not reach
+        old = {state.window_start + i: t for i, t in enumerate(state.window)}
+        old.update({c + 1 + i: t for i, t in enumerate(row_token_ids) if i >= kept})
+        start = len(tokens)
+        window = []
+        while start + len(window) in old:
+            window.append(old[start + len(window)])
+        state.window, state.window_start = window, start
 
 
 class SpeedGate:
