@@ -219,7 +219,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, 
     counts = engine.spec_decode_totals
     assert preempted > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     assert engine.block_manager.check_all_free()
-    if method != "ngram":
+    if method.startswith("draft"):
         assert engine.proposer.draft.block_manager.check_all_free()
 
 
