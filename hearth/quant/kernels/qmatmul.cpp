@@ -902,6 +902,8 @@ struct I8Dot {
   }
 };
 
+constexpr int INT8_PREFETCH = 4096;  // bytes ahead of the block being read
+
 // One weight row against MR activation rows from m0: y[r * N] for r < MR.
 template <int QT, int MR, bool VNNI>
 void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y, int64_t N) {
@@ -918,6 +920,8 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
   for (int64_t b = 0; b < nb; b++) {
     const Block<QT> blk(row + b * F::BYTES);
     const int8_t* xb = xq + b * BS;
+    if constexpr (MR <= 2)  // decode: the stream of rows runs from DRAM, so ask for it ahead
+      for (int off = 0; off < F::BYTES; off += 64) _mm_prefetch((const char*)(row + b * F::BYTES + off + INT8_PREFETCH), _MM_HINT_T0);
     if constexpr (BS == 256) {
       __m256i dot[MR];
       for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
