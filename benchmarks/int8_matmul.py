@@ -4,6 +4,7 @@ sane float16 scales), CPU milliseconds per call at 1 thread (CPU time: a machine
 jobs still gives each call's own cost), GB/s of the weight's bytes and GOP/s.
 
     python benchmarks/int8_matmul.py --rows 1,4,16,64,512
+    python benchmarks/int8_matmul.py --paths avx512-vnni,avx2 --types Q4_K,Q6_K
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q3_K,Q2_K,Q4_0,Q4_1,Q5_0,Q5_1,Q8_0")
     ap.add_argument("--rows", default="1,4,16,64,512", help="activation rows M")
     ap.add_argument("--shape", default="5632,2048", help="N,K of the weight")
+    ap.add_argument("--paths", default=None,
+                    help="the kernel's code paths to time, comma-separated (default: the fastest; see int8_paths)")
     ap.add_argument("--repeats", type=int, default=9, help="calls per cell (median)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
@@ -38,27 +41,29 @@ def main() -> None:
         sys.exit("hearth's C++ kernels could not be built here")
     n, k = (int(v) for v in args.shape.split(","))
     rows = [int(m) for m in args.rows.split(",")]
+    paths = args.paths.split(",") if args.paths else [next(iter(ext.int8_paths))]
     g = torch.Generator().manual_seed(0)
     cells, data = [], []
     for name in args.types.split(","):
         qtype = GGMLQuantizationType[name]
         weight = random_weight(qtype, n, k, g)
-        row = [name, f"{weight.numel() / 1e6:.1f} MB"]
-        for m in rows:
-            x = torch.randn(m, k, generator=g)
-            ext.int8_matmul(x, weight, int(qtype), n)
-            times = []
-            for _ in range(args.repeats):
-                start = time.process_time()
-                ext.int8_matmul(x, weight, int(qtype), n)
-                times.append(time.process_time() - start)
-            t = sorted(times)[len(times) // 2]
-            row.append(f"{t * 1e3:.2f} ms, {weight.numel() / t / 1e9:.1f} GB/s, {2 * m * n * k / t / 1e9:.0f} GOP/s")
-            data.append({"type": name, "rows": m, "cpu_seconds": t})
-        cells.append(row)
+        for path in paths:
+            row = [name, path, f"{weight.numel() / 1e6:.1f} MB"]
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                ext.int8_matmul(x, weight, int(qtype), n, path)
+                times = []
+                for _ in range(args.repeats):
+                    start = time.process_time()
+                    ext.int8_matmul(x, weight, int(qtype), n, path)
+                    times.append(time.process_time() - start)
+                t = sorted(times)[len(times) // 2]
+                row.append(f"{t * 1e3:.2f} ms, {weight.numel() / t / 1e9:.1f} GB/s, {2 * m * n * k / t / 1e9:.0f} GOP/s")
+                data.append({"type": name, "path": path, "rows": m, "cpu_seconds": t})
+            cells.append(row)
     command = "python " + " ".join(sys.argv)
     md = "\n".join([f"`{command}` (1 thread, CPU time, median of {args.repeats} calls; weight {n} x {k})", "",
-                    table(["format", "weight"] + [f"M = {m}" for m in rows], cells)])
+                    table(["format", "path", "weight"] + [f"M = {m}" for m in rows], cells)])
     write_results(args.out, md, {"shape": [n, k], "results": data})
 
 

@@ -33,6 +33,18 @@ else
     echo "llama-cpp-python is not installed: skipped"
 fi
 
+step "hearth vs llama.cpp: TinyLlama-1.1B shape, llama.cpp's own Q4_K_M, Q5_K_M and Q6_K files; SmolLM2-135M Q4_1"
+SMOLLM2=../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+if python -c "import llama_cpp" 2>/dev/null; then
+    python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q4_k_m,q5_k_m,q6_k --runs 3 --batches 1,32 $T \
+        --out "$R/llamacpp-kquants"
+    if [ -f "$SMOLLM2" ]; then
+        python benchmarks/hearth_vs_llamacpp.py --gguf "$SMOLLM2" --runs 5 --batches 1 $T --out "$R/llamacpp-smollm2"
+    fi
+else
+    echo "llama-cpp-python is not installed: skipped"
+fi
+
 step "decode attention: gather + SDPA vs the paged kernel vs split-KV"
 python benchmarks/decode_attention.py --runs 7 $T --out "$R/decode-attention"
 

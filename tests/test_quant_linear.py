@@ -110,10 +110,11 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
         for portable in (False, True):  # SIMD paths and the plain C++ loops
             if qtype in HALF:
                 assert_within(ext.gemv(x, data, int(qtype), n, portable), ref, fp32_tolerance(x, w))
-            else:
-                assert_within(ext.int8_matmul(x, data, int(qtype), n, portable), ref, int8_bound)
             if packed is not None:
                 assert_within(ext.packed_matmul(x, *packed, int(qtype), n, portable), ref, q8_tolerance(x, w))
+        if qtype not in HALF:
+            for path in ext.int8_paths:  # every code path this build has (AVX-512, AVX2, plain loops)
+                assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, int8_bound)
         assert_within(quant_matmul(x, data, qtype, n, kernel="torch"), ref, fp32_tolerance(x, w))
         assert_within(quant_matmul(x, data, qtype, n), ref, int8_bound if qtype not in HALF else fp32_tolerance(x, w))
 
@@ -134,17 +135,20 @@ def test_int8_kernel_on_blocks_from_ggufs_quantizer(ext, qtype):
         assert_within(ext.int8_matmul(x, data, int(qtype), n), ref, q8_tolerance(x, w))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda q: q.name)
 def test_compiled_paths_agree_with_each_other(ext, qtype):
-    """The SIMD kernels and the portable loops: the same int8 activations and integer dot products,
-    summed in another fp32 order."""
+    """Every SIMD path (AVX-512, AVX2) and the portable loops: the same int8 activations and integer
+    dot products, summed in another fp32 order. 9 rows: in place, whole passes of rows and a
+    remainder; 37: tiles decoded per call on VNNI builds (from 24 rows)."""
     g = torch.Generator().manual_seed(7)
     n, k = 70, 512
     data = random_weight(qtype, n, k, g)
-    x = torch.randn(9, k, generator=g)
     w = dense(data, qtype, k)
-    fast, plain = ext.int8_matmul(x, data, int(qtype), n), ext.int8_matmul(x, data, int(qtype), n, portable=True)
-    assert_within(fast, plain.double(), fp32_tolerance(x, w))
+    for m in (9, 37):
+        x = torch.randn(m, k, generator=g)
+        plain = ext.int8_matmul(x, data, int(qtype), n, "portable").double()
+        for path in ext.int8_paths:
+            assert_within(ext.int8_matmul(x, data, int(qtype), n, path), plain, fp32_tolerance(x, w))
 
 
 @pytest.mark.parametrize("qtype", [Q.TQ1_0, Q.TQ2_0], ids=lambda q: q.name)

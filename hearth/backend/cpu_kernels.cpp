@@ -399,7 +399,7 @@ void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inte
 }
 
 using Int8Matmul = void (*)(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                           int qtype, bool portable, int threads);
+                           int qtype, int path, int threads);
 
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
@@ -436,11 +436,11 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
       const int64_t rows = part[3];
       if (rows == 0) break;
       if (rows == n) {  // the whole projection in one format
-        matmul(x, part[0], part[1], reinterpret_cast<uintptr_t>(y), tokens, n, k, (int)part[2], false, threads);
+        matmul(x, part[0], part[1], reinterpret_cast<uintptr_t>(y), tokens, n, k, (int)part[2], 0, threads);
         break;
       }
       part_out.resize(tokens * rows);  // [T, rows], then its columns of y
-      matmul(x, part[0], part[1], ptr(part_out), tokens, rows, k, (int)part[2], false, threads);
+      matmul(x, part[0], part[1], ptr(part_out), tokens, rows, k, (int)part[2], 0, threads);
       for (int64_t t = 0; t < tokens; ++t)
         std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
       column += rows;

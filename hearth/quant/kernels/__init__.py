@@ -25,6 +25,8 @@ class Kernels:
         self.module = module
         self.avx512 = module.has_avx512()
         self.vnni = module.has_vnni()
+        # int8_matmul's code paths in this build, fastest first (e.g. avx512-vnni, avx2, portable)
+        self.int8_paths: dict[str, int] = dict(module.int8_paths())
 
     def _check(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int) -> tuple[torch.Tensor, int]:
         if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
@@ -44,13 +46,16 @@ class Kernels:
                          torch.get_num_threads())
         return y
 
-    def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
+    def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, path: str | None = None) -> torch.Tensor:
         """x [M, K] W^T with W's blocks read in place and x rounded to int8 per block of the format
-        (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only."""
+        (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only.
+        `path`: one of `int8_paths` (default: the fastest)."""
         x, k = self._check(x, w, qtype, n)
+        if path is not None and path not in self.int8_paths:
+            raise ValueError(f"path {path!r}: this build has {', '.join(self.int8_paths)}")
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self.module.int8_matmul(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], n, k, int(qtype), portable,
-                                torch.get_num_threads())
+        self.module.int8_matmul(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], n, k, int(qtype),
+                                self.int8_paths[path] if path else 0, torch.get_num_threads())
         return y
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -685,10 +685,6 @@ void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t scales_, uintptr_t 
 // 32-value blocks (one sub-block, sc = 1): the second term is the block's offset o times
 // dx sum(xq): o = m (Q4_1, Q5_1) or -Z d (Q4_0, Q5_0).
 
-// Activation rows handled per pass over a weight row: its codes are decoded once for all of them.
-constexpr int INT8_MR = 4;
-
-
 // Portable: the block as unpack<QT> describes it, the same sums in the same integer/fp32 split.
 template <int QT>
 void int8_dot_rows_generic(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, int mr,
@@ -710,10 +706,12 @@ void int8_dot_rows_generic(const uint8_t* row, int64_t K, const QuantizedActivat
         int32_t dot = 0, sum = 0;
         for (int i = 0; i < F::S; i++) {
           const int v = xq[b * F::BS + j * F::S + i];
-          dot += (int(q[j * F::S + i]) - F::Z) * v;
+          dot += int(q[j * F::S + i]) * v;
           sum += v;
         }
-        block += s[j] * float(dot) + o[j] * float(sum);
+        // the zero point taken off after the loop: gcc 12 at -O3 on VNNI machines vectorizes
+        // sum((q - Z) * v) into vpdpbusd wrongly (results off by far more than rounding)
+        block += s[j] * float(dot - F::Z * sum) + o[j] * float(sum);
       }
       acc += double(block * a.d[m * nb + b]);
     }
@@ -882,10 +880,37 @@ template <> struct Block<TQ2_0> {
   }
 };
 
+// The integer dot products: AVX2's maddubs + madd + add, or, on AVX-512 VNNI builds, vpdpwssd /
+// vpdpbusd doing the madd and the add in one (on 256-bit vectors: in place, 512-bit vectors made
+// of two 32-value chunks measured 10-25% slower at one activation row, the joining costing more
+// than the wider multiply saves; prefill and batches take the VNNI tiles instead).
+template <bool VNNI>
+struct I8Dot {
+  // acc + per int16 lane pair (codes . x) * scale: unsigned codes, int8 x, int16 scales
+  static __m256i scaled(__m256i acc, __m256i codes, __m256i x, __m256i scales) {
+#ifdef HEARTH_VNNI
+    if constexpr (VNNI) return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(codes, x), scales);
+#endif
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales));
+  }
+  // codes . x per 4 values
+  static __m256i plain(__m256i codes, __m256i x) {
+#ifdef HEARTH_VNNI
+    if constexpr (VNNI) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x);
+#endif
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+  }
+};
+
+constexpr int INT8_PREFETCH = 4096;  // bytes ahead of the block being read
+
 // One weight row against MR activation rows from m0: y[r * N] for r < MR.
-template <int QT, int MR>
+template <int QT, int MR, bool VNNI>
 void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y, int64_t N) {
   using F = Fmt<QT>;
+  // one or two rows: the products' sum is one chain per row, and vpdpwssd's latency (5 cycles
+  // where add's is 1) would set the pace (Q4_K at one row 0.49 -> 0.76 ms per 5632 x 2048)
+  using D = I8Dot<VNNI && MR >= 3>;
   constexpr int BS = F::BS;
   const int64_t nb = K / BS;
   const int8_t* xq = a.q.data() + m0 * K;
@@ -895,6 +920,8 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
   for (int64_t b = 0; b < nb; b++) {
     const Block<QT> blk(row + b * F::BYTES);
     const int8_t* xb = xq + b * BS;
+    if constexpr (MR <= 2)  // decode: the stream of rows runs from DRAM, so ask for it ahead
+      for (int off = 0; off < F::BYTES; off += 64) _mm_prefetch((const char*)(row + b * F::BYTES + off + INT8_PREFETCH), _MM_HINT_T0);
     if constexpr (BS == 256) {
       __m256i dot[MR];
       for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
@@ -903,7 +930,7 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
         const __m256i codes = blk.codes(c), scales = blk.scales(c);
         for (int r = 0; r < MR; r++) {
           const __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), scales));
+          dot[r] = D::scaled(dot[r], codes, x, scales);
           // keeps the sum in this order: left free, gcc computes all 8 x MR products first and
           // adds them as a tree, spilling most of them to the stack
           asm("" : "+x"(dot[r]));
@@ -919,34 +946,199 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
       }
     } else {
       constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
-      const __m256i q = blk.codes(0), ones = _mm256_set1_epi16(1);
+      const __m256i q = blk.codes(0);
       const __m256i codes = SIGNED ? _mm256_sign_epi8(q, q) : q;
       for (int r = 0; r < MR; r++) {
         const int64_t m = m0 + r;
         __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K));
         if constexpr (SIGNED) x = _mm256_sign_epi8(x, q);
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(blk.d * a.d[m * nb + b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D::plain(codes, x)), _mm256_set1_ps(blk.d * a.d[m * nb + b]), acc[r]);
         off[r] += blk.o * a.dsum[m * nb + b];
       }
     }
   }
   for (int r = 0; r < MR; r++) y[r * N] = hsum8(acc[r]) + off[r];
 }
+
+template <int QT, bool VNNI>
+void int8_dot_rows_simd(int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y,
+                        int64_t N) {
+  switch (mr) {
+    case 4: return int8_dot_rows_avx2<QT, 4, VNNI>(row, K, a, m0, y, N);
+    case 3: return int8_dot_rows_avx2<QT, 3, VNNI>(row, K, a, m0, y, N);
+    case 2: return int8_dot_rows_avx2<QT, 2, VNNI>(row, K, a, m0, y, N);
+    default: return int8_dot_rows_avx2<QT, 1, VNNI>(row, K, a, m0, y, N);
+  }
+}
 #endif  // __AVX2__
 
+#ifdef HEARTH_VNNI
+// ------------------------------------------------------------------ tiles decoded per call (VNNI)
+// Prefill and batches (M >= INT8_TILE_MIN_ROWS) on AVX-512 VNNI builds, every sub-block format
+// (the K-quants, Q4_1, Q5_0, Q5_1, TQ2_0): each thread decodes 32 weight rows at a time
+// (Block<QT>, the blocks as the in-place kernels read them) into a tile laid out as the packed
+// Q8_0 tiles are, unsigned byte codes [K/4][32 rows][4], with per sub-block j of S values and row
+// the fp32 scale s_j and offset c_j (w = s_j q + c_j); then every activation row passes over
+// it: per sub-block S/4 vpdpbusd per 16 rows, then
+//   y += cvt(dot) (s_j dx) + c_j (dx sum_j xq).
+// The decoding (~K ops per row) is paid once per call and spread over all M activation rows; the
+// dot products take one instruction per 64 multiply-adds against ~3 in place.
+constexpr int64_t INT8_TILE_MIN_ROWS = 24;  // below, the in-place kernel (the tile decoding costs ~2-5 rows of it)
+constexpr int TILE_MR = 5;  // activation rows per pass over a tile
+
+struct DecodedTile {
+  std::vector<uint8_t> codes;  // [K/4][NR][4]
+  std::vector<float> scale;    // [K/S][NR]
+  std::vector<float> offset;   // [K/S][NR]
+};
+
+// One block as the tile holds it: BS unsigned codes (Block<QT>'s, 32 at a time) and per sub-block
+// of S values the scale s and offset c of w = s q + c.
 template <int QT>
-void int8_dot_rows(bool portable, int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0,
-                   float* y, int64_t N) {
-#ifdef __AVX2__
-  if (!portable) {
-    switch (mr) {
-      case 4: return int8_dot_rows_avx2<QT, 4>(row, K, a, m0, y, N);
-      case 3: return int8_dot_rows_avx2<QT, 3>(row, K, a, m0, y, N);
-      case 2: return int8_dot_rows_avx2<QT, 2>(row, K, a, m0, y, N);
-      default: return int8_dot_rows_avx2<QT, 1>(row, K, a, m0, y, N);
+inline void block_terms(const uint8_t* p, uint8_t* codes, float* s, float* c) {
+  using F = Fmt<QT>;
+  const Block<QT> blk(p);
+  constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
+  for (int ch = 0; ch < F::BS / 32; ch++) {
+    const __m256i v = blk.codes(ch);
+    _mm256_storeu_si256((__m256i*)(codes + 32 * ch), SIGNED ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v);
+  }
+  if constexpr (F::BS == 256) {  // per 16 values j: w = d sc_j q - f c_j
+    alignas(32) int16_t c16[16];
+    _mm256_store_si256((__m256i*)c16, blk.c16);
+    for (int j = 0; j < F::BS / F::S; j++) {
+      const int k = j * F::S / 16;
+      if constexpr (requires { blk.sc; }) s[j] = blk.d * float(blk.sc.s[k]);
+      else s[j] = blk.d;  // TQ2_0: no sub-block scales
+      c[j] = -blk.f * float(c16[k]);
+    }
+  } else {
+    s[0] = blk.d;
+    c[0] = SIGNED ? -128.f * blk.d : blk.o;  // Q8_0's codes moved to unsigned
+  }
+}
+
+template <int QT>
+void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t rows, DecodedTile& t) {
+  using F = Fmt<QT>;
+  constexpr int NS = F::BS / F::S;
+  const int64_t nb = K / F::BS;
+  t.codes.resize(NR * K);
+  t.scale.resize(K / F::S * NR);
+  t.offset.resize(K / F::S * NR);
+  alignas(64) uint32_t q[NR][F::BS / 4];  // one block of every row, 4 codes a word
+  float s[NS], c[NS];
+  for (int64_t b = 0; b < nb; b++) {
+    for (int64_t j = 0; j < NR; j++) {
+      if (j < rows) {
+        block_terms<QT>(w + (n0 + j) * row_bytes + b * F::BYTES, (uint8_t*)q[j], s, c);
+      } else {  // rows past N: zero
+        std::memset(q[j], 0, sizeof q[j]);
+        for (int i = 0; i < NS; i++) s[i] = c[i] = 0.f;
+      }
+      for (int i = 0; i < NS; i++) {
+        t.scale[(b * NS + i) * NR + j] = s[i];
+        t.offset[(b * NS + i) * NR + j] = c[i];
+      }
+    }
+    uint32_t* dst = (uint32_t*)t.codes.data() + b * (F::BS / 4) * NR;  // [BS/4][NR] words, written in order
+    for (int g = 0; g < F::BS / 4; g++)
+      for (int j = 0; j < NR; j++) dst[g * NR + j] = q[j][g];
+  }
+}
+
+// MR activation rows against one decoded tile; xd / xs [MR][K/S]: dx and dx sum(xq) per sub-block
+template <int S, int MR>
+void tile_vnni(const DecodedTile& t, int64_t K, const int8_t* xq, const float* xd, const float* xs, float* y,
+               int64_t N, int64_t nvalid) {
+  const int64_t ns = K / S;
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < ns; j++) {
+    __m512i dot[MR][2];
+    for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    const uint8_t* cb = t.codes.data() + j * (S / 4) * NR * 4;
+#pragma GCC unroll 8
+    for (int g = 0; g < S / 4; g++) {
+      const __m512i w0 = _mm512_loadu_si512((const void*)(cb + g * NR * 4));
+      const __m512i w1 = _mm512_loadu_si512((const void*)(cb + g * NR * 4 + 64));
+      for (int r = 0; r < MR; r++) {
+        int32_t v;
+        std::memcpy(&v, xq + r * K + j * S + 4 * g, 4);
+        const __m512i xb = _mm512_set1_epi32(v);
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(t.scale.data() + j * NR), s1 = _mm512_loadu_ps(t.scale.data() + j * NR + 16);
+    const __m512 c0 = _mm512_loadu_ps(t.offset.data() + j * NR), c1 = _mm512_loadu_ps(t.offset.data() + j * NR + 16);
+    for (int r = 0; r < MR; r++) {
+      const __m512 d = _mm512_set1_ps(xd[r * ns + j]), sum = _mm512_set1_ps(xs[r * ns + j]);
+      acc[r][0] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(s0, d), acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(s1, d), acc[r][1]));
     }
   }
+  const __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
+  const __mmask16 k1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (__mmask16)((1u << (nvalid - 16)) - 1);
+  for (int r = 0; r < MR; r++) {
+    _mm512_mask_storeu_ps(y + r * N, k0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * N + 16, k1, acc[r][1]);
+  }
+}
+
+template <int S, int MR = TILE_MR>
+void tile_vnni_mr(int mr, const DecodedTile& t, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+                  float* y, int64_t N, int64_t nvalid) {
+  if constexpr (MR > 1)
+    if (mr < MR) return tile_vnni_mr<S, MR - 1>(mr, t, K, xq, xd, xs, y, N, nvalid);
+  tile_vnni<S, MR>(t, K, xq, xd, xs, y, N, nvalid);
+}
+
+template <int QT>
+void int8_matmul_tiles(const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y, int64_t N,
+                       int threads) {
+  using F = Fmt<QT>;
+  const int64_t row_bytes = K / F::BS * F::BYTES, ns = K / F::S, per_block = F::BS / F::S, nb = K / F::BS;
+  // per activation row and sub-block: dx and dx * (sum of the sub-block's codes)
+  std::vector<float> xd(M * ns), xs(M * ns);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < ns; j++) {
+      const float d = a.d[m * nb + j / per_block];
+      int32_t sum = 0;
+      for (int h = 0; h < F::S / 16; h++) sum += a.s16[m * (K / 16) + j * (F::S / 16) + h];
+      xd[m * ns + j] = d;
+      xs[m * ns + j] = d * float(sum);
+    }
+  const int64_t tiles = (N + NR - 1) / NR;
+  parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
+    DecodedTile tile;
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t n0 = t * NR, rows = std::min<int64_t>(NR, N - n0);
+      decode_tile<QT>(w, row_bytes, K, n0, rows, tile);
+      for (int64_t m = 0; m < M; m += TILE_MR)
+        tile_vnni_mr<F::S>((int)std::min<int64_t>(TILE_MR, M - m), tile, K, a.q.data() + m * K, xd.data() + m * ns,
+                           xs.data() + m * ns, y + m * N + n0, N, rows);
+    }
+  });
+}
+#endif  // HEARTH_VNNI
+
+// Which code runs int8_matmul: the fastest this build has (VNNI: tiles from INT8_TILE_MIN_ROWS
+// rows, in place with vpdpwssd below), the AVX2 one, or the plain loops (the tests run each one
+// this build has, `int8_paths`).
+enum Int8Path : int { FASTEST = 0, AVX2 = 1, PORTABLE = 2 };
+
+// Activation rows handled per pass over a weight row: its codes are decoded once for all of them.
+constexpr int INT8_MR = 4;
+
+template <int QT>
+void int8_dot_rows(int path, int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0,
+                   float* y, int64_t N) {
+#ifdef HEARTH_VNNI
+  if (path == FASTEST) return int8_dot_rows_simd<QT, true>(mr, row, K, a, m0, y, N);
+#endif
+#ifdef __AVX2__
+  if (path != PORTABLE) return int8_dot_rows_simd<QT, false>(mr, row, K, a, m0, y, N);
 #endif
   int8_dot_rows_generic<QT>(row, K, a, m0, mr, y, N);
 }
@@ -955,15 +1147,18 @@ void int8_dot_rows(bool portable, int mr, const uint8_t* row, int64_t K, const Q
 constexpr int64_t INT8_ROW_GROUP = 16;
 
 template <int QT>
-void int8_matmul_impl(bool portable, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
+void int8_matmul_impl(int path, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
                       int64_t N, int threads) {
+#ifdef HEARTH_VNNI
+  if (path == FASTEST && M >= INT8_TILE_MIN_ROWS) return int8_matmul_tiles<QT>(w, K, a, M, y, N, threads);
+#endif
   const int64_t row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES;
   parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t g = n0; g < n1; g += INT8_ROW_GROUP)
       for (int64_t m = 0; m < M; m += INT8_MR) {
         const int mr = (int)std::min<int64_t>(INT8_MR, M - m);
         for (int64_t n = g; n < std::min(n1, g + INT8_ROW_GROUP); n++)
-          int8_dot_rows<QT>(portable, mr, w + n * row_bytes, K, a, m, y + m * N + n, N);
+          int8_dot_rows<QT>(path, mr, w + n * row_bytes, K, a, m, y + m * N + n, N);
       }
   });
 }
@@ -971,11 +1166,11 @@ void int8_matmul_impl(bool portable, const uint8_t* w, int64_t K, const Quantize
 // y [M, N] = x [M, K] W^T, W uint8 [N, K / BS * BYTES] GGUF blocks as stored; x quantized to int8
 // per block of the format (q8_K for K-quants, q8_0 for the others).
 void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
-                        bool portable, int threads) {
+                        int path, int threads) {
   QuantizedActivations a;
   HEARTH_DISPATCH(qtype, {
     quantize_activations((const float*)x_, M, K, a, threads, Fmt<QT>::BS);
-    int8_matmul_impl<QT>(portable, (const uint8_t*)w_, K, a, M, (float*)y_, N, threads);
+    int8_matmul_impl<QT>(path, (const uint8_t*)w_, K, a, M, (float*)y_, N, threads);
   });
 }
 
@@ -983,9 +1178,22 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
 // `scales` non-zero: Q8_0 / Q4_0 repacked into tiles (packed_matmul, VNNI builds); zero: `w` is
 // the GGUF blocks as stored (int8_matmul_blocks).
 void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
-                 bool portable, int threads) {
-  if (scales) return packed_matmul(x, w, scales, y, M, N, K, qtype, portable, threads);
-  int8_matmul_blocks(x, w, y, M, N, K, qtype, portable, threads);
+                 int path, int threads) {
+  if (scales) return packed_matmul(x, w, scales, y, M, N, K, qtype, path == PORTABLE, threads);
+  int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
+}
+
+// name -> path for int8_matmul's `path`, the ones this build has (fastest first)
+std::vector<std::pair<std::string, int>> int8_paths() {
+  std::vector<std::pair<std::string, int>> paths;
+#ifdef HEARTH_VNNI
+  paths.emplace_back("avx512-vnni", FASTEST);
+#endif
+#ifdef __AVX2__
+  paths.emplace_back("avx2", AVX2);
+#endif
+  paths.emplace_back("portable", PORTABLE);
+  return paths;
 }
 
 bool has_avx512() {
@@ -1017,6 +1225,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
   m.def("block_values", &block_values);
+  m.def("int8_paths", [] {
+    py::dict paths;
+    for (const auto& [name, path] : int8_paths()) paths[py::str(name)] = path;
+    return paths;
+  });
   m.def("has_avx512", &has_avx512);
   m.def("has_vnni", &has_vnni);
 }
