@@ -15,9 +15,9 @@ The kernels (docs/quantized-matmul.md has the measurements behind each choice):
   With AVX-512 VNNI, Q8_0 and Q4_0 are instead repacked once, at load, into tiles of 32 rows
   (the same bytes rearranged, the same size) that one VNNI instruction multiplies 16 rows of;
   the file's pages are then released from this process (they stay in the page cache).
-- CPU, F16/BF16 arrays: `half_matmul`, the weight read as stored and widened to fp32 in registers
-  (fp32 FMA), against bf16 activations (bf16 compute, widened once) at every batch size and fp32
-  ones up to HALF_MAX_FP32_ROWS rows; past those, tiles converted to fp32 and torch's fp32 GEMM.
+- CPU, F16/BF16 arrays: `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the weight read as
+  stored and widened to fp32 in registers (fp32 FMA), against fp32 or bf16 activations (bf16
+  compute, widened once); past those (prefill chunks), tiles converted to fp32 and torch's fp32 GEMM.
 - The gpu backend (hearth/backend/gpu.py), Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: `TritonQuantLinear`,
   the blocks repacked once into planar arrays and multiplied by Triton kernels that dequantize
   in registers (hearth/triton_kernels/quant_matmul.py).
@@ -48,11 +48,11 @@ PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # of those, repacked at load where the build h
 HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
-# Most float32 activation rows that `half_matmul` takes against F16/BF16 weights: past them (prefill
-# chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion spread over
-# the rows (measured, docs/quantized-matmul.md). bf16 activations take `half_matmul` at every size:
-# torch's bf16 GEMM is slower than it at every size measured.
-HALF_MAX_FP32_ROWS = 128
+# Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
+# (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
+# spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
+# docs/quantized-matmul.md).
+HALF_MAX_ROWS = 128
 # Rows of the weight dequantized per step of the torch path: bounds its temporary to ~16 MB fp32.
 _TILE_ELEMENTS = 1 << 22
 
@@ -65,7 +65,7 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
     (tile by tile). x float32 (or, for "half", bfloat16: bf16 compute)."""
     ext = kernels.extension() if data.device.type == "cpu" else None
     if kernel == "auto":
-        kernel = choose_kernel(qtype, x.shape[0], x.dtype, ext is not None)
+        kernel = choose_kernel(qtype, x.shape[0], ext is not None)
     if kernel == "torch":
         return _torch_matmul(x, data, qtype, out_features)
     if ext is None:
@@ -75,12 +75,12 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
     return ext.int8_matmul(x.float().contiguous(), data, int(qtype), out_features)
 
 
-def choose_kernel(qtype: GGMLQuantizationType, rows: int, dtype: torch.dtype, compiled: bool) -> str:
-    """The kernel for `rows` activation rows of `dtype` against a `qtype` weight."""
+def choose_kernel(qtype: GGMLQuantizationType, rows: int, compiled: bool) -> str:
+    """The kernel for `rows` activation rows against a `qtype` weight."""
     if not compiled:
         return "torch"
     if qtype in _HALF_DTYPES:
-        return "half" if dtype == torch.bfloat16 or rows <= HALF_MAX_FP32_ROWS else "torch"
+        return "half" if rows <= HALF_MAX_ROWS else "torch"
     return "int8"
 
 
@@ -170,16 +170,13 @@ class QuantLinear(nn.Module):
         if self._int8_weight is not None:
             y = self._int8_matmul(x2.float().contiguous())
         elif self.codes is None:
-            kernel = choose_kernel(self.qtype, x2.shape[0], x2.dtype,
+            kernel = choose_kernel(self.qtype, x2.shape[0],
                                    self._half_kernel is not None and self.qweight.device.type == "cpu")
             if kernel == "half":
                 y = self._half_matmul(_half_activations(x2))
-            elif x2.dtype == _HALF_DTYPES.get(self.qtype):
-                # activations in the weight's own dtype, no compiled kernels (or f16 compute): one
-                # BLAS GEMM reading the weight in place, what a dense module in that dtype runs
-                y = F.linear(x2, self.qweight.view(x2.dtype))
-            else:
-                y = quant_matmul(x2, self.qweight, self.qtype, self.out_features, kernel)
+            else:  # F16/BF16 (on a CPU) in fp32 tiles, whatever the compute dtype: faster than its GEMM
+                y = quant_matmul(x2.float() if self.qtype in _HALF_DTYPES else x2, self.qweight, self.qtype,
+                                 self.out_features, kernel)
         else:  # moved to a GPU after packing
             y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
         if self.bias is not None:
