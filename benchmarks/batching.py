@@ -2,13 +2,18 @@
 """Output tokens/s of N concurrent requests (continuous batching) against the same requests run one
 at a time, and against transformers `generate` with static batches; same model, dtype and threads.
 
-Every request has the same shape (P prompt tokens of random ids, exactly O output tokens), so a
-rate measured on a sample of the one-at-a-time requests or of the static batches holds for all N:
---sequential-sample and --static-sample say how many were timed (0: all).
+Requests have P prompt tokens of random ids and exactly O output tokens; P and O are fixed or, given
+as LO-HI, drawn per request (uniformly, seeded): the mixed-length workload, where a static batch is
+padded to its longest prompt and runs to its longest output. Where every request has the same
+shape, a rate measured on a sample of the one-at-a-time requests or of the static batches holds for
+all N: --sequential-sample and --static-sample say how many were timed (0: all); with mixed lengths
+a sample is an estimate.
 
     python benchmarks/batching.py --model tiny --out benchmarks/results/batching-tiny
     python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --sequential-sample 1 \\
         --static-sample 1 --out benchmarks/results/batching-tinyllama
+    python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --input-len 16-512 \\
+        --output-len 16-256 --sequential-sample 1 --threads 1 --cpu-time --out benchmarks/results/batching-mixed
 """
 
 from __future__ import annotations
@@ -24,12 +29,21 @@ from common import (bench_model, machine, machine_markdown, plural, set_threads,
                     write_results)
 
 
+def length_range(text: str) -> tuple[int, int]:
+    """'N' -> (N, N); 'LO-HI' -> (LO, HI)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="'tiny' or an architecture of hearth bench make-model")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--input-len", type=length_range, default=(128, 128), help="N, or LO-HI drawn per request")
+    ap.add_argument("--output-len", type=length_range, default=(128, 128), help="N, or LO-HI drawn per request")
     ap.add_argument("--static-batch", type=int, default=16, help="transformers' batch size")
     ap.add_argument("--sequential-sample", type=int, default=0, help="one-at-a-time requests timed (0: all)")
     ap.add_argument("--static-sample", type=int, default=0, help="static batches timed (0: all)")
@@ -37,10 +51,16 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--also-gguf", default=None, metavar="TYPE",
                     help="also run hearth on the model's GGUF of this type (q8_0...), its quantized path")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="hearth's (default: --num-prompts)")
     ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time in CPU seconds of the process (with --threads 1: what a loaded machine can compare)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
     set_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     import torch
     import transformers
@@ -59,35 +79,40 @@ def main() -> None:
         folder = bench_model(args.model, ())["hf"]
         source, description = folder, f"{args.model} (random weights), HF folder"
     dtype = getattr(torch, args.dtype)
-    n, p_len, o_len = args.num_prompts, args.input_len, args.output_len
+    n, (p_min, p_max), (o_min, o_max) = args.num_prompts, args.input_len, args.output_len
     info = machine()
 
     config = ModelConfig.from_hf(read_json(Path(folder) / "config.json"))
-    prompts = random_prompts(n, p_len, config.vocab_size, random.Random(0))
-    params = SamplingParams(temperature=0, max_tokens=o_len, ignore_eos=True)
+    rng = random.Random(0)
+    prompt_lens = [rng.randint(p_min, p_max) for _ in range(n)]
+    output_lens = [rng.randint(o_min, o_max) for _ in range(n)]
+    prompts = [p[:length] for p, length in zip(random_prompts(n, p_max, config.vocab_size, rng), prompt_lens)]
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in output_lens]
     rows, results = [], {}
 
-    def add(name: str, requests: int, seconds: float, note: str) -> None:
-        tok_s = requests * o_len / seconds
-        results[name] = {"requests_timed": requests, "seconds": seconds, "output_tokens_per_s": tok_s, "note": note}
+    def add(name: str, outputs: int, requests: int, seconds: float, note: str) -> None:
+        results[name] = {"requests_timed": requests, "output_tokens": outputs, "seconds": seconds,
+                         "output_tokens_per_s": outputs / seconds, "note": note}
 
     def run_hearth(path: str, dtype_name: str, label: str) -> None:
         """N requests at once (continuous batching), then a sample of them one at a time."""
         element = getattr(torch, dtype_name).itemsize if dtype_name != "auto" else 4
-        llm = LLM(path, dtype=dtype_name, max_num_seqs=n, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_memory=config.kv_bytes_per_token(element) * (n * (p_len + o_len) + 32 * n), progress=False)
+        llm = LLM(path, dtype=dtype_name, max_num_seqs=args.max_num_seqs or n,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory=config.kv_bytes_per_token(element) * (n * (p_max + o_max) + 32 * n), progress=False)
         llm.generate(random_prompts(2, 16, config.vocab_size, random.Random(1)),
                      SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-        start = time.perf_counter()
+        start = clock()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert sum(len(o.outputs[0].token_ids) for o in outputs) == n * o_len
-        add(f"hearth{label}, {n} concurrent (continuous batching)", n, elapsed, "all requests")
+        elapsed = clock() - start
+        assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
+        add(f"hearth{label}, {n} concurrent (continuous batching)", sum(output_lens), n, elapsed, "all requests")
         sample = args.sequential_sample or n
-        start = time.perf_counter()
-        for prompt in prompts[:sample]:  # one request in the engine at a time
-            llm.generate([prompt], params, use_tqdm=False)
-        add(f"hearth{label}, one at a time", sample, time.perf_counter() - start, f"{sample} of {n} requests timed")
+        start = clock()
+        for prompt, p in zip(prompts[:sample], params):  # one request in the engine at a time
+            llm.generate([prompt], p, use_tqdm=False)
+        add(f"hearth{label}, one at a time", sum(output_lens[:sample]), sample, clock() - start,
+            f"{sample} of {n} requests timed")
 
     run_hearth(source, args.dtype, "")
     if args.also_gguf:  # the same weights as a quantized GGUF, in hearth's own compute dtype
@@ -98,27 +123,30 @@ def main() -> None:
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     batch = args.static_batch
-    batches = [prompts[i : i + batch] for i in range(0, n, batch)]
+    batches = [range(i, min(n, i + batch)) for i in range(0, n, batch)]
     timed_batches = batches[: args.static_sample or len(batches)]
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False)  # warm-up
-        start = time.perf_counter()
+        start = clock()
         for group in timed_batches:
-            ids = torch.tensor(group)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=o_len, min_new_tokens=o_len,
-                              do_sample=False)
-            assert out.shape[1] == p_len + o_len
-        seconds = time.perf_counter() - start
-    count = sum(len(g) for g in timed_batches)
-    add(f"transformers generate, static batches of {batch}", count, seconds,
-        f"{len(timed_batches)} of {len(batches)} batches timed")
+            # padded on the left to the longest prompt; every row runs to the longest output
+            longest, steps = max(prompt_lens[i] for i in group), max(output_lens[i] for i in group)
+            ids = torch.tensor([[0] * (longest - prompt_lens[i]) + prompts[i] for i in group])
+            mask = torch.tensor([[0] * (longest - prompt_lens[i]) + [1] * prompt_lens[i] for i in group])
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+            assert out.shape[1] == longest + steps
+        seconds = clock() - start
+    add(f"transformers generate, static batches of {batch}", sum(output_lens[i] for g in timed_batches for i in g),
+        sum(len(g) for g in timed_batches), seconds, f"{len(timed_batches)} of {len(batches)} batches timed")
 
     base = results[f"hearth, {n} concurrent (continuous batching)"]["output_tokens_per_s"]  # the same dtype as transformers
     for name, r in results.items():
         rows.append([name, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.2f}x", r["seconds"], r["note"]])
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    lengths = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in (args.input_len, args.output_len)]
     md = "\n".join([
-        f"### {n} requests of {p_len} prompt + {o_len} output tokens: {description}, {args.dtype}, {plural(threads(), 'thread')}",
+        f"### {n} requests of {lengths[0]} prompt + {lengths[1]} output tokens: {description}, {args.dtype}, "
+        f"{plural(threads(), 'thread')}" + (", CPU seconds" if args.cpu_time else ""),
         "",
         f"`{command}`",
         "",

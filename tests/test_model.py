@@ -84,6 +84,57 @@ def test_low_precision_compute_close_to_fp32(tmp_path, dtype, tolerance):
     assert _relative_error(ours, _reference_logits(folder, TOKENS)) <= tolerance
 
 
+def _bf16_folder(tmp_path):
+    """A tiny random llama saved in bf16, as Hugging Face folders of bf16 models are."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: w.bfloat16() for name, w in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    return folder
+
+
+def test_bf16_folder_matches_transformers_bf16(tmp_path):
+    """A bf16 folder: hearth keeps its weights in bf16 (QuantLinear on half_matmul) and, computing in
+    bf16, lands as close to the exact (float32) product of those weights as transformers' own bf16
+    run does: at most twice its logit error, a tolerance on logits rather than on tokens because
+    two bf16 computations that round in different places may split a near tie differently. In
+    float32 (the default on a CPU) the bf16 weights are multiplied exactly: within 1e-4."""
+    from hearth.quant.linear import QuantLinear
+
+    folder = _bf16_folder(tmp_path)
+    model = load_model(folder, dtype=torch.bfloat16, progress=False).model
+    assert any(isinstance(m, QuantLinear) and m.qtype.name == "BF16" for m in model.modules())
+    exact = _reference_logits(folder, TOKENS)  # the bf16 weights in a float32 model
+    transformers_bf16 = _reference_logits(folder, TOKENS, torch.bfloat16)
+    bf16_error = _relative_error(transformers_bf16, exact)
+    assert _relative_error(_hearth_logits(model, TOKENS), exact) <= 2 * bf16_error
+    model32 = load_model(folder, progress=False).model
+    assert _relative_error(_hearth_logits(model32, TOKENS), exact) <= 1e-4
+
+
+def test_bf16_folder_greedy_equals_transformers_bf16_generate(tmp_path):
+    """Greedy decoding of the bf16 folder in bf16, through the engine (prefill, then decode steps
+    on the paged cache): the tokens of transformers' bf16 `generate`. (These prompts' top-1 margins
+    exceed both runs' bf16 rounding; the logit test above bounds that rounding in general.)"""
+    from hearth import LLM, SamplingParams
+
+    folder = _bf16_folder(tmp_path)
+    llm = LLM(folder, dtype="bfloat16", progress=False)
+    reference = load_hf_reference(folder).to(torch.bfloat16)
+    prompts = [TOKENS[:5], TOKENS[8:30], TOKENS[30:33]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with torch.no_grad():
+        theirs = [reference.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(p):]
+                  .tolist() for p in prompts]
+    assert [list(t) for t in ours] == theirs
+
+
 def test_missing_tensor_and_wrong_shape_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

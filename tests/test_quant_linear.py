@@ -1,7 +1,9 @@
 """Quantized matmul: every path against dequantize-then-matmul, and models that stay quantized.
 
 Tolerances (docs/quantized-matmul.md):
-- gemv (fp32 activations) and the torch path: |y - ref| <= 1e-5 * (|x| @ |W|^T), fp32 rounding;
+- half_matmul (F16/BF16 weights; fp32 activations, or bf16 ones against the float64 product of
+  those bf16 values: their products are exact in fp32) and the torch path: |y - ref| <= 1e-5 *
+  (|x| @ |W|^T), fp32 rounding;
 - int8_matmul and packed_matmul (activations rounded to int8 per block b of the
   weight's format, 32 values or 256 for K-quants: llama.cpp's q8_0 / q8_K): each activation is off
   by at most half its block's step amax_b / 127, so |y - ref| <= sum_b (amax_b / 254) sum_b |w|,
@@ -65,7 +67,7 @@ def shape_for(qtype: Q) -> tuple[int, int]:
     """Odd shapes: rows not a multiple of the 32-row tile, an odd number of blocks per row (half
     arrays: a row that is no whole number of SIMD vectors)."""
     if qtype in HALF:
-        return 37, 112
+        return 37, 119
     return 37, GGML_QUANT_SIZES[qtype][0] * 3
 
 
@@ -109,7 +111,10 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
         int8_bound = q8_tolerance(x, w, activation_block(qtype)) if qtype not in HALF else None
         for portable in (False, True):  # SIMD paths and the plain C++ loops
             if qtype in HALF:
-                assert_within(ext.gemv(x, data, int(qtype), n, portable), ref, fp32_tolerance(x, w))
+                assert_within(ext.half_matmul(x, data, int(qtype), n, portable), ref, fp32_tolerance(x, w))
+                xb = x.bfloat16()  # bf16 compute: the same kernel on activations that are bf16 already
+                assert_within(ext.half_matmul(xb, data, int(qtype), n, portable), xb.double() @ w.double().T,
+                              fp32_tolerance(xb.float(), w))
             if packed is not None:
                 assert_within(ext.packed_matmul(x, *packed, int(qtype), n, portable), ref, q8_tolerance(x, w))
         if qtype not in HALF:
@@ -205,15 +210,15 @@ def test_packed_layout_in_torch_equals_the_kernels(ext):
 
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
 def test_half_weights_with_activations_of_their_dtype(qtype):
-    """bf16 / f16 compute against a weight of that dtype: within the rounding of that dtype's
-    GEMM (k = 112 products of 8-bit-mantissa values, accumulated in fp32, rounded once);
-    float32 activations stay exact."""
+    """bf16 / f16 compute against a weight of that dtype, at every batch size: within that dtype's
+    rounding of the result (119 products accumulated in fp32, rounded once); float32 activations
+    stay exact."""
     g = torch.Generator().manual_seed(13)
     n, k = shape_for(qtype)
     data = random_weight(qtype, n, k, g)
     w = dense(data, qtype, k)
     layer = QuantLinear(data.view(HALF[qtype]))
-    for m in (1, 16):  # the GEMV, then the GEMM in the weight's dtype
+    for m in (1, 7, 33, 300):  # decode, small batches, a batch of decodes, a prefill
         x = torch.randn(m, k, generator=g).to(HALF[qtype])
         ref = x.double() @ w.double().T
         y = layer(x)
@@ -222,6 +227,22 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
         assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
         x32 = x.float()
         assert_within(layer(x32), ref, fp32_tolerance(x32, w))
+
+
+@pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
+def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
+    """The kernel's blocking: K cut into ranges of 2048 whose partial sums add up (K = 4200: two
+    whole ranges and a short one with a tail of 8 values), weight rows cut into blocks of 256
+    (N = 300), threads splitting the rows."""
+    g = torch.Generator().manual_seed(19)
+    n, k = 300, 4200
+    data = random_weight(qtype, n, k, g)
+    w = dense(data, qtype, k)
+    for m in (1, 7, 33):
+        x = torch.randn(m, k, generator=g)
+        for xs in (x, x.bfloat16()):
+            assert_within(ext.half_matmul(xs, data, int(qtype), n), xs.double() @ w.double().T,
+                          fp32_tolerance(xs.float(), w))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16], ids=lambda q: q.name)

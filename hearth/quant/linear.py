@@ -15,7 +15,9 @@ The kernels (docs/quantized-matmul.md has the measurements behind each choice):
   With AVX-512 VNNI, Q8_0 and Q4_0 are instead repacked once, at load, into tiles of 32 rows
   (the same bytes rearranged, the same size) that one VNNI instruction multiplies 16 rows of;
   the file's pages are then released from this process (they stay in the page cache).
-- CPU, F16/BF16 arrays: `gemv` for few rows (fp32, converted in registers), past that BLAS.
+- CPU, F16/BF16 arrays: `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the weight read as
+  stored and widened to fp32 in registers (fp32 FMA), against fp32 or bf16 activations (bf16
+  compute, widened once); past those (prefill chunks), tiles converted to fp32 and torch's fp32 GEMM.
 - The gpu backend (hearth/backend/gpu.py), Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: `TritonQuantLinear`,
   the blocks repacked once into planar arrays and multiplied by Triton kernels that dequantize
   in registers (hearth/triton_kernels/quant_matmul.py).
@@ -46,10 +48,11 @@ PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # of those, repacked at load where the build h
 HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
-# Most rows for which the fp32 GEMV of F16/BF16 weights beats the BLAS GEMM (measured,
-# docs/quantized-matmul.md): past them, the GEMM in their own dtype when the activations have it
-# (QuantLinear), else on tiles converted to fp32 (the torch path, exact).
-GEMV_MAX_ROWS = {Q.F16: 8, Q.BF16: 8}
+# Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
+# (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
+# spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
+# docs/quantized-matmul.md).
+HALF_MAX_ROWS = 128
 # Rows of the weight dequantized per step of the torch path: bounds its temporary to ~16 MB fp32.
 _TILE_ELEMENTS = 1 << 22
 
@@ -58,8 +61,8 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
                  kernel: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T -> [M, out_features] float32, W = GGUF blocks `data` uint8 [out_features, row_bytes].
 
-    kernel: "auto" (choose), "gemv" (F16/BF16), "int8" (block formats; both compiled, CPU) or "torch"
-    (tile by tile)."""
+    kernel: "auto" (choose), "half" (F16/BF16), "int8" (block formats; both compiled, CPU) or "torch"
+    (tile by tile). x float32 (or, for "half", bfloat16: bf16 compute)."""
     ext = kernels.extension() if data.device.type == "cpu" else None
     if kernel == "auto":
         kernel = choose_kernel(qtype, x.shape[0], ext is not None)
@@ -67,10 +70,9 @@ def quant_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationTyp
         return _torch_matmul(x, data, qtype, out_features)
     if ext is None:
         raise RuntimeError("hearth's compiled quantized kernels are not available here")
-    x = x.float().contiguous()
-    if kernel == "gemv":
-        return ext.gemv(x, data, int(qtype), out_features)
-    return ext.int8_matmul(x, data, int(qtype), out_features)
+    if kernel == "half":
+        return ext.half_matmul(_half_activations(x), data, int(qtype), out_features)
+    return ext.int8_matmul(x.float().contiguous(), data, int(qtype), out_features)
 
 
 def choose_kernel(qtype: GGMLQuantizationType, rows: int, compiled: bool) -> str:
@@ -78,8 +80,13 @@ def choose_kernel(qtype: GGMLQuantizationType, rows: int, compiled: bool) -> str
     if not compiled:
         return "torch"
     if qtype in _HALF_DTYPES:
-        return "gemv" if rows <= GEMV_MAX_ROWS[qtype] else "torch"
+        return "half" if rows <= HALF_MAX_ROWS else "torch"
     return "int8"
+
+
+def _half_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as `half_matmul` takes it: float32 or bfloat16 as they come (f16 widened), contiguous."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
 
 
 def _torch_matmul(x: torch.Tensor, data: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
@@ -121,7 +128,10 @@ class QuantLinear(nn.Module):
         if pack and self.qtype == Q.TQ1_0 and data.device.type == "cpu" and kernels.extension() is not None:
             # the same trits two bits apiece: read by the int8 kernel with no base-3 decoding
             data, self.qtype = tq1_0_to_tq2_0(data, (self.out_features, self.in_features)), Q.TQ2_0
-        ext = kernels.extension() if pack and self.qtype in INT8_QTYPES and data.device.type == "cpu" else None
+        compiled = kernels.extension() if pack and data.device.type == "cpu" else None
+        ext = compiled if self.qtype in INT8_QTYPES else None
+        # F16/BF16 arrays: half_matmul at every batch size, on the weight as stored
+        self._half_kernel = compiled.module.half_matmul if compiled is not None and self.qtype in _HALF_DTYPES else None
         self._kernel = self._qtype = None
         if ext is not None:
             ext._check(torch.empty(0, self.in_features), data, self.qtype, self.out_features)
@@ -160,12 +170,13 @@ class QuantLinear(nn.Module):
         if self._int8_weight is not None:
             y = self._int8_matmul(x2.float().contiguous())
         elif self.codes is None:
-            if x2.dtype == _HALF_DTYPES.get(self.qtype) and x2.shape[0] > GEMV_MAX_ROWS[self.qtype]:
-                # activations already in the weight's own dtype (bf16 / f16 compute): one BLAS GEMM
-                # reading the weight in place, what a dense module in that dtype would run
-                y = F.linear(x2, self.qweight.view(x2.dtype))
-            else:
-                y = quant_matmul(x2, self.qweight, self.qtype, self.out_features)
+            kernel = choose_kernel(self.qtype, x2.shape[0],
+                                   self._half_kernel is not None and self.qweight.device.type == "cpu")
+            if kernel == "half":
+                y = self._half_matmul(_half_activations(x2))
+            else:  # F16/BF16 (on a CPU) in fp32 tiles, whatever the compute dtype: faster than its GEMM
+                y = quant_matmul(x2.float() if self.qtype in _HALF_DTYPES else x2, self.qweight, self.qtype,
+                                 self.out_features, kernel)
         else:  # moved to a GPU after packing
             y = _tiled_linear(x2, self.out_features, self._dequantize_rows)
         if self.bias is not None:
@@ -177,6 +188,13 @@ class QuantLinear(nn.Module):
         y = torch.empty(x.shape[0], self.out_features)
         self._kernel(x.data_ptr(), *self._int8_weight, y.data_ptr(), x.shape[0], self.out_features,
                      self.in_features, self._qtype, 0, torch.get_num_threads())  # path 0: the fastest
+        return y
+
+    def _half_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x float32 or bfloat16 [M, K], contiguous
+        y = torch.empty(x.shape[0], self.out_features)
+        self._half_kernel(x.data_ptr(), self.qweight.data_ptr(), y.data_ptr(), x.shape[0], self.out_features,
+                          self.in_features, self.qweight.shape[1], int(self.qtype), x.dtype == torch.bfloat16, False,
+                          torch.get_num_threads())
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -28,9 +28,10 @@ class Kernels:
         # int8_matmul's code paths in this build, fastest first (e.g. avx512-vnni, avx2, portable)
         self.int8_paths: dict[str, int] = dict(module.int8_paths())
 
-    def _check(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int) -> tuple[torch.Tensor, int]:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
-            raise ValueError("x: float32 CPU tensor [M, K] expected")
+    def _check(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int,
+               dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[torch.Tensor, int]:
+        if x.dtype not in dtypes or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError(f"x: {' or '.join(str(d).removeprefix('torch.') for d in dtypes)} CPU tensor [M, K] expected")
         if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != n or not w.is_contiguous() or w.device.type != "cpu":
             raise ValueError(f"weight: contiguous uint8 CPU tensor [{n}, bytes_per_row] expected")
         k = x.shape[1]
@@ -38,12 +39,13 @@ class Kernels:
             raise ValueError(f"K={k} is not a multiple of the block size")
         return x.contiguous(), k
 
-    def gemv(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
-        """x [M, K] W^T in fp32 for F16 / BF16 W, exact up to summation order (small M)."""
-        x, k = self._check(x, w, qtype, n)
+    def half_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
+        """x [M, K] W^T -> float32 [M, n] for F16 / BF16 W, any M. x float32: exact up to summation
+        order. x bfloat16 (bf16 compute): against BF16 W on AVX512_BF16, bf16 products summed in fp32."""
+        x, k = self._check(x, w, qtype, n, (torch.float32, torch.bfloat16))
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self.module.gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype), portable,
-                         torch.get_num_threads())
+        self.module.half_matmul(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
+                                x.dtype == torch.bfloat16, portable, torch.get_num_threads())
         return y
 
     def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, path: str | None = None) -> torch.Tensor:
