@@ -11,6 +11,7 @@ its last response; a body that arrives too slowly is BodyLimit's (middleware.py)
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import Any
 
@@ -24,6 +25,7 @@ class HeadDeadlineH11(H11Protocol):
     def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout = head_timeout
+        self._head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -33,6 +35,11 @@ class HeadDeadlineH11(H11Protocol):
         super().on_response_complete()
         self._start_head_deadline()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+
     def _start_head_deadline(self) -> None:
         waiting_after = self.cycle  # a new request's head replaces the cycle
 
@@ -40,7 +47,9 @@ class HeadDeadlineH11(H11Protocol):
             if self.cycle is waiting_after and not self.transport.is_closing():
                 self.transport.close()
 
-        self.loop.call_later(self.head_timeout, expire)
+        if self._head_deadline is not None:  # one pending deadline per connection, not one per response
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(self.head_timeout, expire)
 
 
 def uvicorn_config(app, limits: ServerLimits, **options: Any) -> uvicorn.Config:
