@@ -7,6 +7,7 @@ is set each step sleeps 50 ms, so that requests last long enough to be timed out
 from __future__ import annotations
 
 import json
+import logging.handlers
 import socket
 import threading
 import time
@@ -281,3 +282,44 @@ def test_hearth_serve_takes_every_limit_as_an_option():
     assert ServerLimits.from_args(build_parser().parse_args(["serve"])) == ServerLimits()
     with pytest.raises(ValueError, match="max_sequences must be positive"):
         ServerLimits.from_args(build_parser().parse_args(["serve", "--max-sequences", "0"]))
+
+
+def test_slow_server_queue_overflow_is_503_at_once_and_a_gone_client_is_aborted(folder):  # noqa: F811
+    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=1), progress=False)
+    step = llm_engine.step
+    llm_engine.step = lambda: (time.sleep(0.01), step())[1]  # the tiny model is too quick to keep a queue
+    engine = AsyncEngine(llm_engine, max_queue=1)
+    long = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        with serving(build_app(engine, NAME)) as url, httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=long) as running:
+                lines = running.iter_lines()  # (keep it: a dropped iterator closes the connection)
+                next(lines)  # the first request runs
+                with http.stream("POST", "/v1/completions", json=long) as waiting:
+                    assert waiting.status_code == 200  # queued behind it
+                    start = time.monotonic()
+                    r = http.post("/v1/completions", json={**long, "stream": False})
+                    assert r.status_code == 503 and time.monotonic() - start < 5
+                    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+            wait_engine_idle(engine)  # the server noticed the two disconnects and aborted them
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200
+
+            # a non-streaming client that gives up: its request is aborted, not run to the end (4 s),
+            # and the server logs no error for it
+            errors = logging.handlers.BufferingHandler(capacity=100)
+            errors.setLevel(logging.ERROR)
+            logging.getLogger("uvicorn.error").addHandler(errors)
+            try:
+                for _ in range(3):
+                    with pytest.raises(httpx.ReadTimeout):
+                        http.post("/v1/completions", json={**long, "stream": False}, timeout=0.5)
+                    start = time.monotonic()
+                    wait_engine_idle(engine)
+                    assert time.monotonic() - start < 2.5
+            finally:
+                logging.getLogger("uvicorn.error").removeHandler(errors)
+            assert [record.getMessage() for record in errors.buffer] == []
+            assert engine.engine.block_manager.check_all_free()
+    finally:
+        engine.shutdown()
