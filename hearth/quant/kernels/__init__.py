@@ -41,7 +41,7 @@ class Kernels:
 
     def half_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
         """x [M, K] W^T -> float32 [M, n] for F16 / BF16 W, any M. x float32: exact up to summation
-        order. x bfloat16 (bf16 compute): against BF16 W on AVX512_BF16, bf16 products summed in fp32."""
+        order. x bfloat16 (bf16 compute): widened to fp32 once, the same fp32 products (exact for bf16 x bf16)."""
         x, k = self._check(x, w, qtype, n, (torch.float32, torch.bfloat16))
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         self.module.half_matmul(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
