@@ -38,6 +38,11 @@ def _actor_class():
         def pid(self) -> int:
             return self.replica.process.pid
 
+        def stop(self) -> None:
+            """Stop the replica and reap it: killing the actor alone would leave it exiting, or a
+            zombie where nothing reaps orphans, after the router has gone."""
+            self.replica.stop()
+
     return ReplicaActor
 
 
@@ -87,6 +92,10 @@ class RayReplicas:
     def stop(self) -> None:
         import ray
 
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=60)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # an actor that cannot answer is killed below, its replica with it
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         if self._started_ray:
