@@ -1,4 +1,5 @@
 import math
+from concurrent.futures import Future
 
 import pytest
 import scipy.stats as scipy_stats
@@ -447,7 +448,9 @@ def test_grammar_bitmask_masks_only_its_rows_and_greedy_obeys_it():
         words[r, t // 32] |= 1 << (t % 32)
     bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same bits as int32
     params = [SamplingParams(temperature=0)] * 3
-    batch = SamplingBatch.build(params, [[]] * 3, [[]] * 3, [None] * 3, V_odd, "cpu", grammar_masks=([0, 2], bitmask))
+    filled = Future()  # as GrammarCompiler.start_masks hands the masks over
+    filled.set_result(bitmask)
+    batch = SamplingBatch.build(params, [[]] * 3, [[]] * 3, [None] * 3, V_odd, "cpu", grammar_masks=([0, 2], filled))
     out = apply_penalties_and_bias(logits, batch)
     expected = logits.clone()
     expected[0][~allowed[0]] = -math.inf

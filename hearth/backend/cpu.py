@@ -112,12 +112,13 @@ class CpuBackend(Backend):
         return out
 
     def apply_token_bitmask(self, logits, rows, bitmask):
-        """As the reference, in one pass over a copy of the logits."""
-        if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        """As the reference, the copy and the masks in one pass."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
             return super().apply_token_bitmask(logits, rows, bitmask)
-        out, rows, bitmask = logits.clone(), rows.contiguous(), bitmask.contiguous()
-        self.kernels.mask_tokens(out.data_ptr(), out.stride(0), rows.data_ptr(), len(rows), bitmask.data_ptr(),
-                                 bitmask.shape[1], out.shape[1], torch.get_num_threads())
+        out, rows, bitmask = torch.empty(logits.shape), rows.contiguous(), bitmask.contiguous()
+        self.kernels.mask_tokens(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.stride(0), rows.data_ptr(),
+                                 len(rows), bitmask.data_ptr(), bitmask.shape[1], logits.shape[1],
+                                 torch.get_num_threads())
         return out
 
     def decode_layers(self, model, x, rotary, kv_caches, meta):

@@ -22,9 +22,10 @@
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
 //
-// mask_tokens (hearth/backend/cpu.py, the sampler's grammar masks): in the given rows of the
-// logits, -inf for every token whose bit is clear in the row's bitmask (bit t of word t / 32):
-// one pass, where torch unpacks the bits into a [rows, vocab] tensor first.
+// mask_tokens (hearth/backend/cpu.py, the sampler's grammar masks): a copy of the logits with, in
+// the given rows, -inf for every token whose bit is clear in the row's bitmask (bit t of word
+// t / 32): one pass of masked vector moves, where torch unpacks the bits into a [rows, vocab]
+// tensor and copies the logits first.
 //
 // rope_and_store_kv (hearth/backend/cpu.py): rotate-half RoPE of each token's q and k heads,
 // k written rotated straight into its cache slot and v copied to its slot: one pass where torch
@@ -363,28 +364,37 @@ void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_strid
   }
 }
 
-// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
-// -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
-void mask_tokens(uintptr_t logits_, int64_t row_stride, uintptr_t rows_, int64_t num_rows, uintptr_t bitmask_,
-                 int64_t words, int64_t vocab, int threads) {
-  float* logits = reinterpret_cast<float*>(logits_);
+void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int64_t row_stride, uintptr_t rows_,
+                 int64_t num_rows, uintptr_t bitmask_, int64_t words, int64_t vocab, int threads) {
+  const float* logits = reinterpret_cast<const float*>(logits_);
+  float* out = reinterpret_cast<float*>(out_);
   const int64_t* rows = reinterpret_cast<const int64_t*>(rows_);
   const uint32_t* bitmask = reinterpret_cast<const uint32_t*>(bitmask_);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, num_rows * vocab / 65536));
+  std::vector<const uint32_t*> mask_of(num_logit_rows, nullptr);  // each logit row's bitmask, or none
+  for (int64_t r = 0; r < num_rows; ++r) mask_of[rows[r]] = bitmask + r * words;
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, num_logit_rows * vocab / 65536));
 #pragma omp parallel for num_threads(threads)
-  for (int64_t r = 0; r < num_rows; ++r) {
-    float* row = logits + rows[r] * row_stride;
-    const uint32_t* mask = bitmask + r * words;
-    for (int64_t w = 0; w < words; ++w) {
-      const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
-      const uint32_t bits = mask[w];
-      for (int64_t b = 0; b < n; ++b)
-        if (!((bits >> b) & 1u)) row[base + b] = neg_inf;
+  for (int64_t r = 0; r < num_logit_rows; ++r) {
+    const float* src = logits + r * row_stride;
+    float* dst = out + r * vocab;
+    const uint32_t* mask = mask_of[r];
+    if (mask == nullptr) {
+      std::copy(src, src + vocab, dst);
+      continue;
     }
+    const int64_t whole = vocab / 32;
+    for (int64_t w = 0; w < whole; ++w) {  // branch-free: the compiler turns it into masked vector moves
+      const uint32_t bits = mask[w];
+#pragma omp simd
+      for (int b = 0; b < 32; ++b) dst[w * 32 + b] = ((bits >> b) & 1u) ? src[w * 32 + b] : neg_inf;
+    }
+    for (int64_t t = whole * 32; t < vocab; ++t) dst[t] = ((mask[whole] >> (t - whole * 32)) & 1u) ? src[t] : neg_inf;
   }
 }
 
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
+// -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
 void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter) {
   for (int64_t t = 0; t < tokens; ++t) {
     const float* g = gate_up + t * 2 * inter;
@@ -475,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention of a few query rows per sequence, split-KV, float32 or q8_0 K/V", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32 or q8_0", nogil);
-  m.def("mask_tokens", &mask_tokens, "grammar bitmasks applied to rows of float32 logits, in place", nogil);
+  m.def("mask_tokens", &mask_tokens, "float32 logits copied, grammar bitmasks applied to the given rows", nogil);
   m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
   }, "silu(gate) * up of each row of [gate | up], float32", nogil);

@@ -23,8 +23,8 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
 from hearth.engine.request import Request
-from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, draw, final_distribution,
-                                   prompt_logprobs, skip_draws)
+from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, draw, exponential_noise,
+                                   final_distribution, prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
@@ -270,7 +270,7 @@ class ModelRunner:
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, V, self.device,
             eos_token_ids=self.eos_token_ids,
-            grammar_masks=None if masks is None else (constrained_rows, masks.result()),
+            grammar_masks=None if masks is None else (constrained_rows, masks),
             amateur_logits=None if not contrastive_rows else (
                 contrastive_rows, torch.stack([s.amateur_logits for s in sampled if s.amateur_logits is not None])),
         )
@@ -288,7 +288,8 @@ class ModelRunner:
                                     outputs, generators, self.model.config.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids)
         probs, greedy_ids = final_distribution(self.last_logits(entries), batch, self.backend.apply_token_bitmask)
-        return draw(probs, greedy_ids, batch, generators).tolist(), probs
+        noise = None if batch.all_greedy else exponential_noise(probs, generators)
+        return draw(probs, greedy_ids, batch, noise).tolist(), probs
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ vLLM's default: the chosen token's, and the top K by the same distribution.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +78,9 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the row's output so far
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N], values [N])
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [M], token ids [M]) set to -inf (min_tokens)
-    # (rows [R], bitmask [R, ceil(V/32)] int32): bit t of a row's mask set = token t allowed by its grammar
-    allowed: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows [R], bitmask [R, ceil(V/32)] int32): bit t of a row's mask set = token t allowed by its grammar;
+    # the bitmask is still being filled on another thread (structured_output.py), awaited where applied
+    allowed: tuple[torch.Tensor, Future[torch.Tensor]] | None
     # (rows [W], keys [W] int64, previous tokens [W] int64, gamma [W] float64, delta [W] float32)
     watermark: tuple[torch.Tensor, ...] | None
     # (rows [C], the amateur's logits [C, V], alpha [C] float32, weight [C] float32): contrastive decoding
@@ -96,12 +98,13 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
-        grammar_masks: tuple[list[int], torch.Tensor] | None = None,
+        grammar_masks: tuple[list[int], Future[torch.Tensor]] | None = None,
         amateur_logits: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
-        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py).
+        `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py's
+        GrammarCompiler.start_masks, maybe still being filled).
         `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
@@ -153,7 +156,7 @@ class SamplingBatch:
 
         allowed = None
         if grammar_masks is not None:
-            allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1].to(device, non_blocking=True))
+            allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1])
 
         marked = [(i, p.watermark, (out or prompt)[-1])
                   for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
@@ -271,7 +274,8 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch,
     if batch.contrastive is not None:
         logits = apply_contrastive(logits, *batch.contrastive)
     if batch.allowed is not None:
-        logits = apply_token_bitmask(logits, *batch.allowed)
+        rows, bitmask = batch.allowed
+        logits = apply_token_bitmask(logits, rows, bitmask.result().to(logits.device, non_blocking=True))
     if batch.bias is not None:
         logits = apply_logit_bias(logits, *batch.bias)
     if batch.banned is not None:
@@ -333,25 +337,32 @@ def apply_sampling_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.
     return logits
 
 
-def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One draw per row by the exponential race: argmax(probs / E), E ~ Exp(1) i.i.d.
+def exponential_noise(probs_like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """The exponential race's noise for rows shaped as probs_like [B, V]: E ~ Exp(1) i.i.d.
 
     A row with a generator draws its V noises from that generator alone (always the same
-    count, into a fresh tensor), so its draw depends on nothing else in the batch.
+    count, into a fresh tensor), so its draw depends on nothing else in the batch. The noise
+    does not depend on the logits: the sampler draws it before it waits for grammar masks.
     """
-    B, V = probs.shape
-    noise = torch.empty_like(probs)
+    B, V = probs_like.shape
+    noise = torch.empty_like(probs_like)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < B:
         if not seeded:
             noise.exponential_()
         else:
-            unseeded = torch.tensor(sorted(set(range(B)) - set(seeded)), device=probs.device)
-            noise[unseeded] = torch.empty(len(unseeded), V, dtype=probs.dtype, device=probs.device).exponential_()
+            unseeded = torch.tensor(sorted(set(range(B)) - set(seeded)), device=probs_like.device)
+            noise[unseeded] = torch.empty(len(unseeded), V, dtype=probs_like.dtype,
+                                          device=probs_like.device).exponential_()
     for i in seeded:
         g = generators[i]
-        row = torch.empty(V, dtype=probs.dtype, device=g.device).exponential_(generator=g)
-        noise[i] = row.to(probs.device)
+        row = torch.empty(V, dtype=probs_like.dtype, device=g.device).exponential_(generator=g)
+        noise[i] = row.to(probs_like.device)
+    return noise
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One draw per row by the exponential race: argmax(probs / E), E: exponential_noise's (used up here)."""
     # a zero noise would turn a filtered token's 0 into 0/0
     return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
@@ -451,11 +462,12 @@ def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
 
 
 def draw(probs: torch.Tensor, greedy_ids: torch.Tensor | None, batch: SamplingBatch,
-         generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Each row's token from final_distribution's output: the argmax on greedy rows, else a draw."""
+         noise: torch.Tensor | None) -> torch.Tensor:
+    """Each row's token from final_distribution's output: the argmax on greedy rows, else a draw
+    with `noise` (exponential_noise's; None when every row is greedy)."""
     if batch.all_greedy:
         return greedy_ids
-    sampled = sample_from_probs(probs, generators)
+    sampled = sample_from_probs(probs, noise)
     return torch.where(batch.greedy, greedy_ids, sampled) if batch.any_greedy else sampled
 
 
@@ -472,8 +484,11 @@ class Sampler:
         if batch.all_greedy and guesses is None:
             sampled = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask).argmax(dim=-1)
         else:
+            # the noise first: it takes a while (a serial op over [B, V]), and the grammar masks'
+            # thread fills them meanwhile; final_distribution waits for them
+            noise = None if batch.all_greedy else exponential_noise(raw, batch.generators)
             probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
-            sampled = draw(probs, greedy_ids, batch, batch.generators)
+            sampled = draw(probs, greedy_ids, batch, noise)
         accepted = None
         if guesses is not None:
             sampled, accepted = verify_guesses(probs, sampled, guesses)

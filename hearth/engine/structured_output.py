@@ -150,7 +150,8 @@ class GrammarCompiler:
                 if taken[i]:
                     matcher.rollback(taken[i])
                 last = first_rows[i] + taken[i]
-                bitmask[last + 1 : first_rows[i + 1]] = bitmask[last]
+                if last + 1 < first_rows[i + 1]:  # a refused guess: its later rows repeat its mask
+                    bitmask[last + 1 : first_rows[i + 1]] = bitmask[last]
             return bitmask
 
         return self._mask_thread.submit(fill)
