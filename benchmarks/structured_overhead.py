@@ -1,11 +1,12 @@
 """Constrained decoding's cost per decode step, and a JSON schema's compile time, on a real model.
 
     python benchmarks/structured_overhead.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [--batches 1,32] [--threads 1]
+                                             [--temperature 1]
 
-B requests decode together at temperature 1; a step is timed around LLMEngine.step() only while
+B requests decode together at temperature 1 (or --temperature: 0 is greedy); a step is timed around LLMEngine.step() only while
 all B are decoding (prefill steps left out). The requests are all unconstrained, or all held to
 SCHEMA, a list of at least 100 records, so that no grammar completes while steps are timed and
-every step computes B masks (llguidance, in threads, while the model's forward pass runs).
+every step computes B masks (llguidance, on a thread, while the sampler draws its noise).
 Unconstrained and constrained runs alternate `--repeats` times after a warm-up of each; the
 medians of wall time and of the process's CPU time (every thread: the mask threads' work
 shows there even when it overlaps the forward pass) are reported.
@@ -37,11 +38,12 @@ SCHEMA = {"type": "array", "minItems": 100, "items": {
 PROMPT = "List the members of the chess club as JSON records."
 
 
-def step_times(engine: LLMEngine, batch: int, steps: int, constrained: bool, seed: int) -> list[tuple[float, float]]:
+def step_times(engine: LLMEngine, batch: int, steps: int, constrained: bool, seed: int,
+               temperature: float = 1.0) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of each step taken while all `batch` requests decode."""
     structured = StructuredOutputsParams(json=SCHEMA) if constrained else None
     for i in range(batch):
-        engine.add_request(f"{seed}-{i}", PROMPT, SamplingParams(temperature=1.0, seed=seed * 1000 + i, ignore_eos=True,
+        engine.add_request(f"{seed}-{i}", PROMPT, SamplingParams(temperature=temperature, seed=seed * 1000 + i, ignore_eos=True,
                                                                  max_tokens=steps + 8, structured_outputs=structured))
     times = []
     while engine.has_unfinished_requests():
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: as the other benchmarks on this shared machine)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (no noise is drawn)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, EngineConfig(), progress=False)
@@ -86,11 +89,11 @@ def main() -> None:
     seed = 0
     for batch in (int(b) for b in args.batches.split(",")):
         for constrained in (False, True):  # warm-up: kernels, the KV cache's first pages, the grammar's lexer
-            step_times(engine, batch, args.steps, constrained, seed := seed + 1)
+            step_times(engine, batch, args.steps, constrained, seed := seed + 1, args.temperature)
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.repeats):
             for constrained in (False, True):
-                runs[constrained] += step_times(engine, batch, args.steps, constrained, seed := seed + 1)
+                runs[constrained] += step_times(engine, batch, args.steps, constrained, seed := seed + 1, args.temperature)
         (a_wall, a_cpu), (b_wall, b_cpu) = ([statistics.median(t[k] for t in runs[c]) * 1e3 for k in (0, 1)]
                                             for c in (False, True))
         print(f"| {batch} | {a_wall:.1f} / {a_cpu:.1f} | {b_wall:.1f} / {b_cpu:.1f} | "

@@ -161,10 +161,6 @@ class ModelRunner:
         if not sequences:
             return StepResult({}, {})
         entries, sampled, sample_rows, scored = self._lay_out(sequences)
-        constrained = [seq for seq in sampled if seq.matcher is not None]
-        # the grammar masks are filled while the model runs
-        masks = self.grammars.start_masks([s.matcher for s in constrained],
-                                          [s.request.spec_token_ids for s in constrained]) if constrained else None
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
@@ -173,9 +169,16 @@ class ModelRunner:
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
         out = None
         if sampled:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            constrained = [seq for seq in sampled if seq.matcher is not None]
+            # The grammar masks are filled on another thread from here until the sampler applies them,
+            # after drawing its noise: on a CPU the model's threads fill every core until now, and a mask
+            # thread beside them only slows them, while the noise draw is serial. (On a GPU the device
+            # is still computing when this host code runs.)
+            masks = self.grammars.start_masks([s.matcher for s in constrained],
+                                              [s.request.spec_token_ids for s in constrained]) if constrained else None
             batch, guesses = self._sampling_batch(sampled, masks)
-            out = self.sampler(self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)]),
-                               batch, guesses)
+            out = self.sampler(logits, batch, guesses)
             device_results += [out.sampled_token_ids, out.logprobs]
             device_results += [] if out.accepted is None else [out.accepted]
             device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
