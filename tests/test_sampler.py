@@ -16,6 +16,7 @@ from hearth.engine.sampler import (
     apply_top_k_top_p,
     make_generator,
     prompt_logprobs,
+    skip_draws,
 )
 from hearth.sampling_params import SamplingParams
 
@@ -458,3 +459,33 @@ def test_grammar_bitmask_masks_only_its_rows_and_greedy_obeys_it():
     assert torch.equal(out, expected)  # row 1 is unconstrained: untouched
     sampled = Sampler()(logits, batch).sampled_token_ids
     assert sampled.tolist() == [expected[0].argmax().item(), logits[1].argmax().item(), expected[2].argmax().item()]
+
+
+def test_noise_is_drawn_before_the_grammar_masks_are_awaited():
+    """The masks' thread works while the sampler draws its noise: when the sampler first asks
+    for the masks, a seeded row's generator has already made its V draws (as skip_draws says),
+    and the token is still the masked distribution's draw with that noise."""
+    V = 50
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    bitmask = torch.tensor([[0b1011_0110, 0]], dtype=torch.int32)  # tokens 1, 2, 4, 5, 7 of row 1
+    params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.8, seed=6)]
+    generators = [make_generator(5), make_generator(6)]
+    after_draws = make_generator(6)
+    skip_draws(after_draws, 1, V)
+    states_when_asked = []
+
+    class Masks(Future):
+        def result(self, timeout=None):
+            states_when_asked.append(generators[1].get_state())
+            return super().result(timeout)
+
+    masks = Masks()
+    masks.set_result(bitmask)
+    batch = SamplingBatch.build(params, [[]] * 2, [[]] * 2, generators, V, "cpu", grammar_masks=([1], masks))
+    sampled = Sampler()(logits, batch).sampled_token_ids.tolist()
+    assert states_when_asked and torch.equal(states_when_asked[0], after_draws.get_state())
+    noise = torch.empty(V).exponential_(generator=make_generator(6))
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[1, 2, 4, 5, 7]] = True
+    probs = (logits[1] / 0.8).masked_fill(~allowed, -math.inf).softmax(-1)
+    assert sampled[1] == (probs / noise).argmax().item()
