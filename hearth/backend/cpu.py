@@ -45,6 +45,9 @@ class CpuBackend(Backend):
         self.kernels = cpu_kernels()
         if self.kernels is None:
             raise RuntimeError("hearth's CPU kernels could not be built")
+        # apply_token_bitmask's output, kept from step to step: a fresh [B, V] each step costs a page
+        # fault per 4 KiB (the allocator hands such sizes back to the OS), ~4 ms at 32 x 49,152
+        self._masked_logits = torch.empty(0)
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
         """As the reference; the sum residual + x is written into `residual`."""
@@ -112,10 +115,14 @@ class CpuBackend(Backend):
         return out
 
     def apply_token_bitmask(self, logits, rows, bitmask):
-        """As the reference, the copy and the masks in one pass."""
+        """As the reference, the copy and the masks in one pass, into a buffer this backend keeps:
+        the result holds until the next call (the sampler uses it within its own call only)."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
             return super().apply_token_bitmask(logits, rows, bitmask)
-        out, rows, bitmask = torch.empty(logits.shape), rows.contiguous(), bitmask.contiguous()
+        if self._masked_logits.numel() < logits.numel():
+            self._masked_logits = torch.empty(logits.numel())
+        out = self._masked_logits[: logits.numel()].view(logits.shape)
+        rows, bitmask = rows.contiguous(), bitmask.contiguous()
         self.kernels.mask_tokens(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.stride(0), rows.data_ptr(),
                                  len(rows), bitmask.data_ptr(), bitmask.shape[1], logits.shape[1],
                                  torch.get_num_threads())
