@@ -4,7 +4,7 @@
     grammar = compiler.compile(params.structured_outputs)   # RequestError naming the problem
     matcher = compiler.matcher(grammar)                      # one per sequence
     pending = compiler.start_masks([matcher, ...])           # the batch's masks, filled off-thread
-    ...                                                      # (the model's forward runs meanwhile)
+    ...                                                      # (the sampler draws its noise meanwhile)
     bitmask = pending.result()                               # [R, ceil(V/32)] int32, bit t: token t allowed
     done = advance(matcher, token_id)                        # True: the grammar is complete
 
@@ -35,7 +35,7 @@ logger = logging.getLogger("hearth")
 # llama.cpp's bound on whitespace in JSON: a space, or a newline and an indentation of up to 20
 JSON_WHITESPACE = r"[ ]?|\n[ \t]{0,20}"
 # llguidance's worker threads for a batch's masks: a few are plenty (a mask is tens of microseconds),
-# and more would take cores from the model's forward pass running at the same time
+# and more would take cores from the sampler's work running at the same time
 MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
 CACHE_SIZE = 256  # compiled grammars kept (a server sees the same few schemas again and again)
 
@@ -120,7 +120,7 @@ class GrammarCompiler:
     def start_masks(self, matchers: list[llguidance.LLMatcher],
                     guesses: list[list[int]] | None = None) -> Future[torch.Tensor]:
         """Fill the matchers' next-token masks on a background thread: llguidance releases the
-        GIL, so the model's forward pass goes on meanwhile. With speculative guesses, matcher i
+        GIL, so the engine goes on meanwhile (the sampler draws its noise). With speculative guesses, matcher i
         gets len(guesses[i]) + 1 consecutive rows: the mask at each verified position, as if the
         guesses before it were taken (the matcher is rolled back afterwards). A position after a
         guess the grammar refuses repeats the last mask: that guess is rejected anyway."""
