@@ -182,6 +182,7 @@ class Backend:
 
     name = "reference"
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
+    token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
