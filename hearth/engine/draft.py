@@ -102,9 +102,9 @@ class DraftProposer:
         With tree_width W > 1 a request's guesses are a token tree of W branches: the draft's
         first guess drawn as a chain's, and beside it its W - 1 best other tokens (point masses: a
         fixed choice, which the sibling rule verifies, sampler.verify_guesses), each followed by
-        k - 1 guesses drawn as a chain's. The branches
-        run side by side in the draft's cache, after the request's tokens, each seeing only its own
-        (a tree region of W x (k - 1) slots, which the next catch-up drops)."""
+        k - 1 guesses drawn as a chain's. The branches run side by side in the draft's cache, after
+        the request's tokens, each seeing only its own (a tree region of W x (k - 1) slots, which
+        the next catch-up drops)."""
         first, widths = [], {}
         for request, k in wanted.items():
             widths[request] = branch_width(request, self.tree_width)

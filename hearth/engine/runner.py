@@ -7,8 +7,10 @@ guesses, then one sampled token) with their logprobs, and the prompt logprobs as
 On the way: the batch laid out as one `StepInputs` (host arrays), which the backend (chosen once
 per engine, hearth/backend) turns into its tensors and attention metadata to run the model;
 logits of the rows that are sampled or scored; one SamplingBatch; the Sampler; and exactly one
-copy to the host. `forward` is the bare model pass, for callers that want hidden states
-(perplexity, kernels' benchmarks, tests).
+copy to the host. Guesses that form a token tree (hearth/engine/token_tree.py) go in as rows
+with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved
+into the slots after the context. `forward` is the bare model pass, for callers that want hidden
+states (perplexity, kernels' benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from hearth.backend import StepInputs
 from hearth.backend.base import MAX_DECODE_QUERY_LEN
 from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
-from hearth.engine.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
                                    final_distribution, prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
+from hearth.engine.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 

@@ -5,7 +5,7 @@ real token, the root; else the index of an earlier guess), parents always before
 siblings never the same token. The step that verifies it has one row per node, the root first,
 each row's K/V written to the sequence's next slot in that order; a row attends to the context
 before the root and, among the tree's rows, to its ancestors and itself (`ancestor_masks`), at the
-position of its depth (RoPE). The sampler accepts at most one child per row (speculative.py's
+position of its depth (RoPE). The sampler accepts at most one child per row (sampler.verify_guesses'
 rule for sibling guesses); the accepted path's K/V are then moved into the slots right after the
 context (runner.py) and the rest given back, as rejected guesses of a chain are.
 
