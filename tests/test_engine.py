@@ -89,12 +89,15 @@ def check_speculated(llm, spec: str) -> None:
         assert llm.engine.proposer.draft.block_manager.check_all_free()
 
 
-# the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE)
+# the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE);
+# token trees: a plain one and the sliding/soft-capped one (the window counted from a row's depth)
 DRAFT_ARCHITECTURES = ("llama", "qwen3", "gemma2", "smollm3")
+TREE_ARCHITECTURES = ("llama", "gemma2")
 
 
 @pytest.mark.parametrize("arch,spec", [(arch, spec) for arch in ARCHITECTURES for spec in SPECULATION
-                                       if spec in ("plain", "ngram", "lookahead") or arch in DRAFT_ARCHITECTURES])
+                                       if spec in ("plain", "ngram", "lookahead")
+                                       or arch in (TREE_ARCHITECTURES if spec.endswith(" tree") else DRAFT_ARCHITECTURES)])
 def test_greedy_alone_and_32_at_once_match_transformers(model_folders, speculation, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)
