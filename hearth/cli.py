@@ -65,6 +65,10 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                    help="running requests at which guessing stops (fewer guesses as the batch grows)")
     g.add_argument("--no-speculative-adaptive", action="store_true",
                    help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    g.add_argument("--speculative-tree-width", type=int, default=1, metavar="W",
+                   help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask "
+                        "(ngram: W different earlier matches; draft: its top W first guesses, each followed by "
+                        "its own); W x --num-speculative-tokens below 16; 1: one chain")
     p.add_argument_group("contrastive decoding").add_argument(
         "--contrastive-model", metavar="PATH", default=None,
         help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
@@ -124,6 +128,7 @@ def engine_options(args) -> dict:
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         speculative_adaptive=not args.no_speculative_adaptive,
+        speculative_tree_width=args.speculative_tree_width,
         contrastive_model=args.contrastive_model,
     )
 

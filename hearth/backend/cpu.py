@@ -93,7 +93,7 @@ class CpuBackend(Backend):
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
             q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(),
-            meta.decode_query_start.data_ptr(), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
+            meta.decode_query_start.data_ptr(), *tree_pointers(meta), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
             meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
         return out
@@ -130,6 +130,13 @@ class CpuBackend(Backend):
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         path = state["decode_path"]
         return None if path is None else path(x, rotary, kv_caches, meta)
+
+
+def tree_pointers(meta: AttentionMetadata) -> tuple[int, int]:
+    """The decodes' token trees for the kernels: tree_start's and tree_masks' data (0, 0: causal)."""
+    if meta.decode_tree_masks is None:
+        return 0, 0
+    return meta.decode_tree_start.data_ptr(), meta.decode_tree_masks.data_ptr()
 
 
 def _whole_caches(k_cache: KVCache, v_cache: KVCache) -> bool:

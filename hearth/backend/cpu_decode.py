@@ -21,7 +21,7 @@ import torch
 
 from hearth.backend.base import AttentionMetadata
 from hearth.backend.kv_quant import Q8Cache, data_pointers
-from hearth.backend.cpu import decode_split_len
+from hearth.backend.cpu import decode_split_len, tree_pointers
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import QuantLinear
 
@@ -94,6 +94,7 @@ class CpuDecodePath:
             self.matmul_address, self.layer_table.data_ptr(), caches.data_ptr(),
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
+            *tree_pointers(meta),
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
             decode_split_len(meta.num_decodes, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),

@@ -102,3 +102,10 @@ def write_rows(cache: KVCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
         cache.scales.index_copy_(0, slots, scales)
     else:
         cache.index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def move_rows(cache: KVCache, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy the rows at `sources` [N] to `targets` [N] as they are stored (q8_0 codes and scales as
+    they are: nothing quantized again)."""
+    for tensor in (cache.codes, cache.scales) if isinstance(cache, Q8Cache) else (cache,):
+        tensor.index_copy_(0, targets, tensor[sources])

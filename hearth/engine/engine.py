@@ -52,6 +52,10 @@ class LLMEngine:
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
+        if config.speculative_tree_width > 1 and not backend.token_trees:
+            raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
+                             f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
+                             f"reference backend, or speculative_tree_width 1")
         self.workers, shard = None, None
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from hearth.distributed.workers import start_split  # ranks 1..N-1: processes of their own
@@ -107,11 +111,13 @@ class LLMEngine:
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
         self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                          config.speculative_tree_width)
         elif config.speculative_method == "lookahead":
             self.proposer = LookaheadProposer()
         elif config.speculative_method == "draft":
-            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
+            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress),
+                                          config.speculative_tree_width)
         self.amateur = None  # contrastive decoding's second model
         if config.contrastive_model is not None:
             self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
