@@ -220,6 +220,24 @@ def test_sibling_guesses_keep_the_target_distribution(first):
     assert stats.chisquare(counts, p.double() / p.double().sum() * draws).pvalue > P_VALUE
 
 
+@pytest.mark.parametrize("draft", ["point masses", "a draft's distributions"])
+def test_greedy_verification_keeps_the_argmax(draft):
+    """Greedy rows (temperature 0): every row's token is the argmax of its logits, and a guess is
+    kept exactly where it equals that argmax, whatever q it was drawn from."""
+    torch.manual_seed(1)
+    vocab, rows = 24, 400
+    logits = torch.randn(rows, vocab)
+    argmax = logits.argmax(dim=-1)
+    q = (torch.softmax(torch.randn(rows, vocab) * 2, dim=-1) if draft != "point masses" else
+         torch.nn.functional.one_hot(torch.randint(vocab, (rows,)), vocab).float())
+    guesses = torch.where(torch.rand(rows) < 0.5, argmax, torch.multinomial(q, 1).squeeze(1))
+    out = Sampler()(logits.clone(), build([SamplingParams(temperature=0)] * rows, vocab=vocab),
+                    Guesses(torch.arange(rows), guesses, q, [None] * rows))
+    assert torch.equal(out.sampled_token_ids, argmax)
+    assert torch.equal(out.accepted, guesses == argmax)
+    assert 0 < int(out.accepted.sum()) < rows
+
+
 def first_tokens(llm: LLM, prompt: list[int], params: SamplingParams, count: int) -> list[tuple[int, ...]]:
     return [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * count, params, use_tqdm=False)]
 

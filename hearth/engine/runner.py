@@ -317,8 +317,7 @@ class ModelRunner:
                 siblings.extend(parent in parents[:i] for i, parent in enumerate(parents))
                 guess_ids.extend(spec)
                 guess_generators.extend([seq.spec_generator] * len(spec))
-                guess_probs.append(seq.guess_probs[: len(spec)] if seq.guess_probs is not None else
-                                   torch.nn.functional.one_hot(torch.tensor(spec, device=self.device), V).float())
+                guess_probs.append((spec, seq.guess_probs))
             branches, depth_rows = [[]], {0: first}  # per row: the guesses on its branch; each depth's first row
             for parent, token in zip(parents, spec):
                 branches.append(branches[parent + 1] + [token])
@@ -338,9 +337,13 @@ class ModelRunner:
         )
         if not guess_rows:
             return batch, None
+        probs = None  # greedy rows verify by comparison (sampler.greedy_acceptance)
+        if not batch.all_greedy:
+            probs = torch.cat([q[: len(spec)] if q is not None else  # None: a point mass on each guess
+                               torch.nn.functional.one_hot(torch.tensor(spec, device=self.device), V).float()
+                               for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
-                              torch.cat(guess_probs).to(self.device), guess_generators,
-                              siblings if any(siblings) else None)
+                              probs, guess_generators, siblings if any(siblings) else None)
 
     def draw_next(self, entries: list[BatchEntry], requests: list[Request], outputs: list[list[int]],
                   generators: list[torch.Generator | None], widths: list[int] | None = None

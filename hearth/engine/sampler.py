@@ -385,14 +385,15 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
 @dataclass
 class Guesses:
     """The guessed tokens a step verifies: the row [G] of the batch that verifies each, the guess
-    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup), per
+    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup; None
+    where every row of the batch is greedy: greedy verification reads no q, greedy_acceptance), per
     guess the generator of the verification's own randomness (None: the global RNG), and which
     guesses are siblings after the first of their row (a token tree's: point masses, each at its
     own token; None: none)."""
 
     rows: torch.Tensor
     token_ids: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     generators: list[torch.Generator | None]
     siblings: list[bool] | None = None
 
@@ -459,6 +460,15 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     return tokens, accepted
 
 
+def greedy_acceptance(sampled: torch.Tensor, guesses: Guesses) -> torch.Tensor:
+    """verify_guesses where every row is greedy: p is the point mass at the row's argmax x, so a
+    guess g is kept with probability min(1, p(g) / q(g)) = [g == x] whatever q, and a rejected
+    row's residual normalise(max(0, p - q)) is the point mass at x: every row's token is x (a
+    tree's sibling likewise: kept iff it is x). Returns whether each guess was kept [G]; no
+    vocabulary-wide work."""
+    return sampled[guesses.rows] == guesses.token_ids
+
+
 def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
                        apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -494,14 +504,16 @@ class Sampler:
         """guesses (speculative decoding): rows carrying a guessed token, verified by the
         rejection rule (verify_guesses); a kept guess is that row's token."""
         raw = logits.float()
-        if batch.all_greedy and guesses is None:
+        accepted = None
+        if batch.all_greedy:
             sampled = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask).argmax(dim=-1)
+            if guesses is not None:
+                accepted = greedy_acceptance(sampled, guesses)
         else:
             probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
             sampled = draw(probs, greedy_ids, batch, batch.generators)
-        accepted = None
-        if guesses is not None:
-            sampled, accepted = verify_guesses(probs, sampled, guesses)
+            if guesses is not None:
+                sampled, accepted = verify_guesses(probs, sampled, guesses)
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)
