@@ -441,11 +441,11 @@ def k_quant_mix_model(folder):
     return model
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "k-quant mix", "q8_0 sliding window"])
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "f16", "k-quant mix", "q8_0 sliding window"])
 def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_type):
-    """Every matmul on the int8 kernel: decode-only steps run cpu_decode.py's one-call path; its
-    logits equal the modules' (same kernels, same order) and the dequantized dense model's within
-    the int8-activation tolerance above. GGUF files from hearth's converter (gguf's quantizer),
+    """Every matmul on the int8 kernel (or half_matmul: f16): decode-only steps run cpu_decode.py's
+    one-call path; its logits equal the modules' (same kernels, same order) and the dequantized
+    dense model's within the int8-activation tolerance above. GGUF files from hearth's converter (gguf's quantizer),
     a Q4_K_M-like mix of K-quants (hidden 256, intermediate 512: whole super-blocks), and mistral
     with an 8-token window (the decodes past it)."""
     from hearth.backend.cpu import cpu_kernels

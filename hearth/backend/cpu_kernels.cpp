@@ -502,7 +502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
   }, "silu(gate) * up of each row of [gate | up], float32", nogil);
-  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
+  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8_matmul weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);
 }

@@ -1219,11 +1219,13 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
 }
 
 // The one entry for int8-activation matmuls (QuantLinear, cpu_kernels.cpp's decode_layers):
-// `scales` non-zero: Q8_0 / Q4_0 repacked into tiles (packed_matmul, VNNI builds); zero: `w` is
-// the GGUF blocks as stored (int8_matmul_blocks).
+// `scales` non-zero: Q8_0 / Q4_0 / Q4_1 repacked into tiles (packed_matmul, VNNI builds); zero: `w`
+// is the GGUF blocks as stored (int8_matmul_blocks). F16 / BF16 arrays (decode_layers' projections
+// in those formats; QuantLinear calls half_matmul itself): half_matmul, fp32 activations unrounded.
 void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
                  int path, int threads) {
   if (scales) return packed_matmul(x, w, scales, y, M, N, K, qtype, path == PORTABLE, threads);
+  if (qtype == F16 || qtype == BF16) return half_matmul(x, w, y, M, N, K, 2 * K, qtype, false, path == PORTABLE, threads);
   int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
 }
 
