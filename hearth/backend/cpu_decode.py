@@ -59,7 +59,7 @@ class CpuDecodePath:
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
                 if len(parts) > most or not all(_on_int8_kernel(part) for part in parts):
                     return None
-                for part in parts:  # weight, packed scales or 0, qtype, output rows
+                for part in parts:  # weight or packed codes, packed terms or 0, qtype, output rows
                     row += [*part._int8_weight, part._qtype, part.out_features]
                 row += [0, 0, 0, 0] * (most - len(parts))
             rows.append(row)
