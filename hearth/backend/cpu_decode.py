@@ -61,7 +61,7 @@ class CpuDecodePath:
                 weights = [_kernel_weight(part) for part in parts]
                 if len(parts) > most or None in weights:
                     return None
-                for part, weight in zip(parts, weights):  # weight, packed scales or 0, qtype, output rows
+                for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype, output rows
                     row += [*weight, int(part.qtype), part.out_features]
                 row += [0, 0, 0, 0] * (most - len(parts))
             rows.append(row)
@@ -113,7 +113,7 @@ def _kernel_readable(cache) -> bool:
 
 
 def _kernel_weight(module) -> tuple[int, int] | None:
-    """int8_matmul's weight operands for `module` (weight pointer, packed scales pointer or 0), or
+    """int8_matmul's weight operands for `module` (weight or packed codes pointer, packed terms pointer or 0), or
     None where the kernel cannot run it (not a QuantLinear on the CPU kernels, or with a bias)."""
     if not isinstance(module, QuantLinear) or module.bias is not None:
         return None

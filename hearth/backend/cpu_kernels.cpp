@@ -425,7 +425,7 @@ using Int8Matmul = void (*)(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
 // v in another format each, as llama.cpp's mixed files store them), each PART_FIELDS columns:
-// weight, packed scales or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
+// weight or packed codes, packed terms or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
 enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
 constexpr int PART_FIELDS = 4;
