@@ -57,7 +57,7 @@ class CpuDecodePath:
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
-                if len(parts) > most or not all(_on_int8_kernel(part) for part in parts):
+                if len(parts) > most or not all(on_int8_kernel(part) for part in parts):
                     return None
                 for part in parts:  # weight, packed scales or 0, qtype, output rows
                     row += [*part._int8_weight, part._qtype, part.out_features]
@@ -109,5 +109,6 @@ def _kernel_readable(cache) -> bool:
     return cache.dtype == torch.float32 and cache.is_contiguous()
 
 
-def _on_int8_kernel(module) -> bool:
+def on_int8_kernel(module) -> bool:
+    """A QuantLinear on the int8 kernel, without bias: its weight pointers can go to the C++ kernels."""
     return isinstance(module, QuantLinear) and module._int8_weight is not None and module.bias is None

@@ -98,6 +98,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
+        self.ops = ops
+        self.backend_state: dict = {}  # what the backend derives from the experts' weights (emptied when they move)
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
@@ -133,9 +135,17 @@ class SparseMoE(nn.Module):
             out += shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
+    def _apply(self, fn, recurse=True):
+        self.backend_state.clear()  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
+
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [P, hidden]: rows grouped by expert, counts[e] rows for expert e in expert order ->
-        each row through its expert [P, hidden]."""
+        each row through its expert [P, hidden]: in one go where the backend has kernels for it,
+        else expert by expert."""
+        grouped = self.ops.run_experts(self, x, counts)
+        if grouped is not None:
+            return grouped.to(x.dtype)
         out = torch.empty_like(x)
         start = 0
         for expert, count in zip(self.experts, counts.tolist()):  # one host sync per layer

@@ -5,6 +5,8 @@
 //                  integer dot products (AVX2 maddubs) against the GGUF blocks where they lie;
 //                  or, on AVX-512 VNNI builds, Q8_0 / Q4_0 repacked once into tiles of 32 rows
 //                  (`repack`, `packed_matmul`).
+//   grouped_int8_matmul: a mixture-of-experts layer's chosen experts in one call, rows grouped
+//                  by expert, each group through int8_matmul against its own expert's weight.
 //   half_matmul:   F16 / BF16 arrays, every batch size, read as stored: weights widened to fp32
 //                  in registers, fp32 FMA; fp32 or bf16 activations.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
@@ -1227,6 +1229,71 @@ void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_
   int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
 }
 
+// ------------------------------------------------------------------ grouped int8 matmul (mixtures of experts)
+// A layer's chosen experts in one call: activation rows grouped by expert (rows of expert e are
+// counts[e] consecutive rows of x, experts in order), each group times its expert's weight.
+// The threads share out the chosen experts' weight rows end to end, in ranges of whole 32-row tiles
+// (a range may cover several experts, or part of one): one fork and join per projection of the
+// layer, not one per expert, and each thread reads long runs of weights; experts no row chose are
+// not read. Each piece runs int8_matmul on one thread (its own activation rows quantized per piece:
+// a few rows of K values, against the piece's weight rows).
+
+// Where rows [n0, ...) of a weight start: GGUF rows in place, or (scales non-zero) packed 32-row
+// tiles and their scales (repack's layout), n0 a multiple of NR.
+struct WeightRows {
+  uintptr_t w, scales;
+  int qtype;
+  int64_t row_bytes;  // in place: bytes per row; packed: code bytes per tile
+
+  WeightRows(const int64_t* expert, int64_t K) : w((uintptr_t)expert[0]), scales((uintptr_t)expert[1]), qtype((int)expert[2]) {
+    if (scales) {
+      if (qtype != Q8_0 && qtype != Q4_0) throw std::invalid_argument("grouped_int8_matmul: packed Q8_0 and Q4_0 only");
+      row_bytes = packed_code_bytes(qtype, K);
+    } else {
+      HEARTH_DISPATCH(qtype, row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES);
+    }
+  }
+  uintptr_t weight_at(int64_t n0) const { return scales ? w + n0 / NR * row_bytes : w + n0 * row_bytes; }
+  uintptr_t scales_at(int64_t n0, int64_t K) const { return scales ? scales + n0 / NR * (K / 32) * NR * 2 : 0; }
+};
+
+// experts int64 [E, 3]: weight, packed scales or 0, qtype (int8_matmul's arguments); counts int64 [E];
+// x [R, K] fp32, R = sum of counts; y [R, N] fp32.
+void grouped_int8_matmul(uintptr_t x_, uintptr_t experts_, uintptr_t counts_, int64_t num_experts, uintptr_t y_,
+                         int64_t N, int64_t K, int threads) {
+  const int64_t* experts = (const int64_t*)experts_;
+  const int64_t* counts = (const int64_t*)counts_;
+  struct Group { WeightRows weight; int64_t row0, rows; };
+  std::vector<Group> groups;
+  for (int64_t e = 0, row = 0; e < num_experts; row += counts[e], e++)
+    if (counts[e] > 0) {
+      if (K % block_values((int)experts[3 * e + 2])) throw std::invalid_argument("grouped_int8_matmul: K is not a multiple of the block size");
+      groups.push_back({WeightRows(experts + 3 * e, K), row, counts[e]});
+    }
+  const float* x = (const float*)x_;
+  float* y = (float*)y_;
+  const int64_t tiles = (N + NR - 1) / NR;  // per expert
+  parallel_ranges((int64_t)groups.size() * tiles, threads, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> piece;
+    for (int64_t u = u0; u < u1;) {
+      const Group& g = groups[u / tiles];
+      const int64_t t0 = u % tiles, t1 = std::min(tiles, t0 + (u1 - u));
+      const int64_t n0 = t0 * NR, n = std::min(N, t1 * NR) - n0;
+      const uintptr_t xg = (uintptr_t)(x + g.row0 * K);
+      if (n == N) {  // the whole weight: straight into y's rows
+        int8_matmul(xg, g.weight.weight_at(0), g.weight.scales_at(0, K), (uintptr_t)(y + g.row0 * N), g.rows, N, K,
+                    g.weight.qtype, FASTEST, 1);
+      } else {  // part of its rows: [rows, n], then into y's columns
+        piece.resize(g.rows * n);
+        int8_matmul(xg, g.weight.weight_at(n0), g.weight.scales_at(n0, K), (uintptr_t)piece.data(), g.rows, n, K,
+                    g.weight.qtype, FASTEST, 1);
+        for (int64_t r = 0; r < g.rows; r++) std::memcpy(y + (g.row0 + r) * N + n0, piece.data() + r * n, n * sizeof(float));
+      }
+      u += t1 - t0;
+    }
+  });
+}
+
 // name -> path for int8_matmul's `path`, the ones this build has (fastest first)
 std::vector<std::pair<std::string, int>> int8_paths() {
   std::vector<std::pair<std::string, int>> paths;
@@ -1267,6 +1334,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed, x rounded to int8 per 32", nogil);
   m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
   // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
+  m.def("grouped_int8_matmul", &grouped_int8_matmul,
+        "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
   m.def("block_values", &block_values);
   m.def("int8_paths", [] {
