@@ -1233,10 +1233,12 @@ void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_
 // A layer's chosen experts in one call: activation rows grouped by expert (rows of expert e are
 // counts[e] consecutive rows of x, experts in order), each group times its expert's weight.
 // The threads share out the chosen experts' weight rows end to end, in ranges of whole 32-row tiles
-// (a range may cover several experts, or part of one): one fork and join per projection of the
-// layer, not one per expert, and each thread reads long runs of weights; experts no row chose are
-// not read. Each piece runs int8_matmul on one thread (its own activation rows quantized per piece:
-// a few rows of K values, against the piece's weight rows).
+// (a range may cover several experts, or part of one) of about equal cost, a tile of an expert
+// with r rows costing r + GROUPED_READ_COST: one fork and join per projection of the layer, not
+// one per expert, and each thread reads long runs of weights; experts no row chose are not read.
+// Each piece runs int8_matmul on one thread (its own activation rows quantized per piece: a few
+// rows of K values, against the piece's weight rows).
+constexpr int64_t GROUPED_READ_COST = 2;  // reading a tile, in rows' worth of its dot products
 
 // Where rows [n0, ...) of a weight start: GGUF rows in place, or (scales non-zero) packed 32-row
 // tiles and their scales (repack's layout), n0 a multiple of NR.
@@ -1272,8 +1274,20 @@ void grouped_int8_matmul(uintptr_t x_, uintptr_t experts_, uintptr_t counts_, in
     }
   const float* x = (const float*)x_;
   float* y = (float*)y_;
-  const int64_t tiles = (N + NR - 1) / NR;  // per expert
-  parallel_ranges((int64_t)groups.size() * tiles, threads, 1, [&](int64_t u0, int64_t u1) {
+  const int64_t tiles = (N + NR - 1) / NR, units = (int64_t)groups.size() * tiles;  // units: (expert, tile)
+  // thread i's units: [bounds[i], bounds[i + 1]), the cumulative cost split evenly
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, units));
+  std::vector<int64_t> bounds(nt + 1, units);
+  int64_t total = 0;
+  for (const Group& g : groups) total += tiles * (g.rows + GROUPED_READ_COST);
+  bounds[0] = 0;
+  for (int64_t gi = 0, cost = 0, i = 1; gi < (int64_t)groups.size() && i < nt; gi++) {
+    const int64_t per_tile = groups[gi].rows + GROUPED_READ_COST;
+    for (; i < nt && total * i / nt < cost + tiles * per_tile; i++)  // boundary i falls in this expert
+      bounds[i] = gi * tiles + (total * i / nt - cost) / per_tile;
+    cost += tiles * per_tile;
+  }
+  const auto run = [&](int64_t u0, int64_t u1) {
     std::vector<float> piece;
     for (int64_t u = u0; u < u1;) {
       const Group& g = groups[u / tiles];
@@ -1291,7 +1305,14 @@ void grouped_int8_matmul(uintptr_t x_, uintptr_t experts_, uintptr_t counts_, in
       }
       u += t1 - t0;
     }
-  });
+  };
+  if (nt == 1) return run(0, units);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  for (int i = omp_get_thread_num(); i < nt; i += omp_get_num_threads()) run(bounds[i], bounds[i + 1]);  // fewer threads given: several ranges each
+#else
+  run(0, units);
+#endif
 }
 
 // name -> path for int8_matmul's `path`, the ones this build has (fastest first)
