@@ -2,8 +2,8 @@
 
 SparseMoE (hearth/model/layers.py) groups a step's (token, choice) pairs by expert. Run expert by
 expert, a decode step at batch 1 makes 16 matmul calls per layer (Qwen3-30B-A3B: 8 experts, gate/up
-and down) on weights of 1.5-3 MB, each with its Python call, its activation quantization and, with
-several threads, its fork and join. Where every expert's gate/up and down projections are each one
+and down) on weights of 1.5-3 MB, each with its Python call and, with several threads, its fork
+and join. Where every expert's gate/up and down projections are each one
 QuantLinear on the int8 kernel (any GGUF block format, in place or packed; hearth/quant/linear.py),
 `GroupedExperts` runs the gate/up projections of all chosen experts in one call of qmatmul.cpp's
 `grouped_int8_matmul`, the activation over all rows at once, and the down projections in a second
