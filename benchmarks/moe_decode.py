@@ -10,6 +10,7 @@ context of --context tokens: milliseconds per step, medians of interleaved runs,
 the weights a step reads (the chosen experts' only, for the MoE).
 
     python benchmarks/moe_decode.py --threads 2 --layers 2 --out benchmarks/results/threads-2/moe-decode
+    python benchmarks/moe_decode.py --threads 1 --cpu-time   # a shared machine: CPU seconds of the one thread
 """
 
 from __future__ import annotations
