@@ -46,20 +46,26 @@ def test_grouped_matmul_equals_each_expert_dequantized(ext, qtype):
                                   q8_tolerance(x[rows], weights[e].float(), activation_block(qtype)))
 
 
-def test_grouped_path_taken_only_where_every_expert_is_on_the_int8_kernel(tmp_path):
-    """Quantized experts bind the grouped path; float experts (no int8 kernel) do not."""
+def test_grouped_path_taken_only_where_every_expert_is_on_the_int8_kernel():
+    """Q8_0 experts bind the grouped path; float experts (no int8 kernel) do not."""
     from hearth.backend.cpu import CpuBackend
-    from hearth.loading.convert import convert_hf_to_gguf
-    from hearth.loading.gguf import load_gguf
+    from hearth.config import ModelConfig
     from hearth.model.transformer import Transformer
-    from models import make_hf_model
+    from hearth.quant import quantize
 
-    folder = make_hf_model(tmp_path / "m", "qwen3_moe")
-    for out_type, grouped in (("q8_0", True), ("f32", False)):
-        config, weights, _ = load_gguf(convert_hf_to_gguf(folder, tmp_path / f"{out_type}.gguf", out_type,
-                                                          progress=False), progress=False)
+    config = ModelConfig("qwen3_moe", vocab_size=64, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                         intermediate_size=128, num_layers=1, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64,
+                         qk_norm="head")
+    g = torch.Generator().manual_seed(3)
+    for qtype, grouped in ((Q.Q8_0, True), (None, False)):
         with torch.device("meta"):
             model = Transformer(config, backend=CpuBackend())
+        weights = {}
+        for name, shape in model.checkpoint_shapes():
+            values = torch.randn(shape, generator=g) * 0.02
+            quantized = qtype is not None and ".experts." in name
+            weights[name] = QuantTensor(quantize(values, qtype), qtype, shape) if quantized else values
         model.load_weights(weights, torch.float32)
         moe = model.layers[0].mlp
         assert isinstance(moe, SparseMoE)
