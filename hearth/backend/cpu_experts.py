@@ -41,14 +41,19 @@ class GroupedExperts:
     @classmethod
     def bind(cls, experts: nn.ModuleList) -> GroupedExperts | None:
         """The grouped path for these experts (GatedMLPs), or None where it does not apply: each
-        projection must be one QuantLinear on the int8 kernel, without bias, all of one shape."""
+        projection must be one QuantLinear on the int8 kernel, without bias (packed tiles: of a
+        layout the kernel can cut into), all of one shape."""
         qmatmul = quant_kernels.extension()
         if qmatmul is None:
             return None
+
+        def grouped(linear) -> bool:
+            return on_int8_kernel(linear) and (linear.scales is None or qmatmul.module.grouped_cuts_packed(linear._qtype))
+
         shapes = set()
         for expert in experts:
             parts = expert.gate_up_proj.parts
-            if len(parts) != 1 or not (on_int8_kernel(parts[0]) and on_int8_kernel(expert.down_proj)):
+            if len(parts) != 1 or not (grouped(parts[0]) and grouped(expert.down_proj)):
                 return None
             shapes.add((parts[0].in_features, parts[0].out_features, expert.down_proj.in_features,
                         expert.down_proj.out_features))

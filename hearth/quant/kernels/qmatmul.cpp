@@ -1240,6 +1240,9 @@ void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_
 // rows of K values, against the piece's weight rows).
 constexpr int64_t GROUPED_READ_COST = 2;  // reading a tile, in rows' worth of its dot products
 
+// The packed formats whose tiles WeightRows knows how to cut into (repack's layout).
+constexpr bool grouped_cuts_packed(int qtype) { return qtype == Q8_0 || qtype == Q4_0; }
+
 // Where rows [n0, ...) of a weight start: GGUF rows in place, or (scales non-zero) packed 32-row
 // tiles and their scales (repack's layout), n0 a multiple of NR.
 struct WeightRows {
@@ -1249,7 +1252,7 @@ struct WeightRows {
 
   WeightRows(const int64_t* expert, int64_t K) : w((uintptr_t)expert[0]), scales((uintptr_t)expert[1]), qtype((int)expert[2]) {
     if (scales) {
-      if (qtype != Q8_0 && qtype != Q4_0) throw std::invalid_argument("grouped_int8_matmul: packed Q8_0 and Q4_0 only");
+      if (!grouped_cuts_packed(qtype)) throw std::invalid_argument("grouped_int8_matmul: packed Q8_0 and Q4_0 only");
       row_bytes = packed_code_bytes(qtype, K);
     } else {
       HEARTH_DISPATCH(qtype, row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES);
@@ -1357,6 +1360,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
   m.def("grouped_int8_matmul", &grouped_int8_matmul,
         "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
+  m.def("grouped_cuts_packed", &grouped_cuts_packed, "whether grouped_int8_matmul takes packed tiles of this type");
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
   m.def("block_values", &block_values);
   m.def("int8_paths", [] {
