@@ -277,6 +277,12 @@ class Backend:
         allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
         return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
 
+    def run_experts(self, moe: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """A mixture-of-experts layer's chosen experts in one go, where a backend has kernels for it:
+        x [P, hidden] rows grouped by expert (counts int64 [experts]: rows of each, in order) ->
+        [P, hidden], or None (then each chosen expert's modules run on its rows)."""
+        return None
+
     def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
         """A whole decode step through every layer in one call, where a backend has one: returns
         (the last layer's output, the residual stream) or None (then the modules run)."""

@@ -6,7 +6,8 @@ would leave threads idle, splits long contexts and merges the splits by log-sum-
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
 write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on
-the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py). Prompts take the reference path
+the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
+experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
@@ -119,6 +120,19 @@ class CpuBackend(Backend):
         self.kernels.mask_tokens(out.data_ptr(), out.stride(0), rows.data_ptr(), len(rows), bitmask.data_ptr(),
                                  bitmask.shape[1], out.shape[1], torch.get_num_threads())
         return out
+
+    def run_experts(self, moe, x, counts):
+        """All chosen experts' gate/up projections in one kernel call and their down projections in
+        another, where every expert's weights are on the int8 kernel (hearth/backend/cpu_experts.py)."""
+        from hearth.backend.cpu_experts import GroupedExperts
+
+        state = moe.backend_state  # emptied when the layer's tensors move (their pointers change)
+        if "grouped" not in state:
+            state["grouped"] = GroupedExperts.bind(moe.experts)
+        grouped = state["grouped"]
+        if grouped is None or x.dtype != torch.float32 or not x.is_cpu:
+            return None
+        return grouped(x, counts)
 
     def decode_layers(self, model, x, rotary, kv_caches, meta):
         from hearth.backend.cpu_decode import CpuDecodePath

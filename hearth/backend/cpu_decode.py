@@ -58,7 +58,7 @@ class CpuDecodePath:
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
-                weights = [_kernel_weight(part) for part in parts]
+                weights = [kernel_weight(part) for part in parts]
                 if len(parts) > most or None in weights:
                     return None
                 for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype, output rows
@@ -112,7 +112,7 @@ def _kernel_readable(cache) -> bool:
     return cache.dtype == torch.float32 and cache.is_contiguous()
 
 
-def _kernel_weight(module) -> tuple[int, int] | None:
+def kernel_weight(module) -> tuple[int, int] | None:
     """int8_matmul's weight operands for `module` (weight or packed codes pointer, packed terms pointer or 0), or
     None where the kernel cannot run it (not a QuantLinear on the CPU kernels, or with a bias)."""
     if not isinstance(module, QuantLinear) or module.bias is not None:
@@ -122,3 +122,8 @@ def _kernel_weight(module) -> tuple[int, int] | None:
     if module._half_kernel is not None and module.qweight.is_cpu:
         return module.qweight.data_ptr(), 0
     return None
+
+
+def on_int8_kernel(module) -> bool:
+    """A QuantLinear on the int8 kernel (a block format, not F16/BF16), without bias."""
+    return kernel_weight(module) is not None and module._int8_weight is not None
