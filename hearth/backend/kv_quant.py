@@ -143,8 +143,8 @@ def read_rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.
     """The cache's rows at `slots` (any shape S) as values [*S, kv_heads, head_dim] in `dtype`."""
     if isinstance(cache, Q8Cache):
         return dequantize_q8_0(cache.codes[slots], cache.scales[slots]).to(dtype)
-    if isinstance(cache, Fp8Cache):
-        return (cache.values[slots].float() * cache.scale).to(dtype)
+    if isinstance(cache, Fp8Cache):  # (gathered as bytes: torch indexes float8 on few devices)
+        return (cache.values.view(torch.uint8)[slots].view(torch.float8_e4m3fn).float() * cache.scale).to(dtype)
     return cache[slots].to(dtype)
 
 
@@ -154,7 +154,7 @@ def write_rows(cache: KVCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
         codes, scales = quantize_q8_0(rows)
         cache.codes.index_copy_(0, slots, codes)
         cache.scales.index_copy_(0, slots, scales)
-    elif isinstance(cache, Fp8Cache):  # (torch has no index_copy_ for float8: its bytes are copied)
+    elif isinstance(cache, Fp8Cache):  # (torch has no index_copy_ for float8: the bytes are copied)
         cache.values.view(torch.uint8).index_copy_(0, slots, quantize_fp8(rows, cache.scale).view(torch.uint8))
     else:
         cache.index_copy_(0, slots, rows.to(cache.dtype))
