@@ -223,7 +223,9 @@ def test_fp8_is_refused_where_it_cannot_run():
     gpu.check_kv_cache_dtype("fp8_e4m3")
 
 
-def test_inspect_and_the_start_up_line_name_the_fp8_cache(capsys):
+def test_cli_inspect_perplexity_and_the_start_up_line_with_an_fp8_cache(capsys):
+    """inspect's KV line and JSON, the engine's start-up line; perplexity --backend reference with
+    fp8 as the library computes it, and on the cpu backend a clear error naming q8_0."""
     import json
 
     from hearth.cli import main
@@ -238,3 +240,12 @@ def test_inspect_and_the_start_up_line_name_the_fp8_cache(capsys):
     assert f"KV cache         {per_token:,} bytes/token in fp8_e4m3 (1 bytes/element)" in capsys.readouterr().out
     LLM("builtin", backend="reference", kv_cache_dtype="fp8", kv_cache_memory=1 << 20, progress=True)
     assert "MiB (fp8_e4m3) holds" in capsys.readouterr().err
+
+    text = (ROOT / "hearth" / "perplexity.py").read_text(encoding="utf-8")
+    assert main(["perplexity", "builtin", "--text", text, "--backend", "reference", "--kv-cache-dtype", "fp8",
+                 "--context", "256", "--json"]) == 0
+    loaded = load_model("builtin", progress=False, backend=Backend())
+    expected = perplexity(loaded.model, loaded.tokenizer.encode(text), 256, torch.device("cpu"), kv_cache_dtype="fp8")
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9)
+    assert main(["perplexity", "builtin", "--text", text, "--backend", "cpu", "--kv-cache-dtype", "fp8"]) == 1
+    assert "hearth: error: kv_cache_dtype fp8 is for the gpu backend" in capsys.readouterr().err
