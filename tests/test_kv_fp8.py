@@ -21,6 +21,7 @@ from hearth.perplexity import perplexity
 from test_kv_quant import BLOCK_SIZE, _mixed_step, assert_float32_close
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter on CPU tensors
 E4M3_MAX_RELATIVE_ERROR = 2.0**-4  # half the spacing of 3 mantissa bits, relative to the value
 
 pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")  # (tests/conftest.py)
@@ -54,6 +55,10 @@ def dequantized(cache: Fp8Cache) -> torch.Tensor:
     return cache.values.float() * cache.scale
 
 
+def on_device(cache: Fp8Cache) -> Fp8Cache:
+    return Fp8Cache(cache.values.to(DEVICE), cache.scale)
+
+
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.25, 8.0)])
 def test_cache_write_stores_torchs_e4m3_of_x_over_scale(k_scale, v_scale):
     """v rows (stored unrotated) byte for byte torch's float8_e4m3fn cast of v / scale saturated to
@@ -70,8 +75,10 @@ def test_cache_write_stores_torchs_e4m3_of_x_over_scale(k_scale, v_scale):
     slots = torch.tensor([3, 9, 10, -1, 20, 0, 31, 5])
     k_cache, v_cache = fp8_cache(32, kv_heads, head_dim, k_scale, 1), fp8_cache(32, kv_heads, head_dim, v_scale, 2)
     before = v_cache.values.view(torch.uint8).clone(), k_cache.values.view(torch.uint8).clone()
-    rope.rope_and_store_kv(torch.zeros(tokens, heads, head_dim), k, v, positions, angles.cos(), angles.sin(),
-                           k_cache, v_cache, slots)
+    k_cache, v_cache = on_device(k_cache), on_device(v_cache)
+    rope.rope_and_store_kv(*(t.to(DEVICE) for t in (torch.zeros(tokens, heads, head_dim), k, v, positions, angles.cos(),
+                                                      angles.sin())), k_cache, v_cache, slots.to(DEVICE))
+    k_cache, v_cache = Fp8Cache(k_cache.values.cpu(), k_scale), Fp8Cache(v_cache.values.cpu(), v_scale)
     kept = slots >= 0
     stored = v_cache.values[slots[kept]].view(torch.uint8)
     assert torch.equal(stored, quantize_fp8(v[kept], v_scale).view(torch.uint8))
@@ -99,12 +106,14 @@ def test_attention_over_fp8_equals_attention_over_its_values(dtype):
     k_cache, v_cache = fp8_cache(24 * BLOCK_SIZE, kv_heads, head_dim, 0.5, 3), fp8_cache(24 * BLOCK_SIZE, kv_heads, head_dim, 3.0, 4)
     k_values, v_values = dequantized(k_cache), dequantized(v_cache)
     step = _mixed_step([37, 130, 90], [6, 1, 1], 24, seed=8)
-    tables, lens = torch.from_numpy(step.block_tables), torch.from_numpy(step.seq_lens)
+    tables, lens = torch.from_numpy(step.block_tables).to(DEVICE), torch.from_numpy(step.seq_lens).to(DEVICE)
     q = torch.randn(len(step.positions), heads, head_dim, generator=torch.Generator().manual_seed(9))
+    k_fp8, v_fp8 = on_device(k_cache), on_device(v_cache)
     meta = AttentionMetadata.from_step(step, torch.device("cpu"))
 
     def check(out: torch.Tensor, expected: torch.Tensor) -> None:
         assert out.dtype == dtype
+        out = out.cpu()
         if dtype == torch.float32:
             assert_float32_close(out, expected)
         else:
@@ -114,12 +123,13 @@ def test_attention_over_fp8_equals_attention_over_its_values(dtype):
     for splits, window in ((1, None), (3, None), (3, 50)):
         expected = Backend().decode_attention(decodes, k_values, v_values, AttentionMetadata.from_step(
             step.sequences(1, 3), torch.device("cpu")), 0.125, window=window)
-        out = attention.decode_attention(decodes.to(dtype), k_cache, v_cache, tables[1:], lens[1:], 0.125, BLOCK_SIZE,
-                                         num_splits=splits, window=window)
+        out = attention.decode_attention(decodes.to(DEVICE, dtype), k_fp8, v_fp8, tables[1:], lens[1:], 0.125,
+                                         BLOCK_SIZE, num_splits=splits, window=window)
         check(out, expected)
     expected = Backend().attention(q, k_values, v_values, meta, 0.125)
-    starts = torch.from_numpy(step.query_start_loc)
-    check(attention.prefill_attention(q.to(dtype), k_cache, v_cache, tables, starts, lens, 0.125, BLOCK_SIZE, 6), expected)
+    starts = torch.from_numpy(step.query_start_loc).to(DEVICE)
+    check(attention.prefill_attention(q.to(DEVICE, dtype), k_fp8, v_fp8, tables, starts, lens, 0.125, BLOCK_SIZE, 6),
+          expected)
     check(Backend().attention(q.to(dtype), k_cache, v_cache, AttentionMetadata.from_step(step, torch.device("cpu")), 0.125),
           expected)
 
@@ -132,12 +142,11 @@ def test_fp8_attention_stays_within_e4m3_precision_of_the_float_cache():
 
     kv_heads, heads, head_dim = 2, 4, 64
     gen = torch.Generator().manual_seed(12)
-    k_values, v_values = (torch.randn(24 * BLOCK_SIZE, kv_heads, head_dim, generator=gen) for _ in range(2))
+    k_values, v_values = (torch.randn(24 * BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(DEVICE) for _ in range(2))
     k_cache, v_cache = Fp8Cache(quantize_fp8(k_values, 1.0), 1.0), Fp8Cache(quantize_fp8(v_values, 1.0), 1.0)
     step = _mixed_step([37, 130, 90], [6, 1, 1], 24, seed=13)
-    tables, lens = torch.from_numpy(step.block_tables), torch.from_numpy(step.seq_lens)
-    starts = torch.from_numpy(step.query_start_loc)
-    q = torch.randn(len(step.positions), heads, head_dim, generator=gen)
+    tables, lens, starts = (torch.from_numpy(a).to(DEVICE) for a in (step.block_tables, step.seq_lens, step.query_start_loc))
+    q = torch.randn(len(step.positions), heads, head_dim, generator=gen).to(DEVICE)
     errors = []
     for caches in ((k_cache, v_cache), (k_values, v_values)):
         errors.append((attention.prefill_attention(q, *caches, tables, starts, lens, 0.125, BLOCK_SIZE, 6),
@@ -170,10 +179,11 @@ def test_builtin_model_on_the_gpu_backend_with_fp8():
     rotated K the kernel rounds differently may land on the next e4m3 value); greedy tokens as the
     reference backend's with the same cache, prompts in chunks of 8 tokens, the last prompt's first
     block from the prefix cache."""
-    gpu = load_model("builtin", progress=False, backend=choose_backend(torch.device("cpu"), torch.float32, "gpu"))
+    device = torch.device(DEVICE)
+    gpu = load_model("builtin", device=device, progress=False, backend=choose_backend(device, torch.float32, "gpu"))
     reference = load_model("builtin", progress=False, backend=Backend())
     ids = _scheduler_tokens(gpu.tokenizer, 32)
-    on_gpu = perplexity(gpu.model, ids, 32, torch.device("cpu"), kv_cache_dtype="fp8")["perplexity"]
+    on_gpu = perplexity(gpu.model, ids, 32, device, kv_cache_dtype="fp8")["perplexity"]
     assert on_gpu == pytest.approx(perplexity(reference.model, ids, 32, torch.device("cpu"),
                                               kv_cache_dtype="fp8")["perplexity"], rel=1e-4)
     assert on_gpu != perplexity(reference.model, ids, 32, torch.device("cpu"))["perplexity"]
@@ -181,8 +191,9 @@ def test_builtin_model_on_the_gpu_backend_with_fp8():
     stack = "class Stack:\n    def __init__(self):\n        self.items = []\n"  # 19 tokens: a whole block
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     runs = {}
-    for backend in ("gpu", "reference"):
-        llm = LLM("builtin", backend=backend, kv_cache_dtype="fp8", max_num_batched_tokens=8, progress=False)
+    for backend, device in (("gpu", DEVICE), ("reference", "cpu")):
+        llm = LLM("builtin", device=device, dtype="float32", backend=backend, kv_cache_dtype="fp8",
+                  max_num_batched_tokens=8, progress=False)
         outputs = [*llm.generate(["def fibonacci(n):", stack], params, use_tqdm=False),
                    *llm.generate([stack + "    def push(self, item):\n"], params, use_tqdm=False)]
         runs[backend] = [o.outputs[0].token_ids for o in outputs]
