@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN
+from hearth.backend.kv_quant import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
@@ -430,7 +431,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) or q8_0: hearth/backend/kv_quant.py
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -468,8 +469,7 @@ class EngineConfig:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
-        need(self.kv_cache_dtype in ("auto", "q8_0"),
-             f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
         need(self.block_size >= 1, "block_size must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")

@@ -187,6 +187,10 @@ class Backend:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Raises ValueError where this backend cannot write and read a KV cache of `kv_cache_dtype`
+        (kv_quant.KV_CACHE_DTYPES); this one, torch's operations, can every one."""
+
     # ---- a step ------------------------------------------------------------------------
 
     def forward(self, model: nn.Module, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -47,6 +47,11 @@ class CpuBackend(Backend):
         if self.kernels is None:
             raise RuntimeError("hearth's CPU kernels could not be built")
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        if kv_cache_dtype == "fp8_e4m3":
+            raise ValueError("kv_cache_dtype fp8 is for the gpu backend (its Triton kernels); the cpu backend's "
+                             "8-bit KV cache is q8_0 (--kv-cache-dtype q8_0: about as many tokens in a budget)")
+
     def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
         """As the reference; the sum residual + x is written into `residual`."""
         if residual is not None and not residual.is_contiguous():

@@ -76,7 +76,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
-        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config, self.model.backend)
         bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
@@ -154,7 +154,7 @@ class LLMEngine:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """What K and V are stored as: the compute dtype's name, or q8_0."""
+        """What K and V are stored as: the compute dtype's name, q8_0 or fp8_e4m3."""
         return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     @property
@@ -291,7 +291,8 @@ class LLMEngine:
         if self.workers is not None:
             raise RequestError("KV transfer between engines is not implemented for a model split over processes")
         if self.config.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
-            raise RequestError("KV transfer between engines is not implemented for a q8_0 or latent KV cache")
+            raise RequestError("KV transfer between engines is not implemented for a quantized (q8_0, fp8) or latent "
+                               "KV cache")
 
     # ---- one iteration ----------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.base import MAX_DECODE_QUERY_LEN
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache, move_rows
+from hearth.backend.kv_quant import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
 from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
                                    final_distribution, prompt_logprobs, skip_draws)
@@ -92,7 +92,7 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
-        kv_cache_dtype: str = "auto",  # or q8_0 (hearth/backend/kv_quant.py)
+        kv_cache_dtype: str = "auto",  # or q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
@@ -380,14 +380,17 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
     """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype` or q8_0 codes and scales; with multi-head latent attention (one latent),
-    [num_slots, 1, latent width] (ModelConfig.kv_cache_layout)."""
+    head_dim] in `dtype`, q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
+    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
+    latent width] (ModelConfig.kv_cache_layout)."""
     tensors, heads, width = config.kv_cache_layout()
     shape = (tensors * num_layers, num_slots, heads, width)
     if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
         codes = zeroed(shape, torch.int8, device)
         scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
         caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
+    elif kv_cache_dtype == "fp8_e4m3":
+        caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
     else:
         caches = list(zeroed(shape, dtype, device))
     return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
