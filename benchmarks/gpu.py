@@ -9,6 +9,7 @@ What it measures (Llama-3.2-1B shape, random weights made by `hearth bench make-
                 read per step, % of the measured bandwidth; hearth with CUDA graphs, hearth
                 --enforce-eager, transformers `generate` (static shapes: generate(257) - generate(1))
   decode b=64   64 prompts of 128 tokens decoding 128 tokens together, the same three
+  (both decodes also with hearth --kv-cache-dtype fp8: K/V as e4m3 bytes, GB/s counted with them)
   throughput    512 requests x (128 prompt + 128 output), at most 256 running: output tokens/s
   GGUF          the same model as GGUF files: Q8_0 (hearth's converter) and Q4_K_M (llama.cpp's own
                 quantizer through llama-cpp-python, when installed): decode b=1 with the weights kept
@@ -71,11 +72,12 @@ def make_files(work: Path) -> dict:
     return files
 
 
-def hearth_llm(path, enforce_eager: bool = False):
+def hearth_llm(path, enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
     from hearth import LLM
 
     return LLM(str(path), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, kv_cache_memory=8 << 30,
-               max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192, progress=False)
+               kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192,
+               progress=False)
 
 
 def hearth_decode(llm, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
@@ -87,11 +89,12 @@ def hearth_decode(llm, batch: int, input_len: int, output_len: int, rng: random.
 
 def step_bytes(llm, batch: int, context: int) -> int:
     """What a decode step reads: the weights as held on the GPU plus the batch's K/V at `context`."""
+    from hearth.backend.kv_quant import kv_bytes_per_element
     from hearth.bench.roofline import model_weight_bytes, step_cost
 
     engine = llm.engine
     cost = step_cost(engine.model_config, model_weight_bytes(engine.model), "decode", batch, context,
-                     engine.dtype.itemsize)
+                     kv_bytes_per_element(engine.config.kv_cache_dtype, engine.dtype.itemsize))
     return cost.bytes
 
 
@@ -128,7 +131,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     ap.add_argument("--work", default="/tmp/hearth-gpu-bench", help="where the model files are made")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: transformers,eager,throughput,gguf")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: transformers,eager,fp8,throughput,gguf")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     import torch
@@ -153,6 +156,8 @@ def main() -> None:
     engines = {"hearth": lambda: hearth_llm(files["hf"])}
     if "eager" not in skip:
         engines["hearth --enforce-eager"] = lambda: hearth_llm(files["hf"], enforce_eager=True)
+    if "fp8" not in skip:
+        engines["hearth --kv-cache-dtype fp8"] = lambda: hearth_llm(files["hf"], kv_cache_dtype="fp8")
     if "transformers" not in skip:
         engines["transformers"] = lambda: TransformersRunner(files["hf"])
     loaded = {}
@@ -170,8 +175,9 @@ def main() -> None:
                     r = (engine.decode(batch, input_len, output_len, rng) if name == "transformers"
                          else hearth_decode(engine, batch, input_len, output_len, rng))
                     runs[name].append(r["tokens_per_s"])
-            nbytes = step_bytes(loaded["hearth"], batch, input_len + output_len // 2)
             for name, values in runs.items():
+                nbytes = step_bytes(loaded[name if name != "transformers" else "hearth"], batch,
+                                    input_len + output_len // 2)
                 tok_s = median(values)
                 gb_s = nbytes * tok_s / batch / 1e9
                 measured[(f"decode b={batch}", name)] = tok_s

@@ -12,6 +12,6 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_quant_matmul.py \
-    tests/test_gpu_backend.py 2>&1 | tee "$out/tests.log"
+    tests/test_gpu_backend.py tests/test_kv_fp8.py 2>&1 | tee "$out/tests.log"
 python3 benchmarks/gpu_kernels.py --out "$out/kernels"
 python3 benchmarks/gpu.py --out "$out/engine"

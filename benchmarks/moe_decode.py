@@ -10,12 +10,15 @@ context of --context tokens: milliseconds per step, medians of interleaved runs,
 the weights a step reads (the chosen experts' only, for the MoE).
 
     python benchmarks/moe_decode.py --threads 2 --layers 2 --out benchmarks/results/threads-2/moe-decode
+    python benchmarks/moe_decode.py --threads 1 --cpu-time   # a shared machine: CPU seconds of the one thread
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import sys
+import time
 
 from common import decode_step_ms, machine, machine_markdown, median, set_threads, table, threads, write_results
 
@@ -62,8 +65,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps in CPU seconds of the one thread (a shared machine; needs --threads 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     set_threads(args.threads)
     from gguf import GGMLQuantizationType
 
@@ -83,7 +91,7 @@ def main() -> None:
         samples = {name: [] for name in models}
         for _ in range(args.runs):  # interleaved: both models see the same machine load
             for name, model in models.items():
-                samples[name].append(decode_step_ms(model, args.context, batch, args.steps))
+                samples[name].append(decode_step_ms(model, args.context, batch, args.steps, clock))
         dense_ms = median(samples["dense (intermediate 6144)"])
         for name in models:
             ms = median(samples[name])
@@ -93,10 +101,11 @@ def main() -> None:
             data.append({"batch": batch, "model": name, "ms_per_step": ms, "vs_dense": ms / dense_ms,
                          "samples_ms": samples[name]})
     header = ["batch", "model", "ms / step", "vs dense", "GB/s (active weights)"]
-    command = "python benchmarks/moe_decode.py " + " ".join(shlex.quote(a) for a in __import__("sys").argv[1:])
+    command = "python benchmarks/moe_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     info = machine()
+    timing = "\n- steps timed in CPU seconds of the one thread" if args.cpu_time else ""
     write_results(args.out, f"# MoE decode vs dense, {args.layers} layers, {args.type}, context {args.context}\n\n"
-                  f"{machine_markdown(info)}\n\n`{command}`\n\n{table(header, rows)}\n",
+                  f"{machine_markdown(info)}{timing}\n\n`{command}`\n\n{table(header, rows)}\n",
                   {"machine": info, "threads": threads(), "command": command, "rows": data})
 
 

@@ -5,7 +5,8 @@ Three tasks. `repeat` is input-grounded: the model is asked to repeat a code blo
 changed, so its output is mostly a copy of its prompt. `write`: the model writes code from a
 one-line description (nothing to copy). `python` (draft's default, on the built-in model and its
 draft `builtin-draft`): continuing the openings of Python functions (PYTHON_OPENINGS). Greedy, a
-fixed number of output tokens (ignore_eos).
+fixed number of output tokens (ignore_eos). With --speculative-tree-width W > 1 each method runs
+twice, as a chain and as token trees of W branches ("METHOD tree"), side by side.
 Batch 1 and N concurrent requests (N variants of the task); each engine runs the same requests
 in alternation, --runs times; medians. The plain and speculative outputs are checked to be
 token-identical.
@@ -13,6 +14,7 @@ token-identical.
     python benchmarks/speculative.py --threads 2 --out benchmarks/results/speculative-smollm2
     python benchmarks/speculative.py --threads 1 --cpu-time   # a shared machine: CPU seconds
     python benchmarks/speculative.py --methods draft --threads 1 --cpu-time --out benchmarks/results/speculative-draft
+    python benchmarks/speculative.py --methods draft --speculative-tree-width 3 --threads 1 --cpu-time
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--speculative-tree-width", type=int, default=1,
+                    help="above 1: each method also with token trees of this many branches")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-time", action="store_true",
                     help="time in CPU seconds of the one thread (needs --threads 1): what a shared machine can compare")
@@ -111,10 +115,15 @@ def main() -> None:
 
     common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30)
     engines = {"plain": LLM(args.model, **common)}
-    for method in methods:
+    widths = [1] + ([args.speculative_tree_width] if args.speculative_tree_width > 1 else [])
+    for method in list(methods):
         draft = dict(speculative_model=args.speculative_model) if method == "draft" else {}
-        engines[method] = LLM(args.model, speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
-                              speculative_adaptive=not args.no_speculative_adaptive, **draft, **common)
+        for width in widths:
+            name = method if width == 1 else f"{method} tree"
+            engines[name] = LLM(args.model, speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
+                                speculative_adaptive=not args.no_speculative_adaptive, speculative_tree_width=width,
+                                **draft, **common)
+            methods += [name] if width > 1 else []
     batches = {size: prompts(engines["plain"], args.task, size, args.lines) for size in (1, args.concurrent)}
     rows, data = [], {"machine": machine(), "args": vars(args), "results": {}}
     for size, batch in batches.items():
@@ -132,8 +141,9 @@ def main() -> None:
         data["results"][size] = {"plain": rates["plain"]}
         for name in methods:
             c, spec = counts[name], median(rates[name])
-            rows.append([size, name, plain, spec, spec / plain, c.acceptance_rate,
-                         c.num_accepted_tokens / max(c.num_drafts, 1)])
+            chain = median(rates[name.removesuffix(" tree")])
+            rows.append([size, name, plain, spec, spec / plain, spec / chain if name.endswith(" tree") else None,
+                         c.acceptance_rate, c.num_accepted_tokens / max(c.num_drafts, 1)])
             data["results"][size][name] = {"rates": rates[name], "spec_decode": vars(c)}
             print(rows[-1], file=sys.stderr)
     expected = {size: _outputs(engines["plain"], batch, args.output_len) for size, batch in batches.items()}
@@ -148,10 +158,12 @@ def main() -> None:
         f"- model {Path(args.model).name}"
         + (f", draft {Path(args.speculative_model).name}" if "draft" in methods else "")
         + f"; the task: {task}; greedy, {args.output_len} output tokens, up to "
-        f"{args.num_speculative_tokens} guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'}); decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "
+        f"{args.num_speculative_tokens} guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'})"
+        + (f", trees of {args.speculative_tree_width} branches" if len(widths) > 1 else "")
+        + f"; decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "
         f"median of {args.runs} runs; outputs with each method "
         + ", ".join(f"{name}: {'token-identical' if ok else 'DIFFERENT'}" for name, ok in same.items()), "",
-        table(["requests", "method", "plain tok/s", "method tok/s", "ratio", "acceptance",
+        table(["requests", "method", "plain tok/s", "method tok/s", "ratio", "tree / chain", "acceptance",
                "accepted per verification"], rows),
     ])
     write_results(args.out, markdown, data)

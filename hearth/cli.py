@@ -35,8 +35,7 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "gpu", "reference"],
-                   help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
+    _add_backend(g)
     g.add_argument("--enforce-eager", action="store_true", help="gpu backend: no CUDA graphs")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
     _add_kv_cache_dtype(g)
@@ -65,6 +64,10 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                    help="running requests at which guessing stops (fewer guesses as the batch grows)")
     g.add_argument("--no-speculative-adaptive", action="store_true",
                    help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    g.add_argument("--speculative-tree-width", type=int, default=1, metavar="W",
+                   help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask "
+                        "(ngram: W different earlier matches; draft: its top W first guesses, each followed by "
+                        "its own); W x --num-speculative-tokens below 16; 1: one chain")
     p.add_argument_group("contrastive decoding").add_argument(
         "--contrastive-model", metavar="PATH", default=None,
         help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
@@ -95,10 +98,16 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="only tokens with p_model >= ALPHA * max p_model are candidates")
 
 
+def _add_backend(g) -> None:
+    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "gpu", "reference"],
+                   help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
+
+
 def _add_kv_cache_dtype(g) -> None:
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "q8_0"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "q8_0", "fp8", "fp8_e4m3"],
                    help="how K and V are stored: auto (the compute dtype), q8_0 (llama.cpp's 8-bit blocks: "
-                        "about 2x the tokens of a 16-bit cache, 3.8x of a float32 one)")
+                        "about 2x the tokens of a 16-bit cache, 3.8x of a float32 one), fp8 or fp8_e4m3 (one e4m3 "
+                        "byte a value, scale 1.0: 2x the tokens of a 16-bit cache; gpu backend, sm_89 and newer)")
 
 
 def engine_options(args) -> dict:
@@ -124,6 +133,7 @@ def engine_options(args) -> dict:
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         speculative_adaptive=not args.no_speculative_adaptive,
+        speculative_tree_width=args.speculative_tree_width,
         contrastive_model=args.contrastive_model,
     )
 
@@ -308,6 +318,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_perplexity(args) -> None:
+    from hearth.backend import choose_backend
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity
@@ -321,7 +332,8 @@ def cmd_perplexity(args) -> None:
         text = args.text
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
-    loaded = load_model(args.model, dtype, device, progress=not args.json)
+    loaded = load_model(args.model, dtype, device, progress=not args.json,
+                        backend=choose_backend(device, dtype, args.backend))
     context = min(args.context or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
     ids = loaded.tokenizer.encode(text)
     result = perplexity(loaded.model, ids, context, device, kv_cache_dtype=args.kv_cache_dtype)
@@ -430,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: the model's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
+    _add_backend(p)
     _add_kv_cache_dtype(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_perplexity)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.backend.base import MAX_DECODE_QUERY_LEN
+from hearth.backend.kv_quant import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 
 # Architectures the one decoder covers, and what sets them apart.
@@ -429,7 +431,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) or q8_0: hearth/backend/kv_quant.py
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -451,6 +453,10 @@ class EngineConfig:
     # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
     # acceptance or measured speed (deterministic: for tests and measurements)
     speculative_adaptive: bool = True
+    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
+    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
+    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
+    speculative_tree_width: int = 1
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = None
 
@@ -463,8 +469,7 @@ class EngineConfig:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
-        need(self.kv_cache_dtype in ("auto", "q8_0"),
-             f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
         need(self.block_size >= 1, "block_size must be at least 1")
         need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
@@ -477,8 +482,8 @@ class EngineConfig:
         need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
              "a quantized KV cache (kv_cache_dtype) is not implemented with tensor or pipeline parallelism")
         need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
-             f"speculative_method must be ngram, lookahead or draft (tree speculation is not "
-             f"implemented yet), got {self.speculative_method!r}")
+             f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
+             f"(token trees of guesses: speculative_tree_width with ngram or draft)")
         need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
         need((self.speculative_method == "draft") == (self.speculative_model is not None),
@@ -487,3 +492,10 @@ class EngineConfig:
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
         need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
+        need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
+        need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
+             "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+             f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
+             f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
+             f"{self.num_speculative_tokens}")

@@ -54,6 +54,7 @@ class LLM:
         prompt_lookup_max: int = 4,
         speculative_disable_by_batch_size: int = 32,
         speculative_adaptive: bool = True,
+        speculative_tree_width: int = 1,
         contrastive_model: str | None = None,
         progress: bool = True,
     ):
@@ -80,6 +81,7 @@ class LLM:
             prompt_lookup_max=prompt_lookup_max,
             speculative_disable_by_batch_size=speculative_disable_by_batch_size,
             speculative_adaptive=speculative_adaptive,
+            speculative_tree_width=speculative_tree_width,
             contrastive_model=None if contrastive_model is None else str(contrastive_model),
         )
         self.engine = LLMEngine(model, config, progress)

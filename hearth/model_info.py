@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from hearth.backend.kv_quant import kv_bytes_per_element
+from hearth.backend.kv_quant import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.default_model import resolve_model
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
@@ -20,7 +20,7 @@ def weight_type(weight) -> str:
 
 def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int = 2,
                kv_cache_dtype: str = "auto") -> dict:
-    """kv_cache_dtype: auto (K/V of kv_element_size bytes) or q8_0 (hearth/backend/kv_quant.py)."""
+    """kv_cache_dtype: auto (K/V of kv_element_size bytes), q8_0 or fp8 / fp8_e4m3 (hearth/backend/kv_quant.py)."""
     path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0
@@ -47,7 +47,8 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         "weight_bytes": sum(type_bytes.values()),
         "context_length": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
-        "kv_cache_dtype": {1: "8-bit", 2: "16-bit", 4: "float32"}[kv_element_size] if kv_cache_dtype == "auto" else kv_cache_dtype,
+        "kv_cache_dtype": ({1: "8-bit", 2: "16-bit", 4: "float32"}[kv_element_size] if kv_cache_dtype == "auto"
+                           else kv_cache_dtype_name(kv_cache_dtype)),
         "kv_bytes_per_element": kv_element,
         "kv_window": config.kv_window,
         "kv_cache_bytes_per_token": kv_per_token,

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hearth.backend.kv_quant import check_kv_cache_dtype
+from hearth.backend.kv_quant import check_kv_cache_dtype, kv_cache_dtype_name
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.model.transformer import Transformer
 
@@ -37,7 +37,8 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
     windows = [w for w in windows if len(w) >= 2]
     per_step = max(1, min(len(windows), max_batch_tokens // context))
     blocks_per_window = -(-context // BLOCK_SIZE)
-    check_kv_cache_dtype(kv_cache_dtype, model.config)
+    kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)
+    check_kv_cache_dtype(kv_cache_dtype, model.config, model.backend)
     runner = ModelRunner(model, per_step * blocks_per_window, BLOCK_SIZE, device, model.dtype,
                          kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(per_step)]

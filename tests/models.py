@@ -175,13 +175,14 @@ def make_spm_tokenizer(folder: Path) -> int:
     return len(vocab)
 
 
-def hearth_logits(config, weights, token_ids: list[int]) -> torch.Tensor:
-    """hearth's logits [T, vocab] (float32) for one prompt, run through the paged model runner."""
+def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.Tensor:
+    """hearth's logits [T, vocab] (float32) for one prompt, run through the paged model runner
+    (backend: the reference one by default)."""
     from hearth.engine.runner import BatchEntry, ModelRunner
     from hearth.model.transformer import Transformer
 
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, backend=backend)
     model.load_weights(weights, torch.float32)
     block_size = 16
     blocks = (len(token_ids) + block_size - 1) // block_size

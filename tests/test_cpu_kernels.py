@@ -94,6 +94,58 @@ def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len
                                expected, rtol=1e-5, atol=1e-5)
 
 
+def _tree_reference(q, k_cache, v_cache, tables, lens, rows, tree_start, parents, scale, window):
+    """Each query row by itself: SDPA over the positions it sees, gathered densely in float64: its
+    sequence's context before tree_start, then its ancestors in `parents` (slot index in the tree
+    region -> parent's, -1: none) and itself; the window counted back from its depth."""
+    out, row = [], 0
+    for i, n in enumerate(lens):
+        for r in range(rows[i]):
+            node, path = n - rows[i] + r - tree_start[i], []  # the row's slot in the tree region
+            while node >= 0:
+                path.insert(0, tree_start[i] + node)
+                node = parents[i][node]
+            end = tree_start[i] + len(path)  # one past its position
+            begin = 0 if window is None else max(0, end - window)
+            seen = [p for p in range(begin, tree_start[i])] + [s for d, s in enumerate(path) if tree_start[i] + d >= begin]
+            slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in seen])
+            k, v = k_cache[slots].transpose(0, 1).double(), v_cache[slots].transpose(0, 1).double()
+            o = F.scaled_dot_product_attention(q[row].double()[:, None], k, v, scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[0])
+            out.append(o[:, 0])
+            row += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("split_len", [None, 1, 7])
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_decode_kernel_with_token_trees(split_len, window):
+    """Token trees: a sequence's rows see the context before its tree region and, in the region,
+    only their ancestors (a root with two branches; a draft's pass whose new rows are the second
+    level of a tree whose first level is already cached; a plain causal sequence beside them)."""
+    lens, rows = [40, 300, 20], [6, 3, 4]
+    tree_start = [34, 297 - 3, 16]
+    parents = [[-1, 0, 0, 1, 2, 3],  # root, two children, then each branch one deeper
+               [-1, -1, -1, 0, 1, 2],  # three first-level nodes (cached), their three children (new)
+               [-1, 0, 1, 2]]  # causal
+    q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, rows=rows)
+    masks = []
+    for i, n in enumerate(lens):
+        for r in range(rows[i]):
+            node, bits = n - rows[i] + r - tree_start[i], 0
+            while node >= 0:
+                bits |= 1 << node
+                node = parents[i][node]
+            masks.append(bits)
+    meta.decode_tree_start = torch.tensor(tree_start, dtype=torch.int32)
+    meta.decode_tree_masks = torch.tensor(masks, dtype=torch.int64)
+    expected = _tree_reference(q, k_cache, v_cache, tables, lens, rows, tree_start, parents, 0.125, window)
+    out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, 0.125, split_len, window=window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.125, window=window).double(),
+                               expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_decode_attention_matches(dtype):
     # the reference backend's batched SDPA over padded gathers

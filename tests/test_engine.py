@@ -52,8 +52,9 @@ def token_ids(outputs) -> list[list[int]]:
 # The matrix below runs without speculation, with prompt lookup, lookahead and a draft model: greedy
 # outputs must be transformers' either way. A match of one token makes guesses frequent on random
 # prompts; the draft is the target with noise on its weights (most guesses right, some wrong); and
-# every request guesses (no adapting), so that 32 requests at once still guess.
-SPECULATION = ("plain", "ngram", "lookahead", "draft")
+# every request guesses (no adapting), so that 32 requests at once still guess. "... tree": token
+# trees of three branches (several matches; the draft's first guess and its two next best tokens).
+SPECULATION = ("plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,8 @@ def speculation(model_folders, tmp_path_factory):
     drafts = {}
 
     def options(spec: str, arch: str) -> dict:
+        if spec.endswith(" tree"):
+            return options(spec.removesuffix(" tree"), arch) | dict(speculative_tree_width=3)
         if spec == "plain":
             return {}
         if spec == "ngram":
@@ -82,16 +85,19 @@ def check_speculated(llm, spec: str) -> None:
         assert counts.num_draft_tokens == 0
     else:
         assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
-    if spec == "draft":  # the draft's own cache is empty again too
+    if spec.startswith("draft"):  # the draft's own cache is empty again too
         assert llm.engine.proposer.draft.block_manager.check_all_free()
 
 
-# the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE)
+# the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE);
+# token trees: a plain one and the sliding/soft-capped one (the window counted from a row's depth)
 DRAFT_ARCHITECTURES = ("llama", "qwen3", "gemma2", "smollm3")
+TREE_ARCHITECTURES = ("llama", "gemma2")
 
 
 @pytest.mark.parametrize("arch,spec", [(arch, spec) for arch in ARCHITECTURES for spec in SPECULATION
-                                       if spec != "draft" or arch in DRAFT_ARCHITECTURES])
+                                       if spec in ("plain", "ngram", "lookahead")
+                                       or arch in (TREE_ARCHITECTURES if spec.endswith(" tree") else DRAFT_ARCHITECTURES)])
 def test_greedy_alone_and_32_at_once_match_transformers(model_folders, speculation, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)
@@ -162,7 +168,7 @@ def test_every_block_free_after_finished_and_aborted_requests(model_folders, spe
         engine.step()
     assert engine.block_manager.check_all_free()
     assert engine.block_manager.usage == 0
-    if spec == "draft":
+    if spec.startswith("draft"):
         assert engine.proposer.draft.block_manager.check_all_free()
 
 

@@ -24,17 +24,21 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram", "lookahead", "draft"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree"])
 def llm(folder, request, tmp_path_factory):
     """Every test runs without speculation, with prompt lookup (guessing from one-token matches),
-    lookahead, and with a draft model (the target with noise on its weights)."""
-    if request.param == "plain":
+    lookahead, and with a draft model (the target with noise on its weights); prompt lookup and
+    the draft also with token trees of three branches."""
+    method, _, tree = request.param.partition(" ")
+    trees = dict(speculative_tree_width=3) if tree else {}
+    if method == "plain":
         return LLM(folder, progress=False)
-    if request.param in ("ngram", "lookahead"):
-        lookup = dict(prompt_lookup_min=1) if request.param == "ngram" else {}
-        return LLM(folder, progress=False, speculative_method=request.param, speculative_adaptive=False, **lookup)
+    if method in ("ngram", "lookahead"):
+        lookup = dict(prompt_lookup_min=1) if method == "ngram" else {}
+        return LLM(folder, progress=False, speculative_method=method, speculative_adaptive=False, **lookup, **trees)
     draft = make_draft_model(folder, tmp_path_factory.mktemp("generation") / "draft", noise=0.2)
-    return LLM(folder, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
+    return LLM(folder, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
+               **trees)
 
 
 @pytest.fixture(scope="module")

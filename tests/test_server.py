@@ -404,13 +404,14 @@ def test_metrics_count_a_request(server, client):
         assert (name, ()) in after, name
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft tree"])
 def test_speculative_decoding_metrics_and_opt_out(folder, llm, method):
-    """A server with prompt-lookup speculation, or a draft model (the target itself): greedy replies
-    equal plain offline decoding, the spec_decode counters (vLLM's names) count the guesses, and
-    "speculative": false opts out."""
+    """A server with prompt-lookup speculation, or a draft model (the target itself; and with token
+    trees of three branches): greedy replies equal plain offline decoding, the spec_decode counters
+    (vLLM's names) count the guesses, and "speculative": false opts out."""
     options = (dict(speculative_method="ngram", prompt_lookup_min=1) if method == "ngram"
                else dict(speculative_method="draft", speculative_model=str(folder)))
+    options |= dict(speculative_tree_width=3) if method.endswith("tree") else {}
     engine = AsyncEngine(LLMEngine(folder, EngineConfig(speculative_adaptive=False, **options), progress=False))
     with serving(build_app(engine, NAME, api_key=API_KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)

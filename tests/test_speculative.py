@@ -19,6 +19,7 @@ from hearth.engine.request import Request
 from hearth.engine.sampler import Guesses, Sampler
 from hearth.engine.speculative import (PROBE_EVERY, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
                                         num_guesses)
+from hearth.engine.token_tree import accepted_path, ancestor_masks, tree_of
 from models import VOCAB_SIZE, make_draft_model, make_hf_model
 from test_sampler import build
 
@@ -57,6 +58,66 @@ def test_ngram_proposer_matches_a_brute_force_search():
     assert NgramProposer(1, 3).lookup([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def brute_force_branches(tokens: list[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
+    """Every earlier position whose last n >= min_n tokens equal the text's last n, ranked by its
+    longest such n (up to max_n), then the latest; their next k tokens (read on periodically past
+    the end), the first `width` different ones."""
+    ranked = []
+    for end in range(len(tokens) - 1):
+        n = 0
+        while n < min(max_n, end + 1) and tokens[end - n] == tokens[len(tokens) - 1 - n]:
+            n += 1
+        if n >= min_n:
+            ranked.append((n, end))
+    branches = []
+    for _, end in sorted(ranked, reverse=True):
+        text = list(tokens)
+        while len(text) < len(tokens) + k:
+            text.append(text[end + 1 + len(text) - len(tokens)])
+        if text[len(tokens) :] not in branches:
+            branches.append(text[len(tokens) :])
+    return branches[:width]
+
+
+def test_ngram_branches_and_their_tree():
+    """Several matches' continuations against a brute-force search; the tree that holds them: each
+    branch read back from its last node through the parents, siblings all different, as many
+    nodes as different prefixes, each row's mask its ancestors and itself, and the path of the
+    accepted guesses."""
+    rng = random.Random(1)
+    for _ in range(300):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        k, min_n, width = rng.randint(1, 5), rng.randint(1, 3), rng.randint(1, 4)
+        max_n = min_n + rng.randint(0, 3)
+        branches = NgramProposer(min_n, max_n).branches(tokens, k, width)
+        assert branches == brute_force_branches(tokens, k, min_n, max_n, width), tokens
+        guesses, parents = tree_of(branches)
+        assert len(guesses) == len({tuple(b[:i]) for b in branches for i in range(1, len(b) + 1)})
+        siblings = [(parent, token) for parent, token in zip(parents, guesses)]
+        assert len(siblings) == len(set(siblings)) and all(p < i for i, p in enumerate(parents))
+        masks = ancestor_masks(parents)
+        for branch in branches:
+            node = next(i for i in range(len(guesses)) if _branch_of(guesses, parents, i) == branch)
+            ancestors = {0} | {1 + i for i in range(len(guesses)) if branch[: len(_branch_of(guesses, parents, i))]
+                                == _branch_of(guesses, parents, i)}
+            assert masks[1 + node] == sum(1 << row for row in ancestors)
+        if branches:  # accepting the guesses of the last branch: its path, whatever else is accepted
+            last = branches[-1]
+            on_path = [_branch_of(guesses, parents, i) == last[: len(_branch_of(guesses, parents, i))]
+                       for i in range(len(guesses))]
+            assert [guesses[i] for i in accepted_path(parents, on_path)] == last
+
+
+def _branch_of(guesses: list[int], parents: list[int], node: int) -> list[int]:
+    """The guesses from the root to `node`, read through the parents."""
+    path = []
+    while node >= 0:
+        path.insert(0, guesses[node])
+        node = parents[node]
+    return path
 
 
 def greedy_rule(context: list[int]) -> int:
@@ -131,6 +192,52 @@ def test_verification_keeps_the_target_distribution(draft):
         assert torch.equal(counts, expected)
 
 
+@pytest.mark.parametrize("first", ["point mass", "unlike", "identical"])
+def test_sibling_guesses_keep_the_target_distribution(first):
+    """A token tree's row with several guesses: its first (a point mass, or drawn from a draft q),
+    then two sibling point masses (one likely, one not) verified by the recursive rule. The row's
+    tokens are distributed as p, at most one guess is kept, and a sibling is kept exactly when the
+    first is rejected and the row's token is that sibling."""
+    torch.manual_seed(1)
+    vocab, draws = 24, 20_000
+    logits = torch.randn(vocab) * 1.5
+    p = torch.softmax(logits, dim=-1)
+    q = {"point mass": torch.nn.functional.one_hot(logits.argsort()[3], vocab).float(),
+         "unlike": torch.softmax(torch.randn(vocab) * 1.5, dim=0), "identical": p}[first]
+    firsts = torch.multinomial(q, draws, replacement=True)
+    by_rank = logits.argsort(descending=True)
+    siblings = torch.stack([torch.stack([t for t in by_rank[[0, 1, -1]] if t != f][:2]) for f in firsts])  # [draws, 2]
+    guesses = torch.stack([firsts, siblings[:, 0], siblings[:, 1]], dim=1).reshape(-1)
+    out = Sampler()(logits.repeat(draws, 1), build([SamplingParams(temperature=1.0)] * draws, vocab=vocab),
+                    Guesses(torch.arange(draws).repeat_interleave(3), guesses, q.repeat(3 * draws, 1),
+                            [None] * (3 * draws), [False, True, True] * draws))
+    accepted = out.accepted.view(draws, 3)
+    assert (accepted.sum(dim=1) <= 1).all()
+    assert torch.equal(accepted[:, 1:], (out.sampled_token_ids[:, None] == siblings) & ~accepted[:, :1])
+    if first == "identical":
+        assert accepted[:, 0].all()
+    counts = torch.bincount(out.sampled_token_ids, minlength=vocab).double()
+    assert stats.chisquare(counts, p.double() / p.double().sum() * draws).pvalue > P_VALUE
+
+
+@pytest.mark.parametrize("draft", ["point masses", "a draft's distributions"])
+def test_greedy_verification_keeps_the_argmax(draft):
+    """Greedy rows (temperature 0): every row's token is the argmax of its logits, and a guess is
+    kept exactly where it equals that argmax, whatever q it was drawn from."""
+    torch.manual_seed(1)
+    vocab, rows = 24, 400
+    logits = torch.randn(rows, vocab)
+    argmax = logits.argmax(dim=-1)
+    q = (torch.softmax(torch.randn(rows, vocab) * 2, dim=-1) if draft != "point masses" else
+         torch.nn.functional.one_hot(torch.randint(vocab, (rows,)), vocab).float())
+    guesses = torch.where(torch.rand(rows) < 0.5, argmax, torch.multinomial(q, 1).squeeze(1))
+    out = Sampler()(logits.clone(), build([SamplingParams(temperature=0)] * rows, vocab=vocab),
+                    Guesses(torch.arange(rows), guesses, q, [None] * rows))
+    assert torch.equal(out.sampled_token_ids, argmax)
+    assert torch.equal(out.accepted, guesses == argmax)
+    assert 0 < int(out.accepted.sum()) < rows
+
+
 def first_tokens(llm: LLM, prompt: list[int], params: SamplingParams, count: int) -> list[tuple[int, ...]]:
     return [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * count, params, use_tqdm=False)]
 
@@ -142,7 +249,10 @@ def unlike_draft(tmp_path_factory):
 
 
 def speculation(method: str, folder, unlike_draft) -> dict:
-    """The LLM options of prompt lookup, a draft unlike the target, and the target as its own draft."""
+    """The LLM options of prompt lookup, a draft unlike the target, and the target as its own draft;
+    "... tree": with token trees of three branches."""
+    if method.endswith(" tree"):
+        return speculation(method.removesuffix(" tree"), folder, unlike_draft) | dict(speculative_tree_width=3)
     if method == "ngram":
         return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
     if method == "lookahead":
@@ -151,7 +261,7 @@ def speculation(method: str, folder, unlike_draft) -> dict:
     return dict(speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
 
 
-METHODS = ["ngram", "draft unlike", "draft identical"]
+METHODS = ["ngram", "draft unlike", "draft identical", "ngram tree", "draft unlike tree", "draft identical tree"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -160,13 +270,15 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike
     (chi-square on the second to fourth tokens, where guesses were verified). The target as its
     own draft has every guess accepted."""
     prompt = [7, 8, 9, 10] * 4 + [7, 8]  # its continuation is guessed from the prompt
-    params = SamplingParams(temperature=0.15 if method == "ngram" else 0.7, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.15 if method.startswith("ngram") else 0.7, max_tokens=4, ignore_eos=True)
     plain = first_tokens(LLM(folder, progress=False, seed=1), prompt, params, 600)
     llm = LLM(folder, progress=False, seed=2, **speculation(method, folder, unlike_draft))
     speculative = first_tokens(llm, prompt, params, 600)
     counts = llm.engine.spec_decode_totals
     if method == "draft identical":
         assert counts.num_draft_tokens > 0 and counts.acceptance_rate == 1
+    elif method == "draft identical tree":  # the first guess of each step (drawn as the target would) always kept
+        assert counts.num_drafts > 0 and counts.accepted_per_position[0] == counts.num_drafts
     else:
         assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     for position in (1, 2, 3):
@@ -178,9 +290,27 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike
         assert stats.chi2_contingency(list(zip(*table))).pvalue > P_VALUE, position
 
 
-def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft):
+def test_seeded_requests_keep_plain_decoding_tokens_with_ngram_trees(folder):
+    """Prompt lookup's guesses are point masses: a seeded request's tokens with token trees are
+    those of plain decoding (the rows at one depth of a tree draw with the noise plain decoding
+    draws there), while branches other than the first are accepted."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(3, 9))] * 3 for _ in range(8)]
+    params = [SamplingParams(temperature=0.15, max_tokens=32, seed=seed, ignore_eos=True) for seed in range(8)]
+    plain = LLM(folder, progress=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(folder, progress=False, **speculation("ngram tree", folder, None))
+    moves = []
+    move = llm.engine.runner._move_kept_guesses
+    llm.engine.runner._move_kept_guesses = lambda kept: moves.extend(kept) or move(kept)
+    tree = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tree] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.spec_decode_totals.num_accepted_tokens > 0 and moves
+
+
+@pytest.mark.parametrize("method", ["draft unlike", "draft unlike tree"])
+def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft, method):
     """A seeded request's tokens with a draft do not depend on the batch it runs in."""
-    llm = LLM(folder, progress=False, **speculation("draft unlike", folder, unlike_draft))
+    llm = LLM(folder, progress=False, **speculation(method, folder, unlike_draft))
     params = [SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True) for seed in range(6)]
     prompt = [7, 8, 9, 10] * 3
     together = llm.generate([prompt] * 6, params, use_tqdm=False)
@@ -189,7 +319,7 @@ def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft):
     assert llm.engine.spec_decode_totals.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike", "ngram tree", "draft unlike tree"])
 def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, unlike_draft, method):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way: every
     block of the target's cache and of the draft's is free at the end."""
@@ -223,7 +353,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, 
         assert engine.proposer.draft.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft unlike"])
+@pytest.mark.parametrize("method", ["ngram", "draft unlike", "draft unlike tree"])
 def test_a_request_can_opt_out(folder, unlike_draft, method):
     llm = LLM(folder, progress=False, **speculation(method, folder, unlike_draft))
     prompt = [7, 8, 9, 10] * 4
@@ -266,6 +396,19 @@ def test_unimplemented_methods_and_missing_drafts_are_refused():
         EngineConfig(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="lookahead's guesses are one chain"):
+        EngineConfig(speculative_method="lookahead", speculative_tree_width=2)
+    with pytest.raises(ValueError, match="must be below 16"):
+        EngineConfig(speculative_method="ngram", speculative_tree_width=4, num_speculative_tokens=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(speculative_method="ngram", speculative_tree_width=0)
+
+
+def test_the_gpu_backend_refuses_token_trees(folder):
+    """Its Triton attention kernels are causal only: a tree width above 1 is refused by name."""
+    with pytest.raises(ValueError, match="speculative_tree_width > 1 .* not implemented on the gpu backend"):
+        LLM(folder, progress=False, backend="gpu", dtype="float32", speculative_method="ngram",
+            speculative_tree_width=2)
 
 
 def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
@@ -311,9 +454,11 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert llm.engine.proposer.draft.block_manager.check_all_free()
 
 
-def test_quantized_model_verifies_in_the_one_call_path(tmp_path):
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_quantized_model_verifies_in_the_one_call_path(tmp_path, tree_width):
     """A GGUF with every matmul on the int8 kernel: verification steps run the CPU backend's
-    one-call decode path (hearth/backend/cpu_decode.py) and give the plain engine's greedy output."""
+    one-call decode path (hearth/backend/cpu_decode.py) and give the plain engine's greedy output;
+    with token trees too, branches other than the first accepted (their K/V moved into place)."""
     from hearth.backend.cpu import cpu_kernels
     from hearth.loading.convert import convert_hf_to_gguf
     from hearth.quant import kernels
@@ -326,9 +471,12 @@ def test_quantized_model_verifies_in_the_one_call_path(tmp_path):
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 9))] * 3 for _ in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(path, progress=False)
-    spec = LLM(path, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
-    model = spec.engine.runner.model
-    steps = []
+    spec = LLM(path, progress=False, speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False,
+               speculative_tree_width=tree_width)
+    model, runner = spec.engine.runner.model, spec.engine.runner
+    steps, moves = [], []
+    move = runner._move_kept_guesses
+    runner._move_kept_guesses = lambda kept: moves.extend(kept) or move(kept)
     spec.generate([prompts[0]], greedy, use_tqdm=False)  # builds the path
     path_of_model = model.backend_state["decode_path"]
     assert path_of_model is not None
@@ -340,3 +488,4 @@ def test_quantized_model_verifies_in_the_one_call_path(tmp_path):
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     assert max(steps) > 8  # steps with verifications (more rows than sequences) took the path
     assert spec.engine.block_manager.check_all_free()
+    assert (len(moves) > 0) == (tree_width > 1)

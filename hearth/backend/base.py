@@ -37,6 +37,13 @@ class StepInputs:
     seq_lens: np.ndarray  # int32 [S] tokens in the cache after this step (new ones included)
     block_tables: np.ndarray  # int32 [S, max_blocks] padded with 0
     block_size: int
+    # Token trees (several speculative branches verified at once; None: every sequence causal).
+    # tree_start int32 [S]: where each sequence's tree region begins (its rows see every position
+    # before it); tree_masks int64 [T]: bit j set = the row sees position tree_start + j (its
+    # ancestors and itself). A row's position is tree_start + its bits set - 1 (its depth), not its
+    # slot's; a causal sequence has tree_start at its first new row and row r's bits 0..r.
+    tree_start: np.ndarray | None = None
+    tree_masks: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -57,9 +64,11 @@ class StepInputs:
     def sequences(self, first: int, end: int) -> StepInputs:
         """The step of sequences first..end-1 alone (their rows, in order)."""
         start, stop = int(self.query_start_loc[first]), int(self.query_start_loc[end])
+        trees = self.tree_masks is not None
         return StepInputs(self.input_ids[start:stop], self.positions[start:stop], self.slot_mapping[start:stop],
                           self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
-                          self.block_tables[first:end], self.block_size)
+                          self.block_tables[first:end], self.block_size,
+                          self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None)
 
 
 @dataclass
@@ -99,6 +108,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [D] int32, new tokens included
     decode_max_len: int
     block_size: int
+    # token trees (StepInputs.tree_start / tree_masks) of the decodes: [D] int32 and [R] int64; None: causal
+    decode_tree_start: torch.Tensor | None = None
+    decode_tree_masks: torch.Tensor | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -133,26 +145,35 @@ class AttentionMetadata:
             decode_context_lens=torch.from_numpy(lens).to(device),
             decode_max_len=int(lens.max()) if len(lens) else 0,
             block_size=step.block_size,
+            decode_tree_start=None if step.tree_masks is None else torch.from_numpy(step.tree_start[decode_seqs]).to(device),
+            decode_tree_masks=None if step.tree_masks is None else torch.from_numpy(step.tree_masks[decode_rows]).to(device),
         )
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For the SDPA path, per decode row: cache slots [R, L] (its sequence's, padded) and
-        [R, 1, 1, L] True where the row may attend (its sequence's context up to its own position,
-        and, given a sliding window, within its last `window` positions)."""
+        [R, 1, 1, L] True where the row may attend (its sequence's context before its tree region,
+        its tree masks' positions in it (causal: up to its own), and, given a sliding window, only
+        its last `window` positions)."""
         if not hasattr(self, "_decode_slots"):  # every layer asks; built once a step
             offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
             slots = (self.decode_block_tables.long()[:, :, None] * self.block_size + offsets).flatten(1)
             query_lens = self.decode_query_start.diff().long()
             row_seq = torch.repeat_interleave(torch.arange(self.num_decodes, device=slots.device), query_lens)
-            # one past each row's position: its sequence's length less the rows after it
-            row_in_seq = torch.arange(len(row_seq), device=slots.device) - self.decode_query_start.long()[row_seq]
-            row_lens = self.decode_context_lens.long()[row_seq] - query_lens[row_seq] + 1 + row_in_seq
-            self._decode_slots = slots[row_seq, : self.decode_max_len], row_lens[:, None]
-        slots, lens = self._decode_slots
-        positions = torch.arange(self.decode_max_len, device=slots.device)
-        mask = positions < lens
+            if self.decode_tree_masks is None:  # causal: row r of n sees the tree region's positions 0..r
+                tree_start = (self.decode_context_lens.long() - query_lens)[row_seq]
+                row_in_seq = torch.arange(len(row_seq), device=slots.device) - self.decode_query_start.long()[row_seq]
+                masks = (2 << row_in_seq) - 1
+            else:
+                tree_start, masks = self.decode_tree_start.long()[row_seq], self.decode_tree_masks
+            positions = torch.arange(self.decode_max_len, device=slots.device)
+            offset = positions - tree_start[:, None]  # [R, L] from the row's tree region
+            sees = (offset < 0) | ((masks[:, None] >> offset.clamp(0, 63)) & 1).bool() & (offset < 64)
+            bits = (masks[:, None] >> torch.arange(64, device=slots.device)) & 1
+            row_ends = tree_start + bits.sum(dim=1)  # one past each row's position
+            self._decode_slots = slots[row_seq, : self.decode_max_len], sees, row_ends[:, None]
+        slots, mask, ends = self._decode_slots
         if window is not None:
-            mask &= positions >= lens - window
+            mask = mask & (torch.arange(self.decode_max_len, device=slots.device) >= ends - window)
         return slots, mask[:, None, None, :]
 
 
@@ -161,9 +182,14 @@ class Backend:
 
     name = "reference"
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
+    token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Raises ValueError where this backend cannot write and read a KV cache of `kv_cache_dtype`
+        (kv_quant.KV_CACHE_DTYPES); this one, torch's operations, can every one."""
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -254,6 +280,12 @@ class Backend:
         bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
         allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :V].bool()  # [R, V]
         return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
+
+    def run_experts(self, moe: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """A mixture-of-experts layer's chosen experts in one go, where a backend has kernels for it:
+        x [P, hidden] rows grouped by expert (counts int64 [experts]: rows of each, in order) ->
+        [P, hidden], or None (then each chosen expert's modules run on its rows)."""
+        return None
 
     def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
         """A whole decode step through every layer in one call, where a backend has one: returns

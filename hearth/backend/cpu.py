@@ -6,7 +6,8 @@ would leave threads idle, splits long contexts and merges the splits by log-sum-
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
 write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on
-the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py). Prompts take the reference path
+the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
+experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
@@ -48,6 +49,11 @@ class CpuBackend(Backend):
         # apply_token_bitmask's output, kept from step to step: a fresh [B, V] each step costs a page
         # fault per 4 KiB (the allocator hands such sizes back to the OS), ~4 ms at 32 x 49,152
         self._masked_logits = torch.empty(0)
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        if kv_cache_dtype == "fp8_e4m3":
+            raise ValueError("kv_cache_dtype fp8 is for the gpu backend (its Triton kernels); the cpu backend's "
+                             "8-bit KV cache is q8_0 (--kv-cache-dtype q8_0: about as many tokens in a budget)")
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
         """As the reference; the sum residual + x is written into `residual`."""
@@ -96,7 +102,7 @@ class CpuBackend(Backend):
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
             q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(),
-            meta.decode_query_start.data_ptr(), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
+            meta.decode_query_start.data_ptr(), *tree_pointers(meta), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
             meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
         return out
@@ -128,6 +134,19 @@ class CpuBackend(Backend):
                                  torch.get_num_threads())
         return out
 
+    def run_experts(self, moe, x, counts):
+        """All chosen experts' gate/up projections in one kernel call and their down projections in
+        another, where every expert's weights are on the int8 kernel (hearth/backend/cpu_experts.py)."""
+        from hearth.backend.cpu_experts import GroupedExperts
+
+        state = moe.backend_state  # emptied when the layer's tensors move (their pointers change)
+        if "grouped" not in state:
+            state["grouped"] = GroupedExperts.bind(moe.experts)
+        grouped = state["grouped"]
+        if grouped is None or x.dtype != torch.float32 or not x.is_cpu:
+            return None
+        return grouped(x, counts)
+
     def decode_layers(self, model, x, rotary, kv_caches, meta):
         from hearth.backend.cpu_decode import CpuDecodePath
 
@@ -138,6 +157,13 @@ class CpuBackend(Backend):
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         path = state["decode_path"]
         return None if path is None else path(x, rotary, kv_caches, meta)
+
+
+def tree_pointers(meta: AttentionMetadata) -> tuple[int, int]:
+    """The decodes' token trees for the kernels: tree_start's and tree_masks' data (0, 0: causal)."""
+    if meta.decode_tree_masks is None:
+        return 0, 0
+    return meta.decode_tree_start.data_ptr(), meta.decode_tree_masks.data_ptr()
 
 
 def _whole_caches(k_cache: KVCache, v_cache: KVCache) -> bool:

@@ -1,10 +1,11 @@
-"""Decode steps in one C++ call: the CPU path for models whose matmuls are all quantized blocks.
+"""Decode steps in one C++ call: the CPU path for models whose matmuls all run the CPU matmul kernels.
 
 At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch ops and module
 calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
 again: each runs with the caches that the weights' stream has just emptied. When every projection
 of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
-hearth/quant/linear.py) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
+hearth/quant/linear.py) or on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
+whose steps are otherwise mostly Python) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
 every layer; K/V in float32 or q8_0), a step made only of decodes (sequences with a few new
 tokens each: a plain decode's one, a verification's guesses and the token before them;
@@ -21,7 +22,7 @@ import torch
 
 from hearth.backend.base import AttentionMetadata
 from hearth.backend.kv_quant import Q8Cache, data_pointers
-from hearth.backend.cpu import decode_split_len
+from hearth.backend.cpu import decode_split_len, tree_pointers
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import QuantLinear
 
@@ -57,10 +58,11 @@ class CpuDecodePath:
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
-                if len(parts) > most or not all(_on_int8_kernel(part) for part in parts):
+                weights = [kernel_weight(part) for part in parts]
+                if len(parts) > most or None in weights:
                     return None
-                for part in parts:  # weight, packed scales or 0, qtype, output rows
-                    row += [*part._int8_weight, part._qtype, part.out_features]
+                for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype, output rows
+                    row += [*weight, int(part.qtype), part.out_features]
                 row += [0, 0, 0, 0] * (most - len(parts))
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
@@ -94,6 +96,7 @@ class CpuDecodePath:
             self.matmul_address, self.layer_table.data_ptr(), caches.data_ptr(),
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
+            *tree_pointers(meta),
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
             decode_split_len(meta.num_decodes, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),
@@ -109,5 +112,18 @@ def _kernel_readable(cache) -> bool:
     return cache.dtype == torch.float32 and cache.is_contiguous()
 
 
-def _on_int8_kernel(module) -> bool:
-    return isinstance(module, QuantLinear) and module._int8_weight is not None and module.bias is None
+def kernel_weight(module) -> tuple[int, int] | None:
+    """int8_matmul's weight operands for `module` (weight or packed codes pointer, packed terms pointer or 0), or
+    None where the kernel cannot run it (not a QuantLinear on the CPU kernels, or with a bias)."""
+    if not isinstance(module, QuantLinear) or module.bias is not None:
+        return None
+    if module._int8_weight is not None:
+        return module._int8_weight
+    if module._half_kernel is not None and module.qweight.is_cpu:
+        return module.qweight.data_ptr(), 0
+    return None
+
+
+def on_int8_kernel(module) -> bool:
+    """A QuantLinear on the int8 kernel (a block format, not F16/BF16), without bias."""
+    return kernel_weight(module) is not None and module._int8_weight is not None

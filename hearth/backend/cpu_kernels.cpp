@@ -148,9 +148,14 @@ inline float exp_nonpositive(float x) {
 // included (their K/V already in the cache). Row r of a sequence with n rows and context len
 // sits at position len - n + r and sees positions up to its own (causal among the new rows);
 // window > 0: only its last `window` positions (sliding-window attention); 0: all of them.
+// Token trees (speculative branches; tree_start, tree_masks null: causal): tree_start int32 [S],
+// where sequence s's tree region begins; tree_masks int64 [R], bit j set = the row sees position
+// tree_start + j (its ancestors and itself); it sees every position before the region, and its own
+// position is tree_start + its bits set - 1 (its depth: the window counts from there).
 // A work item reads each K/V row once for every query row and head of its group.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
-                      uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t out_, int64_t num_seqs,
+                      uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
+                      uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
@@ -159,14 +164,24 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
   const int32_t* tables = reinterpret_cast<const int32_t*>(tables_);
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_);
   const int32_t* query_start = reinterpret_cast<const int32_t*>(query_start_);
+  const int32_t* tree_start = reinterpret_cast<const int32_t*>(tree_start_);
+  const uint64_t* tree_masks = reinterpret_cast<const uint64_t*>(tree_masks_);
   float* out = reinterpret_cast<float*>(out_);
   const int64_t group = num_heads / num_kv_heads, D = head_dim, num_rows = query_start[num_seqs];
-  // the first and one-past-the-last position row r of sequence s sees
-  const auto row_end = [&](int64_t s, int64_t r) {
+  // one past the position of row r of sequence s
+  const auto row_end = [&](int64_t s, int64_t r) -> int64_t {
+    if (tree_masks) return tree_start[s] + __builtin_popcountll(tree_masks[query_start[s] + r]);
     return (int64_t)lens[s] - (query_start[s + 1] - query_start[s]) + 1 + r;
   };
+  // the interval [row_begin, row_last) of positions row r of sequence s may see (a tree's row: those
+  // of it that `sees`)
   const auto row_begin = [&](int64_t s, int64_t r) {
     return window > 0 ? std::max<int64_t>(0, row_end(s, r) - window) : (int64_t)0;
+  };
+  const auto row_last = [&](int64_t s, int64_t r) { return tree_masks ? (int64_t)lens[s] : row_end(s, r); };
+  const auto sees = [&](int64_t s, int64_t row, int64_t pos) {
+    const int64_t j = pos - tree_start[s];
+    return j < 0 || (j < 64 && (tree_masks[row] >> j) & 1);
   };
 
   std::vector<Item> items;
@@ -176,7 +191,9 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
   int64_t work = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = query_start[s + 1] - query_start[s];
-    const int64_t len = lens[s], begin = row_begin(s, 0);
+    int64_t begin = row_begin(s, 0);
+    for (int64_t r = 1; r < rows; ++r) begin = std::min(begin, row_begin(s, r));
+    const int64_t len = lens[s];
     const int64_t n_splits = (len - begin + split_len - 1) / split_len;
     first_split[s + 1] = first_split[s] + n_splits;
     first_part[s + 1] = first_part[s] + n_splits * rows;
@@ -209,7 +226,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
       hi.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {  // split tokens [lo, hi) are the row's to see
         lo[r] = std::max<int64_t>(0, row_begin(it.seq, r) - it.begin);
-        hi[r] = std::max(lo[r], std::min(n, row_end(it.seq, r) - it.begin));
+        hi[r] = std::max(lo[r], std::min(n, row_last(it.seq, r) - it.begin));
       }
       const int32_t* table = tables + it.seq * max_blocks;
       for (int64_t t = 0; t < n; ++t) {
@@ -224,8 +241,10 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         const float* k = k_cache.get(cache_rows[t], row_buf.data());
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo[r] || t >= hi[r]) continue;
-          for (int64_t g = 0; g < group; ++g)
-            scores[(r * group + g) * n + t] = dot(q_seq + (r * num_heads + g) * D, k, D) * fscale;
+          const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
+          for (int64_t g = 0; g < group; ++g)  // -inf: a position of the tree the row does not see
+            scores[(r * group + g) * n + t] = seen ? dot(q_seq + (r * num_heads + g) * D, k, D) * fscale
+                                                   : -std::numeric_limits<float>::infinity();
         }
       }
       const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
@@ -234,16 +253,18 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           float* sc = scores.data() + (r * group + g) * n;
           const int64_t p = (part_row + r) * num_heads + it.kv_head * group + g;
           std::fill_n(part_out.data() + p * D, D, 0.f);
-          if (lo[r] == hi[r]) {  // the row sees nothing of this split
-            part_max[p] = -std::numeric_limits<float>::infinity();
+          const float m = lo[r] == hi[r] ? -std::numeric_limits<float>::infinity()
+                                         : *std::max_element(sc + lo[r], sc + hi[r]);
+          if (m == -std::numeric_limits<float>::infinity()) {  // the row sees nothing of this split
+            part_max[p] = m;
             part_sum[p] = 0.f;
+            std::fill(sc + lo[r], sc + hi[r], 0.f);  // weights of the values' pass
             continue;
           }
-          const float m = *std::max_element(sc + lo[r], sc + hi[r]);
           float l = 0.f;
 #pragma omp simd reduction(+ : l)
           for (int64_t t = lo[r]; t < hi[r]; ++t) {
-            sc[t] = exp_nonpositive(sc[t] - m);
+            sc[t] = sc[t] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(sc[t] - m);
             l += sc[t];
           }
           part_max[p] = m;
@@ -414,20 +435,21 @@ using Int8Matmul = void (*)(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
 // v in another format each, as llama.cpp's mixed files store them), each PART_FIELDS columns:
-// weight, packed scales or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
+// weight or packed codes, packed terms or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
 enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
 constexpr int PART_FIELDS = 4;
 enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 
-// rows of sequence s: [query_start[s], query_start[s + 1]) (as decode_attention's).
+// rows of sequence s: [query_start[s], query_start[s + 1]), token trees in tree_start and
+// tree_masks (as decode_attention's).
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
 // then their q8_0 scales' (0: float32 caches).
 void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, uintptr_t query_start_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads) {
   const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
@@ -465,7 +487,8 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
     rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
                       tokens, num_heads, num_kv_heads, head_dim, threads);
-    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, query_start_, ptr(attn),
+    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, query_start_, tree_start_,
+                     tree_masks_, ptr(attn),
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window,
                      threads);
     project(layer, O, ptr(attn), delta, hidden, q_size);
@@ -489,7 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
   }, "silu(gate) * up of each row of [gate | up], float32", nogil);
-  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8-kernel weights", nogil);
+  m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8_matmul weights", nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);
 }

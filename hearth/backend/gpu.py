@@ -5,8 +5,10 @@ Attention metadata is one varlen description of the step (hearth/triton_kernels/
 sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs
 the split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence
 with one query row). Decode steps up to the largest captured batch replay a CUDA graph
-(graphs.py). The same code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which
-is how the tests check it without a GPU.
+(graphs.py). The KV cache may be the compute dtype, q8_0 or fp8 e4m3 (hearth/backend/kv_quant.py):
+the RoPE + cache-write kernel quantizes, the attention kernels dequantize as they load. The same
+code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
+without a GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
 from hearth.triton_kernels import activation, attention, norm, rope
+
+FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class GpuMetadata:
 class GpuBackend(Backend):
     name = "gpu"
     latent_attention = False  # its Triton kernels read whole K and V caches of one width
+    token_trees = False  # its Triton attention kernels are causal only (no tree masks)
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)
@@ -45,6 +50,15 @@ class GpuBackend(Backend):
         self.max_graph_batch = max_graph_batch
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 132)
+        # (major, minor); None under Triton's interpreter, which converts fp8 in software
+        self.capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """An fp8 cache needs the e4m3 conversions Triton compiles for sm_89 and newer GPUs (Ada, Hopper)."""
+        if kv_cache_dtype == "fp8_e4m3" and self.capability is not None and self.capability < FP8_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"this one is {self.capability[0]}.{self.capability[1]}: use --kv-cache-dtype q8_0 "
+                             f"(about as many tokens in a budget)")
 
     # ---- a step ------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""How K and V are stored in the paged cache: in the compute dtype, or as llama.cpp's q8_0 blocks.
+"""How K and V are stored in the paged cache: in the compute dtype, as llama.cpp's q8_0 blocks, or
+as fp8 e4m3.
 
 q8_0 (`--kv-cache-dtype q8_0`): each token's head row of head_dim values is cut into blocks of 32;
 a block keeps one float16 scale d = max|x| / 127 and 32 int8 codes round(x / d) (halves away from
@@ -8,8 +9,17 @@ reads a row's codes as one contiguous run and its scales beside them: 34 bytes p
 a quarter of a float32 cache and half of a bfloat16 one. Rows are quantized when they are written
 (each backend's RoPE + cache write) and dequantized inside the attention kernels, tile by tile.
 
-fp8_e4m3 is refused by name: Triton's interpreter, which tests the GPU kernels on machines
-without a GPU, cannot cast to fp8, so no kernel path for it could be checked here.
+fp8 (`--kv-cache-dtype fp8`, or `fp8_e4m3`: vLLM's names): each value is stored as one
+torch.float8_e4m3fn byte (4 exponent bits, 3 mantissa bits, largest finite value 448) with one
+float32 scale per layer for all of K and one for all of V (`Fp8Cache`, vLLM's per-tensor k_scale
+and v_scale): a value x is stored as x / scale rounded to the nearest e4m3 value (ties to even),
+saturated to +-448, and reads back as scale * stored. The scales are 1.0, vLLM's default for a
+checkpoint that carries no calibrated scales (hearth loads none): a K/V value keeps about 2
+significant digits (a relative rounding error of at most 2^-4) from 2^-6 up to 448, and values
+below 2^-6 keep an absolute error of at most 2^-10. One byte per value: half a 16-bit cache, so the
+same budget holds twice the tokens. The gpu backend's Triton kernels write and read it (their
+hardware conversions need an sm_89 GPU or newer: Ada, Hopper); the reference path here reads it
+on any device; the cpu backend's C++ kernels do not (q8_0 is their 8-bit cache).
 
 The functions below are the reference path's (plain torch, any device) and the tests' definition.
 """
@@ -20,8 +30,11 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "q8_0")
+KV_CACHE_DTYPES = ("auto", "q8_0", "fp8_e4m3")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's names: fp8 is e4m3 on NVIDIA GPUs
 Q8_BLOCK = 32  # values per q8_0 block (one scale each)
+FP8_MAX = 448.0  # e4m3's largest finite value: larger ones saturate to it
+KV_VALUES, KV_Q8_0, KV_FP8 = 0, 1, 2  # what a cache holds, as the Triton kernels' KV_FORMAT
 
 
 class Q8Cache(NamedTuple):
@@ -35,24 +48,47 @@ class Q8Cache(NamedTuple):
         return self.codes.shape
 
 
-KVCache = torch.Tensor | Q8Cache  # one layer's K or V: [num_slots, kv_heads, head_dim] of values, or q8_0
+class Fp8Cache(NamedTuple):
+    """One layer's K (or V) cache in fp8 e4m3."""
+
+    values: torch.Tensor  # float8_e4m3fn [num_slots, kv_heads, head_dim]: x / scale, rounded, saturated
+    scale: float  # per tensor (vLLM's k_scale / v_scale): a stored value reads back as scale * value
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, config) -> None:
-    """Raises ValueError where `kv_cache_dtype` cannot store the caches of the model of `config`."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto or q8_0 (fp8_e4m3 is not implemented), got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "q8_0" and config.kv_lora_rank:
-        raise ValueError("kv_cache_dtype q8_0 is not implemented for multi-head latent attention (its keys and "
+KVCache = torch.Tensor | Q8Cache | Fp8Cache  # one layer's K or V: [num_slots, kv_heads, head_dim] of values, or quantized
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
+    """The name hearth keeps for a kv_cache_dtype option (fp8 -> fp8_e4m3); ValueError for one it cannot store."""
+    name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, q8_0, fp8 or fp8_e4m3 (fp8_e5m2 is not implemented), "
+                         f"got {kv_cache_dtype!r}")
+    return name
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, config, backend) -> None:
+    """Raises ValueError where `kv_cache_dtype` cannot store the caches of the model of `config`, or
+    `backend`'s kernels cannot read them (Backend.check_kv_cache_dtype)."""
+    name = kv_cache_dtype_name(kv_cache_dtype)
+    if name != "auto" and config.kv_lora_rank:
+        raise ValueError(f"kv_cache_dtype {name} is not implemented for multi-head latent attention (its keys and "
                          "values are views of one latent cache)")
-    if kv_cache_dtype == "q8_0" and config.head_dim % Q8_BLOCK:
+    if name == "q8_0" and config.head_dim % Q8_BLOCK:
         raise ValueError(f"kv_cache_dtype q8_0 needs a head_dim that is a multiple of {Q8_BLOCK} (q8_0 blocks); "
                          f"this model's is {config.head_dim}")
+    backend.check_kv_cache_dtype(name)
 
 
 def kv_bytes_per_element(kv_cache_dtype: str, itemsize: int) -> float:
-    """Bytes the cache spends per K or V value: the compute dtype's `itemsize` ("auto"), 34 / 32 (q8_0)."""
-    return itemsize if kv_cache_dtype == "auto" else (Q8_BLOCK + 2) / Q8_BLOCK
+    """Bytes the cache spends per K or V value: the compute dtype's `itemsize` ("auto"), 34 / 32
+    (q8_0), 1 (fp8: its per-tensor scales are two floats a layer, not counted)."""
+    name = kv_cache_dtype_name(kv_cache_dtype)
+    return {"auto": itemsize, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK, "fp8_e4m3": 1}[name]
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,24 +109,42 @@ def dequantize_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (codes.float().unflatten(-1, (-1, Q8_BLOCK)) * scales.float()[..., None]).flatten(-2)
 
 
-def cache_operands(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """What a kernel takes for one cache: (values or codes, scales (for a cache of values the values
-    again, never read), quantized?)."""
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [...] -> float8_e4m3fn [...]: x / scale (as x times 1 / scale in float32, which the kernels
+    compute alike) saturated to +-448, then torch's cast (round to nearest, ties to even)."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+class CacheOperands(NamedTuple):
+    """What a kernel takes for one cache."""
+
+    values: torch.Tensor  # the values, q8_0's codes or fp8's values
+    block_scales: torch.Tensor  # q8_0's float16 scales (otherwise the values again, never read)
+    scale: float  # fp8's per-tensor scale (otherwise 1.0)
+    format: int  # KV_VALUES, KV_Q8_0 or KV_FP8
+
+
+def cache_operands(cache: KVCache) -> CacheOperands:
     if isinstance(cache, Q8Cache):
-        return cache.codes, cache.scales, True
-    return cache, cache, False
+        return CacheOperands(cache.codes, cache.scales, 1.0, KV_Q8_0)
+    if isinstance(cache, Fp8Cache):
+        return CacheOperands(cache.values, cache.values, cache.scale, KV_FP8)
+    return CacheOperands(cache, cache, 1.0, KV_VALUES)
 
 
 def data_pointers(cache: KVCache) -> tuple[int, int]:
-    """(values or codes, scales or 0): what the C++ kernels take for one cache (contiguous)."""
-    values, scales, quantized = cache_operands(cache)
-    return values.data_ptr(), scales.data_ptr() if quantized else 0
+    """(values or codes, scales or 0): what the C++ kernels take for one cache (contiguous; not fp8,
+    which the cpu backend refuses)."""
+    operands = cache_operands(cache)
+    return operands.values.data_ptr(), operands.block_scales.data_ptr() if operands.format == KV_Q8_0 else 0
 
 
 def read_rows(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cache's rows at `slots` (any shape S) as values [*S, kv_heads, head_dim] in `dtype`."""
     if isinstance(cache, Q8Cache):
         return dequantize_q8_0(cache.codes[slots], cache.scales[slots]).to(dtype)
+    if isinstance(cache, Fp8Cache):  # (gathered as bytes: torch indexes float8 on few devices)
+        return (cache.values.view(torch.uint8)[slots].view(torch.float8_e4m3fn).float() * cache.scale).to(dtype)
     return cache[slots].to(dtype)
 
 
@@ -100,5 +154,16 @@ def write_rows(cache: KVCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
         codes, scales = quantize_q8_0(rows)
         cache.codes.index_copy_(0, slots, codes)
         cache.scales.index_copy_(0, slots, scales)
+    elif isinstance(cache, Fp8Cache):  # (torch has no index_copy_ for float8: the bytes are copied)
+        cache.values.view(torch.uint8).index_copy_(0, slots, quantize_fp8(rows, cache.scale).view(torch.uint8))
     else:
         cache.index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def move_rows(cache: KVCache, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy the rows at `sources` [N] to `targets` [N] as they are stored (q8_0 codes and scales,
+    fp8 bytes, as they are: nothing quantized again)."""
+    stored = ((cache.codes, cache.scales) if isinstance(cache, Q8Cache) else
+              (cache.values.view(torch.uint8),) if isinstance(cache, Fp8Cache) else (cache,))
+    for tensor in stored:
+        tensor.index_copy_(0, targets, tensor[sources])

@@ -11,7 +11,8 @@ is caught up again from its tokens when it runs again). Its BlockManager has no 
 catches each request up and draws its first guess, each further pass feeds the previous guess
 and draws the next, every draw from the request's own sampling parameters applied to the draft's
 logits; the distributions q of the guesses are kept for the target's verification
-(sampler.verify_guesses).
+(sampler.verify_guesses). With token trees (tree_width > 1) each pass runs every branch of a
+request as a row of its own (`DraftProposer.guess`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import torch
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.speculative import branch_width
+from hearth.engine.token_tree import tree_of
+
+# What the draft's cache records for a tree region's slot: no token, so a catch-up never keeps it.
+TREE_NODE = -1
 
 
 @dataclass(eq=False)
@@ -74,44 +80,71 @@ class SecondModel:
         seq.num_computed_tokens += len(token_ids)
 
 
+def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    """A point mass on `token`, shaped and placed as the distribution `like` [V]."""
+    return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
+
+
 class DraftProposer:
     """Guesses from a draft model: k tokens per request per step, and their distributions."""
 
-    def __init__(self, draft: SecondModel):
+    def __init__(self, draft: SecondModel, tree_width: int = 1):
         self.draft = draft
+        self.tree_width = tree_width
         self.guess_probs: dict[Request, torch.Tensor] = {}  # [k, V] per request with guesses
 
     def guess(self, wanted: dict[Request, int], generators: dict[Request, torch.Generator | None],
               verified_rows: dict[Request, list[int]]) -> None:
         """Set request.spec_token_ids of each request to its k guesses (none when the draft's cache
         has no room for it); `generators`: each request's spec generator (seeded requests);
-        verified_rows: lookahead's, not the draft's."""
-        entries, rows = [], []
+        verified_rows: lookahead's, not the draft's.
+
+        With tree_width W > 1 a request's guesses are a token tree of W branches: the draft's
+        first guess drawn as a chain's, and beside it its W - 1 best other tokens (point masses: a
+        fixed choice, which the sibling rule verifies, sampler.verify_guesses), each followed by
+        k - 1 guesses drawn as a chain's. The branches run side by side in the draft's cache, after
+        the request's tokens, each seeing only its own (a tree region of W x (k - 1) slots, which
+        the next catch-up drops)."""
+        first, widths = [], {}
         for request, k in wanted.items():
-            entry = self.draft.catch_up(request, k - 1)
+            widths[request] = branch_width(request, self.tree_width)
+            entry = self.draft.catch_up(request, widths[request] * (k - 1))
             if entry is not None:
-                entries.append(entry)
-                rows.append((request, k))
-        guesses = {request: [] for request, _ in rows}
-        probs = {request: [] for request, _ in rows}
-        while rows:
-            requests = [request for request, _ in rows]
-            outputs = [request.output_token_ids + guesses[request] for request in requests]
-            tokens, q = self.draft.runner.draw_next(entries, requests, outputs, [generators[r] for r in requests])
-            for i, ((request, _), entry) in enumerate(zip(rows, entries)):
-                self.draft.fed(request, entry.token_ids)
-                guesses[request].append(tokens[i])
-                probs[request].append(q[i])
-            rows_next, entries = [], []
-            for (request, k), token in zip(rows, tokens):
-                if len(guesses[request]) < k:
-                    rows_next.append((request, k))
-                    entries.append(BatchEntry([token], request.num_tokens + len(guesses[request]) - 1,
-                                              self.draft.sequences[request].block_table))
-            rows = rows_next
-        for request, token_ids in guesses.items():
-            request.spec_token_ids = token_ids
-            self.guess_probs[request] = torch.stack(probs[request])
+                first.append((request, entry))
+        requests = [request for request, _ in first]
+        if not requests:
+            return
+        tokens, q = self.draft.runner.draw_next([entry for _, entry in first], requests,
+                                                [r.output_token_ids for r in requests],
+                                                [generators[r] for r in requests], [widths[r] for r in requests])
+        branches, probs = {}, {}  # per request, per branch: its guesses and their distributions
+        for (request, entry), choices, dist in zip(first, tokens, q):
+            self.draft.fed(request, entry.token_ids)
+            branches[request] = [[token] for token in choices]
+            probs[request] = [[dist]] + [[one_hot(token, dist)] for token in choices[1:]]
+        for depth in range(1, max((wanted[r] for r in requests), default=0)):
+            rows = [(r, b) for r in requests if depth < wanted[r] for b in range(widths[r])]
+            entries = [self._branch_entry(r, branches[r][b], b, widths[r]) for r, b in rows]
+            tokens, q = self.draft.runner.draw_next(entries, [r for r, _ in rows],
+                                                    [r.output_token_ids + branches[r][b] for r, b in rows],
+                                                    [generators[r] for r, _ in rows])
+            for (request, b), entry, choices, dist in zip(rows, entries, tokens, q):
+                self.draft.fed(request, entry.token_ids if widths[request] == 1 else [TREE_NODE])
+                branches[request][b].append(choices[0])
+                probs[request][b].append(dist)
+        for request in requests:
+            token_ids, parents = tree_of(branches[request])  # (the first guesses differ: nothing merges)
+            request.set_guesses(token_ids, parents if widths[request] > 1 else None)
+            self.guess_probs[request] = torch.stack([dist for branch in probs[request] for dist in branch])
+
+    def _branch_entry(self, request: Request, guesses: list[int], branch: int, width: int) -> BatchEntry:
+        """The pass feeding a branch's last guess: after the request's tokens (a chain), or in the
+        tree region at slot width x (depth - 1) + branch, seeing its branch's earlier guesses."""
+        depth, start, table = len(guesses), request.num_tokens, self.draft.sequences[request].block_table
+        if width == 1:
+            return BatchEntry([guesses[-1]], start + depth - 1, table)
+        mask = sum(1 << (branch + width * i) for i in range(depth))
+        return BatchEntry([guesses[-1]], start + width * (depth - 1) + branch, table, (start, [mask]))
 
     def probs_of(self, request: Request) -> torch.Tensor | None:
         return self.guess_probs.get(request) if request.spec_token_ids else None

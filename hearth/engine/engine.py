@@ -52,6 +52,10 @@ class LLMEngine:
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
+        if config.speculative_tree_width > 1 and not backend.token_trees:
+            raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
+                             f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
+                             f"reference backend, or speculative_tree_width 1")
         self.workers, shard = None, None
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from hearth.distributed.workers import start_split  # ranks 1..N-1: processes of their own
@@ -72,7 +76,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
-        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config, self.model.backend)
         bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
@@ -107,11 +111,13 @@ class LLMEngine:
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
         self.speed_gate = SpeedGate()
         if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                          config.speculative_tree_width)
         elif config.speculative_method == "lookahead":
             self.proposer = LookaheadProposer()
         elif config.speculative_method == "draft":
-            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress))
+            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress),
+                                          config.speculative_tree_width)
         self.amateur = None  # contrastive decoding's second model
         if config.contrastive_model is not None:
             self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
@@ -148,7 +154,7 @@ class LLMEngine:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """What K and V are stored as: the compute dtype's name, or q8_0."""
+        """What K and V are stored as: the compute dtype's name, q8_0 or fp8_e4m3."""
         return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     @property
@@ -285,7 +291,8 @@ class LLMEngine:
         if self.workers is not None:
             raise RequestError("KV transfer between engines is not implemented for a model split over processes")
         if self.config.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
-            raise RequestError("KV transfer between engines is not implemented for a q8_0 or latent KV cache")
+            raise RequestError("KV transfer between engines is not implemented for a quantized (q8_0, fp8) or latent "
+                               "KV cache")
 
     # ---- one iteration ----------------------------------------------------------------
 

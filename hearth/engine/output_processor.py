@@ -105,7 +105,7 @@ class OutputProcessor:
             state = self.sequences[request.request_id]
             num_accepted = len(tokens.token_ids) - 1
             stats.spec_decode.record(tokens.num_guesses, num_accepted)
-            state.acceptance.update(tokens.num_guesses, num_accepted)
+            state.acceptance.update(tokens.depth, num_accepted)  # a tree: of its deepest branch
             num_appended = self._append_tokens(state, tokens, now, stats)
             self.scheduler.accept_spec_tokens(request, num_appended - 1)
         progressed: dict[str, RequestGroup] = {}  # by group id: each group's output is built once

@@ -70,6 +70,11 @@ class Request:
     # Guessed next tokens (speculative decoding) to verify in the next step, after the last
     # real token; not part of all_token_ids until verified. The scheduler may trim them.
     spec_token_ids: list[int] = field(default_factory=list, init=False)
+    # When the guesses form a token tree (several branches verified at once): each guess's parent,
+    # -1 for the last real token, else an earlier guess's index. Read for the first
+    # len(spec_token_ids) only: the scheduler trims guesses from the end, and parents come before
+    # their children. Empty: a chain.
+    spec_parents: list[int] = field(default_factory=list, init=False)
     # prompt + output in one list, appended to, so all_token_ids is O(1)
     _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -101,6 +106,16 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    @property
+    def spec_tree(self) -> list[int] | None:
+        """Each guess's parent (spec_parents) when the guesses form a tree; None for a chain."""
+        return self.spec_parents[: len(self.spec_token_ids)] if self.spec_parents else None
+
+    def set_guesses(self, token_ids: list[int], parents: list[int] | None = None) -> None:
+        """The guesses to verify next: a chain, or a tree given each one's parent."""
+        self.spec_token_ids = list(token_ids)
+        self.spec_parents = list(parents or [])
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

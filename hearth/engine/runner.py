@@ -7,8 +7,10 @@ guesses, then one sampled token) with their logprobs, and the prompt logprobs as
 On the way: the batch laid out as one `StepInputs` (host arrays), which the backend (chosen once
 per engine, hearth/backend) turns into its tensors and attention metadata to run the model;
 logits of the rows that are sampled or scored; one SamplingBatch; the Sampler; and exactly one
-copy to the host. `forward` is the bare model pass, for callers that want hidden states
-(perplexity, kernels' benchmarks, tests).
+copy to the host. Guesses that form a token tree (hearth/engine/token_tree.py) go in as rows
+with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved
+into the slots after the context. `forward` is the bare model pass, for callers that want hidden
+states (perplexity, kernels' benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import numpy as np
 import torch
 
 from hearth.backend import StepInputs
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, Q8Cache
+from hearth.backend.base import MAX_DECODE_QUERY_LEN
+from hearth.backend.kv_quant import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
-from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, draw, exponential_noise,
-                                   final_distribution, prompt_logprobs, skip_draws)
+from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
+                                   exponential_noise, final_distribution, prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
+from hearth.engine.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 
@@ -38,6 +42,9 @@ class BatchEntry:
     token_ids: list[int]  # the new tokens of this sequence this step
     num_computed_tokens: int  # tokens already in the cache before them
     block_table: list[int]
+    # a token tree (hearth/engine/token_tree.py): where its region begins, and per new token a mask
+    # of the region's positions it sees (bit j: tree_start + j); None: causal
+    tree: tuple[int, list[int]] | None = None
 
 
 @dataclass
@@ -63,6 +70,7 @@ class SampledTokens:
     logprobs: list[float]  # of each token under the raw distribution
     top_logprobs: list[Alternatives] | None  # per token, when the request asked for logprobs
     num_guesses: int  # guesses verified this step; len(token_ids) - 1 of them were accepted
+    depth: int  # their longest path (a chain's: num_guesses; a token tree's: fewer)
     # the draw of every verified row (the last token's, then each guess's): past the first
     # rejected guess, what the model gave after a wrong one (lookahead's Jacobi iteration)
     row_token_ids: list[int]
@@ -84,7 +92,7 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
-        kv_cache_dtype: str = "auto",  # or q8_0 (hearth/backend/kv_quant.py)
+        kv_cache_dtype: str = "auto",  # or q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
@@ -108,17 +116,31 @@ class ModelRunner:
         ends = starts + query_lens
         query_start_loc = np.zeros(len(entries) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        # position of every row: its sequence's start + its index among the sequence's new rows
+        # where every row's K/V go: its sequence's start + its index among the sequence's new rows
         seq_of_row = np.repeat(np.arange(len(entries)), query_lens)
-        positions = starts[seq_of_row] + np.arange(len(seq_of_row)) - query_start_loc[seq_of_row]
+        row_in_seq = np.arange(len(seq_of_row)) - query_start_loc[seq_of_row]
+        slot_positions = starts[seq_of_row] + row_in_seq
+        positions, tree_start, tree_masks = slot_positions, None, None
+        if any(e.tree is not None for e in entries):  # a tree row's position is its depth's
+            positions = slot_positions.copy()
+            tree_start = starts.astype(np.int32)
+            tree_masks = (np.int64(2) << np.minimum(row_in_seq, 62)) - 1  # causal (read only in decodes)
+            for i, entry in enumerate(entries):
+                if entry.tree is not None:
+                    if len(entry.token_ids) > MAX_DECODE_QUERY_LEN:
+                        raise ValueError(f"a token tree step of {len(entry.token_ids)} rows: at most "
+                                         f"{MAX_DECODE_QUERY_LEN} go through the decode kernels")
+                    rows = slice(query_start_loc[i], query_start_loc[i + 1])
+                    tree_start[i], tree_masks[rows] = entry.tree[0], entry.tree[1]
+                    positions[rows] = [entry.tree[0] + mask.bit_count() - 1 for mask in entry.tree[1]]
         used_blocks = -(-ends // self.block_size)
         block_tables = np.zeros((len(entries), int(used_blocks.max())), dtype=np.int32)
         for i, (entry, used) in enumerate(zip(entries, used_blocks)):
             block_tables[i, :used] = entry.block_table[:used]
         # blocks freed behind a sliding window (NO_BLOCK, < 0) read as block 0: no kernel reads them
         np.maximum(block_tables, 0, out=block_tables)
-        slot_mapping = (block_tables[seq_of_row, positions // self.block_size].astype(np.int64) * self.block_size
-                        + positions % self.block_size)
+        slot_mapping = (block_tables[seq_of_row, slot_positions // self.block_size].astype(np.int64)
+                        * self.block_size + slot_positions % self.block_size)
         return StepInputs(
             input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(positions)),
             positions=positions,
@@ -127,6 +149,8 @@ class ModelRunner:
             seq_lens=ends.astype(np.int32),
             block_tables=block_tables,
             block_size=self.block_size,
+            tree_start=tree_start,
+            tree_masks=tree_masks,
         )
 
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +237,9 @@ class ModelRunner:
             request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
             tokens = request.all_token_ids[start : start + count]
             tokens += request.spec_token_ids[: count - len(tokens)]
-            entries.append(BatchEntry(tokens, start, request.block_table))
+            tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
+            entries.append(BatchEntry(tokens, start, request.block_table,
+                                      None if tree is None else (start, ancestor_masks(tree))))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + len(request.spec_token_ids):
@@ -230,45 +256,79 @@ class ModelRunner:
         token_ids, logprobs = next(host).tolist(), next(host).tolist()
         accepted = next(host).tolist() if out.accepted is not None else None
         top = (next(host).tolist(), next(host).tolist()) if out.top_logprobs is not None else None
-        kept_tokens, row = {}, 0
+        kept_tokens, row, guess = {}, 0, 0
+        moves: list[tuple[list[int], int, list[int]]] = []  # (block table, first guess's position, kept guesses)
         for seq in sampled:
-            num_guesses = len(seq.request.spec_token_ids)
-            kept = 1
-            while kept <= num_guesses and accepted[row + kept - 1]:
-                kept += 1
-            if seq.request in rewinds and kept <= num_guesses:
-                seq.generator.set_state(rewinds[seq.request])
+            request = seq.request
+            num_guesses = len(request.spec_token_ids)
+            parents = request.spec_tree or chain(num_guesses)
+            path = accepted_path(parents, accepted[guess : guess + num_guesses] if num_guesses else [])
+            kept, levels = len(path) + 1, depth(parents)
+            if request in rewinds and kept <= levels:
+                seq.generator.set_state(rewinds[request])
                 skip_draws(seq.generator, kept, self.model.config.vocab_size)
-            rows = range(row, row + kept)
-            kept_tokens[seq.request] = SampledTokens(
+            if path != list(range(len(path))):  # a branch other than the first guesses: its K/V move
+                moves.append((request.block_table, request.num_computed_tokens + 1, path))
+            rows = [row] + [row + 1 + i for i in path]
+            kept_tokens[request] = SampledTokens(
                 [token_ids[r] for r in rows], [logprobs[r] for r in rows],
-                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses,
+                None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses, levels,
                 token_ids[row : row + num_guesses + 1])
             row += num_guesses + 1
+            guess += num_guesses
+        self._move_kept_guesses(moves)
         return kept_tokens
 
+    def _move_kept_guesses(self, moves: list[tuple[list[int], int, list[int]]]) -> None:
+        """The K/V of each token tree's kept guesses (their indices, in order) into the slots right
+        after the context, where the next steps read them (sources are never behind targets)."""
+        if not moves:
+            return
+        def slot(table: list[int], position: int) -> int:
+            return table[position // self.block_size] * self.block_size + position % self.block_size
+
+        sources, targets = [], []
+        for table, first, path in moves:
+            for d, node in enumerate(path):
+                if node != d:
+                    sources.append(slot(table, first + node))
+                    targets.append(slot(table, first + d))
+        sources, targets = (torch.tensor(x, device=self.device) for x in (sources, targets))
+        for layer in self.kv_caches:
+            for cache in layer:
+                move_rows(cache, sources, targets)
+
     def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, Guesses | None]:
-        """One row per verified position: a request with k guesses has k + 1 rows, row j seeing its
-        output followed by the first j guesses. Returns the batch and the rows' guesses (None: no row has one)."""
+        """One row per verified position: a request with k guesses has k + 1 rows, the first seeing
+        its output, row 1 + i its output followed by guess i and the guesses before it on its
+        branch (a chain: the first i + 1 guesses); guess i is verified at its parent's row. Rows at
+        one depth of a token tree draw with one noise (that of plain decoding's token there).
+        Returns the batch and the rows' guesses (None: no row has one)."""
         params, prompts, outputs, generators, constrained_rows, contrastive_rows = [], [], [], [], [], []
-        guess_rows, guess_ids, guess_probs, guess_generators = [], [], [], []
+        guess_rows, guess_ids, guess_probs, guess_generators, siblings, noise_rows = [], [], [], [], [], []
         V = self.model.config.vocab_size
         for seq in sampled:
             request, spec = seq.request, seq.request.spec_token_ids
+            parents = request.spec_tree or chain(len(spec))
+            first = len(params)
             if seq.matcher is not None:
-                constrained_rows.extend(range(len(params), len(params) + len(spec) + 1))
+                constrained_rows.extend(range(first, first + len(spec) + 1))
             if seq.amateur_logits is not None:  # such a request makes no guesses: one row
-                contrastive_rows.append(len(params))
+                contrastive_rows.append(first)
             if spec:
-                guess_rows.extend(range(len(params), len(params) + len(spec)))
+                guess_rows.extend(first + 1 + parent for parent in parents)
+                siblings.extend(parent in parents[:i] for i, parent in enumerate(parents))
                 guess_ids.extend(spec)
                 guess_generators.extend([seq.spec_generator] * len(spec))
-                guess_probs.append(seq.guess_probs[: len(spec)] if seq.guess_probs is not None else
-                                   torch.nn.functional.one_hot(torch.tensor(spec, device=self.device), V).float())
-            for j in range(len(spec) + 1):
+                guess_probs.append((spec, seq.guess_probs))
+            branches, depth_rows = [[]], {0: first}  # per row: the guesses on its branch; each depth's first row
+            for parent, token in zip(parents, spec):
+                branches.append(branches[parent + 1] + [token])
+            for branch in branches:
+                noise_rows.append(depth_rows.setdefault(len(branch), len(params)))
                 params.append(request.sampling_params)
                 prompts.append(request.prompt_token_ids)
-                outputs.append(request.output_token_ids + spec[:j] if j else request.output_token_ids)
+                outputs.append(request.output_token_ids + branch if branch else request.output_token_ids)
                 generators.append(seq.generator)
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, V, self.device,
@@ -276,23 +336,39 @@ class ModelRunner:
             grammar_masks=None if masks is None else (constrained_rows, masks),
             amateur_logits=None if not contrastive_rows else (
                 contrastive_rows, torch.stack([s.amateur_logits for s in sampled if s.amateur_logits is not None])),
+            noise_rows=noise_rows if noise_rows != list(range(len(noise_rows))) else None,
         )
         if not guess_rows:
             return batch, None
+        probs = None  # greedy rows verify by comparison (sampler.greedy_acceptance)
+        if not batch.all_greedy:
+            probs = torch.cat([q[: len(spec)] if q is not None else  # None: a point mass on each guess
+                               torch.nn.functional.one_hot(torch.tensor(spec, device=self.device), V).float()
+                               for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
-                              torch.cat(guess_probs).to(self.device), guess_generators)
+                              probs, guess_generators, siblings if any(siblings) else None)
 
     def draw_next(self, entries: list[BatchEntry], requests: list[Request], outputs: list[list[int]],
-                  generators: list[torch.Generator | None]) -> tuple[list[int], torch.Tensor]:
+                  generators: list[torch.Generator | None], widths: list[int] | None = None
+                  ) -> tuple[list[list[int]], torch.Tensor]:
         """A draft model's pass: each entry's next token drawn from its request's final distribution
         (its sampling parameters applied; `outputs`: each request's output so far, guesses included;
-        `generators`: a seeded request's spec generator). Returns the tokens and the distributions [B, V]."""
+        `generators`: a seeded request's spec generator). Returns per entry [its token], with
+        widths[i] > 1 followed by its next best tokens by the penalised logits, widths[i] in all (a
+        token tree's first guesses), and the distributions [B, V]."""
         batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
                                     outputs, generators, self.model.config.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids)
-        probs, greedy_ids = final_distribution(self.last_logits(entries), batch, self.backend.apply_token_bitmask)
+        logits = self.last_logits(entries)
+        probs, greedy_ids = final_distribution(logits, batch, self.backend.apply_token_bitmask)
         noise = None if batch.all_greedy else exponential_noise(probs, generators)
-        return draw(probs, greedy_ids, batch, noise).tolist(), probs
+        tokens = [[token] for token in draw(probs, greedy_ids, batch, noise).tolist()]
+        if widths is not None and max(widths, default=1) > 1:
+            best = apply_penalties_and_bias(logits.float(), batch, self.backend.apply_token_bitmask)
+            best = best.topk(max(widths) + 1, dim=-1).indices.tolist()
+            tokens = [drawn + [t for t in choices if t != drawn[0]][: width - 1]
+                      for choices, width, drawn in zip(best, widths, tokens)]
+        return tokens, probs
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -308,14 +384,17 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
     """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype` or q8_0 codes and scales; with multi-head latent attention (one latent),
-    [num_slots, 1, latent width] (ModelConfig.kv_cache_layout)."""
+    head_dim] in `dtype`, q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
+    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
+    latent width] (ModelConfig.kv_cache_layout)."""
     tensors, heads, width = config.kv_cache_layout()
     shape = (tensors * num_layers, num_slots, heads, width)
     if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
         codes = zeroed(shape, torch.int8, device)
         scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
         caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
+    elif kv_cache_dtype == "fp8_e4m3":
+        caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
     else:
         caches = list(zeroed(shape, dtype, device))
     return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]

@@ -48,7 +48,7 @@ class SamplerOutput:
     # (ids [B, K], logprobs [B, K]) sorted descending, K = the largest `logprobs` asked in the batch;
     # None when no row asked for alternatives. A row that asked for k < K reads its first k columns.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
-    accepted: torch.Tensor | None = None  # [B] bool: the row's guess was kept (None: no guesses)
+    accepted: torch.Tensor | None = None  # [G] bool: each guess was kept (None: no guesses)
 
 
 def make_generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
@@ -87,6 +87,8 @@ class SamplingBatch:
     contrastive: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # per row; None: the global RNG (or a greedy row)
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
+    # per row, the row whose draw's noise it takes (rows at one depth of a token tree share it); None: its own
+    noise_rows: list[int] | None = None
 
     @classmethod
     def build(
@@ -100,6 +102,7 @@ class SamplingBatch:
         eos_token_ids: Sequence[int] = (),
         grammar_masks: tuple[list[int], Future[torch.Tensor]] | None = None,
         amateur_logits: tuple[list[int], torch.Tensor] | None = None,
+        noise_rows: list[int] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
@@ -194,6 +197,7 @@ class SamplingBatch:
             contrastive=contrastive,
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
+            noise_rows=noise_rows,
         )
 
 
@@ -337,14 +341,18 @@ def apply_sampling_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.
     return logits
 
 
-def exponential_noise(probs_like: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def exponential_noise(probs_like: torch.Tensor, generators: Sequence[torch.Generator | None],
+                      noise_rows: list[int] | None = None) -> torch.Tensor:
     """The exponential race's noise for rows shaped as probs_like [B, V]: E ~ Exp(1) i.i.d.
 
     A row with a generator draws its V noises from that generator alone (always the same
     count, into a fresh tensor), so its draw depends on nothing else in the batch. The noise
     does not depend on the logits: the sampler draws it before it waits for grammar masks.
+    noise_rows: per row, the row whose noise it takes (drawn once, by that row).
     """
     B, V = probs_like.shape
+    if noise_rows is not None:
+        generators = [g if source == i else None for i, (g, source) in enumerate(zip(generators, noise_rows))]
     noise = torch.empty_like(probs_like)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < B:
@@ -358,6 +366,8 @@ def exponential_noise(probs_like: torch.Tensor, generators: Sequence[torch.Gener
         g = generators[i]
         row = torch.empty(V, dtype=probs_like.dtype, device=g.device).exponential_(generator=g)
         noise[i] = row.to(probs_like.device)
+    if noise_rows is not None:
+        noise = noise[torch.tensor(noise_rows, device=probs_like.device)]
     return noise
 
 
@@ -385,14 +395,18 @@ def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
 
 @dataclass
 class Guesses:
-    """The guessed tokens a step verifies: rows [G] of the batch that carry one, the guess of each
-    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup), and
-    per row the generator of the verification's own randomness (None: the global RNG)."""
+    """The guessed tokens a step verifies: the row [G] of the batch that verifies each, the guess
+    [G] int64, the distribution q it was drawn from [G, V] (a point mass for prompt lookup; None
+    where every row of the batch is greedy: greedy verification reads no q, greedy_acceptance), per
+    guess the generator of the verification's own randomness (None: the global RNG), and which
+    guesses are siblings after the first of their row (a token tree's: point masses, each at its
+    own token; None: none)."""
 
     rows: torch.Tensor
     token_ids: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     generators: list[torch.Generator | None]
+    siblings: list[bool] | None = None
 
 
 def uniforms(count: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -410,7 +424,15 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
 
     probs [B, V]: the target's final distributions (one-hot on greedy rows); sampled [B]: each
     row's own draw x ~ p, the token plain decoding would take. Returns each row's token [B] and
-    whether its guess was kept [B] (False on rows without one).
+    whether each guess was kept [G].
+
+    A token tree's row may verify several guesses: its first as above, then its siblings, point
+    masses at other tokens, by recursive rejection sampling (SpecInfer's multi-draft rule): with
+    the first rejected, the target is r; accept g2 with probability r(g2), else go on with r
+    without g2, renormalised, and so on; the row's token after all are rejected is a draw from what
+    is left. That is the same as drawing the row's token T ~ r (what the rule below gives when it
+    rejects the first guess) and keeping the sibling equal to T if there is one: so a sibling is
+    kept iff it equals its row's token (never when the first was kept: T is then that guess).
 
     The rule is realised from x, so that a point-mass draft (q = one-hot g, prompt lookup) keeps
     exactly the tokens of plain decoding: x == g happens with probability p(g), and a coin adds
@@ -419,16 +441,19 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     and otherwise replaced by a draw from normalise(max(0, r - s)) (its inverse CDF at a uniform
     draw), the maximal coupling of s to r,
     so the replacement is distributed as r. For a point mass r == s: x is always kept."""
-    tokens, accepted = sampled.clone(), torch.zeros_like(sampled, dtype=torch.bool)
+    tokens = sampled.clone()
+    accepted = torch.zeros(len(guesses.rows), dtype=torch.bool, device=sampled.device)
     if len(guesses.rows) == 0:
         return tokens, accepted
-    rows, g = guesses.rows, guesses.token_ids
-    p, q, x = probs[rows], guesses.probs.to(probs.dtype), sampled[rows]
+    siblings = guesses.siblings or [False] * len(guesses.rows)
+    first = torch.tensor([not s for s in siblings], device=sampled.device)
+    rows, g = guesses.rows[first], guesses.token_ids[first]
+    p, q, x = probs[rows], guesses.probs[first].to(probs.dtype), sampled[rows]
     p_g, q_g = p.gather(1, g.unsqueeze(1)).squeeze(1), q.gather(1, g.unsqueeze(1)).squeeze(1)
     accept_prob = (p_g / q_g.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0)
     coin = ((accept_prob - p_g) / (1.0 - p_g).clamp_min(torch.finfo(p.dtype).eps)).clamp(0.0, 1.0)
-    # [G, 3]: the acceptance coin, the coupling coin, the replacement's draw
-    u = uniforms(3, guesses.generators, probs.device)
+    # [rows, 3]: the acceptance coin, the coupling coin, the replacement's draw
+    u = uniforms(3, [gen for gen, sibling in zip(guesses.generators, siblings) if not sibling], probs.device)
     keep_guess = (x == g) | (u[:, 0] < coin)
     s = p.scatter(1, g.unsqueeze(1), 0.0)
     s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
@@ -441,8 +466,18 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     other = torch.searchsorted(cdf, (u[:, 2] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     other = other.clamp_(max=p.shape[-1] - 1)
     tokens[rows] = torch.where(keep_guess, g, torch.where(keep_x, x, other))
-    accepted[rows] = keep_guess
+    accepted[first] = keep_guess
+    accepted[~first] = tokens[guesses.rows[~first]] == guesses.token_ids[~first]
     return tokens, accepted
+
+
+def greedy_acceptance(sampled: torch.Tensor, guesses: Guesses) -> torch.Tensor:
+    """verify_guesses where every row is greedy: p is the point mass at the row's argmax x, so a
+    guess g is kept with probability min(1, p(g) / q(g)) = [g == x] whatever q, and a rejected
+    row's residual normalise(max(0, p - q)) is the point mass at x: every row's token is x (a
+    tree's sibling likewise: kept iff it is x). Returns whether each guess was kept [G]; no
+    vocabulary-wide work."""
+    return sampled[guesses.rows] == guesses.token_ids
 
 
 def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
@@ -481,17 +516,19 @@ class Sampler:
         """guesses (speculative decoding): rows carrying a guessed token, verified by the
         rejection rule (verify_guesses); a kept guess is that row's token."""
         raw = logits.float()
-        if batch.all_greedy and guesses is None:
+        accepted = None
+        if batch.all_greedy:
             sampled = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask).argmax(dim=-1)
+            if guesses is not None:
+                accepted = greedy_acceptance(sampled, guesses)
         else:
             # the noise first: it takes a while (a serial op over [B, V]), and the grammar masks'
             # thread fills them meanwhile; final_distribution waits for them
-            noise = None if batch.all_greedy else exponential_noise(raw, batch.generators)
+            noise = exponential_noise(raw, batch.generators, batch.noise_rows)
             probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
             sampled = draw(probs, greedy_ids, batch, noise)
-        accepted = None
-        if guesses is not None:
-            sampled, accepted = verify_guesses(probs, sampled, guesses)
+            if guesses is not None:
+                sampled, accepted = verify_guesses(probs, sampled, guesses)
         chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)

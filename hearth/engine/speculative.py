@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hearth.engine.request import Request
+from hearth.engine.token_tree import tree_of
 
 # How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
@@ -54,15 +55,24 @@ LOOKAHEAD_POOL_PER_TOKEN = 8
 
 
 class NgramProposer:
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, tree_width: int = 1):
+        """tree_width: the most branches of a request's guesses (token_tree.py), each the
+        continuation of another earlier match; 1: a chain."""
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self.tree_width = tree_width
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest (then the latest) earlier match of the last
         n tokens; [] when no n >= prompt_lookup_min matches."""
+        branches = self.branches(token_ids, k, 1)
+        return branches[0] if branches else []
+
+    def branches(self, token_ids: list[int], k: int, width: int) -> list[list[int]]:
+        """Up to `width` different continuations (k tokens each) of earlier matches of the last n
+        tokens, the longest matches first, then the latest; [] when no n >= prompt_lookup_min matches."""
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         tokens = np.asarray(token_ids)
@@ -76,15 +86,18 @@ class NgramProposer:
             alive &= ends >= d
             alive[alive] = tokens[ends[alive] - d] == tokens[last - d]
             match_len += alive
-        best = match_len.max()
-        if best < self.min_n:
-            return []
-        end = int(ends[np.flatnonzero(match_len == best)[-1]])
-        guesses = tokens[end + 1 : end + 1 + k].tolist()
-        period = last - end  # a match close to the end: the text repeats with this period
-        while len(guesses) < k:
-            guesses.append(guesses[len(guesses) - period])
-        return guesses
+        branches = []
+        for i in np.lexsort((ends, match_len))[::-1]:  # longest, then latest
+            if match_len[i] < self.min_n or len(branches) == width:
+                break
+            end = int(ends[i])
+            guesses = tokens[end + 1 : end + 1 + k].tolist()
+            period = last - end  # a match close to the end: the text repeats with this period
+            while len(guesses) < k:
+                guesses.append(guesses[len(guesses) - period])
+            if guesses not in branches:
+                branches.append(guesses)
+        return branches
 
 
     def guess(self, wanted: dict[Request, int], generators: dict, verified_rows: dict[Request, list[int]]) -> None:
@@ -92,7 +105,9 @@ class NgramProposer:
         generators, the draft's; verified_rows, each request's token at each row of the step just
         verified, lookahead's)."""
         for request, k in wanted.items():
-            request.spec_token_ids = self.lookup(request.all_token_ids, k)
+            branches = self.branches(request.all_token_ids, k, branch_width(request, self.tree_width))
+            tokens, parents = tree_of(branches)
+            request.set_guesses(tokens, parents if len(branches) > 1 else None)
 
     def probs_of(self, request: Request) -> None:
         """The guesses' distributions: point masses (None)."""
@@ -137,7 +152,7 @@ class LookaheadProposer:
     def guess(self, wanted: dict[Request, int], generators: dict, verified_rows: dict[Request, list[int]]) -> None:
         """Learn from every request's verified rows; set the guesses of those in `wanted`."""
         for request, rows in verified_rows.items():
-            request.spec_token_ids = self.propose(request, wanted.get(request, 0), rows)
+            request.set_guesses(self.propose(request, wanted.get(request, 0), rows))
 
     def probs_of(self, request: Request) -> None:
         """The guesses' distributions: point masses (None)."""
@@ -198,6 +213,12 @@ class LookaheadProposer:
         while start + len(window) in old:
             window.append(old[start + len(window)])
         state.window, state.window_start = window, start
+
+
+def branch_width(request: Request, tree_width: int) -> int:
+    """How many branches a request's guesses may have: a structured-output request's grammar masks
+    follow one chain of guesses."""
+    return 1 if request.sampling_params.structured_outputs is not None else tree_width
 
 
 class SpeedGate:

@@ -98,6 +98,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
+        self.ops = ops
+        self.backend_state: dict = {}  # what the backend derives from the experts' weights (emptied when they move)
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
@@ -123,19 +125,33 @@ class SparseMoE(nn.Module):
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
-        pairs_by_expert = chosen.argsort(stable=True)
-        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()  # one host sync per layer
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                pairs = pairs_by_expert[start : start + count]
-                tokens = pairs // self.top_k
-                out.index_add_(0, tokens, expert(x[tokens]) * weights[pairs, None])
-                start += count
+        pairs_by_expert = chosen.argsort(stable=True)  # [P = T * k]
+        counts = torch.bincount(chosen, minlength=len(self.experts))  # int64 [experts]
+        tokens = pairs_by_expert // self.top_k
+        routed = self.run_experts(x[tokens], counts)  # [P, hidden], pairs in expert order
+        out = torch.zeros_like(x).index_add_(0, tokens, routed * weights[pairs_by_expert, None])
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out += shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def _apply(self, fn, recurse=True):
+        self.backend_state.clear()  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [P, hidden]: rows grouped by expert, counts[e] rows for expert e in expert order ->
+        each row through its expert [P, hidden]: in one go where the backend has kernels for it,
+        else expert by expert."""
+        grouped = self.ops.run_experts(self, x, counts)
+        if grouped is not None:
+            return grouped.to(x.dtype)
+        out = torch.empty_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts.tolist()):  # one host sync per layer
+            if count:
+                out[start : start + count] = expert(x[start : start + count])
+                start += count
         return out
 
 

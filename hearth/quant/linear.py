@@ -3,8 +3,8 @@
 `QuantLinear` replaces `Linear` (and `QuantEmbedding` replaces `nn.Embedding`) when a weight
 comes as GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K) or, on a CPU, as an F16/BF16
 array; `quantized_module` is the one place that decides. Nothing is expanded at load: a weight
-stays a uint8 buffer [out_features, bytes_per_row] over the file's memory map, or (Q8_0/Q4_0 on
-a CPU with AVX-512 VNNI) the same bytes repacked once.
+stays a uint8 buffer [out_features, bytes_per_row] over the file's memory map, or (every block
+format but TQ2_0, on a CPU with AVX-512 VNNI) the same codes and scales repacked once.
 
 The kernels (docs/quantized-matmul.md has the measurements behind each choice):
 
@@ -12,8 +12,9 @@ The kernels (docs/quantized-matmul.md has the measurements behind each choice):
   of the weight's format (256 values for K-quants: llama.cpp's q8_K; 32 for the others: q8_0)
   and integer dot products (AVX2 maddubs) against the GGUF blocks where they lie: their layout
   already puts a sub-block's codes in consecutive bytes, one vector load per 32 weights.
-  With AVX-512 VNNI, Q8_0 and Q4_0 are instead repacked once, at load, into tiles of 32 rows
-  (the same bytes rearranged, the same size) that one VNNI instruction multiplies 16 rows of;
+  With AVX-512 VNNI, every block format but TQ2_0 is instead repacked once, at load, into tiles
+  of 32 rows (the codes at their own bits, the block's scales as stored: about the file's size)
+  that one VNNI instruction multiplies 16 rows of, with no decoding per call at any batch size;
   the file's pages are then released from this process (they stay in the page cache).
 - CPU, F16/BF16 arrays: `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the weight read as
   stored and widened to fp32 in registers (fp32 FMA), against fp32 or bf16 activations (bf16
@@ -44,7 +45,8 @@ from hearth.quant.tensor import QuantTensor
 Q = GGMLQuantizationType
 # multiplied by `int8_matmul` on a CPU (activations as llama.cpp's q8_K / q8_0)
 INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0)
-PACKED_QTYPES = (Q.Q8_0, Q.Q4_0)  # of those, repacked at load where the build has AVX-512 VNNI
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 is read in place)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q != Q.TQ2_0)
 HALF_QTYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _HALF_DTYPES = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
@@ -118,7 +120,7 @@ class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W kept in its storage format (GGUF blocks, or an F16/BF16 array).
 
     Holds either `qweight` (uint8 [out_features, bytes_per_row], the blocks as stored) or, for
-    Q8_0/Q4_0 on a CPU with AVX-512 VNNI, `codes` and `scales` (the packed tiles). On a CPU with
+    PACKED_QTYPES on a CPU with AVX-512 VNNI, `codes` and `terms` (the packed tiles). On a CPU with
     the compiled kernels, blocks in place and packed tiles alike run `int8_matmul`, called
     straight from forward."""
 
@@ -137,13 +139,13 @@ class QuantLinear(nn.Module):
             ext._check(torch.empty(0, self.in_features), data, self.qtype, self.out_features)
             self._kernel, self._qtype = ext.module.int8_matmul, int(self.qtype)
         if ext is not None and self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
-            codes, scales = ext.repack(data, self.qtype, self.out_features, self.in_features)
+            codes, terms = ext.repack(data, self.qtype, self.out_features, self.in_features)
             release_pages(data)
             self.qweight = None
-            self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, 32 rows x row bytes]
-            self.register_buffer("scales", scales, persistent=False)  # float16 [tiles, K / 32, 32]
+            self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, codes of 32 rows]
+            self.register_buffer("terms", terms, persistent=False)  # uint8 [tiles, their scales]
         else:
-            self.codes = self.scales = None
+            self.codes = self.terms = None
             self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._bind_int8_kernel()
@@ -154,13 +156,13 @@ class QuantLinear(nn.Module):
         return module
 
     def _bind_int8_kernel(self) -> None:
-        """The int8 kernel's weight pointers (blocks, packed scales or 0), looked up once (buffers
+        """The int8 kernel's weight pointers (blocks, or packed codes; packed terms or 0), looked up once (buffers
         only move through _apply): at batch 1 a call's Python overhead is a visible share of its time."""
         weight = self.qweight if self.codes is None else self.codes
         if self._kernel is None or weight.device.type != "cpu":
             self._int8_weight = None
         else:
-            self._int8_weight = (weight.data_ptr(), 0 if self.scales is None else self.scales.data_ptr())
+            self._int8_weight = (weight.data_ptr(), 0 if self.terms is None else self.terms.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._int8_weight is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
@@ -204,9 +206,10 @@ class QuantLinear(nn.Module):
     def _dequantize_rows(self, start: int, end: int) -> torch.Tensor:
         if self.codes is None:
             return _dequantize_rows(self.qweight[start:end], self.qtype, self.in_features)
-        first, last = start // 32, -(-end // 32)  # whole tiles
-        rows = dequantize_packed(self.codes[first:last], self.scales[first:last], self.qtype)
-        return rows[start - 32 * first:end - 32 * first]
+        first, last = start // 32, -(-end // 32)  # whole tiles, unpacked by the kernels on the CPU
+        rows = kernels.extension().dequantize_packed(self.codes[first:last].cpu(), self.terms[first:last].cpu(),
+                                                     self.qtype, self.in_features)
+        return rows[start - 32 * first:end - 32 * first].to(self.codes.device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -263,20 +266,6 @@ class TritonQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
                 f"bias={self.bias is not None}")
-
-
-def dequantize_packed(codes: torch.Tensor, scales: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """Packed tiles (see QuantLinear) -> float32 [32 x tiles, K], in torch (any device)."""
-    tiles, blocks = scales.shape[0], scales.shape[1]
-    k = 32 * blocks
-    d = scales.float().permute(0, 2, 1).reshape(tiles * 32, blocks, 1)  # [rows, K/32, 1]
-    if qtype == Q.Q8_0:  # [tile][K/4][row][4]: code + 128
-        q = codes.view(tiles, k // 4, 32, 4).permute(0, 2, 1, 3).reshape(tiles * 32, blocks, 32)
-        return ((q.int() - 128).float() * d).reshape(tiles * 32, k)
-    # Q4_0: [tile][block][g][row][4] bytes; low nibbles values 4g + i, high nibbles 16 + 4g + i
-    raw = codes.view(tiles, blocks, 4, 32, 4).permute(0, 3, 1, 2, 4)  # [tile, row, block, g, i]
-    q = torch.stack([raw & 0x0F, raw >> 4], dim=3).reshape(tiles * 32, blocks, 32)
-    return ((q.float() - 8) * d).reshape(tiles * 32, k)
 
 
 class QuantEmbedding(nn.Module):

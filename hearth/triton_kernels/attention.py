@@ -20,7 +20,10 @@ folded into the scale) and an fp32 accumulator.
 
 A q8_0 cache (hearth/backend/kv_quant.py: int8 codes [num_slots, num_kv_heads, head_dim] and
 float16 scales [num_slots, num_kv_heads, head_dim / 32]) is read the same way, each tile
-dequantized as it is loaded (code x its block's scale, in float32). Keys before the first
+dequantized as it is loaded (code x its block's scale, in float32). An fp8 cache
+(float8_e4m3fn [num_slots, num_kv_heads, head_dim] and one scale per tensor) is loaded as fp8 and
+converted to the query's dtype (exact: e4m3's values are bfloat16's, float16's and float32's too);
+its scales are folded into the score scale (K's) and the output (V's). Keys before the first
 position any row of a program sees are never loaded: the blocks a sliding window has left behind
 may have been freed (their block-table entries are placeholders).
 
@@ -40,11 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
+from hearth.backend.kv_quant import KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
 _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
+_Q8_0 = tl.constexpr(KV_Q8_0)
 _NO_WINDOW = 1 << 30  # the window of full attention: longer than any context
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partial writes than it gains
 PROGRAMS_PER_SM = 2  # decode splits aim at this many programs per SM
@@ -81,8 +85,8 @@ def _check(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, out: torch.Tenso
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "k/v cache [slots, kv_heads, head_dim]"
     assert num_heads % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
     for cache in (k_cache, v_cache):
-        values, scales, _ = cache_operands(cache)
-        assert values.stride(2) == 1 and scales.stride(2) == 1, "head_dim must be contiguous"
+        operands = cache_operands(cache)
+        assert operands.values.stride(2) == 1 and operands.block_scales.stride(2) == 1, "head_dim must be contiguous"
     assert q.stride(2) == 1, "head_dim must be contiguous"
     if out is None:
         return q.new_empty(q.shape)
@@ -95,10 +99,12 @@ def _check(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, out: torch.Tenso
 
 @triton.jit
 def _load_rows(ptr, scale_ptr, slot, kv_head, d, mask, stride_s, stride_h, stride_ss, stride_sh,
-               QUANT: tl.constexpr):
-    """Cache rows [BLOCK_N, BLOCK_D] of one KV head at `slot`: values, or q8_0 codes x their scales."""
-    rows = tl.load(ptr + slot[:, None] * stride_s + kv_head * stride_h + d[None, :], mask=mask, other=0)
-    if QUANT:
+               KV_FORMAT: tl.constexpr):
+    """Cache rows [BLOCK_N, BLOCK_D] of one KV head at `slot`: values (fp8's unscaled), or q8_0
+    codes x their scales."""
+    # (other=0.0: Triton casts no integer constant to fp8)
+    rows = tl.load(ptr + slot[:, None] * stride_s + kv_head * stride_h + d[None, :], mask=mask, other=0.0)
+    if KV_FORMAT == _Q8_0:
         scales = tl.load(scale_ptr + slot[:, None] * stride_ss + kv_head * stride_sh + (d // _Q8_BLOCK)[None, :],
                          mask=mask, other=0.0)
         return rows.to(tl.float32) * scales.to(tl.float32)
@@ -109,17 +115,17 @@ def _load_rows(ptr, scale_ptr, slot, kv_head, d, mask, stride_s, stride_h, strid
 def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head, d, d_mask,
                  stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
                  qk_scale, softcap, window,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr):
     """Keys at context positions `key` [BLOCK_N] (those in [begin, end): no other is loaded) folded
     into the online softmax (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees
     keys from last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score /
-    softcap) (both in the log2-scaled units). QUANT: the caches are q8_0 codes, ks_ptr / vs_ptr their
-    scales. A row may see no key of a tile: its m stays -inf, its sums 0."""
+    softcap) (both in the log2-scaled units). KV_FORMAT: what the caches hold (kv_quant.py); q8_0's
+    block scales at ks_ptr / vs_ptr. A row may see no key of a tile: its m stays -inf, its sums 0."""
     valid = (key >= begin) & (key < end)
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
-    k = _load_rows(k_ptr, ks_ptr, slot, kv_head, d, kv_mask, stride_ks, stride_kh, stride_kss, stride_ksh, QUANT)
+    k = _load_rows(k_ptr, ks_ptr, slot, kv_head, d, kv_mask, stride_ks, stride_kh, stride_kss, stride_ksh, KV_FORMAT)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -130,7 +136,7 @@ def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_pt
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = _load_rows(v_ptr, vs_ptr, slot, kv_head, d, kv_mask, stride_vs, stride_vh, stride_vss, stride_vsh, QUANT)
+    v = _load_rows(v_ptr, vs_ptr, slot, kv_head, d, kv_mask, stride_vs, stride_vh, stride_vss, stride_vsh, KV_FORMAT)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l, acc
 
@@ -143,10 +149,10 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
     stride_tb, stride_ob, stride_oh,
-    num_heads, qk_scale, softcap, window,
+    num_heads, qk_scale, v_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads against one range of the context."""
     seq = tl.program_id(0).to(tl.int64)
@@ -176,10 +182,10 @@ def _decode_split_kernel(
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, start, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
                                  kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
                                  stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, QUANT)
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT)
 
     l = tl.where(l > 0, l, 1.0)  # an empty range (m = -inf) leaves zeros
-    o = acc / l[:, None]
+    o = acc / l[:, None] * v_scale
     store_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -214,8 +220,8 @@ def _decode_merge_kernel(
 
 def decode_attention(
     q: torch.Tensor,  # [B, H, D], one new token per sequence
-    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
-    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
+    k_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
+    v_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
     block_tables: torch.Tensor,  # int32 [B, max_blocks]
     context_lens: torch.Tensor,  # int32 [B], this token included; 0 for padding rows
     scale: float,
@@ -242,16 +248,16 @@ def decode_attention(
     else:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    (k, k_scales, quant), (v, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
+    (k, k_scales, k_scale, kv_format), (v, v_scales, v_scale, _) = cache_operands(k_cache), cache_operands(v_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k, v, k_scales, v_scales, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
+        num_heads, scale * k_scale * LOG2E, v_scale, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, QUANT=quant, num_warps=4,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, num_warps=4,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -270,10 +276,10 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
     stride_tb, stride_ot, stride_oh,
-    qk_scale, softcap, window,
+    qk_scale, v_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     """Program (query block, sequence, KV head): BLOCK_Q new rows of a sequence x the group's heads,
     as BLOCK_Q * BLOCK_G tile rows (row-major: row r is query r // BLOCK_G, head r % BLOCK_G)."""
@@ -310,17 +316,17 @@ def _prefill_kernel(
         m, l, acc = _attend_tile(q, m, l, acc, tile + n, first, end, pos, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
                                  kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
                                  stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, QUANT)
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT)
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows past a window see no key
+    o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale  # padding rows past a window see no key
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D], the new tokens of S sequences end to end
-    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
-    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
+    k_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
+    v_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
     block_tables: torch.Tensor,  # int32 [S, max_blocks]
     query_start_loc: torch.Tensor,  # int32 [S + 1]: sequence s owns q rows [start[s], start[s + 1])
     seq_lens: torch.Tensor,  # int32 [S], tokens in the cache after this step (prefix included)
@@ -343,15 +349,15 @@ def prefill_attention(
     block_g = triton.next_power_of_2(group)
     block_q = max(1, PREFILL_ROWS // block_g)
     block_d, block_n, precision = _tile_sizes(head_dim, q.dtype)
-    (k, k_scales, quant), (v, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
+    (k, k_scales, k_scale, kv_format), (v, v_scales, v_scale, _) = cache_operands(k_cache), cache_operands(v_cache)
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
         q, k, v, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
+        scale * k_scale * LOG2E, v_scale, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, QUANT=quant, num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, num_warps=4 if block_d <= 128 else 8,
     )
     return out

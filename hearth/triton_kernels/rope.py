@@ -11,6 +11,12 @@ A q8_0 cache (hearth/backend/kv_quant.py) gets each head row of k and v quantize
 the rotated k is built as whole rows (each value with its rotation partner) so that a row's
 blocks of 32 are whole, then d = max|x| / 127 per block and codes round(x / d), halves away from
 zero, as llama.cpp's quantize_row_q8_0_ref.
+
+An fp8 cache gets x / scale (the cache's per-tensor scale) saturated to +-448 and rounded to the
+nearest e4m3 value, ties to even, as torch's cast. The kernel rounds in float32 itself (`_e4m3`),
+so the cast that follows is exact: Triton's interpreter's fp8 cast rounds ties up and lets a
+mantissa carry corrupt the exponent, and one rounding written here gives the same bytes on a GPU
+and under the interpreter.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import Q8_BLOCK, KVCache, cache_operands
+from hearth.backend.kv_quant import FP8_MAX, KV_FP8, KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
 
 _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
+_Q8_0 = tl.constexpr(KV_Q8_0)
+_FP8 = tl.constexpr(KV_FP8)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -54,12 +63,27 @@ def _store_q8_0(codes_ptr, scales_ptr, x, h, d, stored, stride_ch, stride_sh,
 
 
 @triton.jit
+def _e4m3(x):
+    """float32 x -> the nearest e4m3 value (ties to even) of x saturated to +-448, in float32. With
+    u the e4m3 spacing at |x| (2^(e - 3) for |x| in [2^e, 2^(e + 1)), 2^-9 below 2^-6), adding and
+    taking away 1.5 * 2^23 * u makes float32's own round-to-nearest-even round |x| to a multiple of u."""
+    y = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals are spaced as [2^-6, 2^-5)
+    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = spacing * 12582912.0  # 1.5 * 2^23
+    rounded = (tl.abs(y) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # x's sign, -0 too
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slots_ptr,
     q_out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_ksh, stride_vss, stride_vsh,
+    k_inverse_scale, v_inverse_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t).to(tl.int64)
@@ -81,7 +105,7 @@ def _rope_store_kernel(
     d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
     row_mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=row_mask, other=0.0)
-    if QUANT:
+    if KV_FORMAT == _Q8_0:
         # whole rows: value d with its partner d +- D/2, cos and sin at d mod D/2
         first = d < HALF
         j = tl.where(first, d, d - HALF)
@@ -99,6 +123,9 @@ def _rope_store_kernel(
     else:
         mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
         out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
+        if KV_FORMAT == _FP8:
+            out1, out2 = _e4m3(out1 * k_inverse_scale), _e4m3(out2 * k_inverse_scale)
+            v = _e4m3(v.to(tl.float32) * v_inverse_scale)
         store = (h < stored_heads) & (i < HALF)
         k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
         tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
@@ -114,12 +141,13 @@ def rope_and_store_kv(
     positions: torch.Tensor,  # int [T]
     cos_table: torch.Tensor,  # float32 [max_positions, D / 2]
     sin_table: torch.Tensor,  # float32 [max_positions, D / 2]
-    k_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0 (head_dim a multiple of 32)
-    v_cache: KVCache,  # [num_slots, KVH, D] values, or q8_0
+    k_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 (head_dim a multiple of 32) or fp8
+    v_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
     slot_mapping: torch.Tensor,  # int [T]; < 0: not stored
 ) -> torch.Tensor:
     """Stores rope(k) and v at their slots; returns rope(q) as a new contiguous [T, H, D] in q.dtype."""
-    (k_cache, k_scales, quant), (v_cache, v_scales, _) = cache_operands(k_cache), cache_operands(v_cache)
+    (k_cache, k_scales, k_scale, kv_format), (v_cache, v_scales, v_scale, _) = (cache_operands(k_cache),
+                                                                              cache_operands(v_cache))
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -136,9 +164,9 @@ def rope_and_store_kv(
         q, k, v, positions, cos_table, sin_table, k_cache, v_cache, k_scales, v_scales, slot_mapping, q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
+        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1), 1.0 / k_scale, 1.0 / v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), QUANT=quant, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), KV_FORMAT=kv_format, num_warps=4,
     )
     return q_out

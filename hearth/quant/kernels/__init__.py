@@ -61,29 +61,46 @@ class Kernels:
         return y
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q8_0 / Q4_0 blocks [n, bytes_per_row] -> (codes uint8 [tiles, ...], scales float16 [tiles, k/32, 32]),
-        the layout `packed_matmul` reads (tiles of 32 rows; see qmatmul.cpp)."""
+        """Blocks [n, bytes_per_row] of any block format but TQ2_0 -> the packed tiles `packed_matmul`
+        reads (32 rows each; qmatmul.cpp, "packed tiles"): (codes, terms), uint8 [tiles, bytes per tile]."""
         self._check(torch.empty(0, k), w, qtype, n)
+        code_bytes, term_bytes = self.module.packed_bytes(int(qtype), k)
         tiles = -(-n // 32)
-        codes = torch.empty(tiles, 32 * k // (1 if qtype == 8 else 2), dtype=torch.uint8)
-        scales = torch.empty(tiles, k // 32, 32, dtype=torch.float16)
-        self.module.repack(w.data_ptr(), codes.data_ptr(), scales.data_ptr(), n, k, w.shape[1], int(qtype),
+        codes = torch.empty(tiles, code_bytes, dtype=torch.uint8)
+        terms = torch.empty(tiles, term_bytes, dtype=torch.uint8)
+        self.module.repack(w.data_ptr(), codes.data_ptr(), terms.data_ptr(), n, k, w.shape[1], int(qtype),
                            torch.get_num_threads())
-        return codes, scales
+        return codes, terms
 
-    def packed_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtype: int, n: int,
+    def _check_packed(self, codes: torch.Tensor, terms: torch.Tensor, qtype: int, k: int) -> None:
+        sizes = self.module.packed_bytes(int(qtype), k)
+        for array, size in zip((codes, terms), sizes):
+            if (array.dtype != torch.uint8 or array.dim() != 2 or array.shape != (codes.shape[0], size)
+                    or not array.is_contiguous() or array.device.type != "cpu"):
+                raise ValueError(f"packed weight: contiguous uint8 CPU tensors [tiles, {sizes}] expected")
+
+    def packed_matmul(self, x: torch.Tensor, codes: torch.Tensor, terms: torch.Tensor, qtype: int, n: int,
                       portable: bool = False) -> torch.Tensor:
-        """x [M, K] W^T, W repacked; x rounded to int8 per 32 values (llama.cpp's q8_0)."""
+        """x [M, K] W^T, W packed; x rounded to int8 per block of the format (q8_K / q8_0)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
             raise ValueError("x: float32 CPU tensor [M, K] expected")
         x = x.contiguous()
         k = x.shape[1]
-        if scales.shape != (-(-n // 32), k // 32, 32) or not (codes.is_contiguous() and scales.is_contiguous()):
+        if k % self.module.block_values(int(qtype)) or codes.shape[0] != -(-n // 32):
             raise ValueError("packed weight does not match x")
+        self._check_packed(codes, terms, qtype, k)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self.module.packed_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+        self.module.packed_matmul(x.data_ptr(), codes.data_ptr(), terms.data_ptr(), y.data_ptr(), x.shape[0], n, k,
                                   int(qtype), portable, torch.get_num_threads())
         return y
+
+    def dequantize_packed(self, codes: torch.Tensor, terms: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """Packed tiles -> float32 [32 x tiles, k] (bit-exact as `dequantize_rows`; padding rows zero)."""
+        self._check_packed(codes, terms, qtype, k)
+        out = torch.empty(32 * codes.shape[0], k, dtype=torch.float32)
+        self.module.dequantize_packed(codes.data_ptr(), terms.data_ptr(), out.data_ptr(), codes.shape[0], k,
+                                      int(qtype), torch.get_num_threads())
+        return out
 
     def dequantize_rows(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         """W as fp32 [N, k] (the kernels' own decoding, to test against hearth.quant.formats)."""

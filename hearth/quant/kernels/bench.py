@@ -35,7 +35,7 @@ def _best(fn, runs: int) -> float:
 def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     from hearth.loading.gguf import load_gguf
     from hearth.quant import QuantTensor, kernels
-    from hearth.quant.linear import _torch_matmul
+    from hearth.quant.linear import PACKED_QTYPES, _torch_matmul
 
     ext = kernels.extension()
     config, weights, _ = load_gguf(path, progress=False)
@@ -45,7 +45,7 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     total = sum(w.nbytes for name, w in weights.items() if isinstance(w, QuantTensor) and "embed" not in name)
     qtype = chosen[0].qtype
     raw = [(w.data.reshape(w.shape[0], -1), w.shape) for w in chosen]
-    packed = [ext.repack(d, int(qtype), *shape) for d, shape in raw] if ext and qtype.name in ("Q8_0", "Q4_0") else None
+    packed = [ext.repack(d, int(qtype), *shape) for d, shape in raw] if ext and qtype in PACKED_QTYPES else None
     dense = [w.dequantize(torch.float32) for w in chosen]
     candidates = {
         "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),

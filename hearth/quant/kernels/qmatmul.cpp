@@ -3,8 +3,10 @@
 //   int8_matmul:   every block format, every batch size: activations rounded to int8 per block
 //                  of the weight's format (llama.cpp's q8_K for K-quants, q8_0 otherwise) and
 //                  integer dot products (AVX2 maddubs) against the GGUF blocks where they lie;
-//                  or, on AVX-512 VNNI builds, Q8_0 / Q4_0 repacked once into tiles of 32 rows
-//                  (`repack`, `packed_matmul`).
+//                  or, on AVX-512 VNNI builds, every format but TQ2_0 repacked once into tiles
+//                  of 32 rows at the format's own bits (`repack`, `packed_matmul`).
+//   grouped_int8_matmul: a mixture-of-experts layer's chosen experts in one call, rows grouped
+//                  by expert, each group through int8_matmul against its own expert's weight.
 //   half_matmul:   F16 / BF16 arrays, every batch size, read as stored: weights widened to fp32
 //                  in registers, fp32 FMA; fp32 or bf16 activations.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -169,14 +172,14 @@ template <> void unpack<TQ2_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
 }
 // Q3_K: hmask[32] | qs[64] (as Q2_K) | scales[12] (6-bit, offset 32) | d f16.
 // q = low + 4 * high, w = d (scale - 32) (q - 4); high bit of value i: (hmask[i % 32] >> (i / 32)) & 1
+// the scale of sub-block j (-32..31) from the 12 bytes at `raw`
+inline int q3_k_scale(const uint8_t* raw, int j) {
+  const int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4), high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
 template <> void unpack<Q3_K>(const uint8_t* b, uint8_t* q, float* s, float*) {
   float d = h2f(b + 108);
-  const uint8_t* raw = b + 96;
-  for (int j = 0; j < 16; j++) {
-    int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4);
-    int high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
-    s[j] = d * float((low | (high << 4)) - 32);
-  }
+  for (int j = 0; j < 16; j++) s[j] = d * float(q3_k_scale(b + 96, j));
   for (int h = 0; h < 2; h++)
     for (int sh = 0; sh < 4; sh++)
       for (int l = 0; l < 32; l++) {
@@ -355,6 +358,16 @@ inline void half_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64
 constexpr int HALF_MR = 4;
 constexpr int64_t HALF_KC = 2048, HALF_BLOCK_BYTES = 1 << 20;
 
+// half_tile for the last mr < MR activation rows with a tile of mr rows, not MR (a tile computes
+// all its rows: 5 rows, a verification of 4 guessed tokens, cost 8 where they cost 5 + 1 tile)
+template <class L, int QT, int MR = HALF_MR>
+inline void half_tile_rows(int mr, const uint8_t* w, int64_t row_bytes, const float* x, int64_t x_stride, int64_t K,
+                           int nr, float* y, int64_t N, bool accumulate) {
+  if constexpr (MR > 1)
+    if (mr < MR) return half_tile_rows<L, QT, MR - 1>(mr, w, row_bytes, x, x_stride, K, nr, y, N, accumulate);
+  half_tile<L, QT, L::NR, MR, 1>(w, row_bytes, x, x_stride, K, nr, MR, y, N, accumulate);
+}
+
 // rows [n0, n1) against all M activation rows (fp32, laid out as L reads them). One activation
 // row (decode): one weight row at a time, each thread reading one sequential stream (the
 // hardware prefetchers follow it).
@@ -373,28 +386,28 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const floa
       const int64_t b1 = std::min(n1, b0 + block);
       for (int64_t m = 0; m < M; m += HALF_MR)
         for (int64_t n = b0; n < b1; n += L::NR)
-          half_tile<L, QT, L::NR, HALF_MR, 1>(w + n * row_bytes + 2 * k0, row_bytes, x + m * K + k0, K, kc,
-                                              (int)std::min<int64_t>(L::NR, b1 - n),
-                                              (int)std::min<int64_t>(HALF_MR, M - m), y + m * N + n, N, k0 > 0);
+          half_tile_rows<L, QT>((int)std::min<int64_t>(HALF_MR, M - m), w + n * row_bytes + 2 * k0, row_bytes,
+                                x + m * K + k0, K, kc, (int)std::min<int64_t>(L::NR, b1 - n), y + m * N + n, N,
+                                k0 > 0);
     }
     if (kc != HALF_KC) break;
   }
 }
 #endif  // HEARTH_HALF_SIMD
 
-#define HEARTH_DISPATCH(qtype, CALL)                                          \
+#define HEARTH_DISPATCH(qtype, ...)                                           \
   switch (qtype) {                                                            \
-    case Q8_0: { constexpr int QT = Q8_0; CALL; break; }                      \
-    case Q4_0: { constexpr int QT = Q4_0; CALL; break; }                      \
-    case Q4_1: { constexpr int QT = Q4_1; CALL; break; }                      \
-    case Q5_0: { constexpr int QT = Q5_0; CALL; break; }                      \
-    case Q5_1: { constexpr int QT = Q5_1; CALL; break; }                      \
-    case Q2_K: { constexpr int QT = Q2_K; CALL; break; }                      \
-    case Q3_K: { constexpr int QT = Q3_K; CALL; break; }                      \
-    case Q4_K: { constexpr int QT = Q4_K; CALL; break; }                      \
-    case Q5_K: { constexpr int QT = Q5_K; CALL; break; }                      \
-    case Q6_K: { constexpr int QT = Q6_K; CALL; break; }                      \
-    case TQ2_0: { constexpr int QT = TQ2_0; CALL; break; }                    \
+    case Q8_0: { constexpr int QT = Q8_0; __VA_ARGS__; break; }               \
+    case Q4_0: { constexpr int QT = Q4_0; __VA_ARGS__; break; }               \
+    case Q4_1: { constexpr int QT = Q4_1; __VA_ARGS__; break; }               \
+    case Q5_0: { constexpr int QT = Q5_0; __VA_ARGS__; break; }               \
+    case Q5_1: { constexpr int QT = Q5_1; __VA_ARGS__; break; }               \
+    case Q2_K: { constexpr int QT = Q2_K; __VA_ARGS__; break; }               \
+    case Q3_K: { constexpr int QT = Q3_K; __VA_ARGS__; break; }               \
+    case Q4_K: { constexpr int QT = Q4_K; __VA_ARGS__; break; }               \
+    case Q5_K: { constexpr int QT = Q5_K; __VA_ARGS__; break; }               \
+    case Q6_K: { constexpr int QT = Q6_K; __VA_ARGS__; break; }               \
+    case TQ2_0: { constexpr int QT = TQ2_0; __VA_ARGS__; break; }             \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 
@@ -518,199 +531,6 @@ void quantize_activations(const float* x, int64_t M, int64_t K, QuantizedActivat
 }
 
 constexpr int NR = 32;  // weight rows per packed tile (two 16-lane vectors)
-
-// ------------------------------------------------------------------ packed Q8_0 / Q4_0
-// Repacked once at load: the same bytes as the GGUF blocks, rearranged so that one 64-byte vector
-// holds 4 codes of each of 16 rows, which one VNNI instruction multiplies with 4 activation codes.
-// Per tile of 32 rows (the last one padded with zero-scale rows), tiles one after another:
-//   Q8_0 codes:  [K/4][32 rows][4] uint8, the int8 code + 128
-//   Q4_0 codes:  [K/32][4][32 rows][4], bytes 4g..4g+3 of the block's qs: low nibbles are values
-//                4g..4g+3, high nibbles values 16+4g..16+4g+3
-//   scales:      [K/32][32 rows] float16, the block's d
-// One kernel serves every M: for M = 1 it reads each weight byte once with ~2 instructions per
-// 32 weights (the GGUF layout needs ~10 in fp32), for large M the tile stays in L1/L2.
-
-constexpr int PACKED_MR = 5;  // activation rows per pass over a tile (4..6 measured within 5%)
-
-constexpr int64_t packed_code_bytes(int qtype, int64_t K) { return qtype == Q8_0 ? NR * K : NR * K / 2; }
-
-void repack(uintptr_t w_, uintptr_t codes_, uintptr_t scales_, int64_t N, int64_t K, int64_t rb, int qtype, int threads) {
-  if (qtype != Q8_0 && qtype != Q4_0) throw std::invalid_argument("repack: Q8_0 and Q4_0 only");
-  const uint8_t* w = (const uint8_t*)w_;
-  uint8_t* codes = (uint8_t*)codes_;
-  uint16_t* scales = (uint16_t*)scales_;
-  const int64_t tiles = (N + NR - 1) / NR, nb = K / 32, tile_bytes = packed_code_bytes(qtype, K);
-  const int bytes = qtype == Q8_0 ? 34 : 18, groups = qtype == Q8_0 ? 8 : 4;
-  parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      uint8_t* tc = codes + t * tile_bytes;
-      uint16_t* ts = scales + t * nb * NR;
-      for (int64_t j = 0; j < NR; j++) {
-        const int64_t n = t * NR + j;
-        for (int64_t b = 0; b < nb; b++) {
-          const uint8_t* blk = w + n * rb + b * bytes;
-          uint16_t d = 0;
-          if (n < N) std::memcpy(&d, blk, 2);
-          ts[b * NR + j] = d;
-          for (int g = 0; g < groups; g++) {
-            uint32_t v = 0;
-            if (n < N) std::memcpy(&v, blk + 2 + 4 * g, 4);
-            if (qtype == Q8_0) v ^= 0x80808080u;
-            std::memcpy(tc + ((b * groups + g) * NR + j) * 4, &v, 4);
-          }
-        }
-      }
-    }
-  });
-}
-
-// activation terms per row and block of 32: c0 = -Z * sum(codes), dx = scale
-void packed_terms(const QuantizedActivations& a, int64_t M, int64_t K, int Z, std::vector<int32_t>& c0, std::vector<float>& dx) {
-  const int64_t nb = K / 32;
-  c0.resize(M * nb);
-  dx.resize(M * nb);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < nb; b++) {
-      c0[m * nb + b] = -Z * (a.s16[m * (K / 16) + 2 * b] + a.s16[m * (K / 16) + 2 * b + 1]);
-      dx[m * nb + b] = a.d[m * nb + b];
-    }
-}
-
-// Portable: MR rows against one packed tile
-template <int QT>
-void packed_tile_generic(int MR, const uint8_t* codes, const uint16_t* scales, int64_t K, const int8_t* xq,
-                         const int32_t* c0, const float* dx, float* y, int64_t N, int64_t nvalid) {
-  const int64_t nb = K / 32;
-  for (int r = 0; r < MR; r++) {
-    float acc[NR] = {};
-    for (int64_t b = 0; b < nb; b++) {
-      const int8_t* xb = xq + r * K + b * 32;
-      for (int j = 0; j < NR; j++) {
-        int32_t dot = c0[r * nb + b];
-        for (int i = 0; i < 32; i++) {
-          int code;
-          if (QT == Q8_0) {
-            code = codes[((b * 8 + i / 4) * NR + j) * 4 + i % 4];
-          } else {
-            const int g = (i % 16) / 4;
-            const uint8_t byte = codes[((b * 4 + g) * NR + j) * 4 + i % 4];
-            code = i < 16 ? (byte & 0x0F) : (byte >> 4);
-          }
-          dot += code * int32_t(xb[i]);
-        }
-        uint16_t h = scales[b * NR + j];
-        acc[j] += float(dot) * (half_to_float(h) * dx[r * nb + b]);
-      }
-    }
-    for (int j = 0; j < nvalid; j++) y[r * N + j] = acc[j];
-  }
-}
-
-#ifdef HEARTH_VNNI
-template <int QT, int MR>
-inline void packed_tile_vnni(const uint8_t* codes, const uint16_t* scales, int64_t K, const int8_t* xq,
-                             const int32_t* c0, const float* dx, float* y, int64_t N, int64_t nvalid) {
-  const int64_t nb = K / 32;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  auto xword = [&](int r, int64_t at) {
-    int32_t v;
-    std::memcpy(&v, xq + r * K + at, 4);
-    return _mm512_set1_epi32(v);
-  };
-  for (int64_t b = 0; b < nb; b++) {
-    __m512i dot[MR][2];
-    for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(c0[r * nb + b]);
-    if constexpr (QT == Q8_0) {
-      const uint8_t* cb = codes + b * 8 * NR * 4;
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; g++) {
-        const __m512i w0 = _mm512_loadu_si512((const void*)(cb + g * NR * 4));
-        const __m512i w1 = _mm512_loadu_si512((const void*)(cb + g * NR * 4 + 64));
-        for (int r = 0; r < MR; r++) {
-          const __m512i xb = xword(r, b * 32 + 4 * g);
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
-        }
-      }
-    } else {
-      const uint8_t* cb = codes + b * 4 * NR * 4;
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; g++) {
-        const __m512i v0 = _mm512_loadu_si512((const void*)(cb + g * NR * 4));
-        const __m512i v1 = _mm512_loadu_si512((const void*)(cb + g * NR * 4 + 64));
-        const __m512i lo0 = _mm512_and_si512(v0, nib), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
-        const __m512i lo1 = _mm512_and_si512(v1, nib), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
-        for (int r = 0; r < MR; r++) {
-          const __m512i xl = xword(r, b * 32 + 4 * g), xh = xword(r, b * 32 + 16 + 4 * g);
-          dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], lo0, xl), hi0, xh);
-          dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], lo1, xl), hi1, xh);
-        }
-      }
-    }
-    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + b * NR)));
-    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + b * NR + 16)));
-    for (int r = 0; r < MR; r++) {
-      const __m512 d = _mm512_set1_ps(dx[r * nb + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), _mm512_mul_ps(s0, d), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), _mm512_mul_ps(s1, d), acc[r][1]);
-    }
-  }
-  const __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
-  const __mmask16 k1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (__mmask16)((1u << (nvalid - 16)) - 1);
-  for (int r = 0; r < MR; r++) {
-    _mm512_mask_storeu_ps(y + r * N, k0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * N + 16, k1, acc[r][1]);
-  }
-}
-#endif
-
-template <int QT>
-void packed_tile(bool portable, int MR, const uint8_t* codes, const uint16_t* scales, int64_t K, const int8_t* xq,
-                 const int32_t* c0, const float* dx, float* y, int64_t N, int64_t nvalid) {
-#ifdef HEARTH_VNNI
-  if (!portable) {
-    switch (MR) {
-      case 5: return packed_tile_vnni<QT, 5>(codes, scales, K, xq, c0, dx, y, N, nvalid);
-      case 4: return packed_tile_vnni<QT, 4>(codes, scales, K, xq, c0, dx, y, N, nvalid);
-      case 3: return packed_tile_vnni<QT, 3>(codes, scales, K, xq, c0, dx, y, N, nvalid);
-      case 2: return packed_tile_vnni<QT, 2>(codes, scales, K, xq, c0, dx, y, N, nvalid);
-      default: return packed_tile_vnni<QT, 1>(codes, scales, K, xq, c0, dx, y, N, nvalid);
-    }
-  }
-#endif
-  packed_tile_generic<QT>(MR, codes, scales, K, xq, c0, dx, y, N, nvalid);
-}
-
-// y [M, N] = x [M, K] W^T, W packed; x rounded to int8 per 32 values (llama.cpp's numerics)
-void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t scales_, uintptr_t y_, int64_t M, int64_t N, int64_t K,
-                   int qtype, bool portable, int threads) {
-  if (qtype != Q8_0 && qtype != Q4_0) throw std::invalid_argument("packed_matmul: Q8_0 and Q4_0 only");
-  QuantizedActivations a;
-  quantize_activations((const float*)x_, M, K, a, threads);
-  std::vector<int32_t> c0;
-  std::vector<float> dx;
-  packed_terms(a, M, K, qtype == Q8_0 ? 128 : 8, c0, dx);
-  const uint8_t* codes = (const uint8_t*)codes_;
-  const uint16_t* scales = (const uint16_t*)scales_;
-  float* y = (float*)y_;
-  const int64_t tiles = (N + NR - 1) / NR, nb = K / 32, tile_bytes = packed_code_bytes(qtype, K);
-  parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const int64_t n0 = t * NR, rows = std::min<int64_t>(NR, N - n0);
-      for (int64_t m = 0; m < M; m += PACKED_MR) {
-        const int mr = (int)std::min<int64_t>(PACKED_MR, M - m);
-        if (qtype == Q8_0)
-          packed_tile<Q8_0>(portable, mr, codes + t * tile_bytes, scales + t * nb * NR, K, a.q.data() + m * K,
-                            c0.data() + m * nb, dx.data() + m * nb, y + m * N + n0, N, rows);
-        else
-          packed_tile<Q4_0>(portable, mr, codes + t * tile_bytes, scales + t * nb * NR, K, a.q.data() + m * K,
-                            c0.data() + m * nb, dx.data() + m * nb, y + m * N + n0, N, rows);
-      }
-    }
-  });
-}
 
 // ------------------------------------------------------------------ int8 dot products, blocks in place
 // Every block format, read where it lies:
@@ -882,11 +702,7 @@ template <> struct Block<Q6_K> {
 template <> struct Block<Q3_K> {
   const uint8_t* b; float d, f; Scales16 sc; __m256i c16;
   explicit Block(const uint8_t* p) : b(p), d(h2f(p + 108)), f(d) {
-    const uint8_t* raw = p + 96;
-    for (int j = 0; j < 16; j++) {
-      const int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4), high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
-      sc.s[j] = (int16_t)((low | (high << 4)) - 32);
-    }
+    for (int j = 0; j < 16; j++) sc.s[j] = (int16_t)q3_k_scale(p + 96, j);
     c16 = _mm256_slli_epi16(_mm256_load_si256((const __m256i*)sc.s), 2);  // Z = 4
   }
   __m256i scales(int c) const { return sc.halves(c); }
@@ -1016,6 +832,23 @@ void int8_dot_rows_simd(int mr, const uint8_t* row, int64_t K, const QuantizedAc
 }
 #endif  // __AVX2__
 
+// A block's BS unsigned codes, unpack<QT>'s q (w = s (q - Z) + o): 32 at a time where the build has
+// AVX2 (Block<QT>; Q8_0's signed codes moved up by 128), else unpack's loops.
+template <int QT>
+inline void block_codes(const uint8_t* p, uint8_t* codes) {
+#ifdef __AVX2__
+  const Block<QT> blk(p);
+  constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
+  for (int ch = 0; ch < Fmt<QT>::BS / 32; ch++) {
+    const __m256i v = blk.codes(ch);
+    _mm256_storeu_si256((__m256i*)(codes + 32 * ch), SIGNED ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v);
+  }
+#else
+  float s[Fmt<QT>::BS / Fmt<QT>::S], o[Fmt<QT>::BS / Fmt<QT>::S];
+  unpack<QT>(p, codes, s, o);
+#endif
+}
+
 #ifdef HEARTH_VNNI
 // ------------------------------------------------------------------ tiles decoded per call (VNNI)
 // Prefill and batches (M >= INT8_TILE_MIN_ROWS) on AVX-512 VNNI builds, every sub-block format
@@ -1036,17 +869,14 @@ struct DecodedTile {
   std::vector<float> offset;   // [K/S][NR]
 };
 
-// One block as the tile holds it: BS unsigned codes (Block<QT>'s, 32 at a time) and per sub-block
-// of S values the scale s and offset c of w = s q + c.
+// One block as the tile holds it: BS unsigned codes (block_codes) and per sub-block of S values
+// the scale s and offset c of w = s q + c.
 template <int QT>
 inline void block_terms(const uint8_t* p, uint8_t* codes, float* s, float* c) {
   using F = Fmt<QT>;
   const Block<QT> blk(p);
   constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
-  for (int ch = 0; ch < F::BS / 32; ch++) {
-    const __m256i v = blk.codes(ch);
-    _mm256_storeu_si256((__m256i*)(codes + 32 * ch), SIGNED ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v);
-  }
+  block_codes<QT>(p, codes);
   if constexpr (F::BS == 256) {  // per 16 values j: w = d sc_j q - f c_j
     alignas(32) int16_t c16[16];
     _mm256_store_si256((__m256i*)c16, blk.c16);
@@ -1167,6 +997,413 @@ void int8_matmul_tiles(const uint8_t* w, int64_t K, const QuantizedActivations& 
 }
 #endif  // HEARTH_VNNI
 
+// ------------------------------------------------------------------ packed tiles
+// Every block format but TQ2_0, repacked once at load on AVX-512 VNNI builds (`repack`; the file's
+// pages are then released: one copy): tiles of NR rows (the last one padded with zero rows), each
+// tile two arrays that run block after block along K, so a thread reads each as one stream.
+//
+//   codes, per chunk of 32 values: the codes of the tiles decoded per call, unsigned bytes laid out
+//     [8 groups of 4 values][32 rows][4] (one 64-byte vector: 4 codes of 16 rows, what one vpdpbusd
+//     multiplies by 4 activation codes), kept at the format's bits:
+//       8 bits (Q8_0): the bytes themselves (code + 128), 1024 bytes;
+//       4 bits (Q4_*, Q5_*, Q6_K): [4][32][4] bytes, low nibble group g, high nibble group g + 4, 512;
+//       2 bits (Q2_K, Q3_K): [2][32][4] bytes, bits 2s, 2s + 1 group g + 2s, 256;
+//     then per bit above those (Q5_*, Q3_K: one; Q6_K: two) [8 groups][2 halves of 16 rows] uint64
+//     masks, bit i = that bit of byte i of the group's vector, 128 bytes (AVX-512BW adds it back
+//     with one masked add).
+//   terms, per block: d [32 rows] float16 | f [32] float16 (formats with an offset) | sc [NS][32]
+//     int8 (K-quants) | mn [NS][32] int8 (K-quants with a minimum), the block's own numbers, so that
+//       w = d sc_j (q - Z) - f mn_j     (sc, mn = 1 where the format has none; Q4_1 / Q5_1: f = -m)
+//
+// The same bits as the file per weight (Q2_K and Q3_K keep 8-bit scales: 0.5 and 0.125 bits more
+// per weight; Q4_K / Q5_K 0.125 more), rearranged so that the batched kernel reads tiles with no
+// decoding (the tiles decoded per call cost as much as their dot products at 32 rows) and decode
+// at batch 1 reads one vector per 16 rows x 4 values (in place: one per 32 values of one row).
+template <int QT> struct Packed {
+  using F = Fmt<QT>;
+  static constexpr int BITS = QT == Q8_0 ? 8 : (QT == Q2_K || QT == Q3_K) ? 2 : 4;
+  static constexpr int EXTRA = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q3_K) ? 1 : 0;
+  static constexpr int NS = F::BS / F::S;
+  static constexpr bool SC = F::BS == 256, MIN = F::OFF;
+  static constexpr int64_t PLANE = 32 * NR * BITS / 8, CHUNK = PLANE + EXTRA * 16 * 8;  // bytes per chunk
+  static constexpr int64_t F_AT = 2 * NR, SC_AT = 2 * NR * (1 + MIN), MN_AT = SC_AT + NR * NS;  // in a block's terms
+  static constexpr int64_t TERMS = SC_AT + (SC ? NR * NS * (1 + MIN) : 0);                          // bytes per block
+};
+template <int QT> constexpr bool packable() { return QT != TQ2_0; }
+
+// bytes of one tile's codes and terms for K values a row
+std::pair<int64_t, int64_t> packed_bytes(int qtype, int64_t K) {
+  std::pair<int64_t, int64_t> bytes;
+  HEARTH_DISPATCH(qtype, {
+    if constexpr (!packable<QT>()) throw std::invalid_argument("packed tiles: not for type " + std::to_string(qtype));
+    else bytes = {K / 32 * Packed<QT>::CHUNK, K / Fmt<QT>::BS * Packed<QT>::TERMS};
+  });
+  return bytes;
+}
+
+// A block's terms as the tiles keep them: d, f as float16 bits, sc and mn per sub-block.
+template <int QT>
+void block_ints(const uint8_t* b, uint16_t& d, uint16_t& f, int8_t* sc, int8_t* mn) {
+  auto bits = [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return h; };
+  f = 0;
+  if constexpr (QT == Q2_K) {
+    d = bits(b + 80), f = bits(b + 82);
+    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[j] & 0x0F), mn[j] = int8_t(b[j] >> 4);
+  } else if constexpr (QT == Q3_K) {
+    d = bits(b + 108);
+    for (int j = 0; j < 16; j++) sc[j] = int8_t(q3_k_scale(b + 96, j));
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    d = bits(b), f = bits(b + 2);
+    for (int j = 0; j < 8; j++) {
+      int s, m;
+      k_scale_min(b + 4, j, s, m);
+      sc[j] = int8_t(s), mn[j] = int8_t(m);
+    }
+  } else if constexpr (QT == Q6_K) {
+    d = bits(b + 208);
+    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
+  } else {  // 32-value blocks: d first; Q4_1 / Q5_1's m after it, kept negated (w = d q - f)
+    d = bits(b);
+    if constexpr (Fmt<QT>::OFF) f = bits(b + 2) ^ 0x8000;
+  }
+}
+
+// bit `bit` of each of 64 bytes
+inline uint64_t byte_bits(const uint8_t* v, int bit) {
+#ifdef HEARTH_AVX512
+  return _mm512_test_epi8_mask(_mm512_loadu_si512((const void*)v), _mm512_set1_epi8((char)(1 << bit)));
+#else
+  uint64_t m = 0;
+  for (int i = 0; i < 64; i++) m |= uint64_t((v[i] >> bit) & 1) << i;
+  return m;
+#endif
+}
+
+// One chunk of byte codes [8][32 rows][4] -> its packed codes (the layout above)
+template <int QT>
+void pack_chunk(const uint8_t* v, uint8_t* out) {
+  using P = Packed<QT>;
+  for (int i = 0; i < P::PLANE; i++) {  // byte i of the plane
+    const int vec = i / 64, at = i % 64;  // vector (g, h) of the plane, byte in it
+    const uint8_t* src = v + vec * 64 + at;
+    if constexpr (P::BITS == 8) out[i] = src[0];
+    else if constexpr (P::BITS == 4) out[i] = uint8_t((src[0] & 0x0F) | (src[4 * 128] << 4));
+    else out[i] = uint8_t((src[0] & 3) | (src[2 * 128] & 3) << 2 | (src[4 * 128] & 3) << 4 | (src[6 * 128] & 3) << 6);
+  }
+  for (int e = 0; e < P::EXTRA; e++)
+    for (int gh = 0; gh < 16; gh++) {
+      const uint64_t m = byte_bits(v + gh * 64, P::BITS + e);
+      std::memcpy(out + P::PLANE + (e * 16 + gh) * 8, &m, 8);
+    }
+}
+
+// ... and back: chunk `in` -> byte codes [8][32 rows][4]
+template <int QT>
+void unpack_chunk(const uint8_t* in, uint8_t* v) {
+  using P = Packed<QT>;
+  for (int g = 0; g < 8; g++)
+    for (int i = 0; i < 128; i++) {  // rows 0..31 x 4 values of group g
+      uint8_t q;
+      if constexpr (P::BITS == 8) q = in[g * 128 + i];
+      else if constexpr (P::BITS == 4) q = (in[(g % 4) * 128 + i] >> (4 * (g / 4))) & 0x0F;
+      else q = (in[(g % 2) * 128 + i] >> (2 * (g / 2))) & 3;
+      for (int e = 0; e < P::EXTRA; e++) {
+        uint64_t m;
+        std::memcpy(&m, in + P::PLANE + (e * 16 + g * 2 + i / 64) * 8, 8);
+        q |= uint8_t(((m >> (i % 64)) & 1) << (P::BITS + e));
+      }
+      v[g * 128 + i] = q;
+    }
+}
+
+template <int QT>
+void repack_impl(const uint8_t* w, uint8_t* codes, uint8_t* terms, int64_t N, int64_t K, int64_t rb, int threads) {
+  using F = Fmt<QT>;
+  using P = Packed<QT>;
+  const int64_t nb = K / F::BS, tiles = (N + NR - 1) / NR;
+  const auto [code_bytes, term_bytes] = packed_bytes(QT, K);
+  parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) uint8_t q[NR][F::BS];      // one block of every row
+    alignas(64) uint32_t v[F::BS / 4][NR];  // the same as [group][row][4 codes]
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t b = 0; b < nb; b++) {
+        uint8_t* tt = terms + t * term_bytes + b * P::TERMS;
+        for (int j = 0; j < NR; j++) {
+          const int64_t n = t * NR + j;
+          uint16_t d = 0, f = 0;
+          int8_t sc[P::NS] = {}, mn[P::NS] = {};
+          if (n < N) {
+            block_codes<QT>(w + n * rb + b * F::BYTES, q[j]);
+            block_ints<QT>(w + n * rb + b * F::BYTES, d, f, sc, mn);
+          } else {
+            std::memset(q[j], 0, F::BS);
+          }
+          std::memcpy(tt + 2 * j, &d, 2);
+          if constexpr (P::MIN) std::memcpy(tt + P::F_AT + 2 * j, &f, 2);
+          if constexpr (P::SC)
+            for (int s = 0; s < P::NS; s++) {
+              tt[P::SC_AT + s * NR + j] = uint8_t(sc[s]);
+              if constexpr (P::MIN) tt[P::MN_AT + s * NR + j] = uint8_t(mn[s]);
+            }
+        }
+        for (int g = 0; g < F::BS / 4; g++)
+          for (int j = 0; j < NR; j++) std::memcpy(&v[g][j], q[j] + 4 * g, 4);
+        for (int c = 0; c < F::BS / 32; c++)
+          pack_chunk<QT>((const uint8_t*)v[8 * c], codes + t * code_bytes + (b * (F::BS / 32) + c) * P::CHUNK);
+      }
+  });
+}
+
+// Blocks [N, rb] -> tiles: codes [tiles, code bytes], terms [tiles, term bytes] (packed_bytes)
+void repack(uintptr_t w_, uintptr_t codes_, uintptr_t terms_, int64_t N, int64_t K, int64_t rb, int qtype, int threads) {
+  HEARTH_DISPATCH(qtype, {
+    if constexpr (packable<QT>())
+      repack_impl<QT>((const uint8_t*)w_, (uint8_t*)codes_, (uint8_t*)terms_, N, K, rb, threads);
+    else
+      throw std::invalid_argument("repack: not for type " + std::to_string(qtype));
+  });
+}
+
+// One tile's block b, read back: row j's w = s[sub-block][j] (q - Z) + o[sub-block][j], fp32 as decode<QT>
+template <int QT>
+void tile_block_terms(const uint8_t* tt, float (*s)[NR], float (*o)[NR]) {
+  using P = Packed<QT>;
+  for (int j = 0; j < NR; j++) {
+    const float d = h2f(tt + 2 * j), f = P::MIN ? h2f(tt + P::F_AT + 2 * j) : 0.f;
+    for (int i = 0; i < P::NS; i++) {
+      s[i][j] = P::SC ? d * float(int8_t(tt[P::SC_AT + i * NR + j])) : d;
+      o[i][j] = P::MIN ? -(f * (P::SC ? float(int8_t(tt[P::MN_AT + i * NR + j])) : 1.f)) : 0.f;
+    }
+  }
+}
+
+// tiles -> fp32 [tiles x NR, K], bit-exact as dequantize_rows
+void dequantize_packed(uintptr_t codes_, uintptr_t terms_, uintptr_t out_, int64_t tiles, int64_t K, int qtype,
+                       int threads) {
+  HEARTH_DISPATCH(qtype, {
+    if constexpr (!packable<QT>()) throw std::invalid_argument("packed tiles: not for type " + std::to_string(qtype));
+    else {
+      using F = Fmt<QT>;
+      using P = Packed<QT>;
+      const auto [code_bytes, term_bytes] = packed_bytes(QT, K);
+      parallel_ranges(tiles, threads, 1, [&](int64_t t0, int64_t t1) {
+        alignas(64) uint8_t v[8 * 128];
+        float s[P::NS][NR], o[P::NS][NR];
+        for (int64_t t = t0; t < t1; t++)
+          for (int64_t b = 0; b < K / F::BS; b++) {
+            tile_block_terms<QT>((const uint8_t*)terms_ + t * term_bytes + b * P::TERMS, s, o);
+            for (int c = 0; c < F::BS / 32; c++) {
+              unpack_chunk<QT>((const uint8_t*)codes_ + t * code_bytes + (b * (F::BS / 32) + c) * P::CHUNK, v);
+              for (int g = 0; g < 8; g++)
+                for (int j = 0; j < NR; j++)
+                  for (int i = 0; i < 4; i++) {
+                    const int at = 32 * c + 4 * g + i, sub = at / F::S;  // value in the block, its sub-block
+                    ((float*)out_)[(t * NR + j) * K + b * F::BS + at] =
+                        s[sub][j] * float(int(v[(g * NR + j) * 4 + i]) - F::Z) + o[sub][j];
+                  }
+            }
+          }
+      });
+    }
+  });
+}
+
+// Activation terms per row and sub-block j of S values: dx (the row's block scale) and the sum of
+// the sub-block's codes, as the zero point's integer term -Z sum (a dot product's start) and in fp32.
+struct PackedActivations {
+  QuantizedActivations a;
+  std::vector<int32_t> zsum;  // [M, K/S]
+  std::vector<float> sum;     // [M, K/S]
+};
+
+template <int QT>
+void packed_activations(const float* x, int64_t M, int64_t K, PackedActivations& p, int threads) {
+  using F = Fmt<QT>;
+  quantize_activations(x, M, K, p.a, threads, F::BS);
+  const int64_t ns = K / F::S;
+  p.zsum.resize(M * ns);
+  p.sum.resize(M * ns);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < ns; j++) {
+      int32_t sum = 0;
+      for (int h = 0; h < F::S / 16; h++) sum += p.a.s16[m * (K / 16) + j * (F::S / 16) + h];
+      p.zsum[m * ns + j] = -F::Z * sum;
+      p.sum[m * ns + j] = float(sum);
+    }
+}
+
+// Portable: rows [m0, m0 + mr) against one tile, the terms as tile_block_terms reads them
+template <int QT>
+void packed_tile_generic(int mr, const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p,
+                         int64_t m0, float* y, int64_t N, int64_t nvalid) {
+  using F = Fmt<QT>;
+  using P = Packed<QT>;
+  const int64_t nb = K / F::BS, ns = K / F::S;
+  alignas(64) uint8_t v[8 * 128];
+  float s[P::NS][NR], o[P::NS][NR];
+  for (int r = 0; r < mr; r++) {
+    const int64_t m = m0 + r;
+    double acc[NR] = {};
+    for (int64_t b = 0; b < nb; b++) {
+      tile_block_terms<QT>(terms + b * P::TERMS, s, o);
+      float block[NR] = {};
+      for (int c = 0; c < F::BS / 32; c++) {
+        unpack_chunk<QT>(codes + (b * (F::BS / 32) + c) * P::CHUNK, v);
+        for (int k = 0; k < 32 / F::S; k++) {  // sub-blocks in the chunk
+          const int64_t sub = (b * F::BS + 32 * c) / F::S + k;
+          for (int j = 0; j < NR; j++) {
+            int32_t dot = p.zsum[m * ns + sub];
+            for (int i = 0; i < F::S; i++) {
+              const int at = 32 * c + k * F::S + i;  // in the block
+              dot += int(v[((at % 32) / 4 * NR + j) * 4 + at % 4]) * int(p.a.q[m * K + b * F::BS + at]);
+            }
+            block[j] += s[sub % P::NS][j] * float(dot) + o[sub % P::NS][j] * p.sum[m * ns + sub];
+          }
+        }
+      }
+      for (int j = 0; j < NR; j++) acc[j] += double(block[j] * p.a.d[m * nb + b]);
+    }
+    for (int j = 0; j < nvalid; j++) y[r * N + j] = float(acc[j]);
+  }
+}
+
+#ifdef HEARTH_VNNI
+// group g (4 values) of a packed chunk, rows 16h..16h+15: 64 unsigned byte codes
+template <int QT>
+inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
+  using P = Packed<QT>;
+  __m512i v;
+  if constexpr (P::BITS == 8) {
+    v = _mm512_loadu_si512((const void*)(chunk + (2 * g + h) * 64));
+  } else if constexpr (P::BITS == 4) {
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 4) + h) * 64));
+    v = _mm512_and_si512(g < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 2) + h) * 64));
+    v = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (g / 2)), _mm512_set1_epi8(3));
+  }
+  for (int e = 0; e < P::EXTRA; e++) {
+    uint64_t m;
+    std::memcpy(&m, chunk + P::PLANE + (e * 16 + 2 * g + h) * 8, 8);
+    v = _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8((char)(1 << (P::BITS + e))));
+  }
+  return v;
+}
+
+// MR activation rows from m0 against one tile. Per sub-block j and 16 rows: S/4 vpdpbusd from the
+// zero point's -Z sum(xq_j), then t += cvt(dot) (d sc_j) - (f mn_j) sum(xq_j); per block y += t dx.
+template <int QT, int MR>
+void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p, int64_t m0,
+                      float* y, int64_t N, int64_t nvalid) {
+  using F = Fmt<QT>;
+  using P = Packed<QT>;
+  const int64_t nb = K / F::BS, ns = K / F::S;
+  const int8_t* xq = p.a.q.data() + m0 * K;
+  alignas(64) float acc[MR][NR] = {};  // in L1, not registers: those hold 4 x MR x 16 lanes of sums
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* tt = terms + b * P::TERMS;
+    const uint8_t* cb = codes + b * (F::BS / 32) * P::CHUNK;
+    if constexpr (MR <= 2) {  // decode: the tile streams from DRAM, so ask for both arrays as far ahead
+      constexpr int64_t CODES = (F::BS / 32) * P::CHUNK, AHEAD = (INT8_PREFETCH + CODES - 1) / CODES;  // blocks
+      for (int64_t at = 0; at < CODES; at += 64) _mm_prefetch((const char*)(cb + at + AHEAD * CODES), _MM_HINT_T0);
+      for (int64_t at = 0; at < P::TERMS; at += 64) _mm_prefetch((const char*)(tt + at + AHEAD * P::TERMS), _MM_HINT_T0);
+    }
+    __m512 d[2], f[2], t[MR][2];
+    for (int h = 0; h < 2; h++) {
+      d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
+      f[h] = P::MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + P::F_AT + 32 * h))) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; r++) t[r][h] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < P::NS; j++) {
+      const int64_t sub = b * P::NS + j;
+      const uint8_t* chunk = cb + (j * F::S / 32) * P::CHUNK;
+      const int g0 = (j * F::S % 32) / 4;  // the sub-block's first group in its chunk
+      __m512i dot[MR][2];
+      for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(p.zsum[(m0 + r) * ns + sub]);
+#pragma GCC unroll 8
+      for (int g = g0; g < g0 + F::S / 4; g++) {
+        const __m512i w0 = packed_codes<QT>(chunk, g, 0), w1 = packed_codes<QT>(chunk, g, 1);
+        for (int r = 0; r < MR; r++) {
+          int32_t word;
+          std::memcpy(&word, xq + r * K + b * F::BS + j * F::S + 4 * (g - g0), 4);
+          const __m512i xb = _mm512_set1_epi32(word);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
+        }
+      }
+      for (int h = 0; h < 2; h++) {
+        auto int8s = [&](int64_t at) {  // 16 int8 terms of this half as fp32
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(tt + at + j * NR + 16 * h))));
+        };
+        const __m512 s = P::SC ? _mm512_mul_ps(d[h], int8s(P::SC_AT)) : d[h];
+        const __m512 c = P::MIN ? (P::SC ? _mm512_mul_ps(f[h], int8s(P::MN_AT)) : f[h]) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+          t[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), s, t[r][h]);
+          if constexpr (P::MIN) t[r][h] = _mm512_fnmadd_ps(c, _mm512_set1_ps(p.sum[(m0 + r) * ns + sub]), t[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      const __m512 dx = _mm512_set1_ps(p.a.d[(m0 + r) * nb + b]);
+      for (int h = 0; h < 2; h++) _mm512_store_ps(acc[r] + 16 * h, _mm512_fmadd_ps(t[r][h], dx, _mm512_load_ps(acc[r] + 16 * h)));
+    }
+  }
+  const __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
+  const __mmask16 k1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (__mmask16)((1u << (nvalid - 16)) - 1);
+  for (int r = 0; r < MR; r++) {
+    _mm512_mask_storeu_ps(y + r * N, k0, _mm512_load_ps(acc[r]));
+    _mm512_mask_storeu_ps(y + r * N + 16, k1, _mm512_load_ps(acc[r] + 16));
+  }
+}
+#endif  // HEARTH_VNNI
+
+// activation rows per pass over a tile: the codes' unpacking and the terms' conversion are shared
+// by them (Q4_K at 32 rows, one 5632 x 2048 and one 2048 x 5632 matrix, 1 thread: 4.8 ms at 4 rows,
+// 4.4 at 6, 4.1 at 8; Q6_K 6.9 / 6.4 / 5.8)
+constexpr int PACKED_MR = 8;
+
+#ifdef HEARTH_VNNI
+template <int QT, int MR = PACKED_MR>
+void packed_tile_vnni_mr(int mr, const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p,
+                         int64_t m0, float* y, int64_t N, int64_t nvalid) {
+  if constexpr (MR > 1)
+    if (mr < MR) return packed_tile_vnni_mr<QT, MR - 1>(mr, codes, terms, K, p, m0, y, N, nvalid);
+  packed_tile_vnni<QT, MR>(codes, terms, K, p, m0, y, N, nvalid);
+}
+#endif
+
+template <int QT>
+void packed_tile(bool portable, int mr, const uint8_t* codes, const uint8_t* terms, int64_t K,
+                 const PackedActivations& p, int64_t m0, float* y, int64_t N, int64_t nvalid) {
+#ifdef HEARTH_VNNI
+  if (!portable) return packed_tile_vnni_mr<QT>(mr, codes, terms, K, p, m0, y, N, nvalid);
+#endif
+  packed_tile_generic<QT>(mr, codes, terms, K, p, m0, y, N, nvalid);
+}
+
+// y [M, N] = x [M, K] W^T, W packed; x rounded to int8 per block of the format (q8_K / q8_0)
+void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t terms_, uintptr_t y_, int64_t M, int64_t N, int64_t K,
+                   int qtype, bool portable, int threads) {
+  HEARTH_DISPATCH(qtype, {
+    if constexpr (!packable<QT>()) throw std::invalid_argument("packed_matmul: not for type " + std::to_string(qtype));
+    else {
+      PackedActivations p;
+      packed_activations<QT>((const float*)x_, M, K, p, threads);
+      const auto [code_bytes, term_bytes] = packed_bytes(QT, K);
+      const uint8_t* codes = (const uint8_t*)codes_;
+      const uint8_t* terms = (const uint8_t*)terms_;
+      float* y = (float*)y_;
+      parallel_ranges((N + NR - 1) / NR, threads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++)
+          for (int64_t m = 0; m < M; m += PACKED_MR)
+            packed_tile<QT>(portable, (int)std::min<int64_t>(PACKED_MR, M - m), codes + t * code_bytes,
+                            terms + t * term_bytes, K, p, m, y + m * N + t * NR, N, std::min<int64_t>(NR, N - t * NR));
+      });
+    }
+  });
+}
+
 // Which code runs int8_matmul: the fastest this build has (VNNI: tiles from INT8_TILE_MIN_ROWS
 // rows, in place with vpdpwssd below), the AVX2 one, or the plain loops (the tests run each one
 // this build has, `int8_paths`).
@@ -1219,12 +1456,101 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
 }
 
 // The one entry for int8-activation matmuls (QuantLinear, cpu_kernels.cpp's decode_layers):
-// `scales` non-zero: Q8_0 / Q4_0 repacked into tiles (packed_matmul, VNNI builds); zero: `w` is
-// the GGUF blocks as stored (int8_matmul_blocks).
-void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t scales, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
+// `terms` non-zero: `w` is packed tiles' codes and `terms` their terms (packed_matmul, VNNI
+// builds); zero: `w` is the GGUF blocks as stored (int8_matmul_blocks). F16 / BF16 arrays
+// (decode_layers' projections in those formats; QuantLinear calls half_matmul itself):
+// half_matmul, fp32 activations unrounded.
+void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
                  int path, int threads) {
-  if (scales) return packed_matmul(x, w, scales, y, M, N, K, qtype, path == PORTABLE, threads);
+  if (terms) return packed_matmul(x, w, terms, y, M, N, K, qtype, path == PORTABLE, threads);
+  if (qtype == F16 || qtype == BF16) return half_matmul(x, w, y, M, N, K, 2 * K, qtype, false, path == PORTABLE, threads);
   int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
+}
+
+// ------------------------------------------------------------------ grouped int8 matmul (mixtures of experts)
+// A layer's chosen experts in one call: activation rows grouped by expert (rows of expert e are
+// counts[e] consecutive rows of x, experts in order), each group times its expert's weight.
+// The threads share out the chosen experts' weight rows end to end, in ranges of whole 32-row tiles
+// (a range may cover several experts, or part of one) of about equal cost, a tile of an expert
+// with r rows costing r + GROUPED_READ_COST: one fork and join per projection of the layer, not
+// one per expert, and each thread reads long runs of weights; experts no row chose are not read.
+// Each piece runs int8_matmul on one thread (its own activation rows quantized per piece: a few
+// rows of K values, against the piece's weight rows).
+constexpr int64_t GROUPED_READ_COST = 2;  // reading a tile, in rows' worth of its dot products
+
+// Where rows [n0, ...) of a weight start: GGUF rows in place, or (terms non-zero) packed 32-row
+// tiles' codes and terms (repack's layout), n0 a multiple of NR.
+struct WeightRows {
+  uintptr_t w, terms;
+  int qtype;
+  int64_t row_bytes, term_bytes;  // in place: bytes per row; packed: code and term bytes per tile
+
+  WeightRows(const int64_t* expert, int64_t K) : w((uintptr_t)expert[0]), terms((uintptr_t)expert[1]), qtype((int)expert[2]) {
+    if (terms) {
+      std::tie(row_bytes, term_bytes) = packed_bytes(qtype, K);
+    } else {
+      term_bytes = 0;
+      HEARTH_DISPATCH(qtype, row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES);
+    }
+  }
+  uintptr_t weight_at(int64_t n0) const { return terms ? w + n0 / NR * row_bytes : w + n0 * row_bytes; }
+  uintptr_t terms_at(int64_t n0) const { return terms ? terms + n0 / NR * term_bytes : 0; }
+};
+
+// experts int64 [E, 3]: weight or packed codes, packed terms or 0, qtype (int8_matmul's arguments); counts int64 [E];
+// x [R, K] fp32, R = sum of counts; y [R, N] fp32.
+void grouped_int8_matmul(uintptr_t x_, uintptr_t experts_, uintptr_t counts_, int64_t num_experts, uintptr_t y_,
+                         int64_t N, int64_t K, int threads) {
+  const int64_t* experts = (const int64_t*)experts_;
+  const int64_t* counts = (const int64_t*)counts_;
+  struct Group { WeightRows weight; int64_t row0, rows; };
+  std::vector<Group> groups;
+  for (int64_t e = 0, row = 0; e < num_experts; row += counts[e], e++)
+    if (counts[e] > 0) {
+      if (K % block_values((int)experts[3 * e + 2])) throw std::invalid_argument("grouped_int8_matmul: K is not a multiple of the block size");
+      groups.push_back({WeightRows(experts + 3 * e, K), row, counts[e]});
+    }
+  const float* x = (const float*)x_;
+  float* y = (float*)y_;
+  const int64_t tiles = (N + NR - 1) / NR, units = (int64_t)groups.size() * tiles;  // units: (expert, tile)
+  // thread i's units: [bounds[i], bounds[i + 1]), the cumulative cost split evenly
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, units));
+  std::vector<int64_t> bounds(nt + 1, units);
+  int64_t total = 0;
+  for (const Group& g : groups) total += tiles * (g.rows + GROUPED_READ_COST);
+  bounds[0] = 0;
+  for (int64_t gi = 0, cost = 0, i = 1; gi < (int64_t)groups.size() && i < nt; gi++) {
+    const int64_t per_tile = groups[gi].rows + GROUPED_READ_COST;
+    for (; i < nt && total * i / nt < cost + tiles * per_tile; i++)  // boundary i falls in this expert
+      bounds[i] = gi * tiles + (total * i / nt - cost) / per_tile;
+    cost += tiles * per_tile;
+  }
+  const auto run = [&](int64_t u0, int64_t u1) {
+    std::vector<float> piece;
+    for (int64_t u = u0; u < u1;) {
+      const Group& g = groups[u / tiles];
+      const int64_t t0 = u % tiles, t1 = std::min(tiles, t0 + (u1 - u));
+      const int64_t n0 = t0 * NR, n = std::min(N, t1 * NR) - n0;
+      const uintptr_t xg = (uintptr_t)(x + g.row0 * K);
+      if (n == N) {  // the whole weight: straight into y's rows
+        int8_matmul(xg, g.weight.weight_at(0), g.weight.terms_at(0), (uintptr_t)(y + g.row0 * N), g.rows, N, K,
+                    g.weight.qtype, FASTEST, 1);
+      } else {  // part of its rows: [rows, n], then into y's columns
+        piece.resize(g.rows * n);
+        int8_matmul(xg, g.weight.weight_at(n0), g.weight.terms_at(n0), (uintptr_t)piece.data(), g.rows, n, K,
+                    g.weight.qtype, FASTEST, 1);
+        for (int64_t r = 0; r < g.rows; r++) std::memcpy(y + (g.row0 + r) * N + n0, piece.data() + r * n, n * sizeof(float));
+      }
+      u += t1 - t0;
+    }
+  };
+  if (nt == 1) return run(0, units);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  for (int i = omp_get_thread_num(); i < nt; i += omp_get_num_threads()) run(bounds[i], bounds[i + 1]);  // fewer threads given: several ranges each
+#else
+  run(0, units);
+#endif
 }
 
 // name -> path for int8_matmul's `path`, the ones this build has (fastest first)
@@ -1263,10 +1589,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("half_matmul", &half_matmul, "y = x W^T, F16 / BF16 weights, fp32 or bf16 activations", nogil);
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
-  m.def("repack", &repack, "Q8_0 / Q4_0 blocks -> the packed layout", nogil);
-  m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed, x rounded to int8 per 32", nogil);
+  m.def("repack", &repack, "blocks -> packed tiles (codes, terms)", nogil);
+  m.def("packed_bytes", [](int qtype, int64_t k) { const auto [c, t] = packed_bytes(qtype, k); return py::make_tuple(c, t); },
+        "bytes of one tile's codes and terms");
+  m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed tiles, x rounded to int8 per block", nogil);
+  m.def("dequantize_packed", &dequantize_packed, "packed tiles as fp32", nogil);
   m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
   // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
+  m.def("grouped_int8_matmul", &grouped_int8_matmul,
+        "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
   m.def("block_values", &block_values);
   m.def("int8_paths", [] {

@@ -1,0 +1,65 @@
+"""Token trees: several speculative branches verified in one pass. Host lists only, no tensors.
+
+A tree of guesses is two lists: the guessed tokens and each one's parent (-1: the request's last
+real token, the root; else the index of an earlier guess), parents always before their children,
+siblings never the same token. The step that verifies it has one row per node, the root first,
+each row's K/V written to the sequence's next slot in that order; a row attends to the context
+before the root and, among the tree's rows, to its ancestors and itself (`ancestor_masks`), at the
+position of its depth (RoPE). The sampler accepts at most one child per row (sampler.verify_guesses'
+rule for sibling guesses); the accepted path's K/V are then moved into the slots right after the
+context (runner.py) and the rest given back, as rejected guesses of a chain are.
+
+A chain is the tree whose parents are -1, 0, 1, ...: every function here gives a chain's
+answers for it.
+"""
+
+from __future__ import annotations
+
+
+def tree_of(branches: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The tree holding each branch (a token sequence from the root) with shared prefixes merged:
+    (tokens, parents), the first branch's nodes first (trimming from the end keeps the best)."""
+    tokens, parents = [], []
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for branch in branches:
+        node = -1
+        for token in branch:
+            if (node, token) not in children:
+                children[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = children[node, token]
+    return tokens, parents
+
+
+def chain(num_guesses: int) -> list[int]:
+    """The parents of a chain of guesses."""
+    return list(range(-1, num_guesses - 1))
+
+
+def ancestor_masks(parents: list[int]) -> list[int]:
+    """The verification's rows (the root, then each guess) as bit masks over those rows: bit j set
+    = the row sees row j (its ancestors and itself). A row's depth is its bits set, less one."""
+    masks = [1]
+    for i, parent in enumerate(parents):
+        masks.append(masks[parent + 1] | 1 << (i + 1))
+    return masks
+
+
+def depth(parents: list[int]) -> int:
+    """The longest path of guesses from the root (a chain's: its length)."""
+    depths = []
+    for parent in parents:
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return max(depths, default=0)
+
+
+def accepted_path(parents: list[int], accepted: list[bool]) -> list[int]:
+    """The guesses kept, in order: from the root, each time its child whose guess was accepted
+    (at most one per node is), until a node has none."""
+    path, node = [], -1
+    for i, parent in enumerate(parents):  # parents come before their children: one pass
+        if parent == node and accepted[i]:
+            path.append(i)
+            node = i
+    return path
