@@ -32,23 +32,39 @@ def _greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+NEAR_TIE = 1e-2  # top-2 logits closer than this: float32 sums in another order may pick either
+
+
+def _assert_transformers_greedy(reference, prompt: list[int], tokens: list[int]) -> None:
+    """`tokens` are transformers' greedy continuation of `prompt`, up to a near tie: where the two
+    differ, the reference's top two logits must be within NEAR_TIE and ours one of them (a random
+    model's logits tie now and then; cuBLAS and the Triton kernels sum in other orders than the
+    CPU). Past that token the continuations diverge, so the comparison stops there."""
+    ids = torch.tensor([prompt], device=DEVICE)
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(tokens), do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    expected = out.sequences[0, len(prompt):].tolist()
+    for i, (ours, theirs) in enumerate(zip(tokens, expected)):
+        if ours != theirs:
+            scores = out.scores[i][0].float()
+            assert scores[theirs] - scores[ours] < NEAR_TIE, (i, tokens, expected)
+            return
+    assert tokens == expected
+
+
 # slow under the interpreter: of the mixtures of experts one (with a shared expert); smollm3's NoPE layers
 # are the RoPE kernel on a table of cos 1, sin 0 (tested on the CPU)
 @pytest.mark.parametrize("arch", tuple(a for a in ARCHITECTURES if a != "smollm3") + ("qwen2_moe",))
 def test_greedy_output_matches_transformers(tmp_path, arch):
     """Prompts chunked across steps (budget 32), a shared prefix served from the prefix cache,
-    decodes batched with prefills: every token as transformers' generate picks it."""
+    decodes batched with prefills: every token as transformers' generate picks it (up to a near tie)."""
     folder = make_hf_model(tmp_path / arch, arch)
     reference = load_hf_reference(folder).to(DEVICE)
     prompts = _prompts(4, seed=1)
     prompts.append(prompts[0] + [5, 6, 7])  # its first blocks come from the prefix cache
-    ours = _greedy(_llm(folder), prompts, 10)
-    for prompt, tokens in zip(prompts, ours):
-        ids = torch.tensor([prompt], device=DEVICE)
-        with torch.no_grad():
-            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == expected
+    for prompt, tokens in zip(prompts, _greedy(_llm(folder), prompts, 10)):
+        _assert_transformers_greedy(reference, prompt, tokens)
 
 
 def test_sliding_window_past_the_window_matches_transformers(tmp_path):
@@ -58,11 +74,7 @@ def test_sliding_window_past_the_window_matches_transformers(tmp_path):
     reference = load_hf_reference(folder).to(DEVICE)
     prompts = _prompts(3, seed=2, shortest=10)
     for prompt, tokens in zip(prompts, _greedy(_llm(folder), prompts, 12)):
-        ids = torch.tensor([prompt], device=DEVICE)
-        with torch.no_grad():
-            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == expected
+        _assert_transformers_greedy(reference, prompt, tokens)
 
 
 def test_bucket_sizes():

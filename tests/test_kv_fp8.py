@@ -222,7 +222,7 @@ def test_fp8_is_refused_where_it_cannot_run():
     from hearth.config import EngineConfig
 
     with pytest.raises(ValueError, match="gpu backend.*q8_0"):
-        LLM("builtin", backend="cpu", kv_cache_dtype="fp8", progress=False)
+        LLM("builtin", device="cpu", backend="cpu", kv_cache_dtype="fp8", progress=False)
     with pytest.raises(ValueError, match="fp8_e5m2 is not implemented"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     gpu = GpuBackend("cpu")
@@ -253,10 +253,11 @@ def test_cli_inspect_perplexity_and_the_start_up_line_with_an_fp8_cache(capsys):
     assert "MiB (fp8_e4m3) holds" in capsys.readouterr().err
 
     text = (ROOT / "hearth" / "perplexity.py").read_text(encoding="utf-8")
-    assert main(["perplexity", "builtin", "--text", text, "--backend", "reference", "--kv-cache-dtype", "fp8",
-                 "--context", "256", "--json"]) == 0
+    assert main(["perplexity", "builtin", "--text", text, "--device", "cpu", "--backend", "reference",
+                 "--kv-cache-dtype", "fp8", "--context", "256", "--json"]) == 0
     loaded = load_model("builtin", progress=False, backend=Backend())
     expected = perplexity(loaded.model, loaded.tokenizer.encode(text), 256, torch.device("cpu"), kv_cache_dtype="fp8")
     assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9)
-    assert main(["perplexity", "builtin", "--text", text, "--backend", "cpu", "--kv-cache-dtype", "fp8"]) == 1
+    assert main(["perplexity", "builtin", "--text", text, "--device", "cpu", "--backend", "cpu",
+                 "--kv-cache-dtype", "fp8"]) == 1
     assert "hearth: error: kv_cache_dtype fp8 is for the gpu backend" in capsys.readouterr().err
