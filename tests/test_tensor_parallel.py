@@ -27,9 +27,9 @@ def greedy_tokens(model, **options) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch, overrides", [
-    ("llama", {}),
+    ("llama", {"vocab_size": 321}),  # vocabulary rows 160 and 161 a rank
     ("qwen2", {}),  # q/k/v biases split with their rows
-    ("qwen3", {}),  # q/k norms on every rank's heads
+    ("qwen3", {"tie_word_embeddings": True}),  # q/k norms on every rank's heads; the output layer is the embedding's slice
     ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds the one
 ])
 def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
@@ -37,11 +37,15 @@ def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
     assert greedy_tokens(folder, tensor_parallel_size=2) == greedy_tokens(folder)
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1"])
-def test_quantized_gguf_splits_on_block_boundaries(tmp_path, out_type):
-    """GGUF blocks split between ranks (down_proj's 128 columns: 64 a rank, two q8_0 blocks),
-    with chunked prefill and preemption in the mix (a KV cache smaller than the batch needs)."""
-    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
+@pytest.mark.parametrize("out_type, overrides", [
+    ("q8_0", {"vocab_size": 321}),  # token_embd and output in q8_0 blocks, 160 and 161 rows a rank
+    ("q4_1", {"tie_word_embeddings": True}),  # no output tensor: each rank's output layer is its token_embd rows
+])
+def test_quantized_gguf_splits_on_block_boundaries(tmp_path, out_type, overrides):
+    """GGUF blocks split between ranks (down_proj's 128 columns: 64 a rank, two q8_0 blocks; the
+    vocabulary by rows, whole blocks), with chunked prefill and preemption in the mix (a KV cache
+    smaller than the batch needs)."""
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128, **overrides)
     path = convert_hf_to_gguf(folder, tmp_path / f"model-{out_type}.gguf", out_type, progress=False)
     options = dict(kv_cache_memory=256 * 1024, max_num_batched_tokens=64)
     assert greedy_tokens(path, tensor_parallel_size=2, **options) == greedy_tokens(path, **options)
