@@ -33,7 +33,7 @@ def greedy_tokens(model, **options) -> list[list[int]]:
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", {"vocab_size": 321}),  # vocabulary rows 160 and 161 a rank
     ("qwen2", {}),  # q/k/v biases split with their rows
-    ("qwen3", {"tie_word_embeddings": True}),  # q/k norms on every rank's heads; the output layer is the embedding's slice
+    ("qwen3", {"tie_word_embeddings": True}),  # q/k norms on each rank's heads; tied: the embedding's slice
     ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds the one
 ])
 def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
