@@ -47,7 +47,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over N processes by heads (CPU, gloo; docs/distributed.md)")
+                   help="split the model over N processes by heads and vocabulary rows (CPUs: gloo; GPUs: "
+                        "NCCL, or gloo where ranks share a GPU; docs/distributed.md)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="split the model's layers into N stages, one process each (docs/distributed.md)")
     g = p.add_argument_group("speculative decoding")

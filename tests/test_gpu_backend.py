@@ -121,3 +121,18 @@ def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monke
     assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer (each expert's, in an MoE)
     prompts = _prompts(3, seed=7, longest=24)
     assert _greedy(ours, prompts, 6) == _greedy(reference, prompts, 6)
+
+
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_model_split_over_two_processes_gives_one_process_greedy_tokens(tmp_path, split):
+    """Two tensor-parallel ranks (vocabulary rows 160 and 161 a rank) or two pipeline stages, each
+    running the gpu backend's kernels, eagerly: one process's tokens. With one GPU both ranks share
+    it (gloo: all-reduces and broadcasts of CUDA tensors, gathers and sends through host memory),
+    with two NCCL; without a GPU, Triton's interpreter on CPU tensors (gloo)."""
+    folder = make_hf_model(tmp_path / "llama", "llama", vocab_size=321)
+    prompts = _prompts(2, seed=3, longest=12)
+    split_llm = _llm(folder, **split)
+    try:
+        assert _greedy(split_llm, prompts, 4) == _greedy(_llm(folder), prompts, 4)
+    finally:
+        split_llm.engine.close()

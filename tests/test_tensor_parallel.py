@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+
 import gguf
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from hearth import LLM, SamplingParams
-from hearth.distributed.tensor_parallel import TensorShard, _columns
+from hearth.distributed.tensor_parallel import TensorShard, VocabParallelEmbedding, VocabParallelHead, _columns
 from hearth.errors import ModelLoadError
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.quant import QuantTensor
@@ -27,9 +31,9 @@ def greedy_tokens(model, **options) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch, overrides", [
-    ("llama", {}),
+    ("llama", {"vocab_size": 321}),  # vocabulary rows 160 and 161 a rank
     ("qwen2", {}),  # q/k/v biases split with their rows
-    ("qwen3", {}),  # q/k norms on every rank's heads
+    ("qwen3", {"tie_word_embeddings": True}),  # q/k norms on each rank's heads; tied: the embedding's slice
     ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds the one
 ])
 def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
@@ -37,11 +41,15 @@ def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
     assert greedy_tokens(folder, tensor_parallel_size=2) == greedy_tokens(folder)
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_1"])
-def test_quantized_gguf_splits_on_block_boundaries(tmp_path, out_type):
-    """GGUF blocks split between ranks (down_proj's 128 columns: 64 a rank, two q8_0 blocks),
-    with chunked prefill and preemption in the mix (a KV cache smaller than the batch needs)."""
-    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
+@pytest.mark.parametrize("out_type, overrides", [
+    ("q8_0", {"vocab_size": 321}),  # token_embd and output in q8_0 blocks, 160 and 161 rows a rank
+    ("q4_1", {"tie_word_embeddings": True}),  # no output tensor: each rank's output layer is its token_embd rows
+])
+def test_quantized_gguf_splits_on_block_boundaries(tmp_path, out_type, overrides):
+    """GGUF blocks split between ranks (down_proj's 128 columns: 64 a rank, two q8_0 blocks; the
+    vocabulary by rows, whole blocks), with chunked prefill and preemption in the mix (a KV cache
+    smaller than the batch needs)."""
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128, **overrides)
     path = convert_hf_to_gguf(folder, tmp_path / f"model-{out_type}.gguf", out_type, progress=False)
     options = dict(kv_cache_memory=256 * 1024, max_num_batched_tokens=64)
     assert greedy_tokens(path, tensor_parallel_size=2, **options) == greedy_tokens(path, **options)
@@ -82,3 +90,36 @@ def test_rank_configs_split_heads_and_width():
                          num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
     rank = TensorShard(1, 4).config(config)
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.head_dim) == (2, 1, 32, 8)
+
+
+def _vocabulary_rank(rank: int, address: str, table: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+    """One of two gloo ranks: the vocabulary-parallel modules on its rows; rank 0 checks what it gets."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+    try:
+        shares = [TensorShard(r, 2).vocabulary(len(table)) for r in range(2)]
+        rows = table[shares[rank].start : shares[rank].stop]
+        embedding = VocabParallelEmbedding(torch.nn.Embedding.from_pretrained(rows), shares[rank])
+        head = VocabParallelHead(torch.nn.Linear(table.shape[1], len(rows), bias=False), shares)
+        head.inner.weight.data = rows
+        vectors, logits = embedding(ids), head(hidden)
+        if rank == 0:
+            torch.testing.assert_close(vectors, table[ids], rtol=0, atol=0)  # one rank's row plus zeros: exact
+            torch.testing.assert_close(logits, hidden @ table.T)
+        else:
+            assert logits is None  # only rank 0 samples
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocabulary_parallel_modules_equal_the_whole_table():
+    """An odd vocabulary (11 rows: 5 and 6 a rank) over two gloo processes: every id's vector from
+    the rank holding it, and the logits of all 11 tokens in order on rank 0."""
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(11, 8, generator=generator)
+    ids = torch.tensor([10, 0, 4, 5, 6, 5, 1])  # both sides of the boundary, repeats
+    hidden = torch.randn(3, 8, generator=generator)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(_vocabulary_rank, args=(address, table, ids, hidden), nprocs=2)

@@ -26,11 +26,11 @@ import re
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
+from hearth.distributed.collectives import isend, recv, wait
 from hearth.distributed.workers import announce_pass
 from hearth.errors import ModelLoadError
 
@@ -87,10 +87,10 @@ class PipelineShard:
         """Rank 0: the step through every stage, micro-batch by micro-batch -> [T, hidden] after the final norm."""
         batches = micro_batches(step, self.world_size)
         announce_pass(kv_caches, batches)
-        sends = [_send(torch.stack(_stage(model, batch, kv_caches, None)), 1) for batch in batches]
+        sends = [isend(torch.stack(_stage(model, batch, kv_caches, None)), 1) for batch in batches]
         hidden = [_receive(model, (len(batch.input_ids), model.config.hidden_size), self.world_size - 1)
                   for batch in batches]
-        _wait(sends)
+        wait(sends)
         return torch.cat(hidden)
 
     def run(self, model: nn.Module, batches: list[StepInputs], kv_caches: KVCaches) -> None:
@@ -101,9 +101,9 @@ class PipelineShard:
         for batch in batches:
             received = _receive(model, (2, len(batch.input_ids), model.config.hidden_size), self.rank - 1)
             x, residual = _stage(model, batch, kv_caches, received)
-            sends.append(_send(model.norm(x, residual)[0], 0) if last else _send(torch.stack((x, residual)),
-                                                                                  self.rank + 1))
-        _wait(sends)
+            sends.append(isend(model.norm(x, residual)[0], 0) if last else isend(torch.stack((x, residual)),
+                                                                                self.rank + 1))
+        wait(sends)
 
 
 def micro_batches(step: StepInputs, count: int) -> list[StepInputs]:
@@ -131,17 +131,4 @@ def _stage(model: nn.Module, step: StepInputs, kv_caches: KVCaches, received: to
 
 
 def _receive(model: nn.Module, shape: tuple[int, ...], source: int) -> torch.Tensor:
-    buffer = torch.empty(shape, dtype=model.dtype, device=model.norm.weight.device)
-    dist.recv(buffer, source)
-    return buffer
-
-
-def _send(tensor: torch.Tensor, destination: int):
-    """Start sending; the tensor is kept with the handle until the send is waited for."""
-    tensor = tensor.contiguous()
-    return dist.isend(tensor, destination), tensor
-
-
-def _wait(sends: list) -> None:
-    for work, _ in sends:
-        work.wait()
+    return recv(shape, model.dtype, model.norm.weight.device, source)

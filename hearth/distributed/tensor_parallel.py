@@ -4,15 +4,18 @@ A transform of the loaded model, not a branch inside it. Each rank builds the sa
 config with its share of the heads and of the MLP's width, and loads its slice of every weight:
 q/k/v and gate/up by rows (column-parallel: each rank computes its own heads and columns), o_proj
 and down_proj by columns (row-parallel: each rank's product is a partial sum, added up across
-ranks by an all-reduce, which RowParallel inserts after those two modules). Embeddings, norms and
-the output layer are whole on every rank. With fewer KV heads than ranks, each KV head is held by
-the ranks whose query heads read it. Quantized GGUF weights are split on block boundaries.
+ranks by an all-reduce, which RowParallel inserts after those two modules). The embedding table
+and the output layer are split by vocabulary rows (VocabParallelEmbedding, VocabParallelHead);
+norms are whole on every rank. With fewer KV heads than ranks, each KV head is held by the ranks
+whose query heads read it. Quantized GGUF weights are split on block boundaries (by rows: whole
+blocks).
 
-Rank 0 is the engine's own process; ranks 1..N-1 are worker processes (hearth/distributed/workers.py,
-gloo on CPUs) that load their slice and wait. Before each forward pass, rank 0's model broadcasts
-its inputs (token ids, positions, attention metadata) and the KV cache's shape; every worker runs
-the same pass on its own slice of the KV cache, meeting rank 0 at each all-reduce. Only rank 0
-computes logits and samples.
+Rank 0 is the engine's own process; ranks 1..N-1 are worker processes (hearth/distributed/workers.py)
+that load their slice and wait. Before each forward pass rank 0 broadcasts the step (its host
+arrays) and the KV cache's shape; every worker runs the same pass on its own slice of the KV
+cache, meeting rank 0 at each all-reduce. For logits rank 0 broadcasts the rows of hidden states
+it wants them for; every rank computes its vocabulary slice's, gathered on rank 0, which alone
+samples.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from torch import nn
 
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
-from hearth.distributed.workers import announce_pass
+from hearth.backend.base import StepInputs
+from hearth.distributed.collectives import gather_to_first
+from hearth.distributed.workers import announce, announce_pass
 from hearth.errors import ModelLoadError
+from hearth.model.transformer import vocabulary_modules
 from hearth.quant import QuantTensor
 
 COLUMN_PARALLEL = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 ROW_PARALLEL = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # split by rows (tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +69,12 @@ class TensorShard:
         # the KV head(s) this rank's query heads read: its own share, or the one it replicates
         kv_first = self.rank * config.num_kv_heads // self.world_size * head_dim
         mlp_rows = rank_config.intermediate_size
+        tokens = self.vocabulary(config.vocab_size)
         sliced = {}
         for name, tensor in weights.items():
-            if match := COLUMN_PARALLEL.search(name):
+            if name in VOCABULARY_PARALLEL:  # (tied embeddings: the output layer takes the embedding's slice)
+                sliced[name] = _rows(tensor, tokens.start, len(tokens))
+            elif match := COLUMN_PARALLEL.search(name):
                 part = match.group(1)
                 start, size = {"self_attn.q_proj": (self.rank * q_rows, q_rows),
                                "self_attn.k_proj": (kv_first, kv_rows),
@@ -80,25 +90,54 @@ class TensorShard:
                 sliced[name] = tensor
         return sliced
 
+    def vocabulary(self, vocab_size: int) -> range:
+        """The tokens of this rank's rows of the embedding table and the output layer. The ranks'
+        shares differ by at most one row (the first ranks hold the fewer), none empty."""
+        if vocab_size < self.world_size:
+            raise ModelLoadError(f"vocab_size = {vocab_size} does not split over {self.world_size} ranks")
+        return range(self.rank * vocab_size // self.world_size, (self.rank + 1) * vocab_size // self.world_size)
+
     def select(self, model: nn.Module) -> None:
-        """Every module stays: each rank holds a slice of each (taken by `weights`)."""
+        """Every module stays, each to hold a slice (taken by `weights`): the embedding table and
+        the output layer, of this rank's tokens only."""
+        with torch.device("meta"):
+            model.embed_tokens, model.lm_head = vocabulary_modules(len(self.vocabulary(model.config.vocab_size)),
+                                                                   model.config.hidden_size)
 
     def wrap(self, model: nn.Module) -> None:
-        """Add the all-reduce after each row-parallel module; inputs broadcast from rank 0."""
+        """Add the all-reduce after each row-parallel module and the embedding, the gather after the
+        output layer; on rank 0, the announcement of the rows logits are computed for."""
         for layer in model.layers:
             layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj)
             layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
+        vocab_size = model.config.vocab_size
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self.vocabulary(vocab_size))
+        model.lm_head = VocabParallelHead(model.lm_head, [TensorShard(r, self.world_size).vocabulary(vocab_size)
+                                                          for r in range(self.world_size)])
         if self.rank == 0:
-            model.register_forward_pre_hook(_broadcast_inputs)
+            model.lm_head.register_forward_pre_hook(_broadcast_hidden)
 
     def model_pass(self, backend: Backend):
-        """Rank 0's pass of a step (the runner's): the backend's, announced by wrap's pre-hook."""
-        return backend.forward
+        """Rank 0's pass of a step (the runner's): announced to the workers, then the backend's."""
 
-    def run(self, model: nn.Module, work: tuple, kv_caches: list) -> None:
+        def forward(model: nn.Module, step: StepInputs, kv_caches: list) -> torch.Tensor:
+            announce_pass(kv_caches, step)
+            return backend.forward(model, step, kv_caches)
+
+        return forward
+
+    def run(self, model: nn.Module, step: StepInputs, kv_caches: list) -> None:
         """A worker's share of the pass rank 0 announced: the same pass on its slice."""
-        input_ids, positions, meta = work
-        model(input_ids, positions, kv_caches, meta)
+        model.backend.forward(model, step, kv_caches)
+
+    @torch.inference_mode()
+    def logits(self, model: nn.Module, rows: tuple[tuple[int, ...], torch.dtype]) -> None:
+        """A worker's share of the logits rank 0 announced (the shape and dtype of its hidden rows,
+        broadcast next): its vocabulary slice's, gathered on rank 0."""
+        shape, dtype = rows
+        hidden = torch.empty(shape, dtype=dtype, device=model.norm.weight.device)
+        dist.broadcast(hidden, src=0)
+        model.lm_head(hidden)
 
 
 class RowParallel(nn.Module):
@@ -112,6 +151,37 @@ class RowParallel(nn.Module):
         y = self.inner(x)
         dist.all_reduce(y)
         return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table: its tokens' vectors, zeros for the others, summed
+    over the ranks (every token's vector, from the rank that holds it)."""
+
+    def __init__(self, inner: nn.Module, tokens: range) -> None:
+        super().__init__()
+        self.inner, self.tokens = inner, tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        mine = (input_ids >= self.tokens.start) & (input_ids < self.tokens.stop)
+        x = self.inner(torch.where(mine, input_ids - self.tokens.start, 0))
+        x = x.masked_fill(~mine[:, None], 0)
+        dist.all_reduce(x)
+        return x
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's rows of the output layer: the logits of its tokens, gathered on rank 0 in
+    vocabulary order (None on the other ranks)."""
+
+    def __init__(self, inner: nn.Module, shares: list[range]) -> None:
+        super().__init__()
+        self.inner, self.shares = inner, shares
+        self.width = max(len(share) for share in shares)  # gather takes one shape: shorter slices padded
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
+        logits = self.inner(hidden)
+        parts = gather_to_first(nn.functional.pad(logits, (0, self.width - logits.shape[1])))
+        return None if parts is None else torch.cat([p[:, : len(s)] for p, s in zip(parts, self.shares)], dim=1)
 
 
 def _rows(tensor, start: int, size: int):
@@ -132,10 +202,12 @@ def _columns(tensor, start: int, size: int, name: str):
     return QuantTensor(blocks.reshape(rows, -1).contiguous(), tensor.qtype, (rows, size))
 
 
-# ---- rank 0's passes, a worker's ---------------------------------------------------------
+# ---- rank 0's announcements ---------------------------------------------------------------
 
 
-def _broadcast_inputs(model: nn.Module, args: tuple) -> None:
-    """Rank 0's forward pre-hook: the pass's inputs, to every worker."""
-    input_ids, positions, kv_caches, meta = args
-    announce_pass(kv_caches, (input_ids, positions, meta))
+def _broadcast_hidden(head: nn.Module, args: tuple) -> None:
+    """Rank 0's forward pre-hook on the output layer: the hidden rows [N, hidden] logits are
+    wanted for, to every worker."""
+    (hidden,) = args
+    announce("logits", (tuple(hidden.shape), hidden.dtype))
+    dist.broadcast(hidden.contiguous(), src=0)

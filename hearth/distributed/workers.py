@@ -39,19 +39,14 @@ def shard_class(kind: str):
 def start_split(model_path, tensor_parallel_size: int, pipeline_parallel_size: int, dtype: torch.dtype,
                 max_positions: int | None, backend: str, device: torch.device):
     """The worker processes of an engine whose model is split, and rank 0's shard."""
-    if tensor_parallel_size > 1:
-        if device.type != "cpu":
-            raise ValueError("tensor parallelism runs on CPUs (gloo) in this version")
-        kind, size = "tensor", tensor_parallel_size
-    else:
-        kind, size = "pipeline", pipeline_parallel_size
+    kind, size = ("tensor", tensor_parallel_size) if tensor_parallel_size > 1 else ("pipeline", pipeline_parallel_size)
     return start_workers(kind, model_path, size, dtype, max_positions, backend, device), shard_class(kind)(0, size)
 
 
 def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, max_positions: int | None,
                   backend: str, device: torch.device) -> "WorkerGroup":
     """Start ranks 1..world_size-1 of a `kind` ("tensor" or "pipeline") split, each loading its
-    shard, and join them as rank 0 (gloo on CPUs, NCCL on GPUs, rank r on GPU r)."""
+    shard, and join them as rank 0 (see _join for the devices and the collectives' backend)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -67,13 +62,16 @@ def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, ma
 
 
 def _join(address: str, rank: int, world_size: int, device_type: str) -> torch.device:
-    """Join the process group; this rank's device."""
-    device = torch.device("cpu")
+    """Join the process group; this rank's device. On GPUs rank r is on GPU r, with NCCL; with fewer
+    GPUs than ranks they share them (rank r on GPU r mod the count) with gloo, as NCCL takes one
+    rank a GPU. On CPUs (the gpu backend under Triton's interpreter included), gloo."""
+    device, backend = torch.device("cpu"), "gloo"
     if device_type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", rank % gpus)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=address, rank=rank,
-                            world_size=world_size, timeout=TIMEOUT)
+        backend = "nccl" if gpus >= world_size else "gloo"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=TIMEOUT)
     return device
 
 
@@ -81,7 +79,12 @@ def announce_pass(kv_caches: list[tuple[torch.Tensor, ...]], work) -> None:
     """Rank 0: tell every worker to run a pass (`work`: what its shard's `run` takes), with the
     slots and dtype of its caches (a worker's are of its own layers and heads)."""
     k_cache = kv_caches[0][0]
-    dist.broadcast_object_list([("forward", (k_cache.shape[0], k_cache.dtype, work))], src=0)
+    announce("forward", (k_cache.shape[0], k_cache.dtype, work))
+
+
+def announce(command: str, payload) -> None:
+    """Rank 0: a command to every worker ("forward", "logits", "stop"), with what it takes."""
+    dist.broadcast_object_list([(command, payload)], src=0)
 
 
 class WorkerGroup:
@@ -103,7 +106,7 @@ def _end(processes: list[subprocess.Popen], tell: bool) -> None:
     if dist.is_initialized():
         try:
             if tell and all(p.poll() is None for p in processes):
-                dist.broadcast_object_list([("stop", None)], src=0)
+                announce("stop", None)
         finally:
             dist.destroy_process_group()
     for process in processes:
@@ -123,8 +126,9 @@ def _worker_main(kind: str, address: str, rank: int, world_size: int, model_path
     torch.set_num_threads(threads)
     device = _join(address, rank, world_size, device_type)
     shard = shard_class(kind)(rank, world_size)
+    # no CUDA graphs in a split model (hearth/engine/engine.py says why)
     model = load_model(model_path, dtype, device, max_positions=max_positions, progress=False,
-                       backend=choose_backend(device, dtype, backend), shard=shard).model
+                       backend=choose_backend(device, dtype, backend, enforce_eager=True), shard=shard).model
     caches = None
     while True:
         message = [None]
@@ -132,6 +136,9 @@ def _worker_main(kind: str, address: str, rank: int, world_size: int, model_path
         command, payload = message[0]
         if command == "stop":
             break
+        if command == "logits":
+            shard.logits(model, payload)
+            continue
         num_slots, kv_dtype, work = payload
         if caches is None or caches[0][0].shape[0] != num_slots:  # (a float cache: config.py refuses q8_0 here)
             caches = allocate_kv_caches(model.config, len(model.layers), num_slots, "auto", kv_dtype, device)

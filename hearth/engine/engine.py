@@ -51,7 +51,12 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
-        backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager)
+        # A model split over processes runs eagerly: gloo's collectives cannot be captured in a CUDA
+        # graph, NCCL's capture is untried (no two GPUs to try it on), and pipeline stages never replay one.
+        split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager or split)
+        if split and backend.name == "gpu" and self.device.type == "cuda" and not config.enforce_eager:
+            logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
         if config.speculative_tree_width > 1 and not backend.token_trees:
             raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
                              f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "

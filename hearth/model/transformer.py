@@ -115,11 +115,10 @@ class Transformer(nn.Module):
         self.config = config
         self.backend = ops = backend or Backend()
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
-        # from an empty weight: nn.Embedding's own random init on the meta device imports torch._dynamo (seconds)
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens, lm_head = vocabulary_modules(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = lm_head
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
         self.local_rope = self.no_rope = None
         if config.local_rope_theta is not None:  # gemma3's sliding layers: their own base, unscaled
@@ -291,6 +290,12 @@ class Transformer(nn.Module):
                 for attr in ("weight", "bias"):
                     merged[f"model.{name}.parts.{g}.{attr}"] = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
         return merged
+
+
+def vocabulary_modules(rows: int, hidden_size: int) -> tuple[nn.Embedding, Linear]:
+    """The embedding table and the output layer, of `rows` tokens (a tensor-parallel rank's: its share)."""
+    # from an empty weight: nn.Embedding's own random init on the meta device imports torch._dynamo (seconds)
+    return nn.Embedding.from_pretrained(torch.empty(rows, hidden_size)), Linear(hidden_size, rows)
 
 
 # checkpoint tensors nothing computes with: RoPE frequencies some old checkpoints saved
