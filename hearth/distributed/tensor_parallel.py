@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hearth.backend.base import Backend
+from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
-from hearth.backend.base import StepInputs
 from hearth.distributed.collectives import gather_to_first
 from hearth.distributed.workers import announce, announce_pass
 from hearth.errors import ModelLoadError
