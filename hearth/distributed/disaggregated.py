@@ -68,12 +68,41 @@ async def prefill(body: PrefillRequest, s: Annotated[ServedModel, Depends(served
     return Response(safetensors.torch.save({"kv": kv.contiguous()}), media_type="application/octet-stream")
 
 
+class HTTPTransport:
+    """A prefill worker's KV over HTTP: POST {url}/kv/prefill, the answer's body."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.headers = auth_headers(api_key)
+
+    async def fetch(self, url: str, ids: list[int]) -> tuple[float, bytes]:
+        """When the prefill worker answered (time.perf_counter()) and the answer's body."""
+        async with self.client.stream("POST", f"{url}{KV_PATH}", json={"prompt_token_ids": ids},
+                                      headers=self.headers) as answer:
+            answered = time.perf_counter()
+            return answered, check_kv_answer(answer.status_code, await answer.aread())
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def check_kv_answer(status: int, body: bytes) -> bytes:
+    """A prefill worker's answer to POST /kv/prefill: the body when it is the KV; raises otherwise."""
+    if status != 200:
+        raise RuntimeError(f"status {status}: {body[:200]!r}")
+    return body
+
+
 class KVPuller:
-    """A decode worker's side: fetch a prompt's KV from a prefill worker into the engine's cache."""
+    """A decode worker's side: fetch a prompt's KV from a prefill worker into the engine's cache.
+
+    How the bytes travel is the transport's business (`fetch(source, ids)`: when the prefill worker
+    answered, and the safetensors bytes); reading them into the cache, the metrics and the
+    fallback on failure are the same for every transport."""
 
     def __init__(self, registry: CollectorRegistry, api_key: str | None) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = HTTPTransport(api_key)
         r = registry
         self.bytes = Counter("hearth:kv_transfer_bytes", "KV bytes received from prefill workers.", registry=r)
         self.tokens = Counter("hearth:kv_transfer_tokens", "Prompt tokens whose KV was received.", registry=r)
@@ -86,21 +115,19 @@ class KVPuller:
                                          "A whole pull: the prefill worker's compute and the transfer.",
                                          buckets=SECONDS_BUCKETS, registry=r)
 
-    async def pull(self, s: ServedModel, prefill_url: str, ids: list[int]) -> int:
-        """The prompt's KV from the prefill worker at `prefill_url`, entered into this engine's
+    def transport(self, source: str):
+        return self.http
+
+    async def pull(self, s: ServedModel, source: str, ids: list[int]) -> int:
+        """The prompt's KV from the prefill worker `source` names, entered into this engine's
         prefix cache; returns the tokens entered (0 when the pull failed: logged and counted)."""
         start = time.perf_counter()
         try:
-            async with self.client.stream("POST", f"{prefill_url}{KV_PATH}", json={"prompt_token_ids": ids},
-                                          headers=self.headers) as answer:
-                answered = time.perf_counter()
-                body = await answer.aread()
-            if answer.status_code != 200:
-                raise RuntimeError(f"status {answer.status_code}: {body[:200]!r}")
+            answered, body = await self.transport(source).fetch(source, ids)
             kv = safetensors.torch.load(body)["kv"]
             entered = await s.engine.import_kv(ids, kv)
         except Exception as e:  # noqa: BLE001 - any failure: this worker computes the prompt itself
-            logger.warning("KV pull from %s failed (%s); computing the prompt here", prefill_url, e)
+            logger.warning("KV pull from %s failed (%s); computing the prompt here", source, e)
             self.failures.inc()
             return 0
         done = time.perf_counter()
