@@ -17,7 +17,7 @@ from hearth.engine.request import Request
 from hearth.server.app import build_app
 from hearth.server.served import PREFILL_HEADER
 from models import make_hf_model
-from test_distributed import NAME, FixedReplicas, complete_all, metric_samples
+from test_distributed import NAME, FixedReplicas, complete_all, hearth_serve, metric_samples
 from test_server import serving
 
 # prompts of 3 to 6 blocks of 16 tokens, a few sharing their first blocks
@@ -61,11 +61,12 @@ def test_prefill_and_decode_workers_give_one_engines_greedy_outputs(folder, expe
         assert complete_all(url, PROMPTS, MAX_TOKENS) == expected
         tokenizer, block = decode.tokenizer, decode.engine.config.block_size
         full_blocks = [(len(tokenizer.encode(p)) - 1) // block * block for p in PROMPTS]
-        received = metric_samples(decode_url, "hearth:kv_transfer_tokens_total")[""]
+        received = metric_samples(decode_url, "hearth:kv_transfer_tokens_total", transport="http")[""]
         # the first prompt twice; prompts sharing leading blocks received them whole
         assert received == full_blocks[0] + sum(full_blocks)
-        assert metric_samples(decode_url, "hearth:kv_transfer_bytes_total")[""] >= received * 2 * 2 * 2 * 16 * 4
-        assert metric_samples(decode_url, "hearth:kv_transfer_failures_total")[""] == 0
+        sent = metric_samples(decode_url, "hearth:kv_transfer_bytes_total", transport="http")[""]
+        assert sent >= received * 2 * 2 * 2 * 16 * 4
+        assert metric_samples(decode_url, "hearth:kv_transfer_failures_total", transport="http")[""] == 0
         assert decode.stats().prefix_cache_hits >= sum(full_blocks)  # computed there, not here
         assert prefill.stats().prefix_cache_queries >= sum(len(tokenizer.encode(p)) for p in PROMPTS)
         assert prefill.engine.block_manager.check_all_free() and decode.engine.block_manager.check_all_free()
@@ -76,7 +77,7 @@ def test_a_failed_pull_leaves_the_decode_worker_to_compute_the_prompt(folder, ex
         r = httpx.post(decode_url + "/v1/completions", headers={PREFILL_HEADER: "http://127.0.0.1:9"}, json={
             "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.json()["choices"][0]["text"] == expected[3]
-        assert metric_samples(decode_url, "hearth:kv_transfer_failures_total")[""] == 1
+        assert metric_samples(decode_url, "hearth:kv_transfer_failures_total", transport="http")[""] == 1
         assert decode.engine.block_manager.check_all_free()
 
 
@@ -99,8 +100,6 @@ def test_imported_blocks_are_found_by_their_tokens():
 def test_hearth_serve_disaggregate_starts_a_prefill_and_a_decode_worker():
     """The real command on the built-in GGUF: one prefill and one decode worker behind the router;
     a greedy completion equals one engine's, its prompt's KV went through the transfer."""
-    from test_distributed import hearth_serve
-
     prompt = "def fibonacci(n):\n    " * 4
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with hearth_serve("--disaggregate", "--threads", "1") as url, httpx.Client(base_url=url, timeout=120) as http:
@@ -108,8 +107,61 @@ def test_hearth_serve_disaggregate_starts_a_prefill_and_a_decode_worker():
         r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
                                                "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert metric_samples(url, "hearth:kv_transfer_tokens_total")["1"] >= 16  # replica 1 decodes
+        assert metric_samples(url, "hearth:kv_transfer_tokens_total", transport="http")["1"] >= 16  # replica 1 decodes
         assert metric_samples(url, "hearth:router_requests_total") == {"1": 1.0}
     expected = LLM("builtin", progress=False).generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     assert r.json()["choices"][0]["text"] == expected
     assert len(replicas) == 2
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance with this process as a driver, as `ray start --head` would start one
+    (`hearth serve --ray-address` joins it); yields its address."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+# prompts of 2 to 4 full blocks of the built-in model's tokens, a few sharing their first blocks
+PROMPTS_RAY = [f"# step {i}\n" + "def fibonacci(n):\n    " * (2 + i % 3) for i in range(16)]
+
+
+def test_hearth_serve_ray_disaggregate_moves_the_kv_through_the_object_store(ray_cluster):
+    """--ray --disaggregate, joining a local Ray cluster: one request alone, then 16 at once, give
+    one engine's greedy text; the decode worker received every prompt's full blocks' KV through
+    Ray's object store (none over HTTP, no pull failed); every KV block free on both workers after.
+    A decode worker told to pull from an actor that does not exist computes the prompt itself."""
+    llm = LLM("builtin", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS_RAY, params, use_tqdm=False)]
+    block = llm.engine.config.block_size
+    full_blocks = [(len(llm.get_tokenizer().encode(p)) - 1) // block * block for p in PROMPTS_RAY]
+    with hearth_serve("--ray", "--ray-address", ray_cluster, "--disaggregate", "--threads", "1",
+                      "--served-model-name", NAME) as url:
+        assert complete_all(url, PROMPTS_RAY[:1], MAX_TOKENS) == expected[:1]
+        assert complete_all(url, PROMPTS_RAY, MAX_TOKENS) == expected
+        ray_tokens = metric_samples(url, "hearth:kv_transfer_tokens_total", transport="ray")
+        assert ray_tokens == {"1": full_blocks[0] + sum(full_blocks)}  # replica 1 decodes, and pulled them all
+        assert metric_samples(url, "hearth:kv_transfer_bytes_total", transport="ray")["1"] >= ray_tokens["1"] * 64
+        assert metric_samples(url, "hearth:kv_transfer_tokens_total", transport="http") == {"1": 0.0}
+        for transport in ("ray", "http"):
+            assert metric_samples(url, "hearth:kv_transfer_failures_total", transport=transport) == {"1": 0.0}
+        assert metric_samples(url, "hearth:router_requests_total") == {"1": 17.0}  # none to the prefill worker
+        assert metric_samples(url, "hearth:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
+
+    engine = AsyncEngine(llm.engine)
+    try:
+        with serving(build_app(engine, NAME, role="decode")) as decode_url:
+            r = httpx.post(decode_url + "/v1/completions", headers={
+                PREFILL_HEADER: f"ray://{ray_cluster}/nowhere/replica-0"}, json={
+                "prompt": PROMPTS_RAY[3], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.json()["choices"][0]["text"] == expected[3]
+            assert metric_samples(decode_url, "hearth:kv_transfer_failures_total", transport="ray")[""] == 1
+            assert engine.engine.block_manager.check_all_free()
+    finally:
+        engine.shutdown()

@@ -45,6 +45,9 @@ class FixedReplicas:
     def url(self, index: int) -> str:
         return self.urls[index]
 
+    def kv_source(self, index: int) -> str:
+        return self.urls[index]
+
     async def recover(self, index: int) -> str:
         return self.urls[index]
 
@@ -164,11 +167,12 @@ def test_prefix_routing_hits_the_cache_at_least_twice_as_often_as_random(folder)
     assert prefix_rate >= 2 * random_rate and prefix_rate > 0.4, (prefix_rate, random_rate)
 
 
-def metric_samples(url: str, name: str) -> dict[str, float]:
-    """The values of one metric by replica label, from the router's /metrics."""
+def metric_samples(url: str, name: str, **labels: str) -> dict[str, float]:
+    """The values of one metric by replica label, from the router's /metrics (only the samples
+    with `labels`, when given)."""
     text = httpx.get(url + "/metrics", timeout=30).text
     return {s.labels.get("replica", ""): s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == name}
+            for s in family.samples if s.name == name and labels.items() <= s.labels.items()}
 
 
 @contextlib.contextmanager

@@ -35,19 +35,17 @@ def run_router(args) -> None:
     except ValueError as e:
         raise HearthError(str(e)) from None
     args.replica_api_key = new_replica_key()
-    if args.ray and args.disaggregate:
-        raise HearthError("--disaggregate starts its workers on this machine; with --ray it is not implemented yet")
+    # --disaggregate: the prefill workers first, then the decode workers (disaggregated.py)
+    roles = [None] * args.data_parallel_size
+    if args.disaggregate:
+        roles = ["prefill"] * args.prefill_workers + ["decode"] * args.data_parallel_size
     if args.ray:
         from hearth.distributed.ray_replicas import RayReplicas
 
-        replicas = RayReplicas(args, max(1, args.data_parallel_size))
+        replicas = RayReplicas(args, roles)
     else:
         from hearth.distributed.replicas import LocalReplicas
 
-        # --disaggregate: the prefill workers first, then the decode workers (disaggregated.py)
-        roles = [None] * args.data_parallel_size
-        if args.disaggregate:
-            roles = ["prefill"] * args.prefill_workers + ["decode"] * args.data_parallel_size
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = max(1, cores // len(roles))
         replicas = LocalReplicas([replica_argv(args, "127.0.0.1", threads, role) for role in roles])

@@ -117,6 +117,10 @@ class LocalReplicas:
             await asyncio.to_thread(process.wait_ready)
         return process.url
 
+    def kv_source(self, index: int) -> str | None:
+        """Where a decode worker gets a prompt's KV from prefill worker `index`: its URL."""
+        return self.url(index)
+
     def pid(self, index: int) -> int | None:
         process = self.processes[index].process
         return None if process is None else process.pid

@@ -135,8 +135,8 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         headers.update(self.replica_headers)
         key = prompt_key(path, body)
-        if self.prefill_replicas and path in GENERATION_PATHS and (prefill_url := self._prefill_url()):
-            headers[PREFILL_HEADER] = prefill_url
+        if self.prefill_replicas and path in GENERATION_PATHS and (prefill := self._prefill_source()):
+            headers[PREFILL_HEADER] = prefill
         tried: set[int] = set()
         busy: Response | None = None
         while True:
@@ -184,12 +184,13 @@ class Router:
                         await upstream.aclose()
                     self._release(index)
 
-    def _prefill_url(self) -> str | None:
-        """The healthy prefill replicas in turn (None: none is, and the decode replica computes the prompt)."""
-        urls = [url for i in sorted(self.prefill_replicas)
-                if self.routing.replicas[i].healthy and (url := self.replicas.url(i)) is not None]
+    def _prefill_source(self) -> str | None:
+        """The healthy prefill replicas in turn, as a decode replica reaches them: a URL, or a Ray
+        actor (disaggregated.py); None: none is healthy, and the decode replica computes the prompt."""
+        sources = [source for i in sorted(self.prefill_replicas)
+                   if self.routing.replicas[i].healthy and (source := self.replicas.kv_source(i)) is not None]
         self._prefill_turn += 1
-        return urls[self._prefill_turn % len(urls)] if urls else None
+        return sources[self._prefill_turn % len(sources)] if sources else None
 
     async def _relay(self, upstream: httpx.Response, index: int):
         """The replica's event stream as it comes; a break ends it with an error event."""

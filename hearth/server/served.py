@@ -23,7 +23,7 @@ from hearth.server.metrics import ServerMetrics
 from hearth.tool_calls import parser_for
 
 
-PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from
+PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from: URL or ray://
 
 
 class RequestTimeout(APIError):
@@ -97,13 +97,13 @@ class ServedModel:
     # ---- requests in flight
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      prefill_url: str | None = None) -> list[RequestStream]:
+                      prefill_source: str | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`); all or none are added. On a decode
-        worker, given a prefill worker's URL, each prompt's KV is pulled from it first."""
+        worker, given a prefill worker (its URL or its Ray actor), each prompt's KV is pulled from it first."""
         self.check_sequences(len(prompts), params)
-        if prefill_url is not None and self.kv_puller is not None:
+        if prefill_source is not None and self.kv_puller is not None:
             for ids in prompts:
-                await self.kv_puller.pull(self, prefill_url, ids)
+                await self.kv_puller.pull(self, prefill_source, ids)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
