@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 
 import httpx
 import pytest
@@ -135,33 +137,41 @@ def test_hearth_serve_ray_disaggregate_moves_the_kv_through_the_object_store(ray
     """--ray --disaggregate, joining a local Ray cluster: one request alone, then 16 at once, give
     one engine's greedy text; the decode worker received every prompt's full blocks' KV through
     Ray's object store (none over HTTP, no pull failed); every KV block free on both workers after.
-    A decode worker told to pull from an actor that does not exist computes the prompt itself."""
+    A decode worker of this process pulls from the prefill worker's actor too; once the actor's
+    replica has died, its pull fails and it computes the prompt itself."""
     llm = LLM("builtin", progress=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(PROMPTS_RAY, params, use_tqdm=False)]
     block = llm.engine.config.block_size
     full_blocks = [(len(llm.get_tokenizer().encode(p)) - 1) // block * block for p in PROMPTS_RAY]
-    with hearth_serve("--ray", "--ray-address", ray_cluster, "--disaggregate", "--threads", "1",
-                      "--served-model-name", NAME) as url:
-        assert complete_all(url, PROMPTS_RAY[:1], MAX_TOKENS) == expected[:1]
-        assert complete_all(url, PROMPTS_RAY, MAX_TOKENS) == expected
-        ray_tokens = metric_samples(url, "hearth:kv_transfer_tokens_total", transport="ray")
-        assert ray_tokens == {"1": full_blocks[0] + sum(full_blocks)}  # replica 1 decodes, and pulled them all
-        assert metric_samples(url, "hearth:kv_transfer_bytes_total", transport="ray")["1"] >= ray_tokens["1"] * 64
-        assert metric_samples(url, "hearth:kv_transfer_tokens_total", transport="http") == {"1": 0.0}
-        for transport in ("ray", "http"):
-            assert metric_samples(url, "hearth:kv_transfer_failures_total", transport=transport) == {"1": 0.0}
-        assert metric_samples(url, "hearth:router_requests_total") == {"1": 17.0}  # none to the prefill worker
-        assert metric_samples(url, "hearth:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
-
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(LLM("builtin", progress=False).engine)  # a cache of its own, empty
     try:
-        with serving(build_app(engine, NAME, role="decode")) as decode_url:
-            r = httpx.post(decode_url + "/v1/completions", headers={
-                PREFILL_HEADER: f"ray://{ray_cluster}/nowhere/replica-0"}, json={
-                "prompt": PROMPTS_RAY[3], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}, timeout=60)
-            assert r.json()["choices"][0]["text"] == expected[3]
-            assert metric_samples(decode_url, "hearth:kv_transfer_failures_total", transport="ray")[""] == 1
+        with hearth_serve("--ray", "--ray-address", ray_cluster, "--disaggregate", "--threads", "1",
+                          "--served-model-name", NAME) as url, \
+                serving(build_app(engine, NAME, role="decode")) as decode_url:
+            assert complete_all(url, PROMPTS_RAY[:1], MAX_TOKENS) == expected[:1]
+            assert complete_all(url, PROMPTS_RAY, MAX_TOKENS) == expected
+            ray_tokens = metric_samples(url, "hearth:kv_transfer_tokens_total", transport="ray")
+            assert ray_tokens == {"1": full_blocks[0] + sum(full_blocks)}  # replica 1 decodes, and pulled them all
+            assert metric_samples(url, "hearth:kv_transfer_bytes_total", transport="ray")["1"] >= ray_tokens["1"] * 64
+            assert metric_samples(url, "hearth:kv_transfer_tokens_total", transport="http") == {"1": 0.0}
+            for transport in ("ray", "http"):
+                assert metric_samples(url, "hearth:kv_transfer_failures_total", transport=transport) == {"1": 0.0}
+            assert metric_samples(url, "hearth:router_requests_total") == {"1": 17.0}  # none to the prefill worker
+            assert metric_samples(url, "hearth:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
+
+            prefill = httpx.get(url + "/replicas").json()["replicas"][0]
+            assert prefill["kv_source"].startswith("ray://")
+            for prompt, killed in ((PROMPTS_RAY[2], False), (PROMPTS_RAY[3], True)):
+                if killed:
+                    os.kill(prefill["pid"], signal.SIGKILL)  # the replica, under its living actor
+                r = httpx.post(decode_url + "/v1/completions", headers={PREFILL_HEADER: prefill["kv_source"]},
+                               json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+                               timeout=60)
+                assert r.json()["choices"][0]["text"] == expected[PROMPTS_RAY.index(prompt)]
+                pulled = metric_samples(decode_url, "hearth:kv_transfer_tokens_total", transport="ray")[""]
+                failed = metric_samples(decode_url, "hearth:kv_transfer_failures_total", transport="ray")[""]
+                assert (pulled, failed) == (full_blocks[2], killed)
             assert engine.engine.block_manager.check_all_free()
     finally:
         engine.shutdown()

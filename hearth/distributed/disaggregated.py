@@ -122,6 +122,8 @@ class RayTransport:
         self._joining: asyncio.Lock | None = None
 
     async def _actor(self, source: str):
+        # SIGTERM is how this server is stopped: no stack dump from Ray's handler for it (read on import)
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
 
         if source not in self._actors:
@@ -129,8 +131,6 @@ class RayTransport:
             self._joining = self._joining or asyncio.Lock()
             async with self._joining:
                 if not ray.is_initialized():
-                    # SIGTERM is how this server is stopped: no stack dump from Ray's handler for it
-                    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
                     # off the main thread: there ray.init would replace uvicorn's SIGTERM handler
                     await asyncio.to_thread(ray.init, address=address, logging_level=logging.ERROR,
                                             log_to_driver=False)

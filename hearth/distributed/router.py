@@ -275,7 +275,9 @@ def build_router_app(router: Router, api_key: str | None = None, limits: ServerL
     async def replicas():
         return {"replicas": [
             {"index": i, "url": router.replicas.url(i), "pid": router.replicas.pid(i), "healthy": load.healthy,
-             "in_flight": load.in_flight}
+             "in_flight": load.in_flight,
+             # a prefill replica: where decode replicas get prompts' KV from it (its URL, or its Ray actor)
+             "kv_source": router.replicas.kv_source(i) if i in router.prefill_replicas else None}
             for i, load in enumerate(router.routing.replicas)
         ], "policy": router.routing.policy}
 
