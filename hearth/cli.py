@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the router picks a replica")
     g.add_argument("--disaggregate", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill and decode on separate workers: --prefill-workers prefill workers and "
-                        "--data-parallel-size decode workers behind the router")
+                        "--data-parallel-size decode workers behind the router (with --ray: as Ray actors, "
+                        "a prompt's KV through Ray's object store)")
     g.add_argument("--prefill-workers", type=int, default=1, help="with --disaggregate: the prefill workers")
     g.add_argument("--role", default=None, choices=["prefill", "decode"],
                    help="this server's part in a disaggregated set: prefill (serves prompts' KV) or decode "
