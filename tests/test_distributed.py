@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -180,10 +181,11 @@ def hearth_serve(*options: str):
     """`hearth serve builtin OPTIONS` as a child process; yields the router's URL, then SIGTERMs it
     and checks that it exits cleanly."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    stderr = tempfile.TemporaryFile("w+")  # read back only when the router does not start
     proc = subprocess.Popen(
         [sys.executable, "-m", "hearth.cli", "serve", "builtin", "--port", "0", "--no-access-log",
          "--kv-cache-memory", "8MiB", "--log-level", "warning", *options],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
     try:
         url = None
@@ -191,7 +193,10 @@ def hearth_serve(*options: str):
             if line.startswith("listening"):
                 url = line.split()[1].removesuffix("/v1")
                 break
-        assert url, "the router did not start"
+        if url is None:
+            proc.wait(timeout=60)
+            stderr.seek(0)
+            raise AssertionError(f"the router did not start (exit {proc.returncode}):\n{stderr.read()[-3000:]}")
         yield url
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -199,6 +204,7 @@ def hearth_serve(*options: str):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        stderr.close()
 
 
 def run_while_killing(url: str, prompts: list[str], pid: int) -> list[str]:

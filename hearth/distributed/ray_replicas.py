@@ -15,6 +15,7 @@ decode worker's machine.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from hearth.distributed.disaggregated import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
 from hearth.distributed.launch import replica_argv
@@ -76,7 +77,10 @@ class RayReplicas:
         import ray
 
         self._started_ray = not ray.is_initialized()
-        ray.init(address=args.ray_address, include_dashboard=False, ignore_reinit_error=True)
+        # no address: a new local instance ("local"), never one found through /tmp/ray's record of the
+        # latest cluster, which outlives the cluster it names (RAY_ADDRESS, when set, is Ray's own way to name one)
+        address = args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
         count = len(roles)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         threads = args.threads or max(1, cpus // count)
