@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -232,6 +233,25 @@ def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_
         runner.forward(entries)
         times.append(clock() - start)
     return median(times[2:]) * 1e3
+
+
+@contextlib.contextmanager
+def hearth_serve(model: str, options: list[str]):
+    """`hearth serve MODEL OPTIONS` (served as "m", any free port) as a child process; yields its URL
+    (without /v1), then stops it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hearth.cli", "serve", model, "--port", "0", "--no-access-log", "--log-level",
+         "warning", "--served-model-name", "m", *options],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = next((line.split()[1].removesuffix("/v1") for line in proc.stdout if line.startswith("listening")), None)
+        if url is None:
+            raise RuntimeError(f"the server did not start: hearth serve {model} {' '.join(options)}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def workload_parser(doc: str, num_prompts: int) -> argparse.ArgumentParser:

@@ -18,13 +18,11 @@ actor reading its replica's answer and putting it into the object store).
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import subprocess
 import sys
 
 import httpx
-from common import REPO, machine, machine_markdown, median, table, tiny_model, write_results
+from common import hearth_serve, machine, machine_markdown, median, table, tiny_model, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 DECODE_REPLICA = "1"  # --disaggregate starts the prefill worker first
@@ -44,39 +42,28 @@ def decode_metrics(http: httpx.Client, transport: str) -> dict[str, float]:
 
 def measure(model: str, transport: str, lengths: list[int], repeats: int, rng: random.Random) -> dict:
     """{prompt length: {"bytes", "transfer_us", "rest_us": per prompt token, one a prompt}} for one transport."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hearth.cli", "serve", model, "--disaggregate", "--threads", "1", "--port", "0",
-         "--no-access-log", "--log-level", "warning", "--served-model-name", "m", "--kv-cache-memory", "512MiB",
-         *(["--ray"] if transport == "ray" else [])],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True)
     data = {}
-    try:
-        url = next((line.split()[1].removesuffix("/v1") for line in proc.stdout if line.startswith("listening")), None)
-        if url is None:
-            raise RuntimeError("the server did not start")
-        with httpx.Client(base_url=url, timeout=600) as http:
-            for length in lengths:
-                per_token = {"bytes": [], "transfer_us": [], "rest_us": []}
-                for _ in range(repeats):
-                    before = decode_metrics(http, transport)
-                    prompt = [rng.randrange(100, 1000) for _ in range(length)]
-                    r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
-                    r.raise_for_status()
-                    after = decode_metrics(http, transport)
-                    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in NAMES}
-                    tokens = delta["hearth:kv_transfer_tokens_total"]
-                    if not tokens:
-                        raise RuntimeError(f"no KV went through the {transport} transport")
-                    transfer = delta["hearth:kv_transfer_seconds_sum"]
-                    per_token["bytes"].append(delta["hearth:kv_transfer_bytes_total"] / tokens)
-                    per_token["transfer_us"].append(1e6 * transfer / tokens)
-                    per_token["rest_us"].append(1e6 * (delta["hearth:kv_prefill_seconds_sum"] - transfer) / tokens)
-                data[length] = per_token
-                print(f"{transport} {length} tokens: {per_token}", file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with hearth_serve(model, ["--disaggregate", "--threads", "1", "--kv-cache-memory", "512MiB",
+                              *(["--ray"] if transport == "ray" else [])]) as url, \
+            httpx.Client(base_url=url, timeout=600) as http:
+        for length in lengths:
+            per_token = {"bytes": [], "transfer_us": [], "rest_us": []}
+            for _ in range(repeats):
+                before = decode_metrics(http, transport)
+                prompt = [rng.randrange(100, 1000) for _ in range(length)]
+                r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+                r.raise_for_status()
+                after = decode_metrics(http, transport)
+                delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in NAMES}
+                tokens = delta["hearth:kv_transfer_tokens_total"]
+                if not tokens:
+                    raise RuntimeError(f"no KV went through the {transport} transport")
+                transfer = delta["hearth:kv_transfer_seconds_sum"]
+                per_token["bytes"].append(delta["hearth:kv_transfer_bytes_total"] / tokens)
+                per_token["transfer_us"].append(1e6 * transfer / tokens)
+                per_token["rest_us"].append(1e6 * (delta["hearth:kv_prefill_seconds_sum"] - transfer) / tokens)
+            data[length] = per_token
+            print(f"{transport} {length} tokens: {per_token}", file=sys.stderr)
     return data
 
 

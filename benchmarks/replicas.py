@@ -11,11 +11,7 @@ and the table gives medians and the ratio.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-from common import REPO, report_interleaved, run_interleaved, tiny_model, workload_parser
+from common import hearth_serve, report_interleaved, run_interleaved, tiny_model, workload_parser
 
 from hearth.bench.serve import run_serve
 
@@ -23,21 +19,10 @@ SETUPS = {"one engine, 2 threads": ["--threads", "2"], "2 replicas, 1 thread eac
 
 
 def serve_and_measure(model: str, options: list[str], args) -> dict:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hearth.cli", "serve", model, "--port", "0", "--no-access-log", "--log-level",
-         "warning", "--served-model-name", "m", *options],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True)
-    try:
-        url = next((line.split()[1].removesuffix("/v1") for line in proc.stdout if line.startswith("listening")), None)
-        if url is None:
-            raise RuntimeError(f"the server did not start: hearth serve {model} {' '.join(options)}")
+    with hearth_serve(model, options) as url:
         report = run_serve(url, "m", args.num_prompts, args.input_len, args.output_len,
                            concurrency=[args.num_prompts], progress=False)
-        return report["runs"][0]
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    return report["runs"][0]
 
 
 def main() -> None:
