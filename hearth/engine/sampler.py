@@ -103,9 +103,12 @@ class SamplingBatch:
         grammar_masks: tuple[list[int], Future[torch.Tensor]] | None = None,
         amateur_logits: tuple[list[int], torch.Tensor] | None = None,
         noise_rows: list[int] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
+        `pending` [B, d] int64 on `device`: tokens that follow each row's output_token_ids and that
+        the host has not read (a draft model's guesses so far, runner.ModelRunner.propose).
         `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py's
         GrammarCompiler.start_masks, maybe still being filled).
         `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
@@ -113,6 +116,7 @@ class SamplingBatch:
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
         V = vocab_size
+        num_pending = 0 if pending is None else pending.shape[1]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         for p, g in zip(params, generators):
             if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
@@ -137,6 +141,8 @@ class SamplingBatch:
         output_counts = None
         if prompt_mask is not None or any(pres) or any(freq):
             output_counts = _token_counts(output_token_ids, V, device)
+            if num_pending:
+                output_counts.scatter_add_(1, pending, torch.ones(pending.shape, device=device))
 
         bias = None
         rows, cols, vals = [], [], []
@@ -150,7 +156,7 @@ class SamplingBatch:
         banned = None
         rows, cols = [], []
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
+            if len(out) + num_pending < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 for t in sorted(t for t in stops if 0 <= t < V):
                     rows.append(i), cols.append(t)
@@ -165,8 +171,10 @@ class SamplingBatch:
                   for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
         watermark = None
         if marked:
-            watermark = (vec([i for i, _, _ in marked], torch.int64), vec([w.key for _, w, _ in marked], torch.int64),
-                         vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
+            rows = vec([i for i, _, _ in marked], torch.int64)
+            previous = pending[rows, -1] if num_pending else vec([t for _, _, t in marked], torch.int64)
+            watermark = (rows, vec([w.key for _, w, _ in marked], torch.int64),
+                         previous, vec([w.gamma for _, w, _ in marked], torch.float64),
                          vec([w.delta for _, w, _ in marked], torch.float32))
 
         contrastive = None
