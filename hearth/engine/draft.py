@@ -81,6 +81,11 @@ class SecondModel:
         seq.num_computed_tokens += len(token_ids)
 
 
+def rows_of(q: torch.Tensor | None, count: int) -> list[torch.Tensor | None]:
+    """The rows of a pass's distributions [count, V]; None each where the pass gave none (all greedy)."""
+    return [None] * count if q is None else list(q)
+
+
 def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
     """A point mass on `token`, shaped and placed as the distribution `like` [V]."""
     return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
@@ -128,21 +133,26 @@ class DraftProposer:
             later_rows.append(rows)
             feeds = {row: i for i, row in enumerate(rows)}
         (choices, q), *later = self.draft.runner.propose(passes)
-        branches, probs = {}, {}  # per request, per branch: its guesses and their distributions
-        for (request, entry), tokens, dist in zip(first, choices, q):
+        # per request, per branch: its guesses and their distributions (None: point masses, a greedy pass's)
+        branches, probs = {}, {}
+        for (request, entry), tokens, dist in zip(first, choices, rows_of(q, len(first))):
             self.draft.fed(request, entry.token_ids)
             tokens = tokens[: widths[request]]
             branches[request] = [[token] for token in tokens]
-            probs[request] = [[dist]] + [[one_hot(token, dist)] for token in tokens[1:]]
+            probs[request] = [[dist]] + [[None if dist is None else one_hot(token, dist)] for token in tokens[1:]]
         for rows, (choices, q) in zip(later_rows, later):
-            for (request, b), tokens, dist in zip(rows, choices, q):  # each row fed its branch's last guess
+            for (request, b), tokens, dist in zip(rows, choices, rows_of(q, len(rows))):  # each fed its branch's last guess
                 self.draft.fed(request, branches[request][b][-1:] if widths[request] == 1 else [TREE_NODE])
                 branches[request][b].append(tokens[0])
                 probs[request][b].append(dist)
         for request in requests:
             token_ids, parents = tree_of(branches[request])  # (the first guesses differ: nothing merges)
             request.set_guesses(token_ids, parents if widths[request] > 1 else None)
-            self.guess_probs[request] = torch.stack([dist for branch in probs[request] for dist in branch])
+            dists = [dist for branch in probs[request] for dist in branch]
+            if any(dist is None for dist in dists):  # a greedy request's: every guess a point mass
+                self.guess_probs.pop(request, None)
+            else:
+                self.guess_probs[request] = torch.stack(dists)
 
     def _branch_entry(self, request: Request, branch: int, depth: int, width: int) -> BatchEntry:
         """The pass feeding a branch's guess number `depth` (its token: drawn by the pass before,

@@ -362,36 +362,46 @@ class ModelRunner:
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
 
-    def propose(self, passes: list[DraftPass]) -> list[tuple[list[list[int]], torch.Tensor]]:
+    def propose(self, passes: list[DraftPass]) -> list[tuple[list[list[int]], torch.Tensor | None]]:
         """A draft model's passes in one call: each row's next token drawn from its request's final
         distribution (its sampling parameters applied to the draft's logits, its output followed by
         the guesses its branch drew in the passes before; a seeded request's noise from its spec
         generator), a later pass's rows fed tokens the passes before drew, on the device; one copy
         to the host at the end. Returns per pass, per row its choices (DraftPass.width: the draw,
-        then the next best tokens by the penalised logits), and the distributions [rows, V]."""
-        drawn: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: choices [rows, width], distributions
-        pending = None  # [rows, depth] the guesses each row's branch drew before it
+        then the next best tokens by the penalised logits), and the distributions [rows, V] (None
+        where every row is greedy: a greedy row's is the point mass at its draw)."""
+        drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
+        pending = batch = None  # [rows, depth] the guesses each row's branch drew before it; the sampling batch
+        later = self.prepare([entry for p in passes[1:] for entry in p.entries]) if len(passes) > 1 else None
+        first_row = 0  # of the pass in `later`
         for p in passes:
-            step = self.prepare(p.entries)
             if p.feeds is None:
+                step = self.prepare(p.entries)
                 pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
             else:
+                step = later.sequences(first_row, first_row + len(p.entries))
+                first_row += len(p.entries)
                 choices = drawn[-1][0]
                 feeds = torch.tensor(p.feeds, device=self.device)
                 step.input_ids = choices.reshape(-1)[feeds]
                 pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
-            batch = SamplingBatch.build([r.sampling_params for r in p.requests], [r.prompt_token_ids for r in p.requests],
-                                        [r.output_token_ids for r in p.requests], p.generators,
-                                        self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
-                                        pending=pending)
+            if batch is None or batch.reads_output or p.requests != passes[len(drawn) - 1].requests:
+                batch = SamplingBatch.build([r.sampling_params for r in p.requests],
+                                            [r.prompt_token_ids for r in p.requests],
+                                            [r.output_token_ids for r in p.requests], p.generators,
+                                            self.model.config.vocab_size, self.device,
+                                            eos_token_ids=self.eos_token_ids, pending=pending)
             hidden = self.model_pass(self.model, step, self.kv_caches)
             logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_rows).to(hidden.device)])
-            probs, greedy_ids = final_distribution(logits, batch, self.backend.apply_token_bitmask)
-            noise = None if batch.all_greedy else exponential_noise(probs, p.generators)
-            choices = draw(probs, greedy_ids, batch, noise)[:, None]
+            penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
+            if batch.all_greedy:
+                probs, choices = None, penalised.argmax(dim=-1)
+            else:
+                probs, greedy_ids = final_distribution(penalised, batch)
+                choices = draw(probs, greedy_ids, batch, exponential_noise(probs, p.generators))
+            choices = choices[:, None]
             if p.width > 1:  # the next best tokens other than the draw (one of the top width + 1 may be it)
-                best = apply_penalties_and_bias(logits.float(), batch, self.backend.apply_token_bitmask)
-                best = best.topk(p.width + 1, dim=-1).indices
+                best = penalised.topk(p.width + 1, dim=-1).indices
                 others_first = (best == choices).to(torch.int32).sort(dim=1, stable=True).indices
                 choices = torch.cat([choices, best.gather(1, others_first[:, : p.width - 1])], dim=1)
             drawn.append((choices, probs))

@@ -90,6 +90,11 @@ class SamplingBatch:
     # per row, the row whose draw's noise it takes (rows at one depth of a token tree share it); None: its own
     noise_rows: list[int] | None = None
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether a row's output so far changes what it draws (penalties, min_tokens, watermarks)."""
+        return self.output_counts is not None or self.banned is not None or self.watermark is not None
+
     @classmethod
     def build(
         cls,
@@ -488,12 +493,10 @@ def greedy_acceptance(sampled: torch.Tensor, guesses: Guesses) -> torch.Tensor:
     return sampled[guesses.rows] == guesses.token_ids
 
 
-def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
-                       apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """After penalties and filters: the distribution each row draws from [B, V] (one-hot at the
-    argmax on greedy rows), and the greedy argmax [B] (None without greedy rows)."""
-    logits = apply_penalties_and_bias(logits.float(), batch, apply_token_bitmask)
+def final_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From logits after penalties (apply_penalties_and_bias), after the filters: the distribution
+    each row draws from [B, V] (one-hot at the argmax on greedy rows), and the greedy argmax [B]
+    (None without greedy rows)."""
     greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
     if batch.all_greedy:
         return torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(logits.dtype), greedy_ids
@@ -531,9 +534,9 @@ class Sampler:
                 accepted = greedy_acceptance(sampled, guesses)
         else:
             # the noise first: it takes a while (a serial op over [B, V]), and the grammar masks'
-            # thread fills them meanwhile; final_distribution waits for them
+            # thread fills them meanwhile; apply_penalties_and_bias waits for them
             noise = exponential_noise(raw, batch.generators, batch.noise_rows)
-            probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
+            probs, greedy_ids = final_distribution(apply_penalties_and_bias(raw, batch, self.apply_token_bitmask), batch)
             sampled = draw(probs, greedy_ids, batch, noise)
             if guesses is not None:
                 sampled, accepted = verify_guesses(probs, sampled, guesses)
