@@ -371,26 +371,31 @@ class ModelRunner:
         then the next best tokens by the penalised logits), and the distributions [rows, V] (None
         where every row is greedy: a greedy row's is the point mass at its draw)."""
         drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
-        pending = batch = None  # [rows, depth] the guesses each row's branch drew before it; the sampling batch
+        batch = None
+        # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
+        # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
+        pending = None
         later = self.prepare([entry for p in passes[1:] for entry in p.entries]) if len(passes) > 1 else None
         first_row = 0  # of the pass in `later`
         for p in passes:
             if p.feeds is None:
                 step = self.prepare(p.entries)
-                pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
             else:
                 step = later.sequences(first_row, first_row + len(p.entries))
                 first_row += len(p.entries)
                 choices = drawn[-1][0]
                 feeds = torch.tensor(p.feeds, device=self.device)
                 step.input_ids = choices.reshape(-1)[feeds]
-                pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
-            if batch is None or batch.reads_output or p.requests != passes[len(drawn) - 1].requests:
+                if pending is not None:
+                    pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
+            if batch is None or pending is not None or p.requests != passes[len(drawn) - 1].requests:
                 batch = SamplingBatch.build([r.sampling_params for r in p.requests],
                                             [r.prompt_token_ids for r in p.requests],
                                             [r.output_token_ids for r in p.requests], p.generators,
                                             self.model.config.vocab_size, self.device,
                                             eos_token_ids=self.eos_token_ids, pending=pending)
+                if p.feeds is None and batch.reads_output:
+                    pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
             hidden = self.model_pass(self.model, step, self.kv_caches)
             logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_rows).to(hidden.device)])
             penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
