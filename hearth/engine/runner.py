@@ -397,7 +397,9 @@ class ModelRunner:
                 if p.feeds is None and batch.reads_output:
                     pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
             hidden = self.model_pass(self.model, step, self.kv_caches)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_rows).to(hidden.device)])
+            if not step.decode_only:  # (a decode's one row is its last)
+                hidden = hidden[torch.from_numpy(step.last_rows).to(hidden.device)]
+            logits = self.model.compute_logits(hidden)
             penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
             if batch.all_greedy:
                 probs, choices = None, penalised.argmax(dim=-1)
