@@ -54,12 +54,6 @@ struct Item {
   int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context; split: its number
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // Cache rows fetched ahead while the current one is used: K/V rows sit behind the block table
 // and each holds one KV head of a token (a 1/kv_heads slice of the token's row), a pattern the
@@ -72,6 +66,10 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
 }
 
 constexpr int64_t Q8_BLOCK = 32;
+
+// decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
+// at a time (independent sums in flight)
+constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 4;
 
 // One layer's K or V cache: float32 rows, or q8_0 codes and scales (scales null: float32).
 struct KVRows {
@@ -215,7 +213,8 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
   {
     std::vector<float> scores;  // [rows, group, split_len]
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
-    std::vector<float> row_buf(D);  // a q8_0 row dequantized
+    std::vector<float> row_buf(SCORE_TOKENS * D);  // q8_0 rows dequantized
+    std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
@@ -234,17 +233,40 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         cache_rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
       }
       const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
-      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + PREFETCH_ROWS < n) k_cache.prefetch(cache_rows[t + PREFETCH_ROWS]);
-        v_cache.prefetch(cache_rows[t]);  // read after the scores
-        const float* k = k_cache.get(cache_rows[t], row_buf.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t < lo[r] || t >= hi[r]) continue;
-          const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
-          for (int64_t g = 0; g < group; ++g)  // -inf: a position of the tree the row does not see
-            scores[(r * group + g) * n + t] = seen ? dot(q_seq + (r * num_heads + g) * D, k, D) * fscale
-                                                   : -std::numeric_limits<float>::infinity();
+      // the scores, SCORE_LANES of the item's query (row, head) pairs at a time: their queries
+      // transposed [D][SCORE_LANES], so that a cached row's products with all of them are one
+      // vector of multiply-adds along D, SCORE_TOKENS rows in flight; each lane sums along D in
+      // order, whatever the other lanes hold (a row's scores do not depend on the rows beside it)
+      for (int64_t first = 0; first < rows * group; first += SCORE_LANES) {
+        const int64_t lanes = std::min(SCORE_LANES, rows * group - first);
+        std::fill(qt.begin(), qt.end(), 0.f);
+        for (int64_t j = 0; j < lanes; ++j)
+          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[((first + j) / group * num_heads + (first + j) % group) * D + d];
+        for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
+        for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
+          const int64_t count = std::min(SCORE_TOKENS, n - t0);
+          const float* k[SCORE_TOKENS];
+          for (int64_t u = 0; u < SCORE_TOKENS; ++u) {  // past the end: the last row again (not stored)
+            const int64_t t = t0 + std::min(u, count - 1);
+            if (u < count && t + PREFETCH_ROWS < n) k_cache.prefetch(cache_rows[t + PREFETCH_ROWS]);
+            if (u < count && first == 0) v_cache.prefetch(cache_rows[t]);  // read after the scores
+            k[u] = k_cache.get(cache_rows[t], row_buf.data() + u * D);
+          }
+          float acc[SCORE_TOKENS][SCORE_LANES] = {};
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t u = 0; u < SCORE_TOKENS; ++u) {
+              const float kd = k[u][d];
+#pragma omp simd
+              for (int64_t j = 0; j < SCORE_LANES; ++j) acc[u][j] += kd * qt[d * SCORE_LANES + j];
+            }
+          for (int64_t u = 0; u < count; ++u)
+            for (int64_t j = 0; j < lanes; ++j) {
+              const int64_t t = t0 + u, r = (first + j) / group;
+              if (t < lo[r] || t >= hi[r]) continue;
+              // -inf: a position of the tree the row does not see
+              const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
+              scores[(first + j) * n + t] = seen ? acc[u][j] * fscale : -std::numeric_limits<float>::infinity();
+            }
         }
       }
       const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
