@@ -70,6 +70,38 @@ constexpr int64_t Q8_BLOCK = 32;
 // decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
 // at a time (independent sums in flight)
 constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 4;
+// decode_attention's values: query (row, head) pairs a pass, cached rows a pass, head values a
+// slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
+constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
+
+// sums[j][0 .. D) += sum over t < count of weights[j][t] x v[t][0 .. D), for LANES lanes: per slice
+// of VALUE_SLICE values the lanes' sums in registers over the rows, each summed in row order
+template <int LANES>
+inline void add_weighted_values(const float* const* weights, const float* const* v, int64_t count, int64_t D,
+                                float* const* sums) {
+  int64_t d0 = 0;
+  for (; d0 + VALUE_SLICE <= D; d0 += VALUE_SLICE) {
+    float acc[LANES][VALUE_SLICE];
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] = sums[j][d0 + i];
+    for (int64_t t = 0; t < count; ++t) {
+      const float* vt = v[t] + d0;
+      for (int j = 0; j < LANES; ++j) {
+        const float w = weights[j][t];
+#pragma omp simd
+        for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] += w * vt[i];
+      }
+    }
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) sums[j][d0 + i] = acc[j][i];
+  }
+  for (; d0 < D; ++d0)  // a head size short of a whole slice: the rest one value at a time
+    for (int j = 0; j < LANES; ++j) {
+      float a = sums[j][d0];
+      for (int64_t t = 0; t < count; ++t) a += weights[j][t] * v[t][d0];
+      sums[j][d0] = a;
+    }
+}
 
 // One layer's K or V cache: float32 rows, or q8_0 codes and scales (scales null: float32).
 struct KVRows {
@@ -215,6 +247,12 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
     std::vector<float> row_buf(SCORE_TOKENS * D);  // q8_0 rows dequantized
     std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
+    // the values' pass: its cached rows (q8_0's dequantized), zero weights and a scratch row for
+    // the lanes past the item's, each lane's weights and sums
+    std::vector<float> value_buf(VALUE_TOKENS * D), zeros(VALUE_TOKENS, 0.f), scratch(D);
+    const float* v_rows[VALUE_TOKENS];
+    const float* weights[VALUE_LANES];
+    float* sums[VALUE_LANES];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
@@ -277,10 +315,13 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           std::fill_n(part_out.data() + p * D, D, 0.f);
           const float m = lo[r] == hi[r] ? -std::numeric_limits<float>::infinity()
                                          : *std::max_element(sc + lo[r], sc + hi[r]);
+          // weights of the values' pass: none outside the row's range (which may lie past the split)
+          std::fill(sc, sc + std::min(lo[r], n), 0.f);
+          std::fill(sc + std::min(hi[r], n), sc + n, 0.f);
           if (m == -std::numeric_limits<float>::infinity()) {  // the row sees nothing of this split
             part_max[p] = m;
             part_sum[p] = 0.f;
-            std::fill(sc + lo[r], sc + hi[r], 0.f);  // weights of the values' pass
+            std::fill(sc + lo[r], sc + hi[r], 0.f);
             continue;
           }
           float l = 0.f;
@@ -293,16 +334,21 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           part_sum[p] = l;
         }
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = v_cache.get(cache_rows[t], row_buf.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t < lo[r] || t >= hi[r]) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            float* acc = part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + g) * D;
-            const float p = scores[(r * group + g) * n + t];
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+      // the values, VALUE_TOKENS cached rows at a time (q8_0 rows dequantized once for all lanes)
+      for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
+        const int64_t count = std::min(VALUE_TOKENS, n - t0);
+        for (int64_t u = 0; u < count; ++u) v_rows[u] = v_cache.get(cache_rows[t0 + u], value_buf.data() + u * D);
+        for (int64_t first = 0; first < rows * group; first += VALUE_LANES) {
+          const int64_t lanes = std::min(VALUE_LANES, rows * group - first);
+          for (int64_t j = 0; j < VALUE_LANES; ++j) {  // lanes past the item's: zero weights into a scratch row
+            const int64_t rg = first + j, r = rg / group;
+            weights[j] = j < lanes ? scores.data() + rg * n + t0 : zeros.data();
+            sums[j] = j < lanes ? part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + rg % group) * D
+                                : scratch.data();
           }
+          if (lanes <= 4) add_weighted_values<4>(weights, v_rows, count, D, sums);
+          else if (lanes <= 8) add_weighted_values<8>(weights, v_rows, count, D, sums);
+          else add_weighted_values<VALUE_LANES>(weights, v_rows, count, D, sums);
         }
       }
     }
