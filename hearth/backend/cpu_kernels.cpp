@@ -8,9 +8,12 @@
 // through its block table: no gather into a padded copy, no mask (each row's causal range is an
 // interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
 // the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
-// of them. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
-// a few long sequences still give every thread work; each split keeps its running max m, sum l
-// and unnormalised output, and a second pass merges the splits by log-sum-exp:
+// of them, and their sums are computed side by side: the scores with the queries transposed (a
+// cached row's products with up to 16 of them one vector of multiply-adds along the head), the
+// values a 16-value slice at a time with up to 16 rows' and heads' sums in registers. A
+// sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that a few long
+// sequences still give every thread work; each split keeps its running max m, sum l and
+// unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
 // rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
