@@ -82,11 +82,14 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("split_len", [None, 1, 7, 256])
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len, window):
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len, window, head_dim):
     """Verification steps: a few query rows per sequence (different counts side by side), each
-    causal among its sequence's new rows; the reference backend's SDPA path likewise."""
+    causal among its sequence's new rows; the reference backend's SDPA path likewise. The kernel
+    takes a sequence's rows and heads 16 at a time (here up to 16 x 8 of them) and head values in
+    slices of 16: a head size of 40 leaves 8 over."""
     lens, rows = [1, 5, 16, 17, 300, 1000], [1, 5, 3, 1, 16, 2]
-    q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads, rows=rows)
+    q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads, head_dim, rows=rows)
     expected = _reference(q, k_cache, v_cache, tables, lens, 0.125, rows, window)
     out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, 0.125, split_len, window=window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -307,6 +307,38 @@ def test_seeded_requests_keep_plain_decoding_tokens_with_ngram_trees(folder):
     assert llm.engine.spec_decode_totals.num_accepted_tokens > 0 and moves
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_draft_passes_guess_the_drafts_own_greedy_continuation(folder, unlike_draft, tree_width):
+    """The draft's passes run in one call, each fed the guess drawn before it on the device
+    (runner.ModelRunner.propose): after every step, each branch of a greedy request's guesses is
+    what the draft model generates alone from the request's tokens (and the branch's first token,
+    for the others of a tree), with a repetition penalty that counts the guesses drawn before."""
+    k = 4
+    penalised = dict(temperature=0, ignore_eos=True, repetition_penalty=1.5)
+    alone = LLM(unlike_draft, progress=False)
+    llm = LLM(folder, progress=False, speculative_method="draft", speculative_model=unlike_draft,
+              speculative_adaptive=False, num_speculative_tokens=k, speculative_tree_width=tree_width)
+    engine = llm.engine
+    for i, prompt in enumerate([[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=16 + i, **penalised))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            guesses = request.spec_token_ids
+            if not guesses:
+                continue
+            depth = len(guesses) // tree_width  # the branches one after another (tree_of: nothing merges)
+            for b in range(0, len(guesses), depth):
+                branch, start = guesses[b : b + depth], (guesses[b : b + 1] if b else [])
+                drafted = alone.generate([request.all_token_ids + start],
+                                         SamplingParams(max_tokens=depth - len(start), **penalised), use_tqdm=False)
+                assert branch == start + drafted[0].outputs[0].token_ids, (request.request_id, b)
+                checked += 1
+    assert checked >= 10 * tree_width
+    assert engine.proposer.draft.block_manager.check_all_free()
+
+
 @pytest.mark.parametrize("method", ["draft unlike", "draft unlike tree"])
 def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft, method):
     """A seeded request's tokens with a draft do not depend on the batch it runs in."""

@@ -30,7 +30,9 @@ _ACTIVATIONS = {
 class StepInputs:
     """One step's batch on the host: S sequences' new tokens end to end (T rows)."""
 
-    input_ids: np.ndarray  # int64 [T]
+    # int64 [T]; or a tensor on the backend's device: tokens a pass before drew and the host has not
+    # read (a draft model's passes, runner.ModelRunner.propose)
+    input_ids: np.ndarray | torch.Tensor
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T] cache slot of each new token's K/V
     query_start_loc: np.ndarray  # int32 [S + 1] sequence s owns rows [start[s], start[s + 1])
@@ -201,7 +203,7 @@ class Backend:
     def inputs(self, model: nn.Module, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's token ids [T], positions [T] and attention metadata, on this backend's device."""
         dev = self.device
-        return (torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
+        return (torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev),
                 AttentionMetadata.from_step(step, dev))
 
     # ---- the model's operations --------------------------------------------------------

@@ -40,6 +40,10 @@ class CpuDecodePath:
         self.eps = config.rms_norm_eps
         self.scale = model.layers[0].self_attn.scale
         self.window = config.sliding_window or 0  # every layer's (for_model takes no per-layer windows)
+        # the KV caches last run and their pointers for the kernel, int64 [layers, 4] (K, V, then their
+        # q8_0 scales or 0), or None where the kernel cannot read them: a runner passes the same caches
+        # every step, and a small model's step is short enough for their checks to show
+        self._caches: tuple[list, torch.Tensor | None] | None = None
 
     @classmethod
     def for_model(cls, model, kernels) -> CpuDecodePath | None:
@@ -79,12 +83,11 @@ class CpuDecodePath:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it), or None where this step's
         tensors do not fit the kernel (then the modules run it)."""
-        if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64
-                and all(_kernel_readable(k) and _kernel_readable(v) for k, v in kv_caches)):
+        if self._caches is None or self._caches[0] is not kv_caches:
+            self._caches = kv_caches, kernel_caches(kv_caches)
+        caches = self._caches[1]
+        if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None:
             return None
-        # int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: float32)
-        pointers = [(data_pointers(k), data_pointers(v)) for k, v in kv_caches]
-        caches = torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64)
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         tokens = x.shape[0]
         residual = x.contiguous()
@@ -103,6 +106,15 @@ class CpuDecodePath:
             self.window, threads,
         )
         return delta, residual
+
+
+def kernel_caches(kv_caches) -> torch.Tensor | None:
+    """int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: float32); None
+    where a cache is not one the kernel reads."""
+    if not all(_kernel_readable(k) and _kernel_readable(v) for k, v in kv_caches):
+        return None
+    pointers = [(data_pointers(k), data_pointers(v)) for k, v in kv_caches]
+    return torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64)
 
 
 def _kernel_readable(cache) -> bool:

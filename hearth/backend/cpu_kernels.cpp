@@ -8,9 +8,12 @@
 // through its block table: no gather into a padded copy, no mask (each row's causal range is an
 // interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
 // the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
-// of them. A sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that
-// a few long sequences still give every thread work; each split keeps its running max m, sum l
-// and unnormalised output, and a second pass merges the splits by log-sum-exp:
+// of them, and their sums are computed side by side: the scores with the queries transposed (a
+// cached row's products with up to 16 of them one vector of multiply-adds along the head), the
+// values a 16-value slice at a time with up to 16 rows' and heads' sums in registers. A
+// sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that a few long
+// sequences still give every thread work; each split keeps its running max m, sum l and
+// unnormalised output, and a second pass merges the splits by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
 // rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
@@ -54,12 +57,6 @@ struct Item {
   int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context; split: its number
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // Cache rows fetched ahead while the current one is used: K/V rows sit behind the block table
 // and each holds one KV head of a token (a 1/kv_heads slice of the token's row), a pattern the
@@ -72,6 +69,42 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
 }
 
 constexpr int64_t Q8_BLOCK = 32;
+
+// decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
+// at a time (independent sums in flight)
+constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 4;
+// decode_attention's values: query (row, head) pairs a pass, cached rows a pass, head values a
+// slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
+constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
+
+// sums[j][0 .. D) += sum over t < count of weights[j][t] x v[t][0 .. D), for LANES lanes: per slice
+// of VALUE_SLICE values the lanes' sums in registers over the rows, each summed in row order
+template <int LANES>
+inline void add_weighted_values(const float* const* weights, const float* const* v, int64_t count, int64_t D,
+                                float* const* sums) {
+  int64_t d0 = 0;
+  for (; d0 + VALUE_SLICE <= D; d0 += VALUE_SLICE) {
+    float acc[LANES][VALUE_SLICE];
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] = sums[j][d0 + i];
+    for (int64_t t = 0; t < count; ++t) {
+      const float* vt = v[t] + d0;
+      for (int j = 0; j < LANES; ++j) {
+        const float w = weights[j][t];
+#pragma omp simd
+        for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] += w * vt[i];
+      }
+    }
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) sums[j][d0 + i] = acc[j][i];
+  }
+  for (; d0 < D; ++d0)  // a head size short of a whole slice: the rest one value at a time
+    for (int j = 0; j < LANES; ++j) {
+      float a = sums[j][d0];
+      for (int64_t t = 0; t < count; ++t) a += weights[j][t] * v[t][d0];
+      sums[j][d0] = a;
+    }
+}
 
 // One layer's K or V cache: float32 rows, or q8_0 codes and scales (scales null: float32).
 struct KVRows {
@@ -215,7 +248,14 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
   {
     std::vector<float> scores;  // [rows, group, split_len]
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
-    std::vector<float> row_buf(D);  // a q8_0 row dequantized
+    std::vector<float> row_buf(SCORE_TOKENS * D);  // q8_0 rows dequantized
+    std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
+    // the values' pass: its cached rows (q8_0's dequantized), zero weights and a scratch row for
+    // the lanes past the item's, each lane's weights and sums
+    std::vector<float> value_buf(VALUE_TOKENS * D), zeros(VALUE_TOKENS, 0.f), scratch(D);
+    const float* v_rows[VALUE_TOKENS];
+    const float* weights[VALUE_LANES];
+    float* sums[VALUE_LANES];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
@@ -234,17 +274,40 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         cache_rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
       }
       const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
-      for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
-      for (int64_t t = 0; t < n; ++t) {
-        if (t + PREFETCH_ROWS < n) k_cache.prefetch(cache_rows[t + PREFETCH_ROWS]);
-        v_cache.prefetch(cache_rows[t]);  // read after the scores
-        const float* k = k_cache.get(cache_rows[t], row_buf.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t < lo[r] || t >= hi[r]) continue;
-          const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
-          for (int64_t g = 0; g < group; ++g)  // -inf: a position of the tree the row does not see
-            scores[(r * group + g) * n + t] = seen ? dot(q_seq + (r * num_heads + g) * D, k, D) * fscale
-                                                   : -std::numeric_limits<float>::infinity();
+      // the scores, SCORE_LANES of the item's query (row, head) pairs at a time: their queries
+      // transposed [D][SCORE_LANES], so that a cached row's products with all of them are one
+      // vector of multiply-adds along D, SCORE_TOKENS rows in flight; each lane sums along D in
+      // order, whatever the other lanes hold (a row's scores do not depend on the rows beside it)
+      for (int64_t first = 0; first < rows * group; first += SCORE_LANES) {
+        const int64_t lanes = std::min(SCORE_LANES, rows * group - first);
+        std::fill(qt.begin(), qt.end(), 0.f);
+        for (int64_t j = 0; j < lanes; ++j)
+          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[((first + j) / group * num_heads + (first + j) % group) * D + d];
+        for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
+        for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
+          const int64_t count = std::min(SCORE_TOKENS, n - t0);
+          const float* k[SCORE_TOKENS];
+          for (int64_t u = 0; u < SCORE_TOKENS; ++u) {  // past the end: the last row again (not stored)
+            const int64_t t = t0 + std::min(u, count - 1);
+            if (u < count && t + PREFETCH_ROWS < n) k_cache.prefetch(cache_rows[t + PREFETCH_ROWS]);
+            if (u < count && first == 0) v_cache.prefetch(cache_rows[t]);  // read after the scores
+            k[u] = k_cache.get(cache_rows[t], row_buf.data() + u * D);
+          }
+          float acc[SCORE_TOKENS][SCORE_LANES] = {};
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t u = 0; u < SCORE_TOKENS; ++u) {
+              const float kd = k[u][d];
+#pragma omp simd
+              for (int64_t j = 0; j < SCORE_LANES; ++j) acc[u][j] += kd * qt[d * SCORE_LANES + j];
+            }
+          for (int64_t u = 0; u < count; ++u)
+            for (int64_t j = 0; j < lanes; ++j) {
+              const int64_t t = t0 + u, r = (first + j) / group;
+              if (t < lo[r] || t >= hi[r]) continue;
+              // -inf: a position of the tree the row does not see
+              const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
+              scores[(first + j) * n + t] = seen ? acc[u][j] * fscale : -std::numeric_limits<float>::infinity();
+            }
         }
       }
       const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
@@ -255,10 +318,13 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           std::fill_n(part_out.data() + p * D, D, 0.f);
           const float m = lo[r] == hi[r] ? -std::numeric_limits<float>::infinity()
                                          : *std::max_element(sc + lo[r], sc + hi[r]);
+          // weights of the values' pass: none outside the row's range (which may lie past the split)
+          std::fill(sc, sc + std::min(lo[r], n), 0.f);
+          std::fill(sc + std::min(hi[r], n), sc + n, 0.f);
           if (m == -std::numeric_limits<float>::infinity()) {  // the row sees nothing of this split
             part_max[p] = m;
             part_sum[p] = 0.f;
-            std::fill(sc + lo[r], sc + hi[r], 0.f);  // weights of the values' pass
+            std::fill(sc + lo[r], sc + hi[r], 0.f);
             continue;
           }
           float l = 0.f;
@@ -271,16 +337,21 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           part_sum[p] = l;
         }
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = v_cache.get(cache_rows[t], row_buf.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t < lo[r] || t >= hi[r]) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            float* acc = part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + g) * D;
-            const float p = scores[(r * group + g) * n + t];
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) acc[i] += p * v[i];
+      // the values, VALUE_TOKENS cached rows at a time (q8_0 rows dequantized once for all lanes)
+      for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
+        const int64_t count = std::min(VALUE_TOKENS, n - t0);
+        for (int64_t u = 0; u < count; ++u) v_rows[u] = v_cache.get(cache_rows[t0 + u], value_buf.data() + u * D);
+        for (int64_t first = 0; first < rows * group; first += VALUE_LANES) {
+          const int64_t lanes = std::min(VALUE_LANES, rows * group - first);
+          for (int64_t j = 0; j < VALUE_LANES; ++j) {  // lanes past the item's: zero weights into a scratch row
+            const int64_t rg = first + j, r = rg / group;
+            weights[j] = j < lanes ? scores.data() + rg * n + t0 : zeros.data();
+            sums[j] = j < lanes ? part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + rg % group) * D
+                                : scratch.data();
           }
+          if (lanes <= 4) add_weighted_values<4>(weights, v_rows, count, D, sums);
+          else if (lanes <= 8) add_weighted_values<8>(weights, v_rows, count, D, sums);
+          else add_weighted_values<VALUE_LANES>(weights, v_rows, count, D, sums);
         }
       }
     }

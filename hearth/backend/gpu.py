@@ -86,7 +86,7 @@ class GpuBackend(Backend):
             torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
             step.block_size, int(step.query_lens.max()), model.config.num_kv_heads,
         )
-        return torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev), meta
+        return torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev), meta
 
     def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
                  num_kv_heads: int) -> GpuMetadata:

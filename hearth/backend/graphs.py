@@ -65,7 +65,8 @@ class DecodeGraphs:
         """Write the step's rows (and padding up to `size`) into the host buffer, then copy it over."""
         b, width = step.num_seqs, step.block_tables.shape[1]
         host = self._host_view
-        for name, values, pad in (("input_ids", step.input_ids, 0), ("positions", step.positions, 0),
+        on_device = isinstance(step.input_ids, torch.Tensor)  # drawn by the pass before: copied below
+        for name, values, pad in (("input_ids", 0 if on_device else step.input_ids, 0), ("positions", step.positions, 0),
                                   ("slot_mapping", step.slot_mapping, -1), ("seq_lens", step.seq_lens, 0)):
             field = self._field(host, name)
             field[:b] = values
@@ -75,6 +76,8 @@ class DecodeGraphs:
         tables[:b, width:] = 0
         tables[b:size] = 0
         self.device_buffer.copy_(self.host, non_blocking=True)
+        if on_device:
+            self._field(self.device_buffer, "input_ids")[:b].copy_(step.input_ids)
 
     def _run_model(self, size: int) -> torch.Tensor:
         """The forward pass over the static buffers' first `size` rows."""

@@ -7,12 +7,13 @@ were rejected are rolled back and their blocks given back), and it lets go of a 
 as soon as the request is no longer running (finished, aborted or preempted: a preempted request
 is caught up again from its tokens when it runs again). Its BlockManager has no prefix caching.
 
-`DraftProposer` runs it k times per step, batched over the requests that guess: the first pass
-catches each request up and draws its first guess, each further pass feeds the previous guess
-and draws the next, every draw from the request's own sampling parameters applied to the draft's
-logits; the distributions q of the guesses are kept for the target's verification
-(sampler.verify_guesses). With token trees (tree_width > 1) each pass runs every branch of a
-request as a row of its own (`DraftProposer.guess`).
+`DraftProposer` runs it k times per step, batched over the requests that guess, all k passes in
+one call of the runner (`ModelRunner.propose`): the first pass catches each request up and draws
+its first guess, each further pass feeds the guess drawn before it (on the device: the host reads
+the guesses once, after the last pass) and draws the next, every draw from the request's own
+sampling parameters applied to the draft's logits; the distributions q of the guesses are kept
+for the target's verification (sampler.verify_guesses). With token trees (tree_width > 1) each
+pass runs every branch of a request as a row of its own (`DraftProposer.guess`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import BatchEntry, DraftPass, ModelRunner
 from hearth.engine.speculative import branch_width
 from hearth.engine.token_tree import tree_of
 
@@ -80,6 +81,11 @@ class SecondModel:
         seq.num_computed_tokens += len(token_ids)
 
 
+def rows_of(q: torch.Tensor | None, count: int) -> list[torch.Tensor | None]:
+    """The rows of a pass's distributions [count, V]; None each where the pass gave none (all greedy)."""
+    return [None] * count if q is None else list(q)
+
+
 def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
     """A point mass on `token`, shaped and placed as the distribution `like` [V]."""
     return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
@@ -114,37 +120,49 @@ class DraftProposer:
         requests = [request for request, _ in first]
         if not requests:
             return
-        tokens, q = self.draft.runner.draw_next([entry for _, entry in first], requests,
-                                                [r.output_token_ids for r in requests],
-                                                [generators[r] for r in requests], [widths[r] for r in requests])
-        branches, probs = {}, {}  # per request, per branch: its guesses and their distributions
-        for (request, entry), choices, dist in zip(first, tokens, q):
+        width = max(widths[r] for r in requests)
+        passes = [DraftPass([entry for _, entry in first], requests, [generators[r] for r in requests], width=width)]
+        # the first pass's branches, and where their tokens are among its choices
+        feeds = {(r, b): i * width + b for i, r in enumerate(requests) for b in range(widths[r])}
+        rows = list(feeds)
+        later_rows = []  # per later pass: its rows (request, branch)
+        for depth in range(1, max(wanted[r] for r in requests)):
+            rows = [(r, b) for r, b in rows if depth < wanted[r]]
+            passes.append(DraftPass([self._branch_entry(r, b, depth, widths[r]) for r, b in rows], [r for r, _ in rows],
+                                    [generators[r] for r, _ in rows], [feeds[row] for row in rows]))
+            later_rows.append(rows)
+            feeds = {row: i for i, row in enumerate(rows)}
+        (choices, q), *later = self.draft.runner.propose(passes)
+        # per request, per branch: its guesses and their distributions (None: point masses, a greedy pass's)
+        branches, probs = {}, {}
+        for (request, entry), tokens, dist in zip(first, choices, rows_of(q, len(first))):
             self.draft.fed(request, entry.token_ids)
-            branches[request] = [[token] for token in choices]
-            probs[request] = [[dist]] + [[one_hot(token, dist)] for token in choices[1:]]
-        for depth in range(1, max((wanted[r] for r in requests), default=0)):
-            rows = [(r, b) for r in requests if depth < wanted[r] for b in range(widths[r])]
-            entries = [self._branch_entry(r, branches[r][b], b, widths[r]) for r, b in rows]
-            tokens, q = self.draft.runner.draw_next(entries, [r for r, _ in rows],
-                                                    [r.output_token_ids + branches[r][b] for r, b in rows],
-                                                    [generators[r] for r, _ in rows])
-            for (request, b), entry, choices, dist in zip(rows, entries, tokens, q):
-                self.draft.fed(request, entry.token_ids if widths[request] == 1 else [TREE_NODE])
-                branches[request][b].append(choices[0])
+            tokens = tokens[: widths[request]]
+            branches[request] = [[token] for token in tokens]
+            probs[request] = [[dist]] + [[None if dist is None else one_hot(token, dist)] for token in tokens[1:]]
+        for rows, (choices, q) in zip(later_rows, later):
+            for (request, b), tokens, dist in zip(rows, choices, rows_of(q, len(rows))):  # each fed its branch's last guess
+                self.draft.fed(request, branches[request][b][-1:] if widths[request] == 1 else [TREE_NODE])
+                branches[request][b].append(tokens[0])
                 probs[request][b].append(dist)
         for request in requests:
             token_ids, parents = tree_of(branches[request])  # (the first guesses differ: nothing merges)
             request.set_guesses(token_ids, parents if widths[request] > 1 else None)
-            self.guess_probs[request] = torch.stack([dist for branch in probs[request] for dist in branch])
+            dists = [dist for branch in probs[request] for dist in branch]
+            if any(dist is None for dist in dists):  # a greedy request's: every guess a point mass
+                self.guess_probs.pop(request, None)
+            else:
+                self.guess_probs[request] = torch.stack(dists)
 
-    def _branch_entry(self, request: Request, guesses: list[int], branch: int, width: int) -> BatchEntry:
-        """The pass feeding a branch's last guess: after the request's tokens (a chain), or in the
-        tree region at slot width x (depth - 1) + branch, seeing its branch's earlier guesses."""
-        depth, start, table = len(guesses), request.num_tokens, self.draft.sequences[request].block_table
+    def _branch_entry(self, request: Request, branch: int, depth: int, width: int) -> BatchEntry:
+        """The pass feeding a branch's guess number `depth` (its token: drawn by the pass before,
+        DraftPass.feeds), after the request's tokens (a chain), or in the tree region at slot
+        width x (depth - 1) + branch, seeing its branch's earlier guesses."""
+        start, table = request.num_tokens, self.draft.sequences[request].block_table
         if width == 1:
-            return BatchEntry([guesses[-1]], start + depth - 1, table)
+            return BatchEntry([0], start + depth - 1, table)
         mask = sum(1 << (branch + width * i) for i in range(depth))
-        return BatchEntry([guesses[-1]], start + width * (depth - 1) + branch, table, (start, [mask]))
+        return BatchEntry([0], start + width * (depth - 1) + branch, table, (start, [mask]))
 
     def probs_of(self, request: Request) -> torch.Tensor | None:
         return self.guess_probs.get(request) if request.spec_token_ids else None

@@ -48,6 +48,20 @@ class BatchEntry:
 
 
 @dataclass
+class DraftPass:
+    """One pass of a draft model's proposals (ModelRunner.propose), a row per entry. The first
+    pass's entries carry their tokens (catching each request up); a later pass's rows each feed a
+    token an earlier pass drew, not read by the host yet: feeds[i], its index in the pass before's
+    choices [rows, width] flattened (the entries' token_ids are placeholders)."""
+
+    entries: list[BatchEntry]
+    requests: list[Request]  # per row: whose sampling parameters and output it draws with
+    generators: list[torch.Generator | None]  # per row: a seeded request's spec generator
+    feeds: list[int] | None = None
+    width: int = 1  # choices per row: the draw, then the next best tokens (a token tree's first guesses)
+
+
+@dataclass
 class ScheduledSequence:
     """One request's share of a step, as the engine hands it to the runner (no tensors)."""
 
@@ -348,27 +362,58 @@ class ModelRunner:
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
 
-    def draw_next(self, entries: list[BatchEntry], requests: list[Request], outputs: list[list[int]],
-                  generators: list[torch.Generator | None], widths: list[int] | None = None
-                  ) -> tuple[list[list[int]], torch.Tensor]:
-        """A draft model's pass: each entry's next token drawn from its request's final distribution
-        (its sampling parameters applied; `outputs`: each request's output so far, guesses included;
-        `generators`: a seeded request's spec generator). Returns per entry [its token], with
-        widths[i] > 1 followed by its next best tokens by the penalised logits, widths[i] in all (a
-        token tree's first guesses), and the distributions [B, V]."""
-        batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
-                                    outputs, generators, self.model.config.vocab_size, self.device,
-                                    eos_token_ids=self.eos_token_ids)
-        logits = self.last_logits(entries)
-        probs, greedy_ids = final_distribution(logits, batch, self.backend.apply_token_bitmask)
-        noise = None if batch.all_greedy else exponential_noise(probs, generators)
-        tokens = [[token] for token in draw(probs, greedy_ids, batch, noise).tolist()]
-        if widths is not None and max(widths, default=1) > 1:
-            best = apply_penalties_and_bias(logits.float(), batch, self.backend.apply_token_bitmask)
-            best = best.topk(max(widths) + 1, dim=-1).indices.tolist()
-            tokens = [drawn + [t for t in choices if t != drawn[0]][: width - 1]
-                      for choices, width, drawn in zip(best, widths, tokens)]
-        return tokens, probs
+    def propose(self, passes: list[DraftPass]) -> list[tuple[list[list[int]], torch.Tensor | None]]:
+        """A draft model's passes in one call: each row's next token drawn from its request's final
+        distribution (its sampling parameters applied to the draft's logits, its output followed by
+        the guesses its branch drew in the passes before; a seeded request's noise from its spec
+        generator), a later pass's rows fed tokens the passes before drew, on the device; one copy
+        to the host at the end. Returns per pass, per row its choices (DraftPass.width: the draw,
+        then the next best tokens by the penalised logits), and the distributions [rows, V] (None
+        where every row is greedy: a greedy row's is the point mass at its draw)."""
+        drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
+        batch = None
+        # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
+        # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
+        pending = None
+        later = self.prepare([entry for p in passes[1:] for entry in p.entries]) if len(passes) > 1 else None
+        first_row = 0  # of the pass in `later`
+        for p in passes:
+            if p.feeds is None:
+                step = self.prepare(p.entries)
+            else:
+                step = later.sequences(first_row, first_row + len(p.entries))
+                first_row += len(p.entries)
+                choices = drawn[-1][0]
+                feeds = torch.tensor(p.feeds, device=self.device)
+                step.input_ids = choices.reshape(-1)[feeds]
+                if pending is not None:
+                    pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
+            if batch is None or pending is not None or p.requests != passes[len(drawn) - 1].requests:
+                batch = SamplingBatch.build([r.sampling_params for r in p.requests],
+                                            [r.prompt_token_ids for r in p.requests],
+                                            [r.output_token_ids for r in p.requests], p.generators,
+                                            self.model.config.vocab_size, self.device,
+                                            eos_token_ids=self.eos_token_ids, pending=pending)
+                if p.feeds is None and batch.reads_output:
+                    pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
+            hidden = self.model_pass(self.model, step, self.kv_caches)
+            if not step.decode_only:  # (a decode's one row is its last)
+                hidden = hidden[torch.from_numpy(step.last_rows).to(hidden.device)]
+            logits = self.model.compute_logits(hidden)
+            penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
+            if batch.all_greedy:
+                probs, choices = None, penalised.argmax(dim=-1)
+            else:
+                probs, greedy_ids = final_distribution(penalised, batch)
+                choices = draw(probs, greedy_ids, batch, exponential_noise(probs, p.generators))
+            choices = choices[:, None]
+            if p.width > 1:  # the next best tokens other than the draw (one of the top width + 1 may be it)
+                best = penalised.topk(p.width + 1, dim=-1).indices
+                others_first = (best == choices).to(torch.int32).sort(dim=1, stable=True).indices
+                choices = torch.cat([choices, best.gather(1, others_first[:, : p.width - 1])], dim=1)
+            drawn.append((choices, probs))
+        host = to_host([choices for choices, _ in drawn])
+        return [(choices.tolist(), probs) for choices, (_, probs) in zip(host, drawn)]
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

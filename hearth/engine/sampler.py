@@ -90,6 +90,11 @@ class SamplingBatch:
     # per row, the row whose draw's noise it takes (rows at one depth of a token tree share it); None: its own
     noise_rows: list[int] | None = None
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether a row's output so far changes what it draws (penalties, min_tokens, watermarks)."""
+        return self.output_counts is not None or self.banned is not None or self.watermark is not None
+
     @classmethod
     def build(
         cls,
@@ -103,9 +108,12 @@ class SamplingBatch:
         grammar_masks: tuple[list[int], Future[torch.Tensor]] | None = None,
         amateur_logits: tuple[list[int], torch.Tensor] | None = None,
         noise_rows: list[int] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
+        `pending` [B, d] int64 on `device`: tokens that follow each row's output_token_ids and that
+        the host has not read (a draft model's guesses so far, runner.ModelRunner.propose).
         `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py's
         GrammarCompiler.start_masks, maybe still being filled).
         `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
@@ -113,6 +121,7 @@ class SamplingBatch:
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
         V = vocab_size
+        num_pending = 0 if pending is None else pending.shape[1]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         for p, g in zip(params, generators):
             if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
@@ -137,6 +146,8 @@ class SamplingBatch:
         output_counts = None
         if prompt_mask is not None or any(pres) or any(freq):
             output_counts = _token_counts(output_token_ids, V, device)
+            if num_pending:
+                output_counts.scatter_add_(1, pending, torch.ones(pending.shape, device=device))
 
         bias = None
         rows, cols, vals = [], [], []
@@ -150,7 +161,7 @@ class SamplingBatch:
         banned = None
         rows, cols = [], []
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
+            if len(out) + num_pending < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 for t in sorted(t for t in stops if 0 <= t < V):
                     rows.append(i), cols.append(t)
@@ -165,8 +176,10 @@ class SamplingBatch:
                   for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
         watermark = None
         if marked:
-            watermark = (vec([i for i, _, _ in marked], torch.int64), vec([w.key for _, w, _ in marked], torch.int64),
-                         vec([t for _, _, t in marked], torch.int64), vec([w.gamma for _, w, _ in marked], torch.float64),
+            rows = vec([i for i, _, _ in marked], torch.int64)
+            previous = pending[rows, -1] if num_pending else vec([t for _, _, t in marked], torch.int64)
+            watermark = (rows, vec([w.key for _, w, _ in marked], torch.int64),
+                         previous, vec([w.gamma for _, w, _ in marked], torch.float64),
                          vec([w.delta for _, w, _ in marked], torch.float32))
 
         contrastive = None
@@ -480,12 +493,10 @@ def greedy_acceptance(sampled: torch.Tensor, guesses: Guesses) -> torch.Tensor:
     return sampled[guesses.rows] == guesses.token_ids
 
 
-def final_distribution(logits: torch.Tensor, batch: SamplingBatch,
-                       apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """After penalties and filters: the distribution each row draws from [B, V] (one-hot at the
-    argmax on greedy rows), and the greedy argmax [B] (None without greedy rows)."""
-    logits = apply_penalties_and_bias(logits.float(), batch, apply_token_bitmask)
+def final_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From logits after penalties (apply_penalties_and_bias), after the filters: the distribution
+    each row draws from [B, V] (one-hot at the argmax on greedy rows), and the greedy argmax [B]
+    (None without greedy rows)."""
     greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
     if batch.all_greedy:
         return torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).to(logits.dtype), greedy_ids
@@ -523,9 +534,9 @@ class Sampler:
                 accepted = greedy_acceptance(sampled, guesses)
         else:
             # the noise first: it takes a while (a serial op over [B, V]), and the grammar masks'
-            # thread fills them meanwhile; final_distribution waits for them
+            # thread fills them meanwhile; apply_penalties_and_bias waits for them
             noise = exponential_noise(raw, batch.generators, batch.noise_rows)
-            probs, greedy_ids = final_distribution(raw, batch, self.apply_token_bitmask)
+            probs, greedy_ids = final_distribution(apply_penalties_and_bias(raw, batch, self.apply_token_bitmask), batch)
             sampled = draw(probs, greedy_ids, batch, noise)
             if guesses is not None:
                 sampled, accepted = verify_guesses(probs, sampled, guesses)
