@@ -17,7 +17,7 @@ from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.request import Request
 from hearth.engine.sampler import Guesses, Sampler
-from hearth.engine.speculative import (PROBE_EVERY, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
+from hearth.engine.speculative import (PROBE_EVERY, PROBE_STEPS, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
                                         num_guesses)
 from hearth.engine.token_tree import accepted_path, ancestor_masks, tree_of
 from models import VOCAB_SIZE, make_draft_model, make_hf_model
@@ -446,14 +446,18 @@ def test_the_gpu_backend_refuses_token_trees(folder):
 def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
     gate = SpeedGate()
     assert gate.allow()  # nothing measured yet: guess
+    gate.record(True, num_tokens=600, num_requests=2, seconds=1.0)  # the first step of an option: not counted
+    assert gate.speed[True] is None
     gate.record(True, num_tokens=6, num_requests=2, seconds=1.0)  # 3 tokens/s per request with guesses
-    assert not gate.allow()  # then measure a plain step once
+    assert not gate.allow()  # then measure plain steps
+    gate.record(False, num_tokens=1, num_requests=2, seconds=1.0)  # the switch's step: not counted
     gate.record(False, num_tokens=8, num_requests=2, seconds=1.0)  # 4 tokens/s per request without
     decisions = [gate.allow() for _ in range(2 * PROBE_EVERY)]
-    assert 1 <= sum(decisions) <= 2  # only the probes guess
+    assert sum(decisions) == 2 * PROBE_STEPS  # only the probes guess, PROBE_STEPS steps in a row
+    assert any(decisions[i : i + PROBE_STEPS] == [True] * PROBE_STEPS for i in range(PROBE_EVERY + 1))
     for _ in range(20):
         gate.record(True, num_tokens=20, num_requests=2, seconds=1.0)  # guessing becomes faster
-    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1
+    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - PROBE_STEPS
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft identical"])

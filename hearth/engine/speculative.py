@@ -35,7 +35,7 @@ guess is made while rate ** i exceeds it, so a busy engine makes none.
 That cost is a model; `SpeedGate` holds the measurement: decode steps' output tokens per second
 per request, with guesses and without. While steps with guesses are measured slower (a backend
 whose multi-token steps leave its decode fast path, a machine whose cores are taken), no guesses
-are made, except one step in PROBE_EVERY that keeps measuring them.
+are made, except a few steps in every PROBE_EVERY that keep measuring them.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ from hearth.engine.token_tree import tree_of
 
 # How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
-# One step in this many tries the option (guesses or none) that measured slower, to keep measuring it.
+# Every this many steps the option (guesses or none) that measured slower is tried PROBE_STEPS steps
+# in a row, to keep measuring it (SpeedGate).
 PROBE_EVERY = 16
+PROBE_STEPS = 4
 # Lookahead: the n-grams' length N (the paper's 5 and 4 do alike; shorter ones match more often),
 # and the most continuations the pool keeps for one first token (the most recent).
 LOOKAHEAD_NGRAM = 4
@@ -245,19 +247,33 @@ def branch_width(request: Request, tree_width: int) -> int:
 
 
 class SpeedGate:
-    """Whether the next step may carry guesses: only while steps with them are not measured slower."""
+    """Whether the next step may carry guesses: only while steps with them are not measured slower.
+
+    The option measured slower is probed PROBE_STEPS steps in a row every PROBE_EVERY, and the first
+    step after a switch is not measured: it pays for the switch (a draft model catching up with the
+    tokens decoded without it, a lookahead window grown again), not for the option, and one such
+    step counted against guessing would keep it off for good."""
 
     def __init__(self) -> None:
-        self.speed: dict[bool, float | None] = {True: None, False: None}  # with guesses? -> tokens/s/request
+        # with guesses? -> recent (tokens per request, seconds), each a moving sum: a step that kept
+        # 5 tokens and one that kept 1 weigh by their tokens and seconds, not as two speeds averaged
+        self._recent: dict[bool, tuple[float, float] | None] = {True: None, False: None}
         self._steps = 0
+        self._last: bool | None = None  # the option of the step recorded last
+
+    @property
+    def speed(self) -> dict[bool, float | None]:
+        """With guesses? -> recent output tokens per second per request (None: not measured)."""
+        return {option: None if recent is None else recent[0] / recent[1] for option, recent in self._recent.items()}
 
     def record(self, with_guesses: bool, num_tokens: int, num_requests: int, seconds: float) -> None:
         """A step made only of decodes (and verifications): its output tokens and duration."""
-        if seconds <= 0 or num_requests <= 0:
+        switched, self._last = with_guesses != self._last, with_guesses
+        if switched or seconds <= 0 or num_requests <= 0:
             return
-        speed = num_tokens / seconds / num_requests
-        old = self.speed[with_guesses]
-        self.speed[with_guesses] = speed if old is None else RATE_MEMORY * old + (1 - RATE_MEMORY) * speed
+        tokens, old = num_tokens / num_requests, self._recent[with_guesses]
+        self._recent[with_guesses] = (tokens, seconds) if old is None else (
+            RATE_MEMORY * old[0] + tokens, RATE_MEMORY * old[1] + seconds)
 
     def allow(self) -> bool:
         self._steps += 1
@@ -265,7 +281,7 @@ class SpeedGate:
         preferred = with_guesses is None or without is None or with_guesses >= without
         if without is None and with_guesses is not None:
             preferred = False  # measure plain steps once
-        return preferred != (self._steps % PROBE_EVERY == 0)
+        return preferred != (self._steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS)
 
 
 @dataclass
