@@ -1010,9 +1010,11 @@ void int8_matmul_tiles(const uint8_t* w, int64_t K, const QuantizedActivations& 
 //       8 bits (Q8_0): the bytes themselves (code + 128), 1024 bytes;
 //       4 bits (Q4_*, Q5_*, Q6_K): [4][32][4] bytes, low nibble group g, high nibble group g + 4, 512;
 //       2 bits (Q2_K, Q3_K): [2][32][4] bytes, bits 2s, 2s + 1 group g + 2s, 256;
-//     then per bit above those (Q5_*, Q3_K: one; Q6_K: two) [8 groups][2 halves of 16 rows] uint64
-//     masks, bit i = that bit of byte i of the group's vector, 128 bytes (AVX-512BW adds it back
-//     with one masked add).
+//     then the bits above those: Q5_*, Q3_K's one as [8 groups][2 halves of 16 rows] uint64 masks,
+//     bit i = that bit of byte i of the group's vector, 128 bytes (AVX-512BW adds it back with one
+//     masked add); Q6_K's two as a 2-bit plane of their own laid out as Q2_K's, 256 bytes (a shift
+//     and a vpternlog put them above the nibble: fewer operations on the two vector ports, which
+//     the batched kernel is bound by, than two mask moves and masked adds; 2-3% at 32 rows).
 //   terms, per block: d [32 rows] float16 | f [32] float16 (formats with an offset) | sc [NS][32]
 //     int8 (K-quants) | mn [NS][32] int8 (K-quants with a minimum), the block's own numbers, so that
 //       w = d sc_j (q - Z) - f mn_j     (sc, mn = 1 where the format has none; Q4_1 / Q5_1: f = -m)
@@ -1025,6 +1027,8 @@ template <int QT> struct Packed {
   using F = Fmt<QT>;
   static constexpr int BITS = QT == Q8_0 ? 8 : (QT == Q2_K || QT == Q3_K) ? 2 : 4;
   static constexpr int EXTRA = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q3_K) ? 1 : 0;
+  static constexpr bool HIGH_PLANE = EXTRA == 2;  // the extra bits as a 2-bit plane, not masks
+  static constexpr int MASKS = HIGH_PLANE ? 0 : EXTRA;
   static constexpr int NS = F::BS / F::S;
   static constexpr bool SC = F::BS == 256, MIN = F::OFF;
   static constexpr int64_t PLANE = 32 * NR * BITS / 8, CHUNK = PLANE + EXTRA * 16 * 8;  // bytes per chunk
@@ -1081,6 +1085,14 @@ inline uint64_t byte_bits(const uint8_t* v, int bit) {
 #endif
 }
 
+// bits `bit`, `bit` + 1 of the bytes at src of groups g, g + 2, g + 4, g + 6 (src in group g < 2 of
+// byte codes [8][32 rows][4]) in one byte: a 2-bit plane's
+inline uint8_t two_bits(const uint8_t* src, int bit) {
+  uint8_t out = 0;
+  for (int s = 0; s < 4; s++) out |= uint8_t(((src[2 * s * 128] >> bit) & 3) << (2 * s));
+  return out;
+}
+
 // One chunk of byte codes [8][32 rows][4] -> its packed codes (the layout above)
 template <int QT>
 void pack_chunk(const uint8_t* v, uint8_t* out) {
@@ -1090,9 +1102,11 @@ void pack_chunk(const uint8_t* v, uint8_t* out) {
     const uint8_t* src = v + vec * 64 + at;
     if constexpr (P::BITS == 8) out[i] = src[0];
     else if constexpr (P::BITS == 4) out[i] = uint8_t((src[0] & 0x0F) | (src[4 * 128] << 4));
-    else out[i] = uint8_t((src[0] & 3) | (src[2 * 128] & 3) << 2 | (src[4 * 128] & 3) << 4 | (src[6 * 128] & 3) << 6);
+    else out[i] = two_bits(src, 0);
   }
-  for (int e = 0; e < P::EXTRA; e++)
+  if constexpr (P::HIGH_PLANE)
+    for (int i = 0; i < 2 * 128; i++) out[P::PLANE + i] = two_bits(v + i, P::BITS);
+  for (int e = 0; e < P::MASKS; e++)
     for (int gh = 0; gh < 16; gh++) {
       const uint64_t m = byte_bits(v + gh * 64, P::BITS + e);
       std::memcpy(out + P::PLANE + (e * 16 + gh) * 8, &m, 8);
@@ -1109,7 +1123,8 @@ void unpack_chunk(const uint8_t* in, uint8_t* v) {
       if constexpr (P::BITS == 8) q = in[g * 128 + i];
       else if constexpr (P::BITS == 4) q = (in[(g % 4) * 128 + i] >> (4 * (g / 4))) & 0x0F;
       else q = (in[(g % 2) * 128 + i] >> (2 * (g / 2))) & 3;
-      for (int e = 0; e < P::EXTRA; e++) {
+      if constexpr (P::HIGH_PLANE) q |= uint8_t(((in[P::PLANE + (g % 2) * 128 + i] >> (2 * (g / 2))) & 3) << P::BITS);
+      for (int e = 0; e < P::MASKS; e++) {
         uint64_t m;
         std::memcpy(&m, in + P::PLANE + (e * 16 + g * 2 + i / 64) * 8, 8);
         q |= uint8_t(((m >> (i % 64)) & 1) << (P::BITS + e));
@@ -1284,7 +1299,14 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
     const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 2) + h) * 64));
     v = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (g / 2)), _mm512_set1_epi8(3));
   }
-  for (int e = 0; e < P::EXTRA; e++) {
+  if constexpr (P::HIGH_PLANE) {  // bits 2 (g / 2), + 1 of the plane's bytes moved to bits 4, 5 (what an
+    // epi16 shift brings across from the neighbouring byte lands outside them), then v | (high & 0x30)
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + P::PLANE + (2 * (g % 2) + h) * 64));
+    const int shift = 2 * (g / 2);
+    const __m512i high = shift < 4 ? _mm512_slli_epi16(raw, 4 - shift) : shift > 4 ? _mm512_srli_epi16(raw, shift - 4) : raw;
+    v = _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(0x30), 0xF8);  // a | (b & c)
+  }
+  for (int e = 0; e < P::MASKS; e++) {
     uint64_t m;
     std::memcpy(&m, chunk + P::PLANE + (e * 16 + 2 * g + h) * 8, 8);
     v = _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8((char)(1 << (P::BITS + e))));
