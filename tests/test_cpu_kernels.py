@@ -79,6 +79,17 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
                                    rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("head_dim", [16, 96, 128])
+def test_decode_kernel_head_dims(head_dim):
+    """Head sizes other than 64 and 40 (16-value slices and what is left over), 8 query heads on 2
+    KV heads, several rows for some sequences, contexts of 1, 17 and 300."""
+    lens, rows = [1, 17, 300], [1, 3, 2]
+    q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, head_dim=head_dim, rows=rows)
+    out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, 0.125, rows),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("split_len", [None, 1, 7, 256])
 @pytest.mark.parametrize("window", [None, 6])
