@@ -175,9 +175,14 @@ class ModelRunner:
 
     def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The model pass and the logits of each entry's last token [B, V]."""
-        hidden, last_rows = self.forward(entries)
-        return self.model.compute_logits(hidden[last_rows])
+        return self._last_logits(self.prepare(entries))
 
+    def _last_logits(self, step: StepInputs) -> torch.Tensor:
+        """The model pass of a prepared step and the logits of each sequence's last token [B, V]."""
+        hidden = self.model_pass(self.model, step, self.kv_caches)
+        if not step.decode_only:  # (a decode's one row is its last)
+            hidden = hidden[torch.from_numpy(step.last_rows).to(hidden.device)]
+        return self.model.compute_logits(hidden)
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
@@ -396,11 +401,7 @@ class ModelRunner:
                                             eos_token_ids=self.eos_token_ids, pending=pending)
                 if p.feeds is None and batch.reads_output:
                     pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
-            hidden = self.model_pass(self.model, step, self.kv_caches)
-            if not step.decode_only:  # (a decode's one row is its last)
-                hidden = hidden[torch.from_numpy(step.last_rows).to(hidden.device)]
-            logits = self.model.compute_logits(hidden)
-            penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
+            penalised = apply_penalties_and_bias(self._last_logits(step), batch, self.backend.apply_token_bitmask)
             if batch.all_greedy:
                 probs, choices = None, penalised.argmax(dim=-1)
             else:
