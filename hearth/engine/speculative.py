@@ -196,7 +196,7 @@ class LookaheadProposer:
             return []
         last = len(tokens) - 1  # position of the last token; guesses go to last + 1, ...
         guesses: list[int] = []
-        while len(guesses) < k and (more := state.best_continuation(tokens + guesses)):  # pool n-grams, chained
+        while len(guesses) < k and (more := state.best_continuation(tokens[-2:] + guesses)):  # pool n-grams, chained
             guesses += more[: k - len(guesses)]
         first = last + 1 + len(guesses) - state.window_start  # the window's entry for the next position
         guesses += state.window[max(first, 0) : max(first, 0) + k - len(guesses)]
