@@ -490,6 +490,67 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert llm.engine.proposer.draft.block_manager.check_all_free()
 
 
+@pytest.mark.parametrize("pair", ["builtin", "q8_0"])
+def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
+    """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
+    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
+    on the same inputs, and after every step the draft model's own greedy continuation of the
+    request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
+    GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first
+    pass catch up several rows). Requests near their max_tokens guess fewer: later passes on fewer rows."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    if pair == "builtin":
+        target, draft = "builtin", "builtin-draft"
+        prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
+    else:
+        target, draft = (convert_hf_to_gguf(make_hf_model(tmp_path / name, "llama", seed=seed, intermediate_size=128),
+                                            tmp_path / f"{name}.gguf", "q8_0", progress=False)
+                         for name, seed in (("target", 0), ("draft", 1)))
+        prompts = [[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]
+    llm = LLM(target, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
+              num_speculative_tokens=5)
+    alone = LLM(draft, progress=False)
+    runner = llm.engine.proposer.draft.runner
+    backend, kernel, propose = runner.backend, runner.backend.greedy_passes, runner.propose
+    reference, kernel_calls = [False], []
+
+    def greedy_passes(*args):
+        if reference[0]:
+            return None
+        kernel_calls.append(kernel(*args))
+        return kernel_calls[-1]
+
+    def both(passes):
+        reference[0] = True  # the passes one by one first: the same K/V written again after them
+        expected = propose(passes)
+        reference[0] = False
+        chosen = propose(passes)
+        assert chosen == expected
+        return chosen
+
+    backend.greedy_passes, runner.propose = greedy_passes, both
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=16 + 3 * i, ignore_eos=True))
+    checked, depths = 0, set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            if guesses := request.spec_token_ids:
+                drafted = alone.generate([request.all_token_ids], SamplingParams(temperature=0, max_tokens=len(guesses),
+                                                                                ignore_eos=True), use_tqdm=False)
+                assert guesses == drafted[0].outputs[0].token_ids, request.request_id
+                checked, depths = checked + 1, depths | {len(guesses)}
+    assert checked >= 10 and len(depths) > 1
+    assert sum(chosen is not None for chosen in kernel_calls) >= 8  # (not where the first pass is a prompt's)
+    assert engine.proposer.draft.block_manager.check_all_free()
+
+
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_quantized_model_verifies_in_the_one_call_path(tmp_path, tree_width):
     """A GGUF with every matmul on the int8 kernel: verification steps run the CPU backend's

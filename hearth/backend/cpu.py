@@ -148,15 +148,23 @@ class CpuBackend(Backend):
         return grouped(x, counts)
 
     def decode_layers(self, model, x, rotary, kv_caches, meta):
-        from hearth.backend.cpu_decode import CpuDecodePath
-
         if meta.prefills:
             return None
+        path = self._decode_path(model)
+        return None if path is None else path(x, rotary, kv_caches, meta)
+
+    def greedy_passes(self, model, first, later, feeds, kv_caches):
+        path = self._decode_path(model)
+        return None if path is None else path.greedy_passes(first, later, feeds, model.rope, kv_caches)
+
+    def _decode_path(self, model):
+        """The model's CpuDecodePath, or None where its layers do not fit it."""
+        from hearth.backend.cpu_decode import CpuDecodePath
+
         state = model.backend_state  # emptied when the model's tensors move (their pointers change)
         if "decode_path" not in state:
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
-        path = state["decode_path"]
-        return None if path is None else path(x, rotary, kv_caches, meta)
+        return state["decode_path"]
 
 
 def tree_pointers(meta: AttentionMetadata) -> tuple[int, int]:

@@ -18,23 +18,25 @@ modules' path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from hearth.backend.base import AttentionMetadata
+from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
 from hearth.backend.kv_quant import Q8Cache, data_pointers
 from hearth.backend.cpu import decode_split_len, tree_pointers
 from hearth.quant import kernels as quant_kernels
-from hearth.quant.linear import QuantLinear
+from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear
 
 
 class CpuDecodePath:
     """Runs a decode-only step of `model` through every layer in one kernel call."""
 
-    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_address: int):
+    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_address: int, vocabulary: tuple | None):
         config = model.config
         self.kernels = kernels
         self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
         self.matmul_address = matmul_address
+        self.vocabulary = vocabulary  # greedy_passes' operands of the embedding, final norm and lm_head, or None
         self.shape = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
@@ -72,7 +74,7 @@ class CpuDecodePath:
         table = torch.tensor(rows, dtype=torch.int64)
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels.cpp's layer table has other columns than cpu_decode.py fills")
-        return cls(model, kernels, table, qmatmul.module.int8_matmul_address())
+        return cls(model, kernels, table, qmatmul.module.int8_matmul_address(), vocabulary_operands(model, qmatmul))
 
     def __call__(
         self,
@@ -83,9 +85,7 @@ class CpuDecodePath:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it), or None where this step's
         tensors do not fit the kernel (then the modules run it)."""
-        if self._caches is None or self._caches[0] is not kv_caches:
-            self._caches = kv_caches, kernel_caches(kv_caches)
-        caches = self._caches[1]
+        caches = self._kernel_caches(kv_caches)
         if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None:
             return None
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
@@ -106,6 +106,72 @@ class CpuDecodePath:
             self.window, threads,
         )
         return delta, residual
+
+    def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,
+                      kv_caches) -> list[np.ndarray] | None:
+        """A draft model's greedy passes in one kernel call (cpu_kernels.cpp's greedy_passes): the
+        first pass's sequences (decodes: a few rows each, causal), then pass 1 + p of `feeds[p]`'s
+        rows, laid out end to end in `later` (a row each, causal), row i fed the token pass p chose
+        at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns each pass's choices, int64
+        [its sequences]: the argmax of each sequence's last-row logits. None where the kernel does
+        not run these (then the modules do)."""
+        caches = self._kernel_caches(kv_caches)
+        steps = [first] if later is None else [first, later]
+        if (self.vocabulary is None or caches is None or any(step.tree_masks is not None for step in steps)
+                or first.query_lens.max() > MAX_DECODE_QUERY_LEN):
+            return None
+        hidden, heads, kv_heads, head_dim, intermediate = self.shape
+        threads = torch.get_num_threads()
+        rotaries = [[t.contiguous() for t in rope(torch.from_numpy(step.positions), torch.float32)] for step in steps]
+        one_row_each = np.arange(max(map(len, feeds), default=0) + 1, dtype=np.int32)  # a later pass's query starts
+        feeds = [np.asarray(f, dtype=np.int64) for f in feeds]
+        sizes = [first.num_seqs, *map(len, feeds)]
+        table = np.empty((len(sizes), self.kernels.PASS_FIELDS), dtype=np.int64)
+        begin = 0  # the pass's first sequence (and row) in `later`
+        for p, seqs in enumerate(sizes):
+            step, (cos, sin) = (first, rotaries[0]) if p == 0 else (later, rotaries[1])
+            row, seq = (0, 0) if p == 0 else (begin, begin)
+            query_start = first.query_start_loc if p == 0 else one_row_each
+            rows = int(query_start[seqs])
+            max_len = int(step.seq_lens[seq : seq + seqs].max())
+            table[p] = (step.slot_mapping.ctypes.data + 8 * row,
+                        step.block_tables.ctypes.data + 4 * seq * step.block_tables.shape[1],
+                        step.seq_lens.ctypes.data + 4 * seq, query_start.ctypes.data,
+                        cos.data_ptr() + 4 * row * cos.shape[-1], sin.data_ptr() + 4 * row * sin.shape[-1],
+                        0 if p == 0 else feeds[p - 1].ctypes.data, seqs, rows, step.block_tables.shape[1],
+                        decode_split_len(seqs, kv_heads, min(max_len, self.window or max_len), threads))
+            begin += 0 if p == 0 else seqs
+        choices = np.empty(sum(sizes), dtype=np.int64)
+        self.kernels.greedy_passes(
+            self.matmul_address, self.vocabulary[0], self.layer_table.data_ptr(), caches.data_ptr(),
+            self.layer_table.shape[0], table.ctypes.data, len(sizes), first.input_ids.ctypes.data, choices.ctypes.data,
+            *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
+            self.scale, self.window, threads,
+        )
+        return np.split(choices, np.cumsum(sizes[:-1]))
+
+    def _kernel_caches(self, kv_caches) -> torch.Tensor | None:
+        """kernel_caches(kv_caches), kept while the runner passes the same caches."""
+        if self._caches is None or self._caches[0] is not kv_caches:
+            self._caches = kv_caches, kernel_caches(kv_caches)
+        return self._caches[1]
+
+
+def vocabulary_operands(model, qmatmul) -> tuple | None:
+    """greedy_passes' operands for the model's embedding, final norm and lm_head: qmatmul.cpp's
+    dequantize_rows, the embedding table (pointer, bytes per row, qtype), the norm's weight, and
+    lm_head's int8_matmul operands (weight, terms or 0, qtype, rows). None where the kernel cannot
+    run them: a dense embedding or one in a format dequantize_rows does not read, an lm_head off the
+    matmul kernels, a scaled embedding, soft-capped logits."""
+    embedding, config = model.embed_tokens, model.config
+    head = kernel_weight(model.lm_head)
+    if (not isinstance(embedding, QuantEmbedding) or not embedding.qweight.is_cpu
+            or embedding.qtype not in (*INT8_QTYPES, *HALF_QTYPES.values()) or head is None
+            or config.embedding_scale != 1.0 or config.final_logit_softcapping is not None):
+        return None
+    return (qmatmul.module.dequantize_rows_address(), embedding.qweight.data_ptr(), embedding.qweight.shape[1],
+            int(embedding.qtype), model.norm.weight.data_ptr(), *head, int(model.lm_head.qtype),
+            model.lm_head.out_features)
 
 
 def kernel_caches(kv_caches) -> torch.Tensor | None:

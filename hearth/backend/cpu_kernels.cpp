@@ -570,6 +570,71 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
   }
 }
 
+using DequantizeRows = void (*)(uintptr_t w, uintptr_t out, int64_t rows, int64_t K, int64_t row_bytes, int qtype,
+                                int threads);
+
+// Columns of greedy_passes' pass table (int64 [passes, PASS_FIELDS]), a row per pass: pointers to
+// its rows' cache slots (int64 [T]), its sequences' block tables (int32 [S, max_blocks]), context
+// lengths (int32 [S]) and query starts (int32 [S + 1]), its rows' cos and sin (float32 [T, D/2]),
+// and per row the choice of the pass before whose token it is fed (int64 [T]; the first pass's
+// tokens are given); then S, T, max_blocks and split_len (decode_layers' arguments).
+enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, COS, SIN, FEEDS, SEQS, TOKENS, MAX_BLOCKS, SPLIT_LEN,
+                 PASS_FIELDS };
+
+// A draft model's greedy passes (hearth/backend/cpu_decode.py): per pass, decode_layers on its
+// rows, then for each sequence's last row the final norm, lm_head (matmul: the weight, its terms
+// or 0, its qtype and rows `vocab`) and the argmax (the first of equal maxima, as torch's), written
+// to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
+// embedding_row_bytes in embedding_qtype, widened by qmatmul.cpp's dequantize_rows).
+// first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
+void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int64_t num_layers,
+                   uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
+                   uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
+                   uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps,
+                   int64_t block_size, double scale, int64_t window, int threads) {
+  const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
+  const DequantizeRows dequantize = reinterpret_cast<DequantizeRows>(dequantize_);
+  const int64_t* first_ids = reinterpret_cast<const int64_t*>(first_ids_);
+  int64_t* choices = reinterpret_cast<int64_t*>(choices_);
+  std::vector<float> residual, delta, last, logits;
+  const auto ptr = [](std::vector<float>& v, int64_t offset = 0) { return reinterpret_cast<uintptr_t>(v.data() + offset); };
+  const int64_t* fed = nullptr;  // the choices of the pass before
+  for (int64_t p = 0; p < num_passes; ++p) {
+    const int64_t* pass = reinterpret_cast<const int64_t*>(passes_) + p * PASS_FIELDS;
+    const int64_t tokens = pass[TOKENS], seqs = pass[SEQS];
+    const int64_t* feeds = reinterpret_cast<const int64_t*>(pass[FEEDS]);
+    residual.resize(tokens * hidden);
+    delta.resize(tokens * hidden);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t token = p == 0 ? first_ids[t] : fed[feeds[t]];
+      dequantize(embedding_ + token * embedding_row_bytes, ptr(residual, t * hidden), 1, hidden, embedding_row_bytes,
+                 embedding_qtype, 1);
+    }
+    decode_layers(matmul_, table_, caches_, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
+                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, seqs, tokens, hidden, num_heads,
+                  num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
+                  threads);
+    const int32_t* query_start = reinterpret_cast<const int32_t*>(pass[QUERY_START]);
+    last.resize(seqs * hidden);
+    for (int64_t s = 0; s < seqs; ++s) {
+      const int64_t row = (query_start[s + 1] - 1) * hidden;
+      rms_norm(ptr(residual, row), ptr(delta, row), norm_, ptr(last, s * hidden), 1, hidden, eps, 0.0, 1);
+    }
+    logits.resize(seqs * vocab);
+    matmul(ptr(last), head_, head_terms_, ptr(logits), seqs, vocab, hidden, head_qtype, 0, threads);
+    for (int64_t s = 0; s < seqs; ++s) {
+      const float* row = logits.data() + s * vocab;
+      int64_t best = 0;
+      for (int64_t v = 1; v < vocab; ++v)  // (a NaN counts as the largest, as in torch)
+        if (row[v] > row[best] || (std::isnan(row[v]) && !std::isnan(row[best]))) best = v;
+      choices[s] = best;
+    }
+    fed = choices;
+    choices += seqs;
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -584,6 +649,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
   }, "silu(gate) * up of each row of [gate | up], float32", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8_matmul weights", nogil);
+  m.def("greedy_passes", &greedy_passes, "a draft model's greedy passes: layers, norm, lm_head, argmax, next embeddings",
+        nogil);
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
+  m.attr("PASS_FIELDS") = (int)PASS_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);
 }

@@ -117,6 +117,7 @@ class ModelRunner:
         self.backend = model.backend
         self.sampler = Sampler(self.backend.apply_token_bitmask)
         self.model_pass = model_pass or self.backend.forward
+        self.own_pass = model_pass is None  # the backend runs the whole model (no shards' passes)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
@@ -376,16 +377,23 @@ class ModelRunner:
         then the next best tokens by the penalised logits), and the distributions [rows, V] (None
         where every row is greedy: a greedy row's is the point mass at its draw)."""
         drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
-        batch = None
+        first = passes[0]
+        batch = SamplingBatch.build([r.sampling_params for r in first.requests],
+                                    [r.prompt_token_ids for r in first.requests],
+                                    [r.output_token_ids for r in first.requests], first.generators,
+                                    self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
         # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
         # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
-        pending = None
+        pending = torch.empty(len(first.entries), 0, dtype=torch.int64, device=self.device) if batch.reads_output else None
         later = self.prepare([entry for p in passes[1:] for entry in p.entries]) if len(passes) > 1 else None
+        step = self.prepare(first.entries)
+        if batch.argmax_only and self.own_pass and all(p.width == 1 for p in passes):  # a greedy chain: one backend call
+            chosen = self.backend.greedy_passes(self.model, step, later, [p.feeds for p in passes[1:]], self.kv_caches)
+            if chosen is not None:
+                return [([[token] for token in choices.tolist()], None) for choices in chosen]
         first_row = 0  # of the pass in `later`
         for p in passes:
-            if p.feeds is None:
-                step = self.prepare(p.entries)
-            else:
+            if p.feeds is not None:
                 step = later.sequences(first_row, first_row + len(p.entries))
                 first_row += len(p.entries)
                 choices = drawn[-1][0]
@@ -393,14 +401,12 @@ class ModelRunner:
                 step.input_ids = choices.reshape(-1)[feeds]
                 if pending is not None:
                     pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
-            if batch is None or pending is not None or p.requests != passes[len(drawn) - 1].requests:
+            if p.feeds is not None and (pending is not None or p.requests != passes[len(drawn) - 1].requests):
                 batch = SamplingBatch.build([r.sampling_params for r in p.requests],
                                             [r.prompt_token_ids for r in p.requests],
                                             [r.output_token_ids for r in p.requests], p.generators,
                                             self.model.config.vocab_size, self.device,
                                             eos_token_ids=self.eos_token_ids, pending=pending)
-                if p.feeds is None and batch.reads_output:
-                    pending = torch.empty(len(p.entries), 0, dtype=torch.int64, device=self.device)
             penalised = apply_penalties_and_bias(self._last_logits(step), batch, self.backend.apply_token_bitmask)
             if batch.all_greedy:
                 probs, choices = None, penalised.argmax(dim=-1)

@@ -95,6 +95,12 @@ class SamplingBatch:
         """Whether a row's output so far changes what it draws (penalties, min_tokens, watermarks)."""
         return self.output_counts is not None or self.banned is not None or self.watermark is not None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row draws the argmax of its logits as they come (greedy, nothing applied to them)."""
+        return self.all_greedy and all(f is None for f in (self.contrastive, self.allowed, self.bias, self.banned,
+                                                           self.prompt_mask, self.output_counts, self.watermark))
+
     @classmethod
     def build(
         cls,

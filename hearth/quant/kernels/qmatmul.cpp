@@ -1623,6 +1623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_int8_matmul", &grouped_int8_matmul,
         "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
+  m.def("dequantize_rows_address", [] { return reinterpret_cast<uintptr_t>(&dequantize_rows); });
   m.def("block_values", &block_values);
   m.def("int8_paths", [] {
     py::dict paths;
