@@ -295,12 +295,12 @@ class Backend:
         return None
 
     def greedy_passes(self, model: nn.Module, first: StepInputs, later: StepInputs | None, feeds: list[list[int]],
-                      kv_caches) -> list[np.ndarray] | None:
+                      kv_caches) -> np.ndarray | None:
         """A draft model's chained greedy passes in one call, where a backend has one: the first
         pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in
         `later`), row i of pass 1 + p fed the token chosen at row feeds[p][i] of the pass before;
-        every choice the argmax of the logits of a sequence's last row. Returns each pass's choices
-        (int64 [its sequences]) or None (then the runner runs the passes one by one)."""
+        every choice the argmax of the logits of a sequence's last row. Returns the passes' choices
+        end to end (int64 [their sequences]) or None (then the runner runs the passes one by one)."""
         return None
 
     # ---- weights -----------------------------------------------------------------------

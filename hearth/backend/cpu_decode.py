@@ -102,19 +102,19 @@ class CpuDecodePath:
             *tree_pointers(meta),
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
-            decode_split_len(meta.num_decodes, kv_heads, min(meta.decode_max_len, self.window or meta.decode_max_len), threads),
+            self._split_len(meta.num_decodes, meta.decode_max_len, threads),
             self.window, threads,
         )
         return delta, residual
 
     def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,
-                      kv_caches) -> list[np.ndarray] | None:
+                      kv_caches) -> np.ndarray | None:
         """A draft model's greedy passes in one kernel call (cpu_kernels.cpp's greedy_passes): the
         first pass's sequences (decodes: a few rows each, causal), then pass 1 + p of `feeds[p]`'s
         rows, laid out end to end in `later` (a row each, causal), row i fed the token pass p chose
-        at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns each pass's choices, int64
-        [its sequences]: the argmax of each sequence's last-row logits. None where the kernel does
-        not run these (then the modules do)."""
+        at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns the passes' choices end to
+        end, int64 [their sequences]: the argmax of each sequence's last-row logits. None where the
+        kernel does not run these (then the modules do)."""
         caches = self._kernel_caches(kv_caches)
         steps = [first] if later is None else [first, later]
         if (self.vocabulary is None or caches is None or any(step.tree_masks is not None for step in steps)
@@ -122,33 +122,41 @@ class CpuDecodePath:
             return None
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         threads = torch.get_num_threads()
-        rotaries = [[t.contiguous() for t in rope(torch.from_numpy(step.positions), torch.float32)] for step in steps]
-        one_row_each = np.arange(max(map(len, feeds), default=0) + 1, dtype=np.int32)  # a later pass's query starts
+        positions = first.positions if later is None else np.concatenate((first.positions, later.positions))
+        cos, sin = (t.contiguous() for t in rope(torch.from_numpy(positions), torch.float32))
+        half = cos.shape[-1]
+
+        tokens = len(first.positions)
+        # a pass's row of cpu_kernels.cpp's pass table (PassField): pointers, then counts
+        rows = [(first.slot_mapping.ctypes.data, first.block_tables.ctypes.data, first.seq_lens.ctypes.data,
+                 first.query_start_loc.ctypes.data, cos.data_ptr(), sin.data_ptr(), 0, first.num_seqs, tokens,
+                 first.block_tables.shape[1], self._split_len(first.num_seqs, int(first.seq_lens.max()), threads))]
         feeds = [np.asarray(f, dtype=np.int64) for f in feeds]
-        sizes = [first.num_seqs, *map(len, feeds)]
-        table = np.empty((len(sizes), self.kernels.PASS_FIELDS), dtype=np.int64)
-        begin = 0  # the pass's first sequence (and row) in `later`
-        for p, seqs in enumerate(sizes):
-            step, (cos, sin) = (first, rotaries[0]) if p == 0 else (later, rotaries[1])
-            row, seq = (0, 0) if p == 0 else (begin, begin)
-            query_start = first.query_start_loc if p == 0 else one_row_each
-            rows = int(query_start[seqs])
-            max_len = int(step.seq_lens[seq : seq + seqs].max())
-            table[p] = (step.slot_mapping.ctypes.data + 8 * row,
-                        step.block_tables.ctypes.data + 4 * seq * step.block_tables.shape[1],
-                        step.seq_lens.ctypes.data + 4 * seq, query_start.ctypes.data,
-                        cos.data_ptr() + 4 * row * cos.shape[-1], sin.data_ptr() + 4 * row * sin.shape[-1],
-                        0 if p == 0 else feeds[p - 1].ctypes.data, seqs, rows, step.block_tables.shape[1],
-                        decode_split_len(seqs, kv_heads, min(max_len, self.window or max_len), threads))
-            begin += 0 if p == 0 else seqs
-        choices = np.empty(sum(sizes), dtype=np.int64)
+        if later is not None:
+            one_row_each = np.arange(max(map(len, feeds)) + 1, dtype=np.int32)  # a later pass's query starts
+            slots, tables, lens = (a.ctypes.data for a in (later.slot_mapping, later.block_tables, later.seq_lens))
+            width, start = later.block_tables.shape[1], 0  # start: the pass's first sequence (and row) in `later`
+            for f in feeds:
+                n, row = len(f), tokens + start
+                rows.append((slots + 8 * start, tables + 4 * width * start, lens + 4 * start, one_row_each.ctypes.data,
+                             cos.data_ptr() + 4 * half * row, sin.data_ptr() + 4 * half * row, f.ctypes.data, n, n,
+                             width, self._split_len(n, int(later.seq_lens[start : start + n].max()), threads)))
+                start += n
+        table = np.array(rows, dtype=np.int64)
+        if table.shape[1] != self.kernels.PASS_FIELDS:
+            raise RuntimeError("cpu_kernels.cpp's pass table has other columns than cpu_decode.py fills")
+        choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
         self.kernels.greedy_passes(
             self.matmul_address, self.vocabulary[0], self.layer_table.data_ptr(), caches.data_ptr(),
-            self.layer_table.shape[0], table.ctypes.data, len(sizes), first.input_ids.ctypes.data, choices.ctypes.data,
+            self.layer_table.shape[0], table.ctypes.data, len(table), first.input_ids.ctypes.data, choices.ctypes.data,
             *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
         )
-        return np.split(choices, np.cumsum(sizes[:-1]))
+        return choices
+
+    def _split_len(self, num_decodes: int, longest: int, threads: int) -> int:
+        """decode_attention's split length for sequences of at most `longest` tokens (those the window shows)."""
+        return decode_split_len(num_decodes, self.shape[2], min(longest, self.window or longest), threads)
 
     def _kernel_caches(self, kv_caches) -> torch.Tensor | None:
         """kernel_caches(kv_caches), kept while the runner passes the same caches."""

@@ -598,7 +598,9 @@ void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, u
   const int64_t* first_ids = reinterpret_cast<const int64_t*>(first_ids_);
   int64_t* choices = reinterpret_cast<int64_t*>(choices_);
   std::vector<float> residual, delta, last, logits;
-  const auto ptr = [](std::vector<float>& v, int64_t offset = 0) { return reinterpret_cast<uintptr_t>(v.data() + offset); };
+  const auto ptr = [](std::vector<float>& v, int64_t offset = 0) {
+    return reinterpret_cast<uintptr_t>(v.data() + offset);
+  };
   const int64_t* fed = nullptr;  // the choices of the pass before
   for (int64_t p = 0; p < num_passes; ++p) {
     const int64_t* pass = reinterpret_cast<const int64_t*>(passes_) + p * PASS_FIELDS;

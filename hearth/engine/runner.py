@@ -390,7 +390,9 @@ class ModelRunner:
         if batch.argmax_only and self.own_pass and all(p.width == 1 for p in passes):  # a greedy chain: one backend call
             chosen = self.backend.greedy_passes(self.model, step, later, [p.feeds for p in passes[1:]], self.kv_caches)
             if chosen is not None:
-                return [([[token] for token in choices.tolist()], None) for choices in chosen]
+                chosen, ends = chosen.tolist(), np.cumsum([len(p.entries) for p in passes]).tolist()
+                return [([[token] for token in chosen[end - len(p.entries) : end]], None)
+                        for p, end in zip(passes, ends)]
         first_row = 0  # of the pass in `later`
         for p in passes:
             if p.feeds is not None:
