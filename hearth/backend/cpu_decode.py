@@ -14,6 +14,12 @@ call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
+
+A draft model's greedy chain of passes (ModelRunner.propose, every row taking the argmax of its
+logits as they come) runs `greedy_passes` where the model's embedding is in a format qmatmul.cpp's
+dequantize_rows reads and its lm_head is on the matmul kernels: the k passes in one call, each
+pass `decode_layers`, the final norm, lm_head and argmax of each sequence's last row, and the
+embeddings of those tokens as the next pass's rows; the host reads the k x rows token ids once.
 """
 
 from __future__ import annotations

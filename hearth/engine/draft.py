@@ -12,7 +12,8 @@ one call of the runner (`ModelRunner.propose`): the first pass catches each requ
 its first guess, each further pass feeds the guess drawn before it (on the device: the host reads
 the guesses once, after the last pass) and draws the next, every draw from the request's own
 sampling parameters applied to the draft's logits; the distributions q of the guesses are kept
-for the target's verification (sampler.verify_guesses). With token trees (tree_width > 1) each
+for the target's verification (sampler.verify_guesses). Greedy chains on the CPU's one-call
+path run all k passes in one kernel call (cpu_decode.py's greedy_passes). With token trees (tree_width > 1) each
 pass runs every branch of a request as a row of its own (`DraftProposer.guess`).
 """
 

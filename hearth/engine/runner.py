@@ -375,7 +375,9 @@ class ModelRunner:
         generator), a later pass's rows fed tokens the passes before drew, on the device; one copy
         to the host at the end. Returns per pass, per row its choices (DraftPass.width: the draw,
         then the next best tokens by the penalised logits), and the distributions [rows, V] (None
-        where every row is greedy: a greedy row's is the point mass at its draw)."""
+        where every row is greedy: a greedy row's is the point mass at its draw). Where every row
+        takes the argmax of its logits as they come and each draws one choice (a chain), the
+        backend may run all the passes in one call (Backend.greedy_passes)."""
         drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
         first = passes[0]
         batch = SamplingBatch.build([r.sampling_params for r in first.requests],
