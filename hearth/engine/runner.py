@@ -387,8 +387,9 @@ class ModelRunner:
         # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
         # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
         pending = torch.empty(len(first.entries), 0, dtype=torch.int64, device=self.device) if batch.reads_output else None
-        later = self.prepare([entry for p in passes[1:] for entry in p.entries]) if len(passes) > 1 else None
-        step = self.prepare(first.entries)
+        every = self.prepare([entry for p in passes for entry in p.entries])  # all passes' entries, end to end
+        step = every.sequences(0, len(first.entries))
+        later = every.sequences(len(first.entries), every.num_seqs) if len(passes) > 1 else None
         if batch.argmax_only and self.own_pass and all(p.width == 1 for p in passes):  # a greedy chain: one backend call
             chosen = self.backend.greedy_passes(self.model, step, later, [p.feeds for p in passes[1:]], self.kv_caches)
             if chosen is not None:
