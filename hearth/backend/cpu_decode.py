@@ -176,11 +176,13 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
     dequantize_rows, the embedding table (pointer, bytes per row, qtype), the norm's weight, and
     lm_head's int8_matmul operands (weight, terms or 0, qtype, rows). None where the kernel cannot
     run them: a dense embedding or one in a format dequantize_rows does not read, an lm_head off the
-    matmul kernels, a scaled embedding, soft-capped logits."""
+    matmul kernels or with rows the embedding lacks (a token it chose would have no next row), a
+    scaled embedding, soft-capped logits."""
     embedding, config = model.embed_tokens, model.config
     head = kernel_weight(model.lm_head)
     if (not isinstance(embedding, QuantEmbedding) or not embedding.qweight.is_cpu
             or embedding.qtype not in (*INT8_QTYPES, *HALF_QTYPES.values()) or head is None
+            or model.lm_head.out_features > embedding.num_embeddings
             or config.embedding_scale != 1.0 or config.final_logit_softcapping is not None):
         return None
     return (qmatmul.module.dequantize_rows_address(), embedding.qweight.data_ptr(), embedding.qweight.shape[1],
