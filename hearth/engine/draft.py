@@ -13,8 +13,8 @@ its first guess, each further pass feeds the guess drawn before it (on the devic
 the guesses once, after the last pass) and draws the next, every draw from the request's own
 sampling parameters applied to the draft's logits; the distributions q of the guesses are kept
 for the target's verification (sampler.verify_guesses). Greedy chains on the CPU's one-call
-path run all k passes in one kernel call (cpu_decode.py's greedy_passes). With token trees (tree_width > 1) each
-pass runs every branch of a request as a row of its own (`DraftProposer.guess`).
+path run all k passes in one kernel call (cpu_decode.py's greedy_passes). With token trees
+(tree_width > 1) each pass runs every branch of a request as a row of its own (`DraftProposer.guess`).
 """
 
 from __future__ import annotations
