@@ -1316,7 +1316,7 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
 
 // MR activation rows from m0 against one tile. Per sub-block j and 16 rows: S/4 vpdpbusd from the
 // zero point's -Z sum(xq_j), then t += cvt(dot) (d sc_j) - (f mn_j) sum(xq_j); per block y += t dx.
-// stream: the call's only pass over the tile (M <= PACKED_MR: decode, a verification's few rows).
+// stream: the call's first pass over the tile, with few rows (M <= 2 PACKED_MR: decode, a verification's).
 template <int QT, int MR>
 void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p, int64_t m0,
                       float* y, int64_t N, int64_t nvalid, bool stream) {
@@ -1426,7 +1426,7 @@ void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t terms_, uintptr_t y
           for (int64_t m = 0; m < M; m += PACKED_MR)
             packed_tile<QT>(portable, (int)std::min<int64_t>(PACKED_MR, M - m), codes + t * code_bytes,
                             terms + t * term_bytes, K, p, m, y + m * N + t * NR, N, std::min<int64_t>(NR, N - t * NR),
-                            M <= PACKED_MR);
+                            m == 0 && M <= 2 * PACKED_MR);
       });
     }
   });
