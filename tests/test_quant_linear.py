@@ -34,7 +34,7 @@ ALL_QTYPES = BLOCK_QTYPES + list(HALF)
 # byte offsets of the float16 scales in each block: set to sane values, the rest is random bits
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
                Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.TQ2_0: (64,), Q.TQ1_0: (52,)}
-ROWS = (1, 2, 3, 5, 8, 33, 300)  # decode, small batches, tails of 4-row passes, a prefill
+ROWS = (1, 2, 3, 5, 6, 8, 9, 33, 300)  # decode, a verification's few rows, tails of 8-row passes, a prefill
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ search, sampled outputs against the target distribution (chi-square), and the bo
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.request import Request
 from hearth.engine.sampler import Guesses, Sampler
-from hearth.engine.speculative import (PROBE_EVERY, PROBE_STEPS, AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate,
-                                        num_guesses)
+from hearth.engine.speculative import (PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, AcceptanceRate, LookaheadProposer,
+                                      NgramProposer, SpeedGate, num_guesses)
 from hearth.engine.token_tree import accepted_path, ancestor_masks, tree_of
 from models import VOCAB_SIZE, make_draft_model, make_hf_model
 from test_sampler import build
@@ -452,12 +453,35 @@ def test_speed_gate_stops_guessing_while_guessing_is_measured_slower():
     assert not gate.allow()  # then measure plain steps
     gate.record(False, num_tokens=1, num_requests=2, seconds=1.0)  # the switch's step: not counted
     gate.record(False, num_tokens=8, num_requests=2, seconds=1.0)  # 4 tokens/s per request without
-    decisions = [gate.allow() for _ in range(2 * PROBE_EVERY)]
-    assert sum(decisions) == 2 * PROBE_STEPS  # only the probes guess, PROBE_STEPS steps in a row
+    decisions = [gate.allow() for _ in range(PROBE_EVERY + 2 * PROBE_STEPS)]
+    assert sum(decisions) == PROBE_STEPS  # only a probe guesses, PROBE_STEPS steps in a row
     assert any(decisions[i : i + PROBE_STEPS] == [True] * PROBE_STEPS for i in range(PROBE_EVERY + 1))
     for _ in range(20):
         gate.record(True, num_tokens=20, num_requests=2, seconds=1.0)  # guessing becomes faster
-    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY - PROBE_STEPS
+    assert sum(gate.allow() for _ in range(PROBE_EVERY)) == PROBE_EVERY
+
+
+def test_speed_gate_probes_less_often_while_probes_confirm_the_preference():
+    """Gaps between probes: PROBE_EVERY, doubling up to PROBE_EVERY_MAX while the slower option stays
+    slower; back to PROBE_EVERY after a probe that finds it faster."""
+    gate = SpeedGate()
+    gate.allow()
+    for with_guesses, tokens in ((True, 1), (True, 2), (False, 1), (False, 8)):  # guessing slower
+        gate.record(with_guesses, num_tokens=tokens, num_requests=1, seconds=1.0)
+    decisions = "".join("g" if gate.allow() else "." for _ in range(1000))
+    probes = [m.span() for m in re.finditer("g+", decisions)]
+    assert all(end - start == PROBE_STEPS for start, end in probes)
+    gaps = [probes[0][0] + 1] + [b[0] - a[1] for a, b in zip(probes, probes[1:])]
+    doubling = [PROBE_EVERY * 2 ** i for i in range(len(gaps))]
+    assert gaps == [min(gap, PROBE_EVERY_MAX) for gap in doubling]
+    assert gaps[-1] == PROBE_EVERY_MAX
+    while gate.allow() is False:  # up to the next probe, where guessing measures faster
+        pass
+    for _ in range(10):
+        gate.record(True, num_tokens=50, num_requests=1, seconds=1.0)
+    decisions = "".join("g" if gate.allow() else "." for _ in range(PROBE_EVERY + 2 * PROBE_STEPS))
+    assert decisions.startswith("g" * (PROBE_EVERY + PROBE_STEPS - 1))  # guessing preferred now
+    assert "." * PROBE_STEPS in decisions  # and plain steps probed PROBE_EVERY steps after
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft identical"])

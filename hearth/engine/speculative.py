@@ -50,9 +50,12 @@ from hearth.engine.token_tree import tree_of
 
 # How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
-# Every this many steps the option (guesses or none) that measured slower is tried PROBE_STEPS steps
-# in a row, to keep measuring it (SpeedGate).
+# The option (guesses or none) that measured slower is tried PROBE_STEPS steps in a row, to keep
+# measuring it (SpeedGate): PROBE_EVERY steps after the last probe, twice as long after each probe
+# that left the preference as it was, up to PROBE_EVERY_MAX steps (a probe is paid at the slower
+# option's speed: at a fixed 4 steps in 16, a quarter of prompt lookup's steps at batch 1 ran without guesses).
 PROBE_EVERY = 16
+PROBE_EVERY_MAX = 128
 PROBE_STEPS = 4
 # Lookahead: the n-grams' length N (the paper's 5 and 4 do alike; shorter ones match more often),
 # and the most continuations the pool keeps for one first token (the most recent).
@@ -249,8 +252,9 @@ def branch_width(request: Request, tree_width: int) -> int:
 class SpeedGate:
     """Whether the next step may carry guesses: only while steps with them are not measured slower.
 
-    The option measured slower is probed PROBE_STEPS steps in a row every PROBE_EVERY, and the first
-    step after a switch is not measured: it pays for the switch (a draft model catching up with the
+    The option measured slower is probed PROBE_STEPS steps in a row, PROBE_EVERY steps after the last
+    probe, the interval doubling (up to PROBE_EVERY_MAX) while probes confirm the preference and
+    back to PROBE_EVERY when one turns it; the first step after a switch is not measured: it pays for the switch (a draft model catching up with the
     tokens decoded without it, a lookahead window grown again), not for the option, and one such
     step counted against guessing would keep it off for good."""
 
@@ -258,8 +262,11 @@ class SpeedGate:
         # with guesses? -> recent (tokens per request, seconds), each a moving sum: a step that kept
         # 5 tokens and one that kept 1 weigh by their tokens and seconds, not as two speeds averaged
         self._recent: dict[bool, tuple[float, float] | None] = {True: None, False: None}
-        self._steps = 0
         self._last: bool | None = None  # the option of the step recorded last
+        self._interval = PROBE_EVERY  # steps from the end of one probe to the start of the next
+        self._to_probe = PROBE_EVERY  # steps left before the next probe
+        self._probing: bool | None = None  # during a probe: the preference it started from
+        self._probe_left = 0
 
     @property
     def speed(self) -> dict[bool, float | None]:
@@ -276,12 +283,22 @@ class SpeedGate:
             RATE_MEMORY * old[0] + tokens, RATE_MEMORY * old[1] + seconds)
 
     def allow(self) -> bool:
-        self._steps += 1
         with_guesses, without = self.speed[True], self.speed[False]
         preferred = with_guesses is None or without is None or with_guesses >= without
         if without is None and with_guesses is not None:
             preferred = False  # measure plain steps once
-        return preferred != (self._steps % PROBE_EVERY >= PROBE_EVERY - PROBE_STEPS)
+        if self._probing is None and self._to_probe > 0:
+            self._to_probe -= 1
+            return preferred
+        if self._probing is None:  # a probe starts
+            self._probing, self._probe_left = preferred, PROBE_STEPS
+        if self._probe_left:
+            self._probe_left -= 1
+            return not self._probing
+        # the probe is over: probe again later while it confirmed the preference, soon if it turned it
+        self._interval = min(2 * self._interval, PROBE_EVERY_MAX) if preferred == self._probing else PROBE_EVERY
+        self._to_probe, self._probing = self._interval, None
+        return self.allow()
 
 
 @dataclass
