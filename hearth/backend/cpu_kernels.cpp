@@ -78,7 +78,7 @@ constexpr int64_t Q8_BLOCK = 32;
 
 // decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
 // at a time (independent sums in flight)
-constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 4;
+constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 8;
 // decode_attention's values: query (row, head) pairs a pass, cached rows a pass, head values a
 // slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
 constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
@@ -159,9 +159,6 @@ inline void store_row(void* cache, _Float16* scales, int64_t row, const float* x
   quantize_row_q8_0(x, static_cast<int8_t*>(cache) + row * D, scales + row * (D / Q8_BLOCK), D);
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
-// is a scalar call): 2^(x log2 e) = 2^i 2^f with i = round(.), |f| <= 1/2, 2^f by its degree-7
-// Taylor polynomial in f ln 2 (relative error < 1e-8, below float32's rounding).
 // The largest of x[0 .. n), -inf for n = 0: 16 running maxima side by side (std::max_element's one
 // chain of scalar maxima, a max's latency per element, was 17% of decode_attention at 5 rows)
 inline float max_of(const float* x, int64_t n) {
@@ -175,6 +172,9 @@ inline float max_of(const float* x, int64_t n) {
   return *std::max_element(lanes, lanes + 16);
 }
 
+// exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
+// is a scalar call): 2^(x log2 e) = 2^i 2^f with i = round(.), |f| <= 1/2, 2^f by its degree-7
+// Taylor polynomial in f ln 2 (relative error < 1e-8, below float32's rounding).
 inline float exp_nonpositive(float x) {
   const float t = std::max(x * 1.44269504088896341f, -126.f);  // below: 2^-126, as good as 0 here
   const float i = std::nearbyint(t);
@@ -299,11 +299,15 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
       // order, whatever the other lanes hold (a row's scores do not depend on the rows beside it)
       for (int64_t first = 0; first < rows * group; first += SCORE_LANES) {
         const int64_t lanes = std::min(SCORE_LANES, rows * group - first);
-        int64_t lane_row[SCORE_LANES];  // each lane's query row (a division per lane, not per lane and token)
-        for (int64_t j = 0; j < lanes; ++j) lane_row[j] = (first + j) / group;
         std::fill(qt.begin(), qt.end(), 0.f);
-        for (int64_t j = 0; j < lanes; ++j)
-          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[((first + j) / group * num_heads + (first + j) % group) * D + d];
+        // each lane's query row and its range of tokens (a division per lane, not per lane and token)
+        int64_t lane_row[SCORE_LANES], lane_lo[SCORE_LANES], lane_hi[SCORE_LANES];
+        for (int64_t j = 0; j < lanes; ++j) {
+          lane_row[j] = (first + j) / group;
+          lane_lo[j] = lo[lane_row[j]];
+          lane_hi[j] = hi[lane_row[j]];
+          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[(lane_row[j] * num_heads + (first + j) % group) * D + d];
+        }
         for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
         for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
           const int64_t count = std::min(SCORE_TOKENS, n - t0);
@@ -321,14 +325,14 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
 #pragma omp simd
               for (int64_t j = 0; j < SCORE_LANES; ++j) acc[u][j] += kd * qt[d * SCORE_LANES + j];
             }
-          for (int64_t u = 0; u < count; ++u)
-            for (int64_t j = 0; j < lanes; ++j) {
-              const int64_t t = t0 + u, r = lane_row[j];
-              if (t < lo[r] || t >= hi[r]) continue;
+          for (int64_t j = 0; j < lanes; ++j) {
+            float* lane_scores = scores.data() + (first + j) * n;
+            for (int64_t t = std::max(t0, lane_lo[j]); t < std::min(t0 + count, lane_hi[j]); ++t) {
               // -inf: a position of the tree the row does not see
-              const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + r, it.begin + t);
-              scores[(first + j) * n + t] = seen ? acc[u][j] * fscale : -std::numeric_limits<float>::infinity();
+              const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + lane_row[j], it.begin + t);
+              lane_scores[t] = seen ? acc[t - t0][j] * fscale : -std::numeric_limits<float>::infinity();
             }
+          }
         }
       }
       const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
