@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=192)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--speculative-tree-width", type=int, default=1,
                     help="above 1: each method also with token trees of this many branches")
     ap.add_argument("--threads", type=int, default=None)
@@ -158,7 +158,8 @@ def main() -> None:
         f"- model {Path(args.model).name}"
         + (f", draft {Path(args.speculative_model).name}" if "draft" in methods else "")
         + f"; the task: {task}; greedy, {args.output_len} output tokens, up to "
-        f"{args.num_speculative_tokens} guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'})"
+        + ", ".join(f"{engines[name].engine.config.num_speculative_tokens} ({name})" for name in methods)
+        + f" guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'})"
         + (f", trees of {args.speculative_tree_width} branches" if len(widths) > 1 else "")
         + f"; decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "
         f"median of {args.runs} runs; outputs with each method "

@@ -58,7 +58,8 @@ def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
                         "--speculative-model; all verified by the model in one pass")
     g.add_argument("--speculative-model", metavar="PATH", default=None,
                    help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most guesses per request per step")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="the most guesses per request per step (default 8; with token trees as many as fit)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
     g.add_argument("--speculative-disable-by-batch-size", type=int, default=32,

@@ -10,6 +10,11 @@ from hearth.backend.base import MAX_DECODE_QUERY_LEN
 from hearth.backend.kv_quant import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 
+# Guesses per request per step by default: the most; how many of them are made follows the
+# request's acceptance and the batch (hearth/engine/speculative.py, num_guesses). The built-in pair
+# at batch 1, 2 threads: 4 -> 1.84x, 8 -> 2.20x, 12 -> 2.38x (docs/benchmarks.md).
+DEFAULT_SPECULATIVE_TOKENS = 8
+
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
@@ -446,7 +451,9 @@ class EngineConfig:
     # vocabulary guesses: speculative_model)
     speculative_method: str | None = None
     speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
-    num_speculative_tokens: int = 4  # the most guesses per request per step
+    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
+    # tree of speculative_tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
     prompt_lookup_max: int = 4  # ngram: the longest match looked for
     speculative_disable_by_batch_size: int = 32  # running requests at which guessing stops
@@ -488,6 +495,9 @@ class EngineConfig:
              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
         need((self.speculative_method == "draft") == (self.speculative_model is not None),
              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
+                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.speculative_tree_width))
         need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "need 1 <= prompt_lookup_min <= prompt_lookup_max")

@@ -49,7 +49,7 @@ class LLM:
         pipeline_parallel_size: int = 1,
         speculative_method: str | None = None,
         speculative_model: str | None = None,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int | None = None,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
         speculative_disable_by_batch_size: int = 32,

@@ -107,13 +107,14 @@ def test_generate_json(llama, capsys):
 
 def test_generate_with_token_tree_speculation(llama, capsys):
     """--speculative-tree-width: the same greedy text as plain decoding (a grammar-constrained
-    request too: its guesses stay one chain); a width too large for the decode kernels is a clean error."""
+    request too: its guesses stay one chain); a width and a count too large for the decode kernels is a
+    clean error."""
     common = ("generate", llama, "--prompt", "a b a b a b a", "--max-tokens", 12, "--temperature", 0, "--json")
     tree = ("--speculative-method", "ngram", "--prompt-lookup-min", 1, "--speculative-tree-width", 3)
     assert run_json(capsys, *common, *tree)["text"] == run_json(capsys, *common)["text"]
     regex = ("--regex", r"[a-z]{2}\d")
     assert run_json(capsys, *common, *tree, *regex)["text"] == run_json(capsys, *common, *regex)["text"]
-    assert main([str(a) for a in (*common, *tree[:-1], 4)]) == 1
+    assert main([str(a) for a in (*common, *tree[:-1], 4, "--num-speculative-tokens", 4)]) == 1
     err = capsys.readouterr().err
     assert "speculative_tree_width x num_speculative_tokens must be below 16" in err and "Traceback" not in err
 

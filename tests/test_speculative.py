@@ -18,8 +18,8 @@ from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.request import Request
 from hearth.engine.sampler import Guesses, Sampler
-from hearth.engine.speculative import (PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, AcceptanceRate, LookaheadProposer,
-                                      NgramProposer, SpeedGate, num_guesses)
+from hearth.engine.speculative import (PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, PRIOR_RATE, ROW_COST,
+                                      AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate, num_guesses)
 from hearth.engine.token_tree import accepted_path, ancestor_masks, tree_of
 from models import VOCAB_SIZE, make_draft_model, make_hf_model
 from test_sampler import build
@@ -405,16 +405,24 @@ def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path):
 
 def test_guess_count_follows_acceptance_and_batch_size():
     rate = AcceptanceRate()
-    assert rate.rate == 0.5
+    assert rate.rate == PRIOR_RATE
+    assert num_guesses(rate, 31, 4, 32) == 1  # unmeasured: one guess measures it, even in a busy batch
     high, low = AcceptanceRate(), AcceptanceRate()
     for _ in range(10):
         high.update(4, 4)
         low.update(4, 0)
-    assert high.rate > 0.9 and low.rate < 0.2
-    assert num_guesses(high.rate, 1, 4, 32) == 4
-    assert num_guesses(low.rate, 1, 4, 32) < num_guesses(high.rate, 1, 4, 32)
-    counts = [num_guesses(high.rate, batch, 4, 32) for batch in (1, 8, 16, 24, 31, 32, 64)]
-    assert counts == sorted(counts, reverse=True) and counts[-2:] == [0, 0]  # none once busy
+    assert high.rate > 0.9 and low.rate < 0.3
+    assert num_guesses(high, 1, 4, 32) == 4
+    assert num_guesses(low, 1, 4, 32) == 0  # a guess kept 1 time in 10 never pays for its row
+    counts = [num_guesses(high, batch, 4, 32) for batch in (1, 8, 16, 24, 31, 32, 64)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-3] and counts[-2:] == [0, 0]
+    # the count of most expected tokens per cost (Leviathan et al.), against a direct search over
+    # every count: steps of B rows plus guesses cost 1 + ROW_COST (B - 1 + guesses) one-row steps
+    for batch in (1, 3, 8):
+        def tokens_per_cost(k: int) -> float:
+            expected = sum(high.rate ** i for i in range(k + 1)) * batch
+            return expected / (1 + ROW_COST * (batch - 1 + batch * k))
+        assert num_guesses(high, batch, 12, 32) == max(range(13), key=tokens_per_cost)
 
 
 def test_unimplemented_methods_and_missing_drafts_are_refused():
@@ -433,6 +441,8 @@ def test_unimplemented_methods_and_missing_drafts_are_refused():
         EngineConfig(speculative_method="lookahead", speculative_tree_width=2)
     with pytest.raises(ValueError, match="must be below 16"):
         EngineConfig(speculative_method="ngram", speculative_tree_width=4, num_speculative_tokens=4)
+    for width in (1, 3, 4, 15):  # with no count given, a tree gets as many guesses as its rows fit
+        assert width * EngineConfig(speculative_method="ngram", speculative_tree_width=width).num_speculative_tokens < 16
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(speculative_method="ngram", speculative_tree_width=0)
 
@@ -504,7 +514,7 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM("builtin", progress=False).generate(prompts, params, use_tqdm=False)
     llm = LLM("builtin", progress=False, speculative_method="draft", speculative_model="builtin-draft",
-              speculative_adaptive=False)
+              speculative_adaptive=False, num_speculative_tokens=4)  # (a fixed 8 makes more guesses past a miss)
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     expected = [o.outputs[0].token_ids for o in plain]

@@ -382,7 +382,7 @@ class LLMEngine:
             state = self.output_processor.sequences[request.request_id]
             k = config.num_speculative_tokens
             if config.speculative_adaptive:
-                k = num_guesses(state.acceptance.rate, num_running, k, config.speculative_disable_by_batch_size)
+                k = num_guesses(state.acceptance, num_running, k, config.speculative_disable_by_batch_size)
             # never past max_tokens (the last guess is followed by one more token) or the context
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)

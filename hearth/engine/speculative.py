@@ -27,10 +27,13 @@ verifies several pool n-grams at once.
 
 How many guesses (`num_guesses`): the i-th guess pays off only when the i - 1 before it were
 accepted, so it is worth about rate ** i tokens, where rate is the request's measured
-acceptance rate. It costs one more token of the step, which is nearly free when decoding is
-bound by reading the weights (few running requests) and a full token's work when the batch
-already fills the machine. The cost is taken as running requests / disable_by_batch_size; a
-guess is made while rate ** i exceeds it, so a busy engine makes none.
+acceptance rate: k guesses keep 1 + rate + ... + rate ** k tokens of the request. Each costs one
+more row of the step: a share ROW_COST of a one-row step while decoding is bound by reading the
+weights, and for B running requests the B - 1 rows beside it make the step dearer, so that a
+guessed row weighs c = B ROW_COST / (1 + ROW_COST (B - 1)) of each request's one-token share of
+the step. The count kept is the one of most tokens per cost, (1 + rate + ... + rate ** k) /
+(1 + c k) (Leviathan et al.'s choice of the draft length), up to num_speculative_tokens; none
+from disable_by_batch_size running requests on.
 
 That cost is a model; `SpeedGate` holds the measurement: decode steps' output tokens per second
 per request, with guesses and without. While steps with guesses are measured slower (a backend
@@ -48,6 +51,14 @@ import numpy as np
 from hearth.engine.request import Request
 from hearth.engine.token_tree import tree_of
 
+# The cost of one more row in a decode step, as a share of a one-row step: 0.28 for SmolLM2 and
+# 0.36 for the built-in pair (a row of the target and a pass of its draft) on the CPU at batch 1
+# (docs/benchmarks.md, "where its time goes").
+ROW_COST = 0.3
+# A request's acceptance rate before its first verification: hopeful (guessing starts at several
+# guesses, where a first step of one guess would be measured slower than plain decoding and keep
+# SpeedGate from trying more), and weighing as little as two guesses against the evidence.
+PRIOR_RATE, PRIOR_WEIGHT = 0.9, 2.0
 # How fast the acceptance estimate and the measured speeds forget: the weight of the past at each update.
 RATE_MEMORY = 0.8
 # The option (guesses or none) that measured slower is tried PROBE_STEPS steps in a row, to keep
@@ -304,7 +315,8 @@ class SpeedGate:
 @dataclass
 class AcceptanceRate:
     """A sequence's recent share of accepted guesses: each accepted guess counts as a success, the
-    first rejected one as a failure (guesses after it were never judged)."""
+    first rejected one as a failure (guesses after it were never judged). Before the evidence, the
+    prior: PRIOR_WEIGHT guesses of which a share PRIOR_RATE were accepted."""
 
     accepted: float = 0.0
     rejected: float = 0.0
@@ -316,16 +328,24 @@ class AcceptanceRate:
 
     @property
     def rate(self) -> float:
-        return (self.accepted + 1) / (self.accepted + self.rejected + 2)  # 1/2 before any evidence
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
 
 
-def num_guesses(rate: float, num_running: int, max_guesses: int, disable_by_batch_size: int) -> int:
-    """Guesses worth making for one request (module docstring): 0 .. max_guesses."""
-    cost = num_running / disable_by_batch_size
-    k = 0
-    while k < max_guesses and rate ** (k + 1) > cost:
-        k += 1
-    return k
+def num_guesses(acceptance: AcceptanceRate, num_running: int, max_guesses: int, disable_by_batch_size: int) -> int:
+    """Guesses worth making for one request (module docstring): 0 .. max_guesses; one while its
+    acceptance has not been measured (a count of none would never measure it)."""
+    if num_running >= disable_by_batch_size:
+        return 0
+    if acceptance.accepted + acceptance.rejected == 0:
+        return 1
+    rate = acceptance.rate
+    cost = num_running * ROW_COST / (1 + ROW_COST * (num_running - 1))
+    best, best_value, expected = 0, 1.0, 1.0
+    for k in range(1, max_guesses + 1):
+        expected += rate ** k
+        if expected / (1 + cost * k) > best_value:
+            best, best_value = k, expected / (1 + cost * k)
+    return best
 
 
 @dataclass
