@@ -117,7 +117,7 @@ class CpuBackend(Backend):
                 and up.stride() == gate.stride() and up.data_ptr() == gate.data_ptr() + inter * gate.element_size()):
             return super().act_and_mul(gate, up, activation)
         out = torch.empty(gate.shape[0], inter)
-        self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter)
+        self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter, torch.get_num_threads())
         return out
 
     def apply_token_bitmask(self, logits, rows, bitmask):

@@ -413,7 +413,7 @@ void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_
   const float* w = reinterpret_cast<const float*>(w_);
   float* out = reinterpret_cast<float*>(out_);
   const float foffset = (float)offset;
-  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * dim / 65536));
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * dim / 16384));
 #pragma omp parallel for num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * dim;
@@ -511,7 +511,9 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
 
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
 // -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
-void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter) {
+void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter, int threads) {
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, tokens * inter / 65536));
+#pragma omp parallel for num_threads(threads)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* g = gate_up + t * 2 * inter;
     const float* u = g + inter;
@@ -589,7 +591,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
     project(layer, O, ptr(attn), delta, hidden, q_size);
     rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
-    silu_and_mul(gate_up.data(), act.data(), tokens, inter);
+    silu_and_mul(gate_up.data(), act.data(), tokens, inter, threads);
     project(layer, DOWN, ptr(act), delta, hidden, inter);
   }
 }
@@ -671,8 +673,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32 or q8_0", nogil);
   m.def("mask_tokens", &mask_tokens, "float32 logits copied, grammar bitmasks applied to the given rows", nogil);
-  m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter) {
-    silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter);
+  m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter, int threads) {
+    silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter, threads);
   }, "silu(gate) * up of each row of [gate | up], float32", nogil);
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8_matmul weights", nogil);
   m.def("greedy_passes", &greedy_passes, "a draft model's greedy passes: layers, norm, lm_head, argmax, next embeddings",
