@@ -407,6 +407,7 @@ def test_guess_count_follows_acceptance_and_batch_size():
     rate = AcceptanceRate()
     assert rate.rate == PRIOR_RATE
     assert num_guesses(rate, 31, 4, 32) == 1  # unmeasured: one guess measures it, even in a busy batch
+    assert num_guesses(rate, 1, 8, 32) > 1  # and alone, the hopeful prior's count
     high, low = AcceptanceRate(), AcceptanceRate()
     for _ in range(10):
         high.update(4, 4)

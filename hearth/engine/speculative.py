@@ -332,12 +332,10 @@ class AcceptanceRate:
 
 
 def num_guesses(acceptance: AcceptanceRate, num_running: int, max_guesses: int, disable_by_batch_size: int) -> int:
-    """Guesses worth making for one request (module docstring): 0 .. max_guesses; one while its
-    acceptance has not been measured (a count of none would never measure it)."""
+    """Guesses worth making for one request (module docstring): 0 .. max_guesses; at least one
+    while its acceptance has not been measured (a count of none would never measure it)."""
     if num_running >= disable_by_batch_size:
         return 0
-    if acceptance.accepted + acceptance.rejected == 0:
-        return 1
     rate = acceptance.rate
     cost = num_running * ROW_COST / (1 + ROW_COST * (num_running - 1))
     best, best_value, expected = 0, 1.0, 1.0
@@ -345,7 +343,8 @@ def num_guesses(acceptance: AcceptanceRate, num_running: int, max_guesses: int, 
         expected += rate ** k
         if expected / (1 + cost * k) > best_value:
             best, best_value = k, expected / (1 + cost * k)
-    return best
+    unmeasured = acceptance.accepted + acceptance.rejected == 0
+    return max(best, 1) if unmeasured else best
 
 
 @dataclass
