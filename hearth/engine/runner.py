@@ -379,11 +379,15 @@ class ModelRunner:
         takes the argmax of its logits as they come and each draws one choice (a chain), the
         backend may run all the passes in one call (Backend.greedy_passes)."""
         drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
+
+        def sampling_batch(p: DraftPass, pending: torch.Tensor | None = None) -> SamplingBatch:
+            return SamplingBatch.build([r.sampling_params for r in p.requests], [r.prompt_token_ids for r in p.requests],
+                                       [r.output_token_ids for r in p.requests], p.generators,
+                                       self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
+                                       pending=pending)
+
         first = passes[0]
-        batch = SamplingBatch.build([r.sampling_params for r in first.requests],
-                                    [r.prompt_token_ids for r in first.requests],
-                                    [r.output_token_ids for r in first.requests], first.generators,
-                                    self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
+        batch = sampling_batch(first)
         # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
         # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
         pending = torch.empty(len(first.entries), 0, dtype=torch.int64, device=self.device) if batch.reads_output else None
@@ -407,11 +411,7 @@ class ModelRunner:
                 if pending is not None:
                     pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
             if p.feeds is not None and (pending is not None or p.requests != passes[len(drawn) - 1].requests):
-                batch = SamplingBatch.build([r.sampling_params for r in p.requests],
-                                            [r.prompt_token_ids for r in p.requests],
-                                            [r.output_token_ids for r in p.requests], p.generators,
-                                            self.model.config.vocab_size, self.device,
-                                            eos_token_ids=self.eos_token_ids, pending=pending)
+                batch = sampling_batch(p, pending)
             penalised = apply_penalties_and_bias(self._last_logits(step), batch, self.backend.apply_token_bitmask)
             if batch.all_greedy:
                 probs, choices = None, penalised.argmax(dim=-1)

@@ -265,9 +265,10 @@ class SpeedGate:
 
     The option measured slower is probed PROBE_STEPS steps in a row, PROBE_EVERY steps after the last
     probe, the interval doubling (up to PROBE_EVERY_MAX) while probes confirm the preference and
-    back to PROBE_EVERY when one turns it; the first step after a switch is not measured: it pays for the switch (a draft model catching up with the
-    tokens decoded without it, a lookahead window grown again), not for the option, and one such
-    step counted against guessing would keep it off for good."""
+    back to PROBE_EVERY when one turns it. The first step after a switch is not measured: it pays
+    for the switch (a draft model catching up with the tokens decoded without it, a lookahead
+    window grown again), not for the option, and one such step counted against guessing would keep
+    it off for good."""
 
     def __init__(self) -> None:
         # with guesses? -> recent (tokens per request, seconds), each a moving sum: a step that kept
