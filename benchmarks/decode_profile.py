@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=16, help="decode steps timed per run")
     ap.add_argument("--runs", type=int, default=3, help="timed runs, after one untimed")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, float16, q8_0 (hearth's --kv-cache-dtype)")
     ap.add_argument("--perf-control", default=None, help="perf's control FIFO: 'enable' / 'disable' around decode steps")
     args = ap.parse_args()
     set_threads(args.threads)
@@ -43,7 +44,8 @@ def main() -> None:
 
     config, _, _ = read_model(args.gguf, progress=False)
     longest = args.batch * (args.context + args.decode + 2) + 64
-    engine = LLM(args.gguf, kv_cache_memory=config.kv_bytes_per_token(4) * longest, max_num_seqs=args.batch,
+    engine = LLM(args.gguf, kv_cache_memory=config.kv_bytes_per_token(4) * longest, kv_cache_dtype=args.kv_cache_dtype,
+                 max_num_seqs=args.batch,
                  max_num_batched_tokens=max(2048, args.batch * args.context), progress=False).engine
     rng = random.Random(0)
     rates = []

@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="decode batch sizes")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="hearth's compute dtype")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="hearth's --kv-cache-dtype (llama.cpp keeps its default: float16 K and V)")
     ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="count CPU seconds, not wall time (1 thread only): on a machine shared with other jobs, "
@@ -49,6 +51,7 @@ def main() -> None:
 
     import torch
 
+    from hearth.backend.kv_quant import kv_bytes_per_element
     from hearth.bench.latency import one_run, random_prompts
     from hearth.bench.roofline import (file_weight_bytes, measure_machine, model_weight_bytes, roofline_row,
                                        step_cost)
@@ -76,11 +79,12 @@ def main() -> None:
         del weights
         vocab = config.vocab_size
         longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
-        llm = LLM(path, dtype=args.dtype, kv_cache_memory=config.kv_bytes_per_token(4) * longest,
+        llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_memory=config.kv_bytes_per_token(4) * longest,
                   max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
         engine = llm.engine
         loaded = model_weight_bytes(engine.model)
-        kv_element = engine.dtype.itemsize
+        kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
         cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
         rng = random.Random(0)
         times: dict[tuple[str, str, int], list[float]] = {}

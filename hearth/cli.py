@@ -106,8 +106,9 @@ def _add_backend(g) -> None:
 
 
 def _add_kv_cache_dtype(g) -> None:
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "q8_0", "fp8", "fp8_e4m3"],
-                   help="how K and V are stored: auto (the compute dtype), q8_0 (llama.cpp's 8-bit blocks: "
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "q8_0", "fp8", "fp8_e4m3"],
+                   help="how K and V are stored: auto (the compute dtype), float16 (llama.cpp's default: half "
+                        "a float32 cache), q8_0 (llama.cpp's 8-bit blocks: "
                         "about 2x the tokens of a 16-bit cache, 3.8x of a float32 one), fp8 or fp8_e4m3 (one e4m3 "
                         "byte a value, scale 1.0: 2x the tokens of a 16-bit cache; gpu backend, sm_89 and newer)")
 

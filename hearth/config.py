@@ -436,7 +436,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float16, q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -487,7 +487,8 @@ class EngineConfig:
              "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
              "pipeline_parallel_size, not both")
         need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
-             "a quantized KV cache (kv_cache_dtype) is not implemented with tensor or pipeline parallelism")
+             "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
+             "pipeline parallelism")
         need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
              f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
              f"(token trees of guesses: speculative_tree_width with ngram or draft)")

@@ -1,7 +1,9 @@
 """The q8_0 KV cache (hearth/backend/kv_quant.py): blocks as gguf-py's Q8_0 quantizer writes them,
 attention over them as over gguf's dequantized K/V on every path (reference, CPU kernels, Triton
 under the interpreter), the built-in model's perplexity as with a float cache, the engine's
-matrix, and the tokens a budget holds."""
+matrix, and the tokens a budget holds. The float16 cache (llama.cpp's default): rows rounded as
+torch rounds them, attention over them as over torch's widening of them on the CPU paths (the
+reference's, the C++ kernels', the one-call decode step), and the tokens a budget holds."""
 
 from __future__ import annotations
 
@@ -87,16 +89,27 @@ def _mixed_step(context_lens: list[int], query_lens: list[int], num_blocks: int,
                       seq_lens=np.array(context_lens, dtype=np.int32), block_tables=tables, block_size=BLOCK_SIZE)
 
 
+def _float16_caches(num_slots: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(random_rows(num_slots, kv_heads, head_dim, seed=seed + i).half() for i in range(2))
+
+
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_attention_over_q8_0_equals_attention_over_gguf_dequantized(backend, window):
-    """Prompts (the reference path's SDPA on both backends) and decodes (the CPU kernel, split or not)."""
+@pytest.mark.parametrize("kind", ["q8_0", "float16"])
+def test_attention_over_the_cache_equals_attention_over_its_values(kind, backend, window):
+    """Prompts (the reference path's SDPA on both backends) and decodes (the CPU kernel, split or
+    not) against the reference attention over the cache's values: gguf's dequantization of q8_0
+    blocks, torch's float32 copy of float16 rows."""
     from hearth.backend import choose_backend
 
     ops = choose_backend(torch.device("cpu"), torch.float32, backend)
     kv_heads, heads, head_dim = 2, 4, 64
-    k_cache, v_cache = _q8_caches(40 * BLOCK_SIZE, kv_heads, head_dim, seed=1)
-    k_values, v_values = gguf_dequantized(k_cache), gguf_dequantized(v_cache)
+    if kind == "q8_0":
+        k_cache, v_cache = _q8_caches(40 * BLOCK_SIZE, kv_heads, head_dim, seed=1)
+        k_values, v_values = gguf_dequantized(k_cache), gguf_dequantized(v_cache)
+    else:
+        k_cache, v_cache = _float16_caches(40 * BLOCK_SIZE, kv_heads, head_dim, seed=1)
+        k_values, v_values = k_cache.float(), v_cache.float()
     step = _mixed_step([37, 1, 300, 90], [9, 1, 1, 1], 40, seed=2)
     meta = AttentionMetadata.from_step(step, torch.device("cpu"))
     q = torch.randn(len(step.positions), heads, head_dim, generator=torch.Generator().manual_seed(3))
@@ -111,9 +124,12 @@ def test_attention_over_q8_0_equals_attention_over_gguf_dequantized(backend, win
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_rope_and_store_writes_gguf_blocks(backend):
-    """v's blocks exactly gguf's; k's gguf's blocks of k rotated as the reference rotates it, up to the
-    last bit of the rotation (the kernel may fuse its multiply-adds): codes within 1, scales within 1e-3."""
+@pytest.mark.parametrize("kind", ["q8_0", "float16"])
+def test_rope_and_store_writes_the_cache(kind, backend):
+    """q8_0: v's blocks exactly gguf's; k's gguf's blocks of k rotated as the reference rotates it, up
+    to the last bit of the rotation (the kernel may fuse its multiply-adds): codes within 1, scales
+    within 1e-3. float16: v's rows exactly torch's rounding of v; k's that of k rotated, within one
+    float16 step (the rotation's last bit)."""
     from hearth.backend import choose_backend
 
     ops = choose_backend(torch.device("cpu"), torch.float32, backend)
@@ -123,10 +139,15 @@ def test_rope_and_store_writes_gguf_blocks(backend):
     angles = torch.arange(100)[:, None] * 10000 ** (-torch.arange(head_dim // 2) / (head_dim // 2))
     positions = torch.tensor([0, 3, 50, 51, 52, 98, 99])
     rotary = ops.rotary(angles.cos(), angles.sin(), positions, torch.float32)
-    caches = _q8_caches(64, kv_heads, head_dim, seed=5)
+    caches = (_q8_caches if kind == "q8_0" else _float16_caches)(64, kv_heads, head_dim, seed=5)
     slots = torch.tensor([5, 0, 63, 17, 18, 40, 2])
     ops.rope_and_store_kv(q, k, v, rotary, caches, slots)
     k_rotated = apply_rope(k, (angles.cos()[positions, None], angles.sin()[positions, None]))
+    if kind == "float16":
+        assert torch.equal(caches[1][slots], v.half())
+        steps = (caches[0][slots].view(torch.int16).int() - k_rotated.half().view(torch.int16).int()).abs()
+        assert steps.max() <= 1 and (steps == 0).float().mean() > 0.9
+        return
     codes, scales = gguf_q8_0(v)
     assert torch.equal(caches[1].codes[slots], codes) and torch.equal(caches[1].scales[slots], scales)
     codes, scales = gguf_q8_0(k_rotated)
@@ -218,25 +239,40 @@ def test_engine_matrix_with_a_q8_0_cache(options):
         assert engine.block_manager.prefix_cache_hits > 0
 
 
-def test_decode_layers_path_with_a_q8_0_cache(tmp_path):
+@pytest.mark.parametrize("kind", ["q8_0", "float16"])
+def test_decode_layers_path_with_the_cache(kind, tmp_path):
     """A q8_0 GGUF (every projection on the int8 kernel: decode steps in one C++ call) with a q8_0
-    cache: greedy tokens as the reference backend's with the same cache."""
+    or float16 cache: greedy tokens as the reference backend's with the same cache, and first
+    log-probabilities not those of a float32 cache (the cache really is what it is named)."""
+    from hearth.backend.cpu_decode import CpuDecodePath
     from hearth.loading.convert import convert_hf_to_gguf
 
     # head_dim 32; every matrix a whole number of q8_0 blocks wide
     folder = make_hf_model(tmp_path / "llama", "llama", num_attention_heads=2, intermediate_size=128)
     path = convert_hf_to_gguf(folder, tmp_path / "m.gguf", "q8_0", progress=False)
     prompts = [[5, 9, 30, 2, 77, 15], list(range(40, 80))]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    from hearth.backend.cpu_decode import CpuDecodePath
-
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     runs = {}
-    for backend in ("cpu", "reference"):
-        llm = LLM(path, backend=backend, kv_cache_dtype="q8_0", progress=False)
-        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for backend, kv in (("cpu", kind), ("reference", kind), ("cpu", "auto")):
+        llm = LLM(path, backend=backend, kv_cache_dtype=kv, progress=False)
+        runs[backend, kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "cpu":
             assert isinstance(llm.engine.model.backend_state["decode_path"], CpuDecodePath)
-    assert runs["cpu"] == runs["reference"]
+            assert llm.engine.kv_cache_dtype == ("float32" if kv == "auto" else kind)
+    assert [o.token_ids for o in runs["cpu", kind]] == [o.token_ids for o in runs["reference", kind]]
+    assert [o.logprobs[0] for o in runs["cpu", kind]] != [o.logprobs[0] for o in runs["cpu", "auto"]]
+
+
+def test_a_float16_budget_holds_twice_the_tokens_of_float32():
+    budget = 64 << 20
+    engines = {kv: LLM("builtin", kv_cache_dtype=kv, kv_cache_memory=budget, progress=False).engine
+               for kv in ("auto", "float16")}
+    assert engines["auto"].kv_cache_dtype == "float32"
+    config = engines["float16"].model_config
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    assert engines["float16"].num_blocks == budget // (per_token * BLOCK_SIZE)
+    assert all(k.dtype == v.dtype == torch.float16 for k, v in engines["float16"].runner.kv_caches)
+    assert engines["float16"].kv_cache_tokens / engines["auto"].kv_cache_tokens == pytest.approx(2, rel=0.01)
 
 
 @pytest.mark.parametrize("dtype,ratio", [("float32", 4 / (34 / 32)), ("bfloat16", 2 / (34 / 32))])
@@ -255,7 +291,7 @@ def test_a_budget_holds_about_twice_the_tokens(dtype, ratio):
 
 
 def test_unsupported_kv_cache_dtypes_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="auto, q8_0, fp8 or fp8_e4m3"):
+    with pytest.raises(ValueError, match="auto, float16, q8_0, fp8 or fp8_e4m3"):
         EngineConfig(kv_cache_dtype="int4")
     for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         with pytest.raises(ValueError, match="not implemented with tensor or pipeline parallelism"):

@@ -4,8 +4,8 @@ Decode attention (a few new rows per sequence: decodes, verifications of guesses
 place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
-with the K/V cache write, are one call each. A q8_0 KV cache (kv_quant.py) is quantized by that
-write and dequantized row by row inside the decode kernel. Where every matmul is a QuantLinear on
+with the K/V cache write, are one call each. A float16 or q8_0 KV cache (kv_quant.py) is rounded or
+quantized by that write and widened row by row inside the decode kernel. Where every matmul is a QuantLinear on
 the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
 experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
 (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
@@ -68,11 +68,12 @@ class CpuBackend(Backend):
         return out if residual is None else (out, target)
 
     def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
-        """One kernel call: k rotated straight into its cache slot, quantized there for a q8_0 cache
-        (rows may be strided views of a merged projection, each token's heads side by side)."""
+        """One kernel call: k rotated straight into its cache slot, rounded or quantized there for a
+        float16 or q8_0 cache (rows may be strided views of a merged projection, each token's heads
+        side by side)."""
         k_cache, v_cache = kv_cache
-        if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)
-                and _whole_caches(k_cache, v_cache)):
+        kv_format = whole_caches_format(k_cache, v_cache)
+        if not (_heads_contiguous(q) and _heads_contiguous(k) and _heads_contiguous(v)) or kv_format is None:
             return super().rope_and_store_kv(q, k, v, rotary, kv_cache, slot_mapping)
         tokens, heads, head_dim = q.shape
         q_out = torch.empty(tokens, heads, head_dim)
@@ -80,7 +81,7 @@ class CpuBackend(Backend):
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.rope_and_store_kv(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), cos.data_ptr(),
-            sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_data, v_data, k_scales, v_scales,
+            sin.data_ptr(), slot_mapping.data_ptr(), q_out.data_ptr(), k_data, v_data, k_scales, v_scales, kv_format,
             tokens, heads, k.shape[1], head_dim, torch.get_num_threads(),
         )
         return q_out
@@ -88,7 +89,8 @@ class CpuBackend(Backend):
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          split_len: int | None = None,  # None: decode_split_len's choice
                          softcap: float | None = None, window: int | None = None):
-        if softcap is not None or not _whole_caches(k_cache, v_cache):  # the kernel has no soft-capping
+        kv_format = whole_caches_format(k_cache, v_cache)
+        if softcap is not None or kv_format is None:  # the kernel has no soft-capping
             return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
         q = q.contiguous()
         heads, head_dim = q.shape[1:]
@@ -101,7 +103,7 @@ class CpuBackend(Backend):
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
-            q.data_ptr(), k_data, v_data, k_scales, v_scales, tables.data_ptr(), lens.data_ptr(),
+            q.data_ptr(), k_data, v_data, k_scales, v_scales, kv_format, tables.data_ptr(), lens.data_ptr(),
             meta.decode_query_start.data_ptr(), *tree_pointers(meta), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
             meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
@@ -174,13 +176,27 @@ def tree_pointers(meta: AttentionMetadata) -> tuple[int, int]:
     return meta.decode_tree_start.data_ptr(), meta.decode_tree_masks.data_ptr()
 
 
-def _whole_caches(k_cache: KVCache, v_cache: KVCache) -> bool:
-    """K and V caches the kernels read: each its own contiguous tensor, of one width (q8_0 caches
-    always are). Multi-head latent attention's views of its one latent cache
+def kv_format(cache: KVCache) -> int | None:
+    """cpu_kernels.cpp's KVFormat of a cache the kernels read: float32, float16 or q8_0, in
+    contiguous tensors; None for another (bfloat16, fp8, a strided view)."""
+    if isinstance(cache, Q8Cache):
+        name = "q8_0" if cache.codes.is_contiguous() and cache.scales.is_contiguous() else None
+    elif isinstance(cache, torch.Tensor) and cache.is_contiguous():
+        name = str(cache.dtype).removeprefix("torch.")
+    else:
+        name = None
+    formats = cpu_kernels().KV_FORMATS
+    return formats.index(name) if name in formats else None
+
+
+def whole_caches_format(k_cache: KVCache, v_cache: KVCache) -> int | None:
+    """The KVFormat of K and V caches the kernels read: each its own contiguous tensor, both of one
+    format and width; None otherwise. Multi-head latent attention's views of its one latent cache
     (hearth/model/latent_attention.py) take the reference path."""
-    if isinstance(k_cache, Q8Cache):
-        return True
-    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    k_format = kv_format(k_cache)
+    if k_format is None or kv_format(v_cache) != k_format or k_cache.shape != v_cache.shape:
+        return None
+    return k_format
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in pl
 hearth/quant/linear.py) or on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
 whose steps are otherwise mostly Python) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
-every layer; K/V in float32 or q8_0), a step made only of decodes (sequences with a few new
+every layer; K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
 tokens each: a plain decode's one, a verification's guesses and the token before them;
 base.MAX_DECODE_QUERY_LEN) runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules
 call, in the same order, with no Python between them. A merged
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
-from hearth.backend.kv_quant import Q8Cache, data_pointers
-from hearth.backend.cpu import decode_split_len, tree_pointers
+from hearth.backend.kv_quant import data_pointers
+from hearth.backend.cpu import decode_split_len, tree_pointers, whole_caches_format
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear
 
@@ -48,10 +48,9 @@ class CpuDecodePath:
         self.eps = config.rms_norm_eps
         self.scale = model.layers[0].self_attn.scale
         self.window = config.sliding_window or 0  # every layer's (for_model takes no per-layer windows)
-        # the KV caches last run and their pointers for the kernel, int64 [layers, 4] (K, V, then their
-        # q8_0 scales or 0), or None where the kernel cannot read them: a runner passes the same caches
+        # the KV caches last run and kernel_caches' operands for them: a runner passes the same caches
         # every step, and a small model's step is short enough for their checks to show
-        self._caches: tuple[list, torch.Tensor | None] | None = None
+        self._caches: tuple[list, tuple[torch.Tensor, int] | None] | None = None
 
     @classmethod
     def for_model(cls, model, kernels) -> CpuDecodePath | None:
@@ -94,6 +93,7 @@ class CpuDecodePath:
         caches = self._kernel_caches(kv_caches)
         if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None:
             return None
+        cache_table, kv_format = caches
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         tokens = x.shape[0]
         residual = x.contiguous()
@@ -102,7 +102,7 @@ class CpuDecodePath:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         threads = torch.get_num_threads()
         self.kernels.decode_layers(
-            self.matmul_address, self.layer_table.data_ptr(), caches.data_ptr(),
+            self.matmul_address, self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
             *tree_pointers(meta),
@@ -152,8 +152,9 @@ class CpuDecodePath:
         if table.shape[1] != self.kernels.PASS_FIELDS:
             raise RuntimeError("cpu_kernels.cpp's pass table has other columns than cpu_decode.py fills")
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
+        cache_table, kv_format = caches
         self.kernels.greedy_passes(
-            self.matmul_address, self.vocabulary[0], self.layer_table.data_ptr(), caches.data_ptr(),
+            self.matmul_address, self.vocabulary[0], self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], table.ctypes.data, len(table), first.input_ids.ctypes.data, choices.ctypes.data,
             *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
@@ -164,7 +165,7 @@ class CpuDecodePath:
         """decode_attention's split length for sequences of at most `longest` tokens (those the window shows)."""
         return decode_split_len(num_decodes, self.shape[2], min(longest, self.window or longest), threads)
 
-    def _kernel_caches(self, kv_caches) -> torch.Tensor | None:
+    def _kernel_caches(self, kv_caches) -> tuple[torch.Tensor, int] | None:
         """kernel_caches(kv_caches), kept while the runner passes the same caches."""
         if self._caches is None or self._caches[0] is not kv_caches:
             self._caches = kv_caches, kernel_caches(kv_caches)
@@ -190,20 +191,14 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
             model.lm_head.out_features)
 
 
-def kernel_caches(kv_caches) -> torch.Tensor | None:
-    """int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: float32); None
-    where a cache is not one the kernel reads."""
-    if not all(_kernel_readable(k) and _kernel_readable(v) for k, v in kv_caches):
+def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
+    """(int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: not q8_0), and
+    their KVFormat, every layer's the same); None where a cache is not one the kernel reads."""
+    formats = {whole_caches_format(k, v) for k, v in kv_caches}
+    if len(formats) != 1 or None in formats:
         return None
     pointers = [(data_pointers(k), data_pointers(v)) for k, v in kv_caches]
-    return torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64)
-
-
-def _kernel_readable(cache) -> bool:
-    """A float32 or q8_0 cache in contiguous tensors."""
-    if isinstance(cache, Q8Cache):
-        return cache.codes.is_contiguous() and cache.scales.is_contiguous()
-    return cache.dtype == torch.float32 and cache.is_contiguous()
+    return torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64), formats.pop()
 
 
 def kernel_weight(module) -> tuple[int, int] | None:

@@ -40,11 +40,12 @@
 // k written rotated straight into its cache slot and v copied to its slot: one pass where torch
 // would run a dozen ops per layer.
 //
-// A q8_0 KV cache (hearth/backend/kv_quant.py) is passed as int8 codes [slots, KH, D] and float16
-// scales [slots, KH, D/32] (scale pointers 0: a float32 cache): rope_and_store_kv quantizes each
-// head row as it writes it (llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, codes
-// round(x / d) half away from zero), decode_attention dequantizes each row it reads into a
-// D-float buffer in L1 before using it.
+// A KV cache is float32, float16 (llama.cpp's default: half the bytes a step's attention reads) or
+// q8_0 (hearth/backend/kv_quant.py), its KVFormat passed with its pointers. q8_0 is int8 codes
+// [slots, KH, D] and float16 scales [slots, KH, D/32]: rope_and_store_kv quantizes each head row
+// as it writes it (llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, codes round(x / d) half
+// away from zero; float16: rounded to nearest even, as torch's cast), decode_attention widens each
+// row it reads into a D-float buffer in L1 before using it.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -53,6 +54,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -75,6 +79,9 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
 }
 
 constexpr int64_t Q8_BLOCK = 32;
+
+// How a KV cache stores its values (the Python side's cpu.kv_format)
+enum KVFormat { KV_F32 = 0, KV_Q8_0 = 1, KV_F16 = 2 };
 
 // decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
 // at a time (independent sums in flight)
@@ -112,15 +119,49 @@ inline void add_weighted_values(const float* const* weights, const float* const*
     }
 }
 
-// One layer's K or V cache: float32 rows, or q8_0 codes and scales (scales null: float32).
+// float16 <-> float32, n values, 16 (8) at a time through the conversion instructions (F16C, or
+// AVX-512's): GCC turns a loop of _Float16 casts into one scalar conversion per value
+inline void widen_f16(const _Float16* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+  for (; i < n; ++i) out[i] = (float)x[i];
+}
+
+// rounded to nearest even, as torch's cast
+inline void narrow_f16(const float* x, _Float16* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) out[i] = (_Float16)x[i];
+}
+
+// One layer's K or V cache: float32 or float16 rows, or q8_0 codes and scales.
 struct KVRows {
   const void* data;
-  const _Float16* scales;
+  const _Float16* scales;  // q8_0's
   int64_t D;
+  int format;  // KVFormat
 
-  // the row's values: in place (float32), or dequantized into buf [D] (q8_0)
+  // the row's values: in place (float32), or widened into buf [D]
   const float* get(int64_t row, float* buf) const {
-    if (!scales) return static_cast<const float*>(data) + row * D;
+    if (format == KV_F32) return static_cast<const float*>(data) + row * D;
+    if (format == KV_F16) {
+      widen_f16(static_cast<const _Float16*>(data) + row * D, buf, D);
+      return buf;
+    }
     const int8_t* codes = static_cast<const int8_t*>(data) + row * D;
     const _Float16* d = scales + row * (D / Q8_BLOCK);
     for (int64_t b = 0; b < D / Q8_BLOCK; ++b) {
@@ -132,7 +173,8 @@ struct KVRows {
   }
 
   void prefetch(int64_t row) const {
-    if (!scales) return prefetch_bytes(static_cast<const float*>(data) + row * D, D * sizeof(float));
+    if (format == KV_F32) return prefetch_bytes(static_cast<const float*>(data) + row * D, D * sizeof(float));
+    if (format == KV_F16) return prefetch_bytes(static_cast<const _Float16*>(data) + row * D, D * sizeof(_Float16));
     prefetch_bytes(static_cast<const int8_t*>(data) + row * D, D);
     __builtin_prefetch(scales + row * (D / Q8_BLOCK));
   }
@@ -150,10 +192,14 @@ inline void quantize_row_q8_0(const float* x, int8_t* codes, _Float16* scales, i
   }
 }
 
-// Store a head row x [D] at `row` of a float32 or q8_0 cache.
-inline void store_row(void* cache, _Float16* scales, int64_t row, const float* x, int64_t D) {
-  if (!scales) {
+// Store a head row x [D] at `row` of a cache of `format`.
+inline void store_row(void* cache, _Float16* scales, int format, int64_t row, const float* x, int64_t D) {
+  if (format == KV_F32) {
     std::memcpy(static_cast<float*>(cache) + row * D, x, D * sizeof(float));
+    return;
+  }
+  if (format == KV_F16) {
+    narrow_f16(x, static_cast<_Float16*>(cache) + row * D, D);
     return;
   }
   quantize_row_q8_0(x, static_cast<int8_t*>(cache) + row * D, scales + row * (D / Q8_BLOCK), D);
@@ -195,8 +241,8 @@ inline float exp_nonpositive(float x) {
 
 // q, out [R, H, D]: the new rows of S sequences end to end, sequence s owning rows
 // [query_start[s], query_start[s + 1]) (int32 [S + 1]), at least one each; k_cache, v_cache
-// [slots, KH, D] float32, or int8 codes with float16 scales k_scales, v_scales [slots, KH, D/32]
-// (0: float32); block_tables int32 [S, max_blocks]; context_lens int32 [S], the new rows
+// [slots, KH, D] in kv_format (KVFormat; q8_0: int8 codes with float16 scales k_scales, v_scales
+// [slots, KH, D/32]); block_tables int32 [S, max_blocks]; context_lens int32 [S], the new rows
 // included (their K/V already in the cache). Row r of a sequence with n rows and context len
 // sits at position len - n + r and sees positions up to its own (causal among the new rows);
 // window > 0: only its last `window` positions (sliding-window attention); 0: all of them.
@@ -206,13 +252,15 @@ inline float exp_nonpositive(float x) {
 // position is tree_start + its bits set - 1 (its depth: the window counts from there).
 // A work item reads each K/V row once for every query row and head of its group.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
-                      uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
+                      int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
                       uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
-  const KVRows k_cache{reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim};
-  const KVRows v_cache{reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim};
+  const KVRows k_cache{reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim,
+                       kv_format};
+  const KVRows v_cache{reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim,
+                       kv_format};
   const int32_t* tables = reinterpret_cast<const int32_t*>(tables_);
   const int32_t* lens = reinterpret_cast<const int32_t*>(lens_);
   const int32_t* query_start = reinterpret_cast<const int32_t*>(query_start_);
@@ -267,9 +315,9 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
   {
     std::vector<float> scores;  // [rows, group, split_len]
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
-    std::vector<float> row_buf(SCORE_TOKENS * D);  // q8_0 rows dequantized
+    std::vector<float> row_buf(SCORE_TOKENS * D);  // float16 and q8_0 rows widened
     std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
-    // the values' pass: its cached rows (q8_0's dequantized), zero weights and a scratch row for
+    // the values' pass: its cached rows (float16 and q8_0 widened), zero weights and a scratch row for
     // the lanes past the item's, each lane's weights and sums
     std::vector<float> value_buf(VALUE_TOKENS * D), zeros(VALUE_TOKENS, 0.f), scratch(D);
     const float* v_rows[VALUE_TOKENS];
@@ -361,7 +409,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
           part_sum[p] = l;
         }
       }
-      // the values, VALUE_TOKENS cached rows at a time (q8_0 rows dequantized once for all lanes)
+      // the values, VALUE_TOKENS cached rows at a time (float16 and q8_0 rows widened once for all lanes)
       for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
         const int64_t count = std::min(VALUE_TOKENS, n - t0);
         for (int64_t u = 0; u < count; ++u) v_rows[u] = v_cache.get(cache_rows[t0 + u], value_buf.data() + u * D);
@@ -442,12 +490,12 @@ inline void rope_head(const float* x, const float* cos, const float* sin, float*
 }
 
 // q [T, H, D], k and v [T, KH, D], each with its own token stride (heads contiguous); cos, sin
-// [T, D/2]; slots int64 [T]; q_out [T, H, D]; k_cache, v_cache [slots, KH, D] float32, or int8
-// codes with float16 scales k_scales, v_scales [slots, KH, D/32] (0: float32)
+// [T, D/2]; slots int64 [T]; q_out [T, H, D]; k_cache, v_cache [slots, KH, D] in kv_format
+// (KVFormat; q8_0: int8 codes with float16 scales k_scales, v_scales [slots, KH, D/32])
 void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,
                        int64_t v_stride, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t q_out_,
                        uintptr_t k_cache_, uintptr_t v_cache_, uintptr_t k_scales_, uintptr_t v_scales_,
-                       int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int threads) {
+                       int kv_format, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int threads) {
   const float* q = reinterpret_cast<const float*>(q_);
   const float* k = reinterpret_cast<const float*>(k_);
   const float* v = reinterpret_cast<const float*>(v_);
@@ -473,8 +521,8 @@ void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_strid
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t row = slots[t] * num_kv_heads + h;
         rope_head(k + t * k_stride + h * head_dim, c, s, k_rotated.data(), half);
-        store_row(k_cache, k_scales, row, k_rotated.data(), head_dim);
-        store_row(v_cache, v_scales, row, v + t * v_stride + h * head_dim, head_dim);
+        store_row(k_cache, k_scales, kv_format, row, k_rotated.data(), head_dim);
+        store_row(v_cache, v_scales, kv_format, row, v + t * v_stride + h * head_dim, head_dim);
       }
     }
   }
@@ -543,8 +591,8 @@ constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP
 // tree_masks (as decode_attention's).
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
-// then their q8_0 scales' (0: float32 caches).
-void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64_t num_layers, uintptr_t residual_,
+// then their q8_0 scales' (0: not q8_0), every layer's in kv_format.
+void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
@@ -583,8 +631,8 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int64
     const int64_t* cache = caches + 4 * l;  // K, V, K scales, V scales
     rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
-                      tokens, num_heads, num_kv_heads, head_dim, threads);
-    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], block_tables_, lens_, query_start_, tree_start_,
+                      kv_format, tokens, num_heads, num_kv_heads, head_dim, threads);
+    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], kv_format, block_tables_, lens_, query_start_, tree_start_,
                      tree_masks_, ptr(attn),
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window,
                      threads);
@@ -613,7 +661,8 @@ enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, COS, SIN, FEEDS, SEQS, 
 // to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
 // embedding_row_bytes in embedding_qtype, widened by qmatmul.cpp's dequantize_rows).
 // first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
-void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int64_t num_layers,
+void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+                   int64_t num_layers,
                    uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
                    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
                    uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden,
@@ -639,7 +688,7 @@ void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, u
       dequantize(embedding_ + token * embedding_row_bytes, ptr(residual, t * hidden), 1, hidden, embedding_row_bytes,
                  embedding_qtype, 1);
     }
-    decode_layers(matmul_, table_, caches_, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
+    decode_layers(matmul_, table_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
                   pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, seqs, tokens, hidden, num_heads,
                   num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
                   threads);
@@ -669,9 +718,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_attention", &decode_attention,
-        "paged attention of a few query rows per sequence, split-KV, float32 or q8_0 K/V", nogil);
+        "paged attention of a few query rows per sequence, split-KV, float32, float16 or q8_0 K/V", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
-  m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32 or q8_0", nogil);
+  m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32, float16 or q8_0", nogil);
   m.def("mask_tokens", &mask_tokens, "float32 logits copied, grammar bitmasks applied to the given rows", nogil);
   m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter, int threads) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter, threads);
@@ -679,6 +728,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "a decode step through every layer, float32, int8_matmul weights", nogil);
   m.def("greedy_passes", &greedy_passes, "a draft model's greedy passes: layers, norm, lm_head, argmax, next embeddings",
         nogil);
+  m.attr("KV_FORMATS") = pybind11::make_tuple("float32", "q8_0", "float16");  // by KVFormat
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PASS_FIELDS") = (int)PASS_FIELDS;
   m.attr("PROJECTION_PARTS") = pybind11::make_tuple(PARTS[QKV], PARTS[O], PARTS[GATE_UP], PARTS[DOWN]);

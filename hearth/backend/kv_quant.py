@@ -1,5 +1,11 @@
-"""How K and V are stored in the paged cache: in the compute dtype, as llama.cpp's q8_0 blocks, or
-as fp8 e4m3.
+"""How K and V are stored in the paged cache: in the compute dtype, in float16, as llama.cpp's q8_0
+blocks, or as fp8 e4m3.
+
+float16 (`--kv-cache-dtype float16`): llama.cpp's default cache (its f16 K and V), each value
+rounded to the nearest float16 when it is written (ties to even, torch's cast) and widened when it
+is read; half the bytes of a float32 cache, which the CPU backend computes in: a decode step's
+attention reads every cached row of its sequences, and at 32 sequences of 150 tokens those rows
+are a third of the bytes of a 1B model's Q4_K_M weights.
 
 q8_0 (`--kv-cache-dtype q8_0`): each token's head row of head_dim values is cut into blocks of 32;
 a block keeps one float16 scale d = max|x| / 127 and 32 int8 codes round(x / d) (halves away from
@@ -30,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "q8_0", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float16", "q8_0", "fp8_e4m3")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's names: fp8 is e4m3 on NVIDIA GPUs
 Q8_BLOCK = 32  # values per q8_0 block (one scale each)
 FP8_MAX = 448.0  # e4m3's largest finite value: larger ones saturate to it
@@ -66,7 +72,7 @@ def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
     """The name hearth keeps for a kv_cache_dtype option (fp8 -> fp8_e4m3); ValueError for one it cannot store."""
     name = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto, q8_0, fp8 or fp8_e4m3 (fp8_e5m2 is not implemented), "
+        raise ValueError(f"kv_cache_dtype must be auto, float16, q8_0, fp8 or fp8_e4m3 (fp8_e5m2 is not implemented), "
                          f"got {kv_cache_dtype!r}")
     return name
 
@@ -85,10 +91,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str, config, backend) -> None:
 
 
 def kv_bytes_per_element(kv_cache_dtype: str, itemsize: int) -> float:
-    """Bytes the cache spends per K or V value: the compute dtype's `itemsize` ("auto"), 34 / 32
-    (q8_0), 1 (fp8: its per-tensor scales are two floats a layer, not counted)."""
+    """Bytes the cache spends per K or V value: the compute dtype's `itemsize` ("auto"), 2 (float16),
+    34 / 32 (q8_0), 1 (fp8: its per-tensor scales are two floats a layer, not counted)."""
     name = kv_cache_dtype_name(kv_cache_dtype)
-    return {"auto": itemsize, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK, "fp8_e4m3": 1}[name]
+    return {"auto": itemsize, "float16": 2, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK, "fp8_e4m3": 1}[name]
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,7 +159,7 @@ class LLMEngine:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """What K and V are stored as: the compute dtype's name, q8_0 or fp8_e4m3."""
+        """What K and V are stored as: the compute dtype's name, float16, q8_0 or fp8_e4m3."""
         return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     @property
@@ -296,8 +296,8 @@ class LLMEngine:
         if self.workers is not None:
             raise RequestError("KV transfer between engines is not implemented for a model split over processes")
         if self.config.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
-            raise RequestError("KV transfer between engines is not implemented for a quantized (q8_0, fp8) or latent "
-                               "KV cache")
+            raise RequestError("KV transfer between engines is not implemented for a KV cache in another dtype than the "
+                               "compute dtype (float16, q8_0, fp8) or a latent one")
 
     # ---- one iteration ----------------------------------------------------------------
 

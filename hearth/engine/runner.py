@@ -106,7 +106,7 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
-        kv_cache_dtype: str = "auto",  # or q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
+        kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
@@ -441,7 +441,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
     """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype`, q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
+    head_dim] in `dtype` (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
     loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
     latent width] (ModelConfig.kv_cache_layout)."""
     tensors, heads, width = config.kv_cache_layout()
@@ -453,7 +453,7 @@ def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: 
     elif kv_cache_dtype == "fp8_e4m3":
         caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
     else:
-        caches = list(zeroed(shape, dtype, device))
+        caches = list(zeroed(shape, torch.float16 if kv_cache_dtype == "float16" else dtype, device))
     return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
 
 
