@@ -115,7 +115,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
         self.backend = model.backend
-        self.sampler = Sampler(self.backend.apply_token_bitmask)
+        self.sampler = Sampler(self.backend)
         self.model_pass = model_pass or self.backend.forward
         self.own_pass = model_pass is None  # the backend runs the whole model (no shards' passes)
         self.block_size = block_size

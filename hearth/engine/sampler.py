@@ -526,8 +526,8 @@ def draw(probs: torch.Tensor, greedy_ids: torch.Tensor | None, batch: SamplingBa
 class Sampler:
     """logits [B, V] of one step -> the next token of each row, with logprobs."""
 
-    def __init__(self, apply_token_bitmask: TokenBitmaskOp = Backend.apply_token_bitmask) -> None:
-        self.apply_token_bitmask = apply_token_bitmask  # the engine's backend's
+    def __init__(self, backend: Backend | None = None) -> None:
+        self.backend = backend or Backend()  # the engine's: its ops over the logits (the reference's: torch)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, guesses: Guesses | None = None) -> SamplerOutput:
         """guesses (speculative decoding): rows carrying a guessed token, verified by the
@@ -535,14 +535,15 @@ class Sampler:
         raw = logits.float()
         accepted = None
         if batch.all_greedy:
-            sampled = apply_penalties_and_bias(raw, batch, self.apply_token_bitmask).argmax(dim=-1)
+            sampled = apply_penalties_and_bias(raw, batch, self.backend.apply_token_bitmask).argmax(dim=-1)
             if guesses is not None:
                 accepted = greedy_acceptance(sampled, guesses)
         else:
             # the noise first: it takes a while (a serial op over [B, V]), and the grammar masks'
             # thread fills them meanwhile; apply_penalties_and_bias waits for them
             noise = exponential_noise(raw, batch.generators, batch.noise_rows)
-            probs, greedy_ids = final_distribution(apply_penalties_and_bias(raw, batch, self.apply_token_bitmask), batch)
+            probs, greedy_ids = final_distribution(apply_penalties_and_bias(raw, batch, self.backend.apply_token_bitmask),
+                                                   batch)
             sampled = draw(probs, greedy_ids, batch, noise)
             if guesses is not None:
                 sampled, accepted = verify_guesses(probs, sampled, guesses)
