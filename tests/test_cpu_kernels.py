@@ -277,3 +277,23 @@ def test_token_bitmask_matches_numpy_unpackbits(vocab):
         out = backend.apply_token_bitmask(logits, rows, bitmask)
         assert torch.equal(out, torch.from_numpy(expected))
         assert torch.equal(logits, before)  # the raw logits stay as they were (logprobs read them)
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 49_152 + 5])
+def test_argmax_and_logsumexp_match_torch(vocab):
+    """The greedy sampler's fused reductions against torch's argmax and float64 logsumexp: random
+    rows, rows with tied maxima (the first wins), every logit -inf, a +inf, NaNs (the first NaN
+    wins and the sum is NaN, as torch's), and a row-strided view (a step's last rows)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g) * 8
+    logits[1, vocab // 2 :] = logits[1].max()  # tied maxima
+    logits[2] = float("-inf")
+    logits[3, vocab // 3] = float("inf")
+    logits[4, vocab - 1] = logits[4, vocab // 2] = float("nan")
+    ids, lse = _cpu_backend().argmax_and_logsumexp(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, logits.double().logsumexp(dim=-1).float(), rtol=1e-6, atol=1e-6, equal_nan=True)
+    strided = logits[::2]
+    ids, lse = _cpu_backend().argmax_and_logsumexp(strided)
+    assert torch.equal(ids, strided.argmax(dim=-1))
+    torch.testing.assert_close(lse, strided.double().logsumexp(dim=-1).float(), rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -275,6 +275,12 @@ class Backend:
         return _ACTIVATIONS[activation](gate) * up
 
     @staticmethod
+    def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy sampler's two reductions of logits [B, V] float32: each row's argmax int64 [B]
+        (the first of equal maxima) and its log-sum-exp [B] (its log-softmax's normaliser)."""
+        return logits.argmax(dim=-1), logits.logsumexp(dim=-1)
+
+    @staticmethod
     def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """The sampler's grammar masks: in rows [R] of logits [B, V], tokens whose bit is clear in
         the row's bitmask [R, ceil(V/32)] int32 -> -inf (bit t of word t // 32). A new tensor."""

@@ -122,6 +122,15 @@ class CpuBackend(Backend):
         self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter, torch.get_num_threads())
         return out
 
+    def argmax_and_logsumexp(self, logits):
+        """As the reference, both in one kernel call (a row's second pass reads it from the caches)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.shape[1]:
+            return super().argmax_and_logsumexp(logits)
+        ids, lse = torch.empty(logits.shape[0], dtype=torch.int64), torch.empty(logits.shape[0])
+        self.kernels.argmax_and_logsumexp(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                                          ids.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+        return ids, lse
+
     def apply_token_bitmask(self, logits, rows, bitmask):
         """As the reference, the copy and the masks in one pass, into a buffer this backend keeps:
         the result holds until the next call (the sampler uses it within its own call only)."""

@@ -557,6 +557,61 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
   }
 }
 
+// Each row of logits [rows, vocab] (rows row_stride apart): its argmax (the first of equal maxima;
+// a NaN counts as the largest, as in torch) into ids int64 [rows] and its log-sum-exp into lse
+// float32 [rows]: one pass for the maximum, one for sum exp(x - max), over a row the first pass
+// left in the caches (torch's argmax and logsumexp read it from memory once each, with a
+// dispatch and a fork and join each).
+void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_t row_stride, uintptr_t ids_,
+                          uintptr_t lse_, int threads) {
+  const float* logits = reinterpret_cast<const float*>(logits_);
+  int64_t* ids = reinterpret_cast<int64_t*>(ids_);
+  float* lse = reinterpret_cast<float*>(lse_);
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, rows, rows * vocab / 65536}));
+#pragma omp parallel for num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * row_stride;
+    // 16 running maxima side by side, each with the first index it was seen at (a NaN is passed
+    // over by the comparisons and counted apart)
+    float lane_max[16];
+    int32_t lane_at[16], lane_nans[16];
+    std::fill_n(lane_max, 16, -std::numeric_limits<float>::infinity());
+    std::fill_n(lane_at, 16, 0);
+    std::fill_n(lane_nans, 16, 0);
+    int64_t i = 0;
+    for (; i + 16 <= vocab; i += 16)
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        const float v = x[i + j];
+        const bool larger = v > lane_max[j];
+        lane_max[j] = larger ? v : lane_max[j];
+        lane_at[j] = larger ? (int32_t)(i + j) : lane_at[j];
+        lane_nans[j] |= v != v;
+      }
+    for (; i < vocab; ++i) {
+      const bool larger = x[i] > lane_max[0];
+      lane_max[0] = larger ? x[i] : lane_max[0];
+      lane_at[0] = larger ? (int32_t)i : lane_at[0];
+      lane_nans[0] |= x[i] != x[i];
+    }
+    const float m = *std::max_element(lane_max, lane_max + 16);
+    const bool nans = std::any_of(lane_nans, lane_nans + 16, [](int32_t n) { return n != 0; });
+    int64_t best = vocab;
+    for (int j = 0; j < 16; ++j)
+      if (lane_max[j] == m) best = std::min<int64_t>(best, lane_at[j]);
+    if (nans) best = std::find_if(x, x + vocab, [](float v) { return v != v; }) - x;  // torch: the first NaN
+    ids[r] = best;
+    if (nans || std::isinf(m)) {  // NaN; +inf: an infinite sum; -inf: every logit -inf (torch's results)
+      lse[r] = nans ? std::numeric_limits<float>::quiet_NaN() : m;
+      continue;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < vocab; ++t) sum += exp_nonpositive(x[t] - m);
+    lse[r] = m + std::log(sum);
+  }
+}
+
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
 // -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
 void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter, int threads) {
@@ -721,6 +776,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention of a few query rows per sequence, split-KV, float32, float16 or q8_0 K/V", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32, float16 or q8_0", nogil);
+  m.def("argmax_and_logsumexp", &argmax_and_logsumexp, "each row's argmax and log-sum-exp, float32", nogil);
   m.def("mask_tokens", &mask_tokens, "float32 logits copied, grammar bitmasks applied to the given rows", nogil);
   m.def("silu_and_mul", [](uintptr_t gate_up, uintptr_t out, int64_t tokens, int64_t inter, int threads) {
     silu_and_mul(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), tokens, inter, threads);

@@ -403,9 +403,10 @@ def skip_draws(generator: torch.Generator, num_rows: int, vocab_size: int) -> No
         torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
 
 
-def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int):
-    """Log-softmax of `logits` [N, V] at `ids` [N], and its top k (ids, logprobs) sorted descending."""
-    lse = logits.logsumexp(dim=-1, keepdim=True)
+def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, k: int, lse: torch.Tensor | None = None):
+    """Log-softmax of `logits` [N, V] at `ids` [N], and its top k (ids, logprobs) sorted descending;
+    lse [N]: the rows' log-sum-exp where already computed."""
+    lse = logits.logsumexp(dim=-1, keepdim=True) if lse is None else lse.unsqueeze(1)
     chosen = (logits.gather(1, ids.unsqueeze(1)) - lse).squeeze(1)
     k = min(k, logits.shape[-1])
     top_values, top_ids = logits.topk(k, dim=-1)
@@ -533,9 +534,12 @@ class Sampler:
         """guesses (speculative decoding): rows carrying a guessed token, verified by the
         rejection rule (verify_guesses); a kept guess is that row's token."""
         raw = logits.float()
-        accepted = None
+        accepted, lse = None, None
         if batch.all_greedy:
-            sampled = apply_penalties_and_bias(raw, batch, self.backend.apply_token_bitmask).argmax(dim=-1)
+            if batch.argmax_only:  # the argmax and the logprobs' normaliser in one call
+                sampled, lse = self.backend.argmax_and_logsumexp(raw)
+            else:
+                sampled = apply_penalties_and_bias(raw, batch, self.backend.apply_token_bitmask).argmax(dim=-1)
             if guesses is not None:
                 accepted = greedy_acceptance(sampled, guesses)
         else:
@@ -547,7 +551,7 @@ class Sampler:
             sampled = draw(probs, greedy_ids, batch, noise)
             if guesses is not None:
                 sampled, accepted = verify_guesses(probs, sampled, guesses)
-        chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs)
+        chosen, top_ids, top_lps = _logprobs_of(raw, sampled, batch.max_num_logprobs, lse)
         top = (top_ids, top_lps) if batch.max_num_logprobs > 0 else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=chosen, top_logprobs=top, accepted=accepted)
 
