@@ -336,9 +336,10 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         hi[r] = std::max(lo[r], std::min(n, row_last(it.seq, r) - it.begin));
       }
       const int32_t* table = tables + it.seq * max_blocks;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = it.begin + t;
-        cache_rows[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + it.kv_head;
+      // block by block: one division per item, not per token (a 64-bit idiv was ~5% of the kernel)
+      for (int64_t t = 0, block = it.begin / block_size, offset = it.begin % block_size; t < n; ++block, offset = 0) {
+        const int64_t first_row = (int64_t)table[block] * block_size;
+        for (; offset < block_size && t < n; ++offset, ++t) cache_rows[t] = (first_row + offset) * num_kv_heads + it.kv_head;
       }
       const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
       // the scores, SCORE_LANES of the item's query (row, head) pairs at a time: their queries
