@@ -13,7 +13,8 @@ from hearth.errors import RequestError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
 
-Prompt = str | list[int]
+# text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
@@ -119,7 +120,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (cumulative text)."""
-        request_id = self.engine.add_request(None, prompt, sampling_params)
+        request_id = self.engine.add_request(None, _unwrapped(prompt), sampling_params)
         try:
             while True:
                 for output in self.engine.step():
@@ -158,13 +159,25 @@ class LLM:
         return self.engine.tokenizer.encode_chat(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
 
-def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        return [_unwrapped(prompts)]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):
         return [prompts]  # one prompt given as token ids
-    return prompts
+    return [_unwrapped(p) for p in prompts]
+
+
+def _unwrapped(prompt: Prompt) -> str | list[int]:
+    """vLLM's prompt dicts as the text or token ids they hold; other prompts as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise RequestError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids', nothing else; got the "
+                       f"keys {sorted(map(str, prompt))}")
 
 
 def _params_for(prompts: list[Prompt], params) -> list[SamplingParams]:

@@ -185,8 +185,10 @@ def test_too_long_prompt_is_refused_and_others_still_served(model_folders):
         small.engine.add_request("too-big", list(range(100)), greedy())
     with pytest.raises(RequestError, match="empty"):
         engine.add_request("empty", [], greedy())
-    with pytest.raises(RequestError, match="out of range"):
+    with pytest.raises(RequestError, match="integers in"):
         engine.add_request("bad-id", [VOCAB_SIZE + 5], greedy())
+    with pytest.raises(RequestError, match="a string or a list of token ids, not float"):
+        engine.add_request("bad-type", 3.5, greedy())
     engine.add_request("b", good[1], greedy())
     done = {}
     while engine.has_unfinished_requests():
@@ -218,6 +220,23 @@ def test_string_prompts_chat_and_stream(model_folders):
     assert chat.outputs[0].token_ids == reference_greedy(model_folders["llama"], [chat.prompt_token_ids])[0]
     with pytest.raises(RequestError, match="at least one message"):
         llm.render_chat([])
+
+
+def test_vllm_prompt_dicts(model_folders):
+    """vLLM's TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids}, alone, in a
+    list and streamed, give transformers' greedy tokens for that text and those ids; a dict with
+    anything else is refused with its keys named, and nothing stays queued."""
+    llm = LLM(model_folders["llama"], progress=False)
+    text = "def fibonacci(n):"
+    ids = random_prompts(1, seed=12)[0]
+    expected = reference_greedy(model_folders["llama"], [llm.get_tokenizer().encode(text), ids])
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected and outs[0].prompt == text
+    assert llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0].outputs[0].token_ids == expected[1]
+    assert list(llm.stream({"prompt": text}, greedy()))[-1].outputs[0].token_ids == expected[0]
+    with pytest.raises(RequestError, match="multi_modal_data"):
+        llm.generate([text, {"prompt": text, "multi_modal_data": {}}], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.check_all_free()
 
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K"

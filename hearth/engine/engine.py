@@ -227,11 +227,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             text = prompt
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+                raise RequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size}); got "
+                                   f"{bad[:5]}")
+        else:
+            raise RequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise RequestError("the prompt is empty")
         return text, ids
