@@ -558,8 +558,47 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
   }
 }
 
-// Each row of logits [rows, vocab] (rows row_stride apart): its argmax (the first of equal maxima;
-// a NaN counts as the largest, as in torch) into ids int64 [rows] and its log-sum-exp into lse
+// A row's argmax as torch's: the first of equal maxima, or the first NaN where there is one (a
+// NaN counts as the largest); `max` is the largest number, NaNs passed over. 16 running maxima
+// side by side, each with the first index it was seen at.
+struct RowArgmax {
+  int64_t at;
+  float max;
+  bool nans;
+};
+
+inline RowArgmax row_argmax(const float* x, int64_t n) {
+  float lane_max[16];
+  int32_t lane_at[16], lane_nans[16];
+  std::fill_n(lane_max, 16, -std::numeric_limits<float>::infinity());
+  std::fill_n(lane_at, 16, 0);
+  std::fill_n(lane_nans, 16, 0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) {
+      const float v = x[i + j];
+      const bool larger = v > lane_max[j];
+      lane_max[j] = larger ? v : lane_max[j];
+      lane_at[j] = larger ? (int32_t)(i + j) : lane_at[j];
+      lane_nans[j] |= v != v;
+    }
+  for (; i < n; ++i) {
+    const bool larger = x[i] > lane_max[0];
+    lane_max[0] = larger ? x[i] : lane_max[0];
+    lane_at[0] = larger ? (int32_t)i : lane_at[0];
+    lane_nans[0] |= x[i] != x[i];
+  }
+  const float m = *std::max_element(lane_max, lane_max + 16);
+  if (std::any_of(lane_nans, lane_nans + 16, [](int32_t flag) { return flag != 0; }))
+    return {std::find_if(x, x + n, [](float v) { return v != v; }) - x, m, true};
+  int64_t best = n;
+  for (int j = 0; j < 16; ++j)
+    if (lane_max[j] == m) best = std::min<int64_t>(best, lane_at[j]);
+  return {best, m, false};
+}
+
+// Each row of logits [rows, vocab] (rows row_stride apart): its argmax (row_argmax) into ids int64 [rows] and its log-sum-exp into lse
 // float32 [rows]: one pass for the maximum, one for sum exp(x - max), over a row the first pass
 // left in the caches (torch's argmax and logsumexp read it from memory once each, with a
 // dispatch and a fork and join each).
@@ -572,44 +611,16 @@ void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_
 #pragma omp parallel for num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = logits + r * row_stride;
-    // 16 running maxima side by side, each with the first index it was seen at (a NaN is passed
-    // over by the comparisons and counted apart)
-    float lane_max[16];
-    int32_t lane_at[16], lane_nans[16];
-    std::fill_n(lane_max, 16, -std::numeric_limits<float>::infinity());
-    std::fill_n(lane_at, 16, 0);
-    std::fill_n(lane_nans, 16, 0);
-    int64_t i = 0;
-    for (; i + 16 <= vocab; i += 16)
-#pragma omp simd
-      for (int j = 0; j < 16; ++j) {
-        const float v = x[i + j];
-        const bool larger = v > lane_max[j];
-        lane_max[j] = larger ? v : lane_max[j];
-        lane_at[j] = larger ? (int32_t)(i + j) : lane_at[j];
-        lane_nans[j] |= v != v;
-      }
-    for (; i < vocab; ++i) {
-      const bool larger = x[i] > lane_max[0];
-      lane_max[0] = larger ? x[i] : lane_max[0];
-      lane_at[0] = larger ? (int32_t)i : lane_at[0];
-      lane_nans[0] |= x[i] != x[i];
-    }
-    const float m = *std::max_element(lane_max, lane_max + 16);
-    const bool nans = std::any_of(lane_nans, lane_nans + 16, [](int32_t n) { return n != 0; });
-    int64_t best = vocab;
-    for (int j = 0; j < 16; ++j)
-      if (lane_max[j] == m) best = std::min<int64_t>(best, lane_at[j]);
-    if (nans) best = std::find_if(x, x + vocab, [](float v) { return v != v; }) - x;  // torch: the first NaN
-    ids[r] = best;
-    if (nans || std::isinf(m)) {  // NaN; +inf: an infinite sum; -inf: every logit -inf (torch's results)
-      lse[r] = nans ? std::numeric_limits<float>::quiet_NaN() : m;
+    const RowArgmax top = row_argmax(x, vocab);
+    ids[r] = top.at;
+    if (top.nans || std::isinf(top.max)) {  // NaN; +inf: an infinite sum; -inf: every logit -inf (torch's results)
+      lse[r] = top.nans ? std::numeric_limits<float>::quiet_NaN() : top.max;
       continue;
     }
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < vocab; ++t) sum += exp_nonpositive(x[t] - m);
-    lse[r] = m + std::log(sum);
+    for (int64_t t = 0; t < vocab; ++t) sum += exp_nonpositive(x[t] - top.max);
+    lse[r] = top.max + std::log(sum);
   }
 }
 
@@ -713,7 +724,7 @@ enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, COS, SIN, FEEDS, SEQS, 
 
 // A draft model's greedy passes (hearth/backend/cpu_decode.py): per pass, decode_layers on its
 // rows, then for each sequence's last row the final norm, lm_head (matmul: the weight, its terms
-// or 0, its qtype and rows `vocab`) and the argmax (the first of equal maxima, as torch's), written
+// or 0, its qtype and rows `vocab`) and the argmax (row_argmax, as torch's), written
 // to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
 // embedding_row_bytes in embedding_qtype, widened by qmatmul.cpp's dequantize_rows).
 // first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
@@ -756,13 +767,7 @@ void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, u
     }
     logits.resize(seqs * vocab);
     matmul(ptr(last), head_, head_terms_, ptr(logits), seqs, vocab, hidden, head_qtype, 0, threads);
-    for (int64_t s = 0; s < seqs; ++s) {
-      const float* row = logits.data() + s * vocab;
-      int64_t best = 0;
-      for (int64_t v = 1; v < vocab; ++v)  // (a NaN counts as the largest, as in torch)
-        if (row[v] > row[best] || (std::isnan(row[v]) && !std::isnan(row[best]))) best = v;
-      choices[s] = best;
-    }
+    for (int64_t s = 0; s < seqs; ++s) choices[s] = row_argmax(logits.data() + s * vocab, vocab).at;
     fed = choices;
     choices += seqs;
   }
