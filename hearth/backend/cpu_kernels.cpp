@@ -9,8 +9,10 @@
 // interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
 // the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
 // of them, and their sums are computed side by side: the scores with the queries transposed (a
-// cached row's products with up to 16 of them one vector of multiply-adds along the head), the
-// values a 16-value slice at a time with up to 16 rows' and heads' sums in registers. A
+// cached row's products with up to 16 of them one vector of multiply-adds along the head), kept
+// token-major (a token's scores for every row and head side by side: one vector store, and the
+// softmax a vector operation across them), the values a 16-value slice at a time with up to 16
+// rows' and heads' sums in registers. A
 // sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that a few long
 // sequences still give every thread work; each split keeps its running max m, sum l and
 // unnormalised output, and a second pass merges the splits by log-sum-exp:
@@ -53,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -79,6 +82,7 @@ inline void prefetch_bytes(const void* row, int64_t bytes) {
 }
 
 constexpr int64_t Q8_BLOCK = 32;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // How a KV cache stores its values (the Python side's cpu.kv_format)
 enum KVFormat { KV_F32 = 0, KV_Q8_0 = 1, KV_F16 = 2 };
@@ -90,10 +94,11 @@ constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 8;
 // slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
 constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
 
-// sums[j][0 .. D) += sum over t < count of weights[j][t] x v[t][0 .. D), for LANES lanes: per slice
+// sums[j][0 .. D) += sum over t < count of w[t * stride + j] x v[t][0 .. D), for LANES lanes (the
+// weights token-major: one base pointer, each lane's weight a broadcast at a fixed offset): per slice
 // of VALUE_SLICE values the lanes' sums in registers over the rows, each summed in row order
 template <int LANES>
-inline void add_weighted_values(const float* const* weights, const float* const* v, int64_t count, int64_t D,
+inline void add_weighted_values(const float* w, int64_t stride, const float* const* v, int64_t count, int64_t D,
                                 float* const* sums) {
   int64_t d0 = 0;
   for (; d0 + VALUE_SLICE <= D; d0 += VALUE_SLICE) {
@@ -102,10 +107,11 @@ inline void add_weighted_values(const float* const* weights, const float* const*
       for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] = sums[j][d0 + i];
     for (int64_t t = 0; t < count; ++t) {
       const float* vt = v[t] + d0;
+      const float* wt = w + t * stride;
       for (int j = 0; j < LANES; ++j) {
-        const float w = weights[j][t];
+        const float weight = wt[j];
 #pragma omp simd
-        for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] += w * vt[i];
+        for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] += weight * vt[i];
       }
     }
     for (int j = 0; j < LANES; ++j)
@@ -114,7 +120,7 @@ inline void add_weighted_values(const float* const* weights, const float* const*
   for (; d0 < D; ++d0)  // a head size short of a whole slice: the rest one value at a time
     for (int j = 0; j < LANES; ++j) {
       float a = sums[j][d0];
-      for (int64_t t = 0; t < count; ++t) a += weights[j][t] * v[t][d0];
+      for (int64_t t = 0; t < count; ++t) a += w[t * stride + j] * v[t][d0];
       sums[j][d0] = a;
     }
 }
@@ -205,19 +211,6 @@ inline void store_row(void* cache, _Float16* scales, int format, int64_t row, co
   quantize_row_q8_0(x, static_cast<int8_t*>(cache) + row * D, scales + row * (D / Q8_BLOCK), D);
 }
 
-// The largest of x[0 .. n), -inf for n = 0: 16 running maxima side by side (std::max_element's one
-// chain of scalar maxima, a max's latency per element, was 17% of decode_attention at 5 rows)
-inline float max_of(const float* x, int64_t n) {
-  float lanes[16];
-  std::fill_n(lanes, 16, -std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) lanes[j] = lanes[j] > x[i + j] ? lanes[j] : x[i + j];
-  for (; i < n; ++i) lanes[0] = std::max(lanes[0], x[i]);
-  return *std::max_element(lanes, lanes + 16);
-}
-
 // exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises (std::exp
 // is a scalar call): 2^(x log2 e) = 2^i 2^f with i = round(.), |f| <= 1/2, 2^f by its degree-7
 // Taylor polynomial in f ln 2 (relative error < 1e-8, below float32's rounding).
@@ -237,6 +230,58 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// out[0 .. width) = x[0 .. width) scale, width 4, 8 or 16 (each a loop of fixed length: a vector store)
+inline void store_scaled(const float* x, float scale, int64_t width, float* out) {
+  const auto store = [&](auto lanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < decltype(lanes)::value; ++j) out[j] = x[j] * scale;
+  };
+  if (width == 16) store(std::integral_constant<int64_t, 16>{});
+  else if (width == 8) store(std::integral_constant<int64_t, 8>{});
+  else store(std::integral_constant<int64_t, 4>{});
+}
+
+// The softmax numerators of token-major scores x [n, stride] (stride 4, 8 or a multiple of 16: row
+// t's lane j at t * stride + j): lane j's max m[j] (-inf where it has no finite score), x replaced
+// by exp(x - m) (0 where x is -inf) and their sum l[j]. The buffer is read flat, 16 values a vector
+// whatever the lanes (value i is lane i % stride), so it must hold -inf from n * stride up to a
+// multiple of P = max(16, stride); maxima and sums are kept per value of a P-value pattern and
+// folded into lanes at the end. pattern: scratch [2 P].
+inline void lanes_softmax(float* x, int64_t n, int64_t stride, float* m, float* l, float* pattern) {
+  constexpr int64_t V = 16;
+  const int64_t P = std::max(V, stride), vectors = (n * stride + P - 1) / P * (P / V);
+  float* top = pattern;  // then the shift each value takes
+  float* sum = pattern + P;
+  std::fill_n(top, P, NEG_INF);
+  std::fill_n(sum, P, 0.f);
+  for (int64_t c = 0; c < vectors; ++c) {
+    float* t = top + c % (P / V) * V;
+    const float* xc = x + c * V;
+#pragma omp simd
+    for (int64_t k = 0; k < V; ++k) t[k] = t[k] > xc[k] ? t[k] : xc[k];
+  }
+  for (int64_t j = 0; j < stride; ++j) {
+    m[j] = NEG_INF;
+    for (int64_t k = j; k < P; k += stride) m[j] = std::max(m[j], top[k]);
+  }
+  for (int64_t k = 0; k < P; ++k) top[k] = m[k % stride] == NEG_INF ? 0.f : m[k % stride];
+  for (int64_t c = 0; c < vectors; ++c) {
+    const float* shift = top + c % (P / V) * V;
+    float* s = sum + c % (P / V) * V;
+    float* xc = x + c * V;
+#pragma omp simd
+    for (int64_t k = 0; k < V; ++k) {
+      const float e = xc[k] == NEG_INF ? 0.f : exp_nonpositive(xc[k] - shift[k]);
+      xc[k] = e;
+      s[k] += e;
+    }
+  }
+  for (int64_t j = 0; j < stride; ++j) {
+    l[j] = 0.f;
+    for (int64_t k = j; k < P; k += stride) l[j] += sum[k];
+  }
 }
 
 // q, out [R, H, D]: the new rows of S sequences end to end, sequence s owning rows
@@ -313,21 +358,33 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;  // [rows, group, split_len]
+    // token-major: the scores (then weights) of token t in [t * stride, t * stride + lanes), a
+    // cached row's products with 16 lanes one vector store, the softmax vertical across lanes and
+    // the values' pass one base pointer for every lane's weight
+    std::vector<float> scores;  // [split_len, stride]
+    std::vector<float> lane_max, lane_sum, pattern;  // lanes_softmax's
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
     std::vector<float> row_buf(SCORE_TOKENS * D);  // float16 and q8_0 rows widened
     std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
-    // the values' pass: its cached rows (float16 and q8_0 widened), zero weights and a scratch row for
-    // the lanes past the item's, each lane's weights and sums
-    std::vector<float> value_buf(VALUE_TOKENS * D), zeros(VALUE_TOKENS, 0.f), scratch(D);
+    // the values' pass: its cached rows (float16 and q8_0 widened), a scratch row for the lanes past
+    // the item's, each lane's sums
+    std::vector<float> value_buf(VALUE_TOKENS * D), scratch(D);
     const float* v_rows[VALUE_TOKENS];
-    const float* weights[VALUE_LANES];
     float* sums[VALUE_LANES];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)items.size(); ++w) {
       const Item it = items[w];
       const int64_t n = it.end - it.begin, rows = query_start[it.seq + 1] - query_start[it.seq];
-      scores.resize(rows * group * n);
+      // lane j: the item's query row j / group, its head j % group; lanes past them (to 4, 8 or a
+      // multiple of 16: the softmax's widths) score 0 and weigh into the scratch row
+      const int64_t lanes_total = rows * group;
+      const int64_t stride = lanes_total <= 4 ? 4 : lanes_total <= 8 ? 8 : (lanes_total + SCORE_LANES - 1) / SCORE_LANES * SCORE_LANES;
+      const int64_t chunk = std::max<int64_t>(16, stride);  // lanes_softmax's: n * stride values padded with -inf
+      scores.resize((n * stride + chunk - 1) / chunk * chunk);
+      std::fill(scores.begin() + n * stride, scores.end(), NEG_INF);
+      lane_max.resize(stride);
+      lane_sum.resize(stride);
+      pattern.resize(2 * chunk);
       cache_rows.resize(n);
       lo.resize(rows);
       hi.resize(rows);
@@ -342,20 +399,15 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         for (; offset < block_size && t < n; ++offset, ++t) cache_rows[t] = (first_row + offset) * num_kv_heads + it.kv_head;
       }
       const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
-      // the scores, SCORE_LANES of the item's query (row, head) pairs at a time: their queries
-      // transposed [D][SCORE_LANES], so that a cached row's products with all of them are one
-      // vector of multiply-adds along D, SCORE_TOKENS rows in flight; each lane sums along D in
-      // order, whatever the other lanes hold (a row's scores do not depend on the rows beside it)
-      for (int64_t first = 0; first < rows * group; first += SCORE_LANES) {
-        const int64_t lanes = std::min(SCORE_LANES, rows * group - first);
+      // the scores, SCORE_LANES lanes at a time: their queries transposed [D][SCORE_LANES], so that
+      // a cached row's products with all of them are one vector of multiply-adds along D,
+      // SCORE_TOKENS rows in flight; each lane sums along D in order, whatever the other lanes hold
+      for (int64_t first = 0; first < lanes_total; first += SCORE_LANES) {
+        const int64_t lanes = std::min(SCORE_LANES, lanes_total - first);
         std::fill(qt.begin(), qt.end(), 0.f);
-        // each lane's query row and its range of tokens (a division per lane, not per lane and token)
-        int64_t lane_row[SCORE_LANES], lane_lo[SCORE_LANES], lane_hi[SCORE_LANES];
         for (int64_t j = 0; j < lanes; ++j) {
-          lane_row[j] = (first + j) / group;
-          lane_lo[j] = lo[lane_row[j]];
-          lane_hi[j] = hi[lane_row[j]];
-          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[(lane_row[j] * num_heads + (first + j) % group) * D + d];
+          const int64_t row = (first + j) / group, head = (first + j) % group;
+          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[(row * num_heads + head) * D + d];
         }
         for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
         for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
@@ -374,57 +426,44 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
 #pragma omp simd
               for (int64_t j = 0; j < SCORE_LANES; ++j) acc[u][j] += kd * qt[d * SCORE_LANES + j];
             }
-          for (int64_t j = 0; j < lanes; ++j) {
-            float* lane_scores = scores.data() + (first + j) * n;
-            for (int64_t t = std::max(t0, lane_lo[j]); t < std::min(t0 + count, lane_hi[j]); ++t) {
-              // -inf: a position of the tree the row does not see
-              const bool seen = !tree_masks || sees(it.seq, query_start[it.seq] + lane_row[j], it.begin + t);
-              lane_scores[t] = seen ? acc[t - t0][j] * fscale : -std::numeric_limits<float>::infinity();
-            }
-          }
+          const int64_t width = std::min(SCORE_LANES, stride - first);
+          for (int64_t u = 0; u < count; ++u)
+            store_scaled(acc[u], fscale, width, scores.data() + (t0 + u) * stride + first);
         }
       }
+      // -inf where a lane's row does not look: outside its [lo, hi), and the tree positions it does not see
+      for (int64_t j = 0; j < lanes_total; ++j) {
+        const int64_t r = j / group;
+        for (int64_t t = 0; t < std::min(lo[r], n); ++t) scores[t * stride + j] = NEG_INF;
+        for (int64_t t = hi[r]; t < n; ++t) scores[t * stride + j] = NEG_INF;
+        if (tree_masks)
+          for (int64_t t = std::max(lo[r], tree_start[it.seq] - it.begin); t < hi[r]; ++t)
+            if (!sees(it.seq, query_start[it.seq] + r, it.begin + t)) scores[t * stride + j] = NEG_INF;
+      }
+      // the softmax's numerators, every lane side by side; lanes' maxima and sums into their parts
       const int64_t part_row = first_part[it.seq] + it.split * rows;  // this split's row 0
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores.data() + (r * group + g) * n;
-          const int64_t p = (part_row + r) * num_heads + it.kv_head * group + g;
-          std::fill_n(part_out.data() + p * D, D, 0.f);
-          const float m = max_of(sc + lo[r], hi[r] - lo[r]);
-          // weights of the values' pass: none outside the row's range (which may lie past the split)
-          std::fill(sc, sc + std::min(lo[r], n), 0.f);
-          std::fill(sc + std::min(hi[r], n), sc + n, 0.f);
-          if (m == -std::numeric_limits<float>::infinity()) {  // the row sees nothing of this split
-            part_max[p] = m;
-            part_sum[p] = 0.f;
-            std::fill(sc + lo[r], sc + hi[r], 0.f);
-            continue;
-          }
-          float l = 0.f;
-#pragma omp simd reduction(+ : l)
-          for (int64_t t = lo[r]; t < hi[r]; ++t) {
-            sc[t] = sc[t] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(sc[t] - m);
-            l += sc[t];
-          }
-          part_max[p] = m;
-          part_sum[p] = l;
-        }
+      lanes_softmax(scores.data(), n, stride, lane_max.data(), lane_sum.data(), pattern.data());
+      for (int64_t j = 0; j < lanes_total; ++j) {
+        const int64_t p = (part_row + j / group) * num_heads + it.kv_head * group + j % group;
+        part_max[p] = lane_max[j];
+        part_sum[p] = lane_sum[j];
+        std::fill_n(part_out.data() + p * D, D, 0.f);
       }
       // the values, VALUE_TOKENS cached rows at a time (float16 and q8_0 rows widened once for all lanes)
       for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
         const int64_t count = std::min(VALUE_TOKENS, n - t0);
         for (int64_t u = 0; u < count; ++u) v_rows[u] = v_cache.get(cache_rows[t0 + u], value_buf.data() + u * D);
-        for (int64_t first = 0; first < rows * group; first += VALUE_LANES) {
-          const int64_t lanes = std::min(VALUE_LANES, rows * group - first);
-          for (int64_t j = 0; j < VALUE_LANES; ++j) {  // lanes past the item's: zero weights into a scratch row
+        for (int64_t first = 0; first < lanes_total; first += VALUE_LANES) {
+          const int64_t lanes = std::min(VALUE_LANES, lanes_total - first);
+          for (int64_t j = 0; j < VALUE_LANES; ++j) {
             const int64_t rg = first + j, r = rg / group;
-            weights[j] = j < lanes ? scores.data() + rg * n + t0 : zeros.data();
             sums[j] = j < lanes ? part_out.data() + ((part_row + r) * num_heads + it.kv_head * group + rg % group) * D
                                 : scratch.data();
           }
-          if (lanes <= 4) add_weighted_values<4>(weights, v_rows, count, D, sums);
-          else if (lanes <= 8) add_weighted_values<8>(weights, v_rows, count, D, sums);
-          else add_weighted_values<VALUE_LANES>(weights, v_rows, count, D, sums);
+          const float* weights = scores.data() + t0 * stride + first;
+          if (lanes <= 4) add_weighted_values<4>(weights, stride, v_rows, count, D, sums);
+          else if (lanes <= 8) add_weighted_values<8>(weights, stride, v_rows, count, D, sums);
+          else add_weighted_values<VALUE_LANES>(weights, stride, v_rows, count, D, sums);
         }
       }
     }
@@ -434,7 +473,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
       for (int64_t h = 0; h < num_heads; ++h) {
         const int64_t s = row_seq[row], rows = query_start[s + 1] - query_start[s], r = row - query_start[s];
         const int64_t n_splits = first_split[s + 1] - first_split[s];
-        float m = -std::numeric_limits<float>::infinity();
+        float m = NEG_INF;
         for (int64_t i = 0; i < n_splits; ++i) m = std::max(m, part_max[(first_part[s] + i * rows + r) * num_heads + h]);
         float l = 0.f;
         float* o = out + (row * num_heads + h) * D;
@@ -535,7 +574,6 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
   float* out = reinterpret_cast<float*>(out_);
   const int64_t* rows = reinterpret_cast<const int64_t*>(rows_);
   const uint32_t* bitmask = reinterpret_cast<const uint32_t*>(bitmask_);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<const uint32_t*> mask_of(num_logit_rows, nullptr);  // each logit row's bitmask, or none
   for (int64_t r = 0; r < num_rows; ++r) mask_of[rows[r]] = bitmask + r * words;
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, num_logit_rows * vocab / 65536));
@@ -552,9 +590,9 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
     for (int64_t w = 0; w < whole; ++w) {  // branch-free: the compiler turns it into masked vector moves
       const uint32_t bits = mask[w];
 #pragma omp simd
-      for (int b = 0; b < 32; ++b) dst[w * 32 + b] = ((bits >> b) & 1u) ? src[w * 32 + b] : neg_inf;
+      for (int b = 0; b < 32; ++b) dst[w * 32 + b] = ((bits >> b) & 1u) ? src[w * 32 + b] : NEG_INF;
     }
-    for (int64_t t = whole * 32; t < vocab; ++t) dst[t] = ((mask[whole] >> (t - whole * 32)) & 1u) ? src[t] : neg_inf;
+    for (int64_t t = whole * 32; t < vocab; ++t) dst[t] = ((mask[whole] >> (t - whole * 32)) & 1u) ? src[t] : NEG_INF;
   }
 }
 
@@ -570,7 +608,7 @@ struct RowArgmax {
 inline RowArgmax row_argmax(const float* x, int64_t n) {
   float lane_max[16];
   int32_t lane_at[16], lane_nans[16];
-  std::fill_n(lane_max, 16, -std::numeric_limits<float>::infinity());
+  std::fill_n(lane_max, 16, NEG_INF);
   std::fill_n(lane_at, 16, 0);
   std::fill_n(lane_nans, 16, 0);
   int64_t i = 0;
