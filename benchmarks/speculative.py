@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--speculative-tree-width", type=int, default=1,
                     help="above 1: each method also with token trees of this many branches")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="every engine's --kv-cache-dtype")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-time", action="store_true",
                     help="time in CPU seconds of the one thread (needs --threads 1): what a shared machine can compare")
@@ -113,7 +114,7 @@ def main() -> None:
     from hearth.bench.latency import one_run
     from hearth.engine.speculative import SpecDecodeCounts
 
-    common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30)
+    common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30, kv_cache_dtype=args.kv_cache_dtype)
     engines = {"plain": LLM(args.model, **common)}
     widths = [1] + ([args.speculative_tree_width] if args.speculative_tree_width > 1 else [])
     for method in list(methods):
