@@ -365,7 +365,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
     std::vector<float> lane_max, lane_sum, pattern;  // lanes_softmax's
     std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
     std::vector<float> row_buf(SCORE_TOKENS * D);  // float16 and q8_0 rows widened
-    std::vector<float> qt(D * SCORE_LANES);  // queries transposed (the scores' pass)
+    std::vector<float> qt(D * 2 * SCORE_LANES);  // queries transposed (the scores' pass)
     // the values' pass: its cached rows (float16 and q8_0 widened), a scratch row for the lanes past
     // the item's, each lane's sums
     std::vector<float> value_buf(VALUE_TOKENS * D), scratch(D);
@@ -399,15 +399,17 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
         for (; offset < block_size && t < n; ++offset, ++t) cache_rows[t] = (first_row + offset) * num_kv_heads + it.kv_head;
       }
       const float* q_seq = q + query_start[it.seq] * num_heads * D + it.kv_head * group * D;
-      // the scores, SCORE_LANES lanes at a time: their queries transposed [D][SCORE_LANES], so that
-      // a cached row's products with all of them are one vector of multiply-adds along D,
-      // SCORE_TOKENS rows in flight; each lane sums along D in order, whatever the other lanes hold
-      for (int64_t first = 0; first < lanes_total; first += SCORE_LANES) {
-        const int64_t lanes = std::min(SCORE_LANES, lanes_total - first);
-        std::fill(qt.begin(), qt.end(), 0.f);
+      // the scores, SCORE_LANES lanes at a time (two vectors of them where more than SCORE_LANES are
+      // left: each cached row read once for both): their queries transposed [D][lanes], so that a
+      // cached row's products with all of them are vectors of multiply-adds along D, SCORE_TOKENS
+      // rows in flight; each lane sums along D in order, whatever the other lanes hold
+      const auto score_chunk = [&](int64_t first, auto pass_lanes) {
+        constexpr int64_t LANES = decltype(pass_lanes)::value;
+        const int64_t lanes = std::min(LANES, lanes_total - first);
+        std::fill(qt.begin(), qt.begin() + D * LANES, 0.f);
         for (int64_t j = 0; j < lanes; ++j) {
           const int64_t row = (first + j) / group, head = (first + j) % group;
-          for (int64_t d = 0; d < D; ++d) qt[d * SCORE_LANES + j] = q_seq[(row * num_heads + head) * D + d];
+          for (int64_t d = 0; d < D; ++d) qt[d * LANES + j] = q_seq[(row * num_heads + head) * D + d];
         }
         for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) k_cache.prefetch(cache_rows[t]);
         for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
@@ -419,16 +421,26 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
             if (u < count && first == 0) v_cache.prefetch(cache_rows[t]);  // read after the scores
             k[u] = k_cache.get(cache_rows[t], row_buf.data() + u * D);
           }
-          float acc[SCORE_TOKENS][SCORE_LANES] = {};
+          float acc[SCORE_TOKENS][LANES] = {};
           for (int64_t d = 0; d < D; ++d)
             for (int64_t u = 0; u < SCORE_TOKENS; ++u) {
               const float kd = k[u][d];
 #pragma omp simd
-              for (int64_t j = 0; j < SCORE_LANES; ++j) acc[u][j] += kd * qt[d * SCORE_LANES + j];
+              for (int64_t j = 0; j < LANES; ++j) acc[u][j] += kd * qt[d * LANES + j];
             }
-          const int64_t width = std::min(SCORE_LANES, stride - first);
           for (int64_t u = 0; u < count; ++u)
-            store_scaled(acc[u], fscale, width, scores.data() + (t0 + u) * stride + first);
+            for (int64_t v = 0; v < LANES; v += SCORE_LANES)
+              store_scaled(acc[u] + v, fscale, std::min(SCORE_LANES, stride - first - v),
+                           scores.data() + (t0 + u) * stride + first + v);
+        }
+      };
+      for (int64_t first = 0; first < lanes_total;) {
+        if (lanes_total - first > SCORE_LANES) {
+          score_chunk(first, std::integral_constant<int64_t, 2 * SCORE_LANES>{});
+          first += 2 * SCORE_LANES;
+        } else {
+          score_chunk(first, std::integral_constant<int64_t, SCORE_LANES>{});
+          first += SCORE_LANES;
         }
       }
       // -inf where a lane's row does not look: outside its [lo, hi), and the tree positions it does not see
