@@ -4,7 +4,7 @@
   sdpa       K/V gathered into a padded [D, kv_heads, L, head_dim] copy, one batched SDPA with a mask
              (hearth's path on CUDA and for dtypes other than float32)
   kernel     hearth/backend/cpu_kernels.cpp reading K/V in place, whole contexts (no split)
-  split-KV   the same kernel, contexts split as hearth chooses (flash-decoding; decode_split_len)
+  split-KV   the same kernel, contexts split at the multiples of DECODE_SPLIT_LEN (flash-decoding: hearth's)
 
 Microseconds per call, medians of interleaved runs; float32.
 
@@ -21,6 +21,7 @@ import time
 from common import machine, machine_markdown, median, set_threads, table, threads, write_results
 
 SHAPES = {  # name: (heads, kv_heads, head_dim)
+    "smollm2-135m (9 heads, 3 KV heads)": (9, 3, 64),
     "tinyllama-1.1b (32 heads, 4 KV heads)": (32, 4, 64),
     "multi-query (16 heads, 1 KV head)": (16, 1, 128),
 }
@@ -38,7 +39,7 @@ def main() -> None:
     import torch
 
     from hearth.backend.base import AttentionMetadata, Backend
-    from hearth.backend.cpu import CpuBackend, cpu_kernels, decode_split_len
+    from hearth.backend.cpu import DECODE_SPLIT_LEN, CpuBackend, cpu_kernels
 
     if cpu_kernels() is None:
         sys.exit("the C++ decode attention kernel cannot be built here")
@@ -61,11 +62,10 @@ def main() -> None:
                     decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
                     decode_max_len=context, block_size=block,
                 )
-                split = decode_split_len(batch, kv_heads, context, threads())
                 ways = {
                     "sdpa": lambda: reference.decode_attention(q, k_cache, v_cache, meta, 0.125),
                     "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
-                    "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=split),
+                    "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125),
                 }
                 times = {name: [] for name in ways}
                 for fn in ways.values():
@@ -77,10 +77,10 @@ def main() -> None:
                         times[name].append(time.perf_counter() - start)
                 us = {name: median(t) * 1e6 for name, t in times.items()}
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * 4
-                rows.append([shape, batch, context, -(-context // split), us["sdpa"], us["kernel"], us["split"],
+                rows.append([shape, batch, context, -(-context // DECODE_SPLIT_LEN), us["sdpa"], us["kernel"], us["split"],
                              us["sdpa"] / us["kernel"], us["kernel"] / us["split"],
                              kv_bytes / (us["split"] * 1e-6) / 1e9])
-                data.append({"shape": shape, "batch": batch, "context": context, "split_len": split, "us": us,
+                data.append({"shape": shape, "batch": batch, "context": context, "split_len": DECODE_SPLIT_LEN, "us": us,
                              "kv_bytes": kv_bytes})
     info = machine()
     command = "python benchmarks/decode_attention.py " + shlex.join(sys.argv[1:])

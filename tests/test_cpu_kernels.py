@@ -2,12 +2,14 @@
 attention against torch's SDPA over each sequence's context gathered densely; RMSNorm and RoPE
 against transformers' modules."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hearth.backend.base import AttentionMetadata, Backend
-from hearth.backend.cpu import CpuBackend, cpu_kernels, decode_split_len
+from hearth.backend.cpu import DECODE_SPLIT_LEN, CpuBackend, cpu_kernels
 from hearth.model.layers import RMSNorm
 
 
@@ -66,7 +68,7 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, rows=None, window=None)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("split_len", [None, 1, 7, 256, 4096])
+@pytest.mark.parametrize("split_len", [1, 7, DECODE_SPLIT_LEN, 4096])
 def test_decode_kernel_matches_sdpa(heads, kv_heads, split_len):
     backend = _cpu_backend()
     lens = [1, 5, 16, 17, 300, 1000]
@@ -91,7 +93,7 @@ def test_decode_kernel_head_dims(head_dim):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1)])
-@pytest.mark.parametrize("split_len", [None, 1, 7, 256])
+@pytest.mark.parametrize("split_len", [1, 7, DECODE_SPLIT_LEN])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len, window, head_dim):
@@ -106,6 +108,26 @@ def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(Backend().decode_attention(q, k_cache, v_cache, meta, 0.125, window=window).double(),
                                expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (8, 1)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_kernel_row_bits_do_not_depend_on_the_step(heads, kv_heads, window):
+    """Greedy speculation keeps plain decoding's tokens only if a verification's rows are bit for
+    bit those of single-row steps: each row of an R-row step (1 to 12 rows: the kernel's 4, 8, 16,
+    32 and 48 lanes for SmolLM2's 3 query heads a KV head) beside other sequences, against the
+    same row alone; contexts across split boundaries, and windows that start in other splits."""
+    backend = _cpu_backend()
+    for rows in range(1, 13):
+        lens = [DECODE_SPLIT_LEN + 45, 3 * DECODE_SPLIT_LEN + 3, 20]
+        q, k_cache, v_cache, tables, meta = _case(lens, heads, kv_heads, rows=[rows, 2, 1], seed=rows)
+        together = backend.decode_attention(q, k_cache, v_cache, meta, 0.125, window=window)
+        for r in range(rows):
+            single = replace(meta, decode_query_start=torch.tensor([0, 1], dtype=torch.int32),
+                             decode_context_lens=meta.decode_context_lens[:1] - rows + r + 1,
+                             decode_block_tables=meta.decode_block_tables[:1], decode_token_index=torch.arange(1))
+            alone = backend.decode_attention(q[r : r + 1], k_cache, v_cache, single, 0.125, window=window)
+            assert torch.equal(alone, together[r : r + 1]), f"row {r} of {rows}"
 
 
 def _tree_reference(q, k_cache, v_cache, tables, lens, rows, tree_start, parents, scale, window):
@@ -131,7 +153,7 @@ def _tree_reference(q, k_cache, v_cache, tables, lens, rows, tree_start, parents
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("split_len", [None, 1, 7])
+@pytest.mark.parametrize("split_len", [DECODE_SPLIT_LEN, 1, 7])
 @pytest.mark.parametrize("window", [None, 3, 40])
 def test_decode_kernel_with_token_trees(split_len, window):
     """Token trees: a sequence's rows see the context before its tree region and, in the region,
@@ -180,14 +202,6 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(backend.act_and_mul(gate, up, "silu").double(), expected, rtol=1e-6, atol=1e-6)
     separate = backend.act_and_mul(gate.contiguous(), up.contiguous(), "silu")
     torch.testing.assert_close(separate.double(), expected, rtol=1e-6, atol=1e-6)
-
-
-def test_split_len_policy():
-    # enough sequences x KV heads for every thread: whole contexts
-    assert decode_split_len(8, 4, 5000, threads=2) == 5000
-    # one sequence, one KV head, 2 threads: 4 splits of a long context, never below 256 tokens
-    assert decode_split_len(1, 1, 4096, threads=2) == 1024
-    assert decode_split_len(1, 1, 300, threads=2) == 256
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

@@ -79,3 +79,21 @@ def test_chat_knows_the_capital_of_france(monkeypatch, capsys):
             "--max-tokens", "32", "--kv-cache-memory", "64MiB"]
     assert main(argv) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_greedy_speculation_keeps_plain_decodings_tokens():
+    """Asked to repeat a code block, SmolLM2 copies most of it: prompt lookup (every guess it finds)
+    and lookahead verify 1 to 9 rows a step. Their greedy tokens are plain decoding's, token for
+    token: on a real model two tokens are often nearly tied, so a row's arithmetic must not depend
+    on how many rows its step verifies."""
+    from hearth import LLM, SamplingParams
+
+    code = "\n".join((DATA / "text-json-decoder.py.txt").read_text().splitlines()[:24])
+    plain = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False)
+    prompt = plain.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": f"Repeat this Python code exactly:\n\n```python\n{code}\n```"}], True)
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for options in ({"speculative_method": "ngram", "speculative_adaptive": False}, {"speculative_method": "lookahead"}):
+        llm = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False, **options)
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected, options

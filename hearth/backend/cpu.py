@@ -22,20 +22,18 @@ from hearth.backend.base import AttentionMetadata, Backend
 from hearth.backend.kv_quant import KVCache, Q8Cache, data_pointers
 from hearth.native import build
 
-MIN_SPLIT_LEN = 256  # shorter splits cost more in merging and scheduling than they gain
+# decode_attention's splits (flash-decoding): the context cut at the multiples of this, whatever the
+# batch, so that a row's result does not depend on the rows and sequences beside it (a verification's
+# rows are those of single-row steps: greedy speculation keeps plain decoding's tokens). Fixed splits
+# measured as fast as whole contexts or faster at batch 1 to 32 and contexts of 512 to 8192
+# (docs/benchmarks.md, "Decode attention's splits").
+DECODE_SPLIT_LEN = 256
 
 
 @functools.cache
 def cpu_kernels():
     """cpu_kernels.cpp compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
     return build("hearth_cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), "attention and norm")
-
-
-def decode_split_len(num_decodes: int, num_kv_heads: int, max_len: int, threads: int) -> int:
-    """Tokens per split: whole contexts when sequences x KV heads already give every thread work
-    twice over, else as many splits as make up the difference, none shorter than MIN_SPLIT_LEN."""
-    splits = -(-2 * threads // (num_decodes * num_kv_heads))
-    return max(MIN_SPLIT_LEN, -(-max_len // splits))
 
 
 class CpuBackend(Backend):
@@ -87,7 +85,7 @@ class CpuBackend(Backend):
         return q_out
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                         split_len: int | None = None,  # None: decode_split_len's choice
+                         split_len: int = DECODE_SPLIT_LEN,
                          softcap: float | None = None, window: int | None = None):
         kv_format = whole_caches_format(k_cache, v_cache)
         if softcap is not None or kv_format is None:  # the kernel has no soft-capping
@@ -96,9 +94,6 @@ class CpuBackend(Backend):
         heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[1]
         threads = torch.get_num_threads()
-        if split_len is None:
-            split_len = decode_split_len(meta.num_decodes, kv_heads,
-                                         min(meta.decode_max_len, window or meta.decode_max_len), threads)
         out = torch.empty_like(q)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)

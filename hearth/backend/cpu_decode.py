@@ -29,7 +29,7 @@ import torch
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
 from hearth.backend.kv_quant import data_pointers
-from hearth.backend.cpu import decode_split_len, tree_pointers, whole_caches_format
+from hearth.backend.cpu import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear
 
@@ -108,8 +108,7 @@ class CpuDecodePath:
             *tree_pointers(meta),
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
-            self._split_len(meta.num_decodes, meta.decode_max_len, threads),
-            self.window, threads,
+            DECODE_SPLIT_LEN, self.window, threads,
         )
         return delta, residual
 
@@ -136,7 +135,7 @@ class CpuDecodePath:
         # a pass's row of cpu_kernels.cpp's pass table (PassField): pointers, then counts
         rows = [(first.slot_mapping.ctypes.data, first.block_tables.ctypes.data, first.seq_lens.ctypes.data,
                  first.query_start_loc.ctypes.data, cos.data_ptr(), sin.data_ptr(), 0, first.num_seqs, tokens,
-                 first.block_tables.shape[1], self._split_len(first.num_seqs, int(first.seq_lens.max()), threads))]
+                 first.block_tables.shape[1], DECODE_SPLIT_LEN)]
         feeds = [np.asarray(f, dtype=np.int64) for f in feeds]
         if later is not None:
             one_row_each = np.arange(max(map(len, feeds)) + 1, dtype=np.int32)  # a later pass's query starts
@@ -146,7 +145,7 @@ class CpuDecodePath:
                 n, row = len(f), tokens + start
                 rows.append((slots + 8 * start, tables + 4 * width * start, lens + 4 * start, one_row_each.ctypes.data,
                              cos.data_ptr() + 4 * half * row, sin.data_ptr() + 4 * half * row, f.ctypes.data, n, n,
-                             width, self._split_len(n, int(later.seq_lens[start : start + n].max()), threads)))
+                             width, DECODE_SPLIT_LEN))
                 start += n
         table = np.array(rows, dtype=np.int64)
         if table.shape[1] != self.kernels.PASS_FIELDS:
@@ -160,10 +159,6 @@ class CpuDecodePath:
             self.scale, self.window, threads,
         )
         return choices
-
-    def _split_len(self, num_decodes: int, longest: int, threads: int) -> int:
-        """decode_attention's split length for sequences of at most `longest` tokens (those the window shows)."""
-        return decode_split_len(num_decodes, self.shape[2], min(longest, self.window or longest), threads)
 
     def _kernel_caches(self, kv_caches) -> tuple[torch.Tensor, int] | None:
         """kernel_caches(kv_caches), kept while the runner passes the same caches."""

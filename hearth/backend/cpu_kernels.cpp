@@ -13,9 +13,11 @@
 // token-major (a token's scores for every row and head side by side: one vector store, and the
 // softmax a vector operation across them), the values a 16-value slice at a time with up to 16
 // rows' and heads' sums in registers. A
-// sequence's context is cut into splits of `split_len` tokens (flash-decoding) so that a few long
-// sequences still give every thread work; each split keeps its running max m, sum l and
-// unnormalised output, and a second pass merges the splits by log-sum-exp:
+// sequence's context is cut at the multiples of `split_len` (flash-decoding) so that a few long
+// sequences still give every thread work, and so that a row's splits, and with them its arithmetic,
+// are the same whatever else its step holds (its own step alone or a verification's, one sequence
+// or many); each split keeps its running max m, sum l and unnormalised output, and a second pass
+// merges the splits, in order, by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
 // rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
@@ -93,6 +95,8 @@ constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 8;
 // decode_attention's values: query (row, head) pairs a pass, cached rows a pass, head values a
 // slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
 constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
+// lanes_softmax's tokens a pattern: 16 values of the narrowest lanes (4)
+constexpr int64_t SOFTMAX_TOKENS = 4;
 
 // sums[j][0 .. D) += sum over t < count of w[t * stride + j] x v[t][0 .. D), for LANES lanes (the
 // weights token-major: one base pointer, each lane's weight a broadcast at a fixed offset): per slice
@@ -247,11 +251,14 @@ inline void store_scaled(const float* x, float scale, int64_t width, float* out)
 // t's lane j at t * stride + j): lane j's max m[j] (-inf where it has no finite score), x replaced
 // by exp(x - m) (0 where x is -inf) and their sum l[j]. The buffer is read flat, 16 values a vector
 // whatever the lanes (value i is lane i % stride), so it must hold -inf from n * stride up to a
-// multiple of P = max(16, stride); maxima and sums are kept per value of a P-value pattern and
-// folded into lanes at the end. pattern: scratch [2 P].
+// multiple of P = SOFTMAX_TOKENS stride; maxima and sums are kept per value of a P-value pattern and
+// folded into lanes at the end. pattern: scratch [2 P]. A lane's sum is the same at every stride
+// (the sums of its tokens t = i mod SOFTMAX_TOKENS, each in token order, added for i = 0, 1, ...),
+// so a row's attention does not depend on how many rows its step has: a verification's rows are
+// bit for bit those of single-row steps (greedy speculation keeps plain decoding's tokens).
 inline void lanes_softmax(float* x, int64_t n, int64_t stride, float* m, float* l, float* pattern) {
   constexpr int64_t V = 16;
-  const int64_t P = std::max(V, stride), vectors = (n * stride + P - 1) / P * (P / V);
+  const int64_t P = SOFTMAX_TOKENS * stride, vectors = (n * stride + P - 1) / P * (P / V);
   float* top = pattern;  // then the shift each value takes
   float* sum = pattern + P;
   std::fill_n(top, P, NEG_INF);
@@ -338,14 +345,15 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
     const int64_t rows = query_start[s + 1] - query_start[s];
     int64_t begin = row_begin(s, 0);
     for (int64_t r = 1; r < rows; ++r) begin = std::min(begin, row_begin(s, r));
-    const int64_t len = lens[s];
-    const int64_t n_splits = (len - begin + split_len - 1) / split_len;
+    begin -= begin % SOFTMAX_TOKENS;  // a token's softmax sum (t mod SOFTMAX_TOKENS) by its position
+    const int64_t len = lens[s], first = begin / split_len;
+    const int64_t n_splits = (len + split_len - 1) / split_len - first;
     first_split[s + 1] = first_split[s] + n_splits;
     first_part[s + 1] = first_part[s] + n_splits * rows;
     for (int64_t r = 0; r < rows; ++r) row_seq[query_start[s] + r] = s;
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t i = 0; i < n_splits; ++i)
-        items.push_back({s, h, begin + i * split_len, std::min(len, begin + (i + 1) * split_len), i});
+        items.push_back({s, h, std::max(begin, (first + i) * split_len), std::min(len, (first + i + 1) * split_len), i});
     work += (len - begin) * rows * num_heads * D * 2;
   }
   // per (split, row, query head): running max, sum of exp, unnormalised output [D]
@@ -379,7 +387,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
       // multiple of 16: the softmax's widths) score 0 and weigh into the scratch row
       const int64_t lanes_total = rows * group;
       const int64_t stride = lanes_total <= 4 ? 4 : lanes_total <= 8 ? 8 : (lanes_total + SCORE_LANES - 1) / SCORE_LANES * SCORE_LANES;
-      const int64_t chunk = std::max<int64_t>(16, stride);  // lanes_softmax's: n * stride values padded with -inf
+      const int64_t chunk = SOFTMAX_TOKENS * stride;  // lanes_softmax's: n * stride values padded with -inf
       scores.resize((n * stride + chunk - 1) / chunk * chunk);
       std::fill(scores.begin() + n * stride, scores.end(), NEG_INF);
       lane_max.resize(stride);
