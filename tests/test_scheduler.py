@@ -51,13 +51,14 @@ class FakeKV:
                 assert self.slots.get(self.slot(r, pos)) == tuple(r.all_token_ids[: pos + 1]), (r.request_id, pos)
         written = set()
         for r, n in out.scheduled:
+            tokens = r.all_token_ids + r.spec_token_ids  # a guess's K/V: the prefix it guesses
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
                 block = self.bm.blocks[r.block_table[pos // self.bm.block_size]]
                 assert block.ref_cnt == 1 and block.key is None  # never write a shared/cached block
                 s = self.slot(r, pos)
                 assert s not in written
                 written.add(s)
-                self.slots[s] = tuple(r.all_token_ids[: pos + 1])
+                self.slots[s] = tuple(tokens[: pos + 1])
 
 
 def step(sched: Scheduler, token=lambda r: 7) -> SchedulerOutput:
@@ -111,6 +112,45 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_with_decodes():
         assert out.num_batched_tokens <= 8
         progress.append(b.num_computed_tokens)
     assert progress == [7, 14, 20] and b.num_output_tokens == 1
+    run_all(s)
+
+
+def test_guesses_take_only_the_budget_the_steps_tokens_leave():
+    """A decoding request's guesses are scheduled after every running request's next tokens and the
+    prompts admitted: a prompt's chunks end where they would without guesses (so greedy outputs in a
+    batch do not change with speculation), and the guesses get what is left, or nothing."""
+    s = make(budget=12)
+    a = req("a", 3, 10)
+    s.add_request(a)
+    step(s)  # a decodes from here on
+    b, c = req("b", 5, 2, base=100), req("c", 20, 2, base=200)
+    s.add_request(b)
+    s.add_request(c)
+    a.spec_token_ids[:] = [7] * 6
+    out = s.schedule()
+    assert out.scheduled == [(a, 1), (b, 5), (c, 6)] and a.spec_token_ids == []  # no budget left for them
+    s.fake_kv.run(out)
+    s.update_after_step(out)
+    for r in (a, b):
+        r.append_output_token(7)
+    s.accept_spec_tokens(a, 0)
+    a.spec_token_ids[:] = [7] * 10
+    out = s.schedule()
+    # a's token and b's, c's next chunk (12 - 2 = 10 of its 14 left), then a's guesses: none left again
+    assert out.scheduled == [(a, 1), (b, 1), (c, 10)] and a.spec_token_ids == []
+    s.fake_kv.run(out)
+    s.update_after_step(out)
+    for r in (a, b):
+        r.append_output_token(7)
+    a.spec_token_ids[:] = [7] * 10
+    out = s.schedule()
+    assert out.scheduled == [(a, 1 + 6), (b, 1), (c, 4)] and a.spec_token_ids == [7] * 6  # trimmed to the 6 left
+    s.fake_kv.run(out)
+    s.update_after_step(out)
+    for r in (a, a, a, b, c):  # a: 2 guesses accepted and the token after them
+        r.append_output_token(7)
+    s.accept_spec_tokens(a, 2)
+    assert a.num_computed_tokens == a.num_tokens - 1  # their K/V kept, the rest's slots given back
     run_all(s)
 
 

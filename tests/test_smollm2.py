@@ -97,3 +97,22 @@ def test_greedy_speculation_keeps_plain_decodings_tokens():
     for options in ({"speculative_method": "ngram", "speculative_adaptive": False}, {"speculative_method": "lookahead"}):
         llm = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False, **options)
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected, options
+
+
+def test_greedy_speculation_in_a_batch_keeps_plain_decodings_tokens():
+    """Eight requests at once with a small token budget: prompts are cut into chunks while the first
+    ones decode and guess. Guesses take only the budget the chunks leave, so the chunks, and the
+    greedy tokens, are plain decoding's."""
+    from hearth import LLM, SamplingParams
+
+    code = (DATA / "text-json-decoder.py.txt").read_text().splitlines()
+    options = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=256, progress=False)
+    plain = LLM(str(GGUF), **options)
+    tokenizer = plain.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this Python code exactly:\n\n"
+                                               "```python\n" + "\n".join(code[4 * i : 4 * i + 12]) + "\n```"}], True)
+               for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    ngram = LLM(str(GGUF), speculative_method="ngram", speculative_adaptive=False, **options)
+    assert [o.outputs[0].token_ids for o in ngram.generate(prompts, greedy, use_tqdm=False)] == expected

@@ -32,8 +32,11 @@ Decisions:
   * With chunked prefill off, a request whose remaining tokens exceed the remaining budget
     waits for a later step; if nothing at all has been scheduled in the step it runs
     whole, over the budget, so that a prompt longer than the budget never hangs.
-  * Guesses are the first thing to give way: they are trimmed to the remaining budget, and
-    dropped (never a reason to preempt anyone) when their blocks cannot be had.
+  * Guesses are the first thing to give way: they are scheduled last, from the budget that
+    the running requests' tokens and the admitted prompts leave, trimmed to it, and dropped
+    (never a reason to preempt anyone) when their blocks cannot be had. So guessing never
+    moves where a prompt's chunks end: with the kernels' arithmetic per row (a row's result
+    does not depend on the rows beside it), greedy outputs in a batch stay plain decoding's.
   * With a model whose every layer attends through a window of W positions (kv_window), a
     request's blocks wholly before its last W - 1 computed tokens are freed each time it is
     scheduled (BlockManager.free_outside_window; at admission, prefix-cache hits behind the
@@ -158,12 +161,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # 1. running requests, in admission order
+        # 1. running requests, in admission order, without their guesses (3.)
+        guessing: list[int] = []  # where in out.scheduled the requests with guesses are
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             self._free_behind_window(request)
-            num_new = self._fit(self._num_unscheduled(request, budget), budget, out)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new != 1:  # guesses follow only the last real token
+                request.spec_token_ids.clear()
+            num_new = self._fit(num_new, budget, out)
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
@@ -172,10 +179,6 @@ class Scheduler:
                 out.finished.append(request)
                 continue
             fits = bm.allocate_slots(request, num_new)
-            if not fits and request.spec_token_ids:  # no room for guesses: plain decoding
-                num_new -= len(request.spec_token_ids)
-                request.spec_token_ids.clear()
-                fits = bm.allocate_slots(request, num_new)
             while not fits:
                 victim = self.running[-1]  # most recently admitted
                 self._preempt(victim)
@@ -184,6 +187,8 @@ class Scheduler:
                     break
                 fits = bm.allocate_slots(request, num_new)
             else:
+                if request.spec_token_ids:
+                    guessing.append(len(out.scheduled))
                 out.scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
@@ -218,6 +223,17 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
 
+        # 3. guesses, from what is left of the budget and within what the whole cache holds
+        for index in guessing:
+            request, num_new = out.scheduled[index]
+            room = bm.num_blocks * bm.block_size - request.num_tokens
+            del request.spec_token_ids[max(min(budget, room), 0):]
+            if request.spec_token_ids and bm.allocate_slots(request, num_new + len(request.spec_token_ids)):
+                out.scheduled[index] = (request, num_new + len(request.spec_token_ids))
+                budget -= len(request.spec_token_ids)
+            else:
+                request.spec_token_ids.clear()
+
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         out.kv_cache_usage = bm.usage
         out.num_running, out.num_waiting = len(self.running), len(self.waiting)
@@ -250,16 +266,6 @@ class Scheduler:
         self.block_manager.free_excess(request, request.num_computed_tokens)
 
     # ---- helpers -------------------------------------------------------------------
-
-    def _num_unscheduled(self, request: Request, budget: int) -> int:
-        """Tokens the request has left to compute, its guesses included: trimmed to the budget
-        and to what the whole cache holds."""
-        num_new = request.num_tokens - request.num_computed_tokens
-        if num_new != 1:  # guesses follow only the last real token
-            request.spec_token_ids.clear()
-        room = self.block_manager.num_blocks * self.block_manager.block_size - request.num_tokens
-        del request.spec_token_ids[max(min(budget - num_new, room), 0):]
-        return num_new + len(request.spec_token_ids)
 
     def _fit(self, num_new: int, budget: int, out: SchedulerOutput) -> int:
         """Tokens to schedule for a request with num_new left, given the remaining budget."""
