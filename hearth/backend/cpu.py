@@ -26,7 +26,7 @@ from hearth.native import build
 # batch, so that a row's result does not depend on the rows and sequences beside it (a verification's
 # rows are those of single-row steps: greedy speculation keeps plain decoding's tokens). Fixed splits
 # measured as fast as whole contexts or faster at batch 1 to 32 and contexts of 512 to 8192
-# (docs/benchmarks.md, "Decode attention's splits").
+# (docs/benchmarks.md, 2026-11-25: "Fixed splits cost nothing").
 DECODE_SPLIT_LEN = 256
 
 
