@@ -81,6 +81,13 @@ def test_chat_knows_the_capital_of_france(monkeypatch, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+def repeat_prompt(tokenizer, first: int, lines: int) -> str:
+    """A chat asking to repeat `lines` lines of json/decoder.py from line `first`: most of the reply is a copy."""
+    code = "\n".join((DATA / "text-json-decoder.py.txt").read_text().splitlines()[first : first + lines])
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this Python code exactly:\n\n```python\n{code}\n```"}], True)
+
+
 def test_greedy_speculation_keeps_plain_decodings_tokens():
     """Asked to repeat a code block, SmolLM2 copies most of it: prompt lookup (every guess it finds)
     and lookahead verify 1 to 9 rows a step. Their greedy tokens are plain decoding's, token for
@@ -88,10 +95,8 @@ def test_greedy_speculation_keeps_plain_decodings_tokens():
     on how many rows its step verifies."""
     from hearth import LLM, SamplingParams
 
-    code = "\n".join((DATA / "text-json-decoder.py.txt").read_text().splitlines()[:24])
     plain = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False)
-    prompt = plain.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": f"Repeat this Python code exactly:\n\n```python\n{code}\n```"}], True)
+    prompt = repeat_prompt(plain.get_tokenizer(), 0, 24)
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     for options in ({"speculative_method": "ngram", "speculative_adaptive": False}, {"speculative_method": "lookahead"}):
@@ -105,13 +110,9 @@ def test_greedy_speculation_in_a_batch_keeps_plain_decodings_tokens():
     greedy tokens, are plain decoding's."""
     from hearth import LLM, SamplingParams
 
-    code = (DATA / "text-json-decoder.py.txt").read_text().splitlines()
     options = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=256, progress=False)
     plain = LLM(str(GGUF), **options)
-    tokenizer = plain.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this Python code exactly:\n\n"
-                                               "```python\n" + "\n".join(code[4 * i : 4 * i + 12]) + "\n```"}], True)
-               for i in range(8)]
+    prompts = [repeat_prompt(plain.get_tokenizer(), 4 * i, 12) for i in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     ngram = LLM(str(GGUF), speculative_method="ngram", speculative_adaptive=False, **options)
