@@ -89,7 +89,7 @@ def hearth_decode(llm, batch: int, input_len: int, output_len: int, rng: random.
 
 def step_bytes(llm, batch: int, context: int) -> int:
     """What a decode step reads: the weights as held on the GPU plus the batch's K/V at `context`."""
-    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.kv_format import kv_bytes_per_element
     from hearth.bench.roofline import model_weight_bytes, step_cost
 
     engine = llm.engine

@@ -51,7 +51,7 @@ def main() -> None:
 
     import torch
 
-    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.kv_format import kv_bytes_per_element
     from hearth.bench.latency import one_run, random_prompts
     from hearth.bench.roofline import (file_weight_bytes, measure_machine, model_weight_bytes, roofline_row,
                                        step_cost)

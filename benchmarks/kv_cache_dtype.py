@@ -32,7 +32,7 @@ FP8 = "fp8_e4m3"  # on the reference backend
 
 
 def capacity(config, budget: int) -> list[list[str]]:
-    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.kv_format import kv_bytes_per_element
 
     rows = []
     for name, kind, itemsize in (("float32", "auto", 4), ("bfloat16", "auto", 2), ("q8_0", "q8_0", 4), (FP8, FP8, 4)):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN
-from hearth.backend.kv_quant import kv_cache_dtype_name
+from hearth.kv_format import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 
 # Guesses per request per step by default: the most; how many of them are made follows the
@@ -436,7 +436,7 @@ class EngineConfig:
     backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
     enforce_eager: bool = False  # gpu backend: no CUDA graphs
     kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float16, q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float16, q8_0, fp8 / fp8_e4m3: hearth/kv_format.py
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from hearth.backend.kv_quant import kv_bytes_per_element, kv_cache_dtype_name
+from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.default_model import resolve_model
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
@@ -20,7 +20,7 @@ def weight_type(weight) -> str:
 
 def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int = 2,
                kv_cache_dtype: str = "auto") -> dict:
-    """kv_cache_dtype: auto (K/V of kv_element_size bytes), float16, q8_0 or fp8 / fp8_e4m3 (hearth/backend/kv_quant.py)."""
+    """kv_cache_dtype: auto (K/V of kv_element_size bytes), float16, q8_0 or fp8 / fp8_e4m3 (hearth/kv_format.py)."""
     path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hearth.backend.kv_quant import check_kv_cache_dtype, kv_cache_dtype_name
+from hearth.kv_format import check_kv_cache_dtype, kv_cache_dtype_name
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.model.transformer import Transformer
 
@@ -28,7 +28,7 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
     """Returns {"perplexity", "nll" (mean negative log-likelihood, nats), "tokens" (scored)}.
 
     max_batch_tokens: windows per forward pass, as many as fit (at least one). kv_cache_dtype: how
-    the windows' K/V are stored (hearth/backend/kv_quant.py), what a quantized cache costs in quality."""
+    the windows' K/V are stored (hearth/kv_format.py), what a quantized cache costs in quality."""
     if context < 2:
         raise ValueError("context must be at least 2 tokens")
     if len(token_ids) < 2:

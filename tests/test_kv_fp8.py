@@ -1,4 +1,4 @@
-"""The fp8 (e4m3) KV cache (hearth/backend/kv_quant.py) on the gpu backend's Triton kernels (under
+"""The fp8 (e4m3) KV cache (hearth/kv_format.py) on the gpu backend's Triton kernels (under
 Triton's interpreter without a GPU: tests/conftest.py): the cache write stores torch's own
 float8_e4m3fn cast of x / scale, saturated; decode (split and whole) and prefill attention read the
 cache as its dequantized values; attention over fp8 stays within e4m3's precision of attention over
@@ -15,7 +15,7 @@ import torch
 from hearth import LLM, SamplingParams
 from hearth.backend import choose_backend
 from hearth.backend.base import AttentionMetadata, Backend, apply_rope
-from hearth.backend.kv_quant import Fp8Cache, quantize_fp8
+from hearth.kv_format import Fp8Cache, quantize_fp8
 from hearth.loading.loader import load_model
 from hearth.perplexity import perplexity
 from test_kv_quant import BLOCK_SIZE, _mixed_step, assert_float32_close

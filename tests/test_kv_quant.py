@@ -1,4 +1,4 @@
-"""The q8_0 KV cache (hearth/backend/kv_quant.py): blocks as gguf-py's Q8_0 quantizer writes them,
+"""The q8_0 KV cache (hearth/kv_format.py): blocks as gguf-py's Q8_0 quantizer writes them,
 attention over them as over gguf's dequantized K/V on every path (reference, CPU kernels, Triton
 under the interpreter), the built-in model's perplexity as with a float cache, the engine's
 matrix, and the tokens a budget holds. The float16 cache (llama.cpp's default): rows rounded as
@@ -16,7 +16,7 @@ import torch
 
 from hearth import LLM, SamplingParams
 from hearth.backend.base import AttentionMetadata, Backend, StepInputs, apply_rope
-from hearth.backend.kv_quant import Q8Cache, dequantize_q8_0, quantize_q8_0
+from hearth.kv_format import Q8Cache, dequantize_q8_0, quantize_q8_0
 from hearth.config import EngineConfig
 from hearth.loading.loader import load_model
 from hearth.perplexity import perplexity

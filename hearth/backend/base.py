@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.backend.kv_quant import KVCache, read_rows, write_rows
+from hearth.kv_format import KVCache, read_rows, write_rows
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -191,7 +191,7 @@ class Backend:
 
     def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """Raises ValueError where this backend cannot write and read a KV cache of `kv_cache_dtype`
-        (kv_quant.KV_CACHE_DTYPES); this one, torch's operations, can every one."""
+        (kv_format.KV_CACHE_DTYPES); this one, torch's operations, can every one."""
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -230,7 +230,7 @@ class Backend:
     def rope_and_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
                           kv_cache: tuple[KVCache, KVCache], slot_mapping: torch.Tensor) -> torch.Tensor:
         """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]; k and v written into their
-        cache slots (quantized where the cache is: kv_quant.py); returns q rotated."""
+        cache slots (quantized where the cache is: hearth/kv_format.py); returns q rotated."""
         k_cache, v_cache = kv_cache
         write_rows(k_cache, slot_mapping, apply_rope(k, rotary))
         write_rows(v_cache, slot_mapping, v)

@@ -4,7 +4,7 @@ Decode attention (a few new rows per sequence: decodes, verifications of guesses
 place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
-with the K/V cache write, are one call each. A float16 or q8_0 KV cache (kv_quant.py) is rounded or
+with the K/V cache write, are one call each. A float16 or q8_0 KV cache (hearth/kv_format.py) is rounded or
 quantized by that write and widened row by row inside the decode kernel. Where every matmul is a QuantLinear on
 the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
 experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hearth.backend.base import AttentionMetadata, Backend
-from hearth.backend.kv_quant import KVCache, Q8Cache, data_pointers
+from hearth.kv_format import KVCache, Q8Cache, data_pointers
 from hearth.native import build
 
 # decode_attention's splits (flash-decoding): the context cut at the multiples of this, whatever the

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
-from hearth.backend.kv_quant import data_pointers
+from hearth.kv_format import data_pointers
 from hearth.backend.cpu import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear

@@ -30,7 +30,7 @@ def _float_list(text: str) -> list[float]:
 
 def _kv_element(args) -> float:
     """Bytes per K or V value of the engine options' KV cache."""
-    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.kv_format import kv_bytes_per_element
     from hearth.engine.memory import choose_device, choose_dtype
 
     return kv_bytes_per_element(args.kv_cache_dtype, choose_dtype(args.dtype, choose_device(args.device)).itemsize)

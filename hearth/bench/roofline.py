@@ -224,7 +224,7 @@ def run_roofline(model_path, batch_sizes: list[int], context: int, dtype: str = 
                  progress: bool = True) -> dict:
     """The `hearth roofline` report: machine, model bytes, a row per phase and batch size;
     with measure, hearth's measured tokens/s and its share of the ceiling."""
-    from hearth.backend.kv_quant import kv_bytes_per_element
+    from hearth.kv_format import kv_bytes_per_element
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.default_model import resolve_model
     from hearth.loading.loader import read_model

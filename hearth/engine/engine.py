@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hearth.backend import choose_backend
-from hearth.backend.kv_quant import check_kv_cache_dtype, kv_bytes_per_element
+from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig
 from hearth.engine.draft import DraftProposer, SecondModel
 from hearth.engine.kv_cache import BlockManager

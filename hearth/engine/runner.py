@@ -24,7 +24,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.base import MAX_DECODE_QUERY_LEN
-from hearth.backend.kv_quant import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
+from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
 from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
                                    exponential_noise, final_distribution, prompt_logprobs, skip_draws)
@@ -106,7 +106,7 @@ class ModelRunner:
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
-        kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/backend/kv_quant.py)
+        kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/kv_format.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's

@@ -18,7 +18,7 @@ folded into the scale) and an fp32 accumulator.
   bottom-right aligned: the new rows of a sequence are its last query_len positions, so a chunk
   attends to its cached prefix.
 
-A q8_0 cache (hearth/backend/kv_quant.py: int8 codes [num_slots, num_kv_heads, head_dim] and
+A q8_0 cache (hearth/kv_format.py: int8 codes [num_slots, num_kv_heads, head_dim] and
 float16 scales [num_slots, num_kv_heads, head_dim / 32]) is read the same way, each tile
 dequantized as it is loaded (code x its block's scale, in float32). An fp8 cache
 (float8_e4m3fn [num_slots, num_kv_heads, head_dim] and one scale per tensor) is loaded as fp8 and
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
+from hearth.kv_format import KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
@@ -119,7 +119,7 @@ def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_pt
     """Keys at context positions `key` [BLOCK_N] (those in [begin, end): no other is loaded) folded
     into the online softmax (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees
     keys from last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score /
-    softcap) (both in the log2-scaled units). KV_FORMAT: what the caches hold (kv_quant.py); q8_0's
+    softcap) (both in the log2-scaled units). KV_FORMAT: what the caches hold (hearth/kv_format.py); q8_0's
     block scales at ks_ptr / vs_ptr. A row may see no key of a tile: its m stays -inf, its sums 0."""
     valid = (key >= begin) & (key < end)
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)

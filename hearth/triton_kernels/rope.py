@@ -7,7 +7,7 @@ slot < 0 (a CUDA graph's padding row) stores nothing. q comes back rotated as a 
 tensor. q, k and v may be strided views of one merged projection output: heads are contiguous
 within a token's row, rows are addressed by their own stride.
 
-A q8_0 cache (hearth/backend/kv_quant.py) gets each head row of k and v quantized in the kernel:
+A q8_0 cache (hearth/kv_format.py) gets each head row of k and v quantized in the kernel:
 the rotated k is built as whole rows (each value with its rotation partner) so that a row's
 blocks of 32 are whole, then d = max|x| / 127 per block and codes round(x / d), halves away from
 zero, as llama.cpp's quantize_row_q8_0_ref.
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.backend.kv_quant import FP8_MAX, KV_FP8, KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
+from hearth.kv_format import FP8_MAX, KV_FP8, KV_Q8_0, Q8_BLOCK, KVCache, cache_operands
 
 _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 _Q8_0 = tl.constexpr(KV_Q8_0)
