@@ -41,3 +41,15 @@ def gather_to_first(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     parts = [torch.empty_like(part) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather(part, parts, dst=0)
     return None if parts is None else [p.to(device) for p in parts]
+
+
+def announce_pass(kv_caches: list[tuple[torch.Tensor, ...]], work) -> None:
+    """Rank 0: tell every worker to run a pass (`work`: what its shard's `run` takes), with the
+    slots and dtype of its caches (a worker's are of its own layers and heads)."""
+    k_cache = kv_caches[0][0]
+    announce("forward", (k_cache.shape[0], k_cache.dtype, work))
+
+
+def announce(command: str, payload) -> None:
+    """Rank 0: a command to every worker ("forward", "logits", "stop"), with what it takes."""
+    dist.broadcast_object_list([(command, payload)], src=0)

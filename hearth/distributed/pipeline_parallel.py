@@ -5,7 +5,7 @@ A transform of the loaded model, as tensor parallelism is: stage s keeps layers
 layers, under the same block tables as every other stage: the engine's KV bookkeeping on rank 0
 counts whole tokens, and each stage stores its own layers' K/V of them. Rank 0, the engine's
 process, is the first stage and also holds the embeddings and the output layer: it schedules,
-computes logits and samples as on one process. The workers (hearth/distributed/workers.py) hold
+computes logits and samples as on one process. The workers (hearth/engine/workers.py) hold
 their layers and the final norm.
 
 A step's pass: rank 0 splits the step's sequences into micro-batches (as many as stages, of
@@ -30,8 +30,7 @@ from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
-from hearth.distributed.collectives import isend, recv, wait
-from hearth.distributed.workers import announce_pass
+from hearth.distributed.collectives import announce_pass, isend, recv, wait
 from hearth.errors import ModelLoadError
 
 LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -10,24 +10,16 @@ on its cluster and restarts when it dies. Either way a replica process dies with
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 
+from hearth.engine.workers import die_with_parent
+
 LISTENING = re.compile(r"^listening\s+(http://\S+?)/v1\b")
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a child process: the kernel sends SIGTERM when the parent goes, however it goes (the
-    parent being the thread that started the child)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ReplicaProcess:

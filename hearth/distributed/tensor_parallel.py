@@ -10,7 +10,7 @@ norms are whole on every rank. With fewer KV heads than ranks, each KV head is h
 whose query heads read it. Quantized GGUF weights are split on block boundaries (by rows: whole
 blocks).
 
-Rank 0 is the engine's own process; ranks 1..N-1 are worker processes (hearth/distributed/workers.py)
+Rank 0 is the engine's own process; ranks 1..N-1 are worker processes (hearth/engine/workers.py)
 that load their slice and wait. Before each forward pass rank 0 broadcasts the step (its host
 arrays) and the KV cache's shape; every worker runs the same pass on its own slice of the KV
 cache, meeting rank 0 at each all-reduce. For logits rank 0 broadcasts the rows of hidden states
@@ -29,8 +29,7 @@ from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
-from hearth.distributed.collectives import gather_to_first
-from hearth.distributed.workers import announce, announce_pass
+from hearth.distributed.collectives import announce, announce_pass, gather_to_first
 from hearth.errors import ModelLoadError
 from hearth.model.transformer import vocabulary_modules
 from hearth.quant import QuantTensor

@@ -63,7 +63,7 @@ class LLMEngine:
                              f"reference backend, or speculative_tree_width 1")
         self.workers, shard = None, None
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-            from hearth.distributed.workers import start_split  # ranks 1..N-1: processes of their own
+            from hearth.engine.workers import start_split  # ranks 1..N-1: processes of their own
 
             model = resolve_model(model)
             self.workers, shard = start_split(model, config.tensor_parallel_size, config.pipeline_parallel_size,

@@ -57,7 +57,7 @@ def load_model(
     shard: TensorShard | PipelineShard | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
-    shard: this process's part of a model split over processes (hearth/distributed/workers.py):
+    shard: this process's part of a model split over processes (hearth/engine/workers.py):
     a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers)."""
     path = resolve_model(path)
     device = torch.device(device)

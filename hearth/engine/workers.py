@@ -1,6 +1,6 @@
 """The worker processes of a model split over ranks (tensor or pipeline parallelism).
 
-Rank 0 is the engine's own process; ranks 1..N-1 are `python -m hearth.distributed.workers`
+Rank 0 is the engine's own process; ranks 1..N-1 are `python -m hearth.engine.workers`
 processes (nothing of the caller's script is imported again) that load their shard of the model
 and then run what rank 0 broadcasts, until it says stop. A shard (TensorShard, PipelineShard)
 says which part of the model a rank holds (`config`, `weights`, `select`, `wrap`: the loader's
@@ -12,7 +12,9 @@ loses rank 0 fails its next collective and exits.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import signal
 import socket
 import subprocess
 import sys
@@ -21,9 +23,17 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from hearth.distributed.replicas import die_with_parent
+from hearth.distributed.collectives import announce
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waiting longer than this: a rank is gone
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child process: the kernel sends SIGTERM when the parent goes, however it goes (the
+    parent being the thread that started the child)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def shard_class(kind: str):
@@ -51,7 +61,7 @@ def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, ma
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     threads = max(1, torch.get_num_threads() // world_size)
-    processes = [subprocess.Popen([sys.executable, "-m", "hearth.distributed.workers", kind, address, str(rank),
+    processes = [subprocess.Popen([sys.executable, "-m", "hearth.engine.workers", kind, address, str(rank),
                                    str(world_size), str(model_path), str(dtype).removeprefix("torch."),
                                    str(max_positions or 0), backend, str(threads), device.type],
                                   stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
@@ -73,18 +83,6 @@ def _join(address: str, rank: int, world_size: int, device_type: str) -> torch.d
         backend = "nccl" if gpus >= world_size else "gloo"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=TIMEOUT)
     return device
-
-
-def announce_pass(kv_caches: list[tuple[torch.Tensor, ...]], work) -> None:
-    """Rank 0: tell every worker to run a pass (`work`: what its shard's `run` takes), with the
-    slots and dtype of its caches (a worker's are of its own layers and heads)."""
-    k_cache = kv_caches[0][0]
-    announce("forward", (k_cache.shape[0], k_cache.dtype, work))
-
-
-def announce(command: str, payload) -> None:
-    """Rank 0: a command to every worker ("forward", "logits", "stop"), with what it takes."""
-    dist.broadcast_object_list([(command, payload)], src=0)
 
 
 class WorkerGroup:
