@@ -1,4 +1,4 @@
-"""Prefill and decode on separate workers (hearth/distributed/disaggregated.py): one engine's outputs."""
+"""Prefill and decode on separate workers (hearth/fleet/disaggregated.py): one engine's outputs."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
-from hearth.distributed.router import Router, build_router_app
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request
+from hearth.fleet.disaggregated import add_role
+from hearth.fleet.router import Router, build_router_app
 from hearth.server.app import build_app
 from hearth.server.served import PREFILL_HEADER
 from models import make_hf_model
@@ -44,8 +45,8 @@ def prefill_and_decode(folder):
     router's URL and the two engines."""
     engines = [AsyncEngine(LLMEngine(folder, EngineConfig(), progress=False)) for _ in range(2)]
     try:
-        with serving(build_app(engines[0], NAME, role="prefill")) as prefill, \
-                serving(build_app(engines[1], NAME, role="decode")) as decode:
+        with serving(add_role(build_app(engines[0], NAME), "prefill")) as prefill, \
+                serving(add_role(build_app(engines[1], NAME), "decode")) as decode:
             router = Router(FixedReplicas([prefill, decode]), prefill_replicas=frozenset({0}))
             with serving(build_router_app(router)) as url:
                 yield url, decode, engines
@@ -148,7 +149,7 @@ def test_hearth_serve_ray_disaggregate_moves_the_kv_through_the_object_store(ray
     try:
         with hearth_serve("--ray", "--ray-address", ray_cluster, "--disaggregate", "--threads", "1",
                           "--served-model-name", NAME) as url, \
-                serving(build_app(engine, NAME, role="decode")) as decode_url:
+                serving(add_role(build_app(engine, NAME), "decode")) as decode_url:
             assert complete_all(url, PROMPTS_RAY[:1], MAX_TOKENS) == expected[:1]
             assert complete_all(url, PROMPTS_RAY, MAX_TOKENS) == expected
             ray_tokens = metric_samples(url, "hearth:kv_transfer_tokens_total", transport="ray")

@@ -1,4 +1,4 @@
-"""Replicas behind one endpoint (hearth/distributed): outputs, prefix routing, a replica that dies."""
+"""Replicas behind one endpoint (hearth/fleet): outputs, prefix routing, a replica that dies."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
-from hearth.distributed.router import Router, build_router_app, prompt_key
-from hearth.distributed.routing import PrefixRouter, prefix_hashes
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
+from hearth.fleet.router import Router, build_router_app, prompt_key
+from hearth.fleet.routing import PrefixRouter, prefix_hashes
 from hearth.server.app import build_app
 from models import make_hf_model
 from test_server import serving

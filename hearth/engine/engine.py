@@ -270,7 +270,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
 
-    # ---- KV handed between engines (hearth/distributed/disaggregated.py) ------------------
+    # ---- KV handed between engines (hearth/fleet/disaggregated.py) ------------------
 
     def export_kv(self, token_ids: list[int]) -> torch.Tensor:
         """The K/V of the cached full blocks that start `token_ids` (short of its last token):

@@ -22,10 +22,9 @@ from hearth.server.served import ServedModel
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
-              limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-              role: str | None = None) -> FastAPI:
-    """role: "prefill" (also serves a prompt's KV to decode workers) or "decode" (pulls a prompt's KV
-    from the prefill worker the router names): hearth/distributed/disaggregated.py."""
+              limits: ServerLimits | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """A prefill or decode worker of a disaggregated set is this app with its role added by the fleet
+    (hearth/fleet/disaggregated.py: add_role)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
@@ -34,11 +33,4 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     install_error_handlers(app)
     for module in (info, tokens, completions, chat, embeddings, page):
         app.include_router(module.router)
-    if role is not None:
-        from hearth.distributed.disaggregated import KVPuller, prefill_routes
-
-        if role == "prefill":
-            app.include_router(prefill_routes)
-        else:
-            app.state.served.kv_puller = KVPuller(app.state.served.metrics.registry, api_key)
     return app

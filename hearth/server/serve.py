@@ -1,33 +1,24 @@
-"""`hearth serve`: load the model, start the engine thread, run the HTTP API under uvicorn.
+"""One engine's HTTP server: load the model, start the engine thread, run the HTTP API under uvicorn.
 
-With --data-parallel-size N (or --ray) the command runs a router instead (hearth/distributed):
-N replicas, each this same command on a free local port, behind one endpoint.
+`hearth serve` is the fleet's (hearth/fleet/launch.py): this server, or with --data-parallel-size N
+(or --ray, --disaggregate) a router in front of N replicas, each of them this same server started
+as a process of its own; the router's app runs under run_uvicorn too.
 
 SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets the open requests finish
 for up to --shutdown-timeout seconds, then cancels them (which aborts them in the engine);
 the engine thread (or the replicas) is stopped and the command exits with status 0.
-
-Only the standard library is imported at module level: the CLI imports this to build its parser.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 
 
-def run_server(args) -> None:
-    from hearth.errors import HearthError
-
-    if args.data_parallel_size < 1:
-        raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
-    if args.prefill_workers < 1:
-        raise HearthError(f"--prefill-workers must be at least 1 (got {args.prefill_workers})")
-    if args.data_parallel_size > 1 or args.ray or args.disaggregate:
-        from hearth.distributed.launch import run_router
-
-        run_router(args)
-        return
+def run_server(args, extend_app: Callable | None = None) -> None:
+    """Serve one engine; extend_app(app), when given, adds to the app before it serves (the fleet's
+    additions: a disaggregated worker's role)."""
     from hearth.cli import _llm
     from hearth.engine.async_engine import AsyncEngine
     from hearth.server.app import build_app
@@ -40,8 +31,9 @@ def run_server(args) -> None:
     engine = _llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
-    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
-                    role=args.role)
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
+    if extend_app is not None:
+        extend_app(app)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")

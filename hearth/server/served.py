@@ -43,7 +43,7 @@ class ServedModel:
         self.vocab_size = engine.vocab_size
         # the format of tool calls in replies: given, or the one the chat template writes
         self.tool_call_parser = tool_call_parser or parser_for(self.tokenizer.chat_template)
-        self.kv_puller = None  # a decode worker's KVPuller (hearth/distributed/disaggregated.py)
+        self.kv_puller = None  # a decode worker's KVPuller (hearth/fleet/disaggregated.py)
 
     # ---- checks
 

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Metric, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hearth.distributed.routing import PrefixRouter
+from hearth.fleet.routing import PrefixRouter
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
 from hearth.server.served import PREFILL_HEADER

@@ -56,7 +56,7 @@ from typing import Annotated
 
 import httpx
 import safetensors.torch
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -203,3 +203,14 @@ class KVPuller:
         self.transfer_seconds.labels(transport.name).observe(done - answered)
         self.prefill_seconds.labels(transport.name).observe(done - start)
         return entered
+
+
+def add_role(app: FastAPI, role: str, api_key: str | None = None) -> FastAPI:
+    """A server's app (hearth.server.app.build_app) made a worker of a disaggregated set: "prefill"
+    (it also serves prompts' KV at /kv/prefill) or "decode" (it pulls a prompt's KV from the prefill
+    worker the router names, sending api_key: the key the set's replicas share)."""
+    if role == "prefill":
+        app.include_router(prefill_routes)
+    else:
+        app.state.served.kv_puller = KVPuller(app.state.served.metrics.registry, api_key)
+    return app

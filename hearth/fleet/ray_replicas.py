@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
-from hearth.distributed.disaggregated import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
-from hearth.distributed.launch import replica_argv
-from hearth.distributed.replicas import ReplicaProcess
+from hearth.fleet.disaggregated import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
+from hearth.fleet.replicas import ReplicaProcess
 
 START_TIMEOUT = 600.0  # seconds a replica may take to load its model
 KV_CONCURRENCY = 64  # prefill_kv calls an actor serves at once (its replica batches their prompts)
@@ -72,8 +72,9 @@ def _actor_class():
 
 
 class RayReplicas:
-    def __init__(self, args, roles: list[str | None]) -> None:
-        """One actor a replica, each started with its role (None, "prefill" or "decode")."""
+    def __init__(self, args, roles: list[str | None], replica_argv: Callable[..., list[str]]) -> None:
+        """One actor a replica, each started with its role (None, "prefill" or "decode") and the
+        arguments replica_argv(args, host, threads, role) gives (launch.py's)."""
         import ray
 
         self._started_ray = not ray.is_initialized()

@@ -1,4 +1,5 @@
-"""`hearth serve --data-parallel-size N` / `--ray` / `--disaggregate`: start the replicas, then the router in front.
+"""`hearth serve`: one server (hearth/server/serve.py), or with --data-parallel-size N / --ray /
+--disaggregate the replicas and then the router in front.
 
 Each replica is `hearth serve` with the user's own arguments, followed by the ones that make it a
 replica (the last occurrence of an option wins): a free port on its machine, a private API key the
@@ -23,10 +24,29 @@ def replica_argv(args, host: str, threads: int | None, role: str | None = None) 
     return argv
 
 
+def run_serve(args) -> None:
+    """`hearth serve`'s command: replicas behind a router, or one server (with its role in a
+    disaggregated set, when --role names one)."""
+    from hearth.server.serve import run_server
+
+    if args.data_parallel_size < 1:
+        raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
+    if args.prefill_workers < 1:
+        raise HearthError(f"--prefill-workers must be at least 1 (got {args.prefill_workers})")
+    if args.data_parallel_size > 1 or args.ray or args.disaggregate:
+        run_router(args)
+    elif args.role is None:
+        run_server(args)
+    else:
+        from hearth.fleet.disaggregated import add_role
+
+        run_server(args, extend_app=lambda app: add_role(app, args.role, args.api_key))
+
+
 def run_router(args) -> None:
     import uvicorn  # noqa: F401 - fail before starting replicas if the server extra is missing
 
-    from hearth.distributed.router import Router, build_router_app, new_replica_key
+    from hearth.fleet.router import Router, build_router_app, new_replica_key
     from hearth.server.limits import ServerLimits
     from hearth.server.serve import run_uvicorn
 
@@ -40,11 +60,11 @@ def run_router(args) -> None:
     if args.disaggregate:
         roles = ["prefill"] * args.prefill_workers + ["decode"] * args.data_parallel_size
     if args.ray:
-        from hearth.distributed.ray_replicas import RayReplicas
+        from hearth.fleet.ray_replicas import RayReplicas
 
-        replicas = RayReplicas(args, roles)
+        replicas = RayReplicas(args, roles, replica_argv)
     else:
-        from hearth.distributed.replicas import LocalReplicas
+        from hearth.fleet.replicas import LocalReplicas
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = max(1, cores // len(roles))
