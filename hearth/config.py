@@ -6,9 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hearth.backend.base import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
+from hearth.kv_format import kv_cache_dtype_name
+
+# A sequence with at most this many new tokens this step (a decode: 1; the verification of k
+# guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
+# longer ones (prompts) take per-sequence SDPA. vLLM calls it the decode threshold.
+MAX_DECODE_QUERY_LEN = 16
 
 # Guesses per request per step by default: the most; how many of them are made follows the
 # request's acceptance and the batch (hearth/engine/speculative.py, num_guesses). The built-in pair

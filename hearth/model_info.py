@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.default_model import resolve_model
+from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 

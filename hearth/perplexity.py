@@ -15,8 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hearth.kv_format import check_kv_cache_dtype, kv_cache_dtype_name
 from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.kv_format import check_kv_cache_dtype, kv_cache_dtype_name
 from hearth.model.transformer import Transformer
 
 BLOCK_SIZE = 16

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCache, read_rows, write_rows
 
 _ACTIVATIONS = {
@@ -89,12 +90,6 @@ class PrefillSequence:
         new, context = self.causal_mask.shape
         rows = torch.arange(context - new, context, device=self.causal_mask.device)[:, None]  # query positions
         return self.causal_mask & (torch.arange(context, device=rows.device)[None, :] > rows - window)
-
-
-# A sequence with at most this many new tokens this step (a decode: 1; the verification of k
-# guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
-# longer ones (prompts) take per-sequence SDPA. vLLM calls it the decode threshold.
-MAX_DECODE_QUERY_LEN = 16
 
 
 @dataclass

@@ -9,7 +9,7 @@ whose steps are otherwise mostly Python) and the model is plain llama-shaped (Si
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
 every layer; K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
 tokens each: a plain decode's one, a verification's guesses and the token before them;
-base.MAX_DECODE_QUERY_LEN) runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules
+config.MAX_DECODE_QUERY_LEN) runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules
 call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
+from hearth.backend.base import AttentionMetadata, StepInputs
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import data_pointers
 from hearth.backend.cpu import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
 from hearth.quant import kernels as quant_kernels

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hearth.backend import StepInputs
-from hearth.backend.base import MAX_DECODE_QUERY_LEN
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
 from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
