@@ -115,7 +115,7 @@ def cmd_make_model(args) -> None:
 
 
 def cmd_roofline(args) -> None:
-    from hearth.bench.roofline import run_roofline
+    from hearth.bench.roofline_report import run_roofline
 
     apply_threads(args)
     engine = {
