@@ -1,7 +1,8 @@
+#!/usr/bin/env python
 """Measure the quantized matmul paths: the numbers behind docs/quantized-matmul.md.
 
-    python -m hearth.quant.kernels.bench paths MODEL.gguf [--rows 1,32,512] [--layers 4]
-    python -m hearth.quant.kernels.bench model MODEL.gguf [--llama-cpp] [--runs 3]
+    python benchmarks/quantized_matmul.py paths MODEL.gguf [--rows 1,32,512] [--layers 4]
+    python benchmarks/quantized_matmul.py model MODEL.gguf [--llama-cpp] [--runs 3]
 
 `paths` runs every candidate over the matmul weights of the first --layers layers of the file
 (more bytes than the last-level cache: the weights stream from DRAM, as in a decode step) and
@@ -20,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import REPO  # noqa: F401 - puts this checkout's hearth first on the path
 
 
 def _best(fn, runs: int) -> float:
@@ -32,39 +34,15 @@ def _best(fn, runs: int) -> float:
     return min(times)
 
 
-def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
-    from hearth.loading.gguf import load_gguf
-    from hearth.quant import QuantTensor, kernels
-    from hearth.quant.linear import PACKED_QTYPES, _torch_matmul
-
-    ext = kernels.extension()
-    config, weights, _ = load_gguf(path, progress=False)
-    chosen = [w for name, w in weights.items() if isinstance(w, QuantTensor)
-              and any(f"layers.{i}." in name for i in range(layers))]
-    stored = sum(w.nbytes for w in chosen)
-    total = sum(w.nbytes for name, w in weights.items() if isinstance(w, QuantTensor) and "embed" not in name)
-    qtype = chosen[0].qtype
-    raw = [(w.data.reshape(w.shape[0], -1), w.shape) for w in chosen]
-    packed = [ext.repack(d, int(qtype), *shape) for d, shape in raw] if ext and qtype in PACKED_QTYPES else None
-    dense = [w.dequantize(torch.float32) for w in chosen]
-    candidates = {
-        "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),
-        "int8_matmul (int8 x, GGUF layout in place)": ext and (lambda x, i: ext.int8_matmul(x, raw[i][0], int(qtype), raw[i][1][0])),
-        "torch: dequantize tiles + F.linear": lambda x, i: _torch_matmul(x, raw[i][0], qtype, raw[i][1][0]),
-        "F.linear fp32 (dense, 4 B/weight)": lambda x, i: F.linear(x, dense[i]),
-        "F.linear bf16 (dense, 2 B/weight)": None,
-        "torch._weight_int8pack_mm (per-row int8)": None,
-        "torch._weight_int4pack_mm_for_cpu (g32)": None,
-    }
-    bf16 = [d.to(torch.bfloat16) for d in dense]
-    candidates["F.linear bf16 (dense, 2 B/weight)"] = lambda x, i: F.linear(x.to(torch.bfloat16), bf16[i])
-    # PyTorch's weight-only kernels need their own (requantized) weights: per-row int8, int4 groups of 32
+def _weight_only_candidates(dense: list[torch.Tensor]) -> dict:
+    """PyTorch's weight-only kernels: they need their own (requantized) weights, per-row int8 and
+    int4 groups of 32."""
     int8 = []
     for d in dense:
         scale = d.abs().amax(1).clamp_min(1e-8) / 127
         int8.append(((d / scale[:, None]).round().to(torch.int8), scale.to(torch.bfloat16)))
-    candidates["torch._weight_int8pack_mm (per-row int8)"] = (
-        lambda x, i: torch._weight_int8pack_mm(x.to(torch.bfloat16), int8[i][0], int8[i][1]))
+    candidates = {"torch._weight_int8pack_mm (per-row int8)":
+                  lambda x, i: torch._weight_int8pack_mm(x.to(torch.bfloat16), int8[i][0], int8[i][1])}
     try:
         int4 = []
         for d in dense:
@@ -81,9 +59,13 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
             lambda x, i: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), int4[i][0], 32, int4[i][1]))
     except Exception as e:  # the op's signature moved between releases
         print(f"(int4pack skipped: {type(e).__name__}: {e})")
-    print(f"{path}: {qtype.name}, {len(chosen)} matrices of the first {layers} layers, {stored / 1e6:.0f} MB stored "
-          f"(whole model {total / 1e9:.2f} GB); {torch.get_num_threads()} threads")
-    elements = sum(w.shape[0] * w.shape[1] for w in chosen)
+    return candidates
+
+
+def _print_rates(candidates: dict, raw: list, rows: list[int], runs: int, stored: int, total: int) -> None:
+    """The table: per path and number of activation rows, the time of one pass over `raw`'s
+    matrices, GB/s of the weights the path reads and the tokens/s of a pass over the whole model."""
+    elements = sum(shape[0] * shape[1] for _, shape in raw)
     bytes_of = {"F.linear fp32": 4 * elements, "F.linear bf16": 2 * elements, "torch._weight_int8pack_mm": elements,
                 "torch._weight_int4pack_mm": elements // 2 + elements // 32 * 4}  # others read the stored blocks
     print("| path | rows | ms / pass | GB/s of its weights | tokens/s equivalent |")
@@ -101,21 +83,42 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
                   f"{m / (seconds * total / stored):.1f} |", flush=True)
 
 
-def model(path: str, runs: int, llama_cpp: bool) -> None:
+def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
+    from hearth.loading.gguf import load_gguf
+    from hearth.quant import QuantTensor, kernels
+    from hearth.quant.linear import PACKED_QTYPES, _torch_matmul
+
+    ext = kernels.extension()
+    config, weights, _ = load_gguf(path, progress=False)
+    chosen = [w for name, w in weights.items() if isinstance(w, QuantTensor)
+              and any(f"layers.{i}." in name for i in range(layers))]
+    stored = sum(w.nbytes for w in chosen)
+    total = sum(w.nbytes for name, w in weights.items() if isinstance(w, QuantTensor) and "embed" not in name)
+    qtype = chosen[0].qtype
+    raw = [(w.data.reshape(w.shape[0], -1), w.shape) for w in chosen]
+    packed = [ext.repack(d, int(qtype), *shape) for d, shape in raw] if ext and qtype in PACKED_QTYPES else None
+    dense = [w.dequantize(torch.float32) for w in chosen]
+    bf16 = [d.to(torch.bfloat16) for d in dense]
+    candidates = {
+        "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),
+        "int8_matmul (int8 x, GGUF layout in place)": ext and (lambda x, i: ext.int8_matmul(x, raw[i][0], int(qtype), raw[i][1][0])),
+        "torch: dequantize tiles + F.linear": lambda x, i: _torch_matmul(x, raw[i][0], qtype, raw[i][1][0]),
+        "F.linear fp32 (dense, 4 B/weight)": lambda x, i: F.linear(x, dense[i]),
+        "F.linear bf16 (dense, 2 B/weight)": lambda x, i: F.linear(x.to(torch.bfloat16), bf16[i]),
+        **_weight_only_candidates(dense),
+    }
+    print(f"{path}: {qtype.name}, {len(chosen)} matrices of the first {layers} layers, {stored / 1e6:.0f} MB stored "
+          f"(whole model {total / 1e9:.2f} GB); {torch.get_num_threads()} threads")
+    _print_rates(candidates, raw, rows, runs, stored, total)
+
+
+def _hearth_tests(net, tokens) -> tuple:
+    """hearth's model (ModelRunner, no engine): (decode(batch, steps) tok/s, prefill() tok/s)."""
     from hearth.engine.runner import BatchEntry, ModelRunner
-    from hearth.loading.loader import load_model
 
-    loaded = load_model(path, progress=False)
-    net = loaded.model
-    block = 16
-    runner = ModelRunner(net, 32 * 8 + 40, block, torch.device("cpu"), torch.float32)
-    vocab = loaded.config.vocab_size
-    g = torch.Generator().manual_seed(0)
+    runner = ModelRunner(net, 32 * 8 + 40, 16, torch.device("cpu"), torch.float32)
 
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-    def hearth_decode(batch: int, steps: int = 16, context: int = 64) -> float:
+    def decode(batch: int, steps: int = 16, context: int = 64) -> float:
         tables = [list(range(i * 8, (i + 1) * 8)) for i in range(batch)]
         for table in tables:
             runner.forward([BatchEntry(tokens(context), 0, table)])
@@ -125,21 +128,24 @@ def model(path: str, runs: int, llama_cpp: bool) -> None:
             net.compute_logits(hidden[last] if last is not None else hidden)
         return batch * steps / (time.perf_counter() - start)
 
-    def hearth_prefill(n: int = 512) -> float:
+    def prefill(n: int = 512) -> float:
         table = list(range(32 * 8, 32 * 8 + 40))
         start = time.perf_counter()
         hidden, _ = runner.forward([BatchEntry(tokens(n), 0, table)])
         net.compute_logits(hidden[-1:])
         return n / (time.perf_counter() - start)
 
-    llm = None
-    if llama_cpp:
-        import llama_cpp as lc
+    return decode, prefill
 
-        llm = lc.Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                       n_ctx=1024, n_batch=512, verbose=False)
 
-    def cpp_decode(steps: int = 16) -> float:
+def _llama_cpp_tests(path: str, tokens) -> tuple:
+    """llama.cpp (llama-cpp-python) on the same file: (decode() tok/s at batch 1, prefill() tok/s)."""
+    import llama_cpp as lc
+
+    llm = lc.Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                   n_ctx=1024, n_batch=512, verbose=False)
+
+    def decode(steps: int = 16) -> float:
         llm.reset()
         llm.eval(tokens(64))
         start = time.perf_counter()
@@ -147,12 +153,27 @@ def model(path: str, runs: int, llama_cpp: bool) -> None:
             llm.eval([t])
         return steps / (time.perf_counter() - start)
 
-    def cpp_prefill(n: int = 512) -> float:
+    def prefill(n: int = 512) -> float:
         llm.reset()
         start = time.perf_counter()
         llm.eval(tokens(n))
         return n / (time.perf_counter() - start)
 
+    return decode, prefill
+
+
+def model(path: str, runs: int, llama_cpp: bool) -> None:
+    from hearth.loading.loader import load_model
+
+    loaded = load_model(path, progress=False)
+    vocab = loaded.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    hearth_decode, hearth_prefill = _hearth_tests(loaded.model, tokens)
+    cpp_decode, cpp_prefill = _llama_cpp_tests(path, tokens) if llama_cpp else (None, None)
     tests = {"decode B=1": (lambda: hearth_decode(1), cpp_decode), "prefill 512": (hearth_prefill, cpp_prefill),
              "decode B=32 (all)": (lambda: hearth_decode(32, steps=4), None)}
     results: dict[str, list[list[float]]] = {k: [[], []] for k in tests}
@@ -160,7 +181,7 @@ def model(path: str, runs: int, llama_cpp: bool) -> None:
     for _ in range(runs):
         for name, (ours, theirs) in tests.items():
             results[name][0].append(ours())
-            if llm is not None and theirs is not None:
+            if theirs is not None:
                 results[name][1].append(theirs())
     print(f"{path}: {torch.get_num_threads()} threads, medians of {runs} interleaved runs")
     print("| test | hearth tok/s | llama.cpp tok/s |")
