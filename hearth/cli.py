@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     from hearth.server.limits import add_limit_arguments
-    from hearth.fleet.launch import run_serve
+    from hearth.fleet.launch import serve
     from hearth.tool_calls import PARSERS
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this server's part in a disaggregated set: prefill (serves prompts' KV) or decode "
                         "(pulls a prompt's KV from the prefill worker the router names)")
     _add_engine(p)
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=serve)
 
     p = sub.add_parser("tokenize", help="show the tokens of a text")
     _add_model(p)

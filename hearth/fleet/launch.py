@@ -24,7 +24,7 @@ def replica_argv(args, host: str, threads: int | None, role: str | None = None) 
     return argv
 
 
-def run_serve(args) -> None:
+def serve(args) -> None:
     """`hearth serve`'s command: replicas behind a router, or one server (with its role in a
     disaggregated set, when --role names one)."""
     from hearth.server.serve import run_server
