@@ -1,4 +1,5 @@
-"""Architecture facts of a model (ModelConfig), read from an HF config.json or GGUF metadata."""
+"""Architecture facts of a model (ModelConfig), read from an HF config.json or GGUF metadata; the
+engine's options (EngineConfig and its nested configs), each declared once (hearth/options.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hearth.backend.base import MAX_DECODE_QUERY_LEN
-from hearth.backend.kv_quant import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 from hearth.hf_config import (
     experts_from_hf,
@@ -18,6 +17,7 @@ from hearth.hf_config import (
     rope_scaling_from_hf,
     sliding_layers_from_hf,
 )
+from hearth.options import build, option, parse_size, section
 
 # Guesses per request per step by default: the most; how many of them are made follows the
 # request's acceptance and the batch (hearth/engine/speculative.py, num_guesses). The built-in pair
@@ -175,18 +175,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        if not isinstance(archs, list):
-            raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
-        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
-        if arch is None:
-            arch = hf.get("model_type")
-            arch = "gemma3" if arch == "gemma3_text" else arch
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"hearth supports {', '.join(HF_ARCHITECTURES)}"
-            )
+        arch = _architecture_from_hf(hf, where)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -263,6 +252,23 @@ class ModelConfig:
         return self.sliding_window if every_layer else None
 
 
+def _architecture_from_hf(hf: dict[str, Any], where: str) -> str:
+    """The architecture of a config.json: its `architectures`, else its model_type."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    if arch is None:
+        arch = hf.get("model_type")
+        arch = "gemma3" if arch == "gemma3_text" else arch
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"hearth supports {', '.join(HF_ARCHITECTURES)}"
+        )
+    return arch
+
+
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
 # config must not make hearth allocate without limit.
 _SIZE_LIMITS = {
@@ -273,86 +279,173 @@ _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_
 _QUERY_RANK_LIMIT = 1 << 16
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache (vLLM's CacheConfig)."""
+
+    block_size: int = option(16, help="tokens per KV block", cli=False)
+    kv_cache_memory: int | None = option(None, parse=parse_size,
+                                         help="KV cache budget, e.g. 2GiB (default: from free memory)")
+    kv_cache_dtype: str = option(
+        "auto", choices=["auto", "float16", "q8_0", "fp8", "fp8_e4m3"],
+        help="how K and V are stored: auto (the compute dtype), float16 (llama.cpp's default: half a float32 "
+             "cache), q8_0 (llama.cpp's 8-bit blocks: about 2x the tokens of a 16-bit cache, 3.8x of a float32 "
+             "one), fp8 or fp8_e4m3 (one e4m3 byte a value, scale 1.0: 2x the tokens of a 16-bit cache; gpu "
+             "backend, sm_89 and newer)")
+    enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
+                                         help="no reuse of the KV blocks of a prompt's cached prefix")
+
+    def __post_init__(self) -> None:
+        from hearth.backend.kv_quant import kv_cache_dtype_name  # imports torch: not for --help
+
+        _need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
+        _need(self.block_size >= 1, "block_size must be at least 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """What one step may run (vLLM's SchedulerConfig): hearth/engine/scheduler.py."""
+
+    max_num_seqs: int = option(256, help="sequences run at once; the KV cache holds this many contexts "
+                                         "(default %(default)s)")
+    max_num_batched_tokens: int = option(2048, help="tokens one step computes, prompt chunks and decodes "
+                                                    "together")
+    max_model_len: int | None = option(None, help="the longest context in tokens (default: the model's)")
+    enable_chunked_prefill: bool = option(True, flag="--no-chunked-prefill",
+                                          help="a prompt is computed whole in one step, never in chunks")
+
+    def __post_init__(self) -> None:
+        _need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        _need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
+
+
+@dataclass
+class ParallelConfig:
+    """The model split over processes (vLLM's ParallelConfig): docs/distributed.md."""
+
+    tensor_parallel_size: int = option(
+        1, help="split the model over N processes by heads and vocabulary rows (CPUs: gloo; GPUs: NCCL, or "
+                "gloo where ranks share a GPU; docs/distributed.md)")  # hearth/distributed/tensor_parallel.py
+    pipeline_parallel_size: int = option(
+        1, help="split the model's layers into N stages, one process each (docs/distributed.md)")
+
+    def __post_init__(self) -> None:
+        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+        _need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
+        _need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+              "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
+              "pipeline_parallel_size, not both")
+
+    @property
+    def split(self) -> bool:
+        """The model runs over several processes."""
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+
+
+_SPECULATIVE = "speculative decoding"
+
+
 @dataclass
 class EngineConfig:
-    """Budgets and switches of the engine; every field validated loudly."""
+    """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
+    come from here); every field validated loudly."""
 
-    dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16
-    device: str = "auto"  # auto, cpu, cuda
-    backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
-    enforce_eager: bool = False  # gpu backend: no CUDA graphs
-    kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float16, q8_0, fp8 / fp8_e4m3: hearth/backend/kv_quant.py
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
-    pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
+    dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the compute dtype (auto: float32 on a CPU, bfloat16 on a GPU)")
+    device: str = option("auto", help="auto, cpu or cuda")
+    backend: str = option("auto", choices=["auto", "cpu", "gpu", "reference"],
+                          help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
+    enforce_eager: bool = option(False, help="gpu backend: no CUDA graphs")
+    seed: int = option(0, help="the seed of the engine's shared random numbers", cli=False)
+    cache: CacheConfig = section(CacheConfig, "KV cache")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    parallel: ParallelConfig = section(ParallelConfig, "parallelism")
     # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup),
     # "lookahead" (Jacobi window and n-gram pool) or "draft" (a smaller model with the target's
     # vocabulary guesses: speculative_model)
-    speculative_method: str | None = None
-    speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
+    speculative_method: str | None = option(
+        None, choices=["ngram", "lookahead", "draft"], group=_SPECULATIVE,
+        help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
+             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; all "
+             "verified by the model in one pass")
+    speculative_model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
+        None, metavar="PATH", group=_SPECULATIVE,
+        help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
     # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
     # tree of speculative_tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
-    prompt_lookup_max: int = 4  # ngram: the longest match looked for
-    speculative_disable_by_batch_size: int = 32  # running requests at which guessing stops
+    num_speculative_tokens: int | None = option(
+        None, group=_SPECULATIVE,
+        help="the most guesses per request per step (default 8; with token trees as many as fit)")
+    prompt_lookup_min: int = option(2, group=_SPECULATIVE, help="ngram: the shortest match that makes guesses")
+    prompt_lookup_max: int = option(4, group=_SPECULATIVE, help="ngram: the longest match looked for")
+    speculative_disable_by_batch_size: int = option(
+        32, group=_SPECULATIVE,
+        help="running requests at which guessing stops (fewer guesses as the batch grows)")
     # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
     # acceptance or measured speed (deterministic: for tests and measurements)
-    speculative_adaptive: bool = True
+    speculative_adaptive: bool = option(
+        True, flag="--no-speculative-adaptive", group=_SPECULATIVE,
+        help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
     # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
     # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
     # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
-    speculative_tree_width: int = 1
+    speculative_tree_width: int = option(
+        1, metavar="W", group=_SPECULATIVE,
+        help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask (ngram: W "
+             "different earlier matches; draft: its top W first guesses, each followed by its own); W x "
+             "--num-speculative-tokens below 16; 1: one chain")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
-    contrastive_model: str | None = None
+    contrastive_model: str | None = option(
+        None, metavar="PATH", group="contrastive decoding",
+        help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """From flat vLLM-style keywords (max_num_seqs=8, speculative_method="ngram"), each to its nested
+        config; TypeError for an unknown one."""
+        return build(cls, options, "EngineConfig.from_options()")
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
+        _need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        _need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
+        _need(not self.parallel.split or self.cache.kv_cache_dtype == "auto",
+              "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
+              "pipeline parallelism")
+        # a path given as a Path, as a str
+        for name in ("speculative_model", "contrastive_model"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        self._check_speculative()
 
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
-        need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
-        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
-        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
-        need(self.block_size >= 1, "block_size must be at least 1")
-        need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
-        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
-        need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
-        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
-        need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
-             "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
-             "pipeline_parallel_size, not both")
-        need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
-             "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
-             "pipeline parallelism")
-        need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
-             f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
-             f"(token trees of guesses: speculative_tree_width with ngram or draft)")
-        need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
-             "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
-        need((self.speculative_method == "draft") == (self.speculative_model is not None),
-             "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+    def _check_speculative(self) -> None:
+        from hearth.backend.base import MAX_DECODE_QUERY_LEN  # imports torch: not for --help
+
+        _need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
+              f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
+              f"(token trees of guesses: speculative_tree_width with ngram or draft)")
+        _need(self.parallel.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
+              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
+        _need((self.speculative_method == "draft") == (self.speculative_model is not None),
+              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
                                               (MAX_DECODE_QUERY_LEN - 1) // max(1, self.speculative_tree_width))
-        need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
-        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
-        need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
-        need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
-             "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
-        need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
-             f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
-             f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
-             f"{self.num_speculative_tokens}")
+        _need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
+        _need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
+        _need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
+        _need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
+              "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        _need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+              f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
+              f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
+              f"{self.num_speculative_tokens}")

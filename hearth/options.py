@@ -1,0 +1,119 @@
+"""Options declared once: a dataclass field carries its help, and where they differ its keyword and flag.
+
+EngineConfig (hearth/config.py) declares the engine's options with `option(...)` fields, grouped
+in nested dataclasses as vLLM groups them (cache, scheduler, parallel, speculative). Everything
+else is read from that declaration: LLM's flat keywords (`LLM(model, max_num_seqs=8)` goes to
+`config.scheduler.max_num_seqs`: `build`), the CLI's flags and their help (hearth/engine_args.py),
+and the README's table of flags (tests/test_engine_args.py keeps it in step).
+
+A field's keyword is its name unless `keyword=` says otherwise (a nested field whose name alone
+is ambiguous, such as a speculative config's `method`: keyword "speculative_method"); its flag
+is the keyword with dashes unless `flag=` says otherwise (a switch that is on by default:
+`--no-prefix-caching`). Only the standard library is imported: the CLI builds its parser, and
+answers --help, without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def option(default: Any = MISSING, *, help: str, keyword: str | None = None, flag: str | None = None,
+           choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None,
+           metavar: str | None = None, group: str | None = None, cli: bool = True) -> Any:
+    """A dataclass field that is one of the engine's options.
+
+    help: what it does, for --help and the README (argparse's %(default)s may be used); keyword: the
+    flat name of LLM's keyword and of the parsed CLI argument (default: the field's name); flag: the
+    CLI flag (default: --keyword-with-dashes; a switch gives its flag, store_true or store_false
+    following the default); parse: reads the flag's text (default: the default's type); group: the
+    --help section (default: the nested config's); cli: False for an option with no flag.
+    """
+    meta = {"help": help, "keyword": keyword, "flag": flag, "choices": choices, "parse": parse,
+            "metavar": metavar, "group": group, "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+def section(config: type, title: str) -> Any:
+    """A field holding a nested config (its options are flattened into the keywords); `title` heads
+    its options in --help."""
+    return field(default_factory=config, metadata={"group": title})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One declared option: where it sits in the config and how it is named outside."""
+
+    path: tuple[str, ...]  # ("scheduler", "max_num_seqs"): attributes from the top config
+    keyword: str
+    group: str
+    spec: Field
+    kind: type  # of its value: int for `int | None`
+
+    @property
+    def default(self) -> Any:
+        return self.spec.default
+
+    @property
+    def flag(self) -> str:
+        return self.spec.metadata["flag"] or "--" + self.keyword.replace("_", "-")
+
+    def __getattr__(self, name: str) -> Any:  # help, choices, parse, metavar, cli
+        try:
+            return self.spec.metadata[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def declared_options(config: type, group: str = "engine", path: tuple[str, ...] = ()) -> list[Option]:
+    """Every option of `config`, nested configs' included, in declaration order."""
+    found = []
+    hints = typing.get_type_hints(config)
+    for spec in fields(config):
+        if is_dataclass(spec.default_factory):
+            found += declared_options(spec.default_factory, spec.metadata.get("group", spec.name), (*path, spec.name))
+        elif "help" in spec.metadata:
+            kind = next(t for t in typing.get_args(hints[spec.name]) or (hints[spec.name],) if t is not type(None))
+            found.append(Option((*path, spec.name), spec.metadata["keyword"] or spec.name,
+                                spec.metadata["group"] or group, spec, kind))
+    return found
+
+
+def build(config: type, keywords: dict[str, Any], caller: str) -> Any:
+    """A `config` from flat keywords (each to its nested config; unnamed ones at their defaults).
+    TypeError naming an unknown keyword, as Python's own for `caller`."""
+    options = {o.keyword: o for o in declared_options(config)}
+    for keyword in keywords:
+        if keyword not in options:
+            close = difflib.get_close_matches(keyword, options, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{caller} got an unexpected keyword argument {keyword!r}{hint}")
+    values: dict[tuple[str, ...], dict[str, Any]] = {}
+    for keyword, value in keywords.items():
+        path = options[keyword].path
+        values.setdefault(path[:-1], {})[path[-1]] = value
+    return _build(config, (), values)
+
+
+def _build(config: type, path: tuple[str, ...], values: dict[tuple[str, ...], dict[str, Any]]) -> Any:
+    given = dict(values.get(path, {}))
+    for spec in fields(config):
+        if is_dataclass(spec.default_factory):
+            given[spec.name] = _build(spec.default_factory, (*path, spec.name), values)
+    return config(**given)
