@@ -28,8 +28,8 @@ def run_server(args) -> None:
 
         run_router(args)
         return
-    from hearth.cli import _llm
     from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine_args import build_llm
     from hearth.server.app import build_app
     from hearth.server.limits import ServerLimits
 
@@ -37,7 +37,7 @@ def run_server(args) -> None:
         limits = ServerLimits.from_args(args)
     except ValueError as e:
         sys.exit(f"hearth serve: {e}")
-    engine = _llm(args).engine
+    engine = build_llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
     app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
