@@ -285,7 +285,7 @@ def test_unimplemented_methods_and_missing_drafts_are_refused():
     with pytest.raises(ValueError, match="needs speculative_method draft"):
         EngineConfig(speculative_method="ngram", speculative_model="builtin")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
+        EngineConfig.from_options(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="lookahead's guesses are one chain"):
