@@ -10,7 +10,7 @@ from hearth.config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
-from hearth.options import build
+from hearth.options import build, keywords_of
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
 
@@ -30,6 +30,7 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
+    @keywords_of(EngineConfig)
     def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_options: Any):
         """engine_options: the engine's options by their flat names, as vLLM's (max_num_seqs=8,
         kv_cache_memory=1 << 30, speculative_method="ngram", ...), declared once in EngineConfig

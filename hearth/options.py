@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import inspect
 import re
 import typing
 from collections.abc import Callable, Sequence
@@ -93,6 +94,21 @@ def declared_options(config: type, group: str = "engine", path: tuple[str, ...] 
             found.append(Option((*path, spec.name), spec.metadata["keyword"] or spec.name,
                                 spec.metadata["group"] or group, spec, kind))
     return found
+
+
+def keywords_of(config: type) -> Callable[[Callable], Callable]:
+    """A decorator: the function (taking **options for `config`) is shown by help() and IDEs with each
+    option as a keyword, with its type and default, in place of the **options."""
+
+    def show(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+        params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+        params += [inspect.Parameter(o.keyword, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                                     annotation=o.spec.type) for o in declared_options(config)]
+        function.__signature__ = signature.replace(parameters=params)
+        return function
+
+    return show
 
 
 def build(config: type, keywords: dict[str, Any], caller: str) -> Any:

@@ -3,6 +3,7 @@ the replicas' flags and the README's table; `hearth --help` and `--version` star
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from dataclasses import dataclass, fields
@@ -95,7 +96,11 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]
 
 
-def test_llm_names_an_unknown_keyword():
+def test_llm_shows_and_names_its_keywords():
+    shown = inspect.signature(LLM).parameters
+    assert {o.keyword: o.default for o in declared_options(EngineConfig)}.items() <= {
+        name: p.default for name, p in shown.items()}.items()
+    assert list(shown)[:2] == ["model", "progress"]
     with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'max_num_seq' "
                                         r"\(did you mean 'max_num_seqs'\?\)"):
         LLM("model.gguf", max_num_seq=8)
