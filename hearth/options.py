@@ -21,7 +21,7 @@ import inspect
 import re
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -43,7 +43,7 @@ def option(default: Any = MISSING, *, help: str, keyword: str | None = None, fla
     help: what it does, for --help and the README (argparse's %(default)s may be used); keyword: the
     flat name of LLM's keyword and of the parsed CLI argument (default: the field's name); flag: the
     CLI flag (default: --keyword-with-dashes; a switch gives its flag, store_true or store_false
-    following the default); parse: reads the flag's text (default: the default's type); group: the
+    following the default); parse: reads the flag's text (default: the declared type); group: the
     --help section (default: the nested config's); cli: False for an option with no flag.
     """
     meta = {"help": help, "keyword": keyword, "flag": flag, "choices": choices, "parse": parse,
@@ -59,40 +59,42 @@ def section(config: type, title: str) -> Any:
 
 @dataclass(frozen=True)
 class Option:
-    """One declared option: where it sits in the config and how it is named outside."""
+    """One declared option: where it sits in the config, how it is named outside, what it takes."""
 
     path: tuple[str, ...]  # ("scheduler", "max_num_seqs"): attributes from the top config
     keyword: str
+    flag: str
     group: str
-    spec: Field
-    kind: type  # of its value: int for `int | None`
+    hint: Any  # its declared type: int | None
+    default: Any
+    help: str
+    choices: Sequence[Any] | None
+    parse: Callable[[str], Any] | None
+    metavar: str | None
+    cli: bool
 
     @property
-    def default(self) -> Any:
-        return self.spec.default
-
-    @property
-    def flag(self) -> str:
-        return self.spec.metadata["flag"] or "--" + self.keyword.replace("_", "-")
-
-    def __getattr__(self, name: str) -> Any:  # help, choices, parse, metavar, cli
-        try:
-            return self.spec.metadata[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    def kind(self) -> type:
+        """The type of its values: int for `int | None`."""
+        return next(t for t in typing.get_args(self.hint) or (self.hint,) if t is not type(None))
 
 
 def declared_options(config: type, group: str = "engine", path: tuple[str, ...] = ()) -> list[Option]:
-    """Every option of `config`, nested configs' included, in declaration order."""
+    """Every option of `config`, nested configs' included, in declaration order; TypeError for a field
+    declared without option(...)."""
     found = []
     hints = typing.get_type_hints(config)
     for spec in fields(config):
         if is_dataclass(spec.default_factory):
             found += declared_options(spec.default_factory, spec.metadata.get("group", spec.name), (*path, spec.name))
-        elif "help" in spec.metadata:
-            kind = next(t for t in typing.get_args(hints[spec.name]) or (hints[spec.name],) if t is not type(None))
-            found.append(Option((*path, spec.name), spec.metadata["keyword"] or spec.name,
-                                spec.metadata["group"] or group, spec, kind))
+            continue
+        if "help" not in spec.metadata:
+            raise TypeError(f"{config.__name__}.{spec.name}: declare it with option(...), its help included")
+        meta = spec.metadata
+        keyword = meta["keyword"] or spec.name
+        found.append(Option((*path, spec.name), keyword, meta["flag"] or "--" + keyword.replace("_", "-"),
+                            meta["group"] or group, hints[spec.name], spec.default, meta["help"], meta["choices"],
+                            meta["parse"], meta["metavar"], meta["cli"]))
     return found
 
 
@@ -104,7 +106,7 @@ def keywords_of(config: type) -> Callable[[Callable], Callable]:
         signature = inspect.signature(function)
         params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
         params += [inspect.Parameter(o.keyword, inspect.Parameter.KEYWORD_ONLY, default=o.default,
-                                     annotation=o.spec.type) for o in declared_options(config)]
+                                     annotation=o.hint) for o in declared_options(config)]
         function.__signature__ = signature.replace(parameters=params)
         return function
 

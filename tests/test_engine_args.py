@@ -145,3 +145,12 @@ def test_any_nested_dataclass_is_flattened_by_its_declaration():
     assert top == _Top(draft=_Draft(method="ngram", tokens=2))
     with pytest.raises(TypeError, match=r"Top\(\) got an unexpected keyword argument 'method'"):
         build(_Top, {"method": "ngram"}, "Top()")
+
+
+def test_a_field_without_its_help_is_refused():
+    @dataclass
+    class Plain:
+        size: int = 1
+
+    with pytest.raises(TypeError, match=r"Plain.size: declare it with option\(...\), its help included"):
+        declared_options(Plain)
