@@ -17,6 +17,7 @@ from hearth.config import EngineConfig
 from hearth.errors import HearthError
 from hearth.options import Option, declared_options
 
+
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model", nargs="?", default=None,
@@ -36,8 +37,8 @@ def add_option(g, keyword: str, default: Any = None) -> None:
     if isinstance(o.default, bool):
         g.add_argument(o.flag, dest=o.keyword, action="store_false" if o.default else "store_true", help=o.help)
         return
-    g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices, metavar=o.metavar,
-                   help=o.help)
+    g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
+                   metavar=o.metavar, help=o.help)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -48,7 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
         if o.group not in groups:
             groups[o.group] = p.add_argument_group(o.group)
         add_option(groups[o.group], o.keyword, defaults.get(o.keyword))
-    groups["engine"].add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
+    groups["engine"].add_argument("--threads", type=int, default=None,
+                                  help="CPU threads the model runs on (default: every core)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
