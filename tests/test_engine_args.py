@@ -35,7 +35,8 @@ def _without_torch(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["bench", "latency", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"],
+                                  ["bench", "latency", "--help"]])
 def test_help_imports_no_torch(argv):
     done = _without_torch(f"from hearth.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
                           f"    assert e.code == 0, e.code")
@@ -52,7 +53,8 @@ def test_version_is_the_installed_packages_without_torch():
 
 def test_readme_table_is_the_declarations():
     text = README.read_text(encoding="utf-8")
-    start, end = "<!-- engine flags: written by hearth.engine_args.flags_table() -->\n", "\n<!-- end of engine flags -->"
+    start = "<!-- engine flags: written by hearth.engine_args.flags_table() -->\n"
+    end = "\n<!-- end of engine flags -->"
     assert start in text and end in text
     table = text[text.index(start) + len(start):text.index(end)]
     assert table == flags_table(), ("README.md's table of engine flags differs from EngineConfig's declaration: "

@@ -83,7 +83,8 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
         if self.stream and self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError("best_of different from n is not supported with stream=true")
         body = self.model_dump(include=set(SamplingParams.__dataclass_fields__))
-        return SamplingParams.from_openai(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        return SamplingParams.from_openai(body, max_tokens=max_tokens, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs,
                                           structured_outputs=self.structured_outputs_params())
 
     def truncate(self, ids: list[int]) -> list[int]:
