@@ -349,7 +349,68 @@ class ParallelConfig:
         return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
 
 
-_SPECULATIVE = "speculative decoding"
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (hearth/engine/speculative.py), EngineConfig.speculative. The options' flat
+    names (LLM's keywords, the flags) say speculative where the field's own name does not: method is
+    speculative_method, num_speculative_tokens stays num_speculative_tokens."""
+
+    # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool) or "draft" (a
+    # smaller model with the target's vocabulary guesses: model)
+    method: str | None = option(
+        None, keyword="speculative_method", choices=["ngram", "lookahead", "draft"],
+        help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
+             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; all "
+             "verified by the model in one pass")
+    model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
+        None, keyword="speculative_model", metavar="PATH",
+        help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
+    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
+    # tree of tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
+    num_speculative_tokens: int | None = option(
+        None, help="the most guesses per request per step (default 8; with token trees as many as fit)")
+    prompt_lookup_min: int = option(2, help="ngram: the shortest match that makes guesses")
+    prompt_lookup_max: int = option(4, help="ngram: the longest match looked for")
+    disable_by_batch_size: int = option(
+        32, keyword="speculative_disable_by_batch_size",
+        help="running requests at which guessing stops (fewer guesses as the batch grows)")
+    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
+    # acceptance or measured speed (deterministic: for tests and measurements)
+    adaptive: bool = option(
+        True, keyword="speculative_adaptive", flag="--no-speculative-adaptive",
+        help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
+    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
+    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
+    tree_width: int = option(
+        1, keyword="speculative_tree_width", metavar="W",
+        help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask (ngram: W "
+             "different earlier matches; draft: its top W first guesses, each followed by its own); W x "
+             "--num-speculative-tokens below 16; 1: one chain")
+
+    def __post_init__(self) -> None:
+        from hearth.backend.base import MAX_DECODE_QUERY_LEN  # imports torch: not for --help
+
+        _need(self.method in (None, "ngram", "lookahead", "draft"),
+              f"speculative_method {self.method!r} is not implemented: ngram, lookahead or draft "
+              f"(token trees of guesses: speculative_tree_width with ngram or draft)")
+        self.model = None if self.model is None else str(self.model)  # a Path as a str
+        _need((self.method == "draft") == (self.model is not None),
+              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
+                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.tree_width))
+        _need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
+        _need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _need(self.disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
+        _need(self.tree_width >= 1, "speculative_tree_width must be at least 1")
+        _need(self.tree_width == 1 or self.method in ("ngram", "draft"),
+              "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        _need(self.tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+              f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
+              f"rows, its root included, go through the decode kernels), got {self.tree_width} x "
+              f"{self.num_speculative_tokens}")
 
 
 @dataclass
@@ -367,40 +428,7 @@ class EngineConfig:
     cache: CacheConfig = section(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     parallel: ParallelConfig = section(ParallelConfig, "parallelism")
-    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup),
-    # "lookahead" (Jacobi window and n-gram pool) or "draft" (a smaller model with the target's
-    # vocabulary guesses: speculative_model)
-    speculative_method: str | None = option(
-        None, choices=["ngram", "lookahead", "draft"], group=_SPECULATIVE,
-        help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
-             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; all "
-             "verified by the model in one pass")
-    speculative_model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
-        None, metavar="PATH", group=_SPECULATIVE,
-        help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
-    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
-    # tree of speculative_tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
-    num_speculative_tokens: int | None = option(
-        None, group=_SPECULATIVE,
-        help="the most guesses per request per step (default 8; with token trees as many as fit)")
-    prompt_lookup_min: int = option(2, group=_SPECULATIVE, help="ngram: the shortest match that makes guesses")
-    prompt_lookup_max: int = option(4, group=_SPECULATIVE, help="ngram: the longest match looked for")
-    speculative_disable_by_batch_size: int = option(
-        32, group=_SPECULATIVE,
-        help="running requests at which guessing stops (fewer guesses as the batch grows)")
-    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
-    # acceptance or measured speed (deterministic: for tests and measurements)
-    speculative_adaptive: bool = option(
-        True, flag="--no-speculative-adaptive", group=_SPECULATIVE,
-        help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
-    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
-    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
-    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
-    speculative_tree_width: int = option(
-        1, metavar="W", group=_SPECULATIVE,
-        help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask (ngram: W "
-             "different earlier matches; draft: its top W first guesses, each followed by its own); W x "
-             "--num-speculative-tokens below 16; 1: one chain")
+    speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -419,33 +447,7 @@ class EngineConfig:
         _need(not self.parallel.split or self.cache.kv_cache_dtype == "auto",
               "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
               "pipeline parallelism")
-        # a path given as a Path, as a str
-        for name in ("speculative_model", "contrastive_model"):
-            if getattr(self, name) is not None:
-                setattr(self, name, str(getattr(self, name)))
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        from hearth.backend.base import MAX_DECODE_QUERY_LEN  # imports torch: not for --help
-
-        _need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
-              f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
-              f"(token trees of guesses: speculative_tree_width with ngram or draft)")
-        _need(self.parallel.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
+        one_process = self.speculative.model is None and self.contrastive_model is None
+        _need(self.parallel.tensor_parallel_size == 1 or one_process,
               "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
-        _need((self.speculative_method == "draft") == (self.speculative_model is not None),
-              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
-                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.speculative_tree_width))
-        _need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
-        _need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        _need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
-        _need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
-        _need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
-              "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
-        _need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
-              f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
-              f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
-              f"{self.num_speculative_tokens}")
+        self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path

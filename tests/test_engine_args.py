@@ -92,7 +92,7 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
                                 "speculative_adaptive": False, "max_model_len": 64}
     config = EngineConfig.from_options(**given)
     assert (config.cache.enable_prefix_caching, config.scheduler.max_num_seqs, config.cache.kv_cache_memory,
-            config.scheduler.max_model_len, config.speculative_adaptive) == (False, 3, 2 << 30, 64, False)
+            config.scheduler.max_model_len, config.speculative.adaptive) == (False, 3, 2 << 30, 64, False)
     # the replicas' flags: the same options again
     assert engine_options(parser.parse_args(["serve", *engine_argv(**given)])) == given
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]

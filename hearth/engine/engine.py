@@ -57,7 +57,7 @@ class LLMEngine:
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager or split)
         if split and backend.name == "gpu" and self.device.type == "cuda" and not config.enforce_eager:
             logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
-        if config.speculative_tree_width > 1 and not backend.token_trees:
+        if config.speculative.tree_width > 1 and not backend.token_trees:
             raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
                              f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
                              f"reference backend, or speculative_tree_width 1")
@@ -115,14 +115,14 @@ class LLMEngine:
         self.proposer = None
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
         self.speed_gate = SpeedGate()
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                          config.speculative_tree_width)
-        elif config.speculative_method == "lookahead":
+        if config.speculative.method == "ngram":
+            self.proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max,
+                                          config.speculative.tree_width)
+        elif config.speculative.method == "lookahead":
             self.proposer = LookaheadProposer()
-        elif config.speculative_method == "draft":
-            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress),
-                                          config.speculative_tree_width)
+        elif config.speculative.method == "draft":
+            self.proposer = DraftProposer(self._second_model(config.speculative.model, "speculative_model", progress),
+                                          config.speculative.tree_width)
         self.amateur = None  # contrastive decoding's second model
         if config.contrastive_model is not None:
             self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
@@ -375,7 +375,7 @@ class LLMEngine:
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
         config, num_running = self.config, self.scheduler.num_running
-        if config.speculative_adaptive and not self.speed_gate.allow():
+        if config.speculative.adaptive and not self.speed_gate.allow():
             return
         wanted, generators, verified_rows = {}, {}, {}
         for request, sampled in result.sampled.items():
@@ -383,9 +383,9 @@ class LLMEngine:
             if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
                 continue  # opted out, or contrastive (its scores come from one position at a time)
             state = self.output_processor.sequences[request.request_id]
-            k = config.num_speculative_tokens
-            if config.speculative_adaptive:
-                k = num_guesses(state.acceptance, num_running, k, config.speculative_disable_by_batch_size)
+            k = config.speculative.num_speculative_tokens
+            if config.speculative.adaptive:
+                k = num_guesses(state.acceptance, num_running, k, config.speculative.disable_by_batch_size)
             # never past max_tokens (the last guess is followed by one more token) or the context
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)
