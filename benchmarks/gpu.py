@@ -94,7 +94,7 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
     engine = llm.engine
     cost = step_cost(engine.model_config, model_weight_bytes(engine.model), "decode", batch, context,
-                     kv_bytes_per_element(engine.config.kv_cache_dtype, engine.dtype.itemsize))
+                     kv_bytes_per_element(engine.config.cache.kv_cache_dtype, engine.dtype.itemsize))
     return cost.bytes
 
 

@@ -38,7 +38,7 @@ def cache_bytes(model: str, prefixes: list[str], fraction: float) -> int:
     from hearth.engine.engine import LLMEngine
 
     probe = LLMEngine(model, EngineConfig(), progress=False)
-    block = probe.config.block_size
+    block = probe.config.cache.block_size
     blocks = sum(-(-(len(probe.tokenizer.encode(p)) + 16) // block) for p in prefixes) / len(prefixes)
     per_token = probe.model_config.kv_bytes_per_token(probe.dtype.itemsize)
     return int(fraction * len(prefixes) * (blocks + 1) * block * per_token)

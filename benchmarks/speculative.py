@@ -159,7 +159,7 @@ def main() -> None:
         f"- model {Path(args.model).name}"
         + (f", draft {Path(args.speculative_model).name}" if "draft" in methods else "")
         + f"; the task: {task}; greedy, {args.output_len} output tokens, up to "
-        + ", ".join(f"{engines[name].engine.config.num_speculative_tokens} ({name})" for name in methods)
+        + ", ".join(f"{engines[name].engine.config.speculative.num_speculative_tokens} ({name})" for name in methods)
         + f" guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'})"
         + (f", trees of {args.speculative_tree_width} branches" if len(widths) > 1 else "")
         + f"; decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "

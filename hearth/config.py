@@ -1,4 +1,5 @@
-"""Architecture facts of a model (ModelConfig), read from an HF config.json or GGUF metadata."""
+"""Architecture facts of a model (ModelConfig), read from an HF config.json or GGUF metadata; the
+engine's options (EngineConfig and its nested configs), each declared once (hearth/options.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.errors import ModelLoadError
-from hearth.kv_format import kv_cache_dtype_name
+from hearth.hf_config import (
+    experts_from_hf,
+    gemma2_from_hf,
+    latent_attention_from_hf,
+    no_rope_layers_from_hf,
+    refuse_unimplemented,
+    rope_scaling_from_hf,
+    sliding_layers_from_hf,
+)
+from hearth.options import build, option, parse_size, section
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -170,18 +180,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        if not isinstance(archs, list):
-            raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
-        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
-        if arch is None:
-            arch = hf.get("model_type")
-            arch = "gemma3" if arch == "gemma3_text" else arch
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"hearth supports {', '.join(HF_ARCHITECTURES)}"
-            )
+        arch = _architecture_from_hf(hf, where)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -197,7 +196,7 @@ class ModelConfig:
             if gemma:
                 # transformers runs gemma with the tanh approximation whatever the config says
                 act = "gelu_pytorch_tanh"
-            _refuse_unimplemented(hf, where, arch)
+            refuse_unimplemented(hf, where, arch)
             if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
                 head_dim = int(hf["qk_rope_head_dim"])
             window = hf.get("sliding_window")
@@ -215,20 +214,20 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=_rope_scaling_from_hf(hf, rope, head_dim),
+                rope_scaling=rope_scaling_from_hf(hf, rope, head_dim),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
                 attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=int(window) if window is not None else None,
-                sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
-                no_rope_layers=_no_rope_layers(hf) if arch == "smollm3" else (),
+                sliding_layers=sliding_layers_from_hf(hf, arch) if window is not None else None,
+                no_rope_layers=no_rope_layers_from_hf(hf) if arch == "smollm3" else (),
                 qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
                 norm_weight_offset=1.0 if gemma else 0.0,
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
-                **_gemma2_from_hf(hf, arch, local_rope),
-                **_experts_from_hf(hf, arch),
-                **_latent_attention_from_hf(hf, arch, heads, kv_heads),
+                **gemma2_from_hf(hf, arch, local_rope),
+                **experts_from_hf(hf, arch),
+                **latent_attention_from_hf(hf, arch, heads, kv_heads),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -258,146 +257,21 @@ class ModelConfig:
         return self.sliding_window if every_layer else None
 
 
-def _sliding_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
-    """The layers that attend through the sliding window (None: every layer): config.json's
-    layer_types, else each family's rule as transformers derives it."""
-    layers = int(hf["num_hidden_layers"])
-    kinds = hf.get("layer_types")
-    if kinds is None:
-        pattern = int(hf.get("sliding_window_pattern") or 6)
-        after = int(hf.get("max_window_layers") or 0)
-        local = {
-            "gemma2": lambda i: i % 2 == 0,  # alternating, from a local layer
-            "gemma3": lambda i: (i + 1) % pattern != 0,  # a global layer every `pattern`
-            "qwen2": lambda i: i >= after, "qwen3": lambda i: i >= after,
-            "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < after,
-        }.get(arch)
-        if local is None:
-            return None
-        kinds = ["sliding_attention" if local(i) else "full_attention" for i in range(layers)]
-    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"layer_types = {kinds!r}: expected sliding_attention or full_attention for each layer")
-    return tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
-
-
-def _rope_scaling_from_hf(hf: dict[str, Any], rope: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
-    """The config's RoPE scaling; LongRoPE's (Phi-3's "su" too) made whole: its original context
-    (in the scaling or at the top level), and its attention factor as transformers derives it."""
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if not isinstance(scaling, dict) or (scaling.get("rope_type") or scaling.get("type")) not in ("longrope", "su"):
-        return scaling
-    original = int(scaling.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
-    for name in ("short_factor", "long_factor"):
-        factors = scaling.get(name)
-        if (not isinstance(factors, list) or len(factors) != head_dim // 2
-                or not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors)):
-            raise ModelLoadError(f"rope_scaling.{name}: expected {head_dim // 2} positive numbers")
-    factor = scaling.get("factor") or int(hf.get("max_position_embeddings", 2048)) / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return {"rope_type": "longrope", "short_factor": scaling["short_factor"], "long_factor": scaling["long_factor"],
-            "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
-
-
-def _no_rope_layers(hf: dict[str, Any]) -> tuple[int, ...]:
-    """smollm3's no_rope_layers (1: the layer rotates, 0: it does not), else one NoPE layer every
-    no_rope_layer_interval layers, as transformers derives it."""
-    layers = int(hf["num_hidden_layers"])
-    uses_rope = hf.get("no_rope_layers")
-    if uses_rope is None:
-        interval = int(hf.get("no_rope_layer_interval") or 4)
-        uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(uses_rope) != layers or set(uses_rope) - {0, 1}:
-        raise ModelLoadError(f"no_rope_layers = {uses_rope!r}: expected 0 or 1 for each layer")
-    return tuple(i for i, use in enumerate(uses_rope) if not use)
-
-
-def _gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
-    """The ModelConfig fields of gemma2 and gemma3 (none for other families)."""
-    if arch not in ("gemma2", "gemma3"):
-        return {}
-    local_theta = None
-    if arch == "gemma3":
-        if local_rope is not None:
-            if local_rope.get("rope_type", "default") != "default":
-                raise ModelLoadError(f"RoPE scaling {local_rope.get('rope_type')!r} of the sliding layers is not "
-                                     "implemented by hearth")
-            local_theta = float(local_rope["rope_theta"])
-        else:
-            local_theta = float(hf.get("rope_local_base_freq") or 10000.0)
-    capping = {name: float(hf[name]) if hf.get(name) is not None else None
-               for name in ("attn_logit_softcapping", "final_logit_softcapping")}
-    return dict(
-        local_rope_theta=local_theta,
-        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
-        sandwich_norms=True,
-        **capping,
-    )
-
-
-def _experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
-    if arch == "deepseek_v2":
-        return _deepseek_experts_from_hf(hf)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
-        return {}
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    layers = int(hf["num_hidden_layers"])
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense = {int(i) for i in hf.get("mlp_only_layers") or []} | {i for i in range(layers) if (i + 1) % step}
-    return dict(
-        num_experts=experts,
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
-        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
-        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-        dense_mlp_layers=tuple(sorted(dense)) if experts else (),
-    )
-
-
-def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """deepseek_v2's experts as transformers runs them: dense MLPs in the first first_k_dense_replace
-    layers, then the top num_experts_per_tok of n_routed_experts by softmax (greedy, or within the best
-    groups: group_limited_greedy), times routed_scaling_factor, plus n_shared_experts experts' worth of
-    an ungated shared MLP."""
-    # (transformers' default, the values hearth implements); norm_topk_prob: transformers' deepseek_v2
-    # ignores it where DeepSeek's own code renormalises, so that no reference says what true means
-    for name, (default, implemented) in {
-        "topk_method": ("greedy", ("greedy", "group_limited_greedy")), "scoring_func": ("softmax", ("softmax",)),
-        "moe_layer_freq": (1, (1,)), "norm_topk_prob": (False, (False,)),
-    }.items():
-        if hf.get(name, default) not in implemented:
-            raise ModelLoadError(f"{name}={hf.get(name, default)!r} is not implemented by hearth for deepseek_v2")
-    grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
-    experts = int(hf["n_routed_experts"])
-    layers = int(hf["num_hidden_layers"])
-    shared = int(hf.get("n_shared_experts") or 0)
-    return dict(
-        num_experts=experts,
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=False,
-        shared_expert_intermediate_size=shared * int(hf["moe_intermediate_size"]),
-        shared_expert_gated=False,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        dense_mlp_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
-        expert_groups=int(hf["n_group"]) if grouped else 0,
-        topk_groups=int(hf["topk_group"]) if grouped else 0,
-    )
-
-
-def _latent_attention_from_hf(hf: dict[str, Any], arch: str, heads: int, kv_heads: int) -> dict[str, Any]:
-    """deepseek_v2's multi-head latent attention sizes (none for other families)."""
-    if arch != "deepseek_v2":
-        return {}
-    if kv_heads != heads:  # the latent gives every head its own K and V
-        raise ModelLoadError(f"num_key_value_heads = {kv_heads}: multi-head latent attention needs one per head "
-                             f"({heads})")
-    return dict(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-                v_head_dim=int(hf["v_head_dim"]),
-                q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0))  # 1536: transformers' default
+def _architecture_from_hf(hf: dict[str, Any], where: str) -> str:
+    """The architecture of a config.json: its `architectures`, else its model_type."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    if arch is None:
+        arch = hf.get("model_type")
+        arch = "gemma3" if arch == "gemma3_text" else arch
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"hearth supports {', '.join(HF_ARCHITECTURES)}"
+        )
+    return arch
 
 
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile
@@ -410,107 +284,173 @@ _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_
 _QUERY_RANK_LIMIT = 1 << 16
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
-# config.json fields of features hearth does not implement, with the values that switch them off:
-# a config that switches one on is refused, never run without it.
-_INACTIVE_FIELDS = {
-    "partial_rotary_factor": (None, 1, 1.0),
-    "attn_logit_softcapping": (None,),
-    "final_logit_softcapping": (None,),
-    "clip_qkv": (None,),  # olmoe
-    "use_bidirectional_attention": (None, False),  # gemma3's encoder use
-}
-# of those, the ones some families implement
-_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3")}
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
-def _refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
-    rope = hf.get("rope_parameters") or {}  # transformers >= 5 may put the rotary fraction here
-    for name, inactive in _INACTIVE_FIELDS.items():
-        value = hf.get(name, rope.get(name))
-        if value not in inactive and arch not in _IMPLEMENTED_BY.get(name, ()):
-            raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
+@dataclass
+class CacheConfig:
+    """The paged KV cache (vLLM's CacheConfig)."""
+
+    block_size: int = option(16, help="tokens per KV block", cli=False)
+    kv_cache_memory: int | None = option(None, parse=parse_size,
+                                         help="KV cache budget, e.g. 2GiB (default: from free memory)")
+    kv_cache_dtype: str = option(
+        "auto", choices=["auto", "float16", "q8_0", "fp8", "fp8_e4m3"],
+        help="how K and V are stored: auto (the compute dtype), float16 (llama.cpp's default: half a float32 "
+             "cache), q8_0 (llama.cpp's 8-bit blocks: about 2x the tokens of a 16-bit cache, 3.8x of a float32 "
+             "one), fp8 or fp8_e4m3 (one e4m3 byte a value, scale 1.0: 2x the tokens of a 16-bit cache; gpu "
+             "backend, sm_89 and newer)")
+    enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
+                                         help="no reuse of the KV blocks of a prompt's cached prefix")
+
+    def __post_init__(self) -> None:
+        from hearth.kv_format import kv_cache_dtype_name  # imports torch: not for --help
+
+        _need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
+        _need(self.block_size >= 1, "block_size must be at least 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """What one step may run (vLLM's SchedulerConfig): hearth/engine/scheduler.py."""
+
+    max_num_seqs: int = option(256, help="sequences run at once; the KV cache holds this many contexts "
+                                         "(default %(default)s)")
+    max_num_batched_tokens: int = option(2048, help="tokens one step computes, prompt chunks and decodes "
+                                                    "together")
+    max_model_len: int | None = option(None, help="the longest context in tokens (default: the model's)")
+    enable_chunked_prefill: bool = option(True, flag="--no-chunked-prefill",
+                                          help="a prompt is computed whole in one step, never in chunks")
+
+    def __post_init__(self) -> None:
+        _need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        _need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
+
+
+@dataclass
+class ParallelConfig:
+    """The model split over processes (vLLM's ParallelConfig): docs/distributed.md."""
+
+    tensor_parallel_size: int = option(
+        1, help="split the model over N processes by heads and vocabulary rows (CPUs: gloo; GPUs: NCCL, or "
+                "gloo where ranks share a GPU; docs/distributed.md)")  # hearth/distributed/tensor_parallel.py
+    pipeline_parallel_size: int = option(
+        1, help="split the model's layers into N stages, one process each (docs/distributed.md)")
+
+    def __post_init__(self) -> None:
+        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
+        _need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
+        _need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+              "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
+              "pipeline_parallel_size, not both")
+
+    @property
+    def split(self) -> bool:
+        """The model runs over several processes."""
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (hearth/engine/speculative.py), EngineConfig.speculative. The options' flat
+    names (LLM's keywords, the flags) say speculative where the field's own name does not: method is
+    speculative_method, num_speculative_tokens stays num_speculative_tokens."""
+
+    # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool) or "draft" (a
+    # smaller model with the target's vocabulary guesses: model)
+    method: str | None = option(
+        None, keyword="speculative_method", choices=["ngram", "lookahead", "draft"],
+        help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
+             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; all "
+             "verified by the model in one pass")
+    model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
+        None, keyword="speculative_model", metavar="PATH",
+        help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
+    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
+    # tree of tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
+    num_speculative_tokens: int | None = option(
+        None, help="the most guesses per request per step (default 8; with token trees as many as fit)")
+    prompt_lookup_min: int = option(2, help="ngram: the shortest match that makes guesses")
+    prompt_lookup_max: int = option(4, help="ngram: the longest match looked for")
+    disable_by_batch_size: int = option(
+        32, keyword="speculative_disable_by_batch_size",
+        help="running requests at which guessing stops (fewer guesses as the batch grows)")
+    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
+    # acceptance or measured speed (deterministic: for tests and measurements)
+    adaptive: bool = option(
+        True, keyword="speculative_adaptive", flag="--no-speculative-adaptive",
+        help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
+    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
+    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
+    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
+    tree_width: int = option(
+        1, keyword="speculative_tree_width", metavar="W",
+        help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask (ngram: W "
+             "different earlier matches; draft: its top W first guesses, each followed by its own); W x "
+             "--num-speculative-tokens below 16; 1: one chain")
+
+    def __post_init__(self) -> None:
+        _need(self.method in (None, "ngram", "lookahead", "draft"),
+              f"speculative_method {self.method!r} is not implemented: ngram, lookahead or draft "
+              f"(token trees of guesses: speculative_tree_width with ngram or draft)")
+        self.model = None if self.model is None else str(self.model)  # a Path as a str
+        _need((self.method == "draft") == (self.model is not None),
+              "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
+                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.tree_width))
+        _need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
+        _need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _need(self.disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
+        _need(self.tree_width >= 1, "speculative_tree_width must be at least 1")
+        _need(self.tree_width == 1 or self.method in ("ngram", "draft"),
+              "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        _need(self.tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+              f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
+              f"rows, its root included, go through the decode kernels), got {self.tree_width} x "
+              f"{self.num_speculative_tokens}")
 
 
 @dataclass
 class EngineConfig:
-    """Budgets and switches of the engine; every field validated loudly."""
+    """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
+    come from here); every field validated loudly."""
 
-    dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16
-    device: str = "auto"  # auto, cpu, cuda
-    backend: str = "auto"  # auto, cpu, gpu, reference (hearth/backend)
-    enforce_eager: bool = False  # gpu backend: no CUDA graphs
-    kv_cache_memory: int | None = None  # bytes for K/V; None: a default from free memory
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float16, q8_0, fp8 / fp8_e4m3: hearth/kv_format.py
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
-    pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
-    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup),
-    # "lookahead" (Jacobi window and n-gram pool) or "draft" (a smaller model with the target's
-    # vocabulary guesses: speculative_model)
-    speculative_method: str | None = None
-    speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
-    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
-    # tree of speculative_tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
-    prompt_lookup_max: int = 4  # ngram: the longest match looked for
-    speculative_disable_by_batch_size: int = 32  # running requests at which guessing stops
-    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
-    # acceptance or measured speed (deterministic: for tests and measurements)
-    speculative_adaptive: bool = True
-    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
-    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
-    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
-    speculative_tree_width: int = 1
+    dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the compute dtype (auto: float32 on a CPU, bfloat16 on a GPU)")
+    device: str = option("auto", help="auto, cpu or cuda")
+    backend: str = option("auto", choices=["auto", "cpu", "gpu", "reference"],
+                          help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
+    enforce_eager: bool = option(False, help="gpu backend: no CUDA graphs")
+    seed: int = option(0, help="the seed of the engine's shared random numbers", cli=False)
+    cache: CacheConfig = section(CacheConfig, "KV cache")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    parallel: ParallelConfig = section(ParallelConfig, "parallelism")
+    speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
-    contrastive_model: str | None = None
+    contrastive_model: str | None = option(
+        None, metavar="PATH", group="contrastive decoding",
+        help="the amateur model (same vocabulary) for requests with contrastive_weight > 0")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """From flat vLLM-style keywords (max_num_seqs=8, speculative_method="ngram"), each to its nested
+        config; TypeError for an unknown one."""
+        return build(cls, options, "EngineConfig.from_options()")
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
-        need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
-        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
-        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
-        need(self.block_size >= 1, "block_size must be at least 1")
-        need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
-        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
-        need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1")
-        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1")
-        need(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
-             "tensor and pipeline parallelism together are not implemented: give tensor_parallel_size or "
-             "pipeline_parallel_size, not both")
-        need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
-             "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
-             "pipeline parallelism")
-        need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
-             f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
-             f"(token trees of guesses: speculative_tree_width with ngram or draft)")
-        need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
-             "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
-        need((self.speculative_method == "draft") == (self.speculative_model is not None),
-             "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
-                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.speculative_tree_width))
-        need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
-        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
-        need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
-        need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
-             "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
-        need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
-             f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
-             f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
-             f"{self.num_speculative_tokens}")
+        _need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        _need(self.backend in ("auto", "cpu", "gpu", "reference"), f"backend must be auto, cpu, gpu or reference, got {self.backend!r}")
+        _need(not self.parallel.split or self.cache.kv_cache_dtype == "auto",
+              "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
+              "pipeline parallelism")
+        one_process = self.speculative.model is None and self.contrastive_model is None
+        _need(self.parallel.tensor_parallel_size == 1 or one_process,
+              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
+        self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path

@@ -10,6 +10,7 @@ from hearth.config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
+from hearth.options import build, keywords_of
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
 
@@ -29,63 +30,13 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        backend: str = "auto",
-        enforce_eager: bool = False,
-        kv_cache_memory: int | None = None,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        speculative_method: str | None = None,
-        speculative_model: str | None = None,
-        num_speculative_tokens: int | None = None,
-        prompt_lookup_min: int = 2,
-        prompt_lookup_max: int = 4,
-        speculative_disable_by_batch_size: int = 32,
-        speculative_adaptive: bool = True,
-        speculative_tree_width: int = 1,
-        contrastive_model: str | None = None,
-        progress: bool = True,
-    ):
-        config = EngineConfig(
-            dtype=dtype,
-            device=device,
-            backend=backend,
-            enforce_eager=enforce_eager,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            speculative_method=speculative_method,
-            speculative_model=None if speculative_model is None else str(speculative_model),
-            num_speculative_tokens=num_speculative_tokens,
-            prompt_lookup_min=prompt_lookup_min,
-            prompt_lookup_max=prompt_lookup_max,
-            speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-            speculative_adaptive=speculative_adaptive,
-            speculative_tree_width=speculative_tree_width,
-            contrastive_model=None if contrastive_model is None else str(contrastive_model),
-        )
-        self.engine = LLMEngine(model, config, progress)
+    @keywords_of(EngineConfig)
+    def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_options: Any):
+        """engine_options: the engine's options by their flat names, as vLLM's (max_num_seqs=8,
+        kv_cache_memory=1 << 30, speculative_method="ngram", ...), declared once in EngineConfig
+        (hearth/config.py) with their defaults and help; `hearth generate --help` lists them as flags.
+        TypeError for a name that is not one."""
+        self.engine = LLMEngine(model, build(EngineConfig, engine_options, "LLM()"), progress)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

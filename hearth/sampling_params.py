@@ -11,10 +11,12 @@ import enum
 import json
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
-from hearth.errors import RequestError
+from hearth.errors import HearthError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,13 @@ class SamplingType(enum.IntEnum):
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise RequestError(message)
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise HearthError(f"{path}: cannot read: {e.strerror}") from None
 
 
 @dataclass
@@ -74,6 +83,17 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and bool(value.strip())), f"{name} must be a non-empty string.")
+
+    @classmethod
+    def from_cli(cls, args: Any) -> StructuredOutputsParams | None:
+        """From `hearth generate/chat`'s --json-schema FILE, --regex or --grammar FILE (None without them)."""
+        if args.json_schema is not None:
+            return cls(json=_read_text(args.json_schema))
+        if args.regex is not None:
+            return cls(regex=args.regex)
+        if args.grammar is not None:
+            return cls(grammar=_read_text(args.grammar))
+        return None
 
     @property
     def kind(self) -> str:
@@ -135,6 +155,25 @@ class SamplingParams:
     # scores log p_expert - weight * log p_amateur over the tokens with p_expert >= alpha * max p_expert
     contrastive_weight: float = 0.0  # >= 0; 0: off
     contrastive_alpha: float = 0.1  # [0, 1]: the plausibility cut-off
+
+    @classmethod
+    def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
+        """From an OpenAI-style request body (vLLM's extra fields and hearth's included): each field the
+        body has under a SamplingParams name, null meaning the default; `given` (what the route works
+        out itself: max_tokens, logprobs, prompt_logprobs, structured_outputs) wins over the body."""
+        values = {f.name: body[f.name] for f in fields(cls) if body.get(f.name) is not None}
+        if isinstance(values.get("watermark"), Mapping):
+            values["watermark"] = WatermarkParams(**values["watermark"])
+        return cls(**(values | given))
+
+    @classmethod
+    def from_cli(cls, args: Any) -> SamplingParams:
+        """From `hearth generate/chat`'s sampling flags: those named after a field (--max-tokens,
+        --temperature, --top-p, --seed, --stop, ...), the structured-output ones and --watermark-key/-delta."""
+        flags = vars(args)
+        values = {f.name: flags[f.name] for f in fields(cls) if f.name in flags}
+        watermark = None if args.watermark_key is None else WatermarkParams(args.watermark_key, args.watermark_delta)
+        return cls(**values, structured_outputs=StructuredOutputsParams.from_cli(args), watermark=watermark)
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # vLLM: -1 means "no seed"

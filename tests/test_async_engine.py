@@ -22,7 +22,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture
 def engine(folder):
-    engine = AsyncEngine(LLMEngine(folder, EngineConfig(max_num_seqs=4), progress=False))
+    engine = AsyncEngine(LLMEngine(folder, EngineConfig.from_options(max_num_seqs=4), progress=False))
     yield engine
     engine.shutdown()
 
@@ -85,7 +85,7 @@ def test_bad_requests_raise_request_error(engine):
 
 
 def test_queue_full_and_shutdown(folder):
-    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=1), progress=False)
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=1), progress=False)
     step = llm_engine.step
     llm_engine.step = lambda: (time.sleep(0.005), step())[1]  # slow enough to keep a queue
     engine = AsyncEngine(llm_engine, max_queue=1)

@@ -62,7 +62,7 @@ def test_prefill_and_decode_workers_give_one_engines_greedy_outputs(folder, expe
     with prefill_and_decode(folder) as (url, decode_url, (prefill, decode)):
         assert complete_all(url, PROMPTS[:1], MAX_TOKENS) == expected[:1]
         assert complete_all(url, PROMPTS, MAX_TOKENS) == expected
-        tokenizer, block = decode.tokenizer, decode.engine.config.block_size
+        tokenizer, block = decode.tokenizer, decode.engine.config.cache.block_size
         full_blocks = [(len(tokenizer.encode(p)) - 1) // block * block for p in PROMPTS]
         received = metric_samples(decode_url, "hearth:kv_transfer_tokens_total", transport="http")[""]
         # the first prompt twice; prompts sharing leading blocks received them whole
@@ -143,7 +143,7 @@ def test_hearth_serve_ray_disaggregate_moves_the_kv_through_the_object_store(ray
     llm = LLM("builtin", progress=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(PROMPTS_RAY, params, use_tqdm=False)]
-    block = llm.engine.config.block_size
+    block = llm.engine.config.cache.block_size
     full_blocks = [(len(llm.get_tokenizer().encode(p)) - 1) // block * block for p in PROMPTS_RAY]
     engine = AsyncEngine(LLM("builtin", progress=False).engine)  # a cache of its own, empty
     try:

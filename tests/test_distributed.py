@@ -64,7 +64,7 @@ def folder(tmp_path_factory):
 @contextlib.contextmanager
 def replica_servers(folder: Path, count: int, **config):
     """`count` engines of the model, each behind its own in-process server."""
-    engines = [AsyncEngine(LLMEngine(folder, EngineConfig(**config), progress=False)) for _ in range(count)]
+    engines = [AsyncEngine(LLMEngine(folder, EngineConfig.from_options(**config), progress=False)) for _ in range(count)]
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serving(build_app(e, NAME))) for e in engines]
         try:
@@ -147,7 +147,7 @@ def run_shared_prefix_traffic(folder: Path, policy: str) -> float:
     back, and a prefix comes back to the replica holding it only half of the time."""
     prefixes = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(12)) for i in range(16)]
     probe = LLMEngine(folder, EngineConfig(), progress=False)
-    block = probe.config.block_size
+    block = probe.config.cache.block_size
     blocks = max(-(-(len(probe.tokenizer.encode(p + " q0")) + 1) // block) for p in prefixes)
     kv_bytes = 8 * blocks * block * probe.model_config.kv_bytes_per_token(4)
     with replica_servers(folder, 2, kv_cache_memory=kv_bytes) as (urls, engines):

@@ -25,7 +25,7 @@ def served(request, tmp_path_factory):
     arch, pooling = request.param
     folder = make_hf_model(tmp_path_factory.mktemp(f"embed-{arch}") / arch, arch)
     # a small KV cache and token budget: batches of inputs borrow and return blocks
-    engine = AsyncEngine(LLMEngine(folder, EngineConfig(max_num_batched_tokens=32, kv_cache_memory=2**20),
+    engine = AsyncEngine(LLMEngine(folder, EngineConfig.from_options(max_num_batched_tokens=32, kv_cache_memory=2**20),
                                    progress=False))
     with serving(build_app(engine, "tiny")) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), engine, folder, pooling

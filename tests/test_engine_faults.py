@@ -53,7 +53,7 @@ def reference(folder):  # noqa: F811
 
 
 def test_a_failed_step_fails_its_requests_frees_their_blocks_and_the_rest_run_on(folder, reference):  # noqa: F811
-    engine = LLMEngine(folder, EngineConfig(max_num_seqs=2), progress=False)
+    engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=2), progress=False)
     poison_runner(engine, RuntimeError("CUDA error: an illegal memory access was encountered"))
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(f"ok{i}", prompt, greedy())
@@ -85,7 +85,7 @@ def completion(http: httpx.Client, prompt: list[int], stream: bool = False) -> h
 
 
 def test_the_server_answers_500_for_a_failed_step_and_serves_the_next_requests(folder, reference):  # noqa: F811
-    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=1), progress=False)
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=1), progress=False)
     poison_runner(llm_engine, MemoryError("out of memory"))
     engine = AsyncEngine(llm_engine)
     try:
@@ -109,7 +109,7 @@ def test_the_server_answers_500_for_a_failed_step_and_serves_the_next_requests(f
 
 
 def test_a_dead_engine_thread_makes_health_503_and_ends_every_request(folder):  # noqa: F811
-    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=4), progress=False)
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=4), progress=False)
     poison_runner(llm_engine, EngineDied("the engine thread was killed"))
     engine = AsyncEngine(llm_engine)
     try:
@@ -139,7 +139,7 @@ def assert_poison_ends_every_request(engine: AsyncEngine, message: str) -> None:
 
 
 def test_a_step_that_hangs_is_caught_by_the_watchdog_health_503_every_request_ended(folder):  # noqa: F811
-    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=4), progress=False)
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=4), progress=False)
     release = threading.Event()
     forward = llm_engine.runner.forward
 

@@ -90,7 +90,7 @@ def bodies(model) -> st.SearchStrategy[dict]:
 
 @pytest.fixture(scope="module")
 def fuzz_server(folder):  # noqa: F811
-    engine = AsyncEngine(LLMEngine(folder, EngineConfig(max_num_seqs=8), progress=False), max_queue=64)
+    engine = AsyncEngine(LLMEngine(folder, EngineConfig.from_options(max_num_seqs=8), progress=False), max_queue=64)
     limits = ServerLimits(max_output_tokens=16, max_sequences=4, request_timeout=20)  # (16: completions default)
     with serving(build_app(engine, NAME, limits=limits)) as url, httpx.Client(base_url=url, timeout=30) as http:
         yield http, engine

@@ -224,7 +224,7 @@ def test_fp8_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="gpu backend.*q8_0"):
         LLM("builtin", device="cpu", backend="cpu", kv_cache_dtype="fp8", progress=False)
     with pytest.raises(ValueError, match="fp8_e5m2 is not implemented"):
-        EngineConfig(kv_cache_dtype="fp8_e5m2")
+        EngineConfig.from_options(kv_cache_dtype="fp8_e5m2")
     gpu = GpuBackend("cpu")
     gpu.capability = (8, 0)  # an A100
     with pytest.raises(ValueError, match="compute capability 8.9 or newer.*this one is 8.0.*q8_0"):

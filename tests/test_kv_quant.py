@@ -292,10 +292,10 @@ def test_a_budget_holds_about_twice_the_tokens(dtype, ratio):
 
 def test_unsupported_kv_cache_dtypes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="auto, float16, q8_0, fp8 or fp8_e4m3"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig.from_options(kv_cache_dtype="int4")
     for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         with pytest.raises(ValueError, match="not implemented with tensor or pipeline parallelism"):
-            EngineConfig(kv_cache_dtype="q8_0", **split)
+            EngineConfig.from_options(kv_cache_dtype="q8_0", **split)
     folder = make_hf_model(tmp_path / "llama", "llama")  # head_dim 16
     with pytest.raises(ValueError, match="multiple of 32.*16"):
         LLM(folder, kv_cache_dtype="q8_0", progress=False)

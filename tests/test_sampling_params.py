@@ -107,3 +107,43 @@ def test_beam_search_params():
     ]:
         with pytest.raises(ValueError, match=field):
             BeamSearchParams(**kwargs)
+
+
+def test_from_openai_reads_a_request_body_with_nulls_as_defaults():
+    from hearth.sampling_params import StructuredOutputsParams, WatermarkParams
+
+    nulls = {"n": None, "temperature": None, "top_p": None, "top_k": None, "presence_penalty": None, "stop": None,
+             "skip_special_tokens": None, "speculative": None, "contrastive_alpha": None, "model": "m", "stream": True}
+    assert SamplingParams.from_openai(nulls, max_tokens=16) == SamplingParams()
+    body = {"n": 2, "temperature": 0.5, "top_k": 7, "stop": "\n", "logit_bias": {"5": -100}, "seed": 3,
+            "watermark": {"key": 9, "delta": 1.0, "gamma": 0.25}, "speculative": False, "logprobs": True,
+            "max_tokens": 99, "structured_outputs": {"regex": "x"}}
+    regex = StructuredOutputsParams(regex="[0-9]+")
+    p = SamplingParams.from_openai(body, max_tokens=8, logprobs=None, prompt_logprobs=2, structured_outputs=regex)
+    assert (p.n, p.temperature, p.top_k, p.stop, p.logit_bias, p.seed) == (2, 0.5, 7, ["\n"], {5: -100.0}, 3)
+    assert p.watermark == WatermarkParams(9, 1.0, 0.25) and p.speculative is False
+    # what the route worked out wins over the body's own field of that name (chat's logprobs is a bool)
+    assert (p.max_tokens, p.logprobs, p.prompt_logprobs, p.structured_outputs) == (8, None, 2, regex)
+
+
+def test_from_cli_reads_generates_flags(tmp_path):
+    from hearth.cli import build_parser
+    from hearth.errors import HearthError
+    from hearth.sampling_params import StructuredOutputsParams, WatermarkParams
+
+    parse = build_parser().parse_args
+    p = SamplingParams.from_cli(parse(["generate", "--prompt", "x"]))
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.seed, p.stop) == (
+        128, 0.8, 0.95, 0, 0.0, 1.0, None, [])
+    assert (p.structured_outputs, p.watermark, p.contrastive_weight, p.contrastive_alpha) == (None, None, 0.0, 0.1)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "integer"}')
+    p = SamplingParams.from_cli(parse(["chat", "--temperature", "0", "--stop", "a", "--stop", "b", "--seed", "4",
+                                       "--json-schema", str(schema), "--watermark-key", "7", "--top-k", "3"]))
+    assert (p.max_tokens, p.temperature, p.stop, p.seed, p.top_k) == (512, 0.0, ["a", "b"], 4, 0)  # greedy: no top-k
+    assert p.structured_outputs == StructuredOutputsParams(json={"type": "integer"})
+    assert p.watermark == WatermarkParams(7, 2.0)
+    regex = SamplingParams.from_cli(parse(["generate", "--prompt", "x", "--regex", "[a-z]+"]))
+    assert regex.structured_outputs == StructuredOutputsParams(regex="[a-z]+")
+    with pytest.raises(HearthError, match="missing.lark: cannot read"):
+        SamplingParams.from_cli(parse(["generate", "--prompt", "x", "--grammar", str(tmp_path / "missing.lark")]))

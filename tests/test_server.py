@@ -412,7 +412,8 @@ def test_speculative_decoding_metrics_and_opt_out(folder, llm, method):
     options = (dict(speculative_method="ngram", prompt_lookup_min=1) if method == "ngram"
                else dict(speculative_method="draft", speculative_model=str(folder)))
     options |= dict(speculative_tree_width=3) if method.endswith("tree") else {}
-    engine = AsyncEngine(LLMEngine(folder, EngineConfig(speculative_adaptive=False, **options), progress=False))
+    config = EngineConfig.from_options(speculative_adaptive=False, **options)
+    engine = AsyncEngine(LLMEngine(folder, config, progress=False))
     with serving(build_app(engine, NAME, api_key=API_KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
         prompt = "one two three one two three one two"

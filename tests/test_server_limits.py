@@ -285,7 +285,7 @@ def test_hearth_serve_takes_every_limit_as_an_option():
 
 
 def test_slow_server_queue_overflow_is_503_at_once_and_a_gone_client_is_aborted(folder):  # noqa: F811
-    llm_engine = LLMEngine(folder, EngineConfig(max_num_seqs=1), progress=False)
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=1), progress=False)
     step = llm_engine.step
     llm_engine.step = lambda: (time.sleep(0.01), step())[1]  # the tiny model is too quick to keep a queue
     engine = AsyncEngine(llm_engine, max_queue=1)

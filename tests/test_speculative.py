@@ -279,23 +279,24 @@ def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path):
 def test_unimplemented_methods_and_missing_drafts_are_refused():
     for method in ("tree", "eagle"):
         with pytest.raises(ValueError, match="not implemented"):
-            EngineConfig(speculative_method=method)
+            EngineConfig.from_options(speculative_method=method)
     with pytest.raises(ValueError, match="needs a speculative_model"):
-        EngineConfig(speculative_method="draft")
+        EngineConfig.from_options(speculative_method="draft")
     with pytest.raises(ValueError, match="needs speculative_method draft"):
-        EngineConfig(speculative_method="ngram", speculative_model="builtin")
+        EngineConfig.from_options(speculative_method="ngram", speculative_model="builtin")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
+        EngineConfig.from_options(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        EngineConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+        EngineConfig.from_options(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="lookahead's guesses are one chain"):
-        EngineConfig(speculative_method="lookahead", speculative_tree_width=2)
+        EngineConfig.from_options(speculative_method="lookahead", speculative_tree_width=2)
     with pytest.raises(ValueError, match="must be below 16"):
-        EngineConfig(speculative_method="ngram", speculative_tree_width=4, num_speculative_tokens=4)
+        EngineConfig.from_options(speculative_method="ngram", speculative_tree_width=4, num_speculative_tokens=4)
     for width in (1, 3, 4, 15):  # with no count given, a tree gets as many guesses as its rows fit
-        assert width * EngineConfig(speculative_method="ngram", speculative_tree_width=width).num_speculative_tokens < 16
+        config = EngineConfig.from_options(speculative_method="ngram", speculative_tree_width=width)
+        assert width * config.speculative.num_speculative_tokens < 16
     with pytest.raises(ValueError, match="at least 1"):
-        EngineConfig(speculative_method="ngram", speculative_tree_width=0)
+        EngineConfig.from_options(speculative_method="ngram", speculative_tree_width=0)
 
 
 def test_the_gpu_backend_refuses_token_trees(folder):

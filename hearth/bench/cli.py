@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hearth.cli import _add_engine, _add_model, apply_threads, engine_options
+from hearth.engine_args import add_engine_arguments, add_model_argument, apply_threads, build_llm
 
 
 def _int_list(text: str) -> list[int]:
@@ -38,9 +38,6 @@ def _kv_element(args) -> float:
 
 def _llm(args, tokens_needed: int | None, num_seqs: int):
     """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
-    from hearth.llm import LLM
-
-    apply_threads(args)
     kv = args.kv_cache_memory
     if kv is None and tokens_needed is not None:
         from hearth.loading.loader import read_model
@@ -49,8 +46,7 @@ def _llm(args, tokens_needed: int | None, num_seqs: int):
         element = _kv_element(args)
         blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
         kv = config.kv_bytes_per_token(element) * 16 * blocks
-    options = engine_options(args) | {"kv_cache_memory": kv, "max_num_seqs": max(args.max_num_seqs, 1)}
-    return LLM(args.model, **options, progress=not args.json)
+    return build_llm(args, kv_cache_memory=kv, max_num_seqs=max(args.max_num_seqs, 1), progress=not args.json)
 
 
 def _print(report: dict, args, formatter, plot=None) -> None:
@@ -120,8 +116,8 @@ def cmd_roofline(args) -> None:
     apply_threads(args)
     engine = {
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "enable_chunked_prefill": not args.no_chunked_prefill,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
         "max_model_len": args.max_model_len,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
@@ -175,9 +171,15 @@ def add_bench_parsers(sub) -> None:
     """Register `bench` (latency, throughput, serve, make-model) and `roofline` on the hearth parser."""
     bench = sub.add_parser("bench", help="benchmarks: latency, throughput, serve (load generator), make-model")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_latency_and_throughput(bsub)
+    _add_serve(bsub)
+    _add_make_model(bsub)
+    _add_roofline(sub)
 
+
+def _add_latency_and_throughput(bsub) -> None:
     p = bsub.add_parser("latency", help="prefill and decode tokens/s of one batch")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request (default 32)")
     p.add_argument("--batch-size", type=int, default=1)
@@ -185,11 +187,11 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    _add_engine(p)
+    add_engine_arguments(p)
     p.set_defaults(func=cmd_latency)
 
     p = bsub.add_parser("throughput", help="offline throughput of many requests at once")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -197,9 +199,11 @@ def add_bench_parsers(sub) -> None:
                    help="prompts: a text file (one per line) or JSON lines with \"prompt\" (and \"output_len\")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    _add_engine(p)
+    add_engine_arguments(p)
     p.set_defaults(func=cmd_throughput)
 
+
+def _add_serve(bsub) -> None:
     p = bsub.add_parser("serve", help="load generator for any OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="e.g. http://localhost:8000")
     p.add_argument("--model", required=True, help="the model name the server expects")
@@ -222,9 +226,11 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_serve)
 
-    p = bsub.add_parser("make-model", help="random weights in the shapes of a real architecture (HF + GGUF)")
+
+def _add_make_model(bsub) -> None:
     from hearth.bench.models import ARCHS
 
+    p = bsub.add_parser("make-model", help="random weights in the shapes of a real architecture (HF + GGUF)")
     p.add_argument("--arch", required=True, choices=list(ARCHS))
     p.add_argument("--out", required=True, help="folder: OUT/hf and OUT/<arch>-<type>.gguf")
     p.add_argument("--gguf", default="f16,q8_0,q4_0", help="GGUF types to write (comma-separated; '' for none)")
@@ -233,8 +239,10 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_make_model)
 
+
+def _add_roofline(sub) -> None:
     p = sub.add_parser("roofline", help="bytes, FLOPs and the tokens/s ceiling of prefill and decode on this machine")
-    _add_model(p)
+    add_model_argument(p)
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=512, help="prompt length of prefill, cached tokens of decode")
     p.add_argument("--measure", action="store_true", help="also measure hearth and report its share of the ceiling")
@@ -242,5 +250,5 @@ def add_bench_parsers(sub) -> None:
     p.add_argument("--runs", type=int, default=1, help="timed runs per batch size (with --measure)")
     p.add_argument("--plot", default=None, metavar="OUT.png")
     p.add_argument("--json", action="store_true")
-    _add_engine(p)
+    add_engine_arguments(p)
     p.set_defaults(func=cmd_roofline)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from hearth.errors import HearthError
+
+# torch is imported where it is used: the CLI reads ARCHS to build its parser, and --help imports no torch.
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ class ArchSpec:
 
     def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every weight: what hearth's model of this config.json loads."""
+        import torch
+
         from hearth.config import ModelConfig
         from hearth.loading.names import checkpoint_name
         from hearth.model.transformer import Transformer
@@ -244,6 +246,8 @@ def _tokenizer_config(spec: ArchSpec) -> dict[str, Any]:
 # ------------------------------------------------------------------ weights
 
 def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, std: float) -> torch.Tensor:
+    import torch
+
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     if name.endswith(".bias"):
@@ -254,6 +258,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
 def write_hf_folder(spec: ArchSpec, folder: str | Path, seed: int = 0, std: float = 0.02,
                     shard_bytes: int = 2 << 30, progress: bool = True) -> Path:
     """Write `spec` with random bf16 weights as a Hugging Face folder (sharded safetensors)."""
+    import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 

@@ -150,7 +150,7 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.model_path: Path = engine.model_path
-        self._max_num_seqs = engine.config.max_num_seqs
+        self._max_num_seqs = engine.config.scheduler.max_num_seqs
         self._grammars = engine.grammars  # thread-safe: compiles off the engine thread
         self._stats = EngineStats()  # replaced by the engine thread, under _lock
         self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping, _stats

@@ -50,7 +50,7 @@ def embed(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
             raise RequestError(f"an input has {len(ids)} tokens, more than the model's context window "
                                f"of {engine.max_model_len} tokens")
     method = pooling_of(engine.model_config.architecture)
-    budget = max(engine.config.max_num_batched_tokens, max(map(len, prompts)))
+    budget = max(engine.config.scheduler.max_num_batched_tokens, max(map(len, prompts)))
     vectors, batch = [], []
     for ids in prompts:
         if batch and sum(map(len, batch)) + len(ids) > budget:

@@ -53,23 +53,23 @@ class LLMEngine:
         self.dtype = choose_dtype(config.dtype, self.device)
         # A model split over processes runs eagerly: gloo's collectives cannot be captured in a CUDA
         # graph, NCCL's capture is untried (no two GPUs to try it on), and pipeline stages never replay one.
-        split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        split = config.parallel.split
         backend = choose_backend(self.device, self.dtype, config.backend, config.enforce_eager or split)
         if split and backend.name == "gpu" and self.device.type == "cuda" and not config.enforce_eager:
             logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
-        if config.speculative_tree_width > 1 and not backend.token_trees:
+        if config.speculative.tree_width > 1 and not backend.token_trees:
             raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
                              f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
                              f"reference backend, or speculative_tree_width 1")
         self.workers, shard = None, None
-        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        if config.parallel.split:
             from hearth.engine.workers import start_split  # ranks 1..N-1: processes of their own
 
             model = resolve_model(model)
-            self.workers, shard = start_split(model, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                              self.dtype, config.max_model_len, backend.name, self.device)
+            self.workers, shard = start_split(model, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
+                                              self.dtype, config.scheduler.max_model_len, backend.name, self.device)
         try:
-            loaded = load_model(model, self.dtype, self.device, max_positions=config.max_model_len,
+            loaded = load_model(model, self.dtype, self.device, max_positions=config.scheduler.max_model_len,
                                 progress=progress, backend=backend, shard=shard)
         except BaseException:
             if self.workers is not None:
@@ -78,51 +78,51 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         context = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > context:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
-        self.max_model_len = config.max_model_len or context
-        check_kv_cache_dtype(config.kv_cache_dtype, self.model_config, self.model.backend)
-        bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.kv_cache_dtype, self.dtype.itemsize))
+        if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > context:
+            raise ValueError(f"max_model_len {config.scheduler.max_model_len} exceeds the model's context length {context}")
+        self.max_model_len = config.scheduler.max_model_len or context
+        check_kv_cache_dtype(config.cache.kv_cache_dtype, self.model_config, self.model.backend)
+        bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.cache.kv_cache_dtype, self.dtype.itemsize))
         # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
         # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
-        blocks_per_seq = -(-(self.max_model_len + 1) // config.block_size)
-        budget = config.kv_cache_memory or default_kv_cache_memory(
-            self.device, bytes_per_token * config.block_size * blocks_per_seq * config.max_num_seqs
+        blocks_per_seq = -(-(self.max_model_len + 1) // config.cache.block_size)
+        budget = config.cache.kv_cache_memory or default_kv_cache_memory(
+            self.device, bytes_per_token * config.cache.block_size * blocks_per_seq * config.scheduler.max_num_seqs
         )
-        self.num_blocks = max(1, budget // (bytes_per_token * config.block_size))
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_blocks = max(1, budget // (bytes_per_token * config.cache.block_size))
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             kv_window=self.model_config.kv_window,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.dtype,
+        self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
-                                  kv_cache_dtype=config.kv_cache_dtype,
+                                  kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend))
-        self.kv_cache_bytes = self.num_blocks * config.block_size * bytes_per_token
+        self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         if progress:
             print(
                 f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
                 f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds {self.kv_cache_tokens:,} tokens "
-                f"({self.num_blocks:,} blocks of {config.block_size})",
+                f"({self.num_blocks:,} blocks of {config.cache.block_size})",
                 file=sys.stderr,
             )
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.proposer = None
         self.spec_decode_totals = SpecDecodeCounts()  # since the engine started
         self.speed_gate = SpeedGate()
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                          config.speculative_tree_width)
-        elif config.speculative_method == "lookahead":
+        if config.speculative.method == "ngram":
+            self.proposer = NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max,
+                                          config.speculative.tree_width)
+        elif config.speculative.method == "lookahead":
             self.proposer = LookaheadProposer()
-        elif config.speculative_method == "draft":
-            self.proposer = DraftProposer(self._second_model(config.speculative_model, "speculative_model", progress),
-                                          config.speculative_tree_width)
+        elif config.speculative.method == "draft":
+            self.proposer = DraftProposer(self._second_model(config.speculative.model, "speculative_model", progress),
+                                          config.speculative.tree_width)
         self.amateur = None  # contrastive decoding's second model
         if config.contrastive_model is not None:
             self.amateur = self._second_model(config.contrastive_model, "contrastive_model", progress)
@@ -145,12 +145,12 @@ class LLMEngine:
         if config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"{what} {path} has a context of {config.max_position_embeddings:,} tokens, less than "
                              f"max_model_len {self.max_model_len:,}: give a smaller max_model_len")
-        runner = ModelRunner(loaded.model, self.num_blocks, self.config.block_size, self.device, self.dtype,
+        runner = ModelRunner(loaded.model, self.num_blocks, self.config.cache.block_size, self.device, self.dtype,
                              eos_token_ids=self.tokenizer.eos_token_ids)
         if progress:
-            size = self.num_blocks * self.config.block_size * config.kv_bytes_per_token(self.dtype.itemsize)
+            size = self.num_blocks * self.config.cache.block_size * config.kv_bytes_per_token(self.dtype.itemsize)
             print(f"hearth: {what} {config.architecture} model, its KV cache {size / 2**20:.1f} MiB", file=sys.stderr)
-        return SecondModel(runner, self.config.block_size)
+        return SecondModel(runner, self.config.cache.block_size)
 
     def close(self) -> None:
         """Stop the workers of a split model, if any (also done when the engine is collected)."""
@@ -160,11 +160,11 @@ class LLMEngine:
     @property
     def kv_cache_dtype(self) -> str:
         """What K and V are stored as: the compute dtype's name, float16, q8_0 or fp8_e4m3."""
-        return str(self.dtype).removeprefix("torch.") if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
+        return str(self.dtype).removeprefix("torch.") if self.config.cache.kv_cache_dtype == "auto" else self.config.cache.kv_cache_dtype
 
     @property
     def kv_cache_tokens(self) -> int:
-        return self.num_blocks * self.config.block_size
+        return self.num_blocks * self.config.cache.block_size
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class LLMEngine:
         engine's prefix cache, so that a request with that prompt finds them computed; returns the
         tokens entered (blocks already cached here, or with no room left, are not)."""
         self._check_kv_local()
-        block_size, k_cache = self.config.block_size, self.runner.kv_caches[0][0]
+        block_size, k_cache = self.config.cache.block_size, self.runner.kv_caches[0][0]
         if (kv.dim() != 5 or kv.shape[:2] != (len(self.runner.kv_caches), 2) or kv.shape[2] % block_size
                 or kv.shape[3:] != k_cache.shape[1:]):
             raise RequestError(f"KV of shape {tuple(kv.shape)} does not fit this engine's cache "
@@ -298,7 +298,7 @@ class LLMEngine:
     def _check_kv_local(self) -> None:
         if self.workers is not None:
             raise RequestError("KV transfer between engines is not implemented for a model split over processes")
-        if self.config.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
+        if self.config.cache.kv_cache_dtype != "auto" or self.model_config.kv_lora_rank:
             raise RequestError("KV transfer between engines is not implemented for a KV cache in another dtype than the "
                                "compute dtype (float16, q8_0, fp8) or a latent one")
 
@@ -375,7 +375,7 @@ class LLMEngine:
     def _propose(self, result: StepResult) -> None:
         """Guess the next tokens of every request that sampled this step and goes on."""
         config, num_running = self.config, self.scheduler.num_running
-        if config.speculative_adaptive and not self.speed_gate.allow():
+        if config.speculative.adaptive and not self.speed_gate.allow():
             return
         wanted, generators, verified_rows = {}, {}, {}
         for request, sampled in result.sampled.items():
@@ -383,9 +383,9 @@ class LLMEngine:
             if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
                 continue  # opted out, or contrastive (its scores come from one position at a time)
             state = self.output_processor.sequences[request.request_id]
-            k = config.num_speculative_tokens
-            if config.speculative_adaptive:
-                k = num_guesses(state.acceptance, num_running, k, config.speculative_disable_by_batch_size)
+            k = config.speculative.num_speculative_tokens
+            if config.speculative.adaptive:
+                k = num_guesses(state.acceptance, num_running, k, config.speculative.disable_by_batch_size)
             # never past max_tokens (the last guess is followed by one more token) or the context
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - request.num_output_tokens - 1)

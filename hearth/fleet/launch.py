@@ -14,13 +14,15 @@ from hearth.errors import HearthError
 
 
 def replica_argv(args, host: str, threads: int | None, role: str | None = None) -> list[str]:
+    from hearth.engine_args import engine_argv
+
     argv = list(args.argv[1:])  # the user's `serve` arguments, without the subcommand
     argv += ["--host", host, "--port", "0", "--api-key", args.replica_api_key, "--data-parallel-size", "1",
              "--no-ray", "--no-disaggregate", "--no-access-log"]
     if role is not None:
         argv += ["--role", role]
     if args.threads is None and threads is not None:
-        argv += ["--threads", str(threads)]
+        argv += engine_argv(threads=threads)
     return argv
 
 

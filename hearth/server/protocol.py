@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.errors import RequestError
 from hearth.outputs import PositionLogprobs, RequestOutput
-from hearth.sampling_params import SamplingParams, WatermarkParams
+from hearth.sampling_params import SamplingParams
 from hearth.server.structured import StructuredOutputFields
 from hearth.server.tools import template_tool_call
 
@@ -82,33 +82,10 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
                 raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
         if self.stream and self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError("best_of different from n is not supported with stream=true")
-        return SamplingParams(
-            n=1 if self.n is None else self.n,
-            best_of=self.best_of,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            ignore_eos=bool(self.ignore_eos),
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens or 0,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens is not False,
-            logit_bias=self.logit_bias,
-            structured_outputs=self.structured_outputs_params(),
-            watermark=None if self.watermark is None else WatermarkParams(**self.watermark.model_dump()),
-            speculative=self.speculative is not False,
-            contrastive_weight=self.contrastive_weight or 0.0,
-            contrastive_alpha=0.1 if self.contrastive_alpha is None else self.contrastive_alpha,
-        )
+        body = self.model_dump(include=set(SamplingParams.__dataclass_fields__))
+        return SamplingParams.from_openai(body, max_tokens=max_tokens, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs,
+                                          structured_outputs=self.structured_outputs_params())
 
     def truncate(self, ids: list[int]) -> list[int]:
         return ids if self.truncate_prompt_tokens is None else ids[-self.truncate_prompt_tokens:]

@@ -19,8 +19,8 @@ from collections.abc import Callable
 def run_server(args, extend_app: Callable | None = None) -> None:
     """Serve one engine; extend_app(app), when given, adds to the app before it serves (the fleet's
     additions: a disaggregated worker's role)."""
-    from hearth.cli import _llm
     from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine_args import build_llm
     from hearth.server.app import build_app
     from hearth.server.limits import ServerLimits
 
@@ -28,14 +28,14 @@ def run_server(args, extend_app: Callable | None = None) -> None:
         limits = ServerLimits.from_args(args)
     except ValueError as e:
         sys.exit(f"hearth serve: {e}")
-    engine = _llm(args).engine
+    engine = build_llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
     app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
     if extend_app is not None:
         extend_app(app)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
-    print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.block_size}, "
+    print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.cache.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")
     sys.stdout.flush()
     run_uvicorn(app, args, limits, on_stop=async_engine.shutdown)

