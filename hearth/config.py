@@ -166,72 +166,66 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        if not isinstance(archs, list):
-            raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
-        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
-        if arch is None:
-            arch = hf.get("model_type")
-            arch = "gemma3" if arch == "gemma3_text" else arch
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"hearth supports {', '.join(HF_ARCHITECTURES)}"
-            )
+        arch = _hf_architecture(hf, where)
         try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            kv_heads = int(hf.get("num_key_value_heads") or heads)
-            head_dim = int(hf.get("head_dim") or hidden // heads)
-            gemma = arch in GEMMA_ARCHITECTURES
-            # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
-            # (gemma3: one per layer type)
-            rope = hf.get("rope_parameters") or {}
-            local_rope = rope.get("sliding_attention")
-            rope = rope.get("full_attention", rope)
-            act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-            if gemma:
-                # transformers runs gemma with the tanh approximation whatever the config says
-                act = "gelu_pytorch_tanh"
-            _refuse_unimplemented(hf, where, arch)
-            if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
-                head_dim = int(hf["qk_rope_head_dim"])
-            window = hf.get("sliding_window")
-            if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
-                window = None  # their configs carry a window that is switched off
-            return cls(
-                architecture=arch,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=_rope_scaling_from_hf(hf, rope, head_dim),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-                hidden_act=act,
-                attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
-                mlp_bias=bool(hf.get("mlp_bias", False)),
-                sliding_window=int(window) if window is not None else None,
-                sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
-                no_rope_layers=_no_rope_layers(hf) if arch == "smollm3" else (),
-                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
-                norm_weight_offset=1.0 if gemma else 0.0,
-                embedding_scale=math.sqrt(hidden) if gemma else 1.0,
-                **_gemma2_from_hf(hf, arch, local_rope),
-                **_experts_from_hf(hf, arch),
-                **_latent_attention_from_hf(hf, arch, heads, kv_heads),
-            )
+            return cls._from_hf_fields(hf, where, arch)
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
         except ModelLoadError as e:
             raise ModelLoadError(f"{where}: {e}") from None
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
+
+    @classmethod
+    def _from_hf_fields(cls, hf: dict[str, Any], where: str, arch: str) -> "ModelConfig":
+        """from_hf's fields (its errors are from_hf's to word)."""
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        gemma = arch in GEMMA_ARCHITECTURES
+        # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
+        # (gemma3: one per layer type)
+        rope = hf.get("rope_parameters") or {}
+        local_rope = rope.get("sliding_attention")
+        rope = rope.get("full_attention", rope)
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        if gemma:
+            # transformers runs gemma with the tanh approximation whatever the config says
+            act = "gelu_pytorch_tanh"
+        _refuse_unimplemented(hf, where, arch)
+        if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
+            head_dim = int(hf["qk_rope_head_dim"])
+        window = hf.get("sliding_window")
+        if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
+            window = None  # their configs carry a window that is switched off
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=_rope_scaling_from_hf(hf, rope, head_dim),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            hidden_act=act,
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=int(window) if window is not None else None,
+            sliding_layers=_sliding_layers(hf, arch) if window is not None else None,
+            no_rope_layers=_no_rope_layers(hf) if arch == "smollm3" else (),
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
+            norm_weight_offset=1.0 if gemma else 0.0,
+            embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+            **_gemma2_from_hf(hf, arch, local_rope),
+            **_experts_from_hf(hf, arch),
+            **_latent_attention_from_hf(hf, arch, heads, kv_heads),
+        )
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x
@@ -417,6 +411,23 @@ _INACTIVE_FIELDS = {
 }
 # of those, the ones some families implement
 _IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3")}
+
+
+def _hf_architecture(hf: dict[str, Any], where: str) -> str:
+    """hearth's architecture name for a config.json: from its architectures, else its model_type."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    if arch is None:
+        arch = hf.get("model_type")
+        arch = "gemma3" if arch == "gemma3_text" else arch
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"hearth supports {', '.join(HF_ARCHITECTURES)}"
+        )
+    return arch
 
 
 def _refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
