@@ -27,55 +27,67 @@ SHAPES = {  # name: (heads, kv_heads, head_dim)
 }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    set_threads(args.threads)
+    return ap.parse_args()
+
+
+def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, batch: int, context: int,
+              runs: int) -> dict[str, float]:
+    """One shape, batch and context on a shuffled paged cache: microseconds per call of each way, medians."""
     import torch
 
-    from hearth.backend.base import AttentionMetadata, Backend
+    from hearth.backend.base import AttentionMetadata
+
+    block = 16
+    g = torch.Generator().manual_seed(0)
+    blocks = batch * context // block
+    k_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
+    tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(batch, -1)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[],
+        decode_token_index=torch.arange(batch),
+        decode_query_start=torch.arange(batch + 1, dtype=torch.int32), decode_block_tables=tables,
+        decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
+        decode_max_len=context, block_size=block,
+    )
+    ways = {
+        "sdpa": lambda: reference.decode_attention(q, k_cache, v_cache, meta, 0.125),
+        "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
+        "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125),
+    }
+    times = {name: [] for name in ways}
+    for fn in ways.values():
+        fn()  # warm-up (and the SDPA path's slots, computed once per step)
+    for _ in range(runs):
+        for name, fn in ways.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: median(t) * 1e6 for name, t in times.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    set_threads(args.threads)
+    from hearth.backend.base import Backend
     from hearth.backend.cpu import DECODE_SPLIT_LEN, CpuBackend, cpu_kernels
 
     if cpu_kernels() is None:
         sys.exit("the C++ decode attention kernel cannot be built here")
     cpu, reference = CpuBackend(), Backend()
-    block = 16
     rows, data = [], []
     for shape, (heads, kv_heads, head_dim) in SHAPES.items():
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                g = torch.Generator().manual_seed(0)
-                blocks = batch * context // block
-                k_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
-                v_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
-                tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(batch, -1)
-                q = torch.randn(batch, heads, head_dim, generator=g)
-                meta = AttentionMetadata(
-                    slot_mapping=torch.zeros(0, dtype=torch.long), prefills=[],
-                    decode_token_index=torch.arange(batch),
-                    decode_query_start=torch.arange(batch + 1, dtype=torch.int32), decode_block_tables=tables,
-                    decode_context_lens=torch.full((batch,), context, dtype=torch.int32),
-                    decode_max_len=context, block_size=block,
-                )
-                ways = {
-                    "sdpa": lambda: reference.decode_attention(q, k_cache, v_cache, meta, 0.125),
-                    "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
-                    "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125),
-                }
-                times = {name: [] for name in ways}
-                for fn in ways.values():
-                    fn()  # warm-up (and the SDPA path's slots, computed once per step)
-                for _ in range(args.runs):
-                    for name, fn in ways.items():
-                        start = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - start)
-                us = {name: median(t) * 1e6 for name, t in times.items()}
+                us = time_cell(cpu, reference, heads, kv_heads, head_dim, batch, context, args.runs)
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * 4
                 rows.append([shape, batch, context, -(-context // DECODE_SPLIT_LEN), us["sdpa"], us["kernel"], us["split"],
                              us["sdpa"] / us["kernel"], us["kernel"] / us["split"],

@@ -126,13 +126,112 @@ class TransformersRunner:
         return {"tokens_per_s": batch * output_len / (whole - first)}
 
 
-def main() -> None:
+class GpuRun:
+    """The sections of one run: the engines loaded, each figure measured, the table's rows, and the
+    errors of sections that failed (one broken section must not lose the others' figures)."""
+
+    def __init__(self, args: argparse.Namespace, bandwidth: float, files: dict, results: dict) -> None:
+        self.args, self.bandwidth, self.files, self.results = args, bandwidth, files, results
+        self.rng = random.Random(0)
+        self.rows: list[list] = []
+        self.measured: dict[tuple[str, str], float] = {}
+        self.loaded: dict = {}
+
+    def section(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:
+            self.results["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
+            print(f"{name}: FAILED\n{self.results['errors'][name]}", file=sys.stderr, flush=True)
+
+    def load_engines(self, skip: set[str]) -> None:
+        hf = self.files["hf"]
+        engines = {"hearth": lambda: hearth_llm(hf)}
+        if "eager" not in skip:
+            engines["hearth --enforce-eager"] = lambda: hearth_llm(hf, enforce_eager=True)
+        if "fp8" not in skip:
+            engines["hearth --kv-cache-dtype fp8"] = lambda: hearth_llm(hf, kv_cache_dtype="fp8")
+        if "transformers" not in skip:
+            engines["transformers"] = lambda: TransformersRunner(hf)
+        for name, make in engines.items():
+            self.section(f"load {name}", lambda: self.loaded.__setitem__(name, make()))
+
+    def _decode(self, name: str, engine, batch: int, input_len: int, output_len: int) -> dict:
+        if name == "transformers":
+            return engine.decode(batch, input_len, output_len, self.rng)
+        return hearth_decode(engine, batch, input_len, output_len, self.rng)
+
+    def decode_tables(self) -> None:
+        for batch, input_len, output_len in ((1, 128, 256), (64, 128, 128)):
+            for name, engine in self.loaded.items():  # warm-up (graph capture, Triton compilation)
+                self._decode(name, engine, batch, input_len, 8)
+            runs: dict[str, list[float]] = {name: [] for name in self.loaded}
+            for _ in range(self.args.runs):
+                for name, engine in self.loaded.items():
+                    runs[name].append(self._decode(name, engine, batch, input_len, output_len)["tokens_per_s"])
+            for name, values in runs.items():
+                nbytes = step_bytes(self.loaded[name if name != "transformers" else "hearth"], batch,
+                                    input_len + output_len // 2)
+                tok_s = median(values)
+                gb_s = nbytes * tok_s / batch / 1e9
+                self.measured[(f"decode b={batch}", name)] = tok_s
+                self.rows.append([f"decode, batch {batch}", name, tok_s, gb_s, 100 * gb_s / self.bandwidth,
+                                  ", ".join(f"{v:,.0f}" for v in values)])
+            self.results[f"decode_b{batch}"] = runs
+
+    def throughput(self) -> None:
+        from hearth.bench.throughput import run_throughput
+
+        llm = self.loaded["hearth"]
+        run_throughput(llm, 32, 128, 16, progress=False)  # warm-up: graphs of the larger buckets
+        values = [run_throughput(llm, 512, 128, 128, seed=i, progress=False)["output_tokens_per_s"]
+                  for i in range(self.args.runs)]
+        self.measured[("throughput", "hearth")] = median(values)
+        self.rows.append(["512 x (128 + 128), 256 at once: output tok/s", "hearth", median(values), None, None,
+                          ", ".join(f"{v:,.0f}" for v in values)])
+        self.results["throughput_512"] = values
+
+    def gguf(self, kind: str) -> None:
+        llm = hearth_llm(self.files[kind])
+        hearth_decode(llm, 1, 128, 8, self.rng)
+        values = [hearth_decode(llm, 1, 128, 256, self.rng)["tokens_per_s"] for _ in range(self.args.runs)]
+        nbytes = step_bytes(llm, 1, 128 + 128)
+        gb_s = nbytes * median(values) / 1e9
+        self.measured[(f"decode b=1 {kind}", "hearth")] = median(values)
+        self.rows.append([f"decode, batch 1, {kind.upper()} GGUF", "hearth", median(values), gb_s,
+                          100 * gb_s / self.bandwidth, ", ".join(f"{v:,.0f}" for v in values)])
+        self.results[f"decode_b1_{kind}"] = values
+        self.results[f"weight_bytes_{kind}"] = nbytes
+
+    def markdown(self, torch_version: str) -> str:
+        ratios = []
+        for (test, name), value in self.measured.items():
+            if name == "transformers" and (test, "hearth") in self.measured:
+                ratios.append(f"{test}: hearth / transformers = {self.measured[(test, 'hearth')] / value:.2f}x")
+        return "\n".join([
+            f"### hearth on {self.results['device']} ({ARCH} shape, bf16, random weights)",
+            "",
+            f"- device-to-device copy: {self.bandwidth:,.0f} GB/s (read + written); torch {torch_version}",
+            f"- command: `{self.results['command']}`; medians of {self.args.runs} runs, engines interleaved",
+            "",
+            table(["test", "engine", "tokens/s", "GB/s read", "% of copy bandwidth", "runs"], self.rows),
+            "",
+            *[f"- {r}" for r in ratios],
+            *[f"- {name}: failed (see the JSON)" for name in self.results["errors"]],
+        ])
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     ap.add_argument("--work", default="/tmp/hearth-gpu-bench", help="where the model files are made")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: transformers,eager,fp8,throughput,gguf")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     skip = set(filter(None, args.skip.split(",")))
     import torch
 
@@ -143,100 +242,18 @@ def main() -> None:
     start = time.perf_counter()
     files = make_files(Path(args.work))
     print(f"model files made in {time.perf_counter() - start:.0f} s", flush=True)
-    rng = random.Random(0)
-    rows, measured = [], {}
-
-    def section(name: str, fn) -> None:
-        try:
-            fn()
-        except Exception as e:  # one broken section must not lose the others' figures
-            results["errors"][name] = "".join(traceback.format_exception(e))[-3000:]
-            print(f"{name}: FAILED\n{results['errors'][name]}", file=sys.stderr, flush=True)
-
-    engines = {"hearth": lambda: hearth_llm(files["hf"])}
-    if "eager" not in skip:
-        engines["hearth --enforce-eager"] = lambda: hearth_llm(files["hf"], enforce_eager=True)
-    if "fp8" not in skip:
-        engines["hearth --kv-cache-dtype fp8"] = lambda: hearth_llm(files["hf"], kv_cache_dtype="fp8")
-    if "transformers" not in skip:
-        engines["transformers"] = lambda: TransformersRunner(files["hf"])
-    loaded = {}
-    for name, make in engines.items():
-        section(f"load {name}", lambda: loaded.__setitem__(name, make()))
-
-    def decode_tables() -> None:
-        for batch, input_len, output_len in ((1, 128, 256), (64, 128, 128)):
-            for name, engine in loaded.items():  # warm-up (graph capture, Triton compilation)
-                (engine.decode(batch, input_len, 8, rng) if name == "transformers"
-                 else hearth_decode(engine, batch, input_len, 8, rng))
-            runs: dict[str, list[float]] = {name: [] for name in loaded}
-            for _ in range(args.runs):
-                for name, engine in loaded.items():
-                    r = (engine.decode(batch, input_len, output_len, rng) if name == "transformers"
-                         else hearth_decode(engine, batch, input_len, output_len, rng))
-                    runs[name].append(r["tokens_per_s"])
-            for name, values in runs.items():
-                nbytes = step_bytes(loaded[name if name != "transformers" else "hearth"], batch,
-                                    input_len + output_len // 2)
-                tok_s = median(values)
-                gb_s = nbytes * tok_s / batch / 1e9
-                measured[(f"decode b={batch}", name)] = tok_s
-                rows.append([f"decode, batch {batch}", name, tok_s, gb_s, 100 * gb_s / bandwidth,
-                             ", ".join(f"{v:,.0f}" for v in values)])
-            results[f"decode_b{batch}"] = runs
-
-    section("decode", decode_tables)
-
-    def throughput() -> None:
-        from hearth.bench.throughput import run_throughput
-
-        llm = loaded["hearth"]
-        run_throughput(llm, 32, 128, 16, progress=False)  # warm-up: graphs of the larger buckets
-        values = [run_throughput(llm, 512, 128, 128, seed=i, progress=False)["output_tokens_per_s"]
-                  for i in range(args.runs)]
-        measured[("throughput", "hearth")] = median(values)
-        rows.append(["512 x (128 + 128), 256 at once: output tok/s", "hearth", median(values), None, None,
-                     ", ".join(f"{v:,.0f}" for v in values)])
-        results["throughput_512"] = values
-
+    run = GpuRun(args, bandwidth, files, results)
+    run.load_engines(skip)
+    run.section("decode", run.decode_tables)
     if "throughput" not in skip:
-        section("throughput", throughput)
-    for name in list(loaded):
-        del loaded[name]
+        run.section("throughput", run.throughput)
+    run.loaded.clear()
     torch.cuda.empty_cache()
-
-    def gguf(kind: str) -> None:
-        llm = hearth_llm(files[kind])
-        hearth_decode(llm, 1, 128, 8, rng)
-        values = [hearth_decode(llm, 1, 128, 256, rng)["tokens_per_s"] for _ in range(args.runs)]
-        nbytes = step_bytes(llm, 1, 128 + 128)
-        gb_s = nbytes * median(values) / 1e9
-        measured[(f"decode b=1 {kind}", "hearth")] = median(values)
-        rows.append([f"decode, batch 1, {kind.upper()} GGUF", "hearth", median(values), gb_s, 100 * gb_s / bandwidth,
-                     ", ".join(f"{v:,.0f}" for v in values)])
-        results[f"decode_b1_{kind}"] = values
-        results[f"weight_bytes_{kind}"] = nbytes
-
     if "gguf" not in skip:
         for kind in ("q8_0", "q4_k_m"):
             if kind in files:
-                section(f"gguf {kind}", lambda: gguf(kind))
-
-    ratios = []
-    for (test, name), value in measured.items():
-        if name == "transformers" and (test, "hearth") in measured:
-            ratios.append(f"{test}: hearth / transformers = {measured[(test, 'hearth')] / value:.2f}x")
-    markdown = "\n".join([
-        f"### hearth on {results['device']} ({ARCH} shape, bf16, random weights)",
-        "",
-        f"- device-to-device copy: {bandwidth:,.0f} GB/s (read + written); torch {torch.__version__}",
-        f"- command: `{results['command']}`; medians of {args.runs} runs, engines interleaved",
-        "",
-        table(["test", "engine", "tokens/s", "GB/s read", "% of copy bandwidth", "runs"], rows),
-        "",
-        *[f"- {r}" for r in ratios],
-        *[f"- {name}: failed (see the JSON)" for name in results["errors"]],
-    ])
+                run.section(f"gguf {kind}", lambda: run.gguf(kind))
+    markdown = run.markdown(torch.__version__)
     print(markdown)
     if args.out:
         out = Path(args.out)

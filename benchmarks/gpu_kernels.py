@@ -77,28 +77,21 @@ def gemv_sweep(data: dict) -> str:
         ["BLOCK_N", "BLOCK_K", "warps", "programs/SM", *(q.name for q in qm.SUPPORTED_QTYPES), "all"], rows[:15])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--rows", default="1,8,64")
-    ap.add_argument("--sections", default="quant,attention")
-    args = ap.parse_args()
-    import torch
+def bench(fn) -> float:
+    """Seconds per call: triton's median over 100 ms after 25 ms of warm-up."""
     import triton
-    from gguf import GGMLQuantizationType as Q
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def quant_section(rows_m: list[int], data: dict) -> str:
+    """Quantized matmul against cuBLAS bf16 on each matrix: weight bytes over time."""
+    import torch
 
     from hearth.triton_kernels.quant_matmul import SUPPORTED_QTYPES, TritonQuantWeight
 
-    def bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gb_s = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
-    del src, dst
-    rows, data = [], {"copy_gb_per_s": copy_gb_s, "quant": [], "attention": []}
-    sections = args.sections.split(",")
-    for m in map(int, args.rows.split(",")) if "quant" in sections else ():
+    rows = []
+    for m in rows_m:
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -112,11 +105,16 @@ def main() -> None:
                                       "bytes": weight.nbytes, "bf16_seconds": dense_s})
             rows.append(row)
             del dense
-    quant_table = table(["M", "matrix", "bf16 cuBLAS GB/s"] + [f"{q.name} GB/s (vs bf16)" for q in SUPPORTED_QTYPES],
-                        rows)
+    return table(["M", "matrix", "bf16 cuBLAS GB/s"] + [f"{q.name} GB/s (vs bf16)" for q in SUPPORTED_QTYPES], rows)
+
+
+def attention_section(cells: tuple, data: dict) -> list[list]:
+    """Paged decode attention, bf16 K/V, 32 heads / 8 KV heads x 64: the table's rows."""
+    import torch
+
     attn_rows = []
     heads, kv_heads, head_dim, block = 32, 8, 64, 16
-    for batch, context in ((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else ():
+    for batch, context in cells:
         from hearth.triton_kernels import attention
 
         blocks = batch * context // block
@@ -129,6 +127,26 @@ def main() -> None:
         nbytes = 2 * k_cache.numel() * 2
         attn_rows.append([batch, context, seconds * 1e6, nbytes / seconds / 1e9])
         data["attention"].append({"batch": batch, "context": context, "seconds": seconds, "bytes": nbytes})
+    return attn_rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--sections", default="quant,attention")
+    args = ap.parse_args()
+    import torch
+
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gb_s = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    data = {"copy_gb_per_s": copy_gb_s, "quant": [], "attention": []}
+    sections = args.sections.split(",")
+    quant_table = quant_section(list(map(int, args.rows.split(","))) if "quant" in sections else [], data)
+    attn_rows = attention_section(((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else (),
+                                  data)
     sweep_table = gemv_sweep(data) if "gemv-sweep" in sections else ""
     markdown = "\n".join([
         f"### Triton kernels on {torch.cuda.get_device_name()} (device copy {copy_gb_s:,.0f} GB/s read + written)",

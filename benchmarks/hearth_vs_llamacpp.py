@@ -27,7 +27,7 @@ from common import (bench_model, machine, machine_markdown, median, plural, set_
                     write_results)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="tinyllama-1.1b")
     ap.add_argument("--types", default="q8_0", help="GGUF types, comma-separated (f16, q8_0, q4_0)")
@@ -45,19 +45,130 @@ def main() -> None:
                     help="count CPU seconds, not wall time (1 thread only): on a machine shared with other jobs, "
                          "what each engine's own work costs")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches: list[int],
+                     clock) -> dict[tuple[str, str, int], list[float]]:
+    """A warm-up, then args.runs rounds of prefill and each batch's decode, hearth and llama.cpp in turn:
+    {(engine, test, batch): tokens/s of each run}."""
+    from hearth.bench.latency import one_run, random_prompts
+
+    rng = random.Random(0)
+    times: dict[tuple[str, str, int], list[float]] = {}
+
+    def record(engine_name: str, test: str, b: int, tok_s: float) -> None:
+        times.setdefault((engine_name, test, b), []).append(tok_s)
+
+    one_run(engine, random_prompts(1, 32, vocab, rng), 4)
+    cpp.clear()
+    cpp.prefill(random_prompts(1, 32, vocab, rng)[0])
+    for _ in range(args.runs):
+        prompt = random_prompts(1, args.prefill, vocab, rng)[0]
+        record("hearth", "prefill", 1, one_run(engine, [prompt], 1, clock)["prefill_tokens_per_s"])
+        cpp.clear()
+        record("llama.cpp", "prefill", 1, args.prefill / cpp.prefill(prompt))
+        for b in batches:
+            prompts = random_prompts(b, args.context, vocab, rng)
+            # hearth: the first step after prefill is the first decode; D + 1 tokens gives D decode steps
+            record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
+            record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
+    return times
+
+
+def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_element: float, roof,
+                times: dict, batches: list[int]) -> tuple[list[list], list[dict]]:
+    """The table's rows and the JSON's results for one file: medians, rates (GB/s for decode, GFLOP/s
+    for prefill), the roofline's bound and ceiling."""
+    from hearth.bench.roofline import roofline_row, step_cost
+
+    rows, results = [], []
+    name = path.rsplit("/", 1)[-1]
+    for test, b in [("prefill", 1)] + [("decode", b) for b in batches]:
+        context = args.prefill if test == "prefill" else args.context + args.decode // 2
+        ceiling = roofline_row(step_cost(config, stored, test, b, context, kv_element), roof)
+        file_cost = step_cost(config, stored, test, b, context, kv_element)
+        held_cost = step_cost(config, loaded, test, b, context, kv_element)
+        h = median(times[("hearth", test, b)])
+        c = median(times[("llama.cpp", test, b)])
+        if test == "decode":  # bytes per step x steps per second
+            h_rate = held_cost.bytes * h / b / 1e9
+            c_rate = file_cost.bytes * c / b / 1e9
+            unit = "GB/s"
+        else:  # FLOPs per token x tokens per second
+            h_rate = held_cost.flops / held_cost.tokens * h / 1e9
+            c_rate = file_cost.flops / file_cost.tokens * c / 1e9
+            unit = "GFLOP/s"
+        label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
+        rows.append([name, label, h, c, f"{h / c:.2f}x", f"{h_rate:.1f} / {c_rate:.1f} {unit}",
+                     ceiling["bound"], ceiling["ceiling_tokens_per_s"],
+                     f"{h / ceiling['ceiling_tokens_per_s']:.1%} / {c / ceiling['ceiling_tokens_per_s']:.1%}"])
+        results.append({
+            "file": path, "test": test, "batch_size": b, "context": context,
+            "hearth_tokens_per_s": times[("hearth", test, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
+            "hearth_median": h, "llamacpp_median": c, "ratio": h / c, "bound": ceiling["bound"],
+            "ceiling_tokens_per_s": ceiling["ceiling_tokens_per_s"],
+            "hearth_rate": h_rate, "llamacpp_rate": c_rate, "rate_unit": unit,
+            "hearth_weight_bytes_per_step": loaded.per_step, "file_weight_bytes_per_step": stored.per_step,
+        })
+    return rows, results
+
+
+def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_threads: int, clock,
+                 roof) -> tuple[list[list], list[dict]]:
+    """Both engines on one file, sized for the longest test: result_rows' rows and results."""
+    from hearth.kv_format import kv_bytes_per_element
+    from hearth.bench.roofline import file_weight_bytes, model_weight_bytes
+    from hearth.llm import LLM
+    from hearth.loading.loader import read_model
+    from llamacpp_runner import LlamaCpp
+
+    config, weights, _ = read_model(path, progress=False)
+    stored = file_weight_bytes(config, weights)
+    del weights
+    longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_memory=config.kv_bytes_per_token(4) * longest,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
+    engine = llm.engine
+    loaded = model_weight_bytes(engine.model)
+    kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
+    cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
+    times = interleaved_runs(args, engine, cpp, config.vocab_size, batches, clock)
+    cpp.close()
+    return result_rows(args, path, config, stored, loaded, kv_element, roof, times, batches)
+
+
+def report(args: argparse.Namespace, n_threads: int, info: dict, roof, rows: list[list]) -> str:
+    import torch
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    return "\n".join([
+        f"### hearth vs llama.cpp (same GGUF, {plural(n_threads, 'thread')})",
+        "",
+        f"`{command}` — medians of {args.runs} interleaved runs"
+        + (" timed in CPU seconds (tokens per CPU-second of the one thread)" if args.cpu_time else "")
+        + "; hearth computes in "
+        f"{str(torch.float32 if args.dtype == 'auto' else args.dtype).removeprefix('torch.')}.",
+        "",
+        machine_markdown(info),
+        f"- roofline of this machine (measured by the script, best of 5): {roof.bandwidth / 1e9:.1f} GB/s; matmul "
+        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in roof.flops_by_dtype.items())
+        + f" GFLOP/s (the roof: {roof.dtype}). Ceiling = the roofline's tokens/s for the file's bytes per step.",
+        "",
+        table(["model file", "test", "hearth tok/s", "llama.cpp tok/s", "hearth / llama.cpp",
+               "hearth / llama.cpp rate", "bound", "ceiling tok/s", "share of ceiling (hearth / llama.cpp)"], rows),
+    ])
+
+
+def main() -> None:
+    args = parse_args()
     set_threads(args.threads)
     import time
 
     import torch
 
-    from hearth.kv_format import kv_bytes_per_element
-    from hearth.bench.latency import one_run, random_prompts
-    from hearth.bench.roofline import (file_weight_bytes, measure_machine, model_weight_bytes, roofline_row,
-                                       step_cost)
-    from hearth.llm import LLM
-    from hearth.loading.loader import read_model
-    from llamacpp_runner import LlamaCpp
+    from hearth.bench.roofline import measure_machine
 
     try:
         import llama_cpp  # noqa: F401
@@ -74,89 +185,10 @@ def main() -> None:
     roof = measure_machine("cpu", torch.float32, matmul_n=1024)  # 2048^3 in bf16 takes minutes without AVX-512 BF16
     rows, data = [], {"machine": info, "roofline_machine": vars(roof), "results": []}
     for path in files:
-        config, weights, _ = read_model(path, progress=False)
-        stored = file_weight_bytes(config, weights)
-        del weights
-        vocab = config.vocab_size
-        longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
-        llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  kv_cache_memory=config.kv_bytes_per_token(4) * longest,
-                  max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
-        engine = llm.engine
-        loaded = model_weight_bytes(engine.model)
-        kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
-        cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
-        rng = random.Random(0)
-        times: dict[tuple[str, str, int], list[float]] = {}
-
-        def record(engine_name: str, test: str, b: int, tok_s: float) -> None:
-            times.setdefault((engine_name, test, b), []).append(tok_s)
-
-        # warm-up, then interleaved runs
-        one_run(engine, random_prompts(1, 32, vocab, rng), 4)
-        cpp.clear()
-        cpp.prefill(random_prompts(1, 32, vocab, rng)[0])
-        for _ in range(args.runs):
-            prompt = random_prompts(1, args.prefill, vocab, rng)[0]
-            record("hearth", "prefill", 1, one_run(engine, [prompt], 1, clock)["prefill_tokens_per_s"])
-            cpp.clear()
-            record("llama.cpp", "prefill", 1, args.prefill / cpp.prefill(prompt))
-            for b in batches:
-                prompts = random_prompts(b, args.context, vocab, rng)
-                # hearth: the first step after prefill is the first decode; D + 1 tokens gives D decode steps
-                record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
-                record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
-        cpp.close()
-
-        name = path.rsplit("/", 1)[-1]
-        tests = [("prefill", 1)] + [("decode", b) for b in batches]
-        for test, b in tests:
-            context = args.prefill if test == "prefill" else args.context + args.decode // 2
-            ceiling = roofline_row(step_cost(config, stored, test, b, context, kv_element), roof)
-            file_cost = step_cost(config, stored, test, b, context, kv_element)
-            held_cost = step_cost(config, loaded, test, b, context, kv_element)
-            h = median(times[("hearth", test, b)])
-            c = median(times[("llama.cpp", test, b)])
-            if test == "decode":  # bytes per step x steps per second
-                h_rate = held_cost.bytes * h / b / 1e9
-                c_rate = file_cost.bytes * c / b / 1e9
-                unit = "GB/s"
-            else:  # FLOPs per token x tokens per second
-                h_rate = held_cost.flops / held_cost.tokens * h / 1e9
-                c_rate = file_cost.flops / file_cost.tokens * c / 1e9
-                unit = "GFLOP/s"
-            label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
-            rows.append([name, label, h, c, f"{h / c:.2f}x", f"{h_rate:.1f} / {c_rate:.1f} {unit}",
-                         ceiling["bound"], ceiling["ceiling_tokens_per_s"],
-                         f"{h / ceiling['ceiling_tokens_per_s']:.1%} / {c / ceiling['ceiling_tokens_per_s']:.1%}"])
-            data["results"].append({
-                "file": path, "test": test, "batch_size": b, "context": context,
-                "hearth_tokens_per_s": times[("hearth", test, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
-                "hearth_median": h, "llamacpp_median": c, "ratio": h / c, "bound": ceiling["bound"],
-                "ceiling_tokens_per_s": ceiling["ceiling_tokens_per_s"],
-                "hearth_rate": h_rate, "llamacpp_rate": c_rate, "rate_unit": unit,
-                "hearth_weight_bytes_per_step": loaded.per_step, "file_weight_bytes_per_step": stored.per_step,
-            })
-        del llm, engine
-
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    md = "\n".join([
-        f"### hearth vs llama.cpp (same GGUF, {plural(n_threads, 'thread')})",
-        "",
-        f"`{command}` — medians of {args.runs} interleaved runs"
-        + (" timed in CPU seconds (tokens per CPU-second of the one thread)" if args.cpu_time else "")
-        + "; hearth computes in "
-        f"{str(torch.float32 if args.dtype == 'auto' else args.dtype).removeprefix('torch.')}.",
-        "",
-        machine_markdown(info),
-        f"- roofline of this machine (measured by the script, best of 5): {roof.bandwidth / 1e9:.1f} GB/s; matmul "
-        + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in roof.flops_by_dtype.items())
-        + f" GFLOP/s (the roof: {roof.dtype}). Ceiling = the roofline's tokens/s for the file's bytes per step.",
-        "",
-        table(["model file", "test", "hearth tok/s", "llama.cpp tok/s", "hearth / llama.cpp",
-               "hearth / llama.cpp rate", "bound", "ceiling tok/s", "share of ceiling (hearth / llama.cpp)"], rows),
-    ])
-    write_results(args.out, md, data)
+        file_rows, results = measure_file(args, path, batches, n_threads, clock, roof)
+        rows += file_rows
+        data["results"] += results
+    write_results(args.out, report(args, n_threads, info, roof, rows), data)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def folder_weight_bytes(folder, config):
     return file_weight_bytes(config, meta)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="tinyllama-1.1b")
     ap.add_argument("--hf", default=None, help="an HF folder instead of --arch")
@@ -70,33 +70,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    set_threads(args.threads)
+    return ap.parse_args()
 
+
+def interleaved_runs(args: argparse.Namespace, engine, hf, vocab: int, batches: list[int]) -> dict:
+    """A warm-up, then args.runs rounds of prefill and each batch's decode, hearth and transformers in
+    turn: {(engine, test, batch): tokens/s of each run}."""
     import torch
-    import transformers
 
     from hearth.bench.latency import one_run, random_prompts
-    from hearth.bench.roofline import measure_machine, model_weight_bytes, step_cost
-    from hearth.config import ModelConfig
-    from hearth.llm import LLM
-    from hearth.loading.safetensors import read_json
 
-    folder = args.hf or bench_model(args.arch, ())["hf"]
-    batches = [int(b) for b in args.batches.split(",")]
-    dtype = getattr(torch, args.dtype)
-    info = machine()
-    roof = measure_machine("cpu", dtype)
-
-    longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
-    config = ModelConfig.from_hf(read_json(Path(folder) / "config.json"))
-    llm = LLM(folder, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
-              kv_cache_memory=config.kv_bytes_per_token(dtype.itemsize) * longest, progress=False)
-    engine = llm.engine
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    hf.generation_config.eos_token_id = None  # fixed lengths, as ignore_eos
-    hf.generation_config.pad_token_id = 0
-    vocab = config.vocab_size
     rng = random.Random(0)
 
     def hf_generate(prompts: list[list[int]], new: int) -> float:
@@ -122,23 +105,30 @@ def main() -> None:
             first = hf_generate(prompts, 1)
             whole = hf_generate(prompts, args.decode + 1)
             record("transformers", "decode", b, b * args.decode / max(whole - first, 1e-9))
+    return times
 
-    # bytes per step: each engine's weights as it holds them (hearth may keep the folder's bf16,
-    # transformers converts to --dtype); the ceiling is the roofline for the folder's weights as stored
-    held = {"hearth": model_weight_bytes(engine.model), "transformers": torch_weight_bytes(hf, config)}
-    stored = folder_weight_bytes(folder, config)
+
+def result_rows(args: argparse.Namespace, config, held: dict, stored, roof, times: dict,
+                batches: list[int]) -> tuple[list[list], list[dict]]:
+    """The table's rows and the JSON's results: medians, each engine's rate for the bytes it holds, the
+    ceiling for the folder's weights as stored."""
+    import torch
+
+    from hearth.bench.roofline import step_cost
+
+    itemsize = getattr(torch, args.dtype).itemsize
     peak = roof.flops_by_dtype[args.dtype]  # the matmuls run in this dtype
     rows, results = [], []
     for test, b in [("prefill", 1)] + [("decode", b) for b in batches]:
         context = args.prefill if test == "prefill" else args.context + args.decode // 2
         medians, rates = {}, {}
         for name, weights in held.items():
-            cost = step_cost(config, weights, test, b, context, dtype.itemsize)
+            cost = step_cost(config, weights, test, b, context, itemsize)
             medians[name] = v = median(times[(name, test, b)])
             # decode: bytes per step x steps per second; prefill: FLOPs per token x tokens per second
             rates[name] = (cost.bytes * v / b if test == "decode" else cost.flops / cost.tokens * v) / 1e9
         unit = "GB/s" if test == "decode" else "GFLOP/s"
-        cost = step_cost(config, stored, test, b, context, dtype.itemsize)
+        cost = step_cost(config, stored, test, b, context, itemsize)
         ceiling = cost.tokens / max(cost.flops / peak, cost.bytes / roof.bandwidth)
         h, t = medians["hearth"], medians["transformers"]
         label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
@@ -149,9 +139,13 @@ def main() -> None:
                         "transformers_median": t, "ratio": h / t, "ceiling_tokens_per_s": ceiling,
                         "rates": rates, "rate_unit": unit,
                         "weight_bytes_per_step": {k: w.per_step for k, w in held.items()}})
+    return rows, results
 
+
+def report(args: argparse.Namespace, folder: str, info: dict, roof, held: dict, stored, rows: list[list]) -> str:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    md = "\n".join([
+    peak = roof.flops_by_dtype[args.dtype]
+    return "\n".join([
         f"### hearth vs transformers `generate` ({folder.rstrip('/').rsplit('/', 2)[-2]}, {args.dtype}, {plural(threads(), 'thread')})",
         "",
         f"`{command}` — medians of {args.runs} interleaved runs.",
@@ -165,7 +159,40 @@ def main() -> None:
         table(["test", "hearth tok/s", "transformers tok/s", "hearth / transformers", "rate (hearth / transformers)",
                "ceiling tok/s", "share of ceiling"], rows),
     ])
-    write_results(args.out, md, {"machine": info, "roofline_machine": vars(roof), "results": results})
+
+
+def main() -> None:
+    args = parse_args()
+    set_threads(args.threads)
+
+    import torch
+    import transformers
+
+    from hearth.bench.roofline import measure_machine, model_weight_bytes
+    from hearth.config import ModelConfig
+    from hearth.llm import LLM
+    from hearth.loading.safetensors import read_json
+
+    folder = args.hf or bench_model(args.arch, ())["hf"]
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = getattr(torch, args.dtype)
+    info = machine()
+    roof = measure_machine("cpu", dtype)
+    longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    config = ModelConfig.from_hf(read_json(Path(folder) / "config.json"))
+    llm = LLM(folder, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
+              kv_cache_memory=config.kv_bytes_per_token(dtype.itemsize) * longest, progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None  # fixed lengths, as ignore_eos
+    hf.generation_config.pad_token_id = 0
+    times = interleaved_runs(args, llm.engine, hf, config.vocab_size, batches)
+    # bytes per step: each engine's weights as it holds them (hearth may keep the folder's bf16,
+    # transformers converts to --dtype); the ceiling is the roofline for the folder's weights as stored
+    held = {"hearth": model_weight_bytes(llm.engine.model), "transformers": torch_weight_bytes(hf, config)}
+    stored = folder_weight_bytes(folder, config)
+    rows, results = result_rows(args, config, held, stored, roof, times, batches)
+    write_results(args.out, report(args, folder, info, roof, held, stored, rows),
+                  {"machine": info, "roofline_machine": vars(roof), "results": results})
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def greedy_agreement(model: str, prompts: list[list[int]], max_tokens: int) -> d
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--text", action="append", required=True, help="a text file for perplexity (repeatable)")
@@ -77,7 +77,33 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def report(args: argparse.Namespace, command: str, config, ppl: dict, ms: dict, agreement: dict) -> str:
+    """The capacity, perplexity, agreement and speed tables."""
+    ppl_rows = [[kind if kind != "auto" else "float32", f"{ppl[kind]['perplexity']:.4f}",
+                 f"{(ppl[kind]['perplexity'] / ppl['auto']['perplexity'] - 1) * 100:+.3f}%"] for kind in (*KINDS, FP8)]
+    speed_rows = [[kind if kind != "auto" else "float32", f"{ms[kind]:.2f}", f"{1e3 * args.batch / ms[kind]:.1f}",
+                   f"{ms['auto'] / ms[kind]:.2f}x"] for kind in KINDS]
+    capacity_header = ["KV dtype", "bytes / token", f"tokens in {args.budget / 2**30:g} GiB"]
+    ppl_header = ["KV dtype", f"perplexity ({ppl['auto']['tokens']} tokens, context {args.context})", "vs float32"]
+    speed_header = ["KV dtype", f"CPU ms / decode step (context {args.decode_context}, batch {args.batch})",
+                    "tokens / CPU s", "speed vs float32"]
+    agreement_header = ["against float32 (CPU backend)", "tokens before the first difference", "identical continuations"]
+    agreement_rows = [[name, f"{a['tokens_before_first_difference']:.1%}", f"{a['identical_continuations']} of {args.prompts}"]
+                      for name, a in agreement.items()]
+    return (
+        f"# q8_0 and fp8 KV caches vs float32: {args.model}\n\n{machine_markdown(machine())}\n\n`{command}`\n\n"
+        f"{table(capacity_header, capacity(config, args.budget))}\n\n{table(ppl_header, ppl_rows)}\n\n"
+        f"greedy agreement with the float32 cache over {args.prompts} prompts of {args.prompt_len} tokens, "
+        f"{args.max_tokens} tokens each:\n\n{table(agreement_header, agreement_rows)}\n\n"
+        f"{table(speed_header, speed_rows)}\n"
+    )
+
+
+def main() -> None:
+    args = parse_args()
     set_threads(args.threads)
     import torch
 
@@ -103,24 +129,7 @@ def main() -> None:
     ms = {kind: median(samples[kind]) for kind in KINDS}
 
     command = "python benchmarks/kv_cache_dtype.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    ppl_rows = [[kind if kind != "auto" else "float32", f"{ppl[kind]['perplexity']:.4f}",
-                 f"{(ppl[kind]['perplexity'] / ppl['auto']['perplexity'] - 1) * 100:+.3f}%"] for kind in (*KINDS, FP8)]
-    speed_rows = [[kind if kind != "auto" else "float32", f"{ms[kind]:.2f}", f"{1e3 * args.batch / ms[kind]:.1f}",
-                   f"{ms['auto'] / ms[kind]:.2f}x"] for kind in KINDS]
-    capacity_header = ["KV dtype", "bytes / token", f"tokens in {args.budget / 2**30:g} GiB"]
-    ppl_header = ["KV dtype", f"perplexity ({ppl['auto']['tokens']} tokens, context {args.context})", "vs float32"]
-    speed_header = ["KV dtype", f"CPU ms / decode step (context {args.decode_context}, batch {args.batch})",
-                    "tokens / CPU s", "speed vs float32"]
-    agreement_header = ["against float32 (CPU backend)", "tokens before the first difference", "identical continuations"]
-    agreement_rows = [[name, f"{a['tokens_before_first_difference']:.1%}", f"{a['identical_continuations']} of {args.prompts}"]
-                      for name, a in agreement.items()]
-    markdown = (
-        f"# q8_0 and fp8 KV caches vs float32: {args.model}\n\n{machine_markdown(machine())}\n\n`{command}`\n\n"
-        f"{table(capacity_header, capacity(config, args.budget))}\n\n{table(ppl_header, ppl_rows)}\n\n"
-        f"greedy agreement with the float32 cache over {args.prompts} prompts of {args.prompt_len} tokens, "
-        f"{args.max_tokens} tokens each:\n\n{table(agreement_header, agreement_rows)}\n\n"
-        f"{table(speed_header, speed_rows)}\n"
-    )
+    markdown = report(args, command, config, ppl, ms, agreement)
     write_results(args.out, markdown, {"machine": machine(), "threads": threads(), "command": command,
                                        "capacity": capacity(config, args.budget), "perplexity": ppl,
                                        "agreement": agreement, "decode_cpu_ms": samples})

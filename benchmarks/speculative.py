@@ -81,7 +81,7 @@ def prompts(llm, task: str, count: int, lines: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, lookahead, draft")
     ap.add_argument("--model", default=None, help="default: builtin with draft, else SmolLM2")
@@ -105,28 +105,39 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_time and args.threads != 1:
         sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
-    clock = time.process_time if args.cpu_time else time.perf_counter
     methods = args.methods.split(",")
     args.model = args.model or ("builtin" if "draft" in methods else str(DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     args.task = args.task or ("python" if "draft" in methods else "repeat")
-    set_threads(args.threads)
+    return args
+
+
+def build_engines(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[str], list[int]]:
+    """The plain engine and one per method (and per method's token trees): (engines by name, the methods'
+    names with their "METHOD tree" variants, the tree widths)."""
     from hearth import LLM
-    from hearth.bench.latency import one_run
-    from hearth.engine.speculative import SpecDecodeCounts
 
     common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30, kv_cache_dtype=args.kv_cache_dtype)
     engines = {"plain": LLM(args.model, **common)}
     widths = [1] + ([args.speculative_tree_width] if args.speculative_tree_width > 1 else [])
-    for method in list(methods):
+    names = list(methods)
+    for method in methods:
         draft = dict(speculative_model=args.speculative_model) if method == "draft" else {}
         for width in widths:
             name = method if width == 1 else f"{method} tree"
             engines[name] = LLM(args.model, speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
                                 speculative_adaptive=not args.no_speculative_adaptive, speculative_tree_width=width,
                                 **draft, **common)
-            methods += [name] if width > 1 else []
-    batches = {size: prompts(engines["plain"], args.task, size, args.lines) for size in (1, args.concurrent)}
-    rows, data = [], {"machine": machine(), "args": vars(args), "results": {}}
+            names += [name] if width > 1 else []
+    return engines, names, widths
+
+
+def measure(args: argparse.Namespace, engines: dict, methods: list[str], batches: dict, clock,
+            data: dict) -> list[list]:
+    """Every engine on each batch in turn, args.runs times: the table's rows; the runs into data."""
+    from hearth.bench.latency import one_run
+    from hearth.engine.speculative import SpecDecodeCounts
+
+    rows = []
     for size, batch in batches.items():
         for llm in engines.values():  # warm-up
             one_run(llm.engine, batch[:1], 8)
@@ -147,13 +158,15 @@ def main() -> None:
                          c.acceptance_rate, c.num_accepted_tokens / max(c.num_drafts, 1)])
             data["results"][size][name] = {"rates": rates[name], "spec_decode": vars(c)}
             print(rows[-1], file=sys.stderr)
-    expected = {size: _outputs(engines["plain"], batch, args.output_len) for size, batch in batches.items()}
-    same = {name: all(_outputs(engines[name], batch, args.output_len) == expected[size]
-                      for size, batch in batches.items()) for name in methods}
+    return rows
+
+
+def report(args: argparse.Namespace, engines: dict, methods: list[str], widths: list[int], same: dict,
+           data: dict, rows: list[list]) -> str:
     task = {"repeat": f"repeat a {args.lines}-line code block renaming one variable",
             "write": "write a Python function from a one-line description",
             "python": "continue openings of Python functions"}[args.task]
-    markdown = "\n".join([
+    return "\n".join([
         f"`python benchmarks/{Path(__file__).name} {shlex.join(sys.argv[1:])}`", "",
         machine_markdown(data["machine"]),
         f"- model {Path(args.model).name}"
@@ -168,7 +181,20 @@ def main() -> None:
         table(["requests", "method", "plain tok/s", "method tok/s", "ratio", "tree / chain", "acceptance",
                "accepted per verification"], rows),
     ])
-    write_results(args.out, markdown, data)
+
+
+def main() -> None:
+    args = parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    set_threads(args.threads)
+    engines, methods, widths = build_engines(args, args.methods.split(","))
+    batches = {size: prompts(engines["plain"], args.task, size, args.lines) for size in (1, args.concurrent)}
+    data = {"machine": machine(), "args": vars(args), "results": {}}
+    rows = measure(args, engines, methods, batches, clock, data)
+    expected = {size: _outputs(engines["plain"], batch, args.output_len) for size, batch in batches.items()}
+    same = {name: all(_outputs(engines[name], batch, args.output_len) == expected[size]
+                      for size, batch in batches.items()) for name in methods}
+    write_results(args.out, report(args, engines, methods, widths, same, data, rows), data)
     if not all(same.values()):  # the ratios compare different texts: greedy speculation must keep plain's tokens
         sys.exit("outputs differ from plain decoding's with " + ", ".join(name for name, ok in same.items() if not ok))
 

@@ -162,8 +162,8 @@ def cmd_inspect(args) -> None:
           f"({info['kv_bytes_per_element']:g} bytes/element)")
     if info["kv_window"] is not None:
         print(f"KV blocks        freed once older than every layer's window ({info['kv_window']} tokens)")
-    if "kv_budget_tokens" in info:
-        print(f"KV budget        {info['kv_budget_bytes'] / 2**30:.2f} GiB holds {info['kv_budget_tokens']:,} tokens")
+    which = " (hearth serve's default)" if info["kv_budget_default"] else ""
+    print(f"KV budget        {info['kv_budget_bytes'] / 2**20:.1f} MiB holds {info['kv_budget_tokens']:,} tokens{which}")
 
 
 def cmd_perplexity(args) -> None:
@@ -285,9 +285,11 @@ def _add_tokenize_and_watermark(sub) -> None:
 def _add_inspect_perplexity_convert(sub) -> None:
     p = sub.add_parser("inspect", help="architecture, parameters, weight types, KV cache cost")
     add_model_argument(p)
-    p.add_argument("--kv-budget", type=parse_size, default=None, help="how many tokens this KV budget holds")
-    p.add_argument("--kv-bytes-per-element", type=int, default=2, choices=[1, 2, 4],
-                   help="the size of a K or V value with --kv-cache-dtype auto")
+    p.add_argument("--kv-budget", type=parse_size, default=None,
+                   help="how many tokens this KV budget holds (default: the budget `hearth serve` picks)")
+    p.add_argument("--kv-bytes-per-element", type=int, default=None, choices=[1, 2, 4],
+                   help="the size of a K or V value with --kv-cache-dtype auto (default: the engine's compute "
+                        "dtype here: float32 on a CPU, bfloat16 on a GPU)")
     add_option(p, "kv_cache_dtype")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)

@@ -6,8 +6,10 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from hearth.default_model import resolve_model
 from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
+from hearth.config import EngineConfig
+from hearth.default_model import resolve_model
+from hearth.engine.memory import choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 
@@ -18,9 +20,11 @@ def weight_type(weight) -> str:
     return str(weight.dtype).removeprefix("torch.")
 
 
-def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int = 2,
+def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int | None = None,
                kv_cache_dtype: str = "auto") -> dict:
-    """kv_cache_dtype: auto (K/V of kv_element_size bytes), float16, q8_0 or fp8 / fp8_e4m3 (hearth/kv_format.py)."""
+    """kv_cache_dtype: auto (K/V in the compute dtype the engine picks here, or of kv_element_size bytes),
+    float16, q8_0 or fp8 / fp8_e4m3 (hearth/kv_format.py). kv_budget_bytes: None for the default
+    budget of an engine with EngineConfig's defaults (`hearth serve`'s), as the engine computes it."""
     path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0
@@ -36,7 +40,7 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         tied = "tied"
     else:
         tied = "untied"
-    kv_element = kv_bytes_per_element(kv_cache_dtype, kv_element_size)
+    kv_name, kv_element = _kv_dtype(kv_cache_dtype, kv_element_size)
     kv_per_token = config.kv_bytes_per_token(kv_element)
     info = {
         "path": str(path),
@@ -47,8 +51,7 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         "weight_bytes": sum(type_bytes.values()),
         "context_length": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
-        "kv_cache_dtype": ({1: "8-bit", 2: "16-bit", 4: "float32"}[kv_element_size] if kv_cache_dtype == "auto"
-                           else kv_cache_dtype_name(kv_cache_dtype)),
+        "kv_cache_dtype": kv_name,
         "kv_bytes_per_element": kv_element,
         "kv_window": config.kv_window,
         "kv_cache_bytes_per_token": kv_per_token,
@@ -60,10 +63,32 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         info["experts"] = _experts(config, params)
     if config.kv_lora_rank:
         info["latent_attention"] = _latent_attention(config)
-    if kv_budget_bytes is not None:
-        info["kv_budget_bytes"] = kv_budget_bytes
-        info["kv_budget_tokens"] = kv_budget_bytes // kv_per_token
+    info.update(_kv_budget(path, config, kv_per_token, kv_budget_bytes))
     return info
+
+
+def _kv_dtype(kv_cache_dtype: str, kv_element_size: int | None) -> tuple[str, float]:
+    """The cache's dtype name and bytes per K or V value: with auto and no element size given, the
+    compute dtype an engine with default options picks on this machine (engine/memory.py's choice)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype_name(kv_cache_dtype), kv_bytes_per_element(kv_cache_dtype, 2)
+    if kv_element_size is not None:
+        return {1: "8-bit", 2: "16-bit", 4: "float32"}[kv_element_size], kv_element_size
+    dtype = choose_dtype("auto", choose_device("auto"))
+    return str(dtype).removeprefix("torch."), dtype.itemsize
+
+
+def _kv_budget(path: Path, config, kv_per_token: int, budget: int | None) -> dict:
+    """The tokens a budget given holds; with none, the budget an engine with default options computes
+    (`hearth serve`'s), in whole blocks as the engine's start-up line gives it."""
+    if budget is not None:
+        return {"kv_budget_bytes": budget, "kv_budget_default": False, "kv_budget_tokens": budget // kv_per_token}
+    defaults = EngineConfig()
+    block_size = defaults.cache.block_size
+    budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size,
+                             config.max_position_embeddings, defaults.scheduler.max_num_seqs, model_bytes(path))
+    tokens = kv_cache_blocks(budget, kv_per_token, block_size) * block_size
+    return {"kv_budget_bytes": tokens * kv_per_token, "kv_budget_default": True, "kv_budget_tokens": tokens}
 
 
 def _experts(config, params: int) -> dict:

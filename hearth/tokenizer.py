@@ -189,59 +189,18 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         folder = Path(path)
-        file = folder / "tokenizer.json"
-        if not file.is_file():
-            raise ModelLoadError(f"{folder}: no tokenizer.json (hearth reads Hugging Face fast tokenizers)")
-        try:
-            text = file.read_text(encoding="utf-8")
-            spec = json.loads(text)
-            backend = tokenizers.Tokenizer.from_str(text)
-        except Exception as e:
-            raise ModelLoadError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
+        spec, backend = _read_tokenizer_json(folder)
         config = _read_json(folder / "tokenizer_config.json")
-        generation = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
-
         size = backend.get_vocab_size(with_added_tokens=True)
         pieces = [backend.id_to_token(i) or "" for i in range(size)]
         added = backend.get_added_tokens_decoder()
-        special_ids = {i for i, t in added.items() if t.special}
-
-        def configured_id(name: str) -> int | None:
-            token = config.get(name)
-            if isinstance(token, dict):
-                token = token.get("content")
-            return backend.token_to_id(token) if isinstance(token, str) else None
-
-        bos = configured_id("bos_token")
-        eos = configured_id("eos_token")
-        for source in (generation, model_config):
-            if bos is None and isinstance(source.get("bos_token_id"), int):
-                bos = source["bos_token_id"]
-        eos_ids = _id_list(generation.get("eos_token_id")) or _id_list(model_config.get("eos_token_id"))
-        eos_ids = list(dict.fromkeys([*eos_ids, *([eos] if eos is not None else [])]))
-
+        bos, eos, eos_ids = _hf_bos_eos(backend, config, _read_json(folder / "generation_config.json"),
+                                        _read_json(folder / "config.json"))
         if "add_bos_token" in config or "add_eos_token" in config:
             # transformers then rebuilds the post-processor from these two (a missing one is False)
             add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
             _add_bos_eos(backend, bos if add_bos else None, eos if add_eos else None)
-
-        decoding = _hf_decoding(spec)
-        piece_bytes, strip = None, False
-        if decoding is not None:
-            kind, strip = decoding
-            to_bytes = byte_level_bytes if kind == "bytelevel" else spm_bytes
-            piece_bytes = [to_bytes(p) for p in pieces]
-            for i, token in added.items():  # added tokens: their text (a byte-level decoder maps it too)
-                piece_bytes[i] = to_bytes(token.content)
-
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja = folder / "chat_template.jinja"
-        if not template and jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
+        piece_bytes, strip = _hf_piece_bytes(spec, pieces, added)
 
         def token_text(name: str) -> str | None:
             token = config.get(name)
@@ -251,11 +210,11 @@ class Tokenizer:
             backend,
             pieces=pieces,
             piece_bytes=piece_bytes,
-            special_ids=special_ids,
+            special_ids={i for i, t in added.items() if t.special},
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             strip_first_space=strip,
-            chat_template=template or None,
+            chat_template=_hf_chat_template(folder, config),
             template_tokens={name: token_text(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")},
         )
 
@@ -388,6 +347,64 @@ class IncrementalDecoder:
         new = text[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new
+
+
+def _read_tokenizer_json(folder: Path) -> tuple[dict[str, Any], tokenizers.Tokenizer]:
+    """tokenizer.json as a dict and as the library's tokenizer."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (hearth reads Hugging Face fast tokenizers)")
+    try:
+        text = file.read_text(encoding="utf-8")
+        return json.loads(text), tokenizers.Tokenizer.from_str(text)
+    except Exception as e:
+        raise ModelLoadError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _hf_bos_eos(backend: tokenizers.Tokenizer, config: dict[str, Any], generation: dict[str, Any],
+                model_config: dict[str, Any]) -> tuple[int | None, int | None, list[int]]:
+    """(bos, the tokenizer's eos, every id that ends generation): tokenizer_config's tokens, then
+    generation_config's and config.json's ids."""
+    def configured_id(name: str) -> int | None:
+        token = config.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    bos = configured_id("bos_token")
+    eos = configured_id("eos_token")
+    for source in (generation, model_config):
+        if bos is None and isinstance(source.get("bos_token_id"), int):
+            bos = source["bos_token_id"]
+    eos_ids = _id_list(generation.get("eos_token_id")) or _id_list(model_config.get("eos_token_id"))
+    return bos, eos, list(dict.fromkeys([*eos_ids, *([eos] if eos is not None else [])]))
+
+
+def _hf_piece_bytes(spec: dict[str, Any], pieces: list[str],
+                    added: dict[int, tokenizers.AddedToken]) -> tuple[list[bytes] | None, bool]:
+    """Each token's bytes where the decoder is one hearth knows (byte-level or SentencePiece), and whether
+    a text's first space is stripped; (None, False) otherwise (the library decodes)."""
+    decoding = _hf_decoding(spec)
+    if decoding is None:
+        return None, False
+    kind, strip = decoding
+    to_bytes = byte_level_bytes if kind == "bytelevel" else spm_bytes
+    piece_bytes = [to_bytes(p) for p in pieces]
+    for i, token in added.items():  # added tokens: their text (a byte-level decoder maps it too)
+        piece_bytes[i] = to_bytes(token.content)
+    return piece_bytes, strip
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """tokenizer_config's template (the default of a named list), else chat_template.jinja."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja = folder / "chat_template.jinja"
+    if not template and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return template or None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

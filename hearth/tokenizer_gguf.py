@@ -198,8 +198,8 @@ def check_gguf_vocab(md: dict[str, Any], tokens: list, types: list) -> None:
         fail("tokenizer.ggml.merges is not a list of strings")
 
 
-def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
-    kind = md.get("tokenizer.ggml.model")
+def _gguf_added_tokens(md: dict[str, Any], tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """Control, unknown and user-defined tokens as the library's added tokens."""
     added = []
     phi3 = md.get("general.architecture") == "phi3" or any(
         n in str(md.get("general.name", "")).lower() for n in ("phi-3", "phi3"))
@@ -208,63 +208,87 @@ def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) 
             # llama.cpp (from Phi-3's tokenizer.json): its special tokens swallow the whitespace after them
             rstrip = phi3 and text not in ("<unk>", "<s>", "<|endoftext|>")
             added.append(_added_token(i, text, special=t != USER_DEFINED, rstrip=rstrip))
+    return added
 
-    if kind == "llama":
-        scores = md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        vocab: dict[str, int] = {}
-        for i, text in enumerate(tokens):
-            vocab.setdefault(text, i)
-        unk_id = md.get("tokenizer.ggml.unknown_token_id")
-        unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-        model = {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                 "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                 "vocab": vocab, "merges": _spm_merges(tokens, scores, types)}
-        steps = [{"type": "Replace", "pattern": {"String": " "}, "content": SPIECE_SPACE}]
-        if md.get("tokenizer.ggml.add_space_prefix", True):
-            steps.insert(0, {"type": "Prepend", "prepend": SPIECE_SPACE})
-        normalizer, pre_tokenizer = {"type": "Sequence", "normalizers": steps}, None
-    elif kind == "gpt2":
-        vocab = {}
-        for i, (text, t) in enumerate(zip(tokens, types)):
-            vocab.setdefault(text, i)
-            if t != NORMAL and not all(c in BYTE_OF_CHAR for c in text):
-                # an added token stored as plain text ("  "): the library finds its id by this text
-                # in the model's vocabulary, and merges may know it in the byte alphabet
-                vocab.setdefault(byte_level_spelling(text), i)
-        model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                 "vocab": vocab, "merges": list(md.get("tokenizer.ggml.merges") or [])}  # "a b": split by the library
-        normalizer, pre_tokenizer = None, _pre_tokenizer(md.get("tokenizer.ggml.pre"))
-    else:  # bert: llama.cpp writes a word's first piece "▁x" and a continuation "x" (WordPiece's "##x")
-        vocab = {}
-        for i, (text, t) in enumerate(zip(tokens, types)):
-            vocab.setdefault(text if t == CONTROL else text[1:] if text.startswith(SPIECE_SPACE) else "##" + text, i)
-        unk_id = md.get("tokenizer.ggml.unknown_token_id")
-        model = {"type": "WordPiece", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100,
-                 "unk_token": tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else "[UNK]",
-                 "vocab": vocab}
-        normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
-                      "strip_accents": None, "lowercase": True}
-        pre_tokenizer = {"type": "BertPreTokenizer"}
 
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": None,
-            "decoder": None, "model": model}
+def _unknown_token(md: dict[str, Any], tokens: list[str]) -> str | None:
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    return tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+
+
+def _llama_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[dict, dict, None]:
+    """SentencePiece BPE: (model, normalizer, pre-tokenizer)."""
+    scores = md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    model = {"type": "BPE", "dropout": None, "unk_token": _unknown_token(md, tokens), "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+             "vocab": vocab, "merges": _spm_merges(tokens, scores, types)}
+    steps = [{"type": "Replace", "pattern": {"String": " "}, "content": SPIECE_SPACE}]
+    if md.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, {"type": "Prepend", "prepend": SPIECE_SPACE})
+    return model, {"type": "Sequence", "normalizers": steps}, None
+
+
+def _gpt2_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[dict, None, dict | None]:
+    """Byte-level BPE: (model, normalizer, pre-tokenizer)."""
+    vocab: dict[str, int] = {}
+    for i, (text, t) in enumerate(zip(tokens, types)):
+        vocab.setdefault(text, i)
+        if t != NORMAL and not all(c in BYTE_OF_CHAR for c in text):
+            # an added token stored as plain text ("  "): the library finds its id by this text
+            # in the model's vocabulary, and merges may know it in the byte alphabet
+            vocab.setdefault(byte_level_spelling(text), i)
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": vocab, "merges": list(md.get("tokenizer.ggml.merges") or [])}  # "a b": split by the library
+    return model, None, _pre_tokenizer(md.get("tokenizer.ggml.pre"))
+
+
+def _bert_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[dict, dict, dict]:
+    """WordPiece: (model, normalizer, pre-tokenizer). llama.cpp writes a word's first piece "▁x" and a
+    continuation "x" (WordPiece's "##x")."""
+    vocab: dict[str, int] = {}
+    for i, (text, t) in enumerate(zip(tokens, types)):
+        vocab.setdefault(text if t == CONTROL else text[1:] if text.startswith(SPIECE_SPACE) else "##" + text, i)
+    unk = _unknown_token(md, tokens)
+    model = {"type": "WordPiece", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100,
+             "unk_token": "[UNK]" if unk is None else unk, "vocab": vocab}
+    normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
+                  "strip_accents": None, "lowercase": True}
+    return model, normalizer, {"type": "BertPreTokenizer"}
+
+
+def _from_spec(spec: dict[str, Any], kind: str) -> tokenizers.Tokenizer:
+    """The library's tokenizer; gpt2 merges with a space inside a piece, or naming tokens the
+    vocabulary lacks, are split and filtered here and the build tried again."""
     try:
-        backend = tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
+        return tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
     except Exception as first:
         if kind != "gpt2":
             raise ModelLoadError(f"GGUF tokenizer ({kind}) cannot be built: {first}") from None
-        # merges with a space inside a piece, or naming tokens the vocabulary lacks: split and filter here
-        merges = [m for m in map(_split_merge, model["merges"]) if m]
-        usable = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
-        logger.warning("%d of %d merges are malformed or name missing tokens; ignored",
-                       len(model["merges"]) - len(usable), len(model["merges"]))
-        model["merges"] = usable
-        try:
-            backend = tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
-        except Exception as e:
-            raise ModelLoadError(f"GGUF tokenizer ({kind}) cannot be built: {e}") from None
+    model, vocab = spec["model"], spec["model"]["vocab"]
+    merges = [m for m in map(_split_merge, model["merges"]) if m]
+    usable = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    logger.warning("%d of %d merges are malformed or name missing tokens; ignored",
+                   len(model["merges"]) - len(usable), len(model["merges"]))
+    model["merges"] = usable
+    try:
+        return tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
+    except Exception as e:
+        raise ModelLoadError(f"GGUF tokenizer ({kind}) cannot be built: {e}") from None
+
+
+def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    kind = md.get("tokenizer.ggml.model")
+    added = _gguf_added_tokens(md, tokens, types)
+    build = {"llama": _llama_model, "gpt2": _gpt2_model}.get(kind, _bert_model)
+    model, normalizer, pre_tokenizer = build(md, tokens, types)
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": None,
+            "decoder": None, "model": model}
+    backend = _from_spec(spec, kind)
     # the library gives an added token the id its text has in the vocabulary: a text that two
     # tokens share ends up on the first of them
     got = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}

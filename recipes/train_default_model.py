@@ -23,6 +23,8 @@ standard library. The recipe
     python recipes/train_default_model.py --preset draft --out out/default-draft --minutes 10 \
         --tokenizer out/default-main/hf
 
+Steps 1 to 3 (the corpus, the tokenizer, the packed rows) are in recipes/stdlib_corpus.py beside this file.
+
 Without --steps the number of optimizer steps is fitted to --minutes from the speed of the first
 steps (the learning-rate schedule depends on the total, so it is fixed before warmup ends); the
 JSON record gives the --steps that repeats the run exactly.
@@ -31,28 +33,21 @@ JSON record gives the --steps that repeats the run exactly.
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
 import math
 import os
 import platform
-import random
 import shlex
 import sys
-import sysconfig
-import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [EOT, IM_START, IM_END]  # ids 0, 1, 2
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+# steps 1 to 3 live beside this file; its folder on the path also where a test loads this file by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stdlib_corpus import (  # noqa: E402  (the test of the recipe reads these through this module)
+    EOT, IM_END, SPECIAL_TOKENS, chat_examples, hf_tokenizer, is_heldout, is_test_file, list_stdlib_files,
+    load_tokenizer, pack_documents, read_texts, save_tokenizer, split_files, stdlib_root, train_tokenizer,
 )
 
 PRESETS = {
@@ -64,170 +59,7 @@ PRESETS = {
                   num_key_value_heads=1, lr=3e-3, minutes=10.0),
 }
 
-MAX_FILE_BYTES = 200_000
-HELDOUT_PER_MILLE = 20  # 2% of the files
-
-
-# ---------------------------------------------------------------- data
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_stdlib_files(root: Path | None = None, max_bytes: int = MAX_FILE_BYTES) -> list[str]:
-    """Relative paths (POSIX, sorted) of the standard library's .py files: no site-packages,
-    none larger than `max_bytes`."""
-    root = root or stdlib_root()
-    out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if "site-packages" in rel.parts or "dist-packages" in rel.parts or not path.is_file():
-            continue
-        if path.stat().st_size > max_bytes:
-            continue
-        out.append(rel.as_posix())
-    return sorted(out)
-
-
-def is_heldout(rel: str, per_mille: int = HELDOUT_PER_MILLE) -> bool:
-    """Held out for evaluation or not: a hash of the relative path, the same on every machine."""
-    return int.from_bytes(hashlib.sha256(rel.encode("utf-8")).digest()[:8], "big") % 1000 < per_mille
-
-
-def split_files(rels: list[str], per_mille: int = HELDOUT_PER_MILLE) -> tuple[list[str], list[str]]:
-    train = [r for r in rels if not is_heldout(r, per_mille)]
-    heldout = [r for r in rels if is_heldout(r, per_mille)]
-    return train, heldout
-
-
-def is_test_file(rel: str) -> bool:
-    """A file of the stdlib's own test suites (test/, tests/, idle_test/ folders, test_*.py)."""
-    parts = rel.split("/")
-    return any(p in ("test", "tests", "idle_test") for p in parts[:-1]) or parts[-1].startswith("test_")
-
-
-def read_texts(root: Path, rels: list[str]) -> tuple[dict[str, str], list[str]]:
-    """{rel: text} for the files that are UTF-8, and the list of those skipped (not UTF-8)."""
-    texts, skipped = {}, []
-    for rel in rels:
-        try:
-            texts[rel] = (root / rel).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped.append(rel)
-    return texts, skipped
-
-
-CHAT_REQUESTS = (
-    "{doc}",
-    "Write a Python function that does this: {doc}",
-    "Write a Python function `{name}`. {doc}",
-)
-
-
-def chat_examples(texts: dict[str, str], seed: int, max_source_chars: int = 1500) -> list[list[dict]]:
-    """Conversations made from functions with docstrings: the docstring's first paragraph (in one
-    of a few phrasings) is the user's request, the function's source in a ```python block the
-    assistant's answer. Test functions, very long functions and repeated docstrings are left out."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    out = []
-    for rel in sorted(texts):
-        text = texts[rel]
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        lines = text.splitlines()
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("test"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc:
-                continue
-            para = " ".join(doc.strip().split("\n\n")[0].split())
-            if not 20 <= len(para) <= 300 or para in seen:
-                continue
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            source = textwrap.dedent("\n".join(lines[start : node.end_lineno])).strip("\n")
-            if len(source) > max_source_chars or not source.lstrip().startswith(("def ", "async def ", "@")):
-                continue
-            seen.add(para)
-            request = rng.choice(CHAT_REQUESTS).format(doc=para, name=node.name)
-            out.append([{"role": "user", "content": request},
-                        {"role": "assistant", "content": f"```python\n{source}\n```"}])
-    return out
-
-
-# ---------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE (GPT-2 pre-tokenizer regex), special tokens first (ids 0..2); encoding with
-    special tokens prepends <|endoftext|> as BOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer, length=len(texts))
-    eot_id = tok.token_to_id(EOT)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B:1", special_tokens=[(EOT, eot_id)])
-    return tok
-
-
-def hf_tokenizer(tok, model_max_length: int):
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT,
-        additional_special_tokens=[IM_START, IM_END], model_max_length=model_max_length,
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
-
-
-def save_tokenizer(hf, folder: Path) -> None:
-    hf.save_pretrained(folder)
-    # say plainly what tokenizer.json's post-processor does, for readers of tokenizer_config.json only
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.update(add_bos_token=True, add_eos_token=False, chat_template=CHAT_TEMPLATE)
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-
-
-def load_tokenizer(folder: Path):
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast.from_pretrained(folder)
-    if hf.chat_template is None:
-        hf.chat_template = CHAT_TEMPLATE
-    return hf
-
-
 # ---------------------------------------------------------------- training
-
-
-def pack_documents(docs: list[list[int]], eot_id: int, seq_len: int, seed: int):
-    """Shuffle the documents (seeded), join them as <|endoftext|> doc <|endoftext|> doc ...,
-    cut into rows of seq_len tokens (the tail that does not fill a row is dropped)."""
-    import numpy as np
-
-    order = np.random.default_rng(seed).permutation(len(docs))
-    total = sum(len(d) + 1 for d in docs)
-    stream = np.empty(total, dtype=np.int32)
-    i = 0
-    for j in order:
-        stream[i] = eot_id
-        stream[i + 1 : i + 1 + len(docs[j])] = docs[j]
-        i += 1 + len(docs[j])
-    rows = total // seq_len
-    return stream[: rows * seq_len].reshape(rows, seq_len)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0.1) -> float:
@@ -318,7 +150,7 @@ def samples(model, hf_tok, max_new_tokens: int = 80) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="main")
@@ -342,29 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf-type", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     ap.add_argument("--plot", type=Path, default=None, help="also write the loss plot here")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N training files (smoke tests)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if args.threads > 1 else "false")
-    import numpy as np
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(args.threads)
-    preset = dict(PRESETS[args.preset])
-    minutes = args.minutes if args.minutes is not None else preset.pop("minutes")
-    preset.pop("minutes", None)
-    lr = args.lr if args.lr is not None else preset.pop("lr")
-    preset.pop("lr", None)
-    out: Path = args.out
-    hf_dir = out / "hf"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+class Clock:
+    """Seconds since the run started, in front of every log line."""
 
-    def log(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+    def __init__(self) -> None:
+        self.start = time.time()
 
-    # ---- data
+    def log(self, msg: str) -> None:
+        print(f"[{time.time() - self.start:7.1f}s] {msg}", flush=True)
+
+
+def prepare_corpus(args: argparse.Namespace, out: Path, log) -> SimpleNamespace:
+    """Step 1 and 2: the stdlib's files split, the held-out texts written to OUT, the chat examples."""
     root = stdlib_root()
     rels = list_stdlib_files(root)
     train_rels, heldout_rels = split_files(rels)
@@ -376,44 +200,55 @@ def main(argv: list[str] | None = None) -> int:
     (out / "heldout.txt").write_bytes("\n\n".join(heldout_texts[r] for r in heldout_texts).encode("utf-8"))
     library_heldout = [r for r in heldout_texts if not is_test_file(r)]
     (out / "heldout-library.txt").write_bytes("\n\n".join(heldout_texts[r] for r in library_heldout).encode("utf-8"))
-    # scored as `hearth perplexity --text-file OUT/heldout.txt` reads it (text mode: "\r\n" -> "\n")
-    heldout_text = (out / "heldout.txt").read_text(encoding="utf-8")
-    heldout_library_text = (out / "heldout-library.txt").read_text(encoding="utf-8")
     conversations = chat_examples(train_texts, args.seed)
     log(f"stdlib {root} (Python {platform.python_version()}): {len(rels)} files, {len(train_texts)} train, "
         f"{len(heldout_texts)} held out, {len(skipped_train) + len(skipped_heldout)} not UTF-8; "
         f"{len(conversations)} chat examples")
+    return SimpleNamespace(root=root, rels=rels, train_texts=train_texts, heldout_texts=heldout_texts,
+                           skipped=skipped_train + skipped_heldout, library_heldout=library_heldout,
+                           conversations=conversations)
 
-    # ---- tokenizer
+
+def tokenize_corpus(args: argparse.Namespace, corpus: SimpleNamespace, out: Path, hf_dir: Path, log) -> SimpleNamespace:
+    """Step 3: the tokenizer (trained, or --tokenizer's) saved to OUT/hf, the documents packed into rows."""
     if args.tokenizer:
         hf_tok = load_tokenizer(args.tokenizer)
         log(f"tokenizer from {args.tokenizer}: {len(hf_tok)} tokens")
     else:
-        tok = train_tokenizer([train_texts[r] for r in sorted(train_texts)], args.vocab_size)
+        tok = train_tokenizer([corpus.train_texts[r] for r in sorted(corpus.train_texts)], args.vocab_size)
         hf_tok = hf_tokenizer(tok, args.seq_len)
         log(f"trained byte-level BPE tokenizer: {tok.get_vocab_size()} tokens")
     save_tokenizer(hf_tok, hf_dir)
-    vocab_size = len(hf_tok)
     eot_id = hf_tok.convert_tokens_to_ids(EOT)
-    im_end_id = hf_tok.convert_tokens_to_ids(IM_END)
     backend = hf_tok.backend_tokenizer
-    train_order = sorted(train_texts)
-    code_docs = [e.ids for e in backend.encode_batch([train_texts[r] for r in train_order], add_special_tokens=False)]
+    train_order = sorted(corpus.train_texts)
+    code_docs = [e.ids for e in backend.encode_batch([corpus.train_texts[r] for r in train_order],
+                                                     add_special_tokens=False)]
     # library modules (not test suites) count --library-weight times in each pass over the data
     weighted = [d for r, d in zip(train_order, code_docs) for _ in range(1 if is_test_file(r) else args.library_weight)]
-    library_tokens = sum(len(d) for r, d in zip(train_order, code_docs) if not is_test_file(r))
-    chat_texts = [hf_tok.apply_chat_template(c, tokenize=False) for c in conversations]
+    chat_texts = [hf_tok.apply_chat_template(c, tokenize=False) for c in corpus.conversations]
     chat_docs = [e.ids for e in backend.encode_batch(chat_texts, add_special_tokens=False)]
-    rows = pack_documents(weighted + chat_docs, eot_id, args.seq_len, args.seed)
-    heldout_ids = hf_tok(heldout_text)["input_ids"]
-    heldout_library_ids = hf_tok(heldout_library_text)["input_ids"]
-    code_tokens, chat_tokens = sum(map(len, code_docs)), sum(map(len, chat_docs))
-    train_bytes = sum(len(t.encode("utf-8")) for t in train_texts.values())
-    log(f"training tokens: {code_tokens} code ({train_bytes / code_tokens:.2f} bytes/token; {library_tokens} of them "
-        f"library, weighted x{args.library_weight}) + {chat_tokens} chat -> {rows.shape[0]} rows of {args.seq_len}; "
-        f"held-out tokens: {len(heldout_ids)}")
+    # scored as `hearth perplexity --text-file OUT/heldout.txt` reads it (text mode: "\r\n" -> "\n")
+    heldout = {name: hf_tok((out / name).read_text(encoding="utf-8"))["input_ids"]
+               for name in ("heldout.txt", "heldout-library.txt")}
+    tokens = SimpleNamespace(
+        hf_tok=hf_tok, eot_id=eot_id, im_end_id=hf_tok.convert_tokens_to_ids(IM_END),
+        rows=pack_documents(weighted + chat_docs, eot_id, args.seq_len, args.seed),
+        heldout_ids=heldout["heldout.txt"], heldout_library_ids=heldout["heldout-library.txt"],
+        code=sum(map(len, code_docs)), chat=sum(map(len, chat_docs)),
+        library=sum(len(d) for r, d in zip(train_order, code_docs) if not is_test_file(r)),
+        train_bytes=sum(len(t.encode("utf-8")) for t in corpus.train_texts.values()))
+    log(f"training tokens: {tokens.code} code ({tokens.train_bytes / tokens.code:.2f} bytes/token; {tokens.library} of "
+        f"them library, weighted x{args.library_weight}) + {tokens.chat} chat -> {tokens.rows.shape[0]} rows of "
+        f"{args.seq_len}; held-out tokens: {len(tokens.heldout_ids)}")
+    return tokens
 
-    # ---- model
+
+def build_model(args: argparse.Namespace, preset: dict, lr: float, vocab_size: int, eot_id: int, log):
+    """Step 4's model and optimizer: (LlamaForCausalLM, AdamW, parameters)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=vocab_size, max_position_embeddings=args.seq_len, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -428,144 +263,222 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     log(f"model {args.preset}: {params / 1e6:.3f}M parameters ({json.dumps(preset)})")
+    return model, opt, params
 
-    # ---- training
-    rng = np.random.default_rng(args.seed + 1)
-    perm, cursor, epoch = rng.permutation(rows.shape[0]), 0, 0
-    eval_windows = 24
-    steps = args.steps
-    calibrate = 10 if steps is None else None
-    budget_s = minutes * 60
-    train_loss, eval_loss, lrs = [], [], []
-    eval_every = args.eval_every
-    t_train = time.time()
-    t_eval_total = 0.0
-    step = 0
-    plan_history = []  # (at step, planned total steps) when --steps is fitted to the time budget
-    last_fit = (0, 0.0)
 
-    def evaluate(at: int) -> None:
-        nonlocal t_eval_total
+class StepPlan:
+    """How many optimizer steps: --steps, or fitted to the time budget from the speed of steps 3..10
+    (the learning-rate schedule needs the total before warmup ends) and shortened where a machine
+    shared with other work slows down (the cosine then decays sooner rather than stop undecayed)."""
+
+    CALIBRATE = 10
+
+    def __init__(self, steps: int | None, minutes: float, tokens_per_step: int, log) -> None:
+        self.steps, self.fitted = steps, steps is None
+        self.minutes, self.tokens_per_step, self.log = minutes, tokens_per_step, log
+        self.history: list[tuple[int, int]] = []  # (at step, planned total steps) when fitted
+        self.last_fit, self.t_cal = (0, 0.0), 0.0
+
+    def before_step(self, step: int, t_train: float, eval_seconds: float) -> None:
+        if self.fitted and step == 2:
+            self.t_cal = time.time()  # the first steps are slower: time steps 3..CALIBRATE
+        if self.fitted and step == self.CALIBRATE:
+            per_step = (time.time() - self.t_cal) / (self.CALIBRATE - 2)
+            # what is left of the budget, less ~10 more evaluations (one so far: eval_seconds)
+            left = self.minutes * 60 - 10 * eval_seconds - (time.time() - t_train)
+            self.steps = max(self.CALIBRATE + 1, int(left / per_step) + self.CALIBRATE)
+            self.log(f"{per_step:.2f}s/step ({self.tokens_per_step / per_step:.0f} tokens/s): {self.steps} steps fit "
+                     f"{self.minutes:g} minutes")
+            self.history.append((step, self.steps))
+            self.last_fit = (step, time.time() - t_train)
+
+    def after_evaluation(self, step: int, t_train: float) -> None:
+        if not self.fitted or self.steps is None:
+            return
+        elapsed = time.time() - t_train
+        recent = (elapsed - self.last_fit[1]) / max(1, step - self.last_fit[0])
+        left = int((self.minutes * 60 - elapsed) / recent)
+        if step + left < self.steps * 0.97 and left < self.steps - step:
+            self.steps = max(step + 1, step + left)
+            self.log(f"slower than planned ({recent:.2f}s/step): now {self.steps} steps")
+            self.history.append((step, self.steps))
+        self.last_fit = (step, elapsed)
+
+
+class Training:
+    """Step 4's loop: batches from a seeded permutation of the packed rows (a new one each epoch), a
+    cosine learning rate with warmup, bf16 autocast, clipped gradients, held-out evaluations."""
+
+    EVAL_WINDOWS = 24
+
+    def __init__(self, args: argparse.Namespace, model, opt, tokens: SimpleNamespace, lr: float,
+                 plan: StepPlan, log) -> None:
+        import numpy as np
+
+        self.args, self.model, self.opt, self.tokens, self.lr, self.plan, self.log = args, model, opt, tokens, lr, plan, log
+        self.rng = np.random.default_rng(args.seed + 1)
+        self.perm, self.cursor, self.epoch = self.rng.permutation(tokens.rows.shape[0]), 0, 0
+        self.train_loss: list[tuple[int, float]] = []
+        self.eval_loss: list[tuple[int, float]] = []
+        self.lrs: list[float] = []
+        self.eval_seconds, self.step, self.eval_every = 0.0, 0, args.eval_every
+
+    def evaluate(self) -> None:
         t0 = time.time()
-        nll, _ = heldout_nll(model, heldout_ids, args.seq_len, max_windows=eval_windows)
-        t_eval_total += time.time() - t0
-        eval_loss.append((at, nll))
-        log(f"step {at}: held-out loss {nll:.4f} (first {eval_windows} windows)")
+        nll, _ = heldout_nll(self.model, self.tokens.heldout_ids, self.args.seq_len, max_windows=self.EVAL_WINDOWS)
+        self.eval_seconds += time.time() - t0
+        self.eval_loss.append((self.step, nll))
+        self.log(f"step {self.step}: held-out loss {nll:.4f} (first {self.EVAL_WINDOWS} windows)")
 
-    evaluate(0)
-    while steps is None or step < steps:
-        if calibrate is not None and step == 2:
-            t_cal = time.time()  # the first steps are slower: time steps 3..calibrate
-        if calibrate is not None and step == calibrate:
-            per_step = (time.time() - t_cal) / (calibrate - 2)
-            eval_cost = t_eval_total  # one evaluation so far
-            # what is left of the budget, less ~10 more evaluations
-            steps = max(calibrate + 1, int((budget_s - 10 * eval_cost - (time.time() - t_train)) / per_step) + calibrate)
-            log(f"{per_step:.2f}s/step ({args.batch_size * args.seq_len / per_step:.0f} tokens/s): {steps} steps fit "
-                f"{minutes:g} minutes")
-            plan_history.append((step, steps))
-            last_fit = (step, time.time() - t_train)
-        if eval_every is None and steps is not None:
-            eval_every = max(1, steps // 10)
-        if cursor + args.batch_size > len(perm):
-            perm, cursor, epoch = rng.permutation(rows.shape[0]), 0, epoch + 1
-        batch = torch.from_numpy(rows[perm[cursor : cursor + args.batch_size]].astype(np.int64))
-        cursor += args.batch_size
-        cur_lr = lr_at(step, steps if steps is not None else 10**9, lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
+    def optimizer_step(self, steps: int | None) -> float:
+        import numpy as np
+        import torch
+
+        batch_size, rows = self.args.batch_size, self.tokens.rows
+        if self.cursor + batch_size > len(self.perm):
+            self.perm, self.cursor, self.epoch = self.rng.permutation(rows.shape[0]), 0, self.epoch + 1
+        batch = torch.from_numpy(rows[self.perm[self.cursor : self.cursor + batch_size]].astype(np.int64))
+        self.cursor += batch_size
+        lr = lr_at(self.step, steps if steps is not None else 10**9, self.lr, self.args.warmup)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = self.model(input_ids=batch, labels=batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        train_loss.append((step, loss.item()))
-        lrs.append(cur_lr)
-        if step % 25 == 0 or step == 1:
-            el = time.time() - t_train
-            log(f"step {step}/{steps} loss {loss.item():.4f} lr {cur_lr:.2e} epoch {epoch} "
-                f"({step * args.batch_size * args.seq_len / el:.0f} tokens/s)")
-        if eval_every and step % eval_every == 0 and step != steps:
-            evaluate(step)
-            if args.steps is None and steps is not None:
-                # a machine shared with other work can slow down: if the plan no longer fits the
-                # budget, shorten it (the cosine then decays sooner) rather than stop undecayed
-                elapsed = time.time() - t_train
-                recent = (elapsed - last_fit[1]) / max(1, step - last_fit[0])
-                left = int((budget_s - elapsed) / recent)
-                if step + left < steps * 0.97 and left < steps - step:
-                    steps = max(step + 1, step + left)
-                    log(f"slower than planned ({recent:.2f}s/step): now {steps} steps")
-                    plan_history.append((step, steps))
-                last_fit = (step, elapsed)
-    evaluate(step)
-    train_seconds = time.time() - t_train
-    log(f"trained {step} steps in {train_seconds / 60:.1f} min")
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.train_loss.append((self.step, loss.item()))
+        self.lrs.append(lr)
+        return loss.item()
 
-    # ---- save
+    def run(self) -> float:
+        """Train to the plan's end; the seconds it took."""
+        t_train = time.time()
+        self.evaluate()
+        while self.plan.steps is None or self.step < self.plan.steps:
+            self.plan.before_step(self.step, t_train, self.eval_seconds)
+            steps = self.plan.steps
+            if self.eval_every is None and steps is not None:
+                self.eval_every = max(1, steps // 10)
+            loss = self.optimizer_step(steps)
+            if self.step % 25 == 0 or self.step == 1:
+                tokens_per_s = self.step * self.args.batch_size * self.args.seq_len / (time.time() - t_train)
+                self.log(f"step {self.step}/{steps} loss {loss:.4f} lr {self.lrs[-1]:.2e} epoch {self.epoch} "
+                         f"({tokens_per_s:.0f} tokens/s)")
+            if self.eval_every and self.step % self.eval_every == 0 and self.step != steps:
+                self.evaluate()
+                self.plan.after_evaluation(self.step, t_train)
+        self.evaluate()
+        return time.time() - t_train
+
+
+def save_and_score(model, tokens: SimpleNamespace, hf_dir: Path, seq_len: int, corpus: SimpleNamespace, log) -> dict:
+    """Step 5's Hugging Face folder, then the held-out losses and the samples."""
+    from transformers import GenerationConfig
+
     model.config.use_cache = True
     model.save_pretrained(hf_dir, safe_serialization=True)
-    save_tokenizer(hf_tok, hf_dir)
-    GenerationConfig(bos_token_id=eot_id, eos_token_id=[eot_id, im_end_id], pad_token_id=eot_id,
-                     do_sample=False).save_pretrained(hf_dir)
-
+    save_tokenizer(tokens.hf_tok, hf_dir)
+    GenerationConfig(bos_token_id=tokens.eot_id, eos_token_id=[tokens.eot_id, tokens.im_end_id],
+                     pad_token_id=tokens.eot_id, do_sample=False).save_pretrained(hf_dir)
     t0 = time.time()
-    nll, scored = heldout_nll(model, heldout_ids, args.seq_len)
-    log(f"held-out (all {len(heldout_texts)} files, {scored} tokens, context {args.seq_len}): "
+    nll, scored = heldout_nll(model, tokens.heldout_ids, seq_len)
+    log(f"held-out (all {len(corpus.heldout_texts)} files, {scored} tokens, context {seq_len}): "
         f"loss {nll:.4f}, perplexity {math.exp(nll):.3f} ({time.time() - t0:.0f}s)")
-    lib_nll, lib_scored = heldout_nll(model, heldout_library_ids, args.seq_len)
-    log(f"held-out library modules ({len(library_heldout)} files, {lib_scored} tokens): "
+    lib_nll, lib_scored = heldout_nll(model, tokens.heldout_library_ids, seq_len)
+    log(f"held-out library modules ({len(corpus.library_heldout)} files, {lib_scored} tokens): "
         f"loss {lib_nll:.4f}, perplexity {math.exp(lib_nll):.3f}")
-    tail = [l for _, l in train_loss[-50:]]
-    sample_out = samples(model, hf_tok)
+    sample_out = samples(model, tokens.hf_tok)
     for s in sample_out:
         log(f"sample {s['prompt']!r} -> {s['completion']!r}")
+    return {"heldout_loss": nll, "heldout_perplexity": math.exp(nll), "heldout_scored_tokens": scored,
+            "heldout_library_loss": lib_nll, "heldout_library_perplexity": math.exp(lib_nll),
+            "heldout_library_scored_tokens": lib_scored, "samples": sample_out}
 
+
+def training_record(args: argparse.Namespace, argv: list[str] | None, run: SimpleNamespace) -> dict:
+    """The JSON record: settings, data, losses, times, scores (run: preset, lr, minutes, corpus, tokens,
+    training, plan, params, train_seconds, scores, clock)."""
+    import torch
+
+    training, plan, corpus, tokens, step = run.training, run.plan, run.corpus, run.tokens, run.training.step
     command = ["python", "recipes/train_default_model.py"] + (argv if argv is not None else sys.argv[1:])
     repeat = [a for a in command]
-    if args.steps is None and len(plan_history) == 1:
+    if args.steps is None and len(plan.history) == 1:
         repeat += ["--steps", str(step)]  # (a plan shortened on the way has no --steps that repeats it)
-    record = {
-        "python": platform.python_version(), "stdlib": str(root), "platform": platform.platform(),
+    tail = [l for _, l in training.train_loss[-50:]]
+    return {
+        "python": platform.python_version(), "stdlib": str(corpus.root), "platform": platform.platform(),
         "torch": torch.__version__, "command": shlex.join(command),
-        "repeat_command": shlex.join(repeat) if args.steps is not None or len(plan_history) == 1 else None,
-        "settings": {"preset": args.preset, **preset, "lr": lr, "warmup": args.warmup, "steps": step,
-                     "planned_steps": steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                     "vocab_size": vocab_size, "seed": args.seed, "threads": args.threads, "minutes": minutes if args.steps is None else None,
+        "repeat_command": shlex.join(repeat) if args.steps is not None or len(plan.history) == 1 else None,
+        "settings": {"preset": args.preset, **run.preset, "lr": run.lr, "warmup": args.warmup, "steps": step,
+                     "planned_steps": plan.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                     "vocab_size": len(tokens.hf_tok), "seed": args.seed, "threads": args.threads, "minutes": run.minutes if args.steps is None else None,
                      "weight_decay": 0.1, "betas": [0.9, 0.95], "grad_clip": 1.0, "lr_final_frac": 0.1,
                      "autocast": "bfloat16", "tokenizer_from": str(args.tokenizer) if args.tokenizer else None},
-        "data": {"files": len(rels), "train_files": len(train_texts), "heldout_files": len(heldout_texts),
-                 "skipped_not_utf8": skipped_train + skipped_heldout, "train_bytes": train_bytes,
-                 "code_tokens": code_tokens, "library_tokens": library_tokens,
-                 "library_weight": args.library_weight, "heldout_library_files": len(library_heldout), "chat_examples": len(conversations), "chat_tokens": chat_tokens,
-                 "rows": int(rows.shape[0]), "heldout_tokens": len(heldout_ids),
-                 "epochs_seen": step * args.batch_size / rows.shape[0]},
-        "params": params, "train_seconds": train_seconds, "eval_seconds": t_eval_total,
-        "total_seconds": time.time() - t_start, "step_plan": plan_history,
-        "final_train_loss_last50": sum(tail) / len(tail), "heldout_loss": nll, "heldout_perplexity": math.exp(nll),
-        "heldout_scored_tokens": scored, "heldout_library_loss": lib_nll,
-        "heldout_library_perplexity": math.exp(lib_nll), "heldout_library_scored_tokens": lib_scored, "train_loss": train_loss, "eval_loss": eval_loss, "lr": lrs,
-        "samples": sample_out,
+        "data": {"files": len(corpus.rels), "train_files": len(corpus.train_texts), "heldout_files": len(corpus.heldout_texts),
+                 "skipped_not_utf8": corpus.skipped, "train_bytes": tokens.train_bytes,
+                 "code_tokens": tokens.code, "library_tokens": tokens.library,
+                 "library_weight": args.library_weight, "heldout_library_files": len(corpus.library_heldout), "chat_examples": len(corpus.conversations), "chat_tokens": tokens.chat,
+                 "rows": int(tokens.rows.shape[0]), "heldout_tokens": len(tokens.heldout_ids),
+                 "epochs_seen": step * args.batch_size / tokens.rows.shape[0]},
+        "params": run.params, "train_seconds": run.train_seconds, "eval_seconds": training.eval_seconds,
+        "total_seconds": time.time() - run.clock.start, "step_plan": plan.history,
+        "final_train_loss_last50": sum(tail) / len(tail), **{k: v for k, v in run.scores.items() if k != "samples"},
+        "train_loss": training.train_loss, "eval_loss": training.eval_loss, "lr": training.lrs,
+        "samples": run.scores["samples"],
     }
-    plot_losses(record, out / "loss.png")
-    if args.plot:
-        plot_losses(record, args.plot)
 
+
+def write_gguf(args: argparse.Namespace, out: Path, hf_dir: Path, log) -> dict | None:
+    """The folder converted with hearth's converter (None where hearth is not importable)."""
     gguf = args.gguf or out / f"model-{args.gguf_type}.gguf"
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from hearth.loading.convert import convert_hf_to_gguf
     except ImportError as e:
         log(f"hearth's converter is not available ({e}); convert later: hearth convert {hf_dir} {gguf}")
-        record["gguf"] = None
-    else:
-        convert_hf_to_gguf(hf_dir, gguf, out_type=args.gguf_type, progress=False)
-        record["gguf"] = {"path": str(gguf), "type": args.gguf_type, "bytes": gguf.stat().st_size}
-        log(f"wrote {gguf} ({gguf.stat().st_size / 1e6:.2f} MB)")
+        return None
+    convert_hf_to_gguf(hf_dir, gguf, out_type=args.gguf_type, progress=False)
+    log(f"wrote {gguf} ({gguf.stat().st_size / 1e6:.2f} MB)")
+    return {"path": str(gguf), "type": args.gguf_type, "bytes": gguf.stat().st_size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["RAYON_RS_NUM_CPUS"] = str(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if args.threads > 1 else "false")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    preset = dict(PRESETS[args.preset])
+    minutes = args.minutes if args.minutes is not None else preset.pop("minutes")
+    preset.pop("minutes", None)
+    lr = args.lr if args.lr is not None else preset.pop("lr")
+    preset.pop("lr", None)
+    out: Path = args.out
+    hf_dir = out / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    clock = Clock()
+    corpus = prepare_corpus(args, out, clock.log)
+    tokens = tokenize_corpus(args, corpus, out, hf_dir, clock.log)
+    model, opt, params = build_model(args, preset, lr, len(tokens.hf_tok), tokens.eot_id, clock.log)
+    plan = StepPlan(args.steps, minutes, args.batch_size * args.seq_len, clock.log)
+    training = Training(args, model, opt, tokens, lr, plan, clock.log)
+    train_seconds = training.run()
+    clock.log(f"trained {training.step} steps in {train_seconds / 60:.1f} min")
+    scores = save_and_score(model, tokens, hf_dir, args.seq_len, corpus, clock.log)
+    record = training_record(args, argv, SimpleNamespace(
+        preset=preset, lr=lr, minutes=minutes, corpus=corpus, tokens=tokens, training=training, plan=plan,
+        params=params, train_seconds=train_seconds, scores=scores, clock=clock))
+    plot_losses(record, out / "loss.png")
+    if args.plot:
+        plot_losses(record, args.plot)
+    record["gguf"] = write_gguf(args, out, hf_dir, clock.log)
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    log(f"done: {out / 'training.json'}, {out / 'loss.png'}")
+    clock.log(f"done: {out / 'training.json'}, {out / 'loss.png'}")
     return 0
 
 

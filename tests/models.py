@@ -39,22 +39,30 @@ def make_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
 def hf_config(arch: str, **overrides):
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    specific = {
+    cls, extra = {**_dense_configs(transformers), **_expert_configs(transformers)}[arch]
+    return cls(**{**_COMMON, **extra, **overrides})
+
+
+def _dense_configs(transformers) -> dict:
+    """{arch: (transformers' config class, what differs from _COMMON)} for the dense families."""
+    return {
         "llama": (transformers.LlamaConfig, {}),
         "mistral": (transformers.MistralConfig, {"sliding_window": None}),
         "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),
@@ -74,6 +82,12 @@ def hf_config(arch: str, **overrides):
                                                  "tie_word_embeddings": False, "pad_token_id": None}),
         # q/k/v and gate/up stored merged; a window on every layer, shorter than the engine tests' sequences
         "phi3": (transformers.Phi3Config, {"sliding_window": 24, "pad_token_id": None}),
+    }
+
+
+def _expert_configs(transformers) -> dict:
+    """The same for mixtures of experts and multi-head latent attention."""
+    return {
         # mixtures of experts: 8 experts, 2 or 3 chosen per token; experts as wide as a block of the
         # quantized formats' (32) so that converted files quantize them
         "mixtral": (transformers.MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2,
@@ -98,8 +112,6 @@ def hf_config(arch: str, **overrides):
                                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                                 "mscale": 0.707, "mscale_all_dim": 1.0}}),
     }
-    cls, extra = specific[arch]
-    return cls(**{**common, **extra, **overrides})
 
 
 def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:

@@ -86,7 +86,8 @@ def test_inspect_reports_sizes(llama, capsys, tmp_path):
     assert info["architecture"] == "llama"
     assert info["parameters"] == sum(p.numel() for p in reference.parameters())
     head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 2
+    element = 2 if torch.cuda.is_available() else 4  # the engine's compute dtype: bfloat16 on a GPU, float32 on a CPU
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * element
     assert info["kv_cache_bytes_per_token"] == per_token
     assert info["kv_budget_tokens"] == (1 << 20) // per_token
     assert info["context_length"] == hf["max_position_embeddings"]

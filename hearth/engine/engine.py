@@ -18,7 +18,7 @@ from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig
 from hearth.engine.draft import DraftProposer, SecondModel
 from hearth.engine.kv_cache import BlockManager
-from hearth.engine.memory import choose_device, choose_dtype, default_kv_cache_memory
+from hearth.engine.memory import choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
@@ -83,13 +83,10 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or context
         check_kv_cache_dtype(config.cache.kv_cache_dtype, self.model_config, self.model.backend)
         bytes_per_token = self.model_config.kv_bytes_per_token(kv_bytes_per_element(config.cache.kv_cache_dtype, self.dtype.itemsize))
-        # what the run can use: max_num_seqs contexts, each in whole blocks and with room for the
-        # token sampled after a full-length prompt (admission asks for prompt + 1 slots)
-        blocks_per_seq = -(-(self.max_model_len + 1) // config.cache.block_size)
-        budget = config.cache.kv_cache_memory or default_kv_cache_memory(
-            self.device, bytes_per_token * config.cache.block_size * blocks_per_seq * config.scheduler.max_num_seqs
-        )
-        self.num_blocks = max(1, budget // (bytes_per_token * config.cache.block_size))
+        budget = config.cache.kv_cache_memory or kv_cache_budget(
+            self.device, bytes_per_token, config.cache.block_size, self.max_model_len, config.scheduler.max_num_seqs,
+            model_bytes(self.model_path))
+        self.num_blocks = kv_cache_blocks(budget, bytes_per_token, config.cache.block_size)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -305,26 +305,44 @@ def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int) ->
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ModelLoadError(f"{path}: tokenizer model {model.get('type')!r} is not supported (only BPE)")
     pieces = [p for key in ("normalizer", "pre_tokenizer", "decoder") for p in _components(tok.get(key))]
+    spm = _is_sentencepiece(path, model, pieces)
+    added = {int(a["id"]): a for a in tok.get("added_tokens") or []}
+    tokens, types = _token_list(path, model, added, spm, vocab_size)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
+    writer.add_tokenizer_pre("default" if spm else _pre_name(tok.get("pre_tokenizer")))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if spm:
+        writer.add_token_scores(_merge_rank_scores(tokens, merges, added))
+        writer.add_add_space_prefix(_adds_space_prefix(pieces))
+    else:
+        writer.add_token_merges(merges)
+    _add_special_tokens(writer, folder, tok, {t: i for i, t in enumerate(tokens)}, vocab_size)
+
+
+def _is_sentencepiece(path: Path, model: dict[str, Any], pieces: list[dict[str, Any]]) -> bool:
+    """True for SentencePiece-style BPE (byte fallback, "▁" for spaces), False for byte-level BPE."""
     kinds = {p.get("type") for p in pieces}
     metaspace = "Metaspace" in kinds or any(
         p.get("type") == "Replace" and "▁" in (p.get("content"), (p.get("pattern") or {}).get("String")) for p in pieces
     )
     if "ByteLevel" in kinds:
-        spm = False
-    elif model.get("byte_fallback") and metaspace:
-        spm = True
-    else:
-        raise ModelLoadError(f"{path}: unsupported tokenizer (neither byte-level BPE nor SentencePiece-style BPE)")
+        return False
+    if model.get("byte_fallback") and metaspace:
+        return True
+    raise ModelLoadError(f"{path}: unsupported tokenizer (neither byte-level BPE nor SentencePiece-style BPE)")
 
-    vocab: dict[str, int] = model["vocab"]
-    added = {int(a["id"]): a for a in tok.get("added_tokens") or []}
-    text_by_id = {i: t for t, i in vocab.items()}
+
+def _token_list(path: Path, model: dict[str, Any], added: dict[int, dict[str, Any]], spm: bool,
+                vocab_size: int) -> tuple[list[str], list[int]]:
+    """Every id's text and llama.cpp token type, vocab_size of them (ids no token has: "[PAD<id>]")."""
+    text_by_id = {i: t for t, i in model["vocab"].items()}
     text_by_id.update({i: a["content"] for i, a in added.items()})
     too_big = [i for i in text_by_id if i >= vocab_size]
     if too_big:
         raise ModelLoadError(f"{path}: token id {max(too_big)} is outside the model's vocab_size {vocab_size}")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-
     tokens: list[str] = []
     types: list[int] = []
     for i in range(vocab_size):
@@ -342,24 +360,17 @@ def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int) ->
         else:
             tokens.append(text)
             types.append(TokenType.UNKNOWN if spm and text == model.get("unk_token") else TokenType.NORMAL)
+    return tokens, types
 
-    writer.add_tokenizer_model("llama" if spm else "gpt2")
-    writer.add_tokenizer_pre("default" if spm else _pre_name(tok.get("pre_tokenizer")))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    if spm:
-        # llama.cpp's SentencePiece tokenizer merges the adjacent pair whose result scores highest.
-        # tokenizer.json keeps no scores (llama.cpp's LlamaHfVocab writes a constant -1000, which
-        # loses the merge order), so a token scores minus the rank of the merge that makes it.
-        rank = {}
-        for r, merge in enumerate(merges):
-            rank.setdefault(merge.replace(" ", ""), r)
-        scores = [-1000.0 if i in added else -float(rank.get(t, 0)) for i, t in enumerate(tokens)]
-        writer.add_token_scores(scores)
-        writer.add_add_space_prefix(_adds_space_prefix(pieces))
-    else:
-        writer.add_token_merges(merges)
-    _add_special_tokens(writer, folder, tok, {t: i for i, t in enumerate(tokens)}, vocab_size)
+
+def _merge_rank_scores(tokens: list[str], merges: list[str], added: dict[int, Any]) -> list[float]:
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose result scores highest.
+    tokenizer.json keeps no scores (llama.cpp's LlamaHfVocab writes a constant -1000, which loses the
+    merge order), so a token scores minus the rank of the merge that makes it."""
+    rank: dict[str, int] = {}
+    for r, merge in enumerate(merges):
+        rank.setdefault(merge.replace(" ", ""), r)
+    return [-1000.0 if i in added else -float(rank.get(t, 0)) for i, t in enumerate(tokens)]
 
 
 def _adds_space_prefix(pieces: list[dict[str, Any]]) -> bool:
