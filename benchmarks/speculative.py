@@ -112,7 +112,7 @@ def main() -> None:
     set_threads(args.threads)
     from hearth import LLM
     from hearth.bench.latency import one_run
-    from hearth.engine.speculative import SpecDecodeCounts
+    from hearth.engine.speculation.stats import SpecDecodeCounts
 
     common = dict(progress=False, max_num_seqs=args.concurrent, kv_cache_memory=1 << 30, kv_cache_dtype=args.kv_cache_dtype)
     engines = {"plain": LLM(args.model, **common)}
@@ -159,7 +159,7 @@ def main() -> None:
         f"- model {Path(args.model).name}"
         + (f", draft {Path(args.speculative_model).name}" if "draft" in methods else "")
         + f"; the task: {task}; greedy, {args.output_len} output tokens, up to "
-        + ", ".join(f"{engines[name].engine.config.num_speculative_tokens} ({name})" for name in methods)
+        + ", ".join(f"{engines[name].engine.config.speculative.num_speculative_tokens} ({name})" for name in methods)
         + f" guesses a step ({'fixed' if args.no_speculative_adaptive else 'adaptive'})"
         + (f", trees of {args.speculative_tree_width} branches" if len(widths) > 1 else "")
         + f"; decode tokens/s{' per CPU-second' if args.cpu_time else ''}, "

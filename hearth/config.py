@@ -11,7 +11,7 @@ from hearth.backend.kv_quant import kv_cache_dtype_name
 from hearth.errors import ModelLoadError
 
 # Guesses per request per step by default: the most; how many of them are made follows the
-# request's acceptance and the batch (hearth/engine/speculative.py, num_guesses). The built-in pair
+# request's acceptance and the batch (hearth/engine/speculation/guess_count.py, num_guesses). The built-in pair
 # at batch 1, 2 threads: 4 -> 1.84x, 8 -> 2.20x, 12 -> 2.38x (docs/benchmarks.md).
 DEFAULT_SPECULATIVE_TOKENS = 8
 
@@ -428,6 +428,56 @@ def _refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (hearth/engine/speculation/), EngineConfig.speculative. Each field is the
+    engine option (LLM keyword, --flag) of its name with `speculative_` before it where that is not
+    already there: method is speculative_method, num_speculative_tokens stays num_speculative_tokens."""
+
+    # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool) or "draft"
+    # (a smaller model with the target's vocabulary guesses: model)
+    method: str | None = None
+    model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
+    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
+    # tree of tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
+    prompt_lookup_max: int = 4  # ngram: the longest match looked for
+    disable_by_batch_size: int = 32  # running requests at which guessing stops
+    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
+    # acceptance or measured speed (deterministic: for tests and measurements)
+    adaptive: bool = True
+    # token-tree verification (hearth/engine/speculation/token_tree.py): the most branches of a request's
+    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
+    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
+    tree_width: int = 1
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.method in (None, "ngram", "lookahead", "draft"),
+             f"speculative_method {self.method!r} is not implemented: ngram, lookahead or draft "
+             f"(token trees of guesses: speculative_tree_width with ngram or draft)")
+        need((self.method == "draft") == (self.model is not None),
+             "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
+                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.tree_width))
+        need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
+        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        need(self.disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
+        need(self.tree_width >= 1, "speculative_tree_width must be at least 1")
+        need(self.tree_width == 1 or self.method in ("ngram", "draft"),
+             "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        need(self.tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+             f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
+             f"rows, its root included, go through the decode kernels), got {self.tree_width} x "
+             f"{self.num_speculative_tokens}")
+
+
+@dataclass
 class EngineConfig:
     """Budgets and switches of the engine; every field validated loudly."""
 
@@ -446,24 +496,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks the model is split over (hearth/distributed/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages the layers are split into (hearth/distributed/pipeline_parallel.py)
-    # speculative decoding (hearth/engine/speculative.py): None (off), "ngram" (prompt lookup),
-    # "lookahead" (Jacobi window and n-gram pool) or "draft" (a smaller model with the target's
-    # vocabulary guesses: speculative_model)
-    speculative_method: str | None = None
-    speculative_model: str | None = None  # draft: the draft model (GGUF file, HF folder or "builtin"-style name)
-    # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
-    # tree of speculative_tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int = 2  # ngram: the shortest match of the last tokens that makes guesses
-    prompt_lookup_max: int = 4  # ngram: the longest match looked for
-    speculative_disable_by_batch_size: int = 32  # running requests at which guessing stops
-    # False: every lookup that finds guesses makes num_speculative_tokens of them, whatever the batch,
-    # acceptance or measured speed (deterministic: for tests and measurements)
-    speculative_adaptive: bool = True
-    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
-    # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
-    # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
-    speculative_tree_width: int = 1
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = None
 
@@ -489,24 +522,5 @@ class EngineConfig:
         need((self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1) or self.kv_cache_dtype == "auto",
              "a KV cache in another dtype than the compute dtype (kv_cache_dtype) is not implemented with tensor or "
              "pipeline parallelism")
-        need(self.speculative_method in (None, "ngram", "lookahead", "draft"),
-             f"speculative_method {self.speculative_method!r} is not implemented: ngram, lookahead or draft "
-             f"(token trees of guesses: speculative_tree_width with ngram or draft)")
-        need(self.tensor_parallel_size == 1 or (self.speculative_model is None and self.contrastive_model is None),
+        need(self.tensor_parallel_size == 1 or (self.speculative.model is None and self.contrastive_model is None),
              "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
-        need((self.speculative_method == "draft") == (self.speculative_model is not None),
-             "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
-                                              (MAX_DECODE_QUERY_LEN - 1) // max(1, self.speculative_tree_width))
-        need(self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1")
-        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-             "need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        need(self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
-        need(self.speculative_tree_width >= 1, "speculative_tree_width must be at least 1")
-        need(self.speculative_tree_width == 1 or self.speculative_method in ("ngram", "draft"),
-             "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
-        need(self.speculative_tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
-             f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
-             f"rows, its root included, go through the decode kernels), got {self.speculative_tree_width} x "
-             f"{self.num_speculative_tokens}")

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hearth.config import EngineConfig
+from hearth.config import EngineConfig, SpeculativeConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
@@ -75,14 +75,16 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
-            speculative_method=speculative_method,
-            speculative_model=None if speculative_model is None else str(speculative_model),
-            num_speculative_tokens=num_speculative_tokens,
-            prompt_lookup_min=prompt_lookup_min,
-            prompt_lookup_max=prompt_lookup_max,
-            speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-            speculative_adaptive=speculative_adaptive,
-            speculative_tree_width=speculative_tree_width,
+            speculative=SpeculativeConfig(
+                method=speculative_method,
+                model=None if speculative_model is None else str(speculative_model),
+                num_speculative_tokens=num_speculative_tokens,
+                prompt_lookup_min=prompt_lookup_min,
+                prompt_lookup_max=prompt_lookup_max,
+                disable_by_batch_size=speculative_disable_by_batch_size,
+                adaptive=speculative_adaptive,
+                tree_width=speculative_tree_width,
+            ),
             contrastive_model=None if contrastive_model is None else str(contrastive_model),
         )
         self.engine = LLMEngine(model, config, progress)

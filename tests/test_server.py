@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hearth import LLM, SamplingParams
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
-from hearth.config import EngineConfig
+from hearth.config import EngineConfig, SpeculativeConfig
 from hearth.server.app import build_app
 from hearth.server.connections import uvicorn_config
 from hearth.server.limits import ServerLimits
@@ -409,10 +409,11 @@ def test_speculative_decoding_metrics_and_opt_out(folder, llm, method):
     """A server with prompt-lookup speculation, or a draft model (the target itself; and with token
     trees of three branches): greedy replies equal plain offline decoding, the spec_decode counters
     (vLLM's names) count the guesses, and "speculative": false opts out."""
-    options = (dict(speculative_method="ngram", prompt_lookup_min=1) if method == "ngram"
-               else dict(speculative_method="draft", speculative_model=str(folder)))
-    options |= dict(speculative_tree_width=3) if method.endswith("tree") else {}
-    engine = AsyncEngine(LLMEngine(folder, EngineConfig(speculative_adaptive=False, **options), progress=False))
+    options = (dict(method="ngram", prompt_lookup_min=1) if method == "ngram"
+               else dict(method="draft", model=str(folder)))
+    options |= dict(tree_width=3) if method.endswith("tree") else {}
+    config = EngineConfig(speculative=SpeculativeConfig(adaptive=False, **options))
+    engine = AsyncEngine(LLMEngine(folder, config, progress=False))
     with serving(build_app(engine, NAME, api_key=API_KEY)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
         prompt = "one two three one two three one two"

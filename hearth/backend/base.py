@@ -300,15 +300,6 @@ class Backend:
         (the last layer's output, the residual stream) or None (then the modules run)."""
         return None
 
-    def greedy_passes(self, model: nn.Module, first: StepInputs, later: StepInputs | None, feeds: list[list[int]],
-                      kv_caches) -> np.ndarray | None:
-        """A draft model's chained greedy passes in one call, where a backend has one: the first
-        pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in
-        `later`), row i of pass 1 + p fed the token chosen at row feeds[p][i] of the pass before;
-        every choice the argmax of the logits of a sequence's last row. Returns the passes' choices
-        end to end (int64 [their sequences]) or None (then the runner runs the passes one by one)."""
-        return None
-
     # ---- weights -----------------------------------------------------------------------
 
     def quantized_module(self, module: nn.Module, weight, bias: torch.Tensor | None, dtype: torch.dtype

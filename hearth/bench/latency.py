@@ -108,10 +108,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, runs: int
 
 def spec_decode_report(engine, before) -> dict:
     """The speculative-decoding counts of the measured runs (none without speculation)."""
-    if engine.config.speculative_method is None:
+    if engine.config.speculative.method is None:
         return {}
     counts = engine.spec_decode_totals.since(before)
-    return {"speculative_method": engine.config.speculative_method, "spec_decode": {
+    return {"speculative_method": engine.config.speculative.method, "spec_decode": {
         "num_drafts": counts.num_drafts, "num_draft_tokens": counts.num_draft_tokens,
         "num_accepted_tokens": counts.num_accepted_tokens, "accepted_per_position": counts.accepted_per_position,
         "acceptance_rate": counts.acceptance_rate, "summary": counts.summary()}}
