@@ -350,33 +350,23 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert llm.engine.runner.draft.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("pair", ["builtin", "q8_0"])
-def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
-    """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
-    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
-    on the same inputs, and after every step the draft model's own greedy continuation of the
-    request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
-    GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first
-    pass catch up several rows). Requests near their max_tokens guess fewer: later passes on fewer rows.
-    Beside a request with a repetition penalty the runner's loop runs the passes."""
-    from hearth.backend.cpu import cpu_kernels
+def one_call_pair(pair: str, tmp_path) -> tuple[str, str, list]:
+    """A target, its draft and three prompts: the built-in pair, or q8_0 GGUFs of two unlike models."""
     from hearth.loading.convert import convert_hf_to_gguf
-    from hearth.quant import kernels
 
-    if kernels.extension() is None or cpu_kernels() is None:
-        pytest.skip("the C++ kernels could not be built here")
     if pair == "builtin":
-        target, draft = "builtin", "builtin-draft"
-        prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
-    else:
-        target, draft = (convert_hf_to_gguf(make_hf_model(tmp_path / name, "llama", seed=seed, intermediate_size=128),
-                                            tmp_path / f"{name}.gguf", "q8_0", progress=False)
-                         for name, seed in (("target", 0), ("draft", 1)))
-        prompts = [[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]
-    llm = LLM(target, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
-              num_speculative_tokens=5)
-    alone = LLM(draft, progress=False)
-    draft = llm.engine.runner.draft
+        return "builtin", "builtin-draft", ["def fibonacci(n):", "import os\n\n\ndef list_files(path):",
+                                            "class Stack:\n    def push(self, item):"]
+    target, draft = (convert_hf_to_gguf(make_hf_model(tmp_path / name, "llama", seed=seed, intermediate_size=128),
+                                        tmp_path / f"{name}.gguf", "q8_0", progress=False)
+                     for name, seed in (("target", 0), ("draft", 1)))
+    return target, draft, [[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]
+
+
+def compare_one_call_with_the_loop(draft) -> tuple[list, list[int]]:
+    """Make every propose of the draft runner run its passes one by one (the backend's one call
+    refused), then again as they would run, and assert both choose alike. Returns the list the
+    one-call kernel's results go to, and [the number of proposes] (both filled as the engine runs)."""
     backend, kernel, propose = draft.backend, draft.backend.greedy_passes, draft.propose
     reference, kernel_calls, both_calls = [False], [], [0]
 
@@ -396,6 +386,28 @@ def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
         return chosen
 
     backend.greedy_passes, draft.propose = greedy_passes, both
+    return kernel_calls, both_calls
+
+
+@pytest.mark.parametrize("pair", ["builtin", "q8_0"])
+def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
+    """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
+    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
+    on the same inputs, and at every step the draft model's own greedy continuation of the
+    request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
+    GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first
+    pass catch up several rows). Requests near their max_tokens guess fewer: later passes on fewer rows.
+    Beside a request with a repetition penalty the runner's loop runs the passes."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    target, draft, prompts = one_call_pair(pair, tmp_path)
+    llm = LLM(target, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
+              num_speculative_tokens=5)
+    alone = LLM(draft, progress=False)
+    kernel_calls, both_calls = compare_one_call_with_the_loop(llm.engine.runner.draft)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True))

@@ -31,7 +31,7 @@ class StepInputs:
     """One step's batch on the host: S sequences' new tokens end to end (T rows)."""
 
     # int64 [T]; or a tensor on the backend's device: tokens a pass before drew and the host has not
-    # read (a draft model's passes, runner.ModelRunner.propose)
+    # read (a draft model's passes, draft_runner.DraftRunner.propose)
     input_ids: np.ndarray | torch.Tensor
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T] cache slot of each new token's K/V

@@ -166,6 +166,9 @@ def load_second_models(config: EngineConfig, target: ModelRunner, dtype: torch.d
     def load(path: str, what: str) -> ModelRunner:
         return load_second_runner(path, what, target, dtype, tokenizer, max_model_len, progress)
 
-    draft = None if config.speculative.model is None else DraftRunner(load(config.speculative.model, "speculative_model"))
-    amateur = None if config.contrastive_model is None else SecondModel(load(config.contrastive_model, "contrastive_model"))
+    draft = amateur = None
+    if config.speculative.model is not None:
+        draft = DraftRunner(load(config.speculative.model, "speculative_model"))
+    if config.contrastive_model is not None:
+        amateur = SecondModel(load(config.contrastive_model, "contrastive_model"))
     return draft, amateur

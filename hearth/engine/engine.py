@@ -67,7 +67,8 @@ class LLMEngine:
         if progress:
             print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
                   f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.block_size})", file=sys.stderr)
+                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.block_size})",
+                  file=sys.stderr)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
                                                                     self.max_model_len, progress)

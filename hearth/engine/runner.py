@@ -49,7 +49,7 @@ class BatchEntry:
     token_ids: list[int]  # the new tokens of this sequence this step
     num_computed_tokens: int  # tokens already in the cache before them
     block_table: list[int]
-    # a token tree (hearth/engine/token_tree.py): where its region begins, and per new token a mask
+    # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
     # of the region's positions it sees (bit j: tree_start + j); None: causal
     tree: tuple[int, list[int]] | None = None
 

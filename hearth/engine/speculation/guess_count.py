@@ -1,6 +1,6 @@
 """How many guesses a request makes in a step, from its measured acceptance and the batch. No tensors.
 
-How many guesses (`num_guesses`): the i-th guess pays off only when the i - 1 before it were
+`num_guesses`: the i-th guess pays off only when the i - 1 before it were
 accepted, so it is worth about rate ** i tokens, where rate is the request's measured
 acceptance rate: k guesses keep 1 + rate + ... + rate ** k tokens of the request. Each costs one
 more row of the step: a share ROW_COST of a one-row step while decoding is bound by reading the
@@ -14,7 +14,6 @@ from disable_by_batch_size running requests on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 # The cost of one more row in a decode step, as a share of a one-row step: 0.28 for SmolLM2 and
 # 0.36 for the built-in pair (a row of the target and a pass of its draft) on the CPU at batch 1

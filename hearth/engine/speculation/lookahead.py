@@ -1,4 +1,5 @@
-"""Lookahead decoding's guesses (Fu et al., 2024). Host lists only, no tensors.
+"""Lookahead decoding's guesses. Host lists only, no tensors.
+
 Lookahead decoding (Fu et al., 2024) guesses from the model's own parallel guesses, in one
 chain of rows (the verification path that prompt lookup uses; no tree mask): a request keeps a
 Jacobi window, its current guesses for the next positions, and a pool of N-grams. Every
