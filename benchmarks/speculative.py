@@ -135,7 +135,7 @@ def measure(args: argparse.Namespace, engines: dict, methods: list[str], batches
             data: dict) -> list[list]:
     """Every engine on each batch in turn, args.runs times: the table's rows; the runs into data."""
     from hearth.bench.latency import one_run
-    from hearth.engine.speculative import SpecDecodeCounts
+    from hearth.engine.speculation.stats import SpecDecodeCounts
 
     rows = []
     for size, batch in batches.items():

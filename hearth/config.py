@@ -25,7 +25,7 @@ from hearth.options import build, option, parse_size, section
 MAX_DECODE_QUERY_LEN = 16
 
 # Guesses per request per step by default: the most; how many of them are made follows the
-# request's acceptance and the batch (hearth/engine/speculative.py, num_guesses). The built-in pair
+# request's acceptance and the batch (hearth/engine/speculation/guess_count.py, num_guesses). The built-in pair
 # at batch 1, 2 threads: 4 -> 1.84x, 8 -> 2.20x, 12 -> 2.38x (docs/benchmarks.md).
 DEFAULT_SPECULATIVE_TOKENS = 8
 
@@ -356,7 +356,7 @@ class ParallelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (hearth/engine/speculative.py), EngineConfig.speculative. The options' flat
+    """Speculative decoding (hearth/engine/speculation/), EngineConfig.speculative. The options' flat
     names (LLM's keywords, the flags) say speculative where the field's own name does not: method is
     speculative_method, num_speculative_tokens stays num_speculative_tokens."""
 
@@ -384,7 +384,7 @@ class SpeculativeConfig:
     adaptive: bool = option(
         True, keyword="speculative_adaptive", flag="--no-speculative-adaptive",
         help="always the full number of guesses (no adapting to batch, acceptance or measured speed)")
-    # token-tree verification (hearth/engine/token_tree.py): the most branches of a request's
+    # token-tree verification (hearth/engine/speculation/token_tree.py): the most branches of a request's
     # guesses, verified in one pass (ngram: the continuations of as many different earlier matches;
     # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
     tree_width: int = option(

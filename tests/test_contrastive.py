@@ -57,7 +57,7 @@ def test_greedy_equals_the_direct_computation(llm, references):
         for _ in range(10):
             ids.append(int(contrastive_scores(references, ids, alpha, weight).argmax()))
         assert out.outputs[0].token_ids == ids[len(prompt):], (weight, alpha)
-    assert llm.engine.block_manager.check_all_free() and llm.engine.amateur.block_manager.check_all_free()
+    assert llm.engine.block_manager.check_all_free() and llm.engine.runner.amateur.block_manager.check_all_free()
 
 
 def test_draws_follow_the_contrastive_distribution(llm, references):

@@ -86,7 +86,7 @@ def check_speculated(llm, spec: str) -> None:
     else:
         assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
     if spec.startswith("draft"):  # the draft's own cache is empty again too
-        assert llm.engine.proposer.draft.block_manager.check_all_free()
+        assert llm.engine.runner.draft.block_manager.check_all_free()
 
 
 # the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE);
@@ -169,7 +169,7 @@ def test_every_block_free_after_finished_and_aborted_requests(model_folders, spe
     assert engine.block_manager.check_all_free()
     assert engine.block_manager.usage == 0
     if spec.startswith("draft"):
-        assert engine.proposer.draft.block_manager.check_all_free()
+        assert engine.runner.draft.block_manager.check_all_free()
 
 
 def test_too_long_prompt_is_refused_and_others_still_served(model_folders):

@@ -181,12 +181,30 @@ def test_seeded_requests_keep_plain_decoding_tokens_with_ngram_trees(folder):
     assert llm.engine.spec_decode_totals.num_accepted_tokens > 0 and moves
 
 
+def run_checking_guesses(engine, check) -> int:
+    """Step the engine until its requests finish; where a step's guesses are planned (before the
+    scheduler trims them), check(request) each running request with guesses. Returns the sum of
+    what the checks returned."""
+    checked, schedule = 0, engine.scheduler.schedule
+
+    def checking_schedule():
+        nonlocal checked
+        checked += sum(check(request) for request in engine.scheduler.running if request.spec_token_ids)
+        return schedule()
+
+    engine.scheduler.schedule = checking_schedule
+    while engine.has_unfinished_requests():
+        engine.step()
+    return checked
+
+
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_draft_passes_guess_the_drafts_own_greedy_continuation(folder, unlike_draft, tree_width):
     """The draft's passes run in one call, each fed the guess drawn before it on the device
-    (runner.ModelRunner.propose): after every step, each branch of a greedy request's guesses is
-    what the draft model generates alone from the request's tokens (and the branch's first token,
-    for the others of a tree), with a repetition penalty that counts the guesses drawn before."""
+    (draft_runner.DraftRunner.propose): as planned for every step, each branch of a greedy
+    request's guesses is what the draft model generates alone from the request's tokens (and the
+    branch's first token, for the others of a tree), with a repetition penalty that counts the
+    guesses drawn before."""
     k = 4
     penalised = dict(temperature=0, ignore_eos=True, repetition_penalty=1.5)
     alone = LLM(unlike_draft, progress=False)
@@ -195,22 +213,19 @@ def test_draft_passes_guess_the_drafts_own_greedy_continuation(folder, unlike_dr
     engine = llm.engine
     for i, prompt in enumerate([[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16 + i, **penalised))
-    checked = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        for request in engine.scheduler.running:
-            guesses = request.spec_token_ids
-            if not guesses:
-                continue
-            depth = len(guesses) // tree_width  # the branches one after another (tree_of: nothing merges)
-            for b in range(0, len(guesses), depth):
-                branch, start = guesses[b : b + depth], (guesses[b : b + 1] if b else [])
-                drafted = alone.generate([request.all_token_ids + start],
-                                         SamplingParams(max_tokens=depth - len(start), **penalised), use_tqdm=False)
-                assert branch == start + drafted[0].outputs[0].token_ids, (request.request_id, b)
-                checked += 1
-    assert checked >= 10 * tree_width
-    assert engine.proposer.draft.block_manager.check_all_free()
+
+    def check(request) -> int:
+        guesses = request.spec_token_ids
+        depth = len(guesses) // tree_width  # the branches one after another (tree_of: nothing merges)
+        for b in range(0, len(guesses), depth):
+            branch, start = guesses[b : b + depth], (guesses[b : b + 1] if b else [])
+            drafted = alone.generate([request.all_token_ids + start],
+                                     SamplingParams(max_tokens=depth - len(start), **penalised), use_tqdm=False)
+            assert branch == start + drafted[0].outputs[0].token_ids, (request.request_id, b)
+        return len(guesses) // depth
+
+    assert run_checking_guesses(engine, check) >= 10 * tree_width
+    assert engine.runner.draft.block_manager.check_all_free()
 
 
 @pytest.mark.parametrize("method", ["draft unlike", "draft unlike tree"])
@@ -256,7 +271,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, 
     assert preempted > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     assert engine.block_manager.check_all_free()
     if method.startswith("draft"):
-        assert engine.proposer.draft.block_manager.check_all_free()
+        assert engine.runner.draft.block_manager.check_all_free()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft unlike", "draft unlike tree"])
@@ -333,37 +348,27 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert [o.outputs[0].token_ids for o in together] == expected
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert llm.engine.spec_decode_totals.acceptance_rate > 0.4
-    assert llm.engine.proposer.draft.block_manager.check_all_free()
+    assert llm.engine.runner.draft.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("pair", ["builtin", "q8_0"])
-def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
-    """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
-    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
-    on the same inputs, and after every step the draft model's own greedy continuation of the
-    request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
-    GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first
-    pass catch up several rows). Requests near their max_tokens guess fewer: later passes on fewer rows.
-    Beside a request with a repetition penalty the runner's loop runs the passes."""
-    from hearth.backend.cpu import cpu_kernels
+def one_call_pair(pair: str, tmp_path) -> tuple[str, str, list]:
+    """A target, its draft and three prompts: the built-in pair, or q8_0 GGUFs of two unlike models."""
     from hearth.loading.convert import convert_hf_to_gguf
-    from hearth.quant import kernels
 
-    if kernels.extension() is None or cpu_kernels() is None:
-        pytest.skip("the C++ kernels could not be built here")
     if pair == "builtin":
-        target, draft = "builtin", "builtin-draft"
-        prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
-    else:
-        target, draft = (convert_hf_to_gguf(make_hf_model(tmp_path / name, "llama", seed=seed, intermediate_size=128),
-                                            tmp_path / f"{name}.gguf", "q8_0", progress=False)
-                         for name, seed in (("target", 0), ("draft", 1)))
-        prompts = [[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]
-    llm = LLM(target, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
-              num_speculative_tokens=5)
-    alone = LLM(draft, progress=False)
-    runner = llm.engine.proposer.draft.runner
-    backend, kernel, propose = runner.backend, runner.backend.greedy_passes, runner.propose
+        return "builtin", "builtin-draft", ["def fibonacci(n):", "import os\n\n\ndef list_files(path):",
+                                            "class Stack:\n    def push(self, item):"]
+    target, draft = (convert_hf_to_gguf(make_hf_model(tmp_path / name, "llama", seed=seed, intermediate_size=128),
+                                        tmp_path / f"{name}.gguf", "q8_0", progress=False)
+                     for name, seed in (("target", 0), ("draft", 1)))
+    return target, draft, [[7, 8, 9, 10] * 3, [3, 5, 7, 11, 13], [40, 2, 40, 2, 9]]
+
+
+def compare_one_call_with_the_loop(draft) -> tuple[list, list[int]]:
+    """Make every propose of the draft runner run its passes one by one (the backend's one call
+    refused), then again as they would run, and assert both choose alike. Returns the list the
+    one-call kernel's results go to, and [the number of proposes] (both filled as the engine runs)."""
+    backend, kernel, propose = draft.backend, draft.backend.greedy_passes, draft.propose
     reference, kernel_calls, both_calls = [False], [], [0]
 
     def greedy_passes(*args):
@@ -381,27 +386,49 @@ def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
         assert chosen == expected
         return chosen
 
-    backend.greedy_passes, runner.propose = greedy_passes, both
+    backend.greedy_passes, draft.propose = greedy_passes, both
+    return kernel_calls, both_calls
+
+
+@pytest.mark.parametrize("pair", ["builtin", "q8_0"])
+def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
+    """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
+    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
+    on the same inputs, and at every step the draft model's own greedy continuation of the
+    request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
+    GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first
+    pass catch up several rows). Requests near their max_tokens guess fewer: later passes on fewer rows.
+    Beside a request with a repetition penalty the runner's loop runs the passes."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    target, draft, prompts = one_call_pair(pair, tmp_path)
+    llm = LLM(target, progress=False, speculative_method="draft", speculative_model=draft, speculative_adaptive=False,
+              num_speculative_tokens=5)
+    alone = LLM(draft, progress=False)
+    kernel_calls, both_calls = compare_one_call_with_the_loop(llm.engine.runner.draft)
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True))
     # while it runs, the passes take the runner's loop (a penalty reads more than the argmax)
     engine.add_request("penalised", prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                                repetition_penalty=1.5))
-    checked, depths = 0, set()
-    while engine.has_unfinished_requests():
-        engine.step()
-        for request in engine.scheduler.running:
-            if guesses := request.spec_token_ids:
-                penalty = request.sampling_params.repetition_penalty
-                drafted = alone.generate([request.all_token_ids], SamplingParams(
-                    temperature=0, max_tokens=len(guesses), ignore_eos=True, repetition_penalty=penalty), use_tqdm=False)
-                assert guesses == drafted[0].outputs[0].token_ids, request.request_id
-                checked, depths = checked + 1, depths | {len(guesses)}
-    assert checked >= 10 and len(depths) > 1
+    depths = set()
+
+    def check(request) -> int:
+        guesses, penalty = request.spec_token_ids, request.sampling_params.repetition_penalty
+        drafted = alone.generate([request.all_token_ids], SamplingParams(
+            temperature=0, max_tokens=len(guesses), ignore_eos=True, repetition_penalty=penalty), use_tqdm=False)
+        assert guesses == drafted[0].outputs[0].token_ids, request.request_id
+        depths.add(len(guesses))
+        return 1
+
+    assert run_checking_guesses(engine, check) >= 10 and len(depths) > 1
     assert sum(chosen is not None for chosen in kernel_calls) >= 5  # (not where the first pass is a prompt's)
     assert len(kernel_calls) < both_calls[0]  # (not with the penalised request)
-    assert engine.proposer.draft.block_manager.check_all_free()
+    assert engine.runner.draft.block_manager.check_all_free()
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])

@@ -1,4 +1,4 @@
-"""Where speculative guesses come from and how many (hearth/engine/speculative.py): prompt lookup's
+"""Where speculative guesses come from and how many (hearth/engine/speculation/): prompt lookup's
 guesses and branches against brute-force searches, lookahead's guesses reaching the greedy text, the
 guess count against a direct search over counts, and the speed gate's probes."""
 
@@ -10,9 +10,11 @@ import re
 import pytest
 
 from hearth.engine.request import Request
-from hearth.engine.speculative import (PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, PRIOR_RATE, ROW_COST,
-                                      AcceptanceRate, LookaheadProposer, NgramProposer, SpeedGate, num_guesses)
-from hearth.engine.token_tree import accepted_path, ancestor_masks, tree_of
+from hearth.engine.speculation.guess_count import PRIOR_RATE, ROW_COST, AcceptanceRate, num_guesses
+from hearth.engine.speculation.lookahead import LookaheadProposer
+from hearth.engine.speculation.ngram import NgramProposer
+from hearth.engine.speculation.speed_gate import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, SpeedGate
+from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, tree_of
 
 
 def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

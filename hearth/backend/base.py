@@ -32,7 +32,7 @@ class StepInputs:
     """One step's batch on the host: S sequences' new tokens end to end (T rows)."""
 
     # int64 [T]; or a tensor on the backend's device: tokens a pass before drew and the host has not
-    # read (a draft model's passes, runner.ModelRunner.propose)
+    # read (a draft model's passes, draft_runner.DraftRunner.propose)
     input_ids: np.ndarray | torch.Tensor
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T] cache slot of each new token's K/V
@@ -293,15 +293,6 @@ class Backend:
     def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
         """A whole decode step through every layer in one call, where a backend has one: returns
         (the last layer's output, the residual stream) or None (then the modules run)."""
-        return None
-
-    def greedy_passes(self, model: nn.Module, first: StepInputs, later: StepInputs | None, feeds: list[list[int]],
-                      kv_caches) -> np.ndarray | None:
-        """A draft model's chained greedy passes in one call, where a backend has one: the first
-        pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in
-        `later`), row i of pass 1 + p fed the token chosen at row feeds[p][i] of the pass before;
-        every choice the argmax of the logits of a sequence's last row. Returns the passes' choices
-        end to end (int64 [their sequences]) or None (then the runner runs the passes one by one)."""
         return None
 
     # ---- weights -----------------------------------------------------------------------

@@ -160,6 +160,12 @@ class CpuBackend(Backend):
         return None if path is None else path(x, rotary, kv_caches, meta)
 
     def greedy_passes(self, model, first, later, feeds, kv_caches):
+        """A draft model's chained greedy passes in one call (the draft runner's one-call path,
+        hearth/engine/draft_runner.py): the first pass's sequences, then each later pass's rows (a
+        row a sequence, laid out end to end in `later`), row i of pass 1 + p fed the token chosen at
+        row feeds[p][i] of the pass before; every choice the argmax of the logits of a sequence's
+        last row. Returns the passes' choices end to end (int64 [their sequences]) or None where the
+        model's layers do not fit the decode path (then the runner runs the passes one by one)."""
         path = self._decode_path(model)
         return None if path is None else path.greedy_passes(first, later, feeds, model.rope, kv_caches)
 

@@ -15,7 +15,7 @@ projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some 
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
 
-A draft model's greedy chain of passes (ModelRunner.propose, every row taking the argmax of its
+A draft model's greedy chain of passes (DraftRunner.propose, every row taking the argmax of its
 logits as they come) runs `greedy_passes` where the model's embedding is in a format qmatmul.cpp's
 dequantize_rows reads and its lm_head is on the matmul kernels: the k passes in one call, each
 pass `decode_layers`, the final norm, lm_head and argmax of each sequence's last row, and the

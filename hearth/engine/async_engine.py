@@ -42,7 +42,7 @@ import torch
 
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
-from hearth.engine.speculative import SpecDecodeCounts
+from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams

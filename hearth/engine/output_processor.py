@@ -17,7 +17,6 @@ import torch
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import Alternatives, SampledTokens, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
-from hearth.engine.speculative import AcceptanceRate, SpecDecodeCounts
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.engine.structured_output import advance
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -39,7 +38,6 @@ class SequenceState:
     logprobs: list[PositionLogprobs] | None = None
     stop_reason: int | str | None = None
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
-    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)  # of its speculative guesses
 
 
 @dataclass
@@ -72,7 +70,6 @@ class StepStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     finished_reasons: list[str] = field(default_factory=list)
-    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 class OutputProcessor:
@@ -84,11 +81,29 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by the scheduler's request id
+        self.groups_sharing_prompt: list[RequestGroup] = []  # groups with samples waiting for the first's prompt
 
     def add_group(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
         for state in group.sequences:
             self.sequences[state.request.request_id] = state
+        if group.waiting_for_prompt:
+            self.groups_sharing_prompt.append(group)
+
+    def release_prompt_sharers(self) -> None:
+        """Queue the samples whose group's first sample has its prompt in the cache now."""
+        still_waiting = []
+        for group in self.groups_sharing_prompt:
+            first = group.sequences[0].request
+            if self.groups.get(group.request_id) is not group:
+                continue  # aborted
+            if first.num_computed_tokens >= len(group.prompt_token_ids) or first.is_finished:
+                for request in group.waiting_for_prompt:
+                    self.scheduler.add_request(request)
+                group.waiting_for_prompt.clear()
+            else:
+                still_waiting.append(group)
+        self.groups_sharing_prompt = still_waiting
 
     def remove_group(self, group_id: str) -> RequestGroup | None:
         group = self.groups.pop(group_id, None)
@@ -102,11 +117,7 @@ class OutputProcessor:
         for request, entries in result.prompt_logprobs.items():
             self.groups[self.group_id(request.request_id)].prompt_logprobs.extend(entries)
         for request, tokens in result.sampled.items():
-            state = self.sequences[request.request_id]
-            num_accepted = len(tokens.token_ids) - 1
-            stats.spec_decode.record(tokens.num_guesses, num_accepted)
-            state.acceptance.update(tokens.depth, num_accepted)  # a tree: of its deepest branch
-            num_appended = self._append_tokens(state, tokens, now, stats)
+            num_appended = self._append_tokens(self.sequences[request.request_id], tokens, now, stats)
             self.scheduler.accept_spec_tokens(request, num_appended - 1)
         progressed: dict[str, RequestGroup] = {}  # by group id: each group's output is built once
         for request in [*plan.finished, *(r for r, _ in plan.scheduled)]:

@@ -1,13 +1,16 @@
 """ModelRunner: owns the KV cache tensors and the whole tensor side of a step.
 
-The only engine module that builds tensors. `execute` takes the step's scheduled requests
+The engine's tensors are built here and in the sampler (the models beside the target, a
+speculative draft and a contrastive amateur, run runners of their own: draft_runner.py,
+second_model.py). `execute` takes the step's scheduled requests
 (how many new tokens each, its guesses, its generator and grammar matcher) and returns plain
 host results: per request that reached the end of its tokens, the tokens it keeps (verified
 guesses, then one sampled token) with their logprobs, and the prompt logprobs asked for.
 On the way: the batch laid out as one `StepInputs` (host arrays), which the backend (chosen once
 per engine, hearth/backend) turns into its tensors and attention metadata to run the model;
-logits of the rows that are sampled or scored; one SamplingBatch; the Sampler; and exactly one
-copy to the host. Guesses that form a token tree (hearth/engine/token_tree.py) go in as rows
+logits of the rows that are sampled or scored (and, for contrastive requests, the amateur's);
+one SamplingBatch, with the draft's distributions of the guesses it verifies; the Sampler; and
+exactly one copy to the host. Guesses that form a token tree (speculation/token_tree.py) go in as rows
 with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved
 into the slots after the context. `forward` is the bare model pass, for callers that want hidden
 states (perplexity, kernels' benchmarks, tests).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,12 +30,15 @@ from hearth.backend import StepInputs
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
-from hearth.engine.sampler import (Guesses, Sampler, SamplerOutput, SamplingBatch, apply_penalties_and_bias, draw,
-                                   exponential_noise, final_distribution, prompt_logprobs, skip_draws)
+from hearth.engine.sampler import Guesses, Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
 from hearth.engine.structured_output import GrammarCompiler
-from hearth.engine.token_tree import accepted_path, ancestor_masks, chain, depth
+from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
+
+if TYPE_CHECKING:  # (they run ModelRunners of their own)
+    from hearth.engine.draft_runner import DraftRunner
+    from hearth.engine.second_model import SecondModel
 
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
 KVCaches = list[tuple[KVCache, ...]]  # per layer (K, V), each [slots, kv_heads, head_dim]; or (latent,)
@@ -42,23 +49,9 @@ class BatchEntry:
     token_ids: list[int]  # the new tokens of this sequence this step
     num_computed_tokens: int  # tokens already in the cache before them
     block_table: list[int]
-    # a token tree (hearth/engine/token_tree.py): where its region begins, and per new token a mask
+    # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
     # of the region's positions it sees (bit j: tree_start + j); None: causal
     tree: tuple[int, list[int]] | None = None
-
-
-@dataclass
-class DraftPass:
-    """One pass of a draft model's proposals (ModelRunner.propose), a row per entry. The first
-    pass's entries carry their tokens (catching each request up); a later pass's rows each feed a
-    token an earlier pass drew, not read by the host yet: feeds[i], its index in the pass before's
-    choices [rows, width] flattened (the entries' token_ids are placeholders)."""
-
-    entries: list[BatchEntry]
-    requests: list[Request]  # per row: whose sampling parameters and output it draws with
-    generators: list[torch.Generator | None]  # per row: a seeded request's spec generator
-    feeds: list[int] | None = None
-    width: int = 1  # choices per row: the draw, then the next best tokens (a token tree's first guesses)
 
 
 @dataclass
@@ -70,10 +63,7 @@ class ScheduledSequence:
     generator: torch.Generator | None = None  # a seeded request's own
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
     score_prompt: bool = False  # return the logprobs of the prompt tokens this step computes
-    # the distribution each guess was drawn from [k, V] (a draft model's); None: point masses (prompt lookup)
-    guess_probs: torch.Tensor | None = None
     spec_generator: torch.Generator | None = None  # a seeded request's randomness for verifying guesses
-    amateur_logits: torch.Tensor | None = None  # [V] contrastive decoding: the amateur's at the sampled position
 
 
 @dataclass
@@ -123,6 +113,16 @@ class ModelRunner:
         self.device = device
         self.kv_caches = allocate_kv_caches(model.config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
                                             kv_dtype, device)
+        # the models beside it: the draft, whose guesses' distributions the verification reads, and
+        # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
+        self.draft: DraftRunner | None = None
+        self.amateur: SecondModel | None = None
+
+    def release_stopped(self) -> None:
+        """The models beside it let go of the requests that no longer run."""
+        for second in (self.draft, self.amateur):
+            if second is not None:
+                second.release_stopped()
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -176,9 +176,9 @@ class ModelRunner:
 
     def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The model pass and the logits of each entry's last token [B, V]."""
-        return self._last_logits(self.prepare(entries))
+        return self.last_logits_of_step(self.prepare(entries))
 
-    def _last_logits(self, step: StepInputs) -> torch.Tensor:
+    def last_logits_of_step(self, step: StepInputs) -> torch.Tensor:
         """The model pass of a prepared step and the logits of each sequence's last token [B, V]."""
         hidden = self.model_pass(self.model, step, self.kv_caches)
         if not step.decode_only:  # (a decode's one row is its last)
@@ -196,6 +196,13 @@ class ModelRunner:
         for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
             k[slots], v[slots] = layer[0].to(k.dtype), layer[1].to(v.dtype)
 
+    def write_kv_blocks(self, entered: list[tuple[int, int]], kv: torch.Tensor) -> None:
+        """Write blocks of kv (read_kv's layout, from its first block on) into the cache: per
+        (index of the block in kv, block id)."""
+        block_size = self.block_size
+        rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
+        self.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
+
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
@@ -205,6 +212,7 @@ class ModelRunner:
         if not sequences:
             return StepResult({}, {})
         entries, sampled, sample_rows, scored = self._lay_out(sequences)
+        amateur_logits = self._amateur_logits(sampled)
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
@@ -221,7 +229,7 @@ class ModelRunner:
             # is still computing when this host code runs.)
             masks = self.grammars.start_masks([s.matcher for s in constrained],
                                               [s.request.spec_token_ids for s in constrained]) if constrained else None
-            batch, guesses = self._sampling_batch(sampled, masks)
+            batch, guesses = self._sampling_batch(sampled, masks, amateur_logits)
             out = self.sampler(logits, batch, guesses)
             device_results += [out.sampled_token_ids, out.logprobs]
             device_results += [] if out.accepted is None else [out.accepted]
@@ -318,7 +326,16 @@ class ModelRunner:
             for cache in layer:
                 move_rows(cache, sources, targets)
 
-    def _sampling_batch(self, sampled: list[ScheduledSequence], masks) -> tuple[SamplingBatch, Guesses | None]:
+    def _amateur_logits(self, sampled: list[ScheduledSequence]) -> dict[Request, torch.Tensor]:
+        """Contrastive decoding: the amateur's logits [V] for each contrastive request that samples
+        this step (such a request makes no guesses: its sampled row is its last token's)."""
+        requests = [s.request for s in sampled if s.request.sampling_params.contrastive_weight > 0]
+        if not requests or self.amateur is None:
+            return {}
+        return dict(zip(requests, self.amateur.last_logits(requests)))
+
+    def _sampling_batch(self, sampled: list[ScheduledSequence], masks, amateur_logits: dict[Request, torch.Tensor]
+                        ) -> tuple[SamplingBatch, Guesses | None]:
         """One row per verified position: a request with k guesses has k + 1 rows, the first seeing
         its output, row 1 + i its output followed by guess i and the guesses before it on its
         branch (a chain: the first i + 1 guesses); guess i is verified at its parent's row. Rows at
@@ -333,14 +350,14 @@ class ModelRunner:
             first = len(params)
             if seq.matcher is not None:
                 constrained_rows.extend(range(first, first + len(spec) + 1))
-            if seq.amateur_logits is not None:  # such a request makes no guesses: one row
+            if request in amateur_logits:  # such a request makes no guesses: one row
                 contrastive_rows.append(first)
             if spec:
                 guess_rows.extend(first + 1 + parent for parent in parents)
                 siblings.extend(parent in parents[:i] for i, parent in enumerate(parents))
                 guess_ids.extend(spec)
                 guess_generators.extend([seq.spec_generator] * len(spec))
-                guess_probs.append((spec, seq.guess_probs))
+                guess_probs.append((spec, None if self.draft is None else self.draft.probs_of(request)))
             branches, depth_rows = [[]], {0: first}  # per row: the guesses on its branch; each depth's first row
             for parent, token in zip(parents, spec):
                 branches.append(branches[parent + 1] + [token])
@@ -355,7 +372,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             grammar_masks=None if masks is None else (constrained_rows, masks),
             amateur_logits=None if not contrastive_rows else (
-                contrastive_rows, torch.stack([s.amateur_logits for s in sampled if s.amateur_logits is not None])),
+                contrastive_rows, torch.stack([amateur_logits[s.request] for s in sampled if s.request in amateur_logits])),
             noise_rows=noise_rows if noise_rows != list(range(len(noise_rows))) else None,
         )
         if not guess_rows:
@@ -367,65 +384,6 @@ class ModelRunner:
                                for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
-
-    def propose(self, passes: list[DraftPass]) -> list[tuple[list[list[int]], torch.Tensor | None]]:
-        """A draft model's passes in one call: each row's next token drawn from its request's final
-        distribution (its sampling parameters applied to the draft's logits, its output followed by
-        the guesses its branch drew in the passes before; a seeded request's noise from its spec
-        generator), a later pass's rows fed tokens the passes before drew, on the device; one copy
-        to the host at the end. Returns per pass, per row its choices (DraftPass.width: the draw,
-        then the next best tokens by the penalised logits), and the distributions [rows, V] (None
-        where every row is greedy: a greedy row's is the point mass at its draw). Where every row
-        takes the argmax of its logits as they come and each draws one choice (a chain), the
-        backend may run all the passes in one call (Backend.greedy_passes)."""
-        drawn: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: choices [rows, width], distributions
-
-        def sampling_batch(p: DraftPass, pending: torch.Tensor | None = None) -> SamplingBatch:
-            return SamplingBatch.build([r.sampling_params for r in p.requests], [r.prompt_token_ids for r in p.requests],
-                                       [r.output_token_ids for r in p.requests], p.generators,
-                                       self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids,
-                                       pending=pending)
-
-        first = passes[0]
-        batch = sampling_batch(first)
-        # [rows, depth] the guesses each row's branch drew before it, kept where the first pass's
-        # sampling reads the output (later rows are of the same requests: none of theirs does otherwise)
-        pending = torch.empty(len(first.entries), 0, dtype=torch.int64, device=self.device) if batch.reads_output else None
-        every = self.prepare([entry for p in passes for entry in p.entries])  # all passes' entries, end to end
-        step = every.sequences(0, len(first.entries))
-        later = every.sequences(len(first.entries), every.num_seqs) if len(passes) > 1 else None
-        if batch.argmax_only and self.own_pass and all(p.width == 1 for p in passes):  # a greedy chain: one backend call
-            chosen = self.backend.greedy_passes(self.model, step, later, [p.feeds for p in passes[1:]], self.kv_caches)
-            if chosen is not None:
-                chosen, ends = chosen.tolist(), np.cumsum([len(p.entries) for p in passes]).tolist()
-                return [([[token] for token in chosen[end - len(p.entries) : end]], None)
-                        for p, end in zip(passes, ends)]
-        first_row = 0  # of the pass in `later`
-        for p in passes:
-            if p.feeds is not None:
-                step = later.sequences(first_row, first_row + len(p.entries))
-                first_row += len(p.entries)
-                choices = drawn[-1][0]
-                feeds = torch.tensor(p.feeds, device=self.device)
-                step.input_ids = choices.reshape(-1)[feeds]
-                if pending is not None:
-                    pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
-            if p.feeds is not None and (pending is not None or p.requests != passes[len(drawn) - 1].requests):
-                batch = sampling_batch(p, pending)
-            penalised = apply_penalties_and_bias(self._last_logits(step), batch, self.backend.apply_token_bitmask)
-            if batch.all_greedy:
-                probs, choices = None, penalised.argmax(dim=-1)
-            else:
-                probs, greedy_ids = final_distribution(penalised, batch)
-                choices = draw(probs, greedy_ids, batch, exponential_noise(probs, p.generators))
-            choices = choices[:, None]
-            if p.width > 1:  # the next best tokens other than the draw (one of the top width + 1 may be it)
-                best = penalised.topk(p.width + 1, dim=-1).indices
-                others_first = (best == choices).to(torch.int32).sort(dim=1, stable=True).indices
-                choices = torch.cat([choices, best.gather(1, others_first[:, : p.width - 1])], dim=1)
-            drawn.append((choices, probs))
-        host = to_host([choices for choices, _ in drawn])
-        return [(choices.tolist(), probs) for choices, (_, probs) in zip(host, drawn)]
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

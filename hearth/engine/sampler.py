@@ -119,7 +119,7 @@ class SamplingBatch:
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
         `pending` [B, d] int64 on `device`: tokens that follow each row's output_token_ids and that
-        the host has not read (a draft model's guesses so far, runner.ModelRunner.propose).
+        the host has not read (a draft model's guesses so far, draft_runner.DraftRunner.propose).
         `grammar_masks`: the constrained rows and their token bitmasks (structured_output.py's
         GrammarCompiler.start_masks, maybe still being filled).
         `amateur_logits`: the contrastive rows and the amateur model's logits at each [C, V]."""
@@ -127,7 +127,6 @@ class SamplingBatch:
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ in length")
         V = vocab_size
-        num_pending = 0 if pending is None else pending.shape[1]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         for p, g in zip(params, generators):
             if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
@@ -142,59 +141,6 @@ class SamplingBatch:
         top_k = [V if (p.top_k <= 0 or g) else min(p.top_k, V) for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        rep = [p.repetition_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-
-        prompt_mask = None
-        if any(r != 1.0 for r in rep):
-            prompt_mask = _token_mask(prompt_token_ids, V, device)
-        output_counts = None
-        if prompt_mask is not None or any(pres) or any(freq):
-            output_counts = _token_counts(output_token_ids, V, device)
-            if num_pending:
-                output_counts.scatter_add_(1, pending, torch.ones(pending.shape, device=device))
-
-        bias = None
-        rows, cols, vals = [], [], []
-        for i, p in enumerate(params):
-            for t, b in (p.logit_bias or {}).items():
-                if 0 <= t < V:  # validate_for_vocab rejects the rest before a request gets here
-                    rows.append(i), cols.append(t), vals.append(b)
-        if rows:
-            bias = (vec(rows, torch.int64), vec(cols, torch.int64), vec(vals, torch.float32))
-
-        banned = None
-        rows, cols = [], []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) + num_pending < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                for t in sorted(t for t in stops if 0 <= t < V):
-                    rows.append(i), cols.append(t)
-        if rows:
-            banned = (vec(rows, torch.int64), vec(cols, torch.int64))
-
-        allowed = None
-        if grammar_masks is not None:
-            allowed = (vec(grammar_masks[0], torch.int64), grammar_masks[1])
-
-        marked = [(i, p.watermark, (out or prompt)[-1])
-                  for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
-        watermark = None
-        if marked:
-            rows = vec([i for i, _, _ in marked], torch.int64)
-            previous = pending[rows, -1] if num_pending else vec([t for _, _, t in marked], torch.int64)
-            watermark = (rows, vec([w.key for _, w, _ in marked], torch.int64),
-                         previous, vec([w.gamma for _, w, _ in marked], torch.float64),
-                         vec([w.delta for _, w, _ in marked], torch.float32))
-
-        contrastive = None
-        if amateur_logits is not None:
-            rows = amateur_logits[0]
-            contrastive = (vec(rows, torch.int64), amateur_logits[1].to(device),
-                           vec([params[i].contrastive_alpha for i in rows], torch.float32),
-                           vec([params[i].contrastive_weight for i in rows], torch.float32))
-
         ks = [V if p.logprobs == -1 else (p.logprobs or 0) for p in params]
         return cls(
             temperature=vec([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
@@ -204,20 +150,93 @@ class SamplingBatch:
             top_k=per_row(top_k, V, torch.int64),
             top_p=per_row(top_p, 1.0, torch.float64),
             min_p=per_row(min_p, 0.0, torch.float32),
-            repetition_penalty=vec(rep, torch.float32) if prompt_mask is not None else None,
-            presence_penalty=vec(pres, torch.float32) if output_counts is not None else None,
-            frequency_penalty=vec(freq, torch.float32) if output_counts is not None else None,
-            prompt_mask=prompt_mask,
-            output_counts=output_counts,
-            bias=bias,
-            banned=banned,
-            allowed=allowed,
-            watermark=watermark,
-            contrastive=contrastive,
+            **_penalties(params, prompt_token_ids, output_token_ids, V, vec, device, pending),
+            bias=_logit_bias(params, V, vec),
+            banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, V, vec, pending),
+            allowed=None if grammar_masks is None else (vec(grammar_masks[0], torch.int64), grammar_masks[1]),
+            watermark=_watermarks(params, prompt_token_ids, output_token_ids, vec, pending),
+            contrastive=_contrastive(params, amateur_logits, vec, device),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
             noise_rows=noise_rows,
         )
+
+
+# values, dtype -> a tensor on the batch's device
+Vec = Callable[[list, torch.dtype], torch.Tensor]
+
+
+def _penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+               V: int, vec: Vec, device, pending: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """SamplingBatch's penalty fields: the repetition penalties with the prompt mask [B, V], the
+    presence and frequency penalties with the output counts [B, V] (pending tokens counted); None
+    where no row needs them."""
+    rep = [p.repetition_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    freq = [p.frequency_penalty for p in params]
+    prompt_mask = None
+    if any(r != 1.0 for r in rep):
+        prompt_mask = _token_mask(prompt_token_ids, V, device)
+    output_counts = None
+    if prompt_mask is not None or any(pres) or any(freq):
+        output_counts = _token_counts(output_token_ids, V, device)
+        if pending is not None and pending.shape[1]:
+            output_counts.scatter_add_(1, pending, torch.ones(pending.shape, device=device))
+    counted = output_counts is not None
+    return dict(repetition_penalty=vec(rep, torch.float32) if prompt_mask is not None else None,
+                presence_penalty=vec(pres, torch.float32) if counted else None,
+                frequency_penalty=vec(freq, torch.float32) if counted else None,
+                prompt_mask=prompt_mask, output_counts=output_counts)
+
+
+def _logit_bias(params: list[SamplingParams], V: int, vec: Vec) -> tuple[torch.Tensor, ...] | None:
+    """(rows, token ids, values) of every row's logit_bias; None: none."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            if 0 <= t < V:  # validate_for_vocab rejects the rest before a request gets here
+                rows.append(i), cols.append(t), vals.append(b)
+    return (vec(rows, torch.int64), vec(cols, torch.int64), vec(vals, torch.float32)) if rows else None
+
+
+def _min_tokens_bans(params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_ids: Sequence[int],
+                     V: int, vec: Vec, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) banned while a row has fewer than min_tokens outputs; None: none."""
+    num_pending = 0 if pending is None else pending.shape[1]
+    rows, cols = [], []
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) + num_pending < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            for t in sorted(t for t in stops if 0 <= t < V):
+                rows.append(i), cols.append(t)
+    return (vec(rows, torch.int64), vec(cols, torch.int64)) if rows else None
+
+
+def _watermarks(params: list[SamplingParams], prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                vec: Vec, pending: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+    """(rows, keys, previous tokens, gamma, delta) of the watermarked rows; None: none."""
+    marked = [(i, p.watermark, (out or prompt)[-1])
+              for i, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)) if p.watermark]
+    if not marked:
+        return None
+    rows = vec([i for i, _, _ in marked], torch.int64)
+    if pending is not None and pending.shape[1]:
+        previous = pending[rows, -1]
+    else:
+        previous = vec([t for _, _, t in marked], torch.int64)
+    return (rows, vec([w.key for _, w, _ in marked], torch.int64), previous,
+            vec([w.gamma for _, w, _ in marked], torch.float64), vec([w.delta for _, w, _ in marked], torch.float32))
+
+
+def _contrastive(params: list[SamplingParams], amateur_logits: tuple[list[int], torch.Tensor] | None, vec: Vec,
+                 device) -> tuple[torch.Tensor, ...] | None:
+    """(rows, the amateur's logits, alpha, weight) of the contrastive rows; None: none."""
+    if amateur_logits is None:
+        return None
+    rows = amateur_logits[0]
+    return (vec(rows, torch.int64), amateur_logits[1].to(device),
+            vec([params[i].contrastive_alpha for i in rows], torch.float32),
+            vec([params[i].contrastive_weight for i in rows], torch.float32))
 
 
 # (logits [B, V], rows [R], bitmask [R, ceil(V/32)] int32) -> logits with the tokens each row's mask refuses at -inf

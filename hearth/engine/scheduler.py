@@ -157,12 +157,20 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        bm = self.block_manager
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget, guessing = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._admit_waiting(out, budget)
+        self._schedule_guesses(out, budget, guessing)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.kv_cache_usage = self.block_manager.usage
+        out.num_running, out.num_waiting = len(self.running), len(self.waiting)
+        return out
 
-        # 1. running requests, in admission order, without their guesses (3.)
-        guessing: list[int] = []  # where in out.scheduled the requests with guesses are
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[int]]:
+        """1. Running requests, in admission order, without their guesses (3.): the budget left, and
+        where in out.scheduled the requests with guesses are."""
+        bm = self.block_manager
+        guessing: list[int] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -194,8 +202,11 @@ class Scheduler:
                 i += 1
                 continue
             break  # the request preempted itself: it was the last running one
+        return budget, guessing
 
-        # 2. waiting requests, first come first served
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """2. Waiting requests, first come first served; returns the budget left."""
+        bm = self.block_manager
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
@@ -222,8 +233,11 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             out.scheduled.append((request, num_new))
             budget -= num_new
+        return budget
 
-        # 3. guesses, from what is left of the budget and within what the whole cache holds
+    def _schedule_guesses(self, out: SchedulerOutput, budget: int, guessing: list[int]) -> None:
+        """3. Guesses, from what is left of the budget and within what the whole cache holds."""
+        bm = self.block_manager
         for index in guessing:
             request, num_new = out.scheduled[index]
             room = bm.num_blocks * bm.block_size - request.num_tokens
@@ -233,11 +247,6 @@ class Scheduler:
                 budget -= len(request.spec_token_ids)
             else:
                 request.spec_token_ids.clear()
-
-        out.num_batched_tokens = sum(n for _, n in out.scheduled)
-        out.kv_cache_usage = bm.usage
-        out.num_running, out.num_waiting = len(self.running), len(self.waiting)
-        return out
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """After the forward pass: advance num_computed_tokens and cache the full blocks.

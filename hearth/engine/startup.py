@@ -1,0 +1,75 @@
+"""What an engine starts from: its backend, the target model (in this process or split over
+several), the context it serves and the blocks of its KV cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from hearth.backend import Backend, choose_backend
+from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
+from hearth.config import EngineConfig, ModelConfig
+from hearth.default_model import resolve_model
+from hearth.engine.memory import kv_cache_blocks, kv_cache_budget, model_bytes
+from hearth.loading.loader import LoadedModel, load_model
+
+logger = logging.getLogger("hearth")
+
+
+def engine_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Backend:
+    """The backend the engine's models run on, refused where it lacks what the config asks of it."""
+    # A model split over processes runs eagerly: gloo's collectives cannot be captured in a CUDA
+    # graph, NCCL's capture is untried (no two GPUs to try it on), and pipeline stages never replay one.
+    split = config.parallel.split
+    backend = choose_backend(device, dtype, config.backend, config.enforce_eager or split)
+    if split and backend.name == "gpu" and device.type == "cuda" and not config.enforce_eager:
+        logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
+    if config.speculative.tree_width > 1 and not backend.token_trees:
+        raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
+                         f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
+                         f"reference backend, or speculative_tree_width 1")
+    return backend
+
+
+def load_target(model: str | Path | None, config: EngineConfig, backend: Backend, dtype: torch.dtype,
+                device: torch.device, progress: bool) -> tuple[LoadedModel, object | None, object | None]:
+    """The target model, and with a model split over processes the workers (ranks 1..N-1, processes
+    of their own) and this process's shard; else None and None."""
+    workers, shard = None, None
+    if config.parallel.split:
+        from hearth.engine.workers import start_split
+
+        model = resolve_model(model)
+        workers, shard = start_split(model, config.parallel.tensor_parallel_size,
+                                     config.parallel.pipeline_parallel_size, dtype, config.scheduler.max_model_len,
+                                     backend.name, device)
+    try:
+        loaded = load_model(model, dtype, device, max_positions=config.scheduler.max_model_len,
+                            progress=progress, backend=backend, shard=shard)
+    except BaseException:
+        if workers is not None:
+            workers.kill()
+        raise
+    return loaded, workers, shard
+
+
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence the engine serves: max_model_len, at most the model's context."""
+    context, wanted = model_config.max_position_embeddings, config.scheduler.max_model_len
+    if wanted is not None and wanted > context:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's context length {context}")
+    return wanted or context
+
+
+def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Backend, device: torch.device,
+                  dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int]:
+    """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py) and
+    its bytes per token."""
+    cache = config.cache
+    check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
+    bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
+    budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
+                                                      config.scheduler.max_num_seqs, model_bytes(model_path))
+    return kv_cache_blocks(budget, bytes_per_token, cache.block_size), bytes_per_token
