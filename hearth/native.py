@@ -77,6 +77,11 @@ def _compile(full_name: str, sources: list[Path], what: str, seconds: int, witho
     from torch.utils import cpp_extension
 
     folder = _kernels_dir() / full_name
+    # its warnings are about compilers and torch's C++ ABI, which matter for sources that include
+    # torch's headers; these include none (a missing compiler's own error is logged below)
+    torch_log = logging.getLogger(cpp_extension.__name__)
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with _Progress(what, sources, folder, seconds):
@@ -91,6 +96,8 @@ def _compile(full_name: str, sources: list[Path], what: str, seconds: int, witho
     except Exception as e:  # no compiler, no headers, an unknown -march: the torch path still works
         log.warning("hearth: %s kernels could not be built (%s); %s", what, _first_error(e), without)
         return None
+    finally:
+        torch_log.setLevel(level)
 
 
 def _first_error(e: Exception) -> str:

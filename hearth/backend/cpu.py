@@ -34,7 +34,7 @@ DECODE_SPLIT_LEN = 256
 def cpu_kernels():
     """The sources in cpu_kernels/ compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
     return build("hearth_cpu_kernels", sorted((Path(__file__).parent / "cpu_kernels").glob("*.cpp")),
-                 "attention and norm", seconds=60,
+                 "attention and norm", seconds=20,
                  without="float32 models run on the reference backend's torch ops instead (slower)")
 
 

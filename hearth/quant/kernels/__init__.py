@@ -114,6 +114,6 @@ class Kernels:
 @functools.cache
 def extension() -> Kernels | None:
     """The compiled kernels, or None (then callers take the pure-torch path)."""
-    module = build("hearth_qmatmul", _SOURCES, "quantized matmul", seconds=60,
+    module = build("hearth_qmatmul", _SOURCES, "quantized matmul", seconds=30,
                    without="quantized layers dequantize their weights in torch instead (slower)")
     return Kernels(module) if module is not None else None
