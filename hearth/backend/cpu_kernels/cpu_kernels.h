@@ -25,7 +25,7 @@
 //
 // decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers (its
 // sequences' few new rows each: decodes and verifications), the
-// kernels above and the int8 matmul (passed in from hearth/quant/kernels/qmatmul.cpp) called
+// kernels above and the int8 matmul (passed in from hearth/quant/kernels/int8_dots.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
 //

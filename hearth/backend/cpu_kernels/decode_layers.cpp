@@ -77,7 +77,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int k
 // rows, then for each sequence's last row the final norm, lm_head (matmul: the weight, its terms
 // or 0, its qtype and rows `vocab`) and the argmax (row_argmax, as torch's), written
 // to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
-// embedding_row_bytes in embedding_qtype, widened by qmatmul.cpp's dequantize_rows).
+// embedding_row_bytes in embedding_qtype, widened by hearth/quant/kernels' dequantize_rows).
 // first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
 void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
                    int64_t num_layers,

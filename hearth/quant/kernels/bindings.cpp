@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed tiles, x rounded to int8 per block", nogil);
   m.def("dequantize_packed", &dequantize_packed, "packed tiles as fp32", nogil);
   m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
-  // for hearth/backend/cpu_kernels.cpp's decode_layers, which calls it between its own kernels
+  // for hearth/backend/cpu_kernels/decode_layers.cpp, which calls it between its own kernels
   m.def("grouped_int8_matmul", &grouped_int8_matmul,
         "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
