@@ -3,7 +3,7 @@
 
   sdpa       K/V gathered into a padded [D, kv_heads, L, head_dim] copy, one batched SDPA with a mask
              (hearth's path on CUDA and for dtypes other than float32)
-  kernel     hearth/backend/cpu_kernels.cpp reading K/V in place, whole contexts (no split)
+  kernel     hearth/backend/cpu_kernels/attention.cpp reading K/V in place, whole contexts (no split)
   split-KV   the same kernel, contexts split at the multiples of DECODE_SPLIT_LEN (flash-decoding: hearth's)
 
 Microseconds per call, medians of interleaved runs; float32.

@@ -1,13 +1,19 @@
-"""The CPU backend's kernels (hearth/backend/cpu_kernels.cpp) and the reference backend: paged decode
+"""The CPU backend's kernels (hearth/backend/cpu_kernels/) and the reference backend: paged decode
 attention against torch's SDPA over each sequence's context gathered densely; RMSNorm and RoPE
-against transformers' modules."""
+against transformers' modules. And their build (hearth/native.py): what it says while compiling,
+and why it says the kernels are missing."""
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from hearth import native
 from hearth.backend.base import AttentionMetadata, Backend
 from hearth.backend.cpu import DECODE_SPLIT_LEN, CpuBackend, cpu_kernels
 from hearth.model.layers import RMSNorm
@@ -311,3 +317,76 @@ def test_argmax_and_logsumexp_match_torch(vocab):
     ids, lse = _cpu_backend().argmax_and_logsumexp(strided)
     assert torch.equal(ids, strided.argmax(dim=-1))
     torch.testing.assert_close(lse, strided.double().logsumexp(dim=-1).float(), rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+_ASK_FOR_KERNELS = ("from hearth.quant import kernels; from hearth.backend.cpu import cpu_kernels; "
+                    "assert kernels.extension() is None and cpu_kernels() is None; "
+                    "assert kernels.extension() is None and cpu_kernels() is None")
+
+
+def _stderr_asking_for_kernels(**env: str) -> str:
+    """stderr of a new process that asks twice for both extensions (neither builds), with `env` set."""
+    result = subprocess.run([sys.executable, "-c", _ASK_FOR_KERNELS], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+def test_kernels_turned_off_say_so_once_with_what_runs_instead():
+    """HEARTH_KERNELS=0: each extension says once that it is off, why, and what runs in its place."""
+    err = _stderr_asking_for_kernels(HEARTH_KERNELS="0")
+    lines = err.splitlines()
+    for what, instead in (("quantized matmul", "dequantize their weights in torch instead (slower)"),
+                          ("attention and norm", "reference backend's torch ops instead (slower)")):
+        said = [line for line in lines if line.startswith(f"hearth: {what} kernels are off (HEARTH_KERNELS=0 is set)")]
+        assert len(said) == 1 and instead in said[0], err
+    assert "compiling" not in err
+
+
+def test_a_missing_compiler_is_named_by_its_own_error(tmp_path):
+    """CXX naming no binary and nothing built yet (an empty kernels folder): the build is announced,
+    then each extension says it could not be built with the shell's error line for that compiler
+    (once: the second request does not try again), and what runs instead."""
+    compiler = tmp_path / "no-such-compiler"
+    err = _stderr_asking_for_kernels(CXX=str(compiler), HEARTH_KERNELS_DIR=str(tmp_path / "kernels"))
+    assert "hearth: compiling hearth's CPU kernels for quantized matmul (once, about" in err
+    for what in ("quantized matmul", "attention and norm"):
+        said = [line for line in err.splitlines() if line.startswith(f"hearth: {what} kernels could not be built")]
+        assert len(said) == 1 and (f"{compiler}: not found" in said[0] or f"{compiler}: No such file" in said[0]), err
+        assert "instead (slower)" in said[0]
+    assert "WARNING" not in err  # torch's banner about compilers and its ABI (these sources include no torch header)
+
+
+def test_a_build_says_what_it_compiles_and_reads_every_included_file(tmp_path, monkeypatch, capsys):
+    """A build (torch's loader stubbed: it writes the objects) announces itself with its estimate,
+    names each source as its object appears, and the time it took; a second request imports
+    nothing new. The build's folder is named by every file it reads: a header a source includes
+    (also through another header, from another folder) changes it."""
+    from torch.utils import cpp_extension
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "base.h").write_text("int base();\n")
+    (tmp_path / "job.h").write_text('#include "shared/base.h"\n')
+    sources = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
+    for source in sources:
+        source.write_text('#include "job.h"\n')
+    loads = []
+
+    def load(name, sources, build_directory, **_):
+        for source in sources:
+            (Path(build_directory) / f"{Path(source).stem}.o").touch()
+        loads.append(name)
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setenv("HEARTH_KERNELS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("HEARTH_KERNELS", raising=False)
+    first = native.build("hearth_test", sources, "a test", seconds=7, without="none")
+    assert native.build("hearth_test", sources, "a test", seconds=7, without="none") == first == loads[0]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "hearth: compiling hearth's CPU kernels for a test (once, about 7 s): 2 sources"
+    assert sorted(line.split(" (")[0] for line in err[1:3]) == ["hearth:   a.cpp", "hearth:   b.cpp"]
+    assert err[3].startswith("hearth: a test kernels compiled in ") and len(err) == 4
+    (tmp_path / "shared" / "base.h").write_text("int base(int);\n")
+    assert native.build("hearth_test", sources, "a test", seconds=7, without="none") != first
+    assert len(loads) == 2

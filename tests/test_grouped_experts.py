@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's chosen experts in one kernel call per projection
-(hearth/backend/cpu_experts.py, qmatmul.cpp's grouped_int8_matmul): each expert's rows against
+(hearth/backend/cpu_experts.py, hearth/quant/kernels/grouped_experts.cpp's grouped_int8_matmul): each expert's rows against
 gguf's dequantizer and a float64 matmul, and whole MoE models on the CPU backend against
 transformers on the GGUF file's dequantized weights."""
 

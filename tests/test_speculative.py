@@ -393,7 +393,7 @@ def compare_one_call_with_the_loop(draft) -> tuple[list, list[int]]:
 @pytest.mark.parametrize("pair", ["builtin", "q8_0"])
 def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
     """A greedy chain of draft passes on the CPU's one-call path runs in one kernel call
-    (cpu_kernels.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
+    (cpu_kernels/decode_layers.cpp's greedy_passes): its guesses equal those of the runner's passes one by one
     on the same inputs, and at every step the draft model's own greedy continuation of the
     request's tokens. The built-in pair (F16 weights, lm_head tied to the embedding), and q8_0
     GGUFs of two unlike models (block-format embedding and lm_head; rejected guesses make the first

@@ -32,8 +32,10 @@ DECODE_SPLIT_LEN = 256
 
 @functools.cache
 def cpu_kernels():
-    """cpu_kernels.cpp compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
-    return build("hearth_cpu_kernels", Path(__file__).with_name("cpu_kernels.cpp"), "attention and norm")
+    """The sources in cpu_kernels/ compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
+    return build("hearth_cpu_kernels", sorted((Path(__file__).parent / "cpu_kernels").glob("*.cpp")),
+                 "attention and norm", seconds=20,
+                 without="float32 models run on the reference backend's torch ops instead (slower)")
 
 
 class CpuBackend(Backend):

@@ -214,7 +214,7 @@ def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def tq1_0_to_tq2_0(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """TQ1_0 rows (uint8 [rows, bytes]) as TQ2_0 rows: the same trits and scales, two bits a trit,
-    which the int8 kernel reads without arithmetic (hearth/quant/kernels/qmatmul.cpp)."""
+    which the int8 kernel reads without arithmetic (hearth/quant/kernels/int8_dots.cpp)."""
     blocks = data.reshape(-1, 54)
     codes = _tq1_0_codes(blocks).reshape(-1, 2, 4, 32)  # value 128h + 32s + l: crumb s of byte 32h + l
     packed = codes[:, :, 0] | (codes[:, :, 1] << 2) | (codes[:, :, 2] << 4) | (codes[:, :, 3] << 6)

@@ -1,8 +1,8 @@
 """Compiled CPU kernels for quantized matmul, built on first use (hearth.native).
 
-`extension()` returns `Kernels`, or None where qmatmul.cpp cannot be built: callers then take
-the pure-torch path. This module checks and allocates the tensors and hands the kernels their
-data pointers.
+`extension()` returns `Kernels`, or None where the C++ sources beside this file (qmatmul.h says
+which does what) cannot be built: callers then take the pure-torch path. This module checks and
+allocates the tensors and hands the kernels their data pointers.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from hearth.native import build
 
-_SOURCE = Path(__file__).with_name("qmatmul.cpp")
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 
 
 class Kernels:
@@ -62,7 +62,7 @@ class Kernels:
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n, bytes_per_row] of any block format but TQ2_0 -> the packed tiles `packed_matmul`
-        reads (32 rows each; qmatmul.cpp, "packed tiles"): (codes, terms), uint8 [tiles, bytes per tile]."""
+        reads (32 rows each; packed.h): (codes, terms), uint8 [tiles, bytes per tile]."""
         self._check(torch.empty(0, k), w, qtype, n)
         code_bytes, term_bytes = self.module.packed_bytes(int(qtype), k)
         tiles = -(-n // 32)
@@ -114,5 +114,6 @@ class Kernels:
 @functools.cache
 def extension() -> Kernels | None:
     """The compiled kernels, or None (then callers take the pure-torch path)."""
-    module = build("hearth_qmatmul", _SOURCE, "quantized matmul")
+    module = build("hearth_qmatmul", _SOURCES, "quantized matmul", seconds=30,
+                   without="quantized layers dequantize their weights in torch instead (slower)")
     return Kernels(module) if module is not None else None

@@ -1,0 +1,404 @@
+// decode_attention: a few query rows per sequence against its cached K/V read in place through its
+// block table (cpu_kernels.h says how). A work item (sequence, KV head, split) runs three passes:
+// the scores, the softmax's numerators, the values; a last pass merges each row's splits.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+#include "cpu_kernels.h"
+#include "kv_rows.h"
+#include "vector_math.h"
+
+namespace hearth {
+namespace {
+
+struct Item {
+  int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context; split: its number
+};
+
+// decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
+// at a time (independent sums in flight)
+constexpr int64_t SCORE_LANES = 16, SCORE_TOKENS = 8;
+// decode_attention's values: query (row, head) pairs a pass, cached rows a pass, head values a
+// slice (one 16-float vector: a pass's sums stay in registers, VALUE_LANES of them)
+constexpr int64_t VALUE_LANES = 16, VALUE_TOKENS = 64, VALUE_SLICE = 16;
+// lanes_softmax's tokens a pattern: 16 values of the narrowest lanes (4)
+constexpr int64_t SOFTMAX_TOKENS = 4;
+
+// sums[j][0 .. D) += sum over t < count of w[t * stride + j] x v[t][0 .. D), for LANES lanes (the
+// weights token-major: one base pointer, each lane's weight a broadcast at a fixed offset): per slice
+// of VALUE_SLICE values the lanes' sums in registers over the rows, each summed in row order
+template <int LANES>
+inline void add_weighted_values(const float* w, int64_t stride, const float* const* v, int64_t count, int64_t D,
+                                float* const* sums) {
+  int64_t d0 = 0;
+  for (; d0 + VALUE_SLICE <= D; d0 += VALUE_SLICE) {
+    float acc[LANES][VALUE_SLICE];
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] = sums[j][d0 + i];
+    for (int64_t t = 0; t < count; ++t) {
+      const float* vt = v[t] + d0;
+      const float* wt = w + t * stride;
+      for (int j = 0; j < LANES; ++j) {
+        const float weight = wt[j];
+#pragma omp simd
+        for (int64_t i = 0; i < VALUE_SLICE; ++i) acc[j][i] += weight * vt[i];
+      }
+    }
+    for (int j = 0; j < LANES; ++j)
+      for (int64_t i = 0; i < VALUE_SLICE; ++i) sums[j][d0 + i] = acc[j][i];
+  }
+  for (; d0 < D; ++d0)  // a head size short of a whole slice: the rest one value at a time
+    for (int j = 0; j < LANES; ++j) {
+      float a = sums[j][d0];
+      for (int64_t t = 0; t < count; ++t) a += w[t * stride + j] * v[t][d0];
+      sums[j][d0] = a;
+    }
+}
+
+// out[0 .. width) = x[0 .. width) scale, width 4, 8 or 16 (each a loop of fixed length: a vector store)
+inline void store_scaled(const float* x, float scale, int64_t width, float* out) {
+  const auto store = [&](auto lanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < decltype(lanes)::value; ++j) out[j] = x[j] * scale;
+  };
+  if (width == 16) store(std::integral_constant<int64_t, 16>{});
+  else if (width == 8) store(std::integral_constant<int64_t, 8>{});
+  else store(std::integral_constant<int64_t, 4>{});
+}
+
+// The softmax numerators of token-major scores x [n, stride] (stride 4, 8 or a multiple of 16: row
+// t's lane j at t * stride + j): lane j's max m[j] (-inf where it has no finite score), x replaced
+// by exp(x - m) (0 where x is -inf) and their sum l[j]. The buffer is read flat, 16 values a vector
+// whatever the lanes (value i is lane i % stride), so it must hold -inf from n * stride up to a
+// multiple of P = SOFTMAX_TOKENS stride; maxima and sums are kept per value of a P-value pattern and
+// folded into lanes at the end. pattern: scratch [2 P]. A lane's sum is the same at every stride
+// (the sums of its tokens t = i mod SOFTMAX_TOKENS, each in token order, added for i = 0, 1, ...),
+// so a row's attention does not depend on how many rows its step has: a verification's rows are
+// bit for bit those of single-row steps (greedy speculation keeps plain decoding's tokens).
+inline void lanes_softmax(float* x, int64_t n, int64_t stride, float* m, float* l, float* pattern) {
+  constexpr int64_t V = 16;
+  const int64_t P = SOFTMAX_TOKENS * stride, vectors = (n * stride + P - 1) / P * (P / V);
+  float* top = pattern;  // then the shift each value takes
+  float* sum = pattern + P;
+  std::fill_n(top, P, NEG_INF);
+  std::fill_n(sum, P, 0.f);
+  for (int64_t c = 0; c < vectors; ++c) {
+    float* t = top + c % (P / V) * V;
+    const float* xc = x + c * V;
+#pragma omp simd
+    for (int64_t k = 0; k < V; ++k) t[k] = t[k] > xc[k] ? t[k] : xc[k];
+  }
+  for (int64_t j = 0; j < stride; ++j) {
+    m[j] = NEG_INF;
+    for (int64_t k = j; k < P; k += stride) m[j] = std::max(m[j], top[k]);
+  }
+  for (int64_t k = 0; k < P; ++k) top[k] = m[k % stride] == NEG_INF ? 0.f : m[k % stride];
+  for (int64_t c = 0; c < vectors; ++c) {
+    const float* shift = top + c % (P / V) * V;
+    float* s = sum + c % (P / V) * V;
+    float* xc = x + c * V;
+#pragma omp simd
+    for (int64_t k = 0; k < V; ++k) {
+      const float e = xc[k] == NEG_INF ? 0.f : exp_nonpositive(xc[k] - shift[k]);
+      xc[k] = e;
+      s[k] += e;
+    }
+  }
+  for (int64_t j = 0; j < stride; ++j) {
+    l[j] = 0.f;
+    for (int64_t k = j; k < P; k += stride) l[j] += sum[k];
+  }
+}
+
+// decode_attention's arguments, shared by its passes (decode_attention's comment says what each is)
+struct Attention {
+  const float* q;
+  KVRows k_cache, v_cache;
+  const int32_t *tables, *lens, *query_start, *tree_start;
+  const uint64_t* tree_masks;
+  int64_t num_heads, num_kv_heads, group, D, block_size, max_blocks, window;
+  float scale;
+
+  int64_t rows(int64_t s) const { return query_start[s + 1] - query_start[s]; }
+  // one past the position of row r of sequence s
+  int64_t row_end(int64_t s, int64_t r) const {
+    if (tree_masks) return tree_start[s] + __builtin_popcountll(tree_masks[query_start[s] + r]);
+    return (int64_t)lens[s] - (query_start[s + 1] - query_start[s]) + 1 + r;
+  }
+  // the interval [row_begin, row_last) of positions row r of sequence s may see (a tree's row: those
+  // of it that `sees`)
+  int64_t row_begin(int64_t s, int64_t r) const {
+    return window > 0 ? std::max<int64_t>(0, row_end(s, r) - window) : (int64_t)0;
+  }
+  int64_t row_last(int64_t s, int64_t r) const { return tree_masks ? (int64_t)lens[s] : row_end(s, r); }
+  bool sees(int64_t s, int64_t row, int64_t pos) const {
+    const int64_t j = pos - tree_start[s];
+    return j < 0 || (j < 64 && (tree_masks[row] >> j) & 1);
+  }
+};
+
+// The work items, and where each (split, row, query head)'s partial results go.
+struct Splits {
+  std::vector<Item> items;
+  // splits of sequence s: [first_split[s], first_split[s+1]); partial results of its split i and
+  // row r: entry first_part[s] + i * rows + r (times num_heads, plus the query head)
+  std::vector<int64_t> first_split, first_part, row_seq;
+  int64_t work = 0;  // multiply-adds
+};
+
+Splits plan_splits(const Attention& a, int64_t num_seqs, int64_t split_len) {
+  Splits p;
+  p.first_split.assign(num_seqs + 1, 0);
+  p.first_part.assign(num_seqs + 1, 0);
+  p.row_seq.resize(a.query_start[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = a.rows(s);
+    int64_t begin = a.row_begin(s, 0);
+    for (int64_t r = 1; r < rows; ++r) begin = std::min(begin, a.row_begin(s, r));
+    begin -= begin % SOFTMAX_TOKENS;  // a token's softmax sum (t mod SOFTMAX_TOKENS) by its position
+    const int64_t len = a.lens[s], first = begin / split_len;
+    const int64_t n_splits = (len + split_len - 1) / split_len - first;
+    p.first_split[s + 1] = p.first_split[s] + n_splits;
+    p.first_part[s + 1] = p.first_part[s] + n_splits * rows;
+    for (int64_t r = 0; r < rows; ++r) p.row_seq[a.query_start[s] + r] = s;
+    for (int64_t h = 0; h < a.num_kv_heads; ++h)
+      for (int64_t i = 0; i < n_splits; ++i)
+        p.items.push_back({s, h, std::max(begin, (first + i) * split_len), std::min(len, (first + i + 1) * split_len), i});
+    p.work += (len - begin) * rows * a.num_heads * a.D * 2;
+  }
+  return p;
+}
+
+// per (split, row, query head): running max, sum of exp, unnormalised output [D]
+struct Parts {
+  std::vector<float> max, sum, out;
+};
+
+// A thread's buffers. Token-major: the scores (then weights) of token t in [t * stride, t * stride
+// + lanes), a cached row's products with 16 lanes one vector store, the softmax vertical across
+// lanes and the values' pass one base pointer for every lane's weight.
+struct Scratch {
+  std::vector<float> scores;  // [split_len, stride]
+  std::vector<float> lane_max, lane_sum, pattern;  // lanes_softmax's
+  std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
+  std::vector<float> row_buf;  // float16 and q8_0 rows widened
+  std::vector<float> qt;  // queries transposed (the scores' pass)
+  // the values' pass: its cached rows (float16 and q8_0 widened), a scratch row for the lanes past
+  // the item's, each lane's sums
+  std::vector<float> value_buf, scratch;
+  const float* v_rows[VALUE_TOKENS];
+  float* sums[VALUE_LANES];
+
+  explicit Scratch(int64_t D)
+      : row_buf(SCORE_TOKENS * D), qt(D * 2 * SCORE_LANES), value_buf(VALUE_TOKENS * D), scratch(D) {}
+};
+
+// One work item as its passes see it: lane j is the item's query row j / group, its head j % group;
+// lanes past them (to 4, 8 or a multiple of 16: the softmax's widths) score 0 and weigh into the
+// scratch row.
+struct Lanes {
+  Item it;
+  int64_t n, rows, lanes_total, stride, part_row;  // part_row: this split's row 0 in Parts
+  const float* q_seq;
+};
+
+// The item's lanes, its buffers sized, the part of the split each query row sees, its tokens' cache rows
+Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s) {
+  const int64_t n = it.end - it.begin, rows = a.rows(it.seq);
+  const int64_t lanes_total = rows * a.group;
+  const int64_t stride = lanes_total <= 4 ? 4 : lanes_total <= 8 ? 8 : (lanes_total + SCORE_LANES - 1) / SCORE_LANES * SCORE_LANES;
+  const int64_t chunk = SOFTMAX_TOKENS * stride;  // lanes_softmax's: n * stride values padded with -inf
+  s.scores.resize((n * stride + chunk - 1) / chunk * chunk);
+  std::fill(s.scores.begin() + n * stride, s.scores.end(), NEG_INF);
+  s.lane_max.resize(stride);
+  s.lane_sum.resize(stride);
+  s.pattern.resize(2 * chunk);
+  s.cache_rows.resize(n);
+  s.lo.resize(rows);
+  s.hi.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {  // split tokens [lo, hi) are the row's to see
+    s.lo[r] = std::max<int64_t>(0, a.row_begin(it.seq, r) - it.begin);
+    s.hi[r] = std::max(s.lo[r], std::min(n, a.row_last(it.seq, r) - it.begin));
+  }
+  const int32_t* table = a.tables + it.seq * a.max_blocks;
+  // block by block: one division per item, not per token (a 64-bit idiv was ~5% of the kernel)
+  for (int64_t t = 0, block = it.begin / a.block_size, offset = it.begin % a.block_size; t < n; ++block, offset = 0) {
+    const int64_t first_row = (int64_t)table[block] * a.block_size;
+    for (; offset < a.block_size && t < n; ++offset, ++t) s.cache_rows[t] = (first_row + offset) * a.num_kv_heads + it.kv_head;
+  }
+  const float* q_seq = a.q + a.query_start[it.seq] * a.num_heads * a.D + it.kv_head * a.group * a.D;
+  return {it, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, q_seq};
+}
+
+// The scores of LANES lanes from `first` (two vectors of them where more than SCORE_LANES are left:
+// each cached row read once for both): their queries transposed [D][lanes], so that a cached row's
+// products with all of them are vectors of multiply-adds along D, SCORE_TOKENS rows in flight; each
+// lane sums along D in order, whatever the other lanes hold
+template <int64_t LANES>
+void score_lanes(const Attention& a, const Lanes& w, int64_t first, Scratch& s) {
+  const int64_t D = a.D, n = w.n, stride = w.stride;
+  const int64_t lanes = std::min(LANES, w.lanes_total - first);
+  std::fill(s.qt.begin(), s.qt.begin() + D * LANES, 0.f);
+  for (int64_t j = 0; j < lanes; ++j) {
+    const int64_t row = (first + j) / a.group, head = (first + j) % a.group;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * LANES + j] = w.q_seq[(row * a.num_heads + head) * D + d];
+  }
+  for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) a.k_cache.prefetch(s.cache_rows[t]);
+  for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
+    const int64_t count = std::min(SCORE_TOKENS, n - t0);
+    const float* k[SCORE_TOKENS];
+    for (int64_t u = 0; u < SCORE_TOKENS; ++u) {  // past the end: the last row again (not stored)
+      const int64_t t = t0 + std::min(u, count - 1);
+      if (u < count && t + PREFETCH_ROWS < n) a.k_cache.prefetch(s.cache_rows[t + PREFETCH_ROWS]);
+      if (u < count && first == 0) a.v_cache.prefetch(s.cache_rows[t]);  // read after the scores
+      k[u] = a.k_cache.get(s.cache_rows[t], s.row_buf.data() + u * D);
+    }
+    float acc[SCORE_TOKENS][LANES] = {};
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t u = 0; u < SCORE_TOKENS; ++u) {
+        const float kd = k[u][d];
+#pragma omp simd
+        for (int64_t j = 0; j < LANES; ++j) acc[u][j] += kd * s.qt[d * LANES + j];
+      }
+    for (int64_t u = 0; u < count; ++u)
+      for (int64_t v = 0; v < LANES; v += SCORE_LANES)
+        store_scaled(acc[u] + v, a.scale, std::min(SCORE_LANES, stride - first - v),
+                     s.scores.data() + (t0 + u) * stride + first + v);
+  }
+}
+
+// Every lane's scores, SCORE_LANES lanes a pass (two where more are left); then -inf where a lane's
+// row does not look: outside its [lo, hi), and the tree positions it does not see
+void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
+  for (int64_t first = 0; first < w.lanes_total;) {
+    if (w.lanes_total - first > SCORE_LANES) {
+      score_lanes<2 * SCORE_LANES>(a, w, first, s);
+      first += 2 * SCORE_LANES;
+    } else {
+      score_lanes<SCORE_LANES>(a, w, first, s);
+      first += SCORE_LANES;
+    }
+  }
+  const int64_t n = w.n, stride = w.stride;
+  for (int64_t j = 0; j < w.lanes_total; ++j) {
+    const int64_t r = j / a.group;
+    for (int64_t t = 0; t < std::min(s.lo[r], n); ++t) s.scores[t * stride + j] = NEG_INF;
+    for (int64_t t = s.hi[r]; t < n; ++t) s.scores[t * stride + j] = NEG_INF;
+    if (a.tree_masks)
+      for (int64_t t = std::max(s.lo[r], a.tree_start[w.it.seq] - w.it.begin); t < s.hi[r]; ++t)
+        if (!a.sees(w.it.seq, a.query_start[w.it.seq] + r, w.it.begin + t)) s.scores[t * stride + j] = NEG_INF;
+  }
+}
+
+// The softmax's numerators, every lane side by side; lanes' maxima and sums into their parts (whose
+// outputs start at 0)
+void softmax_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
+  lanes_softmax(s.scores.data(), w.n, w.stride, s.lane_max.data(), s.lane_sum.data(), s.pattern.data());
+  for (int64_t j = 0; j < w.lanes_total; ++j) {
+    const int64_t p = (w.part_row + j / a.group) * a.num_heads + w.it.kv_head * a.group + j % a.group;
+    parts.max[p] = s.lane_max[j];
+    parts.sum[p] = s.lane_sum[j];
+    std::fill_n(parts.out.data() + p * a.D, a.D, 0.f);
+  }
+}
+
+// The values, VALUE_TOKENS cached rows at a time (float16 and q8_0 rows widened once for all lanes),
+// weighed into the parts' outputs
+void value_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
+  const int64_t D = a.D, n = w.n, stride = w.stride, lanes_total = w.lanes_total;
+  for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
+    const int64_t count = std::min(VALUE_TOKENS, n - t0);
+    for (int64_t u = 0; u < count; ++u) s.v_rows[u] = a.v_cache.get(s.cache_rows[t0 + u], s.value_buf.data() + u * D);
+    for (int64_t first = 0; first < lanes_total; first += VALUE_LANES) {
+      const int64_t lanes = std::min(VALUE_LANES, lanes_total - first);
+      for (int64_t j = 0; j < VALUE_LANES; ++j) {
+        const int64_t rg = first + j, r = rg / a.group;
+        s.sums[j] = j < lanes ? parts.out.data() + ((w.part_row + r) * a.num_heads + w.it.kv_head * a.group + rg % a.group) * D
+                              : s.scratch.data();
+      }
+      const float* weights = s.scores.data() + t0 * stride + first;
+      if (lanes <= 4) add_weighted_values<4>(weights, stride, s.v_rows, count, D, s.sums);
+      else if (lanes <= 8) add_weighted_values<8>(weights, stride, s.v_rows, count, D, s.sums);
+      else add_weighted_values<VALUE_LANES>(weights, stride, s.v_rows, count, D, s.sums);
+    }
+  }
+}
+
+// out [D] of query row `row`, head h: its splits merged in order; a split the row saw nothing of
+// weighs exp(-inf) = 0
+void merge_splits(const Attention& a, const Splits& p, const Parts& parts, int64_t row, int64_t h, float* out) {
+  const int64_t D = a.D, num_heads = a.num_heads;
+  const int64_t s = p.row_seq[row], rows = a.rows(s), r = row - a.query_start[s];
+  const int64_t n_splits = p.first_split[s + 1] - p.first_split[s];
+  float m = NEG_INF;
+  for (int64_t i = 0; i < n_splits; ++i) m = std::max(m, parts.max[(p.first_part[s] + i * rows + r) * num_heads + h]);
+  float l = 0.f;
+  float* o = out + (row * num_heads + h) * D;
+  std::fill_n(o, D, 0.f);
+  for (int64_t i = 0; i < n_splits; ++i) {
+    const int64_t part = (p.first_part[s] + i * rows + r) * num_heads + h;
+    const float c = std::exp(parts.max[part] - m);
+    l += c * parts.sum[part];
+    const float* acc = parts.out.data() + part * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) o[j] += c * acc[j];
+  }
+  const float inv = 1.f / l;
+  for (int64_t j = 0; j < D; ++j) o[j] *= inv;
+}
+
+}  // namespace
+
+// q, out [R, H, D]: the new rows of S sequences end to end, sequence s owning rows
+// [query_start[s], query_start[s + 1]) (int32 [S + 1]), at least one each; k_cache, v_cache
+// [slots, KH, D] in kv_format (KVFormat; q8_0: int8 codes with float16 scales k_scales, v_scales
+// [slots, KH, D/32]); block_tables int32 [S, max_blocks]; context_lens int32 [S], the new rows
+// included (their K/V already in the cache). Row r of a sequence with n rows and context len
+// sits at position len - n + r and sees positions up to its own (causal among the new rows);
+// window > 0: only its last `window` positions (sliding-window attention); 0: all of them.
+// Token trees (speculative branches; tree_start, tree_masks null: causal): tree_start int32 [S],
+// where sequence s's tree region begins; tree_masks int64 [R], bit j set = the row sees position
+// tree_start + j (its ancestors and itself); it sees every position before the region, and its own
+// position is tree_start + its bits set - 1 (its depth: the window counts from there).
+// A work item reads each K/V row once for every query row and head of its group.
+void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
+                      int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
+                      uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
+  const Attention a{reinterpret_cast<const float*>(q_),
+                    {reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim, kv_format},
+                    {reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim, kv_format},
+                    reinterpret_cast<const int32_t*>(tables_), reinterpret_cast<const int32_t*>(lens_),
+                    reinterpret_cast<const int32_t*>(query_start_), reinterpret_cast<const int32_t*>(tree_start_),
+                    reinterpret_cast<const uint64_t*>(tree_masks_), num_heads, num_kv_heads, num_heads / num_kv_heads,
+                    head_dim, block_size, max_blocks, window, (float)scale};
+  float* out = reinterpret_cast<float*>(out_);
+  const int64_t num_rows = a.query_start[num_seqs];
+  const Splits p = plan_splits(a, num_seqs, split_len);
+  const int64_t total_parts = p.first_part[num_seqs];
+  // threads only where there is enough work to pay for waking them (~64K multiply-adds each)
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)p.items.size(), p.work / 65536}));
+  Parts parts{std::vector<float>(total_parts * num_heads), std::vector<float>(total_parts * num_heads),
+              std::vector<float>(total_parts * num_heads * head_dim)};
+
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch s(head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < (int64_t)p.items.size(); ++w) {
+      const Lanes lanes = start_item(a, p, p.items[w], s);
+      score_pass(a, lanes, s);
+      softmax_pass(a, lanes, s, parts);
+      value_pass(a, lanes, s, parts);
+    }
+#pragma omp for collapse(2)
+    for (int64_t row = 0; row < num_rows; ++row) {
+      for (int64_t h = 0; h < num_heads; ++h) merge_splits(a, p, parts, row, h, out);
+    }
+  }
+}
+
+}  // namespace hearth

@@ -1,0 +1,110 @@
+// The model's CPU kernels besides the matmuls (hearth/quant/kernels): float32 only, no torch
+// headers (the Python side checks shapes and passes data pointers). Each is one call where torch
+// would run several small ops, each with its own dispatch and, with several threads, its own
+// fork and join: at batch 1 those cost more than the arithmetic.
+//
+// decode_attention (hearth/backend/cpu.py): a few query rows per sequence (one for a decode,
+// k + 1 for the verification of k guesses) against that sequence's cached K/V, read in place
+// through its block table: no gather into a padded copy, no mask (each row's causal range is an
+// interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
+// the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
+// of them, and their sums are computed side by side: the scores with the queries transposed (a
+// cached row's products with up to 16 of them one vector of multiply-adds along the head), kept
+// token-major (a token's scores for every row and head side by side: one vector store, and the
+// softmax a vector operation across them), the values a 16-value slice at a time with up to 16
+// rows' and heads' sums in registers. A
+// sequence's context is cut at the multiples of `split_len` (flash-decoding) so that a few long
+// sequences still give every thread work, and so that a row's splits, and with them its arithmetic,
+// are the same whatever else its step holds (its own step alone or a verification's, one sequence
+// or many); each split keeps its running max m, sum l and unnormalised output, and a second pass
+// merges the splits, in order, by log-sum-exp:
+//   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
+//
+// rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
+// optionally after x += add in place (the residual stream's add fused into the norm's pass).
+//
+// decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers (its
+// sequences' few new rows each: decodes and verifications), the
+// kernels above and the int8 matmul (passed in from hearth/quant/kernels/int8_dots.cpp) called
+// in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
+// in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
+//
+// greedy_passes (hearth/backend/cpu_decode.py): a draft model's greedy chain of passes in one
+// call: per pass decode_layers, the final norm, lm_head and argmax of each sequence's last row,
+// and the chosen tokens' embeddings as the next pass's rows. At batch 1 a draft pass's layers are
+// ~0.13 ms, and the Python and torch dispatch around them (norm, lm_head, argmax, the next
+// pass's inputs) was ~0.3 ms more.
+//
+// mask_tokens (hearth/backend/cpu.py, the sampler's grammar masks): a copy of the logits with, in
+// the given rows, -inf for every token whose bit is clear in the row's bitmask (bit t of word
+// t / 32): one pass of masked vector moves, where torch unpacks the bits into a [rows, vocab]
+// tensor and copies the logits first.
+//
+// rope_and_store_kv (hearth/backend/cpu.py): rotate-half RoPE of each token's q and k heads,
+// k written rotated straight into its cache slot and v copied to its slot: one pass where torch
+// would run a dozen ops per layer.
+//
+// A KV cache is float32, float16 (llama.cpp's default: half the bytes a step's attention reads) or
+// q8_0 (hearth/backend/kv_quant.py), its KVFormat passed with its pointers. q8_0 is int8 codes
+// [slots, KH, D] and float16 scales [slots, KH, D/32]: rope_and_store_kv quantizes each head row
+// as it writes it (llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, codes round(x / d) half
+// away from zero; float16: rounded to nearest even, as torch's cast), decode_attention widens each
+// row it reads into a D-float buffer in L1 before using it.
+//
+// A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
+// attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
+// logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
+// greedy_passes), bindings.cpp (the Python module).
+#pragma once
+
+#include <cstdint>
+
+namespace hearth {
+
+// The entries, each defined in the source of its job (the comments there say what they compute).
+void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
+                      int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
+                      uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
+void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,
+              double offset, int threads);
+void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,
+                       int64_t v_stride, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t q_out_,
+                       uintptr_t k_cache_, uintptr_t v_cache_, uintptr_t k_scales_, uintptr_t v_scales_,
+                       int kv_format, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int threads);
+void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter, int threads);
+void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int64_t row_stride, uintptr_t rows_,
+                 int64_t num_rows, uintptr_t bitmask_, int64_t words, int64_t vocab, int threads);
+void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_t row_stride, uintptr_t ids_,
+                          uintptr_t lse_, int threads);
+void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+                   uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
+                   int64_t split_len, int64_t window, int threads);
+void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+    int64_t num_layers, uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
+    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
+    uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t inter, double eps, int64_t block_size, double scale, int64_t window, int threads);
+
+// Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
+// formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
+// v in another format each, as llama.cpp's mixed files store them), each PART_FIELDS columns:
+// weight or packed codes, packed terms or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
+enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
+constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
+constexpr int PART_FIELDS = 4;
+enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
+constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
+
+// Columns of greedy_passes' pass table (int64 [passes, PASS_FIELDS]), a row per pass: pointers to
+// its rows' cache slots (int64 [T]), its sequences' block tables (int32 [S, max_blocks]), context
+// lengths (int32 [S]) and query starts (int32 [S + 1]), its rows' cos and sin (float32 [T, D/2]),
+// and per row the choice of the pass before whose token it is fed (int64 [T]; the first pass's
+// tokens are given); then S, T, max_blocks and split_len (decode_layers' arguments).
+enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, COS, SIN, FEEDS, SEQS, TOKENS, MAX_BLOCKS, SPLIT_LEN,
+                 PASS_FIELDS };
+
+}  // namespace hearth

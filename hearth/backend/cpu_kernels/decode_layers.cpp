@@ -1,0 +1,127 @@
+// A decode step's whole stack of layers in one call, and a draft model's greedy passes, with the
+// int8 matmul of hearth/quant/kernels passed in by address.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include "cpu_kernels.h"
+#include "vector_math.h"
+#include "../../quant/kernels/qmatmul.h"
+
+namespace hearth {
+namespace {
+
+// int8_matmul's and dequantize_rows' types, from their declarations (hearth/quant/kernels/qmatmul.h)
+using Int8Matmul = decltype(&int8_matmul);
+using DequantizeRows = decltype(&dequantize_rows);
+
+}  // namespace
+
+// rows of sequence s: [query_start[s], query_start[s + 1]), token trees in tree_start and
+// tree_masks (as decode_attention's).
+// residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
+// (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
+// then their q8_0 scales' (0: not q8_0), every layer's in kv_format.
+void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+                   uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
+                   int64_t split_len, int64_t window, int threads) {
+  const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
+  const int64_t* table = reinterpret_cast<const int64_t*>(table_);
+  const int64_t* caches = reinterpret_cast<const int64_t*>(caches_);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+  std::vector<float> h(tokens * hidden), qkv(tokens * qkv_size), q(tokens * q_size), attn(tokens * q_size);
+  std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter), part_out;
+  const auto ptr = [](const std::vector<float>& v) { return reinterpret_cast<uintptr_t>(v.data()); };
+  // y [T, n] = x [T, k] W^T, W the projection's parts one after another along n
+  const auto project = [&](const int64_t* layer, Projection p, uintptr_t x, float* y, int64_t n, int64_t k) {
+    int first = FIRST_PART;
+    for (int i = 0; i < p; i++) first += PARTS[i] * PART_FIELDS;
+    for (int64_t i = 0, column = 0; i < PARTS[p]; i++) {
+      const int64_t* part = layer + first + i * PART_FIELDS;
+      const int64_t rows = part[3];
+      if (rows == 0) break;
+      if (rows == n) {  // the whole projection in one format
+        matmul(x, part[0], part[1], reinterpret_cast<uintptr_t>(y), tokens, n, k, (int)part[2], 0, threads);
+        break;
+      }
+      part_out.resize(tokens * rows);  // [T, rows], then its columns of y
+      matmul(x, part[0], part[1], ptr(part_out), tokens, rows, k, (int)part[2], 0, threads);
+      for (int64_t t = 0; t < tokens; ++t)
+        std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
+      column += rows;
+    }
+  };
+  float* delta = reinterpret_cast<float*>(delta_);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* layer = table + l * LAYER_FIELDS;
+    rms_norm(residual_, l == 0 ? 0 : delta_, layer[IN_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
+    project(layer, QKV, ptr(h), qkv.data(), qkv_size, hidden);
+    const int64_t* cache = caches + 4 * l;  // K, V, K scales, V scales
+    rope_and_store_kv(ptr(qkv), ptr(qkv) + q_size * sizeof(float), ptr(qkv) + (q_size + kv_size) * sizeof(float),
+                      qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
+                      kv_format, tokens, num_heads, num_kv_heads, head_dim, threads);
+    decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], kv_format, block_tables_, lens_, query_start_, tree_start_,
+                     tree_masks_, ptr(attn),
+                     num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window,
+                     threads);
+    project(layer, O, ptr(attn), delta, hidden, q_size);
+    rms_norm(residual_, delta_, layer[POST_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
+    project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
+    silu_and_mul(gate_up.data(), act.data(), tokens, inter, threads);
+    project(layer, DOWN, ptr(act), delta, hidden, inter);
+  }
+}
+
+// A draft model's greedy passes (hearth/backend/cpu_decode.py): per pass, decode_layers on its
+// rows, then for each sequence's last row the final norm, lm_head (matmul: the weight, its terms
+// or 0, its qtype and rows `vocab`) and the argmax (row_argmax, as torch's), written
+// to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
+// embedding_row_bytes in embedding_qtype, widened by hearth/quant/kernels' dequantize_rows).
+// first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
+void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+                   int64_t num_layers,
+                   uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
+                   uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
+                   uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps,
+                   int64_t block_size, double scale, int64_t window, int threads) {
+  const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
+  const DequantizeRows dequantize = reinterpret_cast<DequantizeRows>(dequantize_);
+  const int64_t* first_ids = reinterpret_cast<const int64_t*>(first_ids_);
+  int64_t* choices = reinterpret_cast<int64_t*>(choices_);
+  std::vector<float> residual, delta, last, logits;
+  const auto ptr = [](std::vector<float>& v, int64_t offset = 0) {
+    return reinterpret_cast<uintptr_t>(v.data() + offset);
+  };
+  const int64_t* fed = nullptr;  // the choices of the pass before
+  for (int64_t p = 0; p < num_passes; ++p) {
+    const int64_t* pass = reinterpret_cast<const int64_t*>(passes_) + p * PASS_FIELDS;
+    const int64_t tokens = pass[TOKENS], seqs = pass[SEQS];
+    const int64_t* feeds = reinterpret_cast<const int64_t*>(pass[FEEDS]);
+    residual.resize(tokens * hidden);
+    delta.resize(tokens * hidden);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t token = p == 0 ? first_ids[t] : fed[feeds[t]];
+      dequantize(embedding_ + token * embedding_row_bytes, ptr(residual, t * hidden), 1, hidden, embedding_row_bytes,
+                 embedding_qtype, 1);
+    }
+    decode_layers(matmul_, table_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
+                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, seqs, tokens, hidden, num_heads,
+                  num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
+                  threads);
+    const int32_t* query_start = reinterpret_cast<const int32_t*>(pass[QUERY_START]);
+    last.resize(seqs * hidden);
+    for (int64_t s = 0; s < seqs; ++s) {
+      const int64_t row = (query_start[s + 1] - 1) * hidden;
+      rms_norm(ptr(residual, row), ptr(delta, row), norm_, ptr(last, s * hidden), 1, hidden, eps, 0.0, 1);
+    }
+    logits.resize(seqs * vocab);
+    matmul(ptr(last), head_, head_terms_, ptr(logits), seqs, vocab, hidden, head_qtype, 0, threads);
+    for (int64_t s = 0; s < seqs; ++s) choices[s] = row_argmax(logits.data() + s * vocab, vocab).at;
+    fed = choices;
+    choices += seqs;
+  }
+}
+
+}  // namespace hearth

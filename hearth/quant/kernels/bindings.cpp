@@ -1,0 +1,69 @@
+// The Python module: hearth/quant/kernels/__init__.py checks and allocates the tensors and passes
+// data pointers (and hearth/backend/cpu_kernels/ takes int8_matmul's and dequantize_rows' addresses).
+#include <pybind11/pybind11.h>
+
+#include "qmatmul.h"
+
+namespace hearth {
+namespace {
+
+// name -> path for int8_matmul's `path`, the ones this build has (fastest first)
+std::vector<std::pair<std::string, int>> int8_paths() {
+  std::vector<std::pair<std::string, int>> paths;
+#ifdef HEARTH_VNNI
+  paths.emplace_back("avx512-vnni", FASTEST);
+#endif
+#ifdef __AVX2__
+  paths.emplace_back("avx2", AVX2);
+#endif
+  paths.emplace_back("portable", PORTABLE);
+  return paths;
+}
+
+bool has_avx512() {
+#ifdef HEARTH_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#ifdef HEARTH_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+}  // namespace hearth
+
+using namespace hearth;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("half_matmul", &half_matmul, "y = x W^T, F16 / BF16 weights, fp32 or bf16 activations", nogil);
+  m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
+  m.def("repack", &repack, "blocks -> packed tiles (codes, terms)", nogil);
+  m.def("packed_bytes", [](int qtype, int64_t k) { const auto [c, t] = packed_bytes(qtype, k); return py::make_tuple(c, t); },
+        "bytes of one tile's codes and terms");
+  m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed tiles, x rounded to int8 per block", nogil);
+  m.def("dequantize_packed", &dequantize_packed, "packed tiles as fp32", nogil);
+  m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
+  // for hearth/backend/cpu_kernels/decode_layers.cpp, which calls it between its own kernels
+  m.def("grouped_int8_matmul", &grouped_int8_matmul,
+        "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
+  m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
+  m.def("dequantize_rows_address", [] { return reinterpret_cast<uintptr_t>(&dequantize_rows); });
+  m.def("block_values", &block_values);
+  m.def("int8_paths", [] {
+    py::dict paths;
+    for (const auto& [name, path] : int8_paths()) paths[py::str(name)] = path;
+    return paths;
+  });
+  m.def("has_avx512", &has_avx512);
+  m.def("has_vnni", &has_vnni);
+}

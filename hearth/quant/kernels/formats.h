@@ -1,0 +1,235 @@
+// The GGUF block formats as the kernels read them (docs/quantized-matmul.md): GGMLQuantizationType
+// values, each format's block geometry (Fmt), `unpack<QT>` (a block as unsigned codes q, per
+// sub-block of S values a scale s and (for formats with a minimum) an offset o, so that
+// w = s * (q - Z) + o with Z a per-format zero point), `decode<QT>` and the dispatch from a
+// runtime type to a template. The layouts are hearth/quant/formats.py's, which is bit-exact
+// against gguf. Shared by both extensions (hearth/backend/cpu_kernels/ reads its q8_0 KV
+// blocks' size from it).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace hearth {
+namespace {  // this source's own copies, internal as when the kernels were one file
+
+// fp16 -> fp32 without F16C
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: renormalize
+    int e = -1;
+    uint32_t m = mant;
+    do { m <<= 1; e++; } while (!(m & 0x400));
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// GGMLQuantizationType values
+enum QType : int {
+  F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, TQ2_0 = 35,
+};
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int QT> struct Fmt;
+//                                   values/block  bytes/block  sub-block  zero point  offset
+template <> struct Fmt<Q8_0> { static constexpr int BS = 32,  BYTES = 34,  S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<Q4_0> { static constexpr int BS = 32,  BYTES = 18,  S = 32, Z = 8;   static constexpr bool OFF = false; };
+template <> struct Fmt<Q4_1> { static constexpr int BS = 32,  BYTES = 20,  S = 32, Z = 0;   static constexpr bool OFF = true; };
+template <> struct Fmt<Q5_0> { static constexpr int BS = 32,  BYTES = 22,  S = 32, Z = 16;  static constexpr bool OFF = false; };
+template <> struct Fmt<Q5_1> { static constexpr int BS = 32,  BYTES = 24,  S = 32, Z = 0;   static constexpr bool OFF = true; };
+template <> struct Fmt<Q2_K> { static constexpr int BS = 256, BYTES = 84,  S = 16, Z = 0;   static constexpr bool OFF = true; };
+template <> struct Fmt<Q3_K> { static constexpr int BS = 256, BYTES = 110, S = 16, Z = 4;   static constexpr bool OFF = false; };
+template <> struct Fmt<Q4_K> { static constexpr int BS = 256, BYTES = 144, S = 32, Z = 0;   static constexpr bool OFF = true; };
+template <> struct Fmt<Q5_K> { static constexpr int BS = 256, BYTES = 176, S = 32, Z = 0;   static constexpr bool OFF = true; };
+template <> struct Fmt<Q6_K> { static constexpr int BS = 256, BYTES = 210, S = 16, Z = 32;  static constexpr bool OFF = false; };
+template <> struct Fmt<TQ2_0> { static constexpr int BS = 256, BYTES = 66, S = 32, Z = 1;   static constexpr bool OFF = false; };
+// half arrays: 32 values taken as one "block"
+template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
+template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
+template <int QT> constexpr bool is_half() { return QT == F16 || QT == BF16; }
+
+// ------------------------------------------------------------------ block layouts
+// (the same layouts as hearth/quant/formats.py, which is bit-exact against gguf)
+
+template <int QT> void unpack(const uint8_t* b, uint8_t* q, float* s, float* o);
+
+// Q8_0: d f16 | qs int8[32]; q = qs + 128 (unsigned), Z = 128
+template <> void unpack<Q8_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  s[0] = h2f(b);
+  for (int i = 0; i < 32; i++) q[i] = b[2 + i] ^ 0x80;
+}
+// Q4_0: d f16 | qs[16]: value j low nibble of qs[j], value j+16 high nibble
+template <> void unpack<Q4_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  s[0] = h2f(b);
+  for (int j = 0; j < 16; j++) { q[j] = b[2 + j] & 0x0F; q[j + 16] = b[2 + j] >> 4; }
+}
+// Q4_1: d f16 | m f16 | qs[16] as Q4_0; w = d q + m
+template <> void unpack<Q4_1>(const uint8_t* b, uint8_t* q, float* s, float* o) {
+  s[0] = h2f(b); o[0] = h2f(b + 2);
+  for (int j = 0; j < 16; j++) { q[j] = b[4 + j] & 0x0F; q[j + 16] = b[4 + j] >> 4; }
+}
+// Q5_0: d f16 | qh u32 (bit j: 5th bit of value j) | qs[16] as Q4_0
+template <> void unpack<Q5_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  s[0] = h2f(b);
+  uint32_t qh = u32(b + 2);
+  for (int j = 0; j < 16; j++) {
+    q[j] = (b[6 + j] & 0x0F) | (((qh >> j) & 1) << 4);
+    q[j + 16] = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+// Q5_1: d f16 | m f16 | qh u32 | qs[16]
+template <> void unpack<Q5_1>(const uint8_t* b, uint8_t* q, float* s, float* o) {
+  s[0] = h2f(b); o[0] = h2f(b + 2);
+  uint32_t qh = u32(b + 4);
+  for (int j = 0; j < 16; j++) {
+    q[j] = (b[8 + j] & 0x0F) | (((qh >> j) & 1) << 4);
+    q[j + 16] = (b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+// Q2_K: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16.
+// value 128h + 32s + l = (qs[32h + l] >> 2s) & 3; sub-blocks of 16
+template <> void unpack<Q2_K>(const uint8_t* b, uint8_t* q, float* s, float* o) {
+  float d = h2f(b + 80), dmin = h2f(b + 82);
+  for (int j = 0; j < 16; j++) { s[j] = d * float(b[j] & 0x0F); o[j] = -(dmin * float(b[j] >> 4)); }
+  for (int h = 0; h < 2; h++)
+    for (int sh = 0; sh < 4; sh++)
+      for (int l = 0; l < 32; l++) q[128 * h + 32 * sh + l] = (b[16 + 32 * h + l] >> (2 * sh)) & 3;
+}
+// TQ2_0 (ternary): qs[64] (as Q2_K's) | d f16; w = d (q - 1), q in {0, 1, 2}. (TQ1_0, five
+// trits a byte, is repacked to this at load: hearth/quant/formats.py tq1_0_to_tq2_0.)
+template <> void unpack<TQ2_0>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  const float d = h2f(b + 64);
+  for (int j = 0; j < 8; j++) s[j] = d;
+  for (int h = 0; h < 2; h++)
+    for (int sh = 0; sh < 4; sh++)
+      for (int l = 0; l < 32; l++) q[128 * h + 32 * sh + l] = (b[32 * h + l] >> (2 * sh)) & 3;
+}
+// Q3_K: hmask[32] | qs[64] (as Q2_K) | scales[12] (6-bit, offset 32) | d f16.
+// q = low + 4 * high, w = d (scale - 32) (q - 4); high bit of value i: (hmask[i % 32] >> (i / 32)) & 1
+// the scale of sub-block j (-32..31) from the 12 bytes at `raw`
+inline int q3_k_scale(const uint8_t* raw, int j) {
+  const int low = j < 8 ? (raw[j] & 0x0F) : (raw[j - 8] >> 4), high = (raw[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+template <> void unpack<Q3_K>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  float d = h2f(b + 108);
+  for (int j = 0; j < 16; j++) s[j] = d * float(q3_k_scale(b + 96, j));
+  for (int h = 0; h < 2; h++)
+    for (int sh = 0; sh < 4; sh++)
+      for (int l = 0; l < 32; l++) {
+        int i = 128 * h + 32 * sh + l;
+        q[i] = ((b[32 + 32 * h + l] >> (2 * sh)) & 3) | (((b[l] >> (i / 32)) & 1) << 2);
+      }
+}
+// Q4_K / Q5_K scales: 12 bytes -> 8 6-bit scales and mins
+inline void k_scale_min(const uint8_t* r, int j, int& sc, int& mn) {
+  if (j < 4) { sc = r[j] & 63; mn = r[j + 4] & 63; }
+  else { sc = (r[j + 4] & 0x0F) | ((r[j - 4] >> 6) << 4); mn = (r[j + 4] >> 4) | ((r[j] >> 6) << 4); }
+}
+// Q4_K: d f16 | dmin f16 | scales[12] | qs[128]: chunk c of 32 bytes, low nibbles = sub-block 2c,
+// high = 2c+1; w = d sc q - dmin mn
+template <> void unpack<Q4_K>(const uint8_t* b, uint8_t* q, float* s, float* o) {
+  float d = h2f(b), dmin = h2f(b + 2);
+  for (int j = 0; j < 8; j++) { int sc, mn; k_scale_min(b + 4, j, sc, mn); s[j] = d * float(sc); o[j] = -(dmin * float(mn)); }
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) { q[64 * c + l] = b[16 + 32 * c + l] & 0x0F; q[64 * c + 32 + l] = b[16 + 32 * c + l] >> 4; }
+}
+// Q5_K: d | dmin | scales[12] | qh[32] (bit j: 5th bit of sub-block j) | qs[128] as Q4_K
+template <> void unpack<Q5_K>(const uint8_t* b, uint8_t* q, float* s, float* o) {
+  float d = h2f(b), dmin = h2f(b + 2);
+  for (int j = 0; j < 8; j++) { int sc, mn; k_scale_min(b + 4, j, sc, mn); s[j] = d * float(sc); o[j] = -(dmin * float(mn)); }
+  const uint8_t* qh = b + 16;
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) {
+      q[64 * c + l] = (b[48 + 32 * c + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
+      q[64 * c + 32 + l] = (b[48 + 32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+    }
+}
+// Q6_K: ql[128] | qh[64] | scales int8[16] | d f16. value 128h + 32s + l:
+// low 4 bits from ql[64h + 32(s&1) + l] (s < 2: low nibble, else high), high 2 bits (qh[32h + l] >> 2s) & 3
+template <> void unpack<Q6_K>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  float d = h2f(b + 208);
+  for (int j = 0; j < 16; j++) s[j] = d * float(int8_t(b[192 + j]));
+  for (int h = 0; h < 2; h++)
+    for (int sh = 0; sh < 4; sh++)
+      for (int l = 0; l < 32; l++) {
+        uint8_t lo = b[64 * h + 32 * (sh & 1) + l];
+        lo = sh < 2 ? (lo & 0x0F) : (lo >> 4);
+        q[128 * h + 32 * sh + l] = lo | (((b[128 + 32 * h + l] >> (2 * sh)) & 3) << 4);
+      }
+}
+
+// One block -> BS fp32 values, w = s (q - Z) + o.
+template <int QT>
+inline void decode(const uint8_t* b, float* w) {
+  using F = Fmt<QT>;
+  uint8_t q[F::BS];
+  float s[F::BS / F::S], o[F::BS / F::S] = {};
+  unpack<QT>(b, q, s, o);
+  for (int j = 0; j < F::BS / F::S; j++)
+    for (int i = 0; i < F::S; i++) w[j * F::S + i] = s[j] * float(int(q[j * F::S + i]) - F::Z) + o[j];
+}
+
+#define HEARTH_DISPATCH(qtype, ...)                                           \
+  switch (qtype) {                                                            \
+    case Q8_0: { constexpr int QT = Q8_0; __VA_ARGS__; break; }               \
+    case Q4_0: { constexpr int QT = Q4_0; __VA_ARGS__; break; }               \
+    case Q4_1: { constexpr int QT = Q4_1; __VA_ARGS__; break; }               \
+    case Q5_0: { constexpr int QT = Q5_0; __VA_ARGS__; break; }               \
+    case Q5_1: { constexpr int QT = Q5_1; __VA_ARGS__; break; }               \
+    case Q2_K: { constexpr int QT = Q2_K; __VA_ARGS__; break; }               \
+    case Q3_K: { constexpr int QT = Q3_K; __VA_ARGS__; break; }               \
+    case Q4_K: { constexpr int QT = Q4_K; __VA_ARGS__; break; }               \
+    case Q5_K: { constexpr int QT = Q5_K; __VA_ARGS__; break; }               \
+    case Q6_K: { constexpr int QT = Q6_K; __VA_ARGS__; break; }               \
+    case TQ2_0: { constexpr int QT = TQ2_0; __VA_ARGS__; break; }             \
+    default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
+  }
+
+int64_t block_values(int qtype) {
+  int64_t bs = 0;
+  if (qtype == F16 || qtype == BF16) return 1;
+  HEARTH_DISPATCH(qtype, bs = Fmt<QT>::BS);
+  return bs;
+}
+
+}  // namespace
+}  // namespace hearth

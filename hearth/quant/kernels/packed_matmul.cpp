@@ -1,0 +1,216 @@
+// x W^T with W packed tiles (packed.h): the portable loops and the VNNI kernel.
+#include "packed.h"
+
+namespace hearth {
+namespace {
+
+// Activation terms per row and sub-block j of S values: dx (the row's block scale) and the sum of
+// the sub-block's codes, as the zero point's integer term -Z sum (a dot product's start) and in fp32.
+struct PackedActivations {
+  QuantizedActivations a;
+  std::vector<int32_t> zsum;  // [M, K/S]
+  std::vector<float> sum;     // [M, K/S]
+};
+
+template <int QT>
+void packed_activations(const float* x, int64_t M, int64_t K, PackedActivations& p, bool portable, int threads) {
+  using F = Fmt<QT>;
+  quantize_activations(x, M, K, p.a, threads, F::BS, portable);
+  const int64_t ns = K / F::S;
+  p.zsum.resize(M * ns);
+  p.sum.resize(M * ns);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < ns; j++) {
+      int32_t sum = 0;
+      for (int h = 0; h < F::S / 16; h++) sum += p.a.s16[m * (K / 16) + j * (F::S / 16) + h];
+      p.zsum[m * ns + j] = -F::Z * sum;
+      p.sum[m * ns + j] = float(sum);
+    }
+}
+
+// Portable: rows [m0, m0 + mr) against one tile, the terms as tile_block_terms reads them
+template <int QT>
+void packed_tile_generic(int mr, const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p,
+                         int64_t m0, float* y, int64_t N, int64_t nvalid) {
+  using F = Fmt<QT>;
+  using P = Packed<QT>;
+  const int64_t nb = K / F::BS, ns = K / F::S;
+  alignas(64) uint8_t v[8 * 128];
+  float s[P::NS][NR], o[P::NS][NR];
+  for (int r = 0; r < mr; r++) {
+    const int64_t m = m0 + r;
+    double acc[NR] = {};
+    for (int64_t b = 0; b < nb; b++) {
+      tile_block_terms<QT>(terms + b * P::TERMS, s, o);
+      float block[NR] = {};
+      for (int c = 0; c < F::BS / 32; c++) {
+        unpack_chunk<QT>(codes + (b * (F::BS / 32) + c) * P::CHUNK, v);
+        for (int k = 0; k < 32 / F::S; k++) {  // sub-blocks in the chunk
+          const int64_t sub = (b * F::BS + 32 * c) / F::S + k;
+          for (int j = 0; j < NR; j++) {
+            int32_t dot = p.zsum[m * ns + sub];
+            for (int i = 0; i < F::S; i++) {
+              const int at = 32 * c + k * F::S + i;  // in the block
+              dot += int(v[((at % 32) / 4 * NR + j) * 4 + at % 4]) * int(p.a.q[m * K + b * F::BS + at]);
+            }
+            block[j] += s[sub % P::NS][j] * float(dot) + o[sub % P::NS][j] * p.sum[m * ns + sub];
+          }
+        }
+      }
+      for (int j = 0; j < NR; j++) acc[j] += double(block[j] * p.a.d[m * nb + b]);
+    }
+    for (int j = 0; j < nvalid; j++) y[r * N + j] = float(acc[j]);
+  }
+}
+
+#ifdef HEARTH_VNNI
+// group g (4 values) of a packed chunk, rows 16h..16h+15: 64 unsigned byte codes
+template <int QT>
+inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
+  using P = Packed<QT>;
+  __m512i v;
+  if constexpr (P::BITS == 8) {
+    v = _mm512_loadu_si512((const void*)(chunk + (2 * g + h) * 64));
+  } else if constexpr (P::BITS == 4) {
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 4) + h) * 64));
+    v = _mm512_and_si512(g < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 2) + h) * 64));
+    v = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (g / 2)), _mm512_set1_epi8(3));
+  }
+  if constexpr (P::HIGH_PLANE) {  // bits 2 (g / 2), + 1 of the plane's bytes moved to bits 4, 5 (what an
+    // epi16 shift brings across from the neighbouring byte lands outside them), then v | (high & 0x30)
+    const __m512i raw = _mm512_loadu_si512((const void*)(chunk + P::PLANE + (2 * (g % 2) + h) * 64));
+    const int shift = 2 * (g / 2);
+    const __m512i high = shift < 4 ? _mm512_slli_epi16(raw, 4 - shift) : shift > 4 ? _mm512_srli_epi16(raw, shift - 4) : raw;
+    v = _mm512_ternarylogic_epi32(v, high, _mm512_set1_epi8(0x30), 0xF8);  // a | (b & c)
+  }
+  for (int e = 0; e < P::MASKS; e++) {
+    uint64_t m;
+    std::memcpy(&m, chunk + P::PLANE + (e * 16 + 2 * g + h) * 8, 8);
+    v = _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8((char)(1 << (P::BITS + e))));
+  }
+  return v;
+}
+
+// MR activation rows from m0 against one tile. Per sub-block j and 16 rows: S/4 vpdpbusd from the
+// zero point's -Z sum(xq_j), then t += cvt(dot) (d sc_j) - (f mn_j) sum(xq_j); per block y += t dx.
+// stream: the call's first pass over the tile, with few rows (M <= 2 PACKED_MR: decode, a verification's).
+template <int QT, int MR>
+void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p, int64_t m0,
+                      float* y, int64_t N, int64_t nvalid, bool stream) {
+  using F = Fmt<QT>;
+  using P = Packed<QT>;
+  const int64_t nb = K / F::BS, ns = K / F::S;
+  const int8_t* xq = p.a.q.data() + m0 * K;
+  alignas(64) float acc[MR][NR] = {};  // in L1, not registers: those hold 4 x MR x 16 lanes of sums
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* tt = terms + b * P::TERMS;
+    const uint8_t* cb = codes + b * (F::BS / 32) * P::CHUNK;
+    // the tile streams from memory (L3 at best), so ask for both arrays as far ahead: at 3-8 rows too,
+    // where the dot products would otherwise wait for it (SmolLM2 Q4_1, 1 thread: 5 rows 7.2 -> 6.1 ms)
+    if (stream) {
+      constexpr int64_t CODES = (F::BS / 32) * P::CHUNK, AHEAD = (INT8_PREFETCH + CODES - 1) / CODES;  // blocks
+      for (int64_t at = 0; at < CODES; at += 64) _mm_prefetch((const char*)(cb + at + AHEAD * CODES), _MM_HINT_T0);
+      for (int64_t at = 0; at < P::TERMS; at += 64) _mm_prefetch((const char*)(tt + at + AHEAD * P::TERMS), _MM_HINT_T0);
+    }
+    __m512 d[2], f[2], t[MR][2];
+    for (int h = 0; h < 2; h++) {
+      d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
+      f[h] = P::MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + P::F_AT + 32 * h))) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; r++) t[r][h] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < P::NS; j++) {
+      const int64_t sub = b * P::NS + j;
+      const uint8_t* chunk = cb + (j * F::S / 32) * P::CHUNK;
+      const int g0 = (j * F::S % 32) / 4;  // the sub-block's first group in its chunk
+      __m512i dot[MR][2];
+      for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(p.zsum[(m0 + r) * ns + sub]);
+#pragma GCC unroll 8
+      for (int g = g0; g < g0 + F::S / 4; g++) {
+        const __m512i w0 = packed_codes<QT>(chunk, g, 0), w1 = packed_codes<QT>(chunk, g, 1);
+        for (int r = 0; r < MR; r++) {
+          int32_t word;
+          std::memcpy(&word, xq + r * K + b * F::BS + j * F::S + 4 * (g - g0), 4);
+          const __m512i xb = _mm512_set1_epi32(word);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
+        }
+      }
+      for (int h = 0; h < 2; h++) {
+        auto int8s = [&](int64_t at) {  // 16 int8 terms of this half as fp32
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(tt + at + j * NR + 16 * h))));
+        };
+        const __m512 s = P::SC ? _mm512_mul_ps(d[h], int8s(P::SC_AT)) : d[h];
+        const __m512 c = P::MIN ? (P::SC ? _mm512_mul_ps(f[h], int8s(P::MN_AT)) : f[h]) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+          t[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), s, t[r][h]);
+          if constexpr (P::MIN) t[r][h] = _mm512_fnmadd_ps(c, _mm512_set1_ps(p.sum[(m0 + r) * ns + sub]), t[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      const __m512 dx = _mm512_set1_ps(p.a.d[(m0 + r) * nb + b]);
+      for (int h = 0; h < 2; h++) _mm512_store_ps(acc[r] + 16 * h, _mm512_fmadd_ps(t[r][h], dx, _mm512_load_ps(acc[r] + 16 * h)));
+    }
+  }
+  const __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
+  const __mmask16 k1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (__mmask16)((1u << (nvalid - 16)) - 1);
+  for (int r = 0; r < MR; r++) {
+    _mm512_mask_storeu_ps(y + r * N, k0, _mm512_load_ps(acc[r]));
+    _mm512_mask_storeu_ps(y + r * N + 16, k1, _mm512_load_ps(acc[r] + 16));
+  }
+}
+#endif  // HEARTH_VNNI
+
+// activation rows per pass over a tile: the codes' unpacking and the terms' conversion are shared
+// by them (Q4_K at 32 rows, one 5632 x 2048 and one 2048 x 5632 matrix, 1 thread: 4.8 ms at 4 rows,
+// 4.4 at 6, 4.1 at 8; Q6_K 6.9 / 6.4 / 5.8)
+constexpr int PACKED_MR = 8;
+
+#ifdef HEARTH_VNNI
+template <int QT, int MR = PACKED_MR>
+void packed_tile_vnni_mr(int mr, const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p,
+                         int64_t m0, float* y, int64_t N, int64_t nvalid, bool stream) {
+  if constexpr (MR > 1)
+    if (mr < MR) return packed_tile_vnni_mr<QT, MR - 1>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
+  packed_tile_vnni<QT, MR>(codes, terms, K, p, m0, y, N, nvalid, stream);
+}
+#endif
+
+template <int QT>
+void packed_tile(bool portable, int mr, const uint8_t* codes, const uint8_t* terms, int64_t K,
+                 const PackedActivations& p, int64_t m0, float* y, int64_t N, int64_t nvalid, bool stream) {
+#ifdef HEARTH_VNNI
+  if (!portable) return packed_tile_vnni_mr<QT>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
+#endif
+  packed_tile_generic<QT>(mr, codes, terms, K, p, m0, y, N, nvalid);
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] W^T, W packed; x rounded to int8 per block of the format (q8_K / q8_0)
+void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t terms_, uintptr_t y_, int64_t M, int64_t N, int64_t K,
+                   int qtype, bool portable, int threads) {
+  HEARTH_DISPATCH(qtype, {
+    if constexpr (!packable<QT>()) throw std::invalid_argument("packed_matmul: not for type " + std::to_string(qtype));
+    else {
+      PackedActivations p;
+      packed_activations<QT>((const float*)x_, M, K, p, portable, threads);
+      const auto [code_bytes, term_bytes] = packed_bytes(QT, K);
+      const uint8_t* codes = (const uint8_t*)codes_;
+      const uint8_t* terms = (const uint8_t*)terms_;
+      float* y = (float*)y_;
+      parallel_ranges((N + NR - 1) / NR, threads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++)
+          for (int64_t m = 0; m < M; m += PACKED_MR)
+            packed_tile<QT>(portable, (int)std::min<int64_t>(PACKED_MR, M - m), codes + t * code_bytes,
+                            terms + t * term_bytes, K, p, m, y + m * N + t * NR, N, std::min<int64_t>(NR, N - t * NR),
+                            m == 0 && M <= 2 * PACKED_MR);
+      });
+    }
+  });
+}
+
+}  // namespace hearth
