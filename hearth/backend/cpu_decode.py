@@ -3,8 +3,8 @@
 At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch ops and module
 calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
 again: each runs with the caches that the weights' stream has just emptied. When every projection
-of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
-hearth/quant/linear.py) or on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
+of every layer is an Int8Linear (any GGUF block format, in place or packed;
+hearth/backend/cpu_linear.py) or a HalfLinear on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
 whose steps are otherwise mostly Python) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
 every layer; K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
@@ -28,10 +28,12 @@ import numpy as np
 import torch
 
 from hearth.backend.base import MAX_DECODE_QUERY_LEN, AttentionMetadata, StepInputs
+from hearth.backend.cpu_linear import INT8_QTYPES, HalfLinear, Int8Linear
+from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
 from hearth.backend.kv_quant import data_pointers
-from hearth.backend.cpu import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
+from hearth.backend.stored import QuantEmbedding
 from hearth.quant import kernels as quant_kernels
-from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear
+from hearth.quant.tensor import HALF_DTYPES
 
 
 class CpuDecodePath:
@@ -177,7 +179,7 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
     embedding, config = model.embed_tokens, model.config
     head = kernel_weight(model.lm_head)
     if (not isinstance(embedding, QuantEmbedding) or not embedding.qweight.is_cpu
-            or embedding.qtype not in (*INT8_QTYPES, *HALF_QTYPES.values()) or head is None
+            or embedding.qtype not in (*INT8_QTYPES, *HALF_DTYPES) or head is None
             or model.lm_head.out_features > embedding.num_embeddings
             or config.embedding_scale != 1.0 or config.final_logit_softcapping is not None):
         return None
@@ -197,17 +199,13 @@ def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
 
 
 def kernel_weight(module) -> tuple[int, int] | None:
-    """int8_matmul's weight operands for `module` (weight or packed codes pointer, packed terms pointer or 0), or
-    None where the kernel cannot run it (not a QuantLinear on the CPU kernels, or with a bias)."""
-    if not isinstance(module, QuantLinear) or module.bias is not None:
+    """The matmul kernels' weight operands for `module` (weight or packed codes pointer, packed terms
+    pointer or 0), or None where the kernels cannot run it (not an Int8Linear or a HalfLinear, or with a bias)."""
+    if not isinstance(module, (Int8Linear, HalfLinear)) or module.bias is not None:
         return None
-    if module._int8_weight is not None:
-        return module._int8_weight
-    if module._half_kernel is not None and module.qweight.is_cpu:
-        return module.qweight.data_ptr(), 0
-    return None
+    return module.kernel_weight
 
 
 def on_int8_kernel(module) -> bool:
-    """A QuantLinear on the int8 kernel (a block format, not F16/BF16), without bias."""
-    return kernel_weight(module) is not None and module._int8_weight is not None
+    """An Int8Linear (a block format, not F16/BF16), without bias."""
+    return isinstance(module, Int8Linear) and module.bias is None
