@@ -48,11 +48,10 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     raw = [(w.data.reshape(w.shape[0], -1), w.shape) for w in chosen]
     packed = [ext.repack(d, int(qtype), *shape) for d, shape in raw] if ext and qtype in PACKED_QTYPES else None
     dense = [w.dequantize(torch.float32) for w in chosen]
-    dequant = [DequantLinear(w) for w in chosen]
     candidates = {
         "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),
         "int8_matmul (int8 x, GGUF layout in place)": ext and (lambda x, i: ext.int8_matmul(x, raw[i][0], int(qtype), raw[i][1][0])),
-        "torch: dequantize tiles + F.linear": lambda x, i: dequant[i](x),
+        "torch: dequantize tiles + F.linear": lambda x, i: DequantLinear(chosen[i])(x),
         "F.linear fp32 (dense, 4 B/weight)": lambda x, i: F.linear(x, dense[i]),
         "F.linear bf16 (dense, 2 B/weight)": None,
         "torch._weight_int8pack_mm (per-row int8)": None,
