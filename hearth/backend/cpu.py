@@ -5,10 +5,11 @@ place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. A float16 or q8_0 KV cache (kv_quant.py) is rounded or
-quantized by that write and widened row by row inside the decode kernel. Weights kept in their storage format
-run qmatmul.cpp's kernels (cpu_linear.py). Where every matmul is on them, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
-experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
-(per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
+quantized by that write and widened row by row inside the decode kernel. Weights kept in their
+storage format run qmatmul.cpp's kernels (cpu_linear.py, bound once by `prepare`). Where every
+matmul is on them, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
+experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the
+reference path (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
 from __future__ import annotations
