@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hearth.backend import choose_backend
+from hearth.backend.cpu_linear import HalfLinear, Int8Linear
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.loading.loader import load_model
 
@@ -41,6 +42,7 @@ def test_reference_backend_equals_transformers_fp32_logits():
         want = transformers_model(GGUF)(torch.tensor([ids])).logits[0]
     model = load_model(GGUF, progress=False, backend=choose_backend(torch.device("cpu"), torch.float32,
                                                                       "reference")).model
+    assert not any(isinstance(m, (Int8Linear, HalfLinear)) for m in model.modules())  # no activation rounded
     runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32)
     hidden, _ = runner.forward([BatchEntry(ids, 0, [0, 1, 2, 3])])
     ours = model.compute_logits(hidden)

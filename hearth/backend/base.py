@@ -2,7 +2,9 @@
 
 A backend is chosen once per engine (hearth/backend/__init__.py) and handed to the model when it
 is built; the layers call its operations (norm, RoPE + cache write, attention, activation) and
-never ask which device or dtype they run on. The runner gives it each step as host arrays
+never ask which device or dtype they run on. Once the weights are loaded, `prepare` gives every
+weight kept in its storage format (a QuantTensor) the backend's module for it, kernel bound
+(stored.py; here: dequantize-then-matmul). The runner gives it each step as host arrays
 (`StepInputs`); the backend turns them into its own tensors and attention metadata, and runs the
 model. The CPU and GPU backends subclass this one and replace the operations they have kernels
 for; this one is the readable definition they are tested against.
