@@ -106,6 +106,7 @@ def main() -> None:
     with torch.device("meta"):
         ours = Transformer(config, 4096, choose_backend(torch.device("cpu"), torch.float32))
     ours.load_weights(weights, torch.float32)
+    ours.backend.prepare(ours, torch.float32)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder.name, dtype=torch.float32).eval()
     per_head = config.num_layers * config.num_heads * (config.qk_nope_head_dim + config.head_dim + config.v_head_dim) * 4
     rows, data = [], []

@@ -42,6 +42,7 @@ def build(config, qtype):
         weights[name] = torch.ones(shape) if len(shape) == 1 else _random(
             shape, g, None if name.endswith("mlp.gate.weight") else qtype)
     model.load_weights(weights, torch.float32)
+    model.backend.prepare(model, torch.float32)
     return model
 
 

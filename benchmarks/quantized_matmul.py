@@ -86,7 +86,8 @@ def _print_rates(candidates: dict, raw: list, rows: list[int], runs: int, stored
 def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     from hearth.loading.gguf import load_gguf
     from hearth.quant import QuantTensor, kernels
-    from hearth.quant.linear import PACKED_QTYPES, _torch_matmul
+    from hearth.backend.cpu_linear import PACKED_QTYPES
+    from hearth.backend.stored import DequantLinear
 
     ext = kernels.extension()
     config, weights, _ = load_gguf(path, progress=False)
@@ -102,7 +103,7 @@ def paths(path: str, rows: list[int], layers: int, runs: int) -> None:
     candidates = {
         "packed_matmul (int8 x, repacked)": packed and (lambda x, i: ext.packed_matmul(x, *packed[i], int(qtype), raw[i][1][0])),
         "int8_matmul (int8 x, GGUF layout in place)": ext and (lambda x, i: ext.int8_matmul(x, raw[i][0], int(qtype), raw[i][1][0])),
-        "torch: dequantize tiles + F.linear": lambda x, i: _torch_matmul(x, raw[i][0], qtype, raw[i][1][0]),
+        "torch: dequantize tiles + F.linear": lambda x, i: DequantLinear(chosen[i])(x),
         "F.linear fp32 (dense, 4 B/weight)": lambda x, i: F.linear(x, dense[i]),
         "F.linear bf16 (dense, 2 B/weight)": lambda x, i: F.linear(x.to(torch.bfloat16), bf16[i]),
         **_weight_only_candidates(dense),

@@ -196,6 +196,7 @@ def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.
     with torch.device("meta"):
         model = Transformer(config, backend=backend)
     model.load_weights(weights, torch.float32)
+    model.backend.prepare(model, torch.float32)
     block_size = 16
     blocks = (len(token_ids) + block_size - 1) // block_size
     runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device=torch.device("cpu"),

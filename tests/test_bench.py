@@ -242,6 +242,7 @@ def test_loaded_model_weight_bytes(tiny):
     with torch.device("meta"):
         model = Transformer(config)
     model.load_weights(weights, torch.float32)
+    model.backend.prepare(model, torch.float32)
     w = model_weight_bytes(model)
     assert w.per_step == 4 * TINY.num_parameters()
     assert w.matmul_params == 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)

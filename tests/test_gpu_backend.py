@@ -104,11 +104,11 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
 @pytest.mark.parametrize("arch,out_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen3_moe", "q4_0")])
 def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monkeypatch, arch, out_type):
     """A GGUF file's matrices become TritonQuantLinear (the blocks kept, about the file's bytes);
-    greedy tokens equal the reference backend's on the same file, there dequantized tile by tile
-    (the exact path, tested against gguf's dequantizer; the C++ kernels round activations to int8)."""
+    greedy tokens equal the reference backend's on the same file, there dequantized (the exact path,
+    tested against gguf's dequantizer; the cpu backend's kernels round activations to int8)."""
     from hearth.loading.convert import convert_hf_to_gguf
     from hearth.quant import kernels
-    from hearth.quant.linear import TritonQuantLinear
+    from hearth.backend.gpu_linear import TritonQuantLinear
 
     fewer_experts = {"num_experts": 4, "num_hidden_layers": 1} if arch == "qwen3_moe" else {}  # the interpreter is slow
     folder = make_hf_model(tmp_path / arch, arch, intermediate_size=128, **fewer_experts)  # whole 32-value blocks

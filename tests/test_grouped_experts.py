@@ -10,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hearth.backend.cpu_experts import GroupedExperts, expert_table
+from hearth.backend.cpu_linear import cpu_linear
 from hearth.model.layers import SparseMoE
 from hearth.quant import QuantTensor
-from hearth.quant.linear import QuantLinear
 from test_quant_linear import activation_block, assert_within, dense, ext, q8_tolerance, random_weight  # noqa: F401
 
 # packed tiles on VNNI builds (every format but TQ2_0; in place elsewhere), ternary in place
@@ -28,7 +28,7 @@ def test_grouped_matmul_equals_each_expert_dequantized(ext, qtype):
     g = torch.Generator().manual_seed(int(qtype))
     n, k, experts = 70, 512, 6
     data = [random_weight(qtype, n, k, g) for _ in range(experts)]
-    layers = [QuantLinear(QuantTensor(d.reshape(-1), qtype, (n, k))) for d in data]
+    layers = [cpu_linear(QuantTensor(d.reshape(-1), qtype, (n, k))) for d in data]
     table = expert_table(layers)
     weights = [dense(d, qtype, k).double() for d in data]
     for counts in ([1, 0, 1, 1, 0, 1], [3, 0, 0, 30, 1, 2]):
@@ -67,6 +67,7 @@ def test_grouped_path_taken_only_where_every_expert_is_on_the_int8_kernel():
             quantized = qtype is not None and ".experts." in name
             weights[name] = QuantTensor(quantize(values, qtype), qtype, shape) if quantized else values
         model.load_weights(weights, torch.float32)
+        model.backend.prepare(model, torch.float32)
         moe = model.layers[0].mlp
         assert isinstance(moe, SparseMoE)
         assert (GroupedExperts.bind(moe.experts) is not None) == grouped

@@ -242,10 +242,19 @@ def test_engine_matrix_with_a_q8_0_cache(options):
 @pytest.mark.parametrize("kind", ["q8_0", "float16"])
 def test_decode_layers_path_with_the_cache(kind, tmp_path):
     """A q8_0 GGUF (every projection on the int8 kernel: decode steps in one C++ call) with a q8_0
-    or float16 cache: greedy tokens as the reference backend's with the same cache, and first
+    or float16 cache: greedy tokens as the reference backend's with the same cache (its attention
+    and cache in torch, given the cpu backend's matmul modules: the same int8 rounding), and first
     log-probabilities not those of a float32 cache (the cache really is what it is named)."""
+    from hearth.backend.base import Backend
     from hearth.backend.cpu_decode import CpuDecodePath
+    from hearth.backend.cpu_linear import cpu_linear
     from hearth.loading.convert import convert_hf_to_gguf
+
+    def cpu_matmuls(backend, module, weight, dtype):
+        embedding = isinstance(module, torch.nn.Embedding)
+        return reference_module(backend, module, weight, dtype) if embedding else cpu_linear(weight, module.bias)
+
+    reference_module = Backend.stored_module
 
     # head_dim 32; every matrix a whole number of q8_0 blocks wide
     folder = make_hf_model(tmp_path / "llama", "llama", num_attention_heads=2, intermediate_size=128)
@@ -254,7 +263,9 @@ def test_decode_layers_path_with_the_cache(kind, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     runs = {}
     for backend, kv in (("cpu", kind), ("reference", kind), ("cpu", "auto")):
-        llm = LLM(path, backend=backend, kv_cache_dtype=kv, progress=False)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Backend, "stored_module", cpu_matmuls)
+            llm = LLM(path, backend=backend, kv_cache_dtype=kv, progress=False)
         runs[backend, kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "cpu":
             assert isinstance(llm.engine.model.backend_state["decode_path"], CpuDecodePath)

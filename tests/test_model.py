@@ -99,21 +99,26 @@ def _bf16_folder(tmp_path):
 
 
 def test_bf16_folder_matches_transformers_bf16(tmp_path):
-    """A bf16 folder: hearth keeps its weights in bf16 (QuantLinear on half_matmul) and, computing in
-    bf16, lands as close to the exact (float32) product of those weights as transformers' own bf16
-    run does: at most twice its logit error, a tolerance on logits rather than on tokens because
-    two bf16 computations that round in different places may split a near tie differently. In
-    float32 (the default on a CPU) the bf16 weights are multiplied exactly: within 1e-4."""
-    from hearth.quant.linear import QuantLinear
+    """A bf16 folder: computing in bf16 (the reference backend) hearth multiplies the file's bf16
+    weights as they are and lands as close to the exact (float32) product of those weights
+    as transformers' own bf16 run does: at most twice its logit error, a tolerance on logits rather
+    than on tokens because two bf16 computations that round in different places may split a near
+    tie differently. In float32 (the default on a CPU) the cpu backend keeps the weights in bf16
+    (HalfLinear on half_matmul) and multiplies them exactly: within 1e-4."""
+    from hearth.backend.cpu_linear import HalfLinear
+    from hearth.loading.safetensors import load_hf_folder
 
     folder = _bf16_folder(tmp_path)
     model = load_model(folder, dtype=torch.bfloat16, progress=False).model
-    assert any(isinstance(m, QuantLinear) and m.qtype.name == "BF16" for m in model.modules())
+    _, stored = load_hf_folder(folder, progress=False)
+    o_proj = model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(o_proj, stored["model.layers.0.self_attn.o_proj.weight"]) and o_proj.dtype == torch.bfloat16
     exact = _reference_logits(folder, TOKENS)  # the bf16 weights in a float32 model
     transformers_bf16 = _reference_logits(folder, TOKENS, torch.bfloat16)
     bf16_error = _relative_error(transformers_bf16, exact)
     assert _relative_error(_hearth_logits(model, TOKENS), exact) <= 2 * bf16_error
     model32 = load_model(folder, progress=False).model
+    assert any(isinstance(m, HalfLinear) and m.qtype.name == "BF16" for m in model32.modules())
     assert _relative_error(_hearth_logits(model32, TOKENS), exact) <= 1e-4
 
 

@@ -22,10 +22,11 @@ from torch import nn
 
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import load_model
+from hearth.backend.cpu_linear import PACKED_QTYPES, HalfLinear, Int8Linear, cpu_linear
+from hearth.backend.stored import DequantLinear, QuantEmbedding
 from hearth.model.layers import Linear
 from hearth.quant import QuantTensor, kernels
 from hearth.quant.formats import dequantize
-from hearth.quant.linear import PACKED_QTYPES, QuantEmbedding, QuantLinear, quant_matmul
 from models import VOCAB_SIZE, make_hf_model
 
 BLOCK_QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0]
@@ -55,6 +56,11 @@ def random_weight(qtype: Q, rows: int, cols: int, generator: torch.Generator) ->
         scales = (torch.rand(blocks.shape[0], generator=generator) * 0.009 + 0.001).to(torch.float16)
         blocks[:, offset:offset + 2] = scales.view(torch.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
+
+
+def stored(data: torch.Tensor, qtype: Q, cols: int) -> QuantTensor:
+    """random_weight's bytes as the QuantTensor loading gives."""
+    return QuantTensor(data, qtype, (data.shape[0], cols))
 
 
 def dense(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
@@ -123,8 +129,9 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
         if qtype not in HALF:
             for path in ext.int8_paths:  # every code path this build has (AVX-512, AVX2, plain loops)
                 assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, int8_bound)
-        assert_within(quant_matmul(x, data, qtype, n, kernel="torch"), ref, fp32_tolerance(x, w))
-        assert_within(quant_matmul(x, data, qtype, n), ref, int8_bound if qtype not in HALF else fp32_tolerance(x, w))
+        weight = stored(data, qtype, k)
+        assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))  # the reference's tiles
+        assert_within(cpu_linear(weight)(x), ref, int8_bound if qtype not in HALF else fp32_tolerance(x, w))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
@@ -162,7 +169,7 @@ def test_compiled_paths_agree_with_each_other(ext, qtype):
 @pytest.mark.parametrize("qtype", [Q.TQ1_0, Q.TQ2_0], ids=lambda q: q.name)
 def test_ternary_weights_multiply_as_their_dequantization(ext, qtype):
     """BitNet-style weights (d * {-1, 0, 1}) as gguf's quantizer writes them, and random blocks:
-    QuantLinear (TQ1_0 repacked to TQ2_0 at load, then the int8 kernel) against gguf's dequantizer
+    the cpu backend's module (TQ1_0 repacked to TQ2_0 at load, then the int8 kernel) against gguf's dequantizer
     and a float64 matmul."""
     import gguf
 
@@ -176,26 +183,44 @@ def test_ternary_weights_multiply_as_their_dequantization(ext, qtype):
     random[:, scale:scale + 2] = torch.full((random.shape[0],), 0.02, dtype=torch.float16).view(torch.uint8).reshape(-1, 2)
     for data in (quantized, random.reshape(n, -1)):
         w = torch.from_numpy(gguf.dequantize(data.numpy(), qtype)).reshape(n, k)
-        layer = QuantLinear(QuantTensor(data, qtype, (n, k)))
-        assert layer.qtype == Q.TQ2_0 and layer._int8_weight is not None  # the int8 kernel, both formats
+        layer = cpu_linear(QuantTensor(data, qtype, (n, k)))
+        assert layer.qtype == Q.TQ2_0 and isinstance(layer, Int8Linear)  # the int8 kernel, both formats
         for m in (1, 5, 33):
             x = torch.randn(m, k, generator=g)
             assert_within(layer(x), x.double() @ w.double().T, q8_tolerance(x, w, 256))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0], ids=lambda q: q.name)
-def test_quant_linear_module_shapes_bias_and_dtype(qtype):
+def test_dequant_linear_module_shapes_bias_and_dtype(qtype):
+    """The reference's module: leading dimensions kept, any compute dtype, the blocks themselves
+    (no copy), dequantize-then-matmul exact up to fp32 rounding (no activation rounded)."""
     g = torch.Generator().manual_seed(3)
     data = random_weight(qtype, 40, 64, g)
     bias = torch.randn(40, generator=g)
-    layer = QuantLinear(QuantTensor(data, qtype, (40, 64)), bias)
-    assert torch.equal(layer.dequantize(), dense(data, qtype, 64))  # packed or not, the same weight
-    x = torch.randn(2, 3, 64, generator=g)  # leading dimensions kept
+    layer = DequantLinear(stored(data, qtype, 64), bias)
     w = layer.dequantize()
+    assert torch.equal(w, dense(data, qtype, 64))
+    x = torch.randn(2, 3, 64, generator=g)  # leading dimensions kept
     ref = F.linear(x, w, bias).double().reshape(6, 40)
-    assert_within(layer(x).reshape(6, 40), ref, q8_tolerance(x.reshape(6, 64), w))
+    assert_within(layer(x).reshape(6, 40), ref, fp32_tolerance(x.reshape(6, 64), w))
     y = layer(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
+    assert layer.qweight.data_ptr() == data.data_ptr()  # the blocks themselves, not a copy
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0], ids=lambda q: q.name)
+def test_int8_linear_module_bias_and_storage(ext, qtype):
+    """The cpu backend's module: the same weight packed or not, with its bias, within the
+    int8-activation bound; the blocks in place, or repacked into as many bytes."""
+    g = torch.Generator().manual_seed(3)
+    data = random_weight(qtype, 40, 64, g)
+    bias = torch.randn(40, generator=g)
+    layer = cpu_linear(stored(data, qtype, 64), bias)
+    assert isinstance(layer, Int8Linear)
+    w = layer.dequantize()
+    assert torch.equal(w, dense(data, qtype, 64))  # packed or not, the same weight
+    x = torch.randn(6, 64, generator=g)
+    assert_within(layer(x), F.linear(x, w, bias).double(), q8_tolerance(x, w))
     if layer.codes is None:
         assert layer.qweight.data_ptr() == data.data_ptr()  # the blocks themselves, not a copy
     else:  # on a CPU with VNNI: repacked, the same number of bytes (one 32-row tile here + padding)
@@ -204,14 +229,16 @@ def test_quant_linear_module_shapes_bias_and_dtype(qtype):
 
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
 def test_half_weights_with_activations_of_their_dtype(qtype):
-    """bf16 / f16 compute against a weight of that dtype, at every batch size: within that dtype's
-    rounding of the result (119 products accumulated in fp32, rounded once); float32 activations
-    stay exact."""
+    """bf16 / f16 compute against a weight of that dtype (the reference's module), at every batch
+    size: within that dtype's rounding of the result (119 products accumulated in fp32, rounded
+    once); float32 activations (the cpu backend's module where the kernels built) stay exact."""
     g = torch.Generator().manual_seed(13)
     n, k = shape_for(qtype)
     data = random_weight(qtype, n, k, g)
     w = dense(data, qtype, k)
-    layer = QuantLinear(data.view(HALF[qtype]))
+    weight = QuantTensor.of_half(data.view(HALF[qtype]))
+    layer, layer32 = DequantLinear(weight), cpu_linear(weight)
+    assert isinstance(layer32, HalfLinear) == (kernels.extension() is not None)
     for m in (1, 7, 33, 300):  # decode, small batches, a batch of decodes, a prefill
         x = torch.randn(m, k, generator=g).to(HALF[qtype])
         ref = x.double() @ w.double().T
@@ -220,7 +247,7 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
         unit = 2.0 ** -8 if qtype == Q.BF16 else 2.0 ** -11  # the dtype's rounding unit
         assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
         x32 = x.float()
-        assert_within(layer(x32), ref, fp32_tolerance(x32, w))
+        assert_within(layer32(x32), ref, fp32_tolerance(x32, w))
 
 
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
@@ -244,8 +271,7 @@ def test_quant_embedding_dequantizes_only_the_rows_looked_up(qtype):
     g = torch.Generator().manual_seed(5)
     n, k = 50, 256
     data = random_weight(qtype, n, k, g)
-    weight = QuantTensor(data, qtype, (n, k)) if qtype not in HALF else data.view(HALF[qtype])
-    embedding = QuantEmbedding(weight, torch.float32)
+    embedding = QuantEmbedding(stored(data, qtype, k), torch.float32)
     ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
     assert torch.equal(embedding(ids), dense(data, qtype, k)[ids])
 
@@ -270,7 +296,7 @@ def _dense_copy(model: nn.Module, round_inputs: bool = False) -> nn.Module:
     round_inputs, one that rounds its input as the int8 kernels do)."""
     for name, module in list(model.named_modules()):
         parent, _, child = name.rpartition(".")
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (Int8Linear, DequantLinear)):
             if round_inputs:
                 twin = _RoundedInputLinear(module.in_features, module.out_features, module.bias is not None,
                                            activation_block(module.qtype))
@@ -320,15 +346,16 @@ def test_gguf_model_stays_quantized_and_matches_the_dense_path(tiny_ggufs, monke
     model = load_model(tiny_ggufs[out_type], progress=False).model
     qtype = Q.Q8_0 if out_type == "q8_0" else Q.Q4_0
     # every matmul weight kept as blocks over the memory map; no float copy of one exists
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, (Int8Linear, DequantLinear))]
     # per layer q/k/v merged, o, gate/up merged, down; then the lm_head
     assert len(layers) == 2 * 4 + 1 and not any(isinstance(m, Linear) for m in model.modules())
     assert {m.qtype for m in layers} == {qtype, Q.F16}  # intermediate 112 is no whole number of blocks: F16
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == qtype
     assert all(p.dim() == 1 for p in model.parameters())  # norms only: no dense matrix
-    if model.lm_head.codes is None:  # tied: one table (packed, the lm_head holds the only resident copy)
+    packed = getattr(model.lm_head, "codes", None) is not None
+    if not packed:  # tied: one table (packed, the lm_head holds the only resident copy)
         assert model.lm_head.qweight.data_ptr() == model.embed_tokens.qweight.data_ptr()
-    assert (model.lm_head.codes is not None) == (compiled and kernels.extension().vnni)  # packed where it pays
+    assert packed == (compiled and kernels.extension().vnni)  # packed where it pays
 
     tokens = torch.randint(0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     reference_model = _dense_copy(load_model(tiny_ggufs[out_type], progress=False).model)
@@ -350,11 +377,14 @@ def test_merged_projections_group_parts_by_format(tmp_path, monkeypatch, compile
     import gguf
     from safetensors.torch import load_file
 
+    from hearth.backend.cpu import CpuBackend, cpu_kernels
     from hearth.config import ModelConfig
     from hearth.model.transformer import Transformer
     from models import hf_config, load_hf_reference
     from test_model import _hearth_logits
 
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
     if not compiled:
         monkeypatch.setattr(kernels, "extension", lambda: None)
     elif kernels.extension() is None:
@@ -376,9 +406,10 @@ def test_merged_projections_group_parts_by_format(tmp_path, monkeypatch, compile
             stored = torch.from_numpy(gguf.dequantize(blocks.numpy(), formats[kind])).reshape(weights[name].shape)
         reference.get_parameter(name).data = stored.reshape(reference.get_parameter(name).shape)
 
-    with torch.device("meta"):
-        model = Transformer(ModelConfig.from_hf(hf_config("qwen2").to_dict()))
+    with torch.device("meta"):  # the cpu backend: its modules keep each part's format
+        model = Transformer(ModelConfig.from_hf(hf_config("qwen2").to_dict()), backend=CpuBackend())
     model.load_weights(weights, torch.float32)
+    model.backend.prepare(model, torch.float32)
     attention, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert [p.qtype for p in attention.qkv_proj.parts] == [Q.Q8_0, Q.Q5_0]  # q and k merged, v apart
     assert [p.out_features for p in attention.qkv_proj.parts] == [64 + 32, 32]
@@ -432,7 +463,58 @@ def k_quant_mix_model(folder):
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_hf(config), backend=CpuBackend())
     model.load_weights(weights, torch.float32)
+    model.backend.prepare(model, torch.float32)
     return model
+
+
+def _decode_path_builder(tmp_path, out_type: str):
+    """A function that builds a fresh model of `out_type` (the same weights each call)."""
+    if out_type == "k-quant mix":
+        folder = make_hf_model(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512)
+        return lambda: k_quant_mix_model(folder)
+    arch, window = ("mistral", {"sliding_window": 8}) if "window" in out_type else ("llama", {})
+    folder = make_hf_model(tmp_path / arch, arch, intermediate_size=128, **window)
+    path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", out_type.split()[0], progress=False)
+    return lambda: load_model(path, progress=False).model
+
+
+# three sequences' block tables (blocks interleaved) and the tokens each has before the decodes
+_TABLES, _PREFIXES = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]], [5, 17, 33]
+
+
+def _batch_decode(m, tokens: list[int]) -> torch.Tensor:
+    """Three sequences of different lengths decoding together: the logits of 3 steps."""
+    from hearth.engine.runner import BatchEntry, ModelRunner
+
+    runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
+    runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(_PREFIXES, _TABLES)])
+    steps = []
+    for s in range(3):
+        hidden, last = runner.forward([BatchEntry([tokens[n + s]], n + s, t) for n, t in zip(_PREFIXES, _TABLES)])
+        steps.append(m.compute_logits(hidden[last]))
+    return torch.stack(steps)
+
+
+def _verify(m, tokens: list[int], rows_per_step: list[list[int]]) -> torch.Tensor:
+    """Steps of a few new rows per sequence (rows_per_step[s][i]: sequence i's in step s), the
+    logits of every row, sequence by sequence."""
+    from hearth.engine.runner import BatchEntry, ModelRunner
+
+    runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
+    done = list(_PREFIXES)
+    runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(done, _TABLES)])
+    logits = [[] for _ in _TABLES]
+    for rows in rows_per_step:
+        live = [i for i in range(3) if rows[i]]
+        hidden, _ = runner.forward([BatchEntry(tokens[done[i]:done[i] + rows[i]], done[i], _TABLES[i]) for i in live])
+        for i, o in zip(live, m.compute_logits(hidden).split([rows[i] for i in live])):
+            logits[i].append(o)
+            done[i] += rows[i]
+    return torch.cat([torch.cat(rows) for rows in logits])
+
+
+def _assert_close(ours: torch.Tensor, modules: torch.Tensor) -> None:
+    torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())
 
 
 @pytest.mark.parametrize("out_type", ["q8_0", "q4_1", "f16", "k-quant mix", "q8_0 sliding window"])
@@ -447,14 +529,7 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
 
     if kernels.extension() is None or cpu_kernels() is None:
         pytest.skip("the C++ kernels could not be built here")
-    if out_type == "k-quant mix":
-        folder = make_hf_model(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512)
-        build = lambda: k_quant_mix_model(folder)  # noqa: E731
-    else:
-        arch, window = ("mistral", {"sliding_window": 8}) if "window" in out_type else ("llama", {})
-        folder = make_hf_model(tmp_path / arch, arch, intermediate_size=128, **window)
-        path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", out_type.split()[0], progress=False)
-        build = lambda: load_model(path, progress=False).model  # noqa: E731
+    build = _decode_path_builder(tmp_path, out_type)
     model = build()
     assert CpuDecodePath.for_model(model, cpu_kernels()) is not None
     modules_only = build()
@@ -468,8 +543,7 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
     chunks = [20] + [1] * 10  # a prefill (modules), then decodes (the one-call path)
     ours, modules, reference = (_logits(m, tokens, chunks) for m in (model, modules_only, dense))
     assert model.backend_state["decode_path"] is not None
-    decodes = slice(20, None)
-    torch.testing.assert_close(ours[decodes], modules[decodes], rtol=1e-4, atol=1e-4 * modules.abs().max().item())
+    _assert_close(ours[20:], modules[20:])
     error = ((ours - reference).abs().max() / reference.abs().max()).item()
     if out_type == "k-quant mix":
         # q8_K rounds 256 activations to one scale, 8x coarser steps than q8_0 where one value
@@ -482,49 +556,15 @@ def test_cpu_decode_path_matches_the_modules_and_the_dense_path(tmp_path, out_ty
         assert error <= 3e-2 and (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
     # three sequences of different lengths decoding together, blocks interleaved
-    def batch_decode(m):
-        from hearth.engine.runner import BatchEntry, ModelRunner
-
-        runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
-        tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
-        lengths = [5, 17, 33]
-        runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(lengths, tables)])
-        steps = []
-        for s in range(3):
-            hidden, last = runner.forward([BatchEntry([tokens[n + s]], n + s, t) for n, t in zip(lengths, tables)])
-            steps.append(m.compute_logits(hidden[last]))
-        return torch.stack(steps)
-
-    ours, modules = batch_decode(model), batch_decode(modules_only)
-    torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())
+    _assert_close(_batch_decode(model, tokens), _batch_decode(modules_only, tokens))
 
     # verification steps (a few new rows per sequence, 1, 4 and 3 side by side) take the one-call
     # path too; each row's logits equal the modules' in the same step, and those of the same
     # tokens decoded one at a time
-    def verify(m, rows_per_step):
-        from hearth.engine.runner import BatchEntry, ModelRunner
-
-        runner = ModelRunner(m, 12, 16, torch.device("cpu"), torch.float32)
-        tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
-        done = [5, 17, 33]
-        runner.forward([BatchEntry(tokens[:n], 0, t) for n, t in zip(done, tables)])
-        logits = [[] for _ in tables]
-        for rows in rows_per_step:
-            live = [i for i in range(3) if rows[i]]
-            hidden, _ = runner.forward([BatchEntry(tokens[done[i]:done[i] + rows[i]], done[i], tables[i])
-                                        for i in live])
-            out = m.compute_logits(hidden).split([rows[i] for i in live])
-            for i, o in zip(live, out):
-                logits[i].append(o)
-                done[i] += rows[i]
-        return torch.cat([torch.cat(rows) for rows in logits])
-
     path_calls = []
     original = model.backend_state["decode_path"]
     model.backend_state["decode_path"] = lambda *a: path_calls.append(1) or original(*a)
-    ours = verify(model, [[1, 4, 3], [2, 1, 4]])
+    ours = _verify(model, tokens, [[1, 4, 3], [2, 1, 4]])
     assert len(path_calls) == 2  # both steps through the one-call path
-    same_step = verify(modules_only, [[1, 4, 3], [2, 1, 4]])
-    one_at_a_time = verify(modules_only, [[1, 1, 1]] * 3 + [[0, 1, 1]] * 2 + [[0, 0, 1]] * 2)
-    for modules in (same_step, one_at_a_time):
-        torch.testing.assert_close(ours, modules, rtol=1e-4, atol=1e-4 * modules.abs().max().item())
+    _assert_close(ours, _verify(modules_only, tokens, [[1, 4, 3], [2, 1, 4]]))  # the same steps
+    _assert_close(ours, _verify(modules_only, tokens, [[1, 1, 1]] * 3 + [[0, 1, 1]] * 2 + [[0, 0, 1]] * 2))

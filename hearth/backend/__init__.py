@@ -28,7 +28,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, name: str = "auto",
         if device.type == "cuda":
             name = "gpu"
         else:
-            from hearth.backend.cpu import cpu_kernels
+            from hearth.backend.cpu_ops import cpu_kernels
 
             name = "cpu" if dtype == torch.float32 and cpu_kernels() is not None else "reference"
     if name == "cpu":

@@ -2,7 +2,9 @@
 
 A backend is chosen once per engine (hearth/backend/__init__.py) and handed to the model when it
 is built; the layers call its operations (norm, RoPE + cache write, attention, activation) and
-never ask which device or dtype they run on. The runner gives it each step as host arrays
+never ask which device or dtype they run on. Once the weights are loaded, `prepare` gives every
+weight kept in its storage format (a QuantTensor) the backend's module for it, kernel bound
+(stored.py; here: dequantize-then-matmul). The runner gives it each step as host arrays
 (`StepInputs`); the backend turns them into its own tensors and attention metadata, and runs the
 model. The CPU and GPU backends subclass this one and replace the operations they have kernels
 for; this one is the readable definition they are tested against.
@@ -17,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCache, read_rows, write_rows
+from hearth.quant.tensor import HALF_DTYPES, QuantTensor
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -297,13 +301,26 @@ class Backend:
 
     # ---- weights -----------------------------------------------------------------------
 
-    def quantized_module(self, module: nn.Module, weight, bias: torch.Tensor | None, dtype: torch.dtype
-                         ) -> nn.Module | None:
-        """The module that keeps `weight` in its storage format in place of `module` (a Linear or an
-        Embedding), or None where the dense module is the better choice."""
-        from hearth.quant.linear import quantized_module
+    def prepare(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """Once, after loading: every Linear and Embedding whose weight was left in its storage format
+        (a QuantTensor) becomes this backend's module for that format, its kernel bound there; or,
+        where the dense module is the better choice, takes its weight dense in `dtype`."""
+        swap_stored_weights(model, lambda module, weight: self.stored_module(module, weight, dtype), dtype)
 
-        return quantized_module(module, weight, bias, dtype, self.device)
+    def stored_module(self, module: nn.Module, weight: QuantTensor, dtype: torch.dtype) -> nn.Module | None:
+        """This backend's module for `module` (a Linear, or an nn.Embedding) with `weight` kept as stored,
+        or None for the dense module (the weight dequantized once, here). Dequantize-then-matmul, never
+        activations rounded: a matrix dense in `dtype` on a CPU (where dequantizing tiles at every
+        call would cost seconds a step) and wherever it is F16/BF16; GGUF blocks elsewhere stay blocks,
+        dequantized a tile at a time (stored.py's DequantLinear). Embeddings stay as stored (only the
+        rows looked up are dequantized), but F16/BF16 ones off a CPU or already of the compute dtype."""
+        half = weight.qtype in HALF_DTYPES
+        if isinstance(module, nn.Embedding):
+            return None if half and (self.device.type != "cpu" or HALF_DTYPES[weight.qtype] == dtype) else \
+                QuantEmbedding(weight, dtype)
+        if self.device.type == "cpu" or half:
+            return None
+        return DequantLinear(weight, module.bias)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -1,41 +1,27 @@
-"""The CPU backend: float32 on a CPU through cpu_kernels.cpp (built on first use by hearth/native.py).
+"""The CPU backend: float32 on a CPU through the C++ kernels of cpu_kernels/ (built on first use by hearth/native.py).
 
 Decode attention (a few new rows per sequence: decodes, verifications of guesses) reads K/V in
 place through the block tables and, when sequences x KV heads
 would leave threads idle, splits long contexts and merges the splits by log-sum-exp
 (flash-decoding; docs/benchmarks.md, "Decode attention"). RMSNorm with the residual add, and RoPE
 with the K/V cache write, are one call each. A float16 or q8_0 KV cache (hearth/kv_format.py) is rounded or
-quantized by that write and widened row by row inside the decode kernel. Where every matmul is a QuantLinear on
-the int8 kernel, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
-experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the reference path
-(per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
+quantized by that write and widened row by row inside the decode kernel. Weights kept in their
+storage format run hearth/quant/kernels' C++ kernels (cpu_linear.py, bound once by `prepare`). Where every
+matmul is on them, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
+experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the
+reference path (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
 from hearth.backend.base import AttentionMetadata, Backend
-from hearth.kv_format import KVCache, Q8Cache, data_pointers
-from hearth.native import build
-
-# decode_attention's splits (flash-decoding): the context cut at the multiples of this, whatever the
-# batch, so that a row's result does not depend on the rows and sequences beside it (a verification's
-# rows are those of single-row steps: greedy speculation keeps plain decoding's tokens). Fixed splits
-# measured as fast as whole contexts or faster at batch 1 to 32 and contexts of 512 to 8192
-# (docs/benchmarks.md, 2026-11-25: "Fixed splits cost nothing").
-DECODE_SPLIT_LEN = 256
-
-
-@functools.cache
-def cpu_kernels():
-    """The sources in cpu_kernels/ compiled, or None (no compiler, HEARTH_KERNELS=0): then no CpuBackend."""
-    return build("hearth_cpu_kernels", sorted((Path(__file__).parent / "cpu_kernels").glob("*.cpp")),
-                 "attention and norm", seconds=20,
-                 without="float32 models run on the reference backend's torch ops instead (slower)")
+from hearth.backend.cpu_decode import CpuDecodePath
+from hearth.backend.cpu_experts import GroupedExperts
+from hearth.backend.cpu_linear import cpu_linear
+from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, cpu_kernels, tree_pointers, whole_caches_format
+from hearth.kv_format import data_pointers
 
 
 class CpuBackend(Backend):
@@ -49,6 +35,13 @@ class CpuBackend(Backend):
         # apply_token_bitmask's output, kept from step to step: a fresh [B, V] each step costs a page
         # fault per 4 KiB (the allocator hands such sizes back to the OS), ~4 ms at 32 x 49,152
         self._masked_logits = torch.empty(0)
+
+    def stored_module(self, module, weight, dtype):
+        """GGUF blocks and F16/BF16 matrices multiplied by hearth/quant/kernels' C++ kernels (cpu_linear.py);
+        embeddings as the reference's."""
+        if isinstance(module, torch.nn.Embedding):
+            return super().stored_module(module, weight, dtype)
+        return cpu_linear(weight, module.bias)
 
     def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         if kv_cache_dtype == "fp8_e4m3":
@@ -145,8 +138,6 @@ class CpuBackend(Backend):
     def run_experts(self, moe, x, counts):
         """All chosen experts' gate/up projections in one kernel call and their down projections in
         another, where every expert's weights are on the int8 kernel (hearth/backend/cpu_experts.py)."""
-        from hearth.backend.cpu_experts import GroupedExperts
-
         state = moe.backend_state  # emptied when the layer's tensors move (their pointers change)
         if "grouped" not in state:
             state["grouped"] = GroupedExperts.bind(moe.experts)
@@ -173,42 +164,10 @@ class CpuBackend(Backend):
 
     def _decode_path(self, model):
         """The model's CpuDecodePath, or None where its layers do not fit it."""
-        from hearth.backend.cpu_decode import CpuDecodePath
-
         state = model.backend_state  # emptied when the model's tensors move (their pointers change)
         if "decode_path" not in state:
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         return state["decode_path"]
-
-
-def tree_pointers(meta: AttentionMetadata) -> tuple[int, int]:
-    """The decodes' token trees for the kernels: tree_start's and tree_masks' data (0, 0: causal)."""
-    if meta.decode_tree_masks is None:
-        return 0, 0
-    return meta.decode_tree_start.data_ptr(), meta.decode_tree_masks.data_ptr()
-
-
-def kv_format(cache: KVCache) -> int | None:
-    """cpu_kernels.cpp's KVFormat of a cache the kernels read: float32, float16 or q8_0, in
-    contiguous tensors; None for another (bfloat16, fp8, a strided view)."""
-    if isinstance(cache, Q8Cache):
-        name = "q8_0" if cache.codes.is_contiguous() and cache.scales.is_contiguous() else None
-    elif isinstance(cache, torch.Tensor) and cache.is_contiguous():
-        name = str(cache.dtype).removeprefix("torch.")
-    else:
-        name = None
-    formats = cpu_kernels().KV_FORMATS
-    return formats.index(name) if name in formats else None
-
-
-def whole_caches_format(k_cache: KVCache, v_cache: KVCache) -> int | None:
-    """The KVFormat of K and V caches the kernels read: each its own contiguous tensor, both of one
-    format and width; None otherwise. Multi-head latent attention's views of its one latent cache
-    (hearth/model/latent_attention.py) take the reference path."""
-    k_format = kv_format(k_cache)
-    if k_format is None or kv_format(v_cache) != k_format or k_cache.shape != v_cache.shape:
-        return None
-    return k_format
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

@@ -3,20 +3,20 @@
 At batch 1 on a CPU a TinyLlama layer's matmuls take ~650 us, and the ~25 torch ops and module
 calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a third as much
 again: each runs with the caches that the weights' stream has just emptied. When every projection
-of every layer is a QuantLinear on the int8 kernel (any GGUF block format, in place or packed;
-hearth/quant/linear.py) or on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
+of every layer is an Int8Linear (any GGUF block format, in place or packed;
+hearth/backend/cpu_linear.py) or a HalfLinear on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
 whose steps are otherwise mostly Python) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
 no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
 every layer; K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
 tokens each: a plain decode's one, a verification's guesses and the token before them;
-config.MAX_DECODE_QUERY_LEN) runs cpu_kernels.cpp's `decode_layers`: the kernels that the modules
+config.MAX_DECODE_QUERY_LEN) runs cpu_kernels/'s `decode_layers`: the kernels that the modules
 call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. Every other step and model takes the
 modules' path.
 
 A draft model's greedy chain of passes (DraftRunner.propose, every row taking the argmax of its
-logits as they come) runs `greedy_passes` where the model's embedding is in a format qmatmul.cpp's
+logits as they come) runs `greedy_passes` where the model's embedding is in a format hearth/quant/kernels'
 dequantize_rows reads and its lm_head is on the matmul kernels: the k passes in one call, each
 pass `decode_layers`, the final norm, lm_head and argmax of each sequence's last row, and the
 embeddings of those tokens as the next pass's rows; the host reads the k x rows token ids once.
@@ -28,11 +28,13 @@ import numpy as np
 import torch
 
 from hearth.backend.base import AttentionMetadata, StepInputs
+from hearth.backend.cpu_linear import INT8_QTYPES, HalfLinear, Int8Linear
+from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
+from hearth.backend.stored import QuantEmbedding
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import data_pointers
-from hearth.backend.cpu import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
 from hearth.quant import kernels as quant_kernels
-from hearth.quant.linear import HALF_QTYPES, INT8_QTYPES, QuantEmbedding, QuantLinear
+from hearth.quant.tensor import HALF_DTYPES
 
 
 class CpuDecodePath:
@@ -55,7 +57,7 @@ class CpuDecodePath:
 
     @classmethod
     def for_model(cls, model, kernels) -> CpuDecodePath | None:
-        """The path for `model` (kernels: cpu_kernels.cpp built), or None where it does not apply
+        """The path for `model` (kernels: cpu_kernels/ built), or None where it does not apply
         (see the module's docstring)."""
         qmatmul = quant_kernels.extension()
         config = model.config
@@ -79,7 +81,7 @@ class CpuDecodePath:
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         if table.shape[1] != kernels.LAYER_FIELDS:
-            raise RuntimeError("cpu_kernels.cpp's layer table has other columns than cpu_decode.py fills")
+            raise RuntimeError("cpu_kernels/'s layer table has other columns than cpu_decode.py fills")
         return cls(model, kernels, table, qmatmul.module.int8_matmul_address(), vocabulary_operands(model, qmatmul))
 
     def __call__(
@@ -115,7 +117,7 @@ class CpuDecodePath:
 
     def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,
                       kv_caches) -> np.ndarray | None:
-        """A draft model's greedy passes in one kernel call (cpu_kernels.cpp's greedy_passes): the
+        """A draft model's greedy passes in one kernel call (cpu_kernels/'s greedy_passes): the
         first pass's sequences (decodes: a few rows each, causal), then pass 1 + p of `feeds[p]`'s
         rows, laid out end to end in `later` (a row each, causal), row i fed the token pass p chose
         at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns the passes' choices end to
@@ -133,7 +135,7 @@ class CpuDecodePath:
         half = cos.shape[-1]
 
         tokens = len(first.positions)
-        # a pass's row of cpu_kernels.cpp's pass table (PassField): pointers, then counts
+        # a pass's row of cpu_kernels/'s pass table (PassField): pointers, then counts
         rows = [(first.slot_mapping.ctypes.data, first.block_tables.ctypes.data, first.seq_lens.ctypes.data,
                  first.query_start_loc.ctypes.data, cos.data_ptr(), sin.data_ptr(), 0, first.num_seqs, tokens,
                  first.block_tables.shape[1], DECODE_SPLIT_LEN)]
@@ -150,7 +152,7 @@ class CpuDecodePath:
                 start += n
         table = np.array(rows, dtype=np.int64)
         if table.shape[1] != self.kernels.PASS_FIELDS:
-            raise RuntimeError("cpu_kernels.cpp's pass table has other columns than cpu_decode.py fills")
+            raise RuntimeError("cpu_kernels/'s pass table has other columns than cpu_decode.py fills")
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
         cache_table, kv_format = caches
         self.kernels.greedy_passes(
@@ -169,7 +171,7 @@ class CpuDecodePath:
 
 
 def vocabulary_operands(model, qmatmul) -> tuple | None:
-    """greedy_passes' operands for the model's embedding, final norm and lm_head: qmatmul.cpp's
+    """greedy_passes' operands for the model's embedding, final norm and lm_head: hearth/quant/kernels'
     dequantize_rows, the embedding table (pointer, bytes per row, qtype), the norm's weight, and
     lm_head's int8_matmul operands (weight, terms or 0, qtype, rows). None where the kernel cannot
     run them: a dense embedding or one in a format dequantize_rows does not read, an lm_head off the
@@ -178,7 +180,7 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
     embedding, config = model.embed_tokens, model.config
     head = kernel_weight(model.lm_head)
     if (not isinstance(embedding, QuantEmbedding) or not embedding.qweight.is_cpu
-            or embedding.qtype not in (*INT8_QTYPES, *HALF_QTYPES.values()) or head is None
+            or embedding.qtype not in (*INT8_QTYPES, *HALF_DTYPES) or head is None
             or model.lm_head.out_features > embedding.num_embeddings
             or config.embedding_scale != 1.0 or config.final_logit_softcapping is not None):
         return None
@@ -198,17 +200,13 @@ def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
 
 
 def kernel_weight(module) -> tuple[int, int] | None:
-    """int8_matmul's weight operands for `module` (weight or packed codes pointer, packed terms pointer or 0), or
-    None where the kernel cannot run it (not a QuantLinear on the CPU kernels, or with a bias)."""
-    if not isinstance(module, QuantLinear) or module.bias is not None:
+    """The matmul kernels' weight operands for `module` (weight or packed codes pointer, packed terms
+    pointer or 0), or None where the kernels cannot run it (not an Int8Linear or a HalfLinear, or with a bias)."""
+    if not isinstance(module, (Int8Linear, HalfLinear)) or module.bias is not None:
         return None
-    if module._int8_weight is not None:
-        return module._int8_weight
-    if module._half_kernel is not None and module.qweight.is_cpu:
-        return module.qweight.data_ptr(), 0
-    return None
+    return module.kernel_weight
 
 
 def on_int8_kernel(module) -> bool:
-    """A QuantLinear on the int8 kernel (a block format, not F16/BF16), without bias."""
-    return kernel_weight(module) is not None and module._int8_weight is not None
+    """An Int8Linear (a block format, not F16/BF16), without bias."""
+    return isinstance(module, Int8Linear) and module.bias is None

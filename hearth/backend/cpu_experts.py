@@ -4,8 +4,8 @@ SparseMoE (hearth/model/layers.py) groups a step's (token, choice) pairs by expe
 expert, a decode step at batch 1 makes 16 matmul calls per layer (Qwen3-30B-A3B: 8 experts, gate/up
 and down) on weights of 1.5-3 MB, each with its Python call and, with several threads, its fork
 and join. Where every expert's gate/up and down projections are each one
-QuantLinear on the int8 kernel (any GGUF block format, in place or packed; hearth/quant/linear.py),
-`GroupedExperts` runs the gate/up projections of all chosen experts in one call of qmatmul.cpp's
+Int8Linear (any GGUF block format, in place or packed; hearth/backend/cpu_linear.py),
+`GroupedExperts` runs the gate/up projections of all chosen experts in one call of hearth/quant/kernels'
 `grouped_int8_matmul`, the activation over all rows at once, and the down projections in a second
 call: the threads share out the chosen experts' weights end to end. Each expert's weights are still
 read once per step, for all the rows that chose it.
@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from hearth.backend.cpu_decode import on_int8_kernel
+from hearth.backend.cpu_linear import Int8Linear
 from hearth.quant import kernels as quant_kernels
-from hearth.quant.linear import QuantLinear
 
 
-def expert_table(projections: list[QuantLinear]) -> torch.Tensor:
+def expert_table(projections: list[Int8Linear]) -> torch.Tensor:
     """int64 [E, 3]: each expert's weight pointer, packed scales pointer or 0, qtype
     (grouped_int8_matmul's table; pointers fixed until the tensors move)."""
-    return torch.tensor([[*p._int8_weight, p._qtype] for p in projections], dtype=torch.int64)
+    return torch.tensor([[*p.kernel_weight, int(p.qtype)] for p in projections], dtype=torch.int64)
 
 
 class GroupedExperts:
@@ -32,7 +32,7 @@ class GroupedExperts:
 
     def __init__(self, experts: nn.ModuleList, kernel):
         first = experts[0]
-        self.kernel = kernel  # qmatmul.cpp's grouped_int8_matmul
+        self.kernel = kernel  # hearth/quant/kernels' grouped_int8_matmul
         self.ops, self.activation = first.ops, first.activation
         self.hidden, self.inter = first.down_proj.out_features, first.down_proj.in_features
         self.gate_up = expert_table([e.gate_up_proj.parts[0] for e in experts])  # [E, 3]
@@ -41,7 +41,7 @@ class GroupedExperts:
     @classmethod
     def bind(cls, experts: nn.ModuleList) -> GroupedExperts | None:
         """The grouped path for these experts (GatedMLPs), or None where it does not apply: each
-        projection must be one QuantLinear on the int8 kernel, without bias, all of one shape."""
+        projection must be one Int8Linear, without bias, all of one shape."""
         qmatmul = quant_kernels.extension()
         if qmatmul is None:
             return None

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
+from hearth.backend.gpu_linear import TritonQuantLinear
 from hearth.triton_kernels import activation, attention, norm, rope
 
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
@@ -122,11 +123,9 @@ class GpuBackend(Backend):
 
     # ---- weights -----------------------------------------------------------------------
 
-    def quantized_module(self, module, weight, bias, dtype) -> nn.Module | None:
+    def stored_module(self, module, weight, dtype) -> nn.Module | None:
         """GGUF matrices in Q8_0, Q4_0, Q4_K, Q5_K, Q6_K stay in their blocks on the device, multiplied
-        by Triton kernels; other GGUF types take the tile-by-tile torch path; F16/BF16 become dense."""
-        from hearth.quant.linear import TritonQuantLinear
-
-        if TritonQuantLinear.supports(module, weight):
-            return TritonQuantLinear(weight, None if bias is None else bias.to(dtype), self.device)
-        return super().quantized_module(module, weight, bias, dtype)
+        by Triton kernels; other GGUF types take the reference's tile-by-tile torch path; F16/BF16 become dense."""
+        if not isinstance(module, nn.Embedding) and TritonQuantLinear.supports(weight):
+            return TritonQuantLinear(weight, module.bias, self.device)
+        return super().stored_module(module, weight, dtype)

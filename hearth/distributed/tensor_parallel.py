@@ -1,14 +1,24 @@
 """Tensor parallelism: one model split over N processes by attention heads and MLP columns.
 
 A transform of the loaded model, not a branch inside it. Each rank builds the same decoder from a
-config with its share of the heads and of the MLP's width, and loads its slice of every weight:
-q/k/v and gate/up by rows (column-parallel: each rank computes its own heads and columns), o_proj
-and down_proj by columns (row-parallel: each rank's product is a partial sum, added up across
-ranks by an all-reduce, which RowParallel inserts after those two modules). The embedding table
-and the output layer are split by vocabulary rows (VocabParallelEmbedding, VocabParallelHead);
-norms are whole on every rank. With fewer KV heads than ranks, each KV head is held by the ranks
-whose query heads read it. Quantized GGUF weights are split on block boundaries (by rows: whole
-blocks).
+config with its share of the heads and of the MLP's width, and loads its slice of every weight, all
+by rows (whole GGUF blocks): q/k/v and gate/up (column-parallel: each rank computes its own heads
+and columns), and o_proj and down_proj too (GatheredColumns: the ranks' inputs, their heads' and
+columns' outputs, gathered whole on every rank, each rank computes its share of the hidden
+columns over the whole input, and those are gathered). The embedding table and the output layer
+are split by vocabulary rows (VocabParallelEmbedding, VocabParallelHead); norms are whole on every
+rank. With fewer KV heads than ranks, each KV head is held by the ranks whose query heads read it.
+
+Why o_proj and down_proj are not row-parallel (each rank a partial sum over its share of the
+input, added up by an all-reduce, as Megatron does): that sum adds the same products in another
+order than one process does, so the results differ in their last bits; where the next matmul
+rounds its activations to int8 (GGUF weights on the cpu backend, as llama.cpp) such a difference
+now and then moves a value across a rounding boundary, a whole int8 step, and the logits drift by
+the quantization's own error (SmolLM2 Q4_1 over 3 ranks: prompt log-probabilities 0.068 nats apart
+on average, 2 of 4 greedy continuations parting at near ties). Every output computed over the whole
+input by the same kernel as in one process is the same number: tensor-parallel ranks give one
+process's logits bit for bit (the kernels' sums do not depend on the rows or threads beside
+them), at the cost of two all-gathers where the all-reduce was one.
 
 Rank 0 is the engine's own process; ranks 1..N-1 are worker processes (hearth/engine/workers.py)
 that load their slice and wait. Before each forward pass rank 0 broadcasts the step (its host
@@ -29,13 +39,14 @@ from torch import nn
 
 from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
-from hearth.distributed.collectives import announce, announce_pass, gather_to_first
+from hearth.distributed.collectives import _through_host, announce, announce_pass, gather_to_first
 from hearth.errors import ModelLoadError
+from hearth.model.layers import Linear
 from hearth.model.transformer import vocabulary_modules
 from hearth.quant import QuantTensor
 
 COLUMN_PARALLEL = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-ROW_PARALLEL = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+GATHERED = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")  # rows of the hidden size
 VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # split by rows (tokens)
 
 
@@ -78,36 +89,46 @@ class TensorShard:
                                "self_attn.k_proj": (kv_first, kv_rows),
                                "self_attn.v_proj": (kv_first, kv_rows)}.get(part, (self.rank * mlp_rows, mlp_rows))
                 sliced[name] = _rows(tensor, start, size)
-            elif match := ROW_PARALLEL.search(name):
-                if match.group(2) == "bias":  # added once, after the sum: rank 0 keeps it
-                    sliced[name] = tensor if self.rank == 0 else torch.zeros(tuple(tensor.shape))
-                else:
-                    width = tensor.shape[1] // self.world_size
-                    sliced[name] = _columns(tensor, self.rank * width, width, name)
+            elif GATHERED.search(name):
+                hidden = self.share(config.hidden_size)
+                sliced[name] = _rows(tensor, hidden.start, len(hidden))
             else:
                 sliced[name] = tensor
         return sliced
 
     def vocabulary(self, vocab_size: int) -> range:
-        """The tokens of this rank's rows of the embedding table and the output layer. The ranks'
-        shares differ by at most one row (the first ranks hold the fewer), none empty."""
+        """The tokens of this rank's rows of the embedding table and the output layer."""
         if vocab_size < self.world_size:
             raise ModelLoadError(f"vocab_size = {vocab_size} does not split over {self.world_size} ranks")
-        return range(self.rank * vocab_size // self.world_size, (self.rank + 1) * vocab_size // self.world_size)
+        return self.share(vocab_size)
+
+    def share(self, rows: int) -> range:
+        """This rank's part of `rows` rows: the ranks' shares differ by at most one row (the first
+        ranks hold the fewer)."""
+        return range(self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size)
 
     def select(self, model: nn.Module) -> None:
         """Every module stays, each to hold a slice (taken by `weights`): the embedding table and
-        the output layer, of this rank's tokens only."""
+        the output layer, of this rank's tokens only; o_proj and down_proj, of this rank's hidden
+        columns over the whole input (every rank's heads, the MLP's whole width)."""
+        config, world = model.config, self.world_size
+        hidden = len(self.share(config.hidden_size))
         with torch.device("meta"):
-            model.embed_tokens, model.lm_head = vocabulary_modules(len(self.vocabulary(model.config.vocab_size)),
-                                                                   model.config.hidden_size)
+            model.embed_tokens, model.lm_head = vocabulary_modules(len(self.vocabulary(config.vocab_size)),
+                                                                   config.hidden_size)
+            for layer in model.layers:
+                o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+                layer.self_attn.o_proj = Linear(world * o_proj.weight.shape[1], hidden, o_proj.bias is not None)
+                layer.mlp.down_proj = Linear(world * down_proj.weight.shape[1], hidden, down_proj.bias is not None)
 
     def wrap(self, model: nn.Module) -> None:
-        """Add the all-reduce after each row-parallel module and the embedding, the gather after the
-        output layer; on rank 0, the announcement of the rows logits are computed for."""
+        """Add the gathers around o_proj and down_proj, the all-reduce after the embedding, the
+        gather after the output layer; on rank 0, the announcement of the rows logits are computed for."""
+        hidden_shares = [TensorShard(r, self.world_size).share(model.config.hidden_size)
+                         for r in range(self.world_size)]
         for layer in model.layers:
-            layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj)
-            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
+            layer.self_attn.o_proj = GatheredColumns(layer.self_attn.o_proj, hidden_shares)
+            layer.mlp.down_proj = GatheredColumns(layer.mlp.down_proj, hidden_shares)
         vocab_size = model.config.vocab_size
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self.vocabulary(vocab_size))
         model.lm_head = VocabParallelHead(model.lm_head, [TensorShard(r, self.world_size).vocabulary(vocab_size)
@@ -138,17 +159,17 @@ class TensorShard:
         model.lm_head(hidden)
 
 
-class RowParallel(nn.Module):
-    """A row-parallel projection: this rank's partial product, summed over all ranks."""
+class GatheredColumns(nn.Module):
+    """A projection of the ranks' inputs side by side (each rank's heads or MLP columns, in rank
+    order: the whole input of one process), each rank computing its share of the output columns;
+    every rank gets the whole output."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, shares: list[range]) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.shares = inner, shares
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
-        dist.all_reduce(y)
-        return y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, this rank's inputs] -> [T, hidden]
+        return _gather_columns(self.inner(_gather_columns(x, None)), self.shares)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -183,21 +204,25 @@ class VocabParallelHead(nn.Module):
 
 
 def _rows(tensor, start: int, size: int):
+    """Rows start..start+size-1 of a weight (a view: a QuantTensor's rows are whole blocks)."""
     if isinstance(tensor, QuantTensor):
-        return tensor.rows(torch.arange(start, start + size))
+        return QuantTensor(tensor.matrix()[start : start + size], tensor.qtype, (size, tensor.shape[1]))
     return tensor[start : start + size]
 
 
-def _columns(tensor, start: int, size: int, name: str):
-    if not isinstance(tensor, QuantTensor):
-        return tensor[:, start : start + size]
-    block = tensor.block_size
-    if start % block or size % block:
-        raise ModelLoadError(f"{name}: {tensor.shape[1]} columns in blocks of {block} do not split over the ranks "
-                             "on block boundaries")
-    rows, bytes_per_block = tensor.shape[0], tensor.data.shape[1] * block // tensor.shape[1]
-    blocks = tensor.data.reshape(rows, -1, bytes_per_block)[:, start // block : (start + size) // block]
-    return QuantTensor(blocks.reshape(rows, -1).contiguous(), tensor.qtype, (rows, size))
+def _gather_columns(x: torch.Tensor, shares: list[range] | None) -> torch.Tensor:
+    """Every rank's x [T, its columns] side by side in rank order, on every rank. shares: each
+    rank's columns where they may differ in number (then padded to the widest for the gather);
+    None where every rank has as many."""
+    width = x.shape[1] if shares is None else max(len(share) for share in shares)
+    part = nn.functional.pad(x, (0, width - x.shape[1])).contiguous()
+    host = _through_host(part.device)  # gloo gathers host tensors only
+    part = part.cpu() if host else part
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part)
+    if shares is not None:
+        parts = [p[:, : len(share)] for p, share in zip(parts, shares)]
+    return torch.cat(parts, dim=1).to(x.device)
 
 
 # ---- rank 0's announcements ---------------------------------------------------------------

@@ -70,6 +70,7 @@ def load_model(
     if shard is not None:
         shard.select(model)
     model.load_weights(weights, dtype)
+    backend.prepare(model, dtype)  # weights kept in their storage format: the backend's modules
     if shard is not None:
         shard.wrap(model)
     model.to(device)

@@ -21,9 +21,8 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors
-from hearth.quant import QuantTensor
-from hearth.quant.kernels.memory import release_pages
-from hearth.quant.linear import release_file_pages
+from hearth.quant.kernels.memory import release_mappings, release_pages
+from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
 
 
 class Attention(nn.Module):
@@ -194,15 +193,18 @@ class Transformer(nn.Module):
         return names
 
     def load_weights(self, weights: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
-        """Take every parameter from `weights` (HF names), checking presence and shape. Weights
-        kept in their storage format (GGUF blocks; F16/BF16 on a CPU) swap their Linear or
-        Embedding for the quantized module the backend chooses. A MergedLinear's parts
-        are concatenated (one module at a time, so that only one merged copy exists at once)."""
+        """Take every parameter from `weights` (HF names), checking presence and shape. A Linear's or
+        an Embedding's weight stored as GGUF blocks or as an F16/BF16 matrix stays as stored, a
+        QuantTensor, until the backend's `prepare(model, dtype)` gives it the backend's module; every
+        other tensor becomes a dense Parameter of `dtype`. A MergedLinear's parts are laid out in one
+        buffer (one module at a time, so that only one merged copy exists at once)."""
         weights = dict(weights)
         if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied embeddings
         used = self._load_rope_factors(weights)
-        release_file_pages(weights.values())
+        # before the merged copies (and the backend's repacking): drop the pages of the file's mapping
+        # that loading touched (reordered Q/K rows were copied out of it), so that resident memory never holds both
+        release_mappings([w.data for w in weights.values() if isinstance(w, QuantTensor)])
         merged = self._plan_merges(weights)
 
         def source(hf_name: str) -> torch.Tensor | QuantTensor | None:
@@ -225,14 +227,7 @@ class Transformer(nn.Module):
                 if found[attr] is None:
                     raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
                 _check_shape(f"{hf_name}.{attr}", found[attr], param.shape)
-            if isinstance(module, (Linear, nn.Embedding)):
-                swapped = self.backend.quantized_module(module, found["weight"], found.get("bias"), dtype)
-                if swapped is not None:
-                    parent, _, child = name.rpartition(".")
-                    setattr(self.get_submodule(parent), child, swapped)
-                    continue
-            for attr, tensor in found.items():
-                setattr(module, attr, nn.Parameter(_dense(tensor, dtype), requires_grad=False))
+            _take(module, found, dtype)
         unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name))
         if unused:  # parts of the checkpoint hearth's model has no place for: refused, never dropped
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -307,18 +302,33 @@ def _storage_format(weight: torch.Tensor | QuantTensor) -> tuple:
 
 
 def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor:
-    """Weights of one storage format stacked by rows (a QuantTensor's rows are whole blocks).
-    The parts' file pages are given back: the concatenation holds the data now."""
+    """Weights of one storage format stacked by rows (a QuantTensor's rows are whole blocks), each
+    written once into one buffer. The parts' file pages are given back: the buffer holds the data now."""
     if len(parts) == 1:
         return parts[0]
     if isinstance(parts[0], QuantTensor):
-        data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
+        data = stack_rows([p.matrix() for p in parts])
         joined = QuantTensor(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
     else:
-        joined = torch.cat(parts)
+        joined = stack_rows(parts)
     for part in parts:
         release_pages(part.data if isinstance(part, QuantTensor) else part)
     return joined
+
+
+def _take(module: nn.Module, found: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype) -> None:
+    """Put a module's tensors in: dense Parameters of `dtype`, but a Linear's or an Embedding's weight
+    that is stored as GGUF blocks or an F16/BF16 matrix stays as stored (a QuantTensor, no copy)."""
+    for attr, tensor in found.items():
+        if attr == "weight" and isinstance(module, (Linear, nn.Embedding)) and _is_stored(tensor):
+            del module.weight  # the Parameter: the backend's `prepare` swaps the module
+            module.weight = tensor if isinstance(tensor, QuantTensor) else QuantTensor.of_half(tensor)
+        else:
+            setattr(module, attr, nn.Parameter(_dense(tensor, dtype), requires_grad=False))
+
+
+def _is_stored(weight: torch.Tensor | QuantTensor) -> bool:
+    return isinstance(weight, QuantTensor) or (weight.dim() == 2 and weight.dtype in HALF_QTYPES)
 
 
 def _check_shape(hf_name: str, source: torch.Tensor | QuantTensor, expected: tuple[int, ...]) -> None:

@@ -45,7 +45,7 @@
 // would run a dozen ops per layer.
 //
 // A KV cache is float32, float16 (llama.cpp's default: half the bytes a step's attention reads) or
-// q8_0 (hearth/backend/kv_quant.py), its KVFormat passed with its pointers. q8_0 is int8 codes
+// q8_0 (hearth/kv_format.py), its KVFormat passed with its pointers. q8_0 is int8 codes
 // [slots, KH, D] and float16 scales [slots, KH, D/32]: rope_and_store_kv quantizes each head row
 // as it writes it (llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, codes round(x / d) half
 // away from zero; float16: rounded to nearest even, as torch's cast), decode_attention widens each

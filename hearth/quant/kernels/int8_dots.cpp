@@ -175,10 +175,10 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
 
 }  // namespace
 
-// The one entry for int8-activation matmuls (QuantLinear, hearth/backend/cpu_kernels' decode_layers):
+// The one entry for int8-activation matmuls (Int8Linear, hearth/backend/cpu_kernels' decode_layers):
 // `terms` non-zero: `w` is packed tiles' codes and `terms` their terms (packed_matmul, VNNI
 // builds); zero: `w` is the GGUF blocks as stored (int8_matmul_blocks). F16 / BF16 arrays
-// (decode_layers' projections in those formats; QuantLinear calls half_matmul itself):
+// (decode_layers' projections in those formats; HalfLinear calls half_matmul itself):
 // half_matmul, fp32 activations unrounded.
 void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
                  int path, int threads) {

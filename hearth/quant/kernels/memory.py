@@ -1,7 +1,7 @@
 """Give a memory-mapped weight's pages back once its contents live elsewhere (repacked).
 
 A page of a file mapping that the process has read counts in its resident memory until the
-mapping goes away, though the data is safe in the page cache. After QuantLinear repacks a
+mapping goes away, though the data is safe in the page cache. After the cpu backend's Int8Linear repacks a
 weight, `release_pages` drops those pages from this process with madvise(MADV_DONTNEED): the
 mapping stays valid (a later read faults the page back in from the cache), and resident memory
 holds the packed copy alone. Only file-backed, read-only mappings are touched: on anonymous

@@ -1,0 +1,133 @@
+"""The cpu backend's matmul modules: weights kept in their storage format, multiplied by hearth/quant/kernels' C++ kernels.
+
+`CpuBackend.prepare` gives each Linear whose weight loading left in its storage format the module
+for that format, its kernel and weight pointers bound once (docs/quantized-matmul.md has the
+measurements behind each choice):
+
+- every GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, TQ2_0; TQ1_0 rewritten to TQ2_0
+  at load): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
+  against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
+  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 is instead
+  repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
+  stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding
+  per call at any batch size; the file's pages are then released from this process (they stay in
+  the page cache).
+- F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
+  weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
+  tiles converted to fp32 and torch's fp32 GEMM.
+- anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
+
+The cpu backend computes in float32: these modules take x float32 [M, K] (what the model's layers
+pass) and return float32 [M, N].
+
+Error of the int8-activation kernels: |y - ref| <= sum over activation blocks b of
+(amax_b / 254) sum_b |w| (each activation is off by at most half its block's step amax_b / 127),
+plus fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from hearth.backend.stored import BoundWeights, DequantLinear
+from hearth.quant import kernels
+from hearth.quant.formats import tq1_0_to_tq2_0
+from hearth.quant.kernels.memory import release_pages
+from hearth.quant.tensor import HALF_DTYPES, QuantTensor, dequantize_rows
+
+Q = GGMLQuantizationType
+# multiplied by `int8_matmul` (activations as llama.cpp's q8_K / q8_0)
+INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0)
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 is read in place)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q != Q.TQ2_0)
+
+# Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
+# (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
+# spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
+# docs/quantized-matmul.md).
+HALF_MAX_ROWS = 128
+
+
+def cpu_linear(weight: QuantTensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """The module that multiplies by `weight` as stored (see the module's docstring)."""
+    ext = kernels.extension()
+    if ext is not None and weight.qtype in HALF_DTYPES:
+        return HalfLinear(weight, bias, ext)
+    if ext is not None and weight.qtype in (*INT8_QTYPES, Q.TQ1_0):
+        return Int8Linear(weight, bias, ext)
+    return DequantLinear(weight, bias)
+
+
+class Int8Linear(BoundWeights):
+    """y = x W^T (+ b), W GGUF blocks: `qweight` (uint8 [out_features, bytes_per_row], the blocks as
+    stored) or, for PACKED_QTYPES with AVX-512 VNNI, `codes` and `terms` (the packed tiles); either
+    way `int8_matmul`, called straight from forward with `kernel_weight`, the weight's pointers
+    (blocks or packed codes; packed terms or 0) bound once (BoundWeights): at batch 1 a call's
+    Python overhead is a visible share of its time."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, ext: kernels.Kernels):
+        super().__init__()
+        data, self.qtype = weight.matrix(), weight.qtype
+        self.out_features, self.in_features = weight.shape
+        if self.qtype == Q.TQ1_0:  # the same trits two bits apiece: read by the int8 kernel with no base-3 decoding
+            data, self.qtype = tq1_0_to_tq2_0(data, weight.shape), Q.TQ2_0
+        ext._check(torch.empty(0, self.in_features), data, self.qtype, self.out_features)
+        self._kernel, self._qtype, self._ext = ext.module.int8_matmul, int(self.qtype), ext
+        if self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
+            codes, terms = ext.repack(data, self.qtype, self.out_features, self.in_features)
+            release_pages(data)
+            self.qweight = None
+            self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, codes of 32 rows]
+            self.register_buffer("terms", terms, persistent=False)  # uint8 [tiles, their scales]
+        else:
+            self.codes = self.terms = None
+            self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self._bind()
+
+    def _bind(self) -> None:
+        weight = self.qweight if self.codes is None else self.codes
+        self.kernel_weight = (weight.data_ptr(), 0 if self.terms is None else self.terms.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        self._kernel(x.data_ptr(), *self.kernel_weight, y.data_ptr(), x.shape[0], self.out_features,
+                     self.in_features, self._qtype, 0, torch.get_num_threads())  # path 0: the fastest
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""
+        if self.codes is None:
+            return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
+        rows = self._ext.dequantize_packed(self.codes, self.terms, self.qtype, self.in_features)
+        return rows[: self.out_features].to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
+                f"packed={self.codes is not None}, bias={self.bias is not None}")
+
+
+class HalfLinear(BoundWeights, DequantLinear):
+    """y = x W^T (+ b), W an F16/BF16 matrix as stored (`qweight`, its bytes): `half_matmul` for a
+    decode step's few rows, the reference's fp32 tiles and torch's GEMM for more (HALF_MAX_ROWS)."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, ext: kernels.Kernels):
+        super().__init__(weight, bias)
+        self._kernel, self._qtype = ext.module.half_matmul, int(self.qtype)
+        self._bind()
+
+    def _bind(self) -> None:
+        self.kernel_weight = (self.qweight.data_ptr(), 0)  # as Int8Linear's: the weight's pointer, no packed terms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
+        if x.shape[0] > HALF_MAX_ROWS:  # a prefill chunk: the conversion spread over its rows
+            return super().forward(x)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        self._kernel(x.data_ptr(), self.kernel_weight[0], y.data_ptr(), x.shape[0], self.out_features,
+                     self.in_features, self.qweight.shape[1], self._qtype, False, False, torch.get_num_threads())
+        return y if self.bias is None else y.add_(self.bias)

@@ -1,0 +1,49 @@
+"""The reference backend on a real quantized model: SmolLM2-135M-Instruct's Q4_1 GGUF
+(../shared/data/models/smollm2-135m-instruct) against transformers, which reads the same file and
+dequantizes every weight to float32 (gguf's dequantizer): dequantize-then-matmul, no activation
+rounded, gives its logits within 1e-4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.backend import choose_backend
+from hearth.backend.cpu_linear import HalfLinear, Int8Linear
+from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.loading.loader import load_model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "smollm2-135m-instruct"
+GGUF = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"reference data not found: {DATA}")
+
+
+def transformers_model(path: Path):
+    """transformers' llama with the GGUF's weights as transformers dequantizes them (its own GGUF
+    reader, Q/K rows un-permuted as it does; from_pretrained(gguf_file=) would do the same but needs accelerate)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"],
+                          strict=False)
+    model.tie_weights()  # the file has no output tensor: lm_head is token_embd
+    return model
+
+
+def test_reference_backend_equals_transformers_fp32_logits():
+    ids = json.loads((DATA / "llamacpp_reference.json").read_text())["teacher_forced"][0]["ids"][:64]
+    with torch.no_grad():
+        want = transformers_model(GGUF)(torch.tensor([ids])).logits[0]
+    model = load_model(GGUF, progress=False, backend=choose_backend(torch.device("cpu"), torch.float32,
+                                                                      "reference")).model
+    assert not any(isinstance(m, (Int8Linear, HalfLinear)) for m in model.modules())  # no activation rounded
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32)
+    hidden, _ = runner.forward([BatchEntry(ids, 0, [0, 1, 2, 3])])
+    ours = model.compute_logits(hidden)
+    assert (ours - want).abs().max().item() <= 1e-4 * want.abs().max().item()
