@@ -28,6 +28,7 @@ import torch
 from hearth import SamplingParams, StructuredOutputsParams
 from hearth.config import EngineConfig
 from hearth.engine.engine import LLMEngine
+from hearth.engine.sampler import GrammarBitmask
 
 SCHEMA = {"type": "array", "minItems": 100, "items": {
     "type": "object",
@@ -64,7 +65,7 @@ def compile_times(engine: LLMEngine, count: int) -> tuple[list[float], list[floa
         grammar = engine.grammars.compile(StructuredOutputsParams(json=schema))
         compiles.append(time.perf_counter() - start)
         start = time.perf_counter()
-        engine.grammars.start_masks([engine.grammars.matcher(grammar)]).result()
+        engine.grammars.start_masks([engine.grammars.matcher(grammar)], new_bitmask=GrammarBitmask).result()
         first_masks.append(time.perf_counter() - start)
     return compiles, first_masks
 

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hearth.bench import models as bench_models
-from hearth.bench.roofline import Machine, WeightBytes, file_weight_bytes, model_weight_bytes, roofline_row, step_cost
+from hearth.bench.roofline import Machine, file_weight_bytes, model_weight_bytes, roofline_row, step_cost
 from hearth.bench.serve import (RequestResult, parse_goodput, percentile, poisson_arrivals, run_serve, summarize)
 from hearth.cli import main
 from hearth.config import ModelConfig

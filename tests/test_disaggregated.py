@@ -100,6 +100,7 @@ def test_imported_blocks_are_found_by_their_tokens():
     assert manager.check_all_free()
 
 
+@pytest.mark.slow
 def test_hearth_serve_disaggregate_starts_a_prefill_and_a_decode_worker():
     """The real command on the built-in GGUF: one prefill and one decode worker behind the router;
     a greedy completion equals one engine's, its prompt's KV went through the transfer."""
@@ -134,6 +135,7 @@ def ray_cluster():
 PROMPTS_RAY = [f"# step {i}\n" + "def fibonacci(n):\n    " * (2 + i % 3) for i in range(16)]
 
 
+@pytest.mark.slow
 def test_hearth_serve_ray_disaggregate_moves_the_kv_through_the_object_store(ray_cluster):
     """--ray --disaggregate, joining a local Ray cluster: one request alone, then 16 at once, give
     one engine's greedy text; the decode worker received every prompt's full blocks' KV through

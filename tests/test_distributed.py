@@ -253,6 +253,7 @@ def builtin_greedy() -> list[str]:
     return [o.outputs[0].text for o in LLM("builtin", progress=False).generate(PROMPTS_GGUF, params)]
 
 
+@pytest.mark.slow
 def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run(builtin_greedy):
     """The real command on the built-in GGUF: outputs equal one engine's; a replica killed while
     requests run: those not yet streaming complete on the other; the endpoint stays healthy; the
@@ -269,6 +270,7 @@ def test_hearth_serve_data_parallel_survives_a_replica_killed_mid_run(builtin_gr
     assert_gone([pids[1], restarted["pid"]])  # no replica outlives the router
 
 
+@pytest.mark.slow
 def test_hearth_serve_ray_restarts_a_killed_actor(builtin_greedy):
     """--ray on a local Ray instance: the same outputs; the actor process of a replica killed
     mid-run: Ray restarts it, its replica process goes with it, the requests complete elsewhere."""

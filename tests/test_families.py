@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hearth import LLM, SamplingParams
+from hearth import LLM
 from hearth.backend.base import Backend
 from hearth.backend.cpu import CpuBackend, cpu_kernels
 from hearth.errors import ModelLoadError

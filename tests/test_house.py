@@ -4,7 +4,8 @@ function or file grows past what a reader takes in at once.
 The layers are LAYERS below, top to bottom; docs/architecture.md ("Layers") shows the same table,
 and test_the_docs_show_the_layer_table holds the two together. A module may import its own layer
 and the layers below it; an import under `if TYPE_CHECKING:` (annotations only, never run) is
-exempt. Imports inside functions count: they run too, only later.
+exempt. Imports inside functions count: they run too, only later. In hearth/engine/ only the
+runners and the sampler build tensors (TENSOR_MODULES): the rest is bookkeeping.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("hearth.errors", "hearth.kv_format", "hearth.outputs", "hearth.native", "hearth.tool_calls",
                 "hearth.chat_template", "hearth.tokenizer_gguf", "hearth.default_model", "hearth.options")),
 ]
+# the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
+TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.sampler")
+TENSOR_BUILDERS = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "empty", "zeros", "ones", "full",
+                   "arange", "linspace", "eye", "rand", "randn", "randint", "randperm", "stack", "cat", "concat",
+                   "concatenate", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 600
 SOURCE_DIRS = ("hearth", "benchmarks", "recipes", "tests")
@@ -183,6 +189,17 @@ def test_no_import_cycles():
         steps = [_where(m, cycle[(i + 1) % len(cycle)], graph) for i, m in enumerate(cycle)]
         cycles.append(f"{' <-> '.join(sorted(component))}, e.g.:\n  " + "\n  ".join(steps))
     assert cycles == [], "modules that import each other:\n" + "\n".join(cycles)
+
+
+def test_in_the_engine_only_the_runners_and_the_sampler_build_tensors():
+    built = []
+    for module, path in MODULES.items():
+        if module.split(".")[:2] == ["hearth", "engine"] and module not in TENSOR_MODULES:
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in TENSOR_BUILDERS and ast.unparse(node.func.value) == "torch"):
+                    built.append(f"{path.relative_to(ROOT)}:{node.lineno} calls {ast.unparse(node.func)}")
+    assert built == [], "tensors built in hearth/engine/ outside " + ", ".join(TENSOR_MODULES) + ":\n" + "\n".join(built)
 
 
 def _documented_layers() -> list[tuple[str, tuple[str, ...]]]:

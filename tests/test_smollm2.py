@@ -88,6 +88,7 @@ def repeat_prompt(tokenizer, first: int, lines: int) -> str:
         [{"role": "user", "content": f"Repeat this Python code exactly:\n\n```python\n{code}\n```"}], True)
 
 
+@pytest.mark.slow
 def test_greedy_speculation_keeps_plain_decodings_tokens():
     """Asked to repeat a code block, SmolLM2 copies most of it: prompt lookup (every guess it finds)
     and lookahead verify 1 to 9 rows a step. Their greedy tokens are plain decoding's, token for
@@ -104,6 +105,7 @@ def test_greedy_speculation_keeps_plain_decodings_tokens():
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected, options
 
 
+@pytest.mark.slow
 def test_greedy_speculation_in_a_batch_keeps_plain_decodings_tokens():
     """Eight requests at once with a small token budget: prompts are cut into chunks while the first
     ones decode and guess. Guesses take only the budget the chunks leave, so the chunks, and the

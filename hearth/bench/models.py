@@ -16,9 +16,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hearth.errors import HearthError
+
+if TYPE_CHECKING:
+    import torch
 
 # torch is imported where it is used: the CLI reads ARCHS to build its parser, and --help imports no torch.
 

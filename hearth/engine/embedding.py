@@ -8,20 +8,23 @@ prompt's keys and values, and borrowing its blocks keeps every backend (CUDA gra
 on the cache it was built for. Pooling is the family's (hidden states after the final norm):
 the last token's for the causal decoders fine-tuned as embedders (Llama, Mistral and Qwen
 ones, e5-mistral, Qwen3-Embedding), the mean over tokens for Gemma (EmbeddingGemma); vectors
-are L2-normalised, as OpenAI's are.
+are L2-normalised, as OpenAI's are. This module batches and borrows; the runner runs the
+batches and pools (ModelRunner.pooled).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import closing
 from typing import TYPE_CHECKING
-
-import torch
 
 from hearth.engine.request import Request
 from hearth.engine.runner import BatchEntry
 from hearth.errors import HearthError, RequestError
 
 if TYPE_CHECKING:
+    import torch
+
     from hearth.engine.engine import LLMEngine
 
 MEAN_POOLED = ("gemma", "gemma2", "gemma3")  # EmbeddingGemma's family; every other decoder: the last token
@@ -35,12 +38,6 @@ def pooling_of(architecture: str) -> str:
     return "mean" if architecture in MEAN_POOLED else "last"
 
 
-def pool(hidden: torch.Tensor, method: str) -> torch.Tensor:
-    """[T, hidden] -> [hidden], float32, unit length."""
-    vector = hidden[-1] if method == "last" else hidden.mean(0, dtype=torch.float32)
-    return torch.nn.functional.normalize(vector.float(), dim=0)
-
-
 def embed(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
     """The prompts' pooled embeddings [N, hidden] on the CPU; batches of up to max_num_batched_tokens tokens."""
     for ids in prompts:
@@ -49,26 +46,32 @@ def embed(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
         if len(ids) > engine.max_model_len:
             raise RequestError(f"an input has {len(ids)} tokens, more than the model's context window "
                                f"of {engine.max_model_len} tokens")
-    method = pooling_of(engine.model_config.architecture)
     budget = max(engine.config.scheduler.max_num_batched_tokens, max(map(len, prompts)))
-    vectors, batch = [], []
+    # closing: a batch's blocks go back even when the runner stops in the middle of it
+    with closing(_batches(engine, prompts, budget)) as batches:
+        return engine.runner.pooled(batches, pooling_of(engine.model_config.architecture))
+
+
+def _batches(engine: LLMEngine, prompts: list[list[int]], budget: int) -> Iterator[list[BatchEntry]]:
+    """The prompts in batches of up to `budget` tokens, each batch's blocks borrowed while the runner
+    runs it (given back when it asks for the next)."""
+    batch = []
     for ids in prompts:
         if batch and sum(map(len, batch)) + len(ids) > budget:
-            vectors += _run(engine, batch, method)
+            yield from _borrowed(engine, batch)
             batch = []
         batch.append(ids)
-    return torch.stack(vectors + _run(engine, batch, method)).cpu()
+    yield from _borrowed(engine, batch)
 
 
-def _run(engine: LLMEngine, batch: list[list[int]], method: str) -> list[torch.Tensor]:
+def _borrowed(engine: LLMEngine, batch: list[list[int]]) -> Iterator[list[BatchEntry]]:
     blocks = engine.block_manager
     borrowed = [Request(f"embed-{i}", ids) for i, ids in enumerate(batch)]
     try:
         for request in borrowed:
             if not blocks.allocate_slots(request, len(request.prompt_token_ids)):
                 raise CacheFull("the KV cache is full with running requests; retry the embedding later")
-        hidden, _ = engine.runner.forward([BatchEntry(r.prompt_token_ids, 0, r.block_table) for r in borrowed])
+        yield [BatchEntry(r.prompt_token_ids, 0, r.block_table) for r in borrowed]
     finally:
         for request in borrowed:
             blocks.free(request)
-    return [pool(rows, method) for rows in hidden.split([len(ids) for ids in batch])]

@@ -19,7 +19,7 @@ states (perplexity, kernels' benchmarks, tests).
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +30,8 @@ from hearth.backend import StepInputs
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine.request import Request
-from hearth.engine.sampler import Guesses, Sampler, SamplerOutput, SamplingBatch, prompt_logprobs, skip_draws
+from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch, prompt_logprobs,
+                                   skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.transformer import Transformer
@@ -185,6 +186,17 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(step.last_rows).to(hidden.device)]
         return self.model.compute_logits(hidden)
 
+    def pooled(self, batches: Iterable[list[BatchEntry]], pooling: str) -> torch.Tensor:
+        """Embeddings (embedding.py): each entry's final hidden states [T, hidden] pooled, its last
+        token's ("last") or their mean ("mean"), L2-normalised; [entries, hidden] float32 on the CPU."""
+        vectors = []
+        for entries in batches:
+            hidden, _ = self.forward(entries)
+            for rows in hidden.split([len(e.token_ids) for e in entries]):
+                vector = rows[-1] if pooling == "last" else rows.mean(0, dtype=torch.float32)
+                vectors.append(torch.nn.functional.normalize(vector.float(), dim=0))
+        return torch.stack(vectors).cpu()
+
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
         slots = self._slots(block_ids)
@@ -227,8 +239,9 @@ class ModelRunner:
             # after drawing its noise: on a CPU the model's threads fill every core until now, and a mask
             # thread beside them only slows them, while the noise draw is serial. (On a GPU the device
             # is still computing when this host code runs.)
-            masks = self.grammars.start_masks([s.matcher for s in constrained],
-                                              [s.request.spec_token_ids for s in constrained]) if constrained else None
+            masks = None if not constrained else self.grammars.start_masks(
+                [s.matcher for s in constrained], [s.request.spec_token_ids for s in constrained],
+                new_bitmask=GrammarBitmask)
             batch, guesses = self._sampling_batch(sampled, masks, amateur_logits)
             out = self.sampler(logits, batch, guesses)
             device_results += [out.sampled_token_ids, out.logprobs]

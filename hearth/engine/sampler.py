@@ -51,6 +51,18 @@ class SamplerOutput:
     accepted: torch.Tensor | None = None  # [G] bool: each guess was kept (None: no guesses)
 
 
+class GrammarBitmask:
+    """A step's grammar masks [R, ceil(V/32)] int32 (bit t of a row set: token t allowed), zeroed here
+    and filled in place on the grammar thread through its address (structured_output.py)."""
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.tensor = torch.zeros((num_rows, (vocab_size + 31) // 32), dtype=torch.int32)
+        self.address, self.row_bytes = self.tensor.data_ptr(), self.tensor.shape[1] * 4
+
+    def repeat_row(self, row: int, end: int) -> None:  # rows row + 1 .. end - 1 become copies of row
+        self.tensor[row + 1 : end] = self.tensor[row]
+
+
 def make_generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
     """The per-request generator the engine keeps for a seeded request (create once, pass every step)."""
     return torch.Generator(device=device or "cpu").manual_seed(seed)

@@ -3,7 +3,7 @@
     compiler = GrammarCompiler(tokenizer, vocab_size)
     grammar = compiler.compile(params.structured_outputs)   # RequestError naming the problem
     matcher = compiler.matcher(grammar)                      # one per sequence
-    pending = compiler.start_masks([matcher, ...])           # the batch's masks, filled off-thread
+    pending = compiler.start_masks([matcher, ...], new_bitmask=GrammarBitmask)  # filled off-thread
     ...                                                      # (the sampler draws its noise meanwhile)
     bitmask = pending.result()                               # [R, ceil(V/32)] int32, bit t: token t allowed
     done = advance(matcher, token_id)                        # True: the grammar is complete
@@ -12,6 +12,9 @@ llguidance (rather than xgrammar) because it has no dependencies (xgrammar pulls
 packages), takes Lark grammars and llama.cpp's GBNF as they are, and computes a mask lazily
 from a token trie (tens of microseconds a token) without a compile step per schema: a
 request's grammar costs about a millisecond before its first token.
+
+The masks' tensor is the sampler's (sampler.GrammarBitmask, handed in by the runner): this module
+keeps the matchers and says which rows they fill, and builds no tensors.
 """
 
 from __future__ import annotations
@@ -21,14 +24,20 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from hearth.errors import RequestError
 from hearth.sampling_params import StructuredOutputsParams
 from hearth.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from hearth.engine.sampler import GrammarBitmask
 
 logger = logging.getLogger("hearth")
 
@@ -117,10 +126,11 @@ class GrammarCompiler:
         """A fresh matcher at the grammar's start (one per sequence)."""
         return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
 
-    def start_masks(self, matchers: list[llguidance.LLMatcher],
-                    guesses: list[list[int]] | None = None) -> Future[torch.Tensor]:
-        """Fill the matchers' next-token masks on a background thread: llguidance releases the
-        GIL, so the engine goes on meanwhile (the sampler draws its noise). With speculative guesses, matcher i
+    def start_masks(self, matchers: list[llguidance.LLMatcher], guesses: list[list[int]] | None = None, *,
+                    new_bitmask: Callable[[int, int], GrammarBitmask]) -> Future[torch.Tensor]:
+        """Fill the matchers' next-token masks, in a new_bitmask(rows, vocab_size), on a background
+        thread: llguidance releases the GIL, so the engine goes on meanwhile (the sampler draws its
+        noise); the future holds the filled bitmask's tensor. With speculative guesses, matcher i
         gets len(guesses[i]) + 1 consecutive rows: the mask at each verified position, as if the
         guesses before it were taken (the matcher is rolled back afterwards). A position after a
         guess the grammar refuses repeats the last mask: that guess is rejected anyway."""
@@ -133,7 +143,7 @@ class GrammarCompiler:
         for g in guesses:
             first_rows.append(first_rows[-1] + len(g) + 1)
         num_rows = first_rows[-1]
-        bitmask = torch.zeros((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        bitmask = new_bitmask(num_rows, self.vocab_size)
 
         def fill() -> torch.Tensor:
             taken = [0] * len(matchers)  # guesses each matcher has consumed
@@ -142,7 +152,7 @@ class GrammarCompiler:
                 if not live:
                     break
                 rows = [(matchers[i], first_rows[i] + depth) for i in live]
-                self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, num_rows)
+                self._executor.unsafe_compute_mask_ptr(rows, bitmask.address, bitmask.row_bytes, num_rows)
                 for i in live:
                     if depth < len(guesses[i]) and matchers[i].try_consume_tokens([guesses[i][depth]]) == 1:
                         taken[i] += 1
@@ -151,8 +161,8 @@ class GrammarCompiler:
                     matcher.rollback(taken[i])
                 last = first_rows[i] + taken[i]
                 if last + 1 < first_rows[i + 1]:  # a refused guess: its later rows repeat its mask
-                    bitmask[last + 1 : first_rows[i + 1]] = bitmask[last]
-            return bitmask
+                    bitmask.repeat_row(last, first_rows[i + 1])
+            return bitmask.tensor
 
         return self._mask_thread.submit(fill)
 
