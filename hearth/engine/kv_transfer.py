@@ -1,4 +1,4 @@
-"""KV handed between engines (hearth/distributed/disaggregated.py): LLMEngine.export_kv and import_kv.
+"""KV handed between engines (hearth/fleet/disaggregated.py): LLMEngine.export_kv and import_kv.
 
 A prefill engine exports the K/V of a prompt's cached full blocks; a decode engine enters them
 into its prefix cache, so that a request with that prompt finds them computed. Functions of the
