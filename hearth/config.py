@@ -294,8 +294,10 @@ class CacheConfig:
     """The paged KV cache (vLLM's CacheConfig)."""
 
     block_size: int = option(16, help="tokens per KV block", cli=False)
-    kv_cache_memory: int | None = option(None, parse=parse_size,
-                                         help="KV cache budget, e.g. 2GiB (default: from free memory)")
+    kv_cache_memory: int | None = option(
+        None, parse=parse_size,
+        help="KV cache budget, e.g. 2GiB (default: max_num_seqs contexts, capped by 80%% of free GPU memory; on a "
+             "CPU by a quarter of free memory, 4 GiB and 4x the weights' bytes)")
     kv_cache_dtype: str = option(
         "auto", choices=["auto", "float16", "q8_0", "fp8", "fp8_e4m3"],
         help="how K and V are stored: auto (the compute dtype), float16 (llama.cpp's default: half a float32 "
