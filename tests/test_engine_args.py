@@ -98,6 +98,17 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]
 
 
+
+def test_replicas_parse_a_private_key_that_starts_with_a_dash():
+    from hearth.fleet.launch import replica_argv
+
+    parser = build_parser()
+    user = ["serve", "builtin", "--max-num-seqs", "3"]
+    args = parser.parse_args(user)
+    args.argv, args.replica_api_key = user, "-dash-first_key"  # token_urlsafe gives one in 64 such keys
+    replica = parser.parse_args(["serve", *replica_argv(args, "127.0.0.1", threads=2)])
+    assert (replica.api_key, replica.port, replica.max_num_seqs, replica.threads) == ("-dash-first_key", 0, 3, 2)
+
 def test_llm_shows_and_names_its_keywords():
     shown = inspect.signature(LLM).parameters
     assert {o.keyword: o.default for o in declared_options(EngineConfig)}.items() <= {

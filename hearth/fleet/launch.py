@@ -17,7 +17,9 @@ def replica_argv(args, host: str, threads: int | None, role: str | None = None) 
     from hearth.engine_args import engine_argv
 
     argv = list(args.argv[1:])  # the user's `serve` arguments, without the subcommand
-    argv += ["--host", host, "--port", "0", "--api-key", args.replica_api_key, "--data-parallel-size", "1",
+    # "--api-key=KEY" in one word: a key that starts with "-" (token_urlsafe makes one in 64) would
+    # otherwise read as an option
+    argv += ["--host", host, "--port", "0", f"--api-key={args.replica_api_key}", "--data-parallel-size", "1",
              "--no-ray", "--no-disaggregate", "--no-access-log"]
     if role is not None:
         argv += ["--role", role]
