@@ -39,7 +39,9 @@ def transformers_model(path: Path):
 def test_reference_backend_equals_transformers_fp32_logits():
     ids = json.loads((DATA / "llamacpp_reference.json").read_text())["teacher_forced"][0]["ids"][:64]
     with torch.no_grad():
-        want = transformers_model(GGUF)(torch.tensor([ids])).logits[0]
+        reference = transformers_model(GGUF)
+        want = reference(torch.tensor([ids])).logits[0]
+        exact = reference.double()(torch.tensor([ids])).logits[0]
     model = load_model(GGUF, progress=False, backend=choose_backend(torch.device("cpu"), torch.float32,
                                                                       "reference")).model
     assert not any(isinstance(m, (Int8Linear, HalfLinear)) for m in model.modules())  # no activation rounded
@@ -47,3 +49,7 @@ def test_reference_backend_equals_transformers_fp32_logits():
     hidden, _ = runner.forward([BatchEntry(ids, 0, [0, 1, 2, 3])])
     ours = model.compute_logits(hidden)
     assert (ours - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    # 1e-4 absolute is below float32's own precision at logits of ~38: transformers' fp32 logits sit
+    # 1.7e-4 from its float64 ones (hearth's 1.5e-4 on the AMD EPYC). The reference backend stays within
+    # that float32 error of float64 (1.5x of it: summation order differs by CPU kind).
+    assert (ours.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max()
