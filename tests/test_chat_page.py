@@ -332,7 +332,7 @@ def test_markdown_highlighting_escaping_reasoning_dark_mode_and_icon(served, bro
     url = served[0]
     hostile = [{"role": "user", "content": EVIL},
                {"role": "assistant", "content": f"{EVIL}\n\n| a |\n|---|\n| {EVIL} |\n\n> {EVIL}\n\n- {EVIL}\n"
-                "[x](javascript:window.pwned=3) [y](https://ok\"onmouseover=\"window.pwned=4)",
+                "[x](javascript:window.pwned=3) [y](https://ok\"onmouseover=\"window.pwned=4)\n\n```html\n" + EVIL + "\n```",
                 "reasoning": f"Thinking about {EVIL}"}]
     browser.load(url + "/")  # the server's origin, whose storage the page reads
     browser.js("localStorage.setItem('hearth.conversations', " + json.dumps(json.dumps(
@@ -352,6 +352,10 @@ def test_markdown_highlighting_escaping_reasoning_dark_mode_and_icon(served, bro
     assert EVIL in browser.js("document.querySelector('.message.user .body').textContent")
     assert browser.js("document.querySelector('.message.assistant td').textContent") == EVIL
     assert browser.js("document.querySelector('.message.assistant .reasoning').open") is False  # collapsed
+    QApplication.clipboard().clear()
+    press(browser, ".message.assistant pre", "Copy")  # a code block's own button copies its code
+    browser.until("document.querySelector('.message.assistant pre button').textContent === 'Copied'")
+    assert QApplication.clipboard().text() == EVIL
     assert EVIL in browser.js("document.querySelector('.message.assistant .reasoning-body').textContent")
     engine = MarkdownIt("commonmark", {"breaks": True, "html": False}).enable(["table", "strikethrough"])
     for source in MARKDOWN:
@@ -391,7 +395,14 @@ def check_a_streamed_reasoning_reply(browser: Browser) -> None:
     assert browser.js("document.querySelector('.message.assistant .reasoning').open") is False
     assert browser.js("document.querySelector('.message.assistant .reasoning-body em').textContent") == "words"
     assert browser.js("document.querySelector('.message.assistant .body').textContent") == "Hi there"
-    _, first, second = browser.js("window.sent")
+    browser.js("window.setItem = Storage.prototype.setItem;"
+               "Storage.prototype.setItem = () => { throw new DOMException('the quota is exceeded', 'QuotaExceededError'); }")
+    send(browser, "Question 3")
+    replied(browser, 6)
+    browser.js("Storage.prototype.setItem = window.setItem")
+    assert browser.js("document.getElementById('error').textContent") == (
+        "This browser did not keep the conversation (the quota is exceeded): delete some.")
+    _, first, second, _ = browser.js("window.sent")
     assert first["stream"] and first["stream_options"] == {"include_usage": True}
     assert second["messages"][-3:] == [{"role": "user", "content": "Question 1"},
                                        {"role": "assistant", "content": "Hi there"},  # no reasoning sent back

@@ -11,6 +11,7 @@ const SETTINGS = ["system", "temperature", "top_p", "max_tokens"];
 const conversations = new Conversations();
 let controller = null;  // aborts the reply being streamed
 let pendingRetry = null;  // what to do once an API key is given
+const narrow = matchMedia("(max-width: 700px)");  // a phone: the sidebar covers the chat, shown when asked
 
 function element(tag, className = "", text = "") {
   const node = document.createElement(tag);
@@ -71,6 +72,7 @@ function startRename(item, conversation) {
 
 function switchTo(id) {  // null: a new chat, kept once its first message is sent
   controller?.abort();
+  if (narrow.matches) $("sidebar").hidden = true;
   conversations.select(id);
   showError("");
   showAll();
@@ -112,8 +114,13 @@ function fill(box, message) {
   reasoning.hidden = !message.reasoning;
   if (message.reasoning) reasoning.querySelector(".reasoning-body").innerHTML = renderMarkdown(message.reasoning);
   const body = box.querySelector(".body");
-  if (message.role === "assistant") body.innerHTML = renderMarkdown(message.content);
-  else body.textContent = message.content;
+  if (message.role === "assistant") {
+    body.innerHTML = renderMarkdown(message.content);
+    for (const pre of body.querySelectorAll("pre")) {
+      const code = pre.firstChild;
+      pre.prepend(button("Copy", "Copy the code", (event) => copy(code.textContent, event.target)));
+    }
+  } else body.textContent = message.content;
   box.querySelector(".stats").textContent = message.stats ? statsText(message.stats) : "";
 }
 
@@ -318,5 +325,7 @@ for (const name of SETTINGS) {
   $(name).addEventListener("change", () => store.set("setting." + name, $(name).value));
 }
 
+store.onError = (e) => showError(`This browser did not keep the conversation (${e.message}): delete some.`);
+$("sidebar").hidden = narrow.matches;
 showAll();
 loadModels();

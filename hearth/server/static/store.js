@@ -6,7 +6,10 @@ export const store = {
   get: (key, fallback) => {
     try { return JSON.parse(localStorage.getItem("hearth." + key)) ?? fallback; } catch { return fallback; }
   },
-  set: (key, value) => localStorage.setItem("hearth." + key, JSON.stringify(value)),
+  set: (key, value) => {
+    try { localStorage.setItem("hearth." + key, JSON.stringify(value)); } catch (e) { store.onError(e); }
+  },
+  onError: (e) => { throw e; },  // the page shows it (the storage may be full)
   remove: (key) => localStorage.removeItem("hearth." + key),
 };
 
