@@ -1,95 +1,137 @@
-// hearth's chat page: talks to this server's /v1/chat/completions, streaming. The conversation,
-// the settings and the API key stay in this browser (localStorage); nothing else keeps them.
+// hearth's chat page: the conversations in a sidebar, the current one in the middle, streaming
+// replies from this server's /v1/chat/completions. Everything it keeps stays in this browser (store.js).
 "use strict";
 
+import { modelIds, streamChat, Unauthorized } from "./api.js";
+import { renderMarkdown } from "./markdown.js";
+import { Conversations, store } from "./store.js";
+
 const $ = (id) => document.getElementById(id);
-const store = {
-  get: (key, fallback) => { try { return JSON.parse(localStorage.getItem("hearth." + key)) ?? fallback; } catch { return fallback; } },
-  set: (key, value) => localStorage.setItem("hearth." + key, JSON.stringify(value)),
-};
 const SETTINGS = ["system", "temperature", "top_p", "max_tokens"];
-let messages = store.get("messages", []);  // [{role, content}], the system prompt not among them
+const conversations = new Conversations();
 let controller = null;  // aborts the reply being streamed
 let pendingRetry = null;  // what to do once an API key is given
+const narrow = matchMedia("(max-width: 700px)");  // a phone: the sidebar covers the chat, shown when asked
 
-// ---- markdown: a small renderer; every piece of the text is HTML-escaped before markup is added
-
-function escapeHtml(text) {
-  return text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+function element(tag, className = "", text = "") {
+  const node = document.createElement(tag);
+  node.className = className;
+  node.textContent = text;
+  return node;
 }
 
-function inline(text) {
-  return text.split(/(`[^`\n]+`)/).map((part) => {
-    if (part.length > 1 && part.startsWith("`") && part.endsWith("`")) return "<code>" + escapeHtml(part.slice(1, -1)) + "</code>";
-    return escapeHtml(part)
-      .replace(/\*\*([^*]+)\*\*/g, "<strong>$1</strong>")
-      .replace(/(^|[^*])\*([^*\s][^*]*)\*/g, "$1<em>$2</em>")
-      .replace(/\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g, '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>');
-  }).join("");
+function button(text, title, onClick) {
+  const node = element("button", "", text);
+  node.type = "button";
+  node.title = title;
+  node.addEventListener("click", onClick);
+  return node;
 }
 
-function renderMarkdown(source) {
-  const lines = source.split("\n");
-  const html = [];
-  let i = 0;
-  const listOf = (pattern, tag) => {
-    const items = [];
-    while (i < lines.length && pattern.test(lines[i])) items.push("<li>" + inline(lines[i++].replace(pattern, "")) + "</li>");
-    html.push(`<${tag}>${items.join("")}</${tag}>`);
+// ---- the sidebar: every conversation, the current one marked; select, rename, delete
+
+function showConversations() {
+  $("conversations").replaceChildren(...conversations.all.map((conversation) => {
+    const item = element("li", conversation.id === conversations.currentId ? "current" : "");
+    item.dataset.id = conversation.id;
+    const title = button(Conversations.title(conversation), "Open", () => switchTo(conversation.id));
+    title.className = "title";
+    const rename = button("✎", "Rename", () => startRename(item, conversation));
+    rename.className = "rename";
+    const remove = button("✕", "Delete", () => {
+      if (!confirm(`Delete "${Conversations.title(conversation)}"?`)) return;
+      if (conversation.id === conversations.currentId) switchTo(null);
+      conversations.remove(conversation.id);
+      showConversations();
+    });
+    remove.className = "delete";
+    item.append(title, rename, remove);
+    return item;
+  }));
+}
+
+function startRename(item, conversation) {
+  const input = element("input", "rename-input");
+  input.value = Conversations.title(conversation);
+  item.querySelector(".title").replaceWith(input);
+  input.focus();
+  input.select();
+  let done = false;
+  const finish = (keep) => {
+    if (done) return;
+    done = true;
+    if (keep && input.value.trim()) conversations.rename(conversation.id, input.value);
+    showConversations();
   };
-  while (i < lines.length) {
-    const line = lines[i];
-    const fence = line.match(/^\s*```\s*([\w+#.-]*)/);
-    if (fence) {
-      const code = [];
-      for (i++; i < lines.length && !/^\s*```\s*$/.test(lines[i]); i++) code.push(lines[i]);
-      i++;  // the closing fence (a reply still streaming may not have written it yet)
-      const language = fence[1] ? ` class="language-${escapeHtml(fence[1])}"` : "";
-      html.push(`<pre><code${language}>${escapeHtml(code.join("\n"))}</code></pre>`);
-    } else if (/^#{1,6}\s/.test(line)) {
-      const level = line.match(/^#+/)[0].length;
-      html.push(`<h${level}>${inline(line.slice(level).trim())}</h${level}>`);
-      i++;
-    } else if (/^\s*[-*+]\s+/.test(line)) {
-      listOf(/^\s*[-*+]\s+/, "ul");
-    } else if (/^\s*\d+[.)]\s+/.test(line)) {
-      listOf(/^\s*\d+[.)]\s+/, "ol");
-    } else if (!line.trim()) {
-      i++;
-    } else {
-      const paragraph = [];
-      while (i < lines.length && lines[i].trim() && !/^\s*(```|#{1,6}\s|[-*+]\s|\d+[.)]\s)/.test(lines[i])) paragraph.push(inline(lines[i++]));
-      html.push("<p>" + paragraph.join("<br>") + "</p>");
-    }
-  }
-  return html.join("");
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    else if (event.key === "Escape") finish(false);
+  });
+  input.addEventListener("blur", () => finish(true));
 }
 
-// ---- the conversation on the page
-
-function showMessage(message) {
-  const box = document.createElement("div");
-  box.className = "message " + message.role;
-  const role = document.createElement("div");
-  role.className = "role";
-  role.textContent = message.role;
-  const body = document.createElement("div");
-  body.className = "body";
-  box.append(role, body);
-  $("messages").append(box);
-  fill(body, message);
-  return body;
+function switchTo(id) {  // null: a new chat, kept once its first message is sent
+  controller?.abort();
+  if (narrow.matches) $("sidebar").hidden = true;
+  conversations.select(id);
+  showError("");
+  showAll();
 }
 
-function fill(body, message) {
-  if (message.role === "assistant") body.innerHTML = renderMarkdown(message.content);
-  else body.textContent = message.content;
-  $("messages").scrollTop = $("messages").scrollHeight;
-}
+// ---- the messages of the current conversation
 
 function showAll() {
-  $("messages").replaceChildren();
-  messages.forEach(showMessage);
+  const messages = conversations.messages;
+  $("messages").replaceChildren(...messages.map((message, index) => {
+    const box = messageBox(message);
+    box.dataset.index = index;
+    const actions = box.querySelector(".actions");
+    actions.append(button("Copy", "Copy the text", (event) => copy(message.content, event.target)));
+    if (message.role === "user") actions.append(button("Edit", "Edit and send again from here", () => edit(index)));
+    if (index === messages.length - 1) {  // the last reply is replaced; a message left unanswered is answered
+      const from = message.role === "assistant" ? index : messages.length;
+      actions.append(button("Regenerate", "Answer again from here", () => regenerate(from)));
+    }
+    return box;
+  }));
+  showConversations();
+  scrollDown(true);
+}
+
+function messageBox(message) {
+  const box = element("div", "message " + message.role);
+  const reasoning = element("details", "reasoning");
+  reasoning.append(element("summary", "", "Reasoning"), element("div", "reasoning-body"));
+  const meta = element("div", "meta");
+  meta.append(element("span", "stats"), element("span", "actions"));
+  box.append(element("div", "role", message.role), reasoning, element("div", "body"), meta);
+  fill(box, message);
+  return box;
+}
+
+function fill(box, message) {
+  const reasoning = box.querySelector(".reasoning");
+  reasoning.hidden = !message.reasoning;
+  if (message.reasoning) reasoning.querySelector(".reasoning-body").innerHTML = renderMarkdown(message.reasoning);
+  const body = box.querySelector(".body");
+  if (message.role === "assistant") {
+    body.innerHTML = renderMarkdown(message.content);
+    for (const pre of body.querySelectorAll("pre")) {
+      const code = pre.firstChild;
+      pre.prepend(button("Copy", "Copy the code", (event) => copy(code.textContent, event.target)));
+    }
+  } else body.textContent = message.content;
+  box.querySelector(".stats").textContent = message.stats ? statsText(message.stats) : "";
+}
+
+function statsText({ tokens, exact, ttft_ms, tokens_per_s, stopped }) {
+  const rate = tokens_per_s == null ? "" : ` · ${tokens_per_s.toFixed(1)} tokens/s`;
+  return `${exact ? "" : "~"}${tokens} tokens${rate} · TTFT ${ttft_ms} ms${stopped ? " · stopped" : ""}`;
+}
+
+function scrollDown(always = false) {
+  const view = $("messages");
+  if (always || view.scrollHeight - view.scrollTop - view.clientHeight < 80) view.scrollTop = view.scrollHeight;
 }
 
 function showError(text) {
@@ -97,12 +139,54 @@ function showError(text) {
   $("error").hidden = !text;
 }
 
-// ---- talking to the server
+// ---- what the buttons on a message do
 
-function headers() {
-  const key = store.get("key", "");
-  return { "Content-Type": "application/json", ...(key ? { Authorization: "Bearer " + key } : {}) };
+async function copy(text, target) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {  // no clipboard API off https (other than localhost): the older way
+    const area = element("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  target.textContent = "Copied";
+  setTimeout(() => { target.textContent = "Copy"; }, 1500);
 }
+
+function edit(index) {
+  if (controller) return;
+  const box = $("messages").children[index];
+  const area = element("textarea", "editor");
+  area.value = conversations.messages[index].content;
+  area.rows = Math.min(12, area.value.split("\n").length + 1);
+  const send = button("Send", "Send the edited message; the replies after it are dropped", () => {
+    const text = area.value.trim();
+    if (text) resendFrom(index, { role: "user", content: text });
+  });
+  send.className = "primary";
+  box.querySelector(".body").replaceWith(area);
+  box.querySelector(".actions").replaceChildren(send, button("Cancel", "Keep the message as it was", showAll));
+  area.focus();
+}
+
+function regenerate(index) {
+  if (!controller) resendFrom(index, null);
+}
+
+// the conversation up to `index` (and `message`, if given) is kept, and answered anew
+function resendFrom(index, message) {
+  const conversation = conversations.current;
+  conversation.messages = conversation.messages.slice(0, index).concat(message ? [message] : []);
+  conversations.touch(conversation);
+  showError("");
+  showAll();
+  reply();
+}
+
+// ---- talking to the server
 
 function askForKey(retry) {
   pendingRetry = retry;
@@ -110,24 +194,22 @@ function askForKey(retry) {
   $("key").focus();
 }
 
-async function errorText(response) {
-  try { return (await response.json()).error.message; } catch { return `${response.status} ${response.statusText}`; }
-}
-
 async function loadModels() {
-  const response = await fetch("/v1/models", { headers: headers() });
-  if (response.status === 401) return askForKey(loadModels);
-  if (!response.ok) return showError(await errorText(response));
-  const chosen = store.get("model", null);
-  $("model").replaceChildren(...(await response.json()).data.map((m) => new Option(m.id, m.id, false, m.id === chosen)));
+  try {
+    const chosen = store.get("model", null);
+    $("model").replaceChildren(...(await modelIds()).map((id) => new Option(id, id, false, id === chosen)));
+  } catch (e) {
+    if (e instanceof Unauthorized) askForKey(loadModels);
+    else showError(e.message);
+  }
 }
 
-function requestBody() {
+function requestBody(messages) {
   const system = $("system").value.trim();
   const body = {
     model: $("model").value || undefined,
-    messages: [...(system ? [{ role: "system", content: system }] : []), ...messages],
-    stream: true,
+    messages: [...(system ? [{ role: "system", content: system }] : []),
+      ...messages.map(({ role, content }) => ({ role, content }))],
   };
   for (const name of ["temperature", "top_p", "max_tokens"]) {
     const value = $(name).value.trim();
@@ -136,49 +218,54 @@ function requestBody() {
   return body;
 }
 
-async function reply() {
-  const answer = { role: "assistant", content: "" };
-  const body = showMessage(answer);
-  controller = new AbortController();
-  setBusy(true);
-  try {
-    const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal,
-    });
-    if (response.status === 401) { body.parentElement.remove(); return askForKey(reply); }
-    if (!response.ok) { body.parentElement.remove(); return showError(await errorText(response)); }
-    await readEvents(response, (data) => {
-      if (data.error) throw new Error(data.error.message);
-      const delta = data.choices?.[0]?.delta;
-      if (delta?.content) { answer.content += delta.content; fill(body, answer); }
-    });
-  } catch (e) {
-    if (e.name !== "AbortError") showError(String(e.message || e));
-  } finally {
-    controller = null;
-    setBusy(false);
-    if (answer.content) { messages.push(answer); store.set("messages", messages); }
-    else if (body.isConnected) body.parentElement.remove();
-  }
+// TTFT: from sending to the first token, as this browser saw it; tokens/s: the tokens after the first
+// over the time between the first and the last. Tokens are the server's count (its usage); a stopped
+// reply has none, and counts its deltas instead ("~").
+function replyStats(clock, usage, stopped) {
+  const tokens = usage?.completion_tokens ?? clock.deltas;
+  const seconds = (clock.last - clock.first) / 1000;
+  return {
+    tokens, exact: usage !== null, stopped, ttft_ms: Math.round(clock.first - clock.start),
+    tokens_per_s: tokens > 1 && seconds > 0 ? (tokens - 1) / seconds : null,
+  };
 }
 
-async function readEvents(response, onData) {
-  // server-sent events: "data: {...}" lines, a blank line between events, "[DONE]" at the end
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffered = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffered += decoder.decode(value, { stream: true });
-    const events = buffered.split("\n\n");
-    buffered = events.pop();
-    for (const event of events) {
-      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("");
-      if (data === "[DONE]") return;
-      if (data) onData(JSON.parse(data));
-    }
+async function reply() {
+  const conversation = conversations.open();
+  const answer = { role: "assistant", content: "" };
+  const box = messageBox(answer);
+  box.classList.add("streaming");
+  $("messages").append(box);
+  scrollDown(true);
+  controller = new AbortController();
+  setBusy(true);
+  const clock = { start: performance.now(), first: null, last: null, deltas: 0 };
+  let usage = null;
+  let error = null;
+  try {
+    usage = await streamChat(requestBody(conversation.messages), controller.signal, (delta) => {
+      if (!delta.content && !delta.reasoning_content) return;
+      clock.last = performance.now();
+      clock.first ??= clock.last;
+      clock.deltas++;
+      answer.content += delta.content ?? "";
+      if (delta.reasoning_content) answer.reasoning = (answer.reasoning ?? "") + delta.reasoning_content;
+      fill(box, answer);
+      scrollDown();
+    });
+  } catch (e) {
+    if (e.name !== "AbortError") error = e;
   }
+  controller = null;
+  setBusy(false);
+  if (clock.first !== null && conversations.all.includes(conversation)) {  // not deleted meanwhile
+    answer.stats = replyStats(clock, usage, usage === null && error === null);
+    conversation.messages.push(answer);
+    conversations.touch(conversation);
+  }
+  showAll();
+  if (error instanceof Unauthorized) askForKey(reply);
+  else if (error) showError(error.message);
 }
 
 function setBusy(busy) {
@@ -189,33 +276,28 @@ function setBusy(busy) {
 
 // ---- the controls
 
-$("composer").addEventListener("submit", (event) => {
+function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
   if (!text || controller) return;
   showError("");
-  const message = { role: "user", content: text };
-  messages.push(message);
-  store.set("messages", messages);
-  showMessage(message);
+  const conversation = conversations.open();
+  conversation.messages.push({ role: "user", content: text });
+  conversations.touch(conversation);
   $("prompt").value = "";
-  reply();
-});
-$("prompt").addEventListener("keydown", (event) => {
-  if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
-});
-$("stop").addEventListener("click", () => controller?.abort());
-$("new-chat").addEventListener("click", () => {
-  controller?.abort();
-  messages = [];
-  store.set("messages", messages);
   showAll();
-  showError("");
-});
-$("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
-$("model").addEventListener("change", () => store.set("model", $("model").value));
-$("forget-key").addEventListener("click", () => { localStorage.removeItem("hearth.key"); askForKey(null); });
-$("key-form").addEventListener("submit", (event) => {
+  reply();
+}
+
+function toggleTheme() {
+  const classes = document.documentElement.classList;
+  const dark = classes.contains("dark") || (!classes.contains("light") && matchMedia("(prefers-color-scheme: dark)").matches);
+  classes.remove("dark", "light");
+  classes.add(dark ? "light" : "dark");
+  store.set("theme", dark ? "light" : "dark");
+}
+
+function useKey(event) {
   event.preventDefault();
   store.set("key", $("key").value.trim());
   $("key").value = "";
@@ -224,11 +306,26 @@ $("key-form").addEventListener("submit", (event) => {
   pendingRetry = null;
   retry?.();
   if (retry !== loadModels) loadModels();
+}
+
+$("composer").addEventListener("submit", send);
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
 });
+$("stop").addEventListener("click", () => controller?.abort());
+$("new-chat").addEventListener("click", () => switchTo(null));
+$("toggle-sidebar").addEventListener("click", () => { $("sidebar").hidden = !$("sidebar").hidden; });
+$("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
+$("toggle-theme").addEventListener("click", toggleTheme);
+$("model").addEventListener("change", () => store.set("model", $("model").value));
+$("forget-key").addEventListener("click", () => { store.remove("key"); askForKey(null); });
+$("key-form").addEventListener("submit", useKey);
 for (const name of SETTINGS) {
   $(name).value = store.get("setting." + name, $(name).value);
   $(name).addEventListener("change", () => store.set("setting." + name, $(name).value));
 }
 
+store.onError = (e) => showError(`This browser did not keep the conversation (${e.message}): delete some.`);
+$("sidebar").hidden = narrow.matches;
 showAll();
 loadModels();
