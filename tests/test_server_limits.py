@@ -56,8 +56,8 @@ def raw_request(url: str, headers: dict[str, str]) -> socket.socket:
     return sock
 
 
-def read_response(sock: socket.socket) -> tuple[int, dict]:
-    """The status and JSON body of the response on `sock` (read to the end of its Content-Length)."""
+def read_response(sock: socket.socket) -> tuple[int, dict | None]:
+    """The status and JSON body (None if empty) of the response on `sock` (read to the end of its Content-Length)."""
     data = b""
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
@@ -65,7 +65,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
-    return int(head.split()[1]), json.loads(body)
+    return int(head.split()[1]), json.loads(body) if body else None
 
 
 def assert_error(status: int, body: dict, expected: int) -> str:
