@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from hearth.default_model import builtin_model_path
-from hearth.server.batch_store import AnswerLog
+from hearth.server.batch_store import AnswerLog, lock_dir
 
 pytestmark = pytest.mark.skipif(not builtin_model_path().exists(), reason="the built-in model is not built")
 REPO = Path(__file__).resolve().parents[1]
@@ -248,3 +248,11 @@ def test_an_answer_file_torn_by_a_crash_loses_only_its_unfinished_line(tmp_path)
     log.close()
     assert [json.loads(line)["custom_id"] for line in path.read_bytes().splitlines()] == ["a", "b", "c", "d"]
     assert AnswerLog(path).num_written == 4
+
+
+def test_one_server_at_a_time_holds_a_batch_directory(tmp_path):
+    held = lock_dir(tmp_path)
+    with pytest.raises(OSError):
+        lock_dir(tmp_path)  # what a second server meets: it answers the batch APIs with a 503
+    held.close()
+    lock_dir(tmp_path).close()

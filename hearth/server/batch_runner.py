@@ -4,8 +4,9 @@ A batch goes validating -> in_progress -> finalizing -> completed, as OpenAI rep
 input file is malformed (with `errors`: each bad line's code, message and number), cancelling ->
 cancelled when cancelled. Its lines run through the routes' own logic, in this process (chat.start,
 completions.start, embeddings.embeddings), at priority BATCH_PRIORITY plus their own, so that the
-scheduler admits any online request first (hearth/engine/scheduler.py); at most max_num_seqs lines are
-in flight at once (over all batches), so they never fill the engine's queue. A line that answered 200
+scheduler admits any online request first (hearth/engine/scheduler.py). At most twice max_num_seqs lines
+are in flight at once (over all batches): a seat that a line leaves is taken in the same step by the
+next one waiting (or by an online request), yet the lines never flood the engine's queue. A line that answered 200
 goes to the output file, any other status to the error file, both in OpenAI's line format
 ({"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}).
 
@@ -121,7 +122,7 @@ class BatchRunner:
         self.logs: dict[str, dict[str, AnswerLog]] = {}  # a running batch's answer files
         self.tasks: dict[str, asyncio.Task] = {}
         self.in_flight: dict[str, set[asyncio.Task]] = {}  # a running batch's lines
-        self.window = asyncio.Semaphore(served.engine.max_num_seqs)
+        self.window = asyncio.Semaphore(2 * served.engine.max_num_seqs)
 
     def open(self) -> None:
         """Take the directory (APIError 503 when another server holds it) and read what it holds."""
