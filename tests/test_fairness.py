@@ -91,3 +91,11 @@ def test_a_thousand_idle_sockets_from_one_client_leave_health_and_other_clients_
         for sock in idle:
             sock.close()
     assert limits.max_connections_per_client < IDLE_SOCKETS <= limits.max_connections
+
+
+def test_a_malformed_request_head_gets_a_400_in_openai_json(public_server):
+    url, _ = public_server
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost x\r\n\r\n")  # a header line without its colon
+        status, body = read_response(sock)
+    assert status == 400 and body["error"]["type"] == "BadRequestError" and body["error"]["message"]
