@@ -7,6 +7,7 @@ model; here the engine serves a tiny random llama (tests/test_server.py's `folde
 
 from __future__ import annotations
 
+import json
 import resource
 import socket
 import time
@@ -44,6 +45,31 @@ def test_a_queued_request_of_better_priority_is_admitted_before_earlier_ones(fol
     assert finished == ["first", "urgent", "default", "low-1", "low-2"]
     with pytest.raises(RequestError, match="priority must be an integer"):
         engine.add_request("bad", [1], params, priority="high")
+
+
+def test_batch_lines_wait_behind_an_online_request(folder, tmp_path):  # noqa: F811
+    """One seat (max_num_seqs 1): a batch keeps a line running and the next one waiting; an online request
+    sent then is admitted before that waiting line, so it is answered while one line at most is done."""
+    llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=1), progress=False)
+    step = llm_engine.step
+    llm_engine.step = lambda: (time.sleep(0.02), step())[1]  # 10 tokens take ~0.2 s
+    engine = AsyncEngine(llm_engine)
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True}
+    lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n"
+                    for i in range(4))
+    try:
+        with serving(build_app(engine, NAME, batch_dir=tmp_path)) as url, httpx.Client(base_url=url, timeout=30) as http:
+            file_id = http.post("/v1/files", files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}).json()["id"]
+            batch_id = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                      "completion_window": "24h"}).json()["id"]
+            deadline = time.monotonic() + 10
+            while not (engine.num_running == 1 and engine.num_waiting == 1):  # a line runs, the next waits
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] <= 1
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
