@@ -88,7 +88,7 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[Line], list[dict]]:
         if not isinstance(item, dict):
             bad("invalid_json_line", "This line is not a JSON object.")
             continue
-        custom_id, body = item.get("custom_id"), item.get("body")
+        custom_id, body, errors_before = item.get("custom_id"), item.get("body"), len(errors)
         if not isinstance(custom_id, str) or not custom_id:
             bad("missing_required_parameter", "Missing required parameter: 'custom_id'.", "custom_id")
         elif custom_id in seen:
@@ -99,8 +99,9 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[Line], list[dict]]:
             bad("invalid_url", f"The url of this request does not match the batch's endpoint {endpoint}.", "url")
         if not isinstance(body, dict):
             bad("missing_required_parameter", "Missing required parameter: 'body' (a JSON object).", "body")
-        if not errors:
+        if isinstance(custom_id, str):
             seen.add(custom_id)
+        if len(errors) == errors_before:
             lines.append(Line(number, custom_id, body))
     if not lines and not errors:
         errors.append({"code": "empty_file", "message": "The input file has no requests.", "param": None,

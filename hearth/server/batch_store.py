@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
 
 
 def default_batch_dir() -> Path:
@@ -59,7 +60,7 @@ def write_json(path: Path, value: dict) -> None:
     write_atomic(path, json.dumps(value, ensure_ascii=False).encode())
 
 
-def lock_dir(root: Path) -> object:
+def lock_dir(root: Path) -> TextIO:
     """Take DIR/lock for this process (the open file: keep it); OSError when another server holds it."""
     root.mkdir(parents=True, exist_ok=True)
     handle = open(root / "lock", "a+")
