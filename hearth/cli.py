@@ -238,6 +238,9 @@ def _add_serve(sub) -> None:
                         "ends with a 503 and /health answers 503 (default %(default)s)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format of tool calls in replies (default: the one the chat template writes)")
+    p.add_argument("--batch-dir", type=Path, default=None,
+                   help="where /v1/files and /v1/batches keep their state; a server started again on it takes up "
+                        "its unfinished batches (default: $XDG_CACHE_HOME/hearth/batches, or ~/.cache/hearth/batches)")
     add_limit_arguments(p, parse_size)
     _add_replicas(p)
     add_engine_arguments(p)

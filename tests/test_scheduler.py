@@ -228,6 +228,30 @@ def test_preemption_takes_the_most_recent_and_requeues_it_at_the_front():
         assert r.num_output_tokens == 6 and r.status is RequestStatus.FINISHED_LENGTH
 
 
+def test_priority_orders_admission_and_preemption_takes_the_lowest_priority_first():
+    """vLLM's priority semantics: a lower value is admitted first; under a full cache the running request
+    of the highest value (the latest among equals) is preempted, and it keeps its place when requeued."""
+    s = make(num_blocks=6, block_size=2, budget=100, max_num_seqs=3, prefix=False)
+    low, mid, high = req("low", 3, 6), req("mid", 3, 6, base=10), req("high", 3, 6, base=20)
+    low.priority, mid.priority, high.priority = 5, 1, 0
+    for r in (low, mid, high):  # arrival order: low first
+        s.add_request(r)
+    assert list(s.waiting) == [high, mid, low]
+    out = step(s)
+    assert [r for r, _ in out.scheduled] == [high, mid, low]  # running: in priority order too
+    step(s)
+    out = step(s)  # high needs a 3rd block: low goes (not mid, admitted after it, nor high itself)
+    assert out.preempted == [low] and [r for r, _ in out.scheduled] == [high, mid]
+    later_but_better = req("later", 2, 1, base=30)
+    later_but_better.priority = 3
+    s.add_request(later_but_better)
+    assert list(s.waiting) == [later_but_better, low]
+    outs = run_all(s)
+    firsts = [r.request_id for o in outs for r, n in o.scheduled if n > 1]
+    assert firsts.index("later") < firsts.index("low")
+    assert not high.num_preemptions  # the best priority is never the victim while another runs
+
+
 def test_preemption_of_itself_when_it_is_the_last():
     s = make(num_blocks=3, block_size=2, budget=100)
     a, b = req("a", 1, 4), req("b", 4, 4, base=10)

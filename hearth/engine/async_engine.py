@@ -150,7 +150,7 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.model_path: Path = engine.model_path
-        self._max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
         self._grammars = engine.grammars  # thread-safe: compiles off the engine thread
         self._stats = EngineStats()  # replaced by the engine thread, under _lock
         self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping, _stats
@@ -180,7 +180,7 @@ class AsyncEngine:
     @property
     def num_queued(self) -> int:
         """Waiting requests that the running batch has no free seat for."""
-        free_seats = self._max_num_seqs - self.num_running
+        free_seats = self.max_num_seqs - self.num_running
         return max(0, self.num_waiting - max(0, free_seats))
 
     @property
@@ -194,9 +194,10 @@ class AsyncEngine:
     # ---- requests
 
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
-        """Queue a request and wait until the engine took it; raises QueueFull, RequestError, EngineStopped."""
+        """Queue a request and wait until the engine took it; raises QueueFull, RequestError, EngineStopped.
+        A lower `priority` is served first (LLMEngine.add_request)."""
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFull(
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
@@ -205,7 +206,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
-        self._command(("add", stream, prompt, params))
+        self._command(("add", stream, prompt, params, priority))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -217,10 +218,10 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs; closing or cancelling the iteration aborts it."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, priority)
         try:
             async for output in stream:
                 yield output
@@ -356,9 +357,9 @@ class AsyncEngine:
             if command[0] == "call":
                 self._call(*command[1:])
                 continue
-            _, stream, prompt, params = command
+            _, stream, prompt, params, priority = command
             try:
-                self.engine.add_request(stream.request_id, prompt, params)
+                self.engine.add_request(stream.request_id, prompt, params, priority=priority)
             except Exception as e:  # RequestError for bad input; anything else reaches the caller too
                 stream._accept(e)
             else:

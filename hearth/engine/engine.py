@@ -106,8 +106,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request; raises RequestError (a ValueError) when it cannot be served."""
+        """Queue a request; raises RequestError (a ValueError) when it cannot be served. A lower
+        `priority` is served first (vLLM's semantics): admitted before, and preempted after, requests
+        of a higher value (hearth/engine/scheduler.py)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
@@ -115,13 +118,15 @@ class LLMEngine:
         prompt_text, prompt_ids = self._encode(prompt)
         self._check_fits(prompt_ids)
         self._check_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt_text, prompt_ids, params, now)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.best_of or params.n):
-            group.sequences.append(state := self._new_sequence(group, index, grammar))
+            group.sequences.append(state := self._new_sequence(group, index, grammar, priority))
             if index == 0:
                 self.scheduler.add_request(state.request)
             else:
@@ -130,11 +135,12 @@ class LLMEngine:
         self.output_processor.add_group(group)
         return request_id
 
-    def _new_sequence(self, group: RequestGroup, index: int, grammar) -> SequenceState:
+    def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""
         params = group.params
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
-        request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time)
+        request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time,
+                          priority=priority)
         # prompt logprobs need every prompt position computed: no prefix-cache skipping
         request.skip_prefix_cache = params.prompt_logprobs is not None
         generator = spec_generator = None

@@ -51,6 +51,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: Any = None  # opaque to the scheduler; the engine reads max_tokens etc.
     arrival_time: float = field(default_factory=time.monotonic)
+    # vLLM's priority: a lower value is served first (admission, and preempted last); 0 by default
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V are in the cache. Positions [0, num_computed_tokens) are readable
     # by attention; the next step computes [num_computed_tokens, +num_new_tokens).
@@ -75,6 +77,8 @@ class Request:
     # len(spec_token_ids) only: the scheduler trims guesses from the end, and parents come before
     # their children. Empty: a chain.
     spec_parents: list[int] = field(default_factory=list, init=False)
+    # the order the scheduler received it in (its tie-break between equal priorities); set by add_request
+    arrival_order: int = field(default=0, init=False)
     # prompt + output in one list, appended to, so all_token_ids is O(1)
     _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 

@@ -20,15 +20,20 @@ K/V count as computed only once accept_spec_tokens says how many were right, and
 blocks of the rejected ones are given back.
 
 Decisions:
-  * Running requests go first, in admission order. When blocks run out, the most recently
-    admitted running request is preempted (blocks freed, num_computed_tokens = 0, put at
-    the front of the waiting queue, recomputed later from prompt + output tokens). If that
-    is the request being scheduled, it preempts itself and the step's running part ends.
-    A step that preempted admits no waiting request (it would only take the freed blocks
-    back).
-  * Waiting requests are admitted first-come first-served; the first one that does not
-    fit (budget, max_num_seqs, blocks) stops admission for this step. A preempted request
-    is at the front, so nothing overtakes it: no starvation.
+  * Every queue is kept in one order: by priority (vLLM's: a lower value first, 0 by default),
+    then by the order requests reached the scheduler. With all priorities equal that is
+    first-come first-served.
+  * Running requests go first, in that order. When blocks run out, the last running request
+    in it (the lowest priority, latest among equals: vLLM's victim under its "priority"
+    policy) is preempted (blocks freed, num_computed_tokens = 0, back in the waiting queue at
+    its place, recomputed later from prompt + output tokens). If that is the request being
+    scheduled, it preempts itself and the step's running part ends. A step that preempted
+    admits no waiting request (it would only take the freed blocks back).
+  * Waiting requests are admitted in that order; the first one that does not fit (budget,
+    max_num_seqs, blocks) stops admission for this step. A preempted request keeps its place,
+    ahead of every later request of its priority: no starvation among equals. A request of
+    a better priority that arrives later is admitted first, but never preempts one already
+    running to get a seat (as in vLLM).
   * With chunked prefill off, a request whose remaining tokens exceed the remaining budget
     waits for a later step; if nothing at all has been scheduled in the step it runs
     whole, over the budget, so that a prompt longer than the budget never hangs.
@@ -50,8 +55,9 @@ Decisions:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,8 +107,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.clock = clock
         self.kv_window = kv_window
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order
+        self.waiting: list[Request] = []  # both in queue order (_queue_key)
+        self.running: list[Request] = []
+        self._arrivals = itertools.count()
         self.requests: dict[str, Request] = {}  # every unfinished request by id
 
     # ---- queue -------------------------------------------------------------------
@@ -129,8 +136,9 @@ class Scheduler:
                 f"the prompt ({request.num_tokens} tokens) does not fit in the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
         request.status = RequestStatus.WAITING
+        request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        _enqueue(self.waiting, request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End a request (running or waiting): free its blocks, set status and finish_time."""
@@ -188,7 +196,7 @@ class Scheduler:
                 continue
             fits = bm.allocate_slots(request, num_new)
             while not fits:
-                victim = self.running[-1]  # most recently admitted
+                victim = self.running[-1]  # the lowest priority, latest among equals
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -205,7 +213,7 @@ class Scheduler:
         return budget, guessing
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """2. Waiting requests, first come first served; returns the budget left."""
+        """2. Waiting requests, in queue order; returns the budget left."""
         bm = self.block_manager
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
@@ -224,8 +232,8 @@ class Scheduler:
             out.prefix_cache_queries += bm.prefix_cache_queries - queries
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
             self._free_behind_window(request)  # prefix-cache hits older than the window
-            self.waiting.popleft()
-            self.running.append(request)
+            self.waiting.pop(0)
+            _enqueue(self.running, request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
@@ -299,4 +307,13 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        _enqueue(self.waiting, request)
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival_order
+
+
+def _enqueue(queue: list[Request], request: Request) -> None:
+    """Insert `request` at its place in a queue kept in _queue_key order (after its equals)."""
+    bisect.insort(queue, request, key=_queue_key)

@@ -3,7 +3,8 @@
 
 Each replica is `hearth serve` with the user's own arguments, followed by the ones that make it a
 replica (the last occurrence of an option wins): a free port on its machine, a private API key the
-router sends, no router of its own, and its share of the CPU threads unless --threads was given.
+router sends, no router of its own, its whole connection limit open to that one client (the router),
+and its share of the CPU threads unless --threads was given.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def replica_argv(args, host: str, threads: int | None, role: str | None = None) 
     # "--api-key=KEY" in one word: a key that starts with "-" (token_urlsafe makes one in 64) would
     # otherwise read as an option
     argv += ["--host", host, "--port", "0", f"--api-key={args.replica_api_key}", "--data-parallel-size", "1",
-             "--no-ray", "--no-disaggregate", "--no-access-log"]
+             "--no-ray", "--no-disaggregate", "--no-access-log",
+             # the router is a replica's one client: it may hold every connection
+             "--max-connections-per-client", str(args.max_connections)]
     if role is not None:
         argv += ["--role", role]
     if args.threads is None and threads is not None:

@@ -3,7 +3,8 @@
 Routes, one module each by job: completions.py (/v1/completions), chat.py
 (/v1/chat/completions, with tools.py for tool calling), embeddings.py (/v1/embeddings),
 tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py (/health, /metrics, /version,
-/v1/models), page.py (the chat page at /). Both generation routes stream through
+/v1/models), page.py (the chat page at /), files.py and batches.py (/v1/files, /v1/batches: OpenAI's
+Files and Batch APIs, run by batch_runner.py on the state in batch_store.py). Both generation routes stream through
 streaming.py; the state they share is a ServedModel (served.py); errors are OpenAI's error
 JSON (errors.py); the limits a public server needs are limits.py's, the middleware before the
 routes middleware.py's.
@@ -11,26 +12,46 @@ routes middleware.py's.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from pathlib import Path
+
 from fastapi import FastAPI
 
 from hearth.engine.async_engine import AsyncEngine
-from hearth.server import chat, completions, embeddings, info, page, tokens
-from hearth.server.errors import install_error_handlers
+from hearth.server import batches, chat, completions, embeddings, files, info, page, tokens
+from hearth.server.batch_runner import BatchRunner
+from hearth.server.errors import APIError, install_error_handlers
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
 from hearth.server.served import ServedModel
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
-              limits: ServerLimits | None = None, tool_call_parser: str | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, tool_call_parser: str | None = None,
+              batch_dir: Path | None = None) -> FastAPI:
     """A prefill or decode worker of a disaggregated set is this app with its role added by the fleet
-    (hearth/fleet/disaggregated.py: add_role)."""
+    (hearth/fleet/disaggregated.py: add_role). batch_dir: where the files and batches live, their unfinished
+    batches taken up when the app starts (None: a temporary directory made on first use)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
-    app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
-    app.state.served = ServedModel(engine, names, limits, tool_call_parser)
+    served = ServedModel(engine, names, limits, tool_call_parser)
+    runner = BatchRunner(served, batch_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if batch_dir is not None:
+            try:
+                runner.resume()
+            except APIError as e:  # another server holds the directory: this one serves without batches
+                logging.getLogger("hearth").warning("%s", e.message)
+        yield
+        await runner.stop()
+
+    app = FastAPI(title="hearth", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.served, app.state.batches = served, runner
     install_middleware(app, limits, api_key)
     install_error_handlers(app)
-    for module in (info, tokens, completions, chat, embeddings, page):
+    for module in (info, tokens, completions, chat, embeddings, files, batches, page):
         app.include_router(module.router)
     return app

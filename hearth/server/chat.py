@@ -8,12 +8,11 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
 
-from hearth.outputs import CompletionOutput
+from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
-from hearth.server.served import PREFILL_HEADER, ServedModel, served
-from hearth.server.streaming import Delta, StreamHeader, cancel_on_disconnect, stream_response
+from hearth.server.served import ServedModel, served
+from hearth.server.streaming import Delta, Started, StreamHeader, respond
 from hearth.server.tools import ToolCalling, ToolCallStream, tool_calling
 
 router = APIRouter()
@@ -73,8 +72,8 @@ def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: boo
     return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, **extra)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
+    """The request in the engine; the route answers from it, and a batch's lines (batches.py) in this process."""
     model = s.check_model(body.model)
     ids = await asyncio.to_thread(render_chat, s, body.conversation(), body.add_generation_prompt is not False,
                                   bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
@@ -90,18 +89,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ann
     if calling is not None:
         params = calling.sampling_params(params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all([ids], params, request_id, request.headers.get(PREFILL_HEADER))
+    streams = await s.add_all([ids], params, request_id, prefill_source, body.priority)
     fmt = ChatFormat(s, k, calling)
-    if body.stream:
-        header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
-        return stream_response(s, streams, fmt, header)
 
-    async def collect() -> Response:
-        final = await s.final_outputs(streams)
+    def reply(final: list[RequestOutput]) -> dict:
         data = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final)}
         if body.prompt_logprobs is not None:
             data["prompt_logprobs"] = prompt_logprobs_json(s.piece, final[0])
-        return JSONResponse(data)
+        return data
 
-    return await cancel_on_disconnect(request, collect(), lambda: s.close(streams))
+    header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
+    return Started(streams, header, fmt, reply)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+    return await respond(request, s, start, body)
+

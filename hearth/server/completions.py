@@ -8,13 +8,12 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
 
 from hearth.errors import RequestError
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hearth.server.protocol import CompletionRequest, completion_logprobs, prompt_logprobs_json, usage
-from hearth.server.served import PREFILL_HEADER, ServedModel, served
-from hearth.server.streaming import Delta, StreamHeader, cancel_on_disconnect, stream_response
+from hearth.server.served import ServedModel, served
+from hearth.server.streaming import Delta, Started, StreamHeader, respond
 
 router = APIRouter()
 
@@ -89,8 +88,8 @@ def _prompts(s: ServedModel, body: CompletionRequest) -> tuple[list[str | None],
     return texts, prompts, max_tokens
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+async def start(body: CompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
+    """The requests in the engine; the route answers from them, and a batch's lines (batches.py) in this process."""
     model = s.check_model(body.model)
     texts, prompts, max_tokens = await asyncio.to_thread(_prompts, s, body)  # a long prompt must not stall the server
     k, prompt_k = body.logprobs, body.prompt_logprobs
@@ -98,16 +97,18 @@ async def completions(body: CompletionRequest, request: Request, s: Annotated[Se
         prompt_k = k if prompt_k is None else max(k, prompt_k)
     params = body.sampling_params(max_tokens, k, prompt_k)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all(prompts, params, request_id, request.headers.get(PREFILL_HEADER))
+    streams = await s.add_all(prompts, params, request_id, prefill_source, body.priority)
     fmt = CompletionFormat(s, body, texts, params.n)
-    if body.stream:
-        header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
-        return stream_response(s, streams, fmt, header)
 
-    async def collect() -> Response:
-        final = await s.final_outputs(streams)
-        return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": fmt.response_choices(final, body.prompt_logprobs is not None),
-                             "usage": usage(final)})
+    def reply(final: list[RequestOutput]) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": fmt.response_choices(final, body.prompt_logprobs is not None), "usage": usage(final)}
 
-    return await cancel_on_disconnect(request, collect(), lambda: s.close(streams))
+    header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
+    return Started(streams, header, fmt, reply)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+    return await respond(request, s, start, body)
+

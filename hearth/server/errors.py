@@ -36,16 +36,20 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def _invalid(_, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 for a body that failed validation (pydantic's errors), naming the first bad field."""
     parts, param = [], None
     for e in errors[:5]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         param = param or (loc[0] if loc else None)
         parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
     if errors and errors[0].get("type") == "json_invalid":
-        return error_response(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
-    return error_response(400, "invalid request: " + "; ".join(parts), param)
+        return APIError(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+    return APIError(400, "invalid request: " + "; ".join(parts), param)
+
+
+def _invalid(_, exc: RequestValidationError) -> JSONResponse:
+    return _from_exception(_, validation_error(exc.errors()))
 
 
 STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503, RequestFailed: 500}  # hearth's exceptions a route may raise

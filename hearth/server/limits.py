@@ -1,7 +1,7 @@
 """The limits a public server needs (ServerLimits), and their `hearth serve` options.
 
-connections.py has uvicorn enforce those of the sockets (how many, how long a request's head may
-take); middleware.py those met before a route (body size and time, requests in flight);
+connections.py enforces those of the sockets (how many, how many per client, how long a request's
+head may take); middleware.py those met before a route (body size and time, requests in flight);
 ServedModel checks the rest per request (prompt and output tokens, sequences, time).
 Only the standard library is imported: the CLI imports this to build its parser.
 """
@@ -22,7 +22,8 @@ class ServerLimits:
     request_timeout: float | None = 600.0  # seconds from arrival to the last token (None: no limit)
     max_concurrent_requests: int = 512  # requests in flight, streaming ones included
     max_connections: int = 1000  # open sockets, idle keep-alive ones included (a process has ~1,024 files)
-    header_timeout: float = 30.0  # seconds a connection has to send a request's head (line and headers)
+    header_timeout: float = 5.0  # seconds a connection has to send a request's head (line and headers)
+    max_connections_per_client: int = 256  # open sockets of one client address
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -45,6 +46,8 @@ _HELP = {
     "request_timeout": ("--request-timeout", "seconds a request may run before it is stopped with a 408"),
     "max_concurrent_requests": ("--max-concurrent-requests", "requests in flight, streams included, before 503s"),
     "max_connections": ("--max-connections", "open connections, idle ones included, before 503s"),
+    "max_connections_per_client": ("--max-connections-per-client",
+                                   "open connections of one client address, idle ones included, before 429s"),
     "header_timeout": ("--header-timeout",
                        "seconds a connection has to send a request's head, from its opening or its last response"),
 }

@@ -69,6 +69,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     speculative: bool | None = True  # hearth's: false opts this request out of speculative decoding
     contrastive_weight: float | None = None  # hearth's: contrastive decoding against --contrastive-model
     contrastive_alpha: float | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's: a lower value is served first
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

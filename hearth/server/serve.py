@@ -22,6 +22,7 @@ def run_server(args, extend_app: Callable | None = None) -> None:
     from hearth.engine.async_engine import AsyncEngine
     from hearth.engine_args import build_llm
     from hearth.server.app import build_app
+    from hearth.server.batch_store import default_batch_dir
     from hearth.server.limits import ServerLimits
 
     try:
@@ -31,10 +32,13 @@ def run_server(args, extend_app: Callable | None = None) -> None:
     engine = build_llm(args).engine
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
-    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
+    batch_dir = args.batch_dir or default_batch_dir()
+    app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
+                    batch_dir=batch_dir)
     if extend_app is not None:
         extend_app(app)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")
+    print(f"batches    {batch_dir}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.cache.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")
     sys.stdout.flush()

@@ -97,9 +97,9 @@ class ServedModel:
     # ---- requests in flight
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      prefill_source: str | None = None) -> list[RequestStream]:
-        """One engine request per prompt (ids `{request_id}-{i}`); all or none are added. On a decode
-        worker, given a prefill worker (its URL or its Ray actor), each prompt's KV is pulled from it first."""
+                      prefill_source: str | None = None, priority: int = 0) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`, at `priority`); all or none are added. On a
+        decode worker, given a prefill worker (its URL or its Ray actor), each prompt's KV is pulled from it first."""
         self.check_sequences(len(prompts), params)
         if prefill_source is not None and self.kv_puller is not None:
             for ids in prompts:
@@ -107,7 +107,7 @@ class ServedModel:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}"))
+                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}", priority))
         except BaseException:
             for s in streams:
                 s.close()

@@ -5,6 +5,8 @@ events: per choice, what it gained since its last event (a `Delta`); the route's
 says how a delta reads as choice items (a completion's text and echo, a chat message's role
 and content). Usage, the error event and `[DONE]` are the same for both.
 
+A route starts its requests (a `Started`) and `respond` answers with the stream or, whole, the
+JSON; `final_json` is the same JSON for a caller in this process (a batch's lines, batches.py).
 A client that goes away aborts its requests: a stream is cancelled by Starlette, a
 non-streaming request by `cancel_on_disconnect`'s watcher of the connection.
 """
@@ -18,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hearth.server.errors import exception_body
 from hearth.server.protocol import usage
-from hearth.server.served import ServedModel
+from hearth.server.served import PREFILL_HEADER, ServedModel
 
 
 class SSEResponse(StreamingResponse):
@@ -97,6 +99,37 @@ class StreamHeader:
     model: str
     include_usage: bool
     continuous_usage: bool
+
+
+@dataclass
+class Started:
+    """A route's requests, in the engine: how they stream (header, fmt) and their whole JSON answer (reply)."""
+
+    streams: list[RequestStream]
+    header: StreamHeader
+    fmt: ChunkFormat
+    reply: Callable[[list[RequestOutput]], dict]  # the final outputs -> the non-streaming response's JSON
+
+
+async def respond(request: Request, served: ServedModel, start: Callable[..., Awaitable[Started]], body) -> Response:
+    """A generation route's HTTP answer: its requests started (`start(body, served, prefill source)`), then
+    server-sent events, or the whole JSON once every request has finished."""
+    started = await start(body, served, request.headers.get(PREFILL_HEADER))
+    if body.stream:
+        return stream_response(served, started.streams, started.fmt, started.header)
+
+    async def collect() -> Response:
+        return JSONResponse(started.reply(await served.final_outputs(started.streams)))
+
+    return await cancel_on_disconnect(request, collect(), lambda: served.close(started.streams))
+
+
+async def final_json(served: ServedModel, started: Started) -> dict:
+    """The non-streaming answer's JSON, for a caller in this process; cancelling it aborts the requests."""
+    try:
+        return started.reply(await served.final_outputs(started.streams))
+    finally:
+        served.close(started.streams)
 
 
 def stream_response(served: ServedModel, streams: list[RequestStream], fmt: ChunkFormat,
