@@ -37,6 +37,13 @@ _LAYER_NAMES = {
 _EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                   "ffn_down_exps.weight": "down_proj"}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# lfm2's checkpoint names -> hearth's (its attention's and MLP's are llama's under other names)
+_LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
+               ".feed_forward.w1.": ".mlp.gate_proj.", ".feed_forward.w3.": ".mlp.up_proj.",
+               ".feed_forward.w2.": ".mlp.down_proj.", ".self_attn.out_proj.": ".self_attn.o_proj.",
+               ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+               "model.embedding_norm.": "model.norm."}
+_LFM2_ALIASES = tuple((re.compile(re.escape(theirs)), ours) for theirs, ours in _LFM2_NAMES.items())
 # mixtral's checkpoint names -> the (qwen-style) names of hearth's modules
 _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
@@ -44,6 +51,7 @@ _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
+    *_LFM2_ALIASES,
 )
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -98,7 +106,8 @@ def canonical_hf_name(name: str) -> str:
 
 
 # hearth's names -> a family's own checkpoint names, where transformers reads only those
-_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)}
+_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
+                     "lfm2": tuple((re.compile(re.escape(ours)), theirs) for theirs, ours in _LFM2_NAMES.items())}
 
 
 def checkpoint_name(name: str, architecture: str) -> str:
