@@ -41,12 +41,16 @@ _ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
+# llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
+_NOT_READ = {"deepseek2": "deepseek_v2", "lfm2": "lfm2", "qwen35": "qwen3_5"}
+
+
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
     hearth_arch = _ARCHITECTURES.get(arch, arch)
-    if arch == "deepseek2":
-        raise ModelLoadError(f"{where}: GGUF files of architecture 'deepseek2' are not read by hearth "
-                             f"({NO_GGUF['deepseek_v2']}); run the Hugging Face folder")
+    if arch in _NOT_READ:
+        raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
+                             f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
     if hearth_arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r} (general.architecture); "

@@ -78,7 +78,11 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
 # architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
+NO_GGUF = {"lfm2": "llama.cpp's lfm2 tensors (shortconv.conv, shortconv.in_proj, ...) have no names in hearth's GGUF "
+                   "mapping yet",
+           "qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
+                      "mapping yet",
+           "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
