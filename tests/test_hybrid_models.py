@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
-from hearth.backend import choose_backend
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.state_slots import StateSlots
 from hearth.errors import HearthError, ModelLoadError
+from hearth.loading.convert import convert_hf_to_gguf
+from hearth.loading.gguf import config_from_metadata
+from hearth.loading.gguf_reader import read_gguf
 from hearth.loading.loader import load_model
 from hearth.model_info import model_info
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
@@ -191,12 +193,44 @@ def test_unimplemented_fields_refused_by_name(family, tmp_path):
 
 
 def test_gpu_backend_and_gguf_refused_by_name(family, tmp_path):
+    """The gpu backend (no kernels for the state layers yet); GGUF of qwen3_5 either way, and of an lfm2
+    with convolution biases (llama.cpp's lfm2 has no tensors for them)."""
     pytest.importorskip("triton")
     from hearth.backend.gpu import GpuBackend
-    from hearth.loading.convert import convert_hf_to_gguf
 
     arch, folder, _ = family
     with pytest.raises(ModelLoadError, match="no state layers .* yet: run .* with --backend cpu or reference"):
         load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
-    with pytest.raises(ModelLoadError, match=f"does not convert {arch}"):
+    message = {"lfm2": "lfm2 with conv_bias", "qwen3_5": "does not convert qwen3_5"}[arch]
+    with pytest.raises(ModelLoadError, match=message):
         convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
+    with pytest.raises(ModelLoadError, match="'qwen35' are not read"):
+        config_from_metadata({"general.architecture": "qwen35"}, "m.gguf")
+
+
+def test_lfm2_gguf_round_trip(tmp_path):
+    """`hearth convert` writes lfm2 as llama.cpp names it (every tensor one of gguf-py's LFM2 tensors, a
+    KV head count per layer, the convolution's taps); read back, its logits equal transformers' (f32),
+    and a q8_0 file generates as the folder does up to its rounding."""
+    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
+    folder = make_hf_model(tmp_path / "m", "lfm2", conv_bias=False)
+    path = convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
+    file = read_gguf(path)
+    names = {TENSOR_NAMES[t].format(bid=b) + ".weight" for t in MODEL_TENSORS[MODEL_ARCH.LFM2] for b in range(3)}
+    assert {t.name for t in file.tensors} <= names
+    assert list(file.metadata["lfm2.attention.head_count_kv"]) == [0, 2, 0]
+    assert file.metadata["lfm2.shortconv.l_cache"] == 3
+    model = load_model(path, progress=False).model
+    assert model.config.layer_types == ("short_conv", "attention", "short_conv")
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    hidden, _ = runner.forward([BatchEntry(PROMPTS[0], 0, [3, 1, 0, 2], state_slot=0)])
+    with torch.no_grad():
+        want = load_hf_reference(folder)(torch.tensor([PROMPTS[0]])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    quantized = convert_hf_to_gguf(folder, tmp_path / "q.gguf", "q8_0", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ours = LLM(quantized, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
+    theirs = LLM(folder, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]

@@ -32,6 +32,10 @@ _LAYER_NAMES = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    # lfm2's short convolutions (llama.cpp keeps the convolution's weight 2-D: [channels, taps])
+    "shortconv.conv.weight": "conv.conv.weight",
+    "shortconv.in_proj.weight": "conv.in_proj.weight",
+    "shortconv.out_proj.weight": "conv.out_proj.weight",
 }
 # llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
 _EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
@@ -78,15 +82,17 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
 # architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"lfm2": "llama.cpp's lfm2 tensors (shortconv.conv, shortconv.in_proj, ...) have no names in hearth's GGUF "
-                   "mapping yet",
-           "qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
+NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
                       "mapping yet",
            "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
+
+
+# lfm2: llama.cpp's token_embd_norm is its final norm (HF's embedding_norm, applied after the last layer)
+LFM2_FINAL_NORM = "token_embd_norm.weight"
 
 
 def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
