@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -234,3 +235,31 @@ def test_lfm2_gguf_round_trip(tmp_path):
     ours = LLM(quantized, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
     theirs = LLM(folder, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+def test_cpu_kernels_match_the_torch_steps():
+    """cpu_kernels/state_ops.cpp's decode steps against the reference backend's torch ones, in a step of
+    three decodes (one starting fresh, its slot holding another sequence's old state) and a chunk."""
+    from hearth.backend.base import Backend
+    from hearth.backend.cpu import CpuBackend
+    from hearth.backend.state_ops import StateMetadata
+
+    slots, starts, seq_lens = np.array([4, 1, 5, 2]), np.array([0, 1, 2, 7, 8]), np.array([9, 1, 12, 30])
+    meta = StateMetadata.from_step(slots, starts, seq_lens, torch.device("cpu"))
+    rows, channels, taps, heads, dk, dv = 8, 24, 4, 3, 8, 12
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    x, weight, bias, windows = randn(rows, channels), randn(channels, taps), randn(channels), randn(6, channels, taps - 1)
+    q, k = (torch.nn.functional.normalize(randn(rows, heads, dk), dim=-1) for _ in range(2))
+    v, g, beta, states = randn(rows, heads, dv), -randn(rows, heads).abs(), randn(rows, heads).sigmoid(), \
+        randn(6, heads, dk, dv)
+    results = []
+    for backend in (Backend(), CpuBackend()):
+        conv_states, delta_states = windows.clone(), states.clone()
+        results.append([backend.causal_conv1d(x, conv_states, weight, b, meta, "silu") for b in (bias, None)]
+                       + [conv_states, backend.gated_delta_rule(q, k, v, g, beta, delta_states, meta), delta_states])
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

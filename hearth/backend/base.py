@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.backend.state_ops import StateMetadata, causal_conv1d, gated_delta_rule
+from hearth.backend import state_ops
+from hearth.backend.state_ops import StateMetadata
 from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCache, read_rows, write_rows
@@ -281,9 +282,17 @@ class Backend:
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
 
-    # the state layers' operations (hybrid models): torch's, in state_ops.py, on every backend that has them
-    causal_conv1d = staticmethod(causal_conv1d)
-    gated_delta_rule = staticmethod(gated_delta_rule)
+    # the state layers' operations (hybrid models, state_ops.py): prompts and chunks in torch; the decodes'
+    # steps (their states updated in place by slot) are what a backend replaces with kernels
+
+    def causal_conv1d(self, x, state, weight, bias, meta: StateMetadata, activation: str | None = None):
+        return state_ops.causal_conv1d(x, state, weight, bias, meta, activation, step=self.conv1d_step)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, meta: StateMetadata):
+        return state_ops.gated_delta_rule(q, k, v, g, beta, state, meta, step=self.delta_rule_step)
+
+    conv1d_step = staticmethod(state_ops.conv1d_step)
+    delta_rule_step = staticmethod(state_ops.delta_rule_step)
 
     @staticmethod
     def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,16 +75,14 @@ def causal_conv1d(
     bias: torch.Tensor | None,  # [C]
     meta: StateMetadata,
     activation: str | None = None,  # "silu" or None
+    step=None,  # the single-row sequences' step (a backend's kernel); None: conv1d_step
 ) -> torch.Tensor:  # [T, C]
     """Each channel convolved with its K taps over the sequence's inputs so far (the window before
     the step's rows from the state); the state keeps the last K - 1 inputs."""
     out = torch.empty_like(x)
     width = weight.shape[1] - 1
     if meta.single_rows.numel():
-        window = torch.cat([_previous(state, meta).to(x.dtype), x[meta.single_rows].unsqueeze(-1)], dim=-1)
-        y = (window * weight).sum(-1)  # [D, C]
-        state[meta.single_slots] = window[..., 1:].to(state.dtype)
-        out[meta.single_rows] = y if bias is None else y + bias
+        out[meta.single_rows] = (step or conv1d_step)(x[meta.single_rows], state, weight, bias, meta)
     for start, end, slot, fresh in meta.several_rows():
         previous = x.new_zeros(x.shape[1], width) if fresh else state[slot].to(x.dtype)
         window = torch.cat([previous, x[start:end].t()], dim=1)  # [C, K - 1 + n]
@@ -92,6 +90,16 @@ def causal_conv1d(
         state[slot] = window[:, -width:].to(state.dtype)
         out[start:end] = y.t()
     return F.silu(out) if activation == "silu" else out
+
+
+def conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                meta: StateMetadata) -> torch.Tensor:
+    """The single-row sequences' convolution: x [D, C], their windows gathered by slot and put back
+    shifted -> [D, C] (no activation)."""
+    window = torch.cat([_previous(state, meta).to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [D, C, K]
+    state[meta.single_slots] = window[..., 1:].to(state.dtype)
+    y = (window * weight).sum(-1)
+    return y if bias is None else y + bias
 
 
 def gated_delta_rule(
@@ -102,18 +110,25 @@ def gated_delta_rule(
     beta: torch.Tensor,  # [T, H] float32
     state: torch.Tensor,  # [slots, H, dk, dv] float32
     meta: StateMetadata,
+    step=None,  # the single-row sequences' step (a backend's kernel); None: delta_rule_step
 ) -> torch.Tensor:  # [T, H, dv] float32
     """The gated delta rule over the step's rows (the module's docstring): one recurrent step for
     the sequences with one new row, the chunked form for the others."""
     out = torch.empty_like(v)
     if meta.single_rows.numel():
         rows = meta.single_rows
-        out[rows], state[meta.single_slots] = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                                             _previous(state, meta))
+        out[rows] = (step or delta_rule_step)(q[rows], k[rows], v[rows], g[rows], beta[rows], state, meta)
     for start, end, slot, fresh in meta.several_rows():
         initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
         out[start:end], state[slot] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
                                                          beta[start:end], initial)
+    return out
+
+
+def delta_rule_step(q, k, v, g, beta, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """The single-row sequences' step (q, k [D, H, dk], v [D, H, dv], g, beta [D, H]): their states
+    gathered by slot, one step each, put back -> [D, H, dv]."""
+    out, state[meta.single_slots] = recurrent_step(q, k, v, g, beta, _previous(state, meta))
     return out
 
 

@@ -65,12 +65,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    kv_heads = get("attention.head_count_kv", heads)
-    hybrid = {}
-    if arch == "lfm2":  # a KV head count per layer: 0 for its short convolutions
-        kv_heads, hybrid = _lfm2_layers(kv_heads, int(get("block_count")), where)
-        hybrid["conv_kernel_size"] = int(get("shortconv.l_cache"))
-    kv_heads = int(kv_heads)
+    kv_heads, hybrid = _kv_heads_and_layers(arch, get("attention.head_count_kv", heads), get, where)
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
@@ -109,15 +104,19 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def _lfm2_layers(kv_heads: Any, layers: int, where: str) -> tuple[int, dict[str, Any]]:
-    """lfm2's attention.head_count_kv, one per layer (0: a short convolution): the KV heads of its
-    attention layers and the layers' kinds."""
+def _kv_heads_and_layers(arch: str, kv_heads: Any, get, where: str) -> tuple[int, dict[str, Any]]:
+    """The KV heads, and a hybrid's layer kinds and convolution: lfm2's attention.head_count_kv is one
+    count per layer (0: a short convolution of shortconv.l_cache taps)."""
+    if arch != "lfm2":
+        return int(kv_heads), {}
+    layers = int(get("block_count"))
     counts = list(kv_heads) if isinstance(kv_heads, (list, tuple, np.ndarray)) else [kv_heads] * layers
     attention = {int(n) for n in counts if n}
     if len(counts) != layers or len(attention) != 1:
         raise ModelLoadError(f"{where}: lfm2.attention.head_count_kv = {counts!r}: expected one count per layer, "
                              "0 for a convolution and the same for every attention layer")
-    return attention.pop(), {"layer_types": tuple("attention" if n else "short_conv" for n in counts)}
+    return attention.pop(), {"layer_types": tuple("attention" if n else "short_conv" for n in counts),
+                             "conv_kernel_size": int(get("shortconv.l_cache"))}
 
 
 def smollm3_no_rope_layers(layers: int) -> tuple[int, ...]:
