@@ -54,6 +54,7 @@ HF_ARCHITECTURES = {
     # hybrids: attention layers between layers that keep a state per sequence (hearth/model/state_layers.py)
     "Lfm2ForCausalLM": "lfm2",  # short convolutions
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
 }
 # What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
 # cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py)

@@ -161,10 +161,13 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     if arch == "lfm2":
         hf = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5), "intermediate_size": _lfm2_mlp_width(hf),
               "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True))}
-    elif arch == "qwen3_5" and "text_config" in hf:
-        raise ModelLoadError("Qwen3_5ForConditionalGeneration (the image-text model, its text model under text_config) "
-                             "is not implemented by hearth: it reads the text model's folder (Qwen3_5ForCausalLM)")
-    elif arch == "qwen3_5" and (hf.get("hidden_act") or "silu") != "silu":  # its convolution's activation too
+    elif arch == "qwen3_5" and "text_config" in hf:  # the image-text model: hearth runs its text model
+        text = hf["text_config"]
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"text_config = {text!r}: expected an object")
+        return hybrid_fields_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings",
+                                                                            text.get("tie_word_embeddings", False))}, arch)
+    if arch == "qwen3_5" and (hf.get("hidden_act") or "silu") != "silu":  # its convolution's activation too
         raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for qwen3_5")
     return hf
 

@@ -171,7 +171,7 @@ def test_scheduler_counts_state_slots():
 
 REFUSED = {  # per family: config.json fields hearth does not implement, and what the error says
     "qwen3_5": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for qwen3_5"),
-                ({"text_config": {}}, "Qwen3_5ForConditionalGeneration"),
+                ({"text_config": "none"}, "text_config = 'none': expected an object"),
                 ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
                 ({"layer_types": ["linear_attention"] * 4}, "models with an attention layer")],
     "lfm2": [({"layer_types": ["conv", "sliding_attention", "conv"]}, "expected full_attention or conv"),
@@ -235,6 +235,32 @@ def test_lfm2_gguf_round_trip(tmp_path):
     ours = LLM(quantized, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
     theirs = LLM(folder, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
+    """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: the text model under
+    text_config and model.language_model, a vision tower beside it): hearth loads the text model,
+    leaves the vision tower out with a log line, and gives transformers' logits for a text prompt."""
+    import transformers
+
+    from models import hf_config, make_tokenizer
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=hf_config("qwen3_5").to_dict(), vision_config=vision)).eval()
+    reference.save_pretrained(tmp_path)
+    make_tokenizer(tmp_path)
+    with caplog.at_level(logging.INFO, logger="hearth"):
+        model = load_model(tmp_path, progress=False).model
+    assert "tensors not loaded" in caplog.text and "model\\.visual" in caplog.text
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    hidden, _ = runner.forward([BatchEntry(PROMPTS[0], 0, [0, 1, 2, 3], state_slot=0)])
+    with torch.no_grad():
+        want = reference(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
 def test_cpu_kernels_match_the_torch_steps():

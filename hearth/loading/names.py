@@ -56,7 +56,11 @@ _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
     *_LFM2_ALIASES,
+    (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
 )
+# the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
+# multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
+NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
