@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
+from hearth.config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
@@ -129,13 +130,14 @@ def test_states_hold_what_transformers_cache_holds(family):
 def test_inspect_gives_state_and_kv_sizes(family):
     arch, folder, _ = family
     state_bytes, kv_bytes = SIZES[arch]
-    info = model_info(folder, kv_budget_bytes=10 * state_bytes + 100 * kv_bytes, kv_element_size=4)
+    budget = 10 * state_bytes + 100 * kv_bytes
+    info = model_info(folder, kv_budget_bytes=budget, kv_element_size=4)
     assert info["kv_cache_bytes_per_token"] == kv_bytes
     assert info["state_layers"]["state_bytes_per_sequence"] == state_bytes
-    # the default max_num_seqs (64) caps the slots at the budget's: a state and a block each
-    sequences = min(64, (10 * state_bytes + 100 * kv_bytes) // (state_bytes + 16 * kv_bytes))
+    # as many states as the budget holds with a block each, at most the default max_num_seqs
+    sequences = min(EngineConfig().scheduler.max_num_seqs, budget // (state_bytes + 16 * kv_bytes))
     assert info["kv_budget_sequences"] == sequences
-    assert info["kv_budget_tokens"] == (10 * state_bytes + 100 * kv_bytes - sequences * state_bytes) // kv_bytes
+    assert info["kv_budget_tokens"] == (budget - sequences * state_bytes) // kv_bytes
 
 
 def test_speculation_and_contrastive_refused_by_name(family):
