@@ -21,7 +21,7 @@ from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.state_slots import StateSlots
-from hearth.errors import HearthError, ModelLoadError
+from hearth.errors import HearthError, ModelLoadError, RequestError
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.gguf import config_from_metadata
 from hearth.loading.gguf_reader import read_gguf
@@ -88,6 +88,27 @@ def test_one_at_a_time_matches_transformers(family, backend, caplog):
     _check(_greedy_with_top5(llm), expected)
     assert llm.engine.block_manager.prefix_cache_hits == 0
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots == 1
+    with pytest.raises(RequestError, match=f"not implemented for hybrid models \\({arch}"):
+        llm.engine.export_kv(PROMPTS[0])
+
+
+def test_perplexity_windows_each_in_a_state_slot(family):
+    """hearth perplexity's windows, several in one pass, each from a zero state in its own slot: the
+    mean negative log-likelihood transformers gives each window, averaged over their tokens."""
+    from hearth.perplexity import perplexity
+
+    arch, folder, _ = family
+    tokens = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]  # 92 tokens: windows of 40, 40 and 12
+    model = load_model(folder, progress=False).model
+    ours = perplexity(model, tokens, context=40, device=torch.device("cpu"), max_batch_tokens=120)
+    reference, total, count = load_hf_reference(folder), 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, 40):
+            window = torch.tensor([tokens[start:start + 40]])
+            logits = reference(window).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+            count += window.shape[1] - 1
+    assert ours["tokens"] == count and ours["nll"] == pytest.approx(total / count, rel=1e-5)
 
 
 def test_mixed_batch_chunked_prefill_and_preemption(family):
