@@ -9,6 +9,7 @@ from typing import Any
 
 from hearth.errors import ModelLoadError
 
+# config.json's layer_types of hybrids -> ModelConfig's (config.py's ATTENTION, SHORT_CONV, GATED_DELTA_NET)
 _HYBRID_LAYER_KINDS = {"full_attention": "attention", "conv": "short_conv", "linear_attention": "gated_delta_net"}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, SHORT_CONV, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
@@ -115,7 +115,7 @@ def _kv_heads_and_layers(arch: str, kv_heads: Any, get, where: str) -> tuple[int
     if len(counts) != layers or len(attention) != 1:
         raise ModelLoadError(f"{where}: lfm2.attention.head_count_kv = {counts!r}: expected one count per layer, "
                              "0 for a convolution and the same for every attention layer")
-    return attention.pop(), {"layer_types": tuple("attention" if n else "short_conv" for n in counts),
+    return attention.pop(), {"layer_types": tuple(ATTENTION if n else SHORT_CONV for n in counts),
                              "conv_kernel_size": int(get("shortconv.l_cache"))}
 
 
