@@ -163,6 +163,13 @@ def cmd_inspect(args) -> None:
     if info["kv_window"] is not None:
         print(f"KV blocks        freed once older than every layer's window ({info['kv_window']} tokens)")
     which = " (hearth serve's default)" if info["kv_budget_default"] else ""
+    if "state_layers" in info:
+        kinds = info["state_layers"]["layer_types"]
+        layers = ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds))
+        print(f"state cache      {info['state_layers']['state_bytes_per_sequence']:,} bytes/sequence (layers: {layers})")
+        print(f"budget           {info['kv_budget_bytes'] / 2**20:.1f} MiB holds the states of "
+              f"{info['kv_budget_sequences']:,} sequences and {info['kv_budget_tokens']:,} tokens{which}")
+        return
     print(f"KV budget        {info['kv_budget_bytes'] / 2**20:.1f} MiB holds {info['kv_budget_tokens']:,} tokens{which}")
 
 

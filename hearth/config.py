@@ -11,6 +11,8 @@ from hearth.errors import ModelLoadError
 from hearth.hf_config import (
     experts_from_hf,
     gemma2_from_hf,
+    hybrid_fields_from_hf,
+    hybrid_from_hf,
     latent_attention_from_hf,
     no_rope_layers_from_hf,
     refuse_unimplemented,
@@ -31,7 +33,7 @@ DEFAULT_SPECULATIVE_TOKENS = 8
 
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
-                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 HF_ARCHITECTURES = {
@@ -49,7 +51,14 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (hearth/model/latent_attention.py)
+    # hybrids: attention layers between layers that keep a state per sequence (hearth/model/state_layers.py)
+    "Lfm2ForCausalLM": "lfm2",  # short convolutions
+    "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
 }
+# What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
+# cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py)
+ATTENTION, SHORT_CONV, GATED_DELTA_NET = "attention", "short_conv", "gated_delta_net"
 
 
 @dataclass
@@ -112,6 +121,17 @@ class ModelConfig:
     q_lora_rank: int = 0  # q made through a norm between two projections of this rank (0: by q_proj)
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # Hybrid models (lfm2, qwen3_5): each layer's kind (ATTENTION, SHORT_CONV, GATED_DELTA_NET); (): all attention
+    layer_types: tuple[str, ...] = ()
+    conv_kernel_size: int = 0  # the causal depthwise convolution's width (lfm2's conv_L_cache, qwen3_5's conv)
+    conv_bias: bool = False  # lfm2: biases on the convolution and its projections
+    # Gated DeltaNet (qwen3_5): q and k heads of linear_key_head_dim, v heads of linear_value_head_dim
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
+    partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,6 +164,8 @@ class ModelConfig:
             raise ModelLoadError(f"qk_norm = {self.qk_norm!r}: expected None, 'head' or 'all'")
         if self.num_experts:
             self._check_experts()
+        if self.layer_types:
+            self._check_state_layers()
         if self.kv_lora_rank or self.architecture == "deepseek_v2":  # never run as ordinary attention
             self._check_sizes(_LATENT_LIMITS)
             if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
@@ -172,6 +194,58 @@ class ModelConfig:
             raise ModelLoadError(f"dense MLP layers {list(self.dense_mlp_layers)}: expected layer numbers below "
                                  f"{self.num_layers}")
 
+    def _check_state_layers(self) -> None:
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {ATTENTION, SHORT_CONV, GATED_DELTA_NET}:
+            raise ModelLoadError(f"layer_types = {list(self.layer_types)!r}: expected one of {ATTENTION}, {SHORT_CONV}, "
+                                 f"{GATED_DELTA_NET} for each of the {self.num_layers} layers")
+        self._check_sizes({"conv_kernel_size": 1 << 8})
+        if self.conv_kernel_size < 2 or ATTENTION not in self.layer_types:
+            raise ModelLoadError(f"conv_kernel_size = {self.conv_kernel_size}, layer_types = {list(self.layer_types)}: "
+                                 "hearth implements convolutions of 2 taps or more, and models with an attention layer")
+        if GATED_DELTA_NET in self.layer_types:
+            self._check_sizes(_DELTA_NET_LIMITS)
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ModelLoadError(f"linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
+                                     f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ModelLoadError(f"partial_rotary_factor = {self.partial_rotary_factor!r}: expected a share of "
+                                 f"head_dim ({self.head_dim}) that is a positive even number of dimensions")
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else ATTENTION
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layer keeps a state per sequence rather than K/V per token."""
+        return any(kind != ATTENTION for kind in self.layer_types)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(self.layer_type(layer) == ATTENTION for layer in range(self.num_layers))
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """The state a layer keeps per sequence: () for attention; a short convolution's window (the last
+        conv_kernel_size - 1 inputs of each channel, [channels, kernel - 1]); a Gated DeltaNet's
+        convolution window over q, k and v and its delta-rule state [value heads, key dim, value dim]."""
+        kind, window = self.layer_type(layer), self.conv_kernel_size - 1
+        if kind == SHORT_CONV:
+            return ((self.hidden_size, window),)
+        if kind == GATED_DELTA_NET:
+            keys, values = self.linear_num_key_heads * self.linear_key_head_dim, \
+                self.linear_num_value_heads * self.linear_value_head_dim
+            return ((2 * keys + values, window),
+                    (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim))
+        return ()
+
+    def state_bytes_per_sequence(self, bytes_per_element: int) -> int:
+        """Every layer's state of one sequence: convolution windows in the compute dtype (bytes_per_element),
+        delta-rule states in float32 (they sum over the whole sequence)."""
+        total = 0
+        for layer in range(self.num_layers):
+            for i, shape in enumerate(self.state_shapes(layer)):
+                total += math.prod(shape) * (bytes_per_element if i == 0 else 4)
+        return total
+
     def is_sliding_layer(self, layer: int) -> bool:
         return self.sliding_window is not None and (self.sliding_layers is None or layer in self.sliding_layers)
 
@@ -182,6 +256,7 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         arch = _architecture_from_hf(hf, where)
         try:
+            hf = hybrid_fields_from_hf(hf, arch)
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
             kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -222,12 +297,14 @@ class ModelConfig:
                 sliding_window=int(window) if window is not None else None,
                 sliding_layers=sliding_layers_from_hf(hf, arch) if window is not None else None,
                 no_rope_layers=no_rope_layers_from_hf(hf) if arch == "smollm3" else (),
-                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
-                norm_weight_offset=1.0 if gemma else 0.0,
+                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all", "lfm2": "head",
+                         "qwen3_5": "head"}.get(arch),
+                norm_weight_offset=1.0 if gemma or arch == "qwen3_5" else 0.0,  # norms of (1 + w)
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
                 **gemma2_from_hf(hf, arch, local_rope),
                 **experts_from_hf(hf, arch),
                 **latent_attention_from_hf(hf, arch, heads, kv_heads),
+                **hybrid_from_hf(hf, arch, rope),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -247,13 +324,14 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """The cache of every layer: tensors x layers x heads x values x bytes (q8_0: 34 / 32 bytes)."""
         tensors, heads, width = self.kv_cache_layout()
-        return round(tensors * self.num_layers * heads * width * bytes_per_element)
+        return round(tensors * self.num_attention_layers * heads * width * bytes_per_element)
 
     @property
     def kv_window(self) -> int | None:
         """The window every layer attends through, or None where some layer sees the whole context:
         a running request's K/V older than its last kv_window positions are never read again."""
-        every_layer = all(self.is_sliding_layer(layer) for layer in range(self.num_layers))
+        every_layer = all(self.is_sliding_layer(layer) for layer in range(self.num_layers)
+                          if self.layer_type(layer) == ATTENTION)
         return self.sliding_window if every_layer else None
 
 
@@ -265,7 +343,7 @@ def _architecture_from_hf(hf: dict[str, Any], where: str) -> str:
     arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None:
         arch = hf.get("model_type")
-        arch = "gemma3" if arch == "gemma3_text" else arch
+        arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(arch, arch)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -282,6 +360,8 @@ _SIZE_LIMITS = {
 }
 _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_dim": 1 << 12}
 _QUERY_RANK_LIMIT = 1 << 16
+_DELTA_NET_LIMITS = {"linear_num_key_heads": 1 << 12, "linear_num_value_heads": 1 << 12, "linear_key_head_dim": 1 << 12,
+                     "linear_value_head_dim": 1 << 12}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 def _need(ok: bool, message: str) -> None:

@@ -9,6 +9,9 @@ from typing import Any
 
 from hearth.errors import ModelLoadError
 
+# config.json's layer_types of hybrids -> ModelConfig's (config.py's ATTENTION, SHORT_CONV, GATED_DELTA_NET)
+_HYBRID_LAYER_KINDS = {"full_attention": "attention", "conv": "short_conv", "linear_attention": "gated_delta_net"}
+
 
 def sliding_layers_from_hf(hf: dict[str, Any], arch: str) -> tuple[int, ...] | None:
     """The layers that attend through the sliding window (None: every layer): config.json's
@@ -152,6 +155,66 @@ def latent_attention_from_hf(hf: dict[str, Any], arch: str, heads: int, kv_heads
                 q_lora_rank=int(hf.get("q_lora_rank", 1536) or 0))  # 1536: transformers' default
 
 
+def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """config.json of a hybrid family with its fields under the names the other families use (lfm2's
+    norm_eps is rms_norm_eps, its block_* fields give the MLP's width as transformers derives it);
+    every other family's as it is."""
+    if arch == "lfm2":
+        hf = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5), "intermediate_size": _lfm2_mlp_width(hf),
+              "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True))}
+    elif arch == "qwen3_5" and "text_config" in hf:  # the image-text model: hearth runs its text model
+        text = hf["text_config"]
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"text_config = {text!r}: expected an object")
+        return hybrid_fields_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings",
+                                                                            text.get("tie_word_embeddings", False))}, arch)
+    if arch == "qwen3_5" and (hf.get("hidden_act") or "silu") != "silu":  # its convolution's activation too
+        raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for qwen3_5")
+    return hf
+
+
+def _lfm2_mlp_width(hf: dict[str, Any]) -> int:
+    width = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            multiple = int(hf.get("block_multiple_of") or 256)
+            width = multiple * -(-int(float(hf["block_ffn_dim_multiplier"]) * width) // multiple)
+    return width
+
+
+def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5: Gated DeltaNet
+    and gated attention); none for other families."""
+    if arch not in ("lfm2", "qwen3_5"):
+        return {}
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types")
+    if kinds is None and arch == "lfm2":
+        attention = hf.get("full_attn_idxs")
+        kinds = ["full_attention" if attention is None or i in attention else "conv" for i in range(layers)]
+    elif kinds is None:
+        interval = int(hf.get("full_attention_interval") or 4)
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    allowed = ("full_attention", "conv") if arch == "lfm2" else ("full_attention", "linear_attention")
+    if not isinstance(kinds, list) or any(kind not in allowed for kind in kinds):
+        raise ModelLoadError(f"layer_types = {kinds!r}: expected {' or '.join(allowed)} for each layer")
+    fields = dict(layer_types=tuple(_HYBRID_LAYER_KINDS[kind] for kind in kinds))
+    if arch == "lfm2":
+        return fields | dict(conv_kernel_size=int(hf.get("conv_L_cache", 3)), conv_bias=bool(hf.get("conv_bias", False)))
+    # rope's mrope_section / mrope_interleaved split the rotary frequencies among a token's time, height
+    # and width positions: a text token's three are its one position, so they rotate as plain RoPE
+    return fields | dict(
+        conv_kernel_size=int(hf.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+        attention_output_gate=True,
+        partial_rotary_factor=float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
+    )
+
+
 # config.json fields of features hearth does not implement, with the values that switch them off:
 # a config that switches one on is refused, never run without it.
 _INACTIVE_FIELDS = {
@@ -162,7 +225,8 @@ _INACTIVE_FIELDS = {
     "use_bidirectional_attention": (None, False),  # gemma3's encoder use
 }
 # of those, the ones some families implement
-_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3")}
+_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3"),
+                   "partial_rotary_factor": ("qwen3_5",)}
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:

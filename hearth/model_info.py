@@ -9,7 +9,8 @@ from pathlib import Path
 from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.config import EngineConfig
 from hearth.default_model import resolve_model
-from hearth.engine.memory import choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes
+from hearth.engine.memory import (choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes,
+                                  state_slot_count)
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 
@@ -63,7 +64,11 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         info["experts"] = _experts(config, params)
     if config.kv_lora_rank:
         info["latent_attention"] = _latent_attention(config)
-    info.update(_kv_budget(path, config, kv_per_token, kv_budget_bytes))
+    state_bytes = 0
+    if config.is_hybrid:  # the state cache's share: convolution windows in the compute dtype, delta rules in float32
+        state_bytes = config.state_bytes_per_sequence(kv_element_size or choose_dtype("auto", choose_device("auto")).itemsize)
+        info["state_layers"] = {"layer_types": list(config.layer_types), "state_bytes_per_sequence": state_bytes}
+    info.update(_kv_budget(path, config, kv_per_token, kv_budget_bytes, state_bytes))
     return info
 
 
@@ -78,17 +83,24 @@ def _kv_dtype(kv_cache_dtype: str, kv_element_size: int | None) -> tuple[str, fl
     return str(dtype).removeprefix("torch."), dtype.itemsize
 
 
-def _kv_budget(path: Path, config, kv_per_token: int, budget: int | None) -> dict:
+def _kv_budget(path: Path, config, kv_per_token: int, budget: int | None, state_bytes: int) -> dict:
     """The tokens a budget given holds; with none, the budget an engine with default options computes
-    (`hearth serve`'s), in whole blocks as the engine's start-up line gives it."""
-    if budget is not None:
-        return {"kv_budget_bytes": budget, "kv_budget_default": False, "kv_budget_tokens": budget // kv_per_token}
+    (`hearth serve`'s), in whole blocks as the engine's start-up line gives it. A hybrid model's budget
+    keeps the states of some sequences first (kv_budget_sequences: how many run at once) and K/V in the rest."""
     defaults = EngineConfig()
-    block_size = defaults.cache.block_size
-    budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size,
-                             config.max_position_embeddings, defaults.scheduler.max_num_seqs, model_bytes(path))
-    tokens = kv_cache_blocks(budget, kv_per_token, block_size) * block_size
-    return {"kv_budget_bytes": tokens * kv_per_token, "kv_budget_default": True, "kv_budget_tokens": tokens}
+    block_size, max_num_seqs = defaults.cache.block_size, defaults.scheduler.max_num_seqs
+    default = budget is None
+    if default:
+        budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size, config.max_position_embeddings,
+                                 max_num_seqs, model_bytes(path), state_bytes)
+    slots = state_slot_count(budget, kv_per_token, block_size, state_bytes, max_num_seqs)
+    kv_bytes = budget - slots * state_bytes
+    tokens = kv_cache_blocks(kv_bytes, kv_per_token, block_size) * block_size if default else kv_bytes // kv_per_token
+    info = {"kv_budget_bytes": tokens * kv_per_token if default else budget, "kv_budget_default": default,
+            "kv_budget_tokens": tokens}
+    if state_bytes:
+        info |= {"kv_budget_bytes": tokens * kv_per_token + slots * state_bytes, "kv_budget_sequences": slots}
+    return info
 
 
 def _experts(config, params: int) -> dict:

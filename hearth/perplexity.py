@@ -40,12 +40,13 @@ def perplexity(model: Transformer, token_ids: list[int], context: int, device: t
     kv_cache_dtype = kv_cache_dtype_name(kv_cache_dtype)
     check_kv_cache_dtype(kv_cache_dtype, model.config, model.backend)
     runner = ModelRunner(model, per_step * blocks_per_window, BLOCK_SIZE, device, model.dtype,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, num_state_slots=per_step)  # (a hybrid model's states)
     tables = [list(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(per_step)]
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     for first in range(0, len(windows), per_step):
         step = windows[first:first + per_step]
-        hidden, last_rows = runner.forward([BatchEntry(w, 0, table) for w, table in zip(step, tables)])
+        hidden, last_rows = runner.forward([BatchEntry(w, 0, table, state_slot=i)
+                                            for i, (w, table) in enumerate(zip(step, tables))])
         # every row but each window's last predicts the token after it
         scored = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
         scored[last_rows] = False

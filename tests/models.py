@@ -56,7 +56,7 @@ _COMMON = dict(
 def hf_config(arch: str, **overrides):
     import transformers
 
-    cls, extra = {**_dense_configs(transformers), **_expert_configs(transformers)}[arch]
+    cls, extra = {**_dense_configs(transformers), **_expert_configs(transformers), **_hybrid_configs(transformers)}[arch]
     return cls(**{**_COMMON, **extra, **overrides})
 
 
@@ -114,6 +114,21 @@ def _expert_configs(transformers) -> dict:
     }
 
 
+def _hybrid_configs(transformers) -> dict:
+    """The same for hybrids: layers with a state per sequence between attention layers."""
+    return {
+        # a short convolution (with biases), attention, a convolution; the MLP's width derived as LFM2's
+        "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
+                                           "conv_bias": True, "conv_L_cache": 3, "block_multiple_of": 16,
+                                           "norm_eps": 1e-5, "pad_token_id": None}),
+        # Qwen3.5's pattern (three Gated DeltaNet layers, then gated attention) with partial RoPE; more
+        # value heads than key heads, as in the real models
+        "qwen3_5": (transformers.Qwen3_5TextConfig, {
+            "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4}),
+    }
+
+
 def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Save a random `arch` model with transformers (fp32) and a tokenizer into `folder`."""
     import transformers
@@ -122,8 +137,10 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     config = hf_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # spread the weights so that logits are far from uniform
-        for p in model.parameters():
-            if p.dim() == 1:
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # Gated DeltaNet's decays: a state that remembers a few tokens
+                p.normal_(-2.0, 0.5)
+            elif p.dim() == 1:
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)

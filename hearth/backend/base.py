@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.backend import state_ops
+from hearth.backend.state_ops import StateMetadata
 from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCache, read_rows, write_rows
@@ -51,6 +53,8 @@ class StepInputs:
     # slot's; a causal sequence has tree_start at its first new row and row r's bits 0..r.
     tree_start: np.ndarray | None = None
     tree_masks: np.ndarray | None = None
+    # hybrid models: int32 [S] each sequence's slot in the state cache (None: the model keeps no state)
+    state_slots: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -75,7 +79,8 @@ class StepInputs:
         return StepInputs(self.input_ids[start:stop], self.positions[start:stop], self.slot_mapping[start:stop],
                           self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
                           self.block_tables[first:end], self.block_size,
-                          self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None)
+                          self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None,
+                          None if self.state_slots is None else self.state_slots[first:end])
 
 
 @dataclass
@@ -112,6 +117,7 @@ class AttentionMetadata:
     # token trees (StepInputs.tree_start / tree_masks) of the decodes: [D] int32 and [R] int64; None: causal
     decode_tree_start: torch.Tensor | None = None
     decode_tree_masks: torch.Tensor | None = None
+    state: StateMetadata | None = None  # hybrid models: the sequences' state slots (hearth/backend/state_ops.py)
 
     @property
     def num_decodes(self) -> int:
@@ -148,6 +154,8 @@ class AttentionMetadata:
             block_size=step.block_size,
             decode_tree_start=None if step.tree_masks is None else torch.from_numpy(step.tree_start[decode_seqs]).to(device),
             decode_tree_masks=None if step.tree_masks is None else torch.from_numpy(step.tree_masks[decode_rows]).to(device),
+            state=None if step.state_slots is None else StateMetadata.from_step(step.state_slots, step.query_start_loc,
+                                                                                step.seq_lens, device),
         )
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +192,7 @@ class Backend:
     name = "reference"
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
+    state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -272,6 +281,18 @@ class Backend:
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
+
+    # the state layers' operations (hybrid models, state_ops.py): prompts and chunks in torch; the decodes'
+    # steps (their states updated in place by slot) are what a backend replaces with kernels
+
+    def causal_conv1d(self, x, state, weight, bias, meta: StateMetadata, activation: str | None = None):
+        return state_ops.causal_conv1d(x, state, weight, bias, meta, activation, step=self.conv1d_step)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, meta: StateMetadata):
+        return state_ops.gated_delta_rule(q, k, v, g, beta, state, meta, step=self.delta_rule_step)
+
+    conv1d_step = staticmethod(state_ops.conv1d_step)
+    delta_rule_step = staticmethod(state_ops.delta_rule_step)
 
     @staticmethod
     def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

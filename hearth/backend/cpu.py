@@ -112,6 +112,28 @@ class CpuBackend(Backend):
         self.kernels.silu_and_mul(gate.data_ptr(), out.data_ptr(), gate.shape[0], inter, torch.get_num_threads())
         return out
 
+    def conv1d_step(self, x, state, weight, bias, meta):
+        """As the reference, each window shifted in place in its slot (cpu_kernels/state_ops.cpp)."""
+        if not _float32_contiguous(x, state, weight, *([] if bias is None else [bias])):
+            return super().conv1d_step(x, state, weight, bias, meta)
+        out = torch.empty_like(x)
+        self.kernels.conv1d_step(x.data_ptr(), state.data_ptr(), meta.single_slots.data_ptr(),
+                                 meta.single_fresh.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), x.shape[0], x.shape[1], weight.shape[1], torch.get_num_threads())
+        return out
+
+    def delta_rule_step(self, q, k, v, g, beta, state, meta):
+        """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        if not _float32_contiguous(q, k, v, g, beta, state) or v.shape[-1] > 1024:
+            return super().delta_rule_step(q, k, v, g, beta, state, meta)
+        out = torch.empty_like(v)
+        self.kernels.delta_rule_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                     state.data_ptr(), meta.single_slots.data_ptr(), meta.single_fresh.data_ptr(),
+                                     out.data_ptr(), v.shape[0], v.shape[1], q.shape[-1], v.shape[-1],
+                                     torch.get_num_threads())
+        return out
+
     def argmax_and_logsumexp(self, logits):
         """As the reference, both in one kernel call (a row's second pass reads it from the caches)."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.shape[1]:
@@ -168,6 +190,10 @@ class CpuBackend(Backend):
         if "decode_path" not in state:
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         return state["decode_path"]
+
+
+def _float32_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

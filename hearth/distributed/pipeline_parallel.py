@@ -52,6 +52,8 @@ class PipelineShard:
 
     def config(self, config: ModelConfig) -> ModelConfig:
         """The whole model's config: a stage's layers keep their places in it (windows, experts)."""
+        if config.is_hybrid:
+            raise ModelLoadError(f"pipeline parallelism does not split hybrid models ({config.architecture}) yet")
         self.layers(config.num_layers)
         return config
 

@@ -60,6 +60,8 @@ class TensorShard:
         world = self.world_size
         if getattr(config, "num_experts", 0):
             raise ModelLoadError("tensor parallelism does not split mixture-of-experts models yet")
+        if config.is_hybrid:
+            raise ModelLoadError(f"tensor parallelism does not split hybrid models ({config.architecture}) yet")
         for name, value in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
             if value % world:
                 raise ModelLoadError(f"{name} = {value} does not split over {world} ranks")

@@ -65,13 +65,17 @@ def _batches(engine: LLMEngine, prompts: list[list[int]], budget: int) -> Iterat
 
 
 def _borrowed(engine: LLMEngine, batch: list[list[int]]) -> Iterator[list[BatchEntry]]:
-    blocks = engine.block_manager
+    blocks, states = engine.block_manager, engine.scheduler.state_slots  # (states: a hybrid model's)
     borrowed = [Request(f"embed-{i}", ids) for i, ids in enumerate(batch)]
     try:
         for request in borrowed:
-            if not blocks.allocate_slots(request, len(request.prompt_token_ids)):
+            if not blocks.allocate_slots(request, len(request.prompt_token_ids)) or not (
+                    states is None or states.allocate(request)):
                 raise CacheFull("the KV cache is full with running requests; retry the embedding later")
-        yield [BatchEntry(r.prompt_token_ids, 0, r.block_table) for r in borrowed]
+        yield [BatchEntry(r.prompt_token_ids, 0, r.block_table, state_slot=None if states is None else r.state_slot)
+               for r in borrowed]
     finally:
         for request in borrowed:
             blocks.free(request)
+            if states is not None:
+                states.free(request)

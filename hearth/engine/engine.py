@@ -26,7 +26,8 @@ from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import context_length, engine_backend, kv_cache_size, load_target
+from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, load_target
+from hearth.engine.state_slots import StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
 from hearth.outputs import RequestOutput
@@ -51,24 +52,31 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         self.max_model_len = context_length(config, self.model_config)
-        self.num_blocks, bytes_per_token = kv_cache_size(config, self.model_config, self.model.backend, self.device,
-                                                         self.dtype, self.max_model_len, self.model_path)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        hybrid = check_hybrid(config, self.model_config)
+        self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
+            config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching and not hybrid)
         scheduling = config.scheduler
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
-                                   kv_window=self.model_config.kv_window)
+                                   kv_window=self.model_config.kv_window,
+                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
-                                  model_pass=None if shard is None else shard.model_pass(backend))
+                                  model_pass=None if shard is None else shard.model_pass(backend),
+                                  num_state_slots=self.num_state_slots)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
+        self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
         if progress:
+            states = "" if not hybrid else (f"; states of {self.num_state_slots:,} sequences "
+                                            f"{self.state_cache_bytes / 2**20:.1f} MiB")
             print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
                   f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size})",
+                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}",
                   file=sys.stderr)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,

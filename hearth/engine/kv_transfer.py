@@ -47,3 +47,6 @@ def _check_kv_local(engine: LLMEngine) -> None:
     if engine.config.cache.kv_cache_dtype != "auto" or engine.model_config.kv_lora_rank:
         raise RequestError("KV transfer between engines is not implemented for a KV cache in another dtype than the "
                            "compute dtype (float16, q8_0, fp8) or a latent one")
+    if engine.model_config.is_hybrid:
+        raise RequestError(f"KV transfer between engines is not implemented for hybrid models "
+                           f"({engine.model_config.architecture}: its layers' states would have to travel too)")

@@ -49,13 +49,13 @@ def model_bytes(path: Path) -> int:
 
 
 def kv_cache_budget(device: torch.device, bytes_per_token: int, block_size: int, max_model_len: int,
-                    max_num_seqs: int, weight_bytes: int) -> int:
-    """Bytes for K/V when none is given (vLLM's and llama.cpp's kind of default): enough for max_num_seqs
-    contexts of max_model_len tokens (each in whole blocks, with room for the token sampled after a
-    full-length prompt: admission asks for prompt + 1 slots), capped by a share of free memory (GPU: 80%;
-    CPU: a quarter, at most 4 GiB) and, on a CPU, by CPU_KV_PER_WEIGHT_BYTE x the weights' bytes, but never below one
-    context while memory allows."""
-    context = bytes_per_token * block_size * -(-(max_model_len + 1) // block_size)
+                    max_num_seqs: int, weight_bytes: int, state_bytes: int = 0) -> int:
+    """Bytes for K/V (and a hybrid model's states, state_bytes per sequence) when none is given (vLLM's
+    and llama.cpp's kind of default): enough for max_num_seqs contexts of max_model_len tokens (each in
+    whole blocks, with room for the token sampled after a full-length prompt: admission asks for prompt +
+    1 slots), capped by a share of free memory (GPU: 80%; CPU: a quarter, at most 4 GiB) and, on a CPU, by
+    CPU_KV_PER_WEIGHT_BYTE x the weights' bytes, but never below one context while memory allows."""
+    context = bytes_per_token * block_size * -(-(max_model_len + 1) // block_size) + state_bytes
     useful = context * max_num_seqs
     free = available_memory(device)
     if device.type == "cuda":
@@ -67,3 +67,12 @@ def kv_cache_budget(device: torch.device, bytes_per_token: int, block_size: int,
 def kv_cache_blocks(budget: int, bytes_per_token: int, block_size: int) -> int:
     """How many blocks of block_size tokens a budget of bytes holds (at least one)."""
     return max(1, budget // (bytes_per_token * block_size))
+
+
+def state_slot_count(budget: int, bytes_per_token: int, block_size: int, state_bytes: int, max_num_seqs: int) -> int:
+    """How many sequences' states a hybrid model's budget keeps (state_bytes each; 0: the model keeps
+    none): one per sequence that may run (max_num_seqs), fewer where the budget cannot hold that many
+    states with a KV block each; at least one. The blocks get what the states leave."""
+    if not state_bytes:
+        return 0
+    return max(1, min(max_num_seqs, budget // (state_bytes + bytes_per_token * block_size)))

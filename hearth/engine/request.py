@@ -62,6 +62,8 @@ class Request:
     # KV block ids, in order: token position p lives in block_table[p // block_size].
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # A hybrid model's: the request's slot in the state cache while it runs (-1: none; state_slots.py).
+    state_slot: int = -1
     # Compute every prompt position even if cached (prompt logprobs need their logits);
     # the request's own blocks still enter the prefix cache for others.
     skip_prefix_cache: bool = False

@@ -53,6 +53,7 @@ class BatchEntry:
     # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
     # of the region's positions it sees (bit j: tree_start + j); None: causal
     tree: tuple[int, list[int]] | None = None
+    state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
 
 
 @dataclass
@@ -99,9 +100,11 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/kv_format.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
+        num_state_slots: int = 0,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
-        forward; a pipeline-parallel model's passes through its stages)."""
+        forward; a pipeline-parallel model's passes through its stages). num_state_slots: a hybrid
+        model's state cache, the sequences it holds at once (each BatchEntry names its slot)."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
@@ -112,8 +115,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = allocate_kv_caches(model.config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
-                                            kv_dtype, device)
+        config = model.config
+        self.kv_caches = allocate_kv_caches(config, config.num_attention_layers if config.is_hybrid else len(model.layers),
+                                            num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
+        if config.is_hybrid:
+            self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots, kv_dtype, device)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
@@ -157,6 +163,12 @@ class ModelRunner:
         np.maximum(block_tables, 0, out=block_tables)
         slot_mapping = (block_tables[seq_of_row, slot_positions // self.block_size].astype(np.int64)
                         * self.block_size + slot_positions % self.block_size)
+        state_slots = None
+        if self.model.config.is_hybrid:
+            if any(e.state_slot is None for e in entries):
+                raise ValueError(f"a {self.model.config.architecture} model keeps a state per sequence: every "
+                                 "sequence of a step needs a state slot")
+            state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
         return StepInputs(
             input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(positions)),
             positions=positions,
@@ -167,6 +179,7 @@ class ModelRunner:
             block_size=self.block_size,
             tree_start=tree_start,
             tree_masks=tree_masks,
+            state_slots=state_slots,
         )
 
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +212,8 @@ class ModelRunner:
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
+        if self.model.config.is_hybrid:  # (kv_transfer.py refuses such models first)
+            raise ValueError("a hybrid model's K/V alone do not make its prefix: its states are not transferred yet")
         slots = self._slots(block_ids)
         return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches]).cpu()
 
@@ -280,7 +295,8 @@ class ModelRunner:
             tokens += request.spec_token_ids[: count - len(tokens)]
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
             entries.append(BatchEntry(tokens, start, request.block_table,
-                                      None if tree is None else (start, ancestor_masks(tree))))
+                                      None if tree is None else (start, ancestor_masks(tree)),
+                                      request.state_slot if request.state_slot >= 0 else None))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + len(request.spec_token_ids):
@@ -426,6 +442,17 @@ def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: 
     else:
         caches = list(zeroed(shape, torch.float16 if kv_cache_dtype == "float16" else dtype, device))
     return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
+
+
+def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.dtype,
+                      device: torch.device) -> KVCaches:
+    """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
+    layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
+    convolution's window in `dtype`, a delta rule's state in float32)."""
+    attention = iter(kv_caches)
+    return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
+                  for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
+            for layer in range(config.num_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -46,6 +46,9 @@ Decisions:
     request's blocks wholly before its last W - 1 computed tokens are freed each time it is
     scheduled (BlockManager.free_outside_window; at admission, prefix-cache hits behind the
     window): the blocks it holds stay bounded by the window however long it runs.
+  * A hybrid model's request also needs a state slot (state_slots.py): admission stops when none
+    is free, as when blocks run out; a preempted or finished request gives its slot back, and a
+    preempted one recomputes its state with its K/V when it is admitted again.
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -63,6 +66,7 @@ from dataclasses import dataclass, field
 
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
+from hearth.engine.state_slots import StateSlots
 from hearth.errors import RequestError
 
 
@@ -96,8 +100,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 clock: Callable[[], float] = time.monotonic, kv_window: int | None = None):
-        """kv_window: the window every layer of the model attends through (None: some layer sees all)."""
+                 clock: Callable[[], float] = time.monotonic, kv_window: int | None = None,
+                 state_slots: StateSlots | None = None):
+        """kv_window: the window every layer of the model attends through (None: some layer sees all).
+        state_slots: a hybrid model's state cache (None: the model keeps no state per sequence)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -107,6 +113,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.clock = clock
         self.kv_window = kv_window
+        self.state_slots = state_slots
         self.waiting: list[Request] = []  # both in queue order (_queue_key)
         self.running: list[Request] = []
         self._arrivals = itertools.count()
@@ -150,7 +157,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             return  # already finished
-        self.block_manager.free(request)
+        self._free(request)
         self.requests.pop(request.request_id, None)
         request.status = status
         request.finish_time = self.clock()
@@ -224,13 +231,15 @@ class Scheduler:
                 continue
             computed, num_hit = bm.get_computed_blocks(request)
             num_new = self._fit(request.num_tokens - num_hit, budget, out)
-            if num_new <= 0:
+            if num_new <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
             if not bm.allocate_slots(request, num_new, computed):
                 break
             out.prefix_cache_queries += bm.prefix_cache_queries - queries
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
+            if self.state_slots is not None:
+                self.state_slots.allocate(request)  # (one is free: checked above)
             self._free_behind_window(request)  # prefix-cache hits older than the window
             self.waiting.pop(0)
             _enqueue(self.running, request)
@@ -300,9 +309,15 @@ class Scheduler:
         if self.kv_window is not None:
             self.block_manager.free_outside_window(request, request.num_computed_tokens - self.kv_window + 1)
 
+    def _free(self, request: Request) -> None:
+        """Give back the request's KV blocks and its state slot."""
+        self.block_manager.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request)
+        self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()

@@ -22,6 +22,7 @@ import torch
 
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
+from hearth.errors import HearthError
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.loading.loader import load_model
 from hearth.tokenizer import Tokenizer
@@ -98,6 +99,9 @@ def load_second_runner(path: str, what: str, target: ModelRunner, dtype: torch.d
     if config.vocab_size != vocab_size or loaded.tokenizer.token_bytes() != tokenizer.token_bytes():
         raise ValueError(f"{what} {path} does not share the target's vocabulary ({config.vocab_size:,} tokens "
                          f"against {vocab_size:,}, or different token texts)")
+    if config.is_hybrid:
+        raise HearthError(f"{what} {path} is a hybrid model ({config.architecture}, layers with a state per "
+                          "sequence): hearth runs such models only as the target, not beside one")
     if config.max_position_embeddings < max_model_len:
         raise ValueError(f"{what} {path} has a context of {config.max_position_embeddings:,} tokens, less than "
                          f"max_model_len {max_model_len:,}: give a smaller max_model_len")

@@ -12,7 +12,8 @@ from hearth.backend import Backend, choose_backend
 from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig, ModelConfig
 from hearth.default_model import resolve_model
-from hearth.engine.memory import kv_cache_blocks, kv_cache_budget, model_bytes
+from hearth.errors import HearthError
+from hearth.engine.memory import kv_cache_blocks, kv_cache_budget, model_bytes, state_slot_count
 from hearth.loading.loader import LoadedModel, load_model
 
 logger = logging.getLogger("hearth")
@@ -64,12 +65,33 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Backend, device: torch.device,
-                  dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int]:
-    """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py) and
-    its bytes per token."""
-    cache = config.cache
+                  dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, int]:
+    """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py), its
+    bytes per token, and a hybrid model's state slots (from the same budget; 0 for other models)."""
+    cache, max_num_seqs = config.cache, config.scheduler.max_num_seqs
     check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
     bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
+    state_bytes = model_config.state_bytes_per_sequence(dtype.itemsize)
     budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
-                                                      config.scheduler.max_num_seqs, model_bytes(model_path))
-    return kv_cache_blocks(budget, bytes_per_token, cache.block_size), bytes_per_token
+                                                      max_num_seqs, model_bytes(model_path), state_bytes)
+    slots = state_slot_count(budget, bytes_per_token, cache.block_size, state_bytes, max_num_seqs)
+    return kv_cache_blocks(budget - slots * state_bytes, bytes_per_token, cache.block_size), bytes_per_token, slots
+
+
+def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Refuse what a hybrid model (layers with a state per sequence: lfm2, qwen3_5) cannot run yet
+    rather than compute it wrongly; returns whether the model is one. Prefix caching is turned off
+    for it (its blocks' K/V without the states at their ends would not make a prefix), with a log line."""
+    if not model_config.is_hybrid:
+        return False
+    kind = f"a hybrid model ({model_config.architecture}: layers that keep a state per sequence)"
+    # a rejected guess would have to roll the states back (a snapshot per verified position): not written yet
+    refused = [(config.speculative.method is not None, f"speculative_method {config.speculative.method}"),
+               (config.contrastive_model is not None, "contrastive_model")]
+    for asked, what in refused:
+        if asked:
+            raise HearthError(f"{what} is not implemented for {kind}")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching is off for %s: state checkpoints at block boundaries are not implemented yet",
+                    kind)
+    return True

@@ -19,11 +19,11 @@ import torch
 from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType,
                   RopeScalingType, TokenType)
 
-from hearth.config import GEMMA_ARCHITECTURES, ModelConfig
+from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
-from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name, hf_expert, hf_expert_name,
-                                  hf_to_gguf, qk_row_order)
+from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name,
+                                  hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
@@ -50,7 +50,8 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 # hearth architecture -> llama.cpp's general.architecture (llama.cpp runs mistral and mixtral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                       "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
-                      "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+                      "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+                      "lfm2": "lfm2"}
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -68,6 +69,9 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str =
     if config.architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
                              f"({NO_GGUF[config.architecture]}); run the folder itself")
+    if config.conv_bias:
+        raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
+                             "and its projections' biases")
     file_type, weight_type = OUT_TYPES[out_type]
     plan = list(_plan_tensors(config, weights, weight_type))
 
@@ -132,6 +136,8 @@ def _plan_tensors(
             stacks.add((expert[0], expert[2]))
             continue
         name = hf_to_gguf(hf_name, config.sandwich_norms)
+        if arch == "lfm2" and hf_name == "model.norm.weight":
+            name = LFM2_FINAL_NORM
         if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
@@ -156,8 +162,8 @@ def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationT
     """llama.cpp's choice: norms, 1-D tensors and MoE routers F32; weights (token_embd and output
     included, except with ternary types: the embeddings of ternary models are not ternary) in the
     requested type, F16 where a row is not a whole number of blocks."""
-    if tensor.dim() <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) \
-            or weight_type == Q.F32:
+    if tensor.dim() <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
+                                           "shortconv.conv.weight")) or weight_type == Q.F32:
         return Q.F32
     if weight_type in TERNARY_TYPES and name in ("token_embd.weight", "output.weight"):
         return Q.F16
@@ -175,6 +181,8 @@ def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Sourc
                     t = t[qk_row_order(heads, config.head_dim, to_gguf=True)]
         if config.architecture in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight"):
             t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
+        if hf_name.endswith("conv.conv.weight"):
+            t = t.squeeze(1)  # llama.cpp's convolution weight: [channels, taps]
         return t
 
     return values
@@ -211,7 +219,12 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_block_count(config.num_layers)
     writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
+    if config.architecture == "lfm2":  # a count per layer, 0 for a short convolution (llama.cpp's lfm2)
+        writer.add_head_count_kv([config.num_kv_heads * (config.layer_type(i) == ATTENTION)
+                                  for i in range(config.num_layers)])
+        writer.add_shortconv_l_cache(config.conv_kernel_size)
+    else:
+        writer.add_head_count_kv(config.num_kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_rope_dimension_count(config.head_dim)

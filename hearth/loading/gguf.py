@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
+from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, SHORT_CONV, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
-from hearth.loading.names import (NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS, gguf_expert_stack,
-                                  gguf_to_hf, hf_expert_name, qk_row_order)
+from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
+                                  gguf_expert_stack, gguf_to_hf, hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -41,12 +41,16 @@ _ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
+# llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
+_NOT_READ = {"deepseek2": "deepseek_v2", "qwen35": "qwen3_5"}
+
+
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
     hearth_arch = _ARCHITECTURES.get(arch, arch)
-    if arch == "deepseek2":
-        raise ModelLoadError(f"{where}: GGUF files of architecture 'deepseek2' are not read by hearth "
-                             f"({NO_GGUF['deepseek_v2']}); run the Hugging Face folder")
+    if arch in _NOT_READ:
+        raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
+                             f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
     if hearth_arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r} (general.architecture); "
@@ -61,7 +65,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    kv_heads = int(get("attention.head_count_kv", heads))
+    kv_heads, hybrid = _kv_heads_and_layers(arch, get("attention.head_count_kv", heads), get, where)
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
@@ -89,14 +93,30 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         sliding_layers=_sliding_layers(md, arch, int(get("block_count"))) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all"}.get(arch),
+        qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all", "lfm2": "head"}.get(arch),
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
         **(_experts_from_metadata(md, arch, get) if experts else {}),
         **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
         no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
+        **hybrid,
     )
+
+
+def _kv_heads_and_layers(arch: str, kv_heads: Any, get, where: str) -> tuple[int, dict[str, Any]]:
+    """The KV heads, and a hybrid's layer kinds and convolution: lfm2's attention.head_count_kv is one
+    count per layer (0: a short convolution of shortconv.l_cache taps)."""
+    if arch != "lfm2":
+        return int(kv_heads), {}
+    layers = int(get("block_count"))
+    counts = list(kv_heads) if isinstance(kv_heads, (list, tuple, np.ndarray)) else [kv_heads] * layers
+    attention = {int(n) for n in counts if n}
+    if len(counts) != layers or len(attention) != 1:
+        raise ModelLoadError(f"{where}: lfm2.attention.head_count_kv = {counts!r}: expected one count per layer, "
+                             "0 for a convolution and the same for every attention layer")
+    return attention.pop(), {"layer_types": tuple(ATTENTION if n else SHORT_CONV for n in counts),
+                             "conv_kernel_size": int(get("shortconv.l_cache"))}
 
 
 def smollm3_no_rope_layers(layers: int) -> tuple[int, ...]:
@@ -225,6 +245,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
                 weights[hf_expert_name(layer, e, projection)] = weight
             continue
         name = gguf_to_hf(t.name, config.sandwich_norms)
+        if config.architecture == "lfm2" and t.name == LFM2_FINAL_NORM:
+            name = "model.norm.weight"
         if name is None:
             if UNUSED_GGUF_TENSORS.fullmatch(t.name):
                 continue
@@ -233,6 +255,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
         if config.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):
             name = name.replace("up_proj", "gate_up_proj")  # llama.cpp's phi3 ffn_up: gate and up in one matrix
         weights[name] = _read(file, t, where)
+        if name.endswith("conv.conv.weight") and weights[name].dim() == 2:
+            weights[name] = weights[name].unsqueeze(1)  # [channels, taps] as a depthwise Conv1d's [channels, 1, taps]
         if name.endswith("shared_expert_gate.weight") and weights[name].dim() == 1:
             weights[name] = weights[name].unsqueeze(0)  # [hidden] as a [1, hidden] projection
     if config.num_experts:  # layers without a router have a dense MLP

@@ -32,11 +32,22 @@ _LAYER_NAMES = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    # lfm2's short convolutions (llama.cpp keeps the convolution's weight 2-D: [channels, taps])
+    "shortconv.conv.weight": "conv.conv.weight",
+    "shortconv.in_proj.weight": "conv.in_proj.weight",
+    "shortconv.out_proj.weight": "conv.out_proj.weight",
 }
 # llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
 _EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                   "ffn_down_exps.weight": "down_proj"}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# lfm2's checkpoint names -> hearth's (its attention's and MLP's are llama's under other names)
+_LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
+               ".feed_forward.w1.": ".mlp.gate_proj.", ".feed_forward.w3.": ".mlp.up_proj.",
+               ".feed_forward.w2.": ".mlp.down_proj.", ".self_attn.out_proj.": ".self_attn.o_proj.",
+               ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+               "model.embedding_norm.": "model.norm."}
+_LFM2_ALIASES = tuple((re.compile(re.escape(theirs)), ours) for theirs, ours in _LFM2_NAMES.items())
 # mixtral's checkpoint names -> the (qwen-style) names of hearth's modules
 _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
@@ -44,7 +55,12 @@ _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
+    *_LFM2_ALIASES,
+    (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
 )
+# the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
+# multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
+NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -70,11 +86,17 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
 # architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
+NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
+                      "mapping yet",
+           "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
+
+
+# lfm2: llama.cpp's token_embd_norm is its final norm (HF's embedding_norm, applied after the last layer)
+LFM2_FINAL_NORM = "token_embd_norm.weight"
 
 
 def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
@@ -98,7 +120,8 @@ def canonical_hf_name(name: str) -> str:
 
 
 # hearth's names -> a family's own checkpoint names, where transformers reads only those
-_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)}
+_CHECKPOINT_NAMES = {"deepseek_v2": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
+                     "lfm2": tuple((re.compile(re.escape(ours)), theirs) for theirs, ours in _LFM2_NAMES.items())}
 
 
 def checkpoint_name(name: str, architecture: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ from safetensors import safe_open
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import canonical_hf_name
+from hearth.loading.names import NOT_LOADED, canonical_hf_name
+
+logger = logging.getLogger("hearth")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -60,15 +63,22 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
     config = ModelConfig.from_hf(read_json(config_path), str(config_path))
     weights: dict[str, torch.Tensor] = {}
     files = weight_files(folder)
+    not_loaded, skipped = NOT_LOADED.get(config.architecture), 0
     with tqdm(total=len(files), desc="loading", unit="file", disable=not progress, leave=False) as bar:
         for file in files:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
+                        if not_loaded is not None and not_loaded.match(name):
+                            skipped += 1
+                            continue
                         weights[canonical_hf_name(name)] = f.get_tensor(name)
             except ModelLoadError:
                 raise
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
+    if skipped:
+        logger.info("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
+                    not_loaded.pattern, config.architecture)
     return config, weights

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -174,10 +175,28 @@ def longrope_factors(config: ModelConfig, max_positions: int) -> str:
     return "long_factor" if max_positions > config.rope_scaling["original_max_position_embeddings"] else "short_factor"
 
 
+def partial_rotary_order(config: ModelConfig) -> torch.Tensor | None:
+    """Where RoPE rotates only the first r = head_dim x partial_rotary_factor dimensions (pairs i and
+    i + r/2), the order of q's and k's dimensions under which rotate-half over the whole head (pairs j
+    and j + head_dim/2) rotates the same pairs: the rotated halves first in each half of the head, the
+    unrotated dimensions after them (rope_inv_freq's frequencies past r/2 are 0). None: all rotated."""
+    dim, rotated = config.head_dim, int(config.head_dim * config.partial_rotary_factor)
+    if rotated == dim:
+        return None
+    half, passed = rotated // 2, torch.arange(rotated, dim, device="cpu")
+    unrotated = (dim - rotated) // 2
+    return torch.cat([torch.arange(half, device="cpu"), passed[:unrotated], torch.arange(half, rotated, device="cpu"),
+                      passed[unrotated:]])
+
+
 def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torch.Tensor:
     """Rotary frequencies [head_dim / 2], with llama3 / linear / yarn / LongRoPE scaling applied
     (LongRoPE's by the engine's context, max_positions; a GGUF's factors come as tensors instead,
-    Transformer.load_weights)."""
+    Transformer.load_weights). With partial RoPE, the rotated share's, then 0s (partial_rotary_order)."""
+    if config.partial_rotary_factor != 1.0:
+        rotated = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq = rope_inv_freq(dataclasses.replace(config, head_dim=rotated, partial_rotary_factor=1.0), max_positions)
+        return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - rotated // 2, device="cpu")])
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from hearth.backend.base import Backend
-from hearth.config import ModelConfig
+from hearth.config import ATTENTION, GATED_DELTA_NET, SHORT_CONV, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.latent_attention import LatentAttention
-from hearth.model.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors
+from hearth.model.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors,
+                                 partial_rotary_order)
+from hearth.model.state_layers import GatedDeltaNet, ShortConv
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
 
@@ -31,8 +33,13 @@ class Attention(nn.Module):
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                     config.attention_bias)
+        # qwen3_5: q_proj makes each head's query and then its output gate
+        self.output_gate = config.attention_output_gate
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size * (1 + self.output_gate), "k_proj": kv_size,
+                                                          "v_proj": kv_size}, config.attention_bias)
+        # partial RoPE: q's and k's dimensions reordered so that the backends' rotate-half over the whole
+        # head rotates the right pairs (RotaryEmbedding's frequencies are 0 past the rotated share)
+        self.register_buffer("rope_order", partial_rotary_order(config), persistent=False)
         # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
         o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
         self.o_proj = Linear(q_size, config.hidden_size, o_bias)
@@ -61,6 +68,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
+        if self.output_gate:
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(tokens, -1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -68,9 +78,12 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_order is not None:
+            q, k = q[..., self.rope_order], k[..., self.rope_order]
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window)
-        return self.o_proj(out.reshape(tokens, -1))
+        out = out.reshape(tokens, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +97,14 @@ class DecoderLayer(nn.Module):
             return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
 
         self.input_layernorm = norm()
-        self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, ops, index)
+        # what mixes the tokens, under its checkpoint name: attention, or a hybrid model's state layer
+        kind = config.layer_type(index)
+        self.mixer_name = {ATTENTION: "self_attn", SHORT_CONV: "conv", GATED_DELTA_NET: "linear_attn"}[kind]
+        if kind == ATTENTION:
+            mixer = (LatentAttention if config.kv_lora_rank else Attention)(config, ops, index)
+        else:
+            mixer = (ShortConv if kind == SHORT_CONV else GatedDeltaNet)(config, ops)
+        setattr(self, self.mixer_name, mixer)
         self.post_attention_layernorm = norm()
         self.sandwich_norms = config.sandwich_norms
         if self.sandwich_norms:
@@ -100,7 +120,8 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rotaries[self.self_attn.rope_index], kv_cache, meta)
+        mixer = getattr(self, self.mixer_name)
+        h = mixer(h, rotaries[mixer.rope_index], kv_cache, meta)
         if not self.sandwich_norms:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
@@ -133,7 +154,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         # per layer (k, v), each [slots, kv_heads, head_dim]; with latent attention (latent,)
-        # (ModelConfig.kv_cache_layout)
+        # (ModelConfig.kv_cache_layout); a hybrid model's state layer: its states (ModelConfig.state_shapes)
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:  # [T, hidden], after the final norm

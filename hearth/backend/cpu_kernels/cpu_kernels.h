@@ -51,10 +51,14 @@
 // away from zero; float16: rounded to nearest even, as torch's cast), decode_attention widens each
 // row it reads into a D-float buffer in L1 before using it.
 //
+// conv1d_step, delta_rule_step (hearth/backend/cpu.py, hybrid models' state layers): a decode step of
+// a causal depthwise convolution and of the gated delta rule, each sequence's state updated in place in
+// its slot of the state cache (torch gathers the states by slot and scatters them back).
+//
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
 // attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
 // logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
-// greedy_passes), bindings.cpp (the Python module).
+// greedy_passes), state_ops.cpp (conv1d_step, delta_rule_step), bindings.cpp (the Python module).
 #pragma once
 
 #include <cstdint>
@@ -88,6 +92,12 @@ void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, u
     uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
     uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t inter, double eps, int64_t block_size, double scale, int64_t window, int threads);
+
+void conv1d_step(uintptr_t x_, uintptr_t state_, uintptr_t slots_, uintptr_t fresh_, uintptr_t weight_,
+                 uintptr_t bias_, uintptr_t out_, int64_t rows, int64_t channels, int64_t taps, int threads);
+void delta_rule_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t beta_, uintptr_t state_,
+                     uintptr_t slots_, uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t dk,
+                     int64_t dv, int threads);
 
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,

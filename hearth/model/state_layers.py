@@ -1,0 +1,98 @@
+"""The layers of hybrid models that keep a fixed-size state per sequence instead of K/V per token:
+LFM2's short convolution and Qwen3.5's Gated DeltaNet. They take an attention layer's place in a
+DecoderLayer (hearth/model/transformer.py) and its call: (x, rotary (unused), the layer's cache,
+meta); their cache is the layer's state in the state cache (the runner allocates it,
+ModelConfig.state_shapes), and meta.state says each sequence's slot in it. The backend computes the
+convolution and the delta rule (hearth/backend/state_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.backend.base import Backend
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+from hearth.model.layers import Linear, MergedLinear, RMSNorm
+
+
+class ConvWeight(nn.Module):
+    """A depthwise Conv1d's parameters as checkpoints store them: weight [channels, 1, kernel], bias [channels]."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+
+def _check_backend(ops: Backend, config: ModelConfig) -> None:
+    if not ops.state_layers:
+        raise ModelLoadError(f"the {ops.name} backend has no state layers (convolutions, delta rules) yet: run "
+                             f"{config.architecture} with --backend cpu or reference")
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution: in_proj makes B, C and x; y = C * conv(B * x), a causal
+    depthwise convolution of conv_kernel_size taps; then out_proj. State: the convolution's window."""
+
+    rope_index = 0  # (Transformer.ropes: unused)
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__()
+        _check_backend(ops, config)
+        self.ops = ops
+        hidden, bias = config.hidden_size, config.conv_bias
+        self.in_proj = Linear(hidden, 3 * hidden, bias)
+        self.conv = ConvWeight(hidden, config.conv_kernel_size, bias)
+        self.out_proj = Linear(hidden, hidden, bias)
+
+    def forward(self, x: torch.Tensor, rotary, state: tuple[torch.Tensor], meta) -> torch.Tensor:  # [T, hidden]
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        y = self.ops.causal_conv1d(b * h, state[0], self.conv.weight[:, 0], self.conv.bias, meta.state)
+        return self.out_proj(c * y)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention: q, k and v through a causal depthwise convolution (SiLU), q and k
+    L2-normalised (q scaled by key_dim ** -0.5), the gated delta rule with decay exp(g), g =
+    -exp(A_log) softplus(a + dt_bias), and beta = sigmoid(b); its output RMS-normed per head and gated
+    by SiLU(z), then out_proj. State: the convolution's window and the delta rule's [v heads, dk, dv]."""
+
+    rope_index = 0  # (Transformer.ropes: unused)
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__()
+        _check_backend(ops, config)
+        self.ops = ops
+        self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.split = [keys, keys, values]
+        self.in_proj = MergedLinear(config.hidden_size, {"in_proj_qkv": 2 * keys + values, "in_proj_z": values,
+                                                         "in_proj_b": self.value_heads, "in_proj_a": self.value_heads})
+        self.conv1d = ConvWeight(2 * keys + values, config.conv_kernel_size, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
+        self.norm = RMSNorm(self.value_dim, config.rms_norm_eps, ops)  # weights as they are (no 1 + w)
+        self.out_proj = Linear(values, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, rotary, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv, z, b, a = self.in_proj(x)
+        qkv = self.ops.causal_conv1d(qkv, state[0], self.conv1d.weight[:, 0], None, meta.state, "silu")
+        q, k, v = qkv.float().split(self.split, dim=-1)
+        q, k = (_l2_normalised(t.reshape(tokens, self.key_heads, self.key_dim)) for t in (q, k))
+        if self.value_heads != self.key_heads:  # each key head serves a run of value heads
+            q, k = (t.repeat_interleave(self.value_heads // self.key_heads, dim=1) for t in (q, k))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, v heads]
+        out = self.ops.gated_delta_rule(q * self.key_dim**-0.5, k, v.reshape(tokens, self.value_heads, -1), g,
+                                        b.float().sigmoid(), state[1], meta.state)
+        out = self.norm(out.to(x.dtype)) * F.silu(z.float().view_as(out)).to(x.dtype)
+        return self.out_proj(out.reshape(tokens, -1))
+
+
+def _l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dimension (the delta rule's q and k normalisation)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)

@@ -1,0 +1,314 @@
+"""Hybrid models, layers that keep a state per sequence between attention layers: lfm2 (short
+convolutions) and qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), against transformers
+on tiny random models in the real layer structure (tests/models.py): greedy tokens and top-5
+logprobs at batch 1 and in a mixed batch with chunked prefill and forced preemption, a second
+request sharing a prefix, the state cache's sizes and bookkeeping, and what is refused by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hearth import LLM, SamplingParams
+from hearth.config import EngineConfig
+from hearth.engine.kv_cache import BlockManager
+from hearth.engine.request import Request, RequestStatus
+from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.scheduler import Scheduler
+from hearth.engine.state_slots import StateSlots
+from hearth.errors import HearthError, ModelLoadError, RequestError
+from hearth.loading.convert import convert_hf_to_gguf
+from hearth.loading.gguf import config_from_metadata
+from hearth.loading.gguf_reader import read_gguf
+from hearth.loading.loader import load_model
+from hearth.model_info import model_info
+from models import VOCAB_SIZE, load_hf_reference, make_hf_model
+from test_engine import random_prompts
+
+MAX_TOKENS = 8
+SHARED = random_prompts(1, seed=11, shortest=40, longest=40)[0]  # a prefix of two and a half blocks
+PROMPTS = [*random_prompts(3, seed=5, shortest=6, longest=45), SHARED + [3, 4, 5], SHARED + [7, 8]]
+# per family: (state layers' bytes per sequence in float32, attention layers' K/V bytes per token in float32),
+# from the shapes in tests/models.py: lfm2's two convolutions keep 64 channels x (3 - 1) inputs; qwen3_5's
+# three Gated DeltaNet layers keep (2 x 2 x 8 + 4 x 12) channels x (4 - 1) inputs and 4 heads of 8 x 12;
+# each family's one attention layer keeps 2 x 2 KV heads x 16 per token
+SIZES = {"lfm2": (2 * 64 * 2 * 4, 2 * 2 * 16 * 4),
+         "qwen3_5": (3 * ((2 * 2 * 8 + 4 * 12) * 3 + 4 * 8 * 12) * 4, 2 * 2 * 16 * 4)}
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def family(request, tmp_path_factory):
+    """(architecture, folder, transformers' greedy tokens and per token its top-5 {id: logprob} for PROMPTS)."""
+    arch = request.param
+    folder = make_hf_model(tmp_path_factory.mktemp(arch) / "m", arch)
+    model = load_hf_reference(folder)
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 output_logits=True, return_dict_in_generate=True)
+            top = [dict(zip(*reversed(torch.log_softmax(step[0].float(), -1).topk(5)))) for step in out.logits]
+            expected.append((out.sequences[0, len(prompt):].tolist(),
+                             [{int(i): float(lp) for i, lp in position.items()} for position in top]))
+    return arch, folder, expected
+
+
+def _greedy_with_top5(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    return llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+def _check(outputs, expected) -> None:
+    """Greedy tokens equal transformers'; at each position the top 5 are its ids with its logprobs (1e-4)."""
+    for output, (tokens, top) in zip(outputs, expected):
+        sample = output.outputs[0]
+        assert sample.token_ids == tokens
+        for ours, theirs in zip(sample.logprobs, top):
+            ours = {i: (lp.logprob if hasattr(lp, "logprob") else lp) for i, lp in ours.items()}
+            assert set(theirs) <= set(ours)
+            for token, logprob in theirs.items():
+                assert ours[token] == pytest.approx(logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_one_at_a_time_matches_transformers(family, backend, caplog):
+    """Batch 1 (max_num_seqs 1): each prompt computed alone, the second sharing-prefix request too.
+    Prefix caching asked for (cpu) or not (reference): off either way for a hybrid, with a log line."""
+    arch, folder, expected = family
+    with caplog.at_level(logging.INFO, logger="hearth"):
+        llm = LLM(folder, backend=backend, max_num_seqs=1, enable_prefix_caching=backend == "cpu", progress=False)
+    assert ("prefix caching is off" in caplog.text) == (backend == "cpu")
+    assert not llm.engine.block_manager.enable_prefix_caching
+    _check(_greedy_with_top5(llm), expected)
+    assert llm.engine.block_manager.prefix_cache_hits == 0
+    assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots == 1
+    with pytest.raises(RequestError, match=f"not implemented for hybrid models \\({arch}"):
+        llm.engine.export_kv(PROMPTS[0])
+
+
+def test_perplexity_windows_each_in_a_state_slot(family):
+    """hearth perplexity's windows, several in one pass, each from a zero state in its own slot: the
+    mean negative log-likelihood transformers gives each window, averaged over their tokens."""
+    from hearth.perplexity import perplexity
+
+    arch, folder, _ = family
+    tokens = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]  # 92 tokens: windows of 40, 40 and 12
+    model = load_model(folder, progress=False).model
+    ours = perplexity(model, tokens, context=40, device=torch.device("cpu"), max_batch_tokens=120)
+    reference, total, count = load_hf_reference(folder), 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, 40):
+            window = torch.tensor([tokens[start:start + 40]])
+            logits = reference(window).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+            count += window.shape[1] - 1
+    assert ours["tokens"] == count and ours["nll"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_mixed_batch_chunked_prefill_and_preemption(family):
+    """Every prompt at once in 16-token steps (prompts in chunks beside decodes), 4 state slots for 5
+    requests and a KV cache of 5 blocks, fewer than they need together (preemption, re-prefill)."""
+    arch, folder, expected = family
+    state_bytes, kv_bytes = SIZES[arch]
+    llm = LLM(folder, max_num_batched_tokens=16, max_num_seqs=4, progress=False,
+              kv_cache_memory=4 * state_bytes + 5 * 16 * kv_bytes)
+    engine = llm.engine
+    assert (engine.num_state_slots, engine.num_blocks) == (4, 5)
+    outputs = _greedy_with_top5(llm)
+    _check(outputs, expected)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert engine.block_manager.check_all_free() and engine.scheduler.state_slots.num_free == 4
+
+
+def test_states_hold_what_transformers_cache_holds(family):
+    """After a prompt in two chunks, a state layer's slot holds transformers' cache of that layer: a
+    convolution's last inputs (transformers keeps one more, the oldest) and the delta rule's state."""
+    arch, folder, _ = family
+    model = load_model(folder, progress=False).model
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=3)
+    prompt = PROMPTS[0]
+    runner.forward([BatchEntry(prompt[:5], 0, [2, 0, 1, 3], state_slot=1)])
+    runner.forward([BatchEntry(prompt[5:], 5, [2, 0, 1, 3], state_slot=1)])
+    with torch.no_grad():
+        cache = load_hf_reference(folder)(torch.tensor([prompt]), use_cache=True).past_key_values
+    window = model.config.conv_kernel_size - 1
+    for layer, states in enumerate(runner.kv_caches):
+        if model.config.layer_type(layer) == "attention":
+            continue
+        conv = cache.get_conv_state(layer, state_idx=0)[0, :, -window:]
+        torch.testing.assert_close(states[0][1], conv, rtol=1e-5, atol=1e-5)
+        if len(states) > 1:
+            torch.testing.assert_close(states[1][1], cache.get_recurrent_state(layer, state_idx=0)[0], rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_inspect_gives_state_and_kv_sizes(family):
+    arch, folder, _ = family
+    state_bytes, kv_bytes = SIZES[arch]
+    budget = 10 * state_bytes + 100 * kv_bytes
+    info = model_info(folder, kv_budget_bytes=budget, kv_element_size=4)
+    assert info["kv_cache_bytes_per_token"] == kv_bytes
+    assert info["state_layers"]["state_bytes_per_sequence"] == state_bytes
+    # as many states as the budget holds with a block each, at most the default max_num_seqs
+    sequences = min(EngineConfig().scheduler.max_num_seqs, budget // (state_bytes + 16 * kv_bytes))
+    assert info["kv_budget_sequences"] == sequences
+    assert info["kv_budget_tokens"] == (budget - sequences * state_bytes) // kv_bytes
+
+
+def test_speculation_and_contrastive_refused_by_name(family):
+    arch, folder, _ = family
+    with pytest.raises(HearthError, match=f"speculative_method ngram is not implemented for a hybrid model \\({arch}"):
+        LLM(folder, speculative_method="ngram", progress=False)
+    with pytest.raises(HearthError, match=f"contrastive_model is not implemented for a hybrid model \\({arch}"):
+        LLM(folder, contrastive_model=str(folder), progress=False)
+
+
+def test_scheduler_counts_state_slots():
+    """No tensors: a request is admitted only with a free state slot, gives it back when preempted
+    (recomputed from position 0 later) and when it finishes."""
+    scheduler = Scheduler(BlockManager(3, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                          state_slots=StateSlots(2))
+    requests = [Request(str(i), [1, 2, 3]) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [r for r, _ in out.scheduled] == requests[:2]  # a block is free, but no slot: the third waits
+    assert sorted(r.state_slot for r in requests[:2]) == [0, 1] and requests[2].state_slot == -1
+    scheduler.update_after_step(out)
+    for _ in range(6):  # 9 tokens: three blocks, of which one is free
+        requests[0].append_output_token(9)
+    out = scheduler.schedule()
+    assert out.preempted == [requests[1]] and (requests[1].state_slot, requests[1].num_computed_tokens) == (-1, 0)
+    assert scheduler.state_slots.num_free == 1 and requests[1] is scheduler.waiting[0]
+    scheduler.finish_request(requests[0], RequestStatus.FINISHED_STOPPED)
+    assert requests[0].state_slot == -1 and scheduler.state_slots.num_free == 2
+    out = scheduler.schedule()
+    assert [r for r, _ in out.scheduled] == requests[1:] and scheduler.state_slots.num_free == 0
+
+
+REFUSED = {  # per family: config.json fields hearth does not implement, and what the error says
+    "qwen3_5": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for qwen3_5"),
+                ({"text_config": "none"}, "text_config = 'none': expected an object"),
+                ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
+                ({"layer_types": ["linear_attention"] * 4}, "models with an attention layer")],
+    "lfm2": [({"layer_types": ["conv", "sliding_attention", "conv"]}, "expected full_attention or conv"),
+             ({"conv_L_cache": 1}, "convolutions of 2 taps or more")],
+}
+
+
+def test_unimplemented_fields_refused_by_name(family, tmp_path):
+    arch, folder, _ = family
+    for i, (fields, message) in enumerate(REFUSED[arch]):
+        copy = tmp_path / str(i)
+        copy.mkdir()
+        config = {**json.loads((folder / "config.json").read_text()), **fields}
+        (copy / "config.json").write_text(json.dumps(config))
+        for file in folder.iterdir():
+            if file.name != "config.json":
+                (copy / file.name).symlink_to(file)
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(copy, progress=False)
+
+
+def test_gpu_backend_and_gguf_refused_by_name(family, tmp_path):
+    """The gpu backend (no kernels for the state layers yet); GGUF of qwen3_5 either way, and of an lfm2
+    with convolution biases (llama.cpp's lfm2 has no tensors for them)."""
+    pytest.importorskip("triton")
+    from hearth.backend.gpu import GpuBackend
+
+    arch, folder, _ = family
+    with pytest.raises(ModelLoadError, match="no state layers .* yet: run .* with --backend cpu or reference"):
+        load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
+    message = {"lfm2": "lfm2 with conv_bias", "qwen3_5": "does not convert qwen3_5"}[arch]
+    with pytest.raises(ModelLoadError, match=message):
+        convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
+    with pytest.raises(ModelLoadError, match="'qwen35' are not read"):
+        config_from_metadata({"general.architecture": "qwen35"}, "m.gguf")
+
+
+def test_lfm2_gguf_round_trip(tmp_path):
+    """`hearth convert` writes lfm2 as llama.cpp names it (every tensor one of gguf-py's LFM2 tensors, a
+    KV head count per layer, the convolution's taps); read back, its logits equal transformers' (f32),
+    and a q8_0 file generates as the folder does up to its rounding."""
+    from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+
+    folder = make_hf_model(tmp_path / "m", "lfm2", conv_bias=False)
+    path = convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
+    file = read_gguf(path)
+    names = {TENSOR_NAMES[t].format(bid=b) + ".weight" for t in MODEL_TENSORS[MODEL_ARCH.LFM2] for b in range(3)}
+    assert {t.name for t in file.tensors} <= names
+    assert list(file.metadata["lfm2.attention.head_count_kv"]) == [0, 2, 0]
+    assert file.metadata["lfm2.shortconv.l_cache"] == 3
+    model = load_model(path, progress=False).model
+    assert model.config.layer_types == ("short_conv", "attention", "short_conv")
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    hidden, _ = runner.forward([BatchEntry(PROMPTS[0], 0, [3, 1, 0, 2], state_slot=0)])
+    with torch.no_grad():
+        want = load_hf_reference(folder)(torch.tensor([PROMPTS[0]])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    quantized = convert_hf_to_gguf(folder, tmp_path / "q.gguf", "q8_0", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ours = LLM(quantized, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
+    theirs = LLM(folder, progress=False).generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
+    """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: the text model under
+    text_config and model.language_model, a vision tower beside it): hearth loads the text model,
+    leaves the vision tower out with a log line, and gives transformers' logits for a text prompt."""
+    import transformers
+
+    from models import hf_config, make_tokenizer
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=hf_config("qwen3_5").to_dict(), vision_config=vision)).eval()
+    reference.save_pretrained(tmp_path)
+    make_tokenizer(tmp_path)
+    with caplog.at_level(logging.INFO, logger="hearth"):
+        model = load_model(tmp_path, progress=False).model
+    assert "tensors not loaded" in caplog.text and "model\\.visual" in caplog.text
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    hidden, _ = runner.forward([BatchEntry(PROMPTS[0], 0, [0, 1, 2, 3], state_slot=0)])
+    with torch.no_grad():
+        want = reference(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_cpu_kernels_match_the_torch_steps():
+    """cpu_kernels/state_ops.cpp's decode steps against the reference backend's torch ones, in a step of
+    three decodes (one starting fresh, its slot holding another sequence's old state) and a chunk."""
+    from hearth.backend.base import Backend
+    from hearth.backend.cpu import CpuBackend
+    from hearth.backend.state_ops import StateMetadata
+
+    slots, starts, seq_lens = np.array([4, 1, 5, 2]), np.array([0, 1, 2, 7, 8]), np.array([9, 1, 12, 30])
+    meta = StateMetadata.from_step(slots, starts, seq_lens, torch.device("cpu"))
+    rows, channels, taps, heads, dk, dv = 8, 24, 4, 3, 8, 12
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    x, weight, bias, windows = randn(rows, channels), randn(channels, taps), randn(channels), randn(6, channels, taps - 1)
+    q, k = (torch.nn.functional.normalize(randn(rows, heads, dk), dim=-1) for _ in range(2))
+    v, g, beta, states = randn(rows, heads, dv), -randn(rows, heads).abs(), randn(rows, heads).sigmoid(), \
+        randn(6, heads, dk, dv)
+    results = []
+    for backend in (Backend(), CpuBackend()):
+        conv_states, delta_states = windows.clone(), states.clone()
+        results.append([backend.causal_conv1d(x, conv_states, weight, b, meta, "silu") for b in (bias, None)]
+                       + [conv_states, backend.gated_delta_rule(q, k, v, g, beta, delta_states, meta), delta_states])
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
