@@ -22,13 +22,14 @@ from hearth.server.served import ServedModel
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
-              limits: ServerLimits | None = None, tool_call_parser: str | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, tool_call_parser: str | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """A prefill or decode worker of a disaggregated set is this app with its role added by the fleet
     (hearth/fleet/disaggregated.py: add_role)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
-    app.state.served = ServedModel(engine, names, limits, tool_call_parser)
+    app.state.served = ServedModel(engine, names, limits, tool_call_parser, trust_request_chat_template)
     install_middleware(app, limits, api_key)
     install_error_handlers(app)
     for module in (info, tokens, completions, chat, embeddings, page):
