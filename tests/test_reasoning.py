@@ -142,8 +142,8 @@ def client(qwen3):
 
 
 def ask(client, extra_body: dict | None = None, **kw):
-    return client.chat.completions.create(model="qwen3", messages=QUESTION, max_tokens=14, temperature=0,
-                                          extra_body={"ignore_eos": True, **(extra_body or {})}, **kw)
+    return client.chat.completions.create(**{"model": "qwen3", "messages": QUESTION, "max_tokens": 14, "temperature": 0,
+                                             "extra_body": {"ignore_eos": True, **(extra_body or {})}, **kw})
 
 
 def test_chat_completions_split_reasoning_streamed_or_not(client, llm):
@@ -169,3 +169,13 @@ def test_chat_completions_split_reasoning_streamed_or_not(client, llm):
     closed = llm.render_chat(QUESTION, chat_template_kwargs={"enable_thinking": False})
     assert message.reasoning_content is None
     assert message.content == llm.get_tokenizer().decode(generate(llm, closed, max_tokens=14, ignore_eos=True)).lstrip()
+
+
+def test_a_request_s_own_chat_template_makes_the_prompt(client, llm):
+    import jinja2
+
+    plain = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}{% endfor %}<|im_start|>"
+    res = ask(client, max_tokens=1, extra_body={"chat_template": plain})
+    rendered = jinja2.Template(plain).render(messages=QUESTION, add_generation_prompt=True)
+    assert res.usage.prompt_tokens == len(llm.get_tokenizer().encode(rendered, add_special_tokens=False))
+    assert res.usage.prompt_tokens != ask(client, max_tokens=1).usage.prompt_tokens

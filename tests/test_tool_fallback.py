@@ -93,3 +93,9 @@ def test_auto_answers_with_text_and_the_conversation_goes_on_after_a_result(clie
     res = client.chat.completions.create(model="smollm2", messages=turn, tools=[WEATHER], tool_choice="required",
                                          temperature=0, max_tokens=60, parallel_tool_calls=False)
     assert res.choices[0].finish_reason == "tool_calls" and len(res.choices[0].message.tool_calls) == 1
+
+
+def test_a_request_s_own_chat_template_needs_the_server_s_trust(client):
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        client.chat.completions.create(model="smollm2", messages=PARIS, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages[0].content }}"})
