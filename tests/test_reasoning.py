@@ -122,6 +122,18 @@ def test_the_budget_closes_the_section_after_exactly_n_tokens(llm):
     assert generate(llm, closed, thinking_token_budget=0) == generate(llm, closed)
 
 
+def test_the_budget_holds_with_speculative_guesses(qwen3, llm):
+    """Prompt lookup guesses the repeated <think>: the budget runs out inside a step's accepted
+    guesses, whose tokens after it are not kept; the output is plain decoding's."""
+    start, end = think_ids(llm)
+    spec = LLM(qwen3, progress=False, reasoning_parser="qwen3", speculative_method="ngram",
+               speculative_adaptive=False, num_speculative_tokens=4)
+    prompt = llm.render_chat(QUESTION)
+    out = generate(spec, prompt, logit_bias={start: 100}, thinking_token_budget=5)
+    assert out == [start] * 6 + [end] + [start] * 6 + [end] + [start] * 2
+    assert spec.engine.spec_decode_totals.num_accepted_tokens > 0  # guesses were taken
+
+
 def test_a_budget_without_a_reasoning_parser_is_refused(qwen3):
     from hearth.errors import RequestError
 
