@@ -13,6 +13,7 @@ import copy
 import json
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -20,7 +21,7 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from hearth.errors import RequestError
+from hearth.errors import HearthError, RequestError
 
 
 def render_chat_template(
@@ -46,6 +47,20 @@ def render_chat_template(
         raise RequestError(f"chat template error: {e.message or type(e).__name__}") from None
     except Exception as e:  # a template is code: it can fail in any Python way on unexpected input
         raise RequestError(f"chat template error: {type(e).__name__}: {e}") from None
+
+
+def load_chat_template(source: str) -> str:
+    """`--chat-template`'s value: a Jinja file's text, or the template itself (vLLM takes both);
+    HearthError for a file that cannot be read, or text that is neither."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise HearthError(f"chat template {source}: cannot read it: {e}") from None
+    if "{{" in source or "{%" in source:
+        return source
+    raise HearthError(f"chat template {source}: no such file (give a Jinja file, or the template's text)")
 
 
 class _TemplateRaised(jinja2.TemplateError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -75,6 +76,58 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
 
 
+CHAT_COMMANDS = """commands (not sent to the model):
+  /help          this list
+  /reset         forget the conversation (the system message stays)
+  /system TEXT   the system message from now on (/system alone: none)
+  /exit          leave (as does end of input)"""
+
+
+def _chat_command(line: str, history: list[dict]) -> bool:
+    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr."""
+    name, _, text = line.partition(" ")
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/help":
+        print(CHAT_COMMANDS, file=sys.stderr)
+    elif name == "/reset":
+        del history[1 if history and history[0]["role"] == "system" else 0:]
+        print("(conversation cleared)", file=sys.stderr)
+    elif name == "/system":
+        if history and history[0]["role"] == "system":
+            del history[0]
+        if text.strip():
+            history.insert(0, {"role": "system", "content": text.strip()})
+        print("(system message set)" if text.strip() else "(no system message)", file=sys.stderr)
+    else:
+        print(f"unknown command {name}: /help lists them", file=sys.stderr)
+    return True
+
+
+def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
+    """Generate the next reply (streamed to the terminal, or one JSON line); the answer to keep in the
+    history (with a reasoning parser: without the thinking)."""
+    prompt = llm.render_chat(history)
+    reasoning = llm.engine.reasoning
+    if as_json:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        text = completion.text
+    else:
+        text = _stream(llm, prompt, params)
+        sys.stdout.write("\n")
+    thinking, content = None, text
+    if reasoning is not None:
+        opened = reasoning.opened_by(llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
+        thinking, content = reasoning.split(text, opened)
+    if as_json:
+        record = {"role": "assistant", "content": content, "finish_reason": completion.finish_reason,
+                  "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(completion.token_ids)}
+        print(json.dumps(record | ({} if reasoning is None else {"reasoning_content": thinking}),
+                         ensure_ascii=False), flush=True)
+    return content
+
+
 def cmd_chat(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
     llm = build_llm(args)
@@ -82,19 +135,24 @@ def cmd_chat(args) -> None:
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
+    if interactive:
+        print("/help lists the commands", file=sys.stderr)
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
         line = sys.stdin.readline()
-        if not line or line.strip() in ("/exit", "/quit"):
+        if not line:
             break
+        line = line.rstrip("\n")
+        if line.startswith("/"):
+            if not _chat_command(line.strip(), history):
+                break
+            continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        reply = _stream(llm, llm.render_chat(history), params)
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": reply})
+        history.append({"role": "user", "content": line})
+        history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})
 
 
 def cmd_tokenize(args) -> None:
@@ -217,9 +275,11 @@ def _add_generate_and_chat(sub) -> None:
     add_engine_arguments(p, max_num_seqs=1)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="talk with the model through its chat template")
+    p = sub.add_parser("chat", help="talk with the model through its chat template (/help: its commands)")
     add_model_argument(p)
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--json", action="store_true", help="each reply as one JSON line (content, finish_reason, "
+                                                       "token counts; reasoning_content with --reasoning-parser)")
     _add_sampling(p, max_tokens=512)
     add_engine_arguments(p, max_num_seqs=1)
     p.set_defaults(func=cmd_chat)
@@ -248,6 +308,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--batch-dir", type=Path, default=None,
                    help="where /v1/files and /v1/batches keep their state; a server started again on it takes up "
                         "its unfinished batches (default: $XDG_CACHE_HOME/hearth/batches, or ~/.cache/hearth/batches)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests give their own chat template (vLLM's `chat_template` field; a template is "
+                        "code, run in a sandbox)")
     add_limit_arguments(p, parse_size)
     _add_replicas(p)
     add_engine_arguments(p)
@@ -330,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="hearth", description="An LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"hearth {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # no abbreviated flags: `chat --json` once read as --json-schema, a prefix of it
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     _add_generate_and_chat(sub)
     _add_serve(sub)
     _add_tokenize_and_watermark(sub)

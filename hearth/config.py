@@ -20,6 +20,7 @@ from hearth.hf_config import (
     sliding_layers_from_hf,
 )
 from hearth.options import build, option, parse_size, section
+from hearth.reasoning import FORMATS
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -499,6 +500,26 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ReasoningConfig:
+    """Thinking models (hearth/reasoning.py's formats): EngineConfig.reasoning."""
+
+    parser: str | None = option(
+        None, keyword="reasoning_parser", choices=sorted(FORMATS),
+        help="the model's thinking markers: deepseek_r1 or qwen3 (<think>...</think>), gpt_oss (harmony's analysis "
+             "channel); replies then carry reasoning_content apart from content, and budgets apply")
+    budget: int = option(
+        -1, keyword="reasoning_budget", metavar="N",
+        help="with --reasoning-parser: after N tokens of thinking the engine closes the section (</think>) and "
+             "the answer follows; a request's thinking_token_budget overrides it (-1: no limit, 0: no thinking)")
+
+    def __post_init__(self) -> None:
+        _need(self.parser is None or self.parser in FORMATS,
+              f"reasoning_parser must be one of {', '.join(sorted(FORMATS))}, got {self.parser!r}")
+        _need(self.budget >= -1, f"reasoning_budget must be -1 (no limit) or at least 0, got {self.budget}")
+        _need(self.budget == -1 or self.parser is not None, "reasoning_budget needs a reasoning_parser")
+
+
+@dataclass
 class EngineConfig:
     """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
     come from here); every field validated loudly."""
@@ -514,6 +535,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     parallel: ParallelConfig = section(ParallelConfig, "parallelism")
     speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding")
+    reasoning: ReasoningConfig = section(ReasoningConfig, "reasoning")
+    chat_template: str | None = option(
+        None, metavar="FILE", help="the chat template to use instead of the model's: a Jinja file, or the template "
+                                   "itself")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",

@@ -155,6 +155,9 @@ class SamplingParams:
     # scores log p_expert - weight * log p_amateur over the tokens with p_expert >= alpha * max p_expert
     contrastive_weight: float = 0.0  # >= 0; 0: off
     contrastive_alpha: float = 0.1  # [0, 1]: the plausibility cut-off
+    # vLLM's: after this many tokens of thinking the engine closes the section (hearth/engine/thinking.py);
+    # None: the engine's reasoning_budget; -1: no limit
+    thinking_token_budget: int | None = None
 
     @classmethod
     def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
@@ -238,6 +241,9 @@ class SamplingParams:
         _check(math.isfinite(self.contrastive_weight) and self.contrastive_weight >= 0.0,
                f"contrastive_weight must be a finite number >= 0, got {self.contrastive_weight}.")
         _check(0.0 <= self.contrastive_alpha <= 1.0, f"contrastive_alpha must be in [0, 1], got {self.contrastive_alpha}.")
+        _check(self.thinking_token_budget is None or (isinstance(self.thinking_token_budget, int)
+                                                      and self.thinking_token_budget >= -1),
+               f"thinking_token_budget must be -1 (no limit) or at least 0, got {self.thinking_token_budget!r}.")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")

@@ -267,17 +267,20 @@ class Tokenizer:
 
     # ------------------------------------------------------------ chat
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """The conversation's prompt text; `chat_template`: a template to use instead of the model's."""
         from hearth.chat_template import render_chat_template  # Jinja: paid for by chats only
 
         variables = {**{k: v for k, v in self._template_tokens.items() if v is not None}, **kwargs}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, **variables)
+        return render_chat_template(chat_template or self.chat_template, messages, add_generation_prompt, **variables)
 
     def encode_chat(
         self,
         messages: list[dict],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> list[int]:
         """A conversation's token ids through the chat template: special tokens parsed, BOS added
@@ -286,7 +289,7 @@ class Tokenizer:
             raise RequestError("messages must contain at least one message")
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
         if continue_final_message:  # end with the final message itself, without its end of turn
             final = messages[-1].get("content") or ""
             if final and final in text:

@@ -199,3 +199,33 @@ def arguments_reader(name: str) -> Reader:
         return Reply("", [CallText(name, text[start:], _json_end(text, start) is not None)])
 
     return read
+
+
+_RESPONSE = re.compile(r'\{\s*"response"\s*:\s*"')
+
+
+def read_generic(text: str, final: bool) -> Reply:
+    """The generic format of models whose template has no tools (hearth/server/tool_fallback.py): one
+    JSON object, {"tool_calls": [{"name", "arguments"}, ...]} or {"response": text}; while the
+    response's string grows, its content is as much of it as decodes."""
+    start = _skip_space(text, 0)
+    calls = re.match(r'\{\s*"tool_calls"\s*:\s*\[', text[start:])
+    if calls is not None:
+        return Reply("", _calls_from(text, start + calls.end(), ","))
+    response = _RESPONSE.match(text, start)
+    if response is None:
+        return Reply(text if final else "")
+    end = _json_end(text, response.end() - 1)
+    if end is not None:
+        return Reply(json.loads(text[response.end() - 1:end]))
+    return Reply(_partial_string(text[response.end():]))
+
+
+def _partial_string(body: str) -> str:
+    """A JSON string's text so far (without its opening quote), less an escape cut short."""
+    for cut in range(0, min(6, len(body)) + 1):
+        try:
+            return json.loads(f'"{body[:len(body) - cut]}"')
+        except ValueError:
+            continue
+    return ""

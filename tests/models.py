@@ -32,7 +32,9 @@ def make_tokenizer(folder: Path) -> None:
     )
     tok.train_from_iterator([_TEXT] * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
+    fast.chat_template = (  # ChatML; the tools' names (when given) in a system turn: tool calling in the model's format
+        "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+        "{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )

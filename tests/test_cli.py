@@ -208,20 +208,61 @@ def test_truncated_gguf_and_unsupported_quant_type(tmp_path, llama, capsys):
     assert "IQ2_XXS" in err and "blk.0.attn_q.weight" in err
 
 
-def test_chat_keeps_the_conversation(llama):
-    """Two turns through `hearth chat`: each reply is the greedy continuation of the whole history."""
+def test_chat_keeps_the_conversation_and_its_commands_stay_local(llama):
+    """Turns through `hearth chat`: each reply is the greedy continuation of the whole history;
+    /help, /system, /reset, /exit and an unknown command are never sent to the model."""
     from hearth import LLM, SamplingParams
 
+    stdin = "/help\nhello\n/system Be brief.\nhow are you\n/reset\nhello\n/nope\n/exit\nnever sent\n"
     result = subprocess.run(
         [sys.executable, "-m", "hearth.cli", "chat", str(llama), "--temperature", "0", "--max-tokens", "6"],
-        input="hello\nhow are you\n", capture_output=True, text=True, timeout=300,
+        input=stdin, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    replies = result.stdout.split("\n")[:2]
+    assert "/reset" in result.stderr and "unknown command /nope" in result.stderr  # /help's list, the refusal
+    replies = result.stdout.split("\n")[:3]
     llm = LLM(llama, progress=False)
     params = SamplingParams(temperature=0, max_tokens=6)
-    history = [{"role": "user", "content": "hello"}]
-    first = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "how are you"}]
+    system, hello = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}
+    first = llm.chat([hello], params, use_tqdm=False)[0].outputs[0].text
+    history = [system, hello, {"role": "assistant", "content": first}, {"role": "user", "content": "how are you"}]
     second = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-    assert replies == [first, second]
+    third = llm.chat([system, hello], params, use_tqdm=False)[0].outputs[0].text  # after /reset: the system stays
+    assert replies == [first, second, third]
+
+
+def test_chat_json_with_a_chat_template_file(llama, tmp_path, monkeypatch, capsys):
+    """`hearth chat --json --chat-template FILE`: a JSON line per reply, the prompt as jinja2 renders the file."""
+    import io
+
+    import jinja2
+
+    from hearth import LLM, SamplingParams
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    path = tmp_path / "plain.jinja"
+    path.write_text(template)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(llama), "--temperature", "0", "--max-tokens", "5", "--json", "--chat-template", str(path)]) == 0
+    [reply] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    llm = LLM(llama, progress=False, chat_template=str(path))
+    history = [{"role": "user", "content": "hello"}]
+    rendered = jinja2.Template(template).render(messages=history, add_generation_prompt=True)
+    assert llm.get_tokenizer().decode(llm.render_chat(history)) == rendered
+    out = llm.chat(history, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert reply == {"role": "assistant", "content": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
+                     "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.outputs[0].token_ids)}
+    assert main(["chat", str(llama), "--chat-template", str(tmp_path / "missing.jinja")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_chat_json_and_json_schema_are_two_flags():
+    from hearth.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["chat", "--json"])  # once read as --json-schema's prefix, wanting a FILE
+    assert args.json and args.json_schema is None
+    args = parser.parse_args(["chat", "--json", "--json-schema", "s.json"])
+    assert args.json and args.json_schema == "s.json"
+    with pytest.raises(SystemExit):  # no abbreviations at all
+        parser.parse_args(["chat", "--json-sch", "s.json"])

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tokenizer", ("hearth.tokenizer", "hearth.watermark", "hearth.triton_kernels")),
     ("config", ("hearth.config", "hearth.hf_config", "hearth.sampling_params", "hearth.quant")),
     ("ground", ("hearth.errors", "hearth.kv_format", "hearth.outputs", "hearth.native", "hearth.tool_calls",
-                "hearth.chat_template", "hearth.tokenizer_gguf", "hearth.default_model", "hearth.options")),
+                "hearth.chat_template", "hearth.tokenizer_gguf", "hearth.default_model", "hearth.options",
+                "hearth.reasoning")),
 ]
 # the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
 TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.sampler")

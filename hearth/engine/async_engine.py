@@ -46,6 +46,7 @@ from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
+from hearth.reasoning import ReasoningFormat
 from hearth.tokenizer import Tokenizer
 
 logger = logging.getLogger("hearth")
@@ -149,6 +150,7 @@ class AsyncEngine:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
+        self.reasoning: ReasoningFormat | None = engine.reasoning  # the model's thinking markers, if given
         self.model_path: Path = engine.model_path
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
         self._grammars = engine.grammars  # thread-safe: compiles off the engine thread

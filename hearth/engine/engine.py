@@ -29,8 +29,11 @@ from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, load_target
 from hearth.engine.state_slots import StateSlots
 from hearth.engine.structured_output import GrammarCompiler
+from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
+from hearth.chat_template import load_chat_template
 from hearth.errors import RequestError
 from hearth.outputs import RequestOutput
+from hearth.reasoning import FORMATS
 from hearth.sampling_params import SamplingParams
 
 
@@ -51,6 +54,10 @@ class LLMEngine:
         loaded, self.workers, shard = load_target(model, config, backend, self.dtype, self.device, progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
+        self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
+        self.thinking_markers = None if self.reasoning is None else ThinkingMarkers.of(self.reasoning, self.tokenizer)
         self.max_model_len = context_length(config, self.model_config)
         hybrid = check_hybrid(config, self.model_config)
         self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
@@ -157,9 +164,11 @@ class LLMEngine:
             if self.speculator.active:  # draws of guessing and verifying: a stream of their own
                 spec_generator = make_generator(spec_seed(params.seed + index), self.device)
         decoder = self.tokenizer.incremental_decoder(params.skip_special_tokens, group.prompt_token_ids)
+        budget = self.config.reasoning.budget if params.thinking_token_budget is None else params.thinking_token_budget
+        thinking = None if budget < 0 else ThinkingBudget(self.thinking_markers, budget, group.prompt_token_ids)
         return SequenceState(request, index, decoder, generator, spec_generator=spec_generator,
                              logprobs=[] if params.logprobs is not None else None,
-                             matcher=None if grammar is None else self.grammars.matcher(grammar))
+                             matcher=None if grammar is None else self.grammars.matcher(grammar), thinking=thinking)
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,6 +203,9 @@ class LLMEngine:
             params.validate_for_vocab(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if params.thinking_token_budget is not None and params.thinking_token_budget >= 0 and self.reasoning is None:
+            raise RequestError("thinking_token_budget needs an engine started with a reasoning_parser "
+                               "(--reasoning-parser NAME): it knows no thinking markers")
         if params.contrastive_weight > 0 and self.runner.amateur is None:
             raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
                                "(--contrastive-model PATH)")
@@ -262,4 +274,4 @@ class LLMEngine:
         score_prompt = (state.index == 0 and request.num_output_tokens == 0
                         and request.sampling_params.prompt_logprobs is not None)
         return ScheduledSequence(request, num_new_tokens, state.generator, state.matcher, score_prompt,
-                                 state.spec_generator)
+                                 state.spec_generator, [] if state.thinking is None else state.thinking.forced)

@@ -19,6 +19,7 @@ from hearth.engine.runner import Alternatives, SampledTokens, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.engine.structured_output import advance
+from hearth.engine.thinking import ThinkingBudget
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ class SequenceState:
     logprobs: list[PositionLogprobs] | None = None
     stop_reason: int | str | None = None
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
+    thinking: ThinkingBudget | None = None  # a request with a thinking budget: its count (hearth/engine/thinking.py)
 
 
 @dataclass
@@ -142,6 +144,8 @@ class OutputProcessor:
             if reason:
                 stats.finished_reasons.append(reason)
                 return i + 1
+            if state.thinking is not None and state.thinking.append(token_id, state.request.output_token_ids):
+                return i + 1  # the budget ran out: what this step sampled after it is not kept
         return len(tokens.token_ids)
 
     def _append_token(self, state: SequenceState, token_id: int, logprob: float,

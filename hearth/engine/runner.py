@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +66,9 @@ class ScheduledSequence:
     matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
     score_prompt: bool = False  # return the logprobs of the prompt tokens this step computes
     spec_generator: torch.Generator | None = None  # a seeded request's randomness for verifying guesses
+    # the tokens its next positions must be, whatever the model says (a thinking budget's close marker):
+    # the row at depth d of its guesses draws forced[d]
+    forced: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -370,7 +373,7 @@ class ModelRunner:
         branch (a chain: the first i + 1 guesses); guess i is verified at its parent's row. Rows at
         one depth of a token tree draw with one noise (that of plain decoding's token there).
         Returns the batch and the rows' guesses (None: no row has one)."""
-        params, prompts, outputs, generators, constrained_rows, contrastive_rows = [], [], [], [], [], []
+        params, prompts, outputs, generators, constrained_rows, contrastive_rows, forced = [], [], [], [], [], [], ([], [])
         guess_rows, guess_ids, guess_probs, guess_generators, siblings, noise_rows = [], [], [], [], [], []
         V = self.model.config.vocab_size
         for seq in sampled:
@@ -392,6 +395,9 @@ class ModelRunner:
                 branches.append(branches[parent + 1] + [token])
             for branch in branches:
                 noise_rows.append(depth_rows.setdefault(len(branch), len(params)))
+                if len(branch) < len(seq.forced):
+                    forced[0].append(len(params))
+                    forced[1].append(seq.forced[len(branch)])
                 params.append(request.sampling_params)
                 prompts.append(request.prompt_token_ids)
                 outputs.append(request.output_token_ids + branch if branch else request.output_token_ids)
@@ -403,6 +409,7 @@ class ModelRunner:
             amateur_logits=None if not contrastive_rows else (
                 contrastive_rows, torch.stack([amateur_logits[s.request] for s in sampled if s.request in amateur_logits])),
             noise_rows=noise_rows if noise_rows != list(range(len(noise_rows))) else None,
+            forced=forced if forced[0] else None,
         )
         if not guess_rows:
             return batch, None

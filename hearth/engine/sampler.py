@@ -11,6 +11,7 @@ Per row, in the order HF's generate and vLLM apply them:
       -> presence / frequency    OpenAI's: logit[t] -= frequency * count[t] + presence * (count[t] > 0),
                                  counts over the output tokens only (as vLLM)
       -> watermark               green tokens after the previous one get +delta (hearth/watermark.py)
+      -> forced                  a row the engine decides (a thinking budget's close): one token left
       -> greedy rows: argmax here (temperature 0; the penalties and bias above still apply)
       -> temperature             logit / T
       -> top-k                   keep logits >= the k-th largest (ties kept, as HF)
@@ -101,6 +102,7 @@ class SamplingBatch:
     max_num_logprobs: int  # K of SamplerOutput.top_logprobs (0: none asked)
     # per row, the row whose draw's noise it takes (rows at one depth of a token tree share it); None: its own
     noise_rows: list[int] | None = None
+    forced: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [F], token ids [F]): all else -inf
 
     @property
     def reads_output(self) -> bool:
@@ -111,7 +113,8 @@ class SamplingBatch:
     def argmax_only(self) -> bool:
         """Every row draws the argmax of its logits as they come (greedy, nothing applied to them)."""
         return self.all_greedy and all(f is None for f in (self.contrastive, self.allowed, self.bias, self.banned,
-                                                           self.prompt_mask, self.output_counts, self.watermark))
+                                                           self.prompt_mask, self.output_counts, self.watermark,
+                                                           self.forced))
 
     @classmethod
     def build(
@@ -127,6 +130,7 @@ class SamplingBatch:
         amateur_logits: tuple[list[int], torch.Tensor] | None = None,
         noise_rows: list[int] | None = None,
         pending: torch.Tensor | None = None,
+        forced: tuple[list[int], list[int]] | None = None,
     ) -> "SamplingBatch":
         """`eos_token_ids` are the model's EOS ids: masked (with each row's stop_token_ids)
         while a row has fewer than min_tokens outputs, unless the row ignores EOS.
@@ -171,6 +175,7 @@ class SamplingBatch:
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
             max_num_logprobs=min(max(ks, default=0), V),
             noise_rows=noise_rows,
+            forced=None if forced is None else (vec(forced[0], torch.int64), vec(forced[1], torch.int64)),
         )
 
 
@@ -232,16 +237,12 @@ def _watermarks(params: list[SamplingParams], prompt_token_ids: list[list[int]],
     if not marked:
         return None
     rows = vec([i for i, _, _ in marked], torch.int64)
-    if pending is not None and pending.shape[1]:
-        previous = pending[rows, -1]
-    else:
-        previous = vec([t for _, _, t in marked], torch.int64)
+    previous = pending[rows, -1] if pending is not None and pending.shape[1] else vec([t for *_, t in marked], torch.int64)
     return (rows, vec([w.key for _, w, _ in marked], torch.int64), previous,
             vec([w.gamma for _, w, _ in marked], torch.float64), vec([w.delta for _, w, _ in marked], torch.float32))
 
 
-def _contrastive(params: list[SamplingParams], amateur_logits: tuple[list[int], torch.Tensor] | None, vec: Vec,
-                 device) -> tuple[torch.Tensor, ...] | None:
+def _contrastive(params: list[SamplingParams], amateur_logits: tuple[list[int], torch.Tensor] | None, vec: Vec, device):
     """(rows, the amateur's logits, alpha, weight) of the contrastive rows; None: none."""
     if amateur_logits is None:
         return None
@@ -268,8 +269,7 @@ def _flat_ids(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
 def _token_counts(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
     """[B, V] float32: how often each token occurs in each row's list."""
     B = len(token_ids)
-    flat = _flat_ids(token_ids, V, device)
-    return torch.bincount(flat, minlength=B * V).view(B, V).to(torch.float32)
+    return torch.bincount(_flat_ids(token_ids, V, device), minlength=B * V).view(B, V).to(torch.float32)
 
 
 def _token_mask(token_ids: list[list[int]], V: int, device) -> torch.Tensor:
@@ -343,6 +343,9 @@ def apply_penalties_and_bias(logits: torch.Tensor, batch: SamplingBatch,
         )
     if batch.watermark is not None:
         logits = apply_watermark(logits, *batch.watermark)
+    if batch.forced is not None:  # last: the forced token stays finite whatever masked it before
+        logits = logits.index_put(batch.forced[:1], logits.new_tensor(_NEG_INF))
+        logits = logits.index_put(batch.forced, logits.new_tensor(0.0))
     return logits
 
 
@@ -514,8 +517,7 @@ def verify_guesses(probs: torch.Tensor, sampled: torch.Tensor, guesses: Guesses)
     s_x, r_x = s.gather(1, x.unsqueeze(1)).squeeze(1), r.gather(1, x.unsqueeze(1)).squeeze(1)
     keep_x = u[:, 1] * s_x <= r_x
     cdf = (r - s).clamp_min(0.0).cumsum(dim=-1)  # the replacement by the inverse CDF: one uniform a row
-    other = torch.searchsorted(cdf, (u[:, 2] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    other = other.clamp_(max=p.shape[-1] - 1)
+    other = torch.searchsorted(cdf, (u[:, 2] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp_(max=p.shape[-1] - 1)
     tokens[rows] = torch.where(keep_guess, g, torch.where(keep_x, x, other))
     accepted[first] = keep_guess
     accepted[~first] = tokens[guesses.rows[~first]] == guesses.token_ids[~first]

@@ -29,13 +29,13 @@ from hearth.server.served import ServedModel
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-              batch_dir: Path | None = None) -> FastAPI:
+              batch_dir: Path | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """A prefill or decode worker of a disaggregated set is this app with its role added by the fleet
     (hearth/fleet/disaggregated.py: add_role). batch_dir: where the files and batches live, their unfinished
     batches taken up when the app starts (None: a temporary directory made on first use)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
-    served = ServedModel(engine, names, limits, tool_call_parser)
+    served = ServedModel(engine, names, limits, tool_call_parser, trust_request_chat_template)
     runner = BatchRunner(served, batch_dir)
 
     @contextlib.asynccontextmanager

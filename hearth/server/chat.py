@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
 from hearth.outputs import CompletionOutput, RequestOutput
+from hearth.reasoning import ReasoningSplit
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
 from hearth.server.served import ServedModel, served
 from hearth.server.streaming import Delta, Started, StreamHeader, respond
+from hearth.server.tool_fallback import generic_calling, generic_messages, template_drops_tools
 from hearth.server.tools import ToolCalling, ToolCallStream, tool_calling
 
 router = APIRouter()
@@ -20,19 +22,28 @@ router = APIRouter()
 
 class ChatFormat:
     """A chat choice streams as OpenAI's: a role delta first, then content deltas (and, with tool
-    calling, the deltas of its tool calls)."""
+    calling, the deltas of its tool calls; with a reasoning parser, reasoning_content deltas)."""
 
     object = "chat.completion.chunk"
 
-    def __init__(self, served: ServedModel, k: int | None, calling: ToolCalling | None = None) -> None:
+    def __init__(self, served: ServedModel, k: int | None, calling: ToolCalling | None = None,
+                 thinking: bool = False) -> None:
         self.served, self.k, self.calling = served, k, calling
+        self.reasoning, self.thinking = served.reasoning, thinking  # thinking: the prompt opened the section
         self.tool_streams: dict[int, ToolCallStream] = {}  # per choice index
+        self.splits: dict[int, ReasoningSplit] = {}  # per choice index, with a reasoning parser
 
     def message_delta(self, d: Delta) -> dict:
+        c, delta, text = d.choice, {}, d.text
+        final = c.finish_reason is not None
+        if self.reasoning is not None:
+            split = self.splits.setdefault(c.index, self.reasoning.parser(self.thinking))
+            reasoning, text = split.update(c.text, final)  # (a delta that sent nothing comes again in the next)
+            delta = {"reasoning_content": reasoning} if reasoning else {}
         if self.calling is None:
-            return {"content": d.text} if d.text else {}
-        stream = self.tool_streams.setdefault(d.choice.index, ToolCallStream(self.calling))
-        return stream.delta(d.choice.text, d.choice.finish_reason is not None)
+            return {**delta, "content": text} if text else delta
+        stream = self.tool_streams.setdefault(c.index, ToolCallStream(self.calling))
+        return {**delta, **stream.delta(c.text if self.reasoning is None else split.content, final)}
 
     @staticmethod
     def finish_reason(c: CompletionOutput, called: bool) -> str | None:
@@ -56,7 +67,10 @@ class ChatFormat:
         return items
 
     def response_choice(self, c: CompletionOutput) -> dict:
-        message = {"role": "assistant", "content": c.text} if self.calling is None else self.calling.message(c.text)
+        reasoning, text = (None, c.text) if self.reasoning is None else self.reasoning.split(c.text, self.thinking)
+        message = {"role": "assistant", "content": text} if self.calling is None else self.calling.message(text)
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         return {
             "index": c.index,
             "message": message,
@@ -67,16 +81,39 @@ class ChatFormat:
 
 
 def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
-                tools: list | None, kwargs: dict | None) -> list[int]:
+                tools: list | None, kwargs: dict | None, chat_template: str | None = None) -> list[int]:
     extra = {**({"tools": tools} if tools is not None else {}), **(kwargs or {})}
-    return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, **extra)
+    return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, s.chat_template(chat_template),
+                                   **extra)
+
+
+def chat_prompt(s: ServedModel, messages: list[dict], tools: list | None, tool_choice: Any, parallel: bool | None,
+                add_generation_prompt: bool = True, continue_final: bool = False, kwargs: dict | None = None,
+                chat_template: str | None = None) -> tuple[list[int], ToolCalling | None]:
+    """A conversation's prompt ids and its tool calling: with tools the template ignores, in the
+    generic format (hearth/server/tool_fallback.py)."""
+    calling = tool_calling(tools, tool_choice, parallel, s.tool_call_parser)
+    if calling is not None:
+        template = s.chat_template(chat_template)
+
+        def render(conversation: list[dict], tools: list | None) -> str:
+            return s.tokenizer.apply_chat_template(conversation, add_generation_prompt, template, tools=tools,
+                                                   **(kwargs or {}))
+
+        if template_drops_tools(render, messages, tools, template or s.tokenizer.chat_template):
+            messages = generic_messages(messages, tools, tool_choice == "required")
+            calling, tools = generic_calling(calling, tools, tool_choice, parallel), None
+    ids = render_chat(s, messages, add_generation_prompt, continue_final, tools, kwargs, chat_template)
+    return ids, calling
 
 
 async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
     """The request in the engine; the route answers from it, and a batch's lines (batches.py) in this process."""
     model = s.check_model(body.model)
-    ids = await asyncio.to_thread(render_chat, s, body.conversation(), body.add_generation_prompt is not False,
-                                  bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
+    ids, calling = await asyncio.to_thread(
+        chat_prompt, s, body.conversation(), body.tools, body.tool_choice, body.parallel_tool_calls,
+        body.add_generation_prompt is not False, bool(body.continue_final_message), body.chat_template_kwargs,
+        body.chat_template)
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
@@ -85,12 +122,12 @@ async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str
     max_tokens = s.check_length(len(ids), max_tokens)
     k = body.num_logprobs()
     params = body.sampling_params(max_tokens, k, body.prompt_logprobs)
-    calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, s.tool_call_parser)
     if calling is not None:
         params = calling.sampling_params(params)
+    params = s.reasoning_params(params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await s.add_all([ids], params, request_id, prefill_source, body.priority)
-    fmt = ChatFormat(s, k, calling)
+    fmt = ChatFormat(s, k, calling, s.thinking_opened(ids))
 
     def reply(final: list[RequestOutput]) -> dict:
         data = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -106,4 +143,3 @@ async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
     return await respond(request, s, start, body)
-

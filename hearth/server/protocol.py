@@ -70,6 +70,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     contrastive_weight: float | None = None  # hearth's: contrastive decoding against --contrastive-model
     contrastive_alpha: float | None = None
     priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's: a lower value is served first
+    thinking_token_budget: int | None = None  # vLLM's: thinking closed after this many tokens (--reasoning-parser)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -161,6 +162,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False  # the template already wrote the special tokens
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: this request's own template (--trust-request-chat-template)
 
     def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:

@@ -8,6 +8,7 @@ vocabulary size): never the LLMEngine, which belongs to the engine thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -33,7 +34,7 @@ class RequestTimeout(APIError):
 
 class ServedModel:
     def __init__(self, engine: AsyncEngine, names: list[str], limits: ServerLimits,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.names = names
         self.limits = limits
@@ -44,6 +45,8 @@ class ServedModel:
         # the format of tool calls in replies: given, or the one the chat template writes
         self.tool_call_parser = tool_call_parser or parser_for(self.tokenizer.chat_template)
         self.kv_puller = None  # a decode worker's KVPuller (hearth/fleet/disaggregated.py)
+        self.reasoning = engine.reasoning  # the model's thinking markers (--reasoning-parser), or None
+        self.trust_request_chat_template = trust_request_chat_template
 
     # ---- checks
 
@@ -89,6 +92,28 @@ class ServedModel:
                 "Please reduce the length of the prompt or of max_tokens."
             )
         return max_tokens
+
+    def chat_template(self, requested: str | None) -> str | None:
+        """A request's own chat template (vLLM's `chat_template`), where the server allows one; None:
+        the model's."""
+        if requested is not None and not self.trust_request_chat_template:
+            raise APIError(400, "this server uses its own chat template: start it with --trust-request-chat-template "
+                                "to let requests give theirs", "chat_template")
+        return requested
+
+    # ---- reasoning (hearth/reasoning.py)
+
+    def thinking_opened(self, prompt_ids: list[int]) -> bool:
+        """The prompt leaves a thinking section open (its template wrote the start marker)."""
+        if self.reasoning is None:
+            return False
+        return self.reasoning.opened_by(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
+
+    def reasoning_params(self, params: SamplingParams) -> SamplingParams:
+        """With markers that are special tokens (harmony's), the reply is decoded with them."""
+        if self.reasoning is not None and self.reasoning.needs_special_tokens:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def piece(self, token_id: int) -> str:
         """A token's own text (special tokens included), as logprobs show it."""

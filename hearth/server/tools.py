@@ -107,8 +107,8 @@ class ToolCalling:
         if self.constraint is None:  # "auto": a format's markers may be special tokens ([TOOL_CALLS])
             return dataclasses.replace(params, skip_special_tokens=False)
         if params.structured_outputs is not None:
-            raise RequestError("a required or named tool_choice constrains the output already: "
-                               "give no response_format or guided_* with it")
+            raise RequestError("this tool_choice constrains the output already (a required or named choice, or "
+                               "tools in the generic format): give no response_format or guided_* with it")
         return dataclasses.replace(params, structured_outputs=self.constraint)
 
     def reply(self, text: str, final: bool) -> Reply:
@@ -120,8 +120,8 @@ class ToolCalling:
     def message(self, text: str) -> dict[str, Any]:
         """The non-streamed reply: tool calls when it holds whole calls, else its text."""
         reply = self.reply(text, True)
-        if not reply.valid_calls:
-            return {"role": "assistant", "content": text}
+        if not reply.valid_calls:  # (a call cut short is no call: the reply reads as its text)
+            return {"role": "assistant", "content": text if reply.calls else reply.content}
         calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in reply.calls]
         return {"role": "assistant", "content": reply.content if reply.content.strip() else None, "tool_calls": calls}
