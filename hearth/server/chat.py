@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
 from hearth.server.served import PREFILL_HEADER, ServedModel, served
@@ -73,15 +75,33 @@ def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: boo
     return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, **extra)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
-    model = s.check_model(body.model)
+@dataclass
+class ChatRun:
+    """One chat request in the engine: what the routes that speak other APIs (responses.py,
+    messages.py) read their reply from, as chat completions does."""
+
+    model: str
+    request_id: str
+    prompt_tokens: int
+    streams: list[RequestStream]
+    calling: ToolCalling | None
+    k: int | None
+
+
+async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the chat template: the prompt's token ids."""
     ids = await asyncio.to_thread(render_chat, s, body.conversation(), body.add_generation_prompt is not False,
                                   bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    ids = body.truncate(ids)
+    return body.truncate(ids)
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request, s: ServedModel, request_id: str) -> ChatRun:
+    """Render the conversation and add it to the engine."""
+    model = s.check_model(body.model)
+    ids = await chat_prompt(s, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = s.check_length(len(ids), max_tokens)
     k = body.num_logprobs()
@@ -89,9 +109,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ann
     calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, s.tool_call_parser)
     if calling is not None:
         params = calling.sampling_params(params)
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await s.add_all([ids], params, request_id, request.headers.get(PREFILL_HEADER))
-    fmt = ChatFormat(s, k, calling)
+    return ChatRun(model, request_id, len(ids), streams, calling, k)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, s: Annotated[ServedModel, Depends(served)]):
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    run = await start_chat(body, request, s, request_id)
+    model, streams, k = run.model, run.streams, run.k
+    fmt = ChatFormat(s, k, run.calling)
     if body.stream:
         header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
         return stream_response(s, streams, fmt, header)
