@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI): the app and its routes.
 
 Routes, one module each by job: completions.py (/v1/completions), chat.py
-(/v1/chat/completions, with tools.py for tool calling), embeddings.py (/v1/embeddings),
-tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py (/health, /metrics, /version,
-/v1/models), page.py (the chat page at /). Both generation routes stream through
-streaming.py; the state they share is a ServedModel (served.py); errors are OpenAI's error
-JSON (errors.py); the limits a public server needs are limits.py's, the middleware before the
-routes middleware.py's.
+(/v1/chat/completions, with tools.py for tool calling), responses.py (OpenAI's /v1/responses)
+and messages.py (Anthropic's /v1/messages), both run as chat requests and shaped by turns.py,
+embeddings.py (/v1/embeddings), tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py
+(/health, /metrics, /version, /v1/models), page.py (the chat page at /). Completions and chat
+completions stream through streaming.py; the state they share is a ServedModel (served.py);
+errors are OpenAI's error JSON, Anthropic's on its routes (errors.py); the limits a public
+server needs are limits.py's, the middleware before the routes middleware.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from hearth.engine.async_engine import AsyncEngine
-from hearth.server import chat, completions, embeddings, info, page, tokens
+from hearth.server import chat, completions, embeddings, info, messages, page, responses, tokens
 from hearth.server.errors import install_error_handlers
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
@@ -29,8 +30,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     limits = limits or ServerLimits()
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None)
     app.state.served = ServedModel(engine, names, limits, tool_call_parser)
+    app.state.responses = responses.ResponseStore()
     install_middleware(app, limits, api_key)
     install_error_handlers(app)
-    for module in (info, tokens, completions, chat, embeddings, page):
+    for module in (info, tokens, completions, chat, responses, messages, embeddings, page):
         app.include_router(module.router)
     return app
