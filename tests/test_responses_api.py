@@ -3,7 +3,10 @@ served live: every reply against chat completions on the same conversation at te
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -164,3 +167,48 @@ def test_reasoning_reads_as_a_reasoning_item_before_the_message():
         ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
     item = output_item(blocks.blocks[0], "rs_1", True)
     assert item["type"] == "reasoning" and item["content"] == [{"type": "reasoning_text", "text": "Paris, surely."}]
+
+
+def test_an_openai_agents_runner_completes_a_two_tool_loop(server):
+    """The openai-agents runner drives the loop: a call, its output given back, the next call, then
+    the answer. SmolLM2's template drops tools, so the hooks name the tool each turn asks for
+    (get_weather, then get_time, then none); the rest is the runner's own traffic, streamed or not."""
+    agents = pytest.importorskip("agents")
+    called = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(("get_weather", city))
+        return "21 degrees and sunny"
+
+    @agents.function_tool
+    def get_time(zone: Literal["CET", "UTC", "PST"]) -> str:
+        """The time in a time zone."""
+        called.append(("get_time", zone))
+        return "14:00"
+
+    class NextTool(agents.RunHooks):
+        async def on_tool_end(self, context, agent, tool, result) -> None:
+            choice = "get_time" if tool.name == "get_weather" else "none"
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice=choice)
+
+    async def run(streamed: bool) -> str:
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
+        settings = agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=40)
+        agent = agents.Agent(name="assistant", instructions=BRIEF, tools=[get_weather, get_time], model_settings=settings,
+                             model=agents.OpenAIResponsesModel(NAME, client), reset_tool_choice=False)
+        question = "What is the weather in Paris, and the time in CET?"
+        if not streamed:
+            return (await agents.Runner.run(agent, question, hooks=NextTool(), max_turns=4)).final_output
+        result = agents.Runner.run_streamed(agent, question, hooks=NextTool(), max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result.final_output
+
+    agents.set_tracing_disabled(True)
+    answer = asyncio.run(run(streamed=False))
+    assert [name for name, _ in called] == ["get_weather", "get_time"] and called[0][1]
+    assert isinstance(answer, str) and answer
+    called.clear()
+    assert asyncio.run(run(streamed=True)) == answer and [name for name, _ in called] == ["get_weather", "get_time"]
