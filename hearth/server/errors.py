@@ -31,8 +31,8 @@ class APIError(Exception):
 
 ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's shapes (messages.py)
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                   503: "overloaded_error"}
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None, path: str = "") -> dict:
