@@ -169,6 +169,7 @@ def test_reasoning_reads_as_a_reasoning_item_before_the_message():
     assert item["type"] == "reasoning" and item["content"] == [{"type": "reasoning_text", "text": "Paris, surely."}]
 
 
+@pytest.mark.slow  # importing openai-agents alone takes 3 s of CPU (13 s on a busy machine); 6 model calls
 def test_an_openai_agents_runner_completes_a_two_tool_loop(server):
     """The openai-agents runner drives the loop: a call, its output given back, the next call, then
     the answer. SmolLM2's template drops tools, so the hooks name the tool each turn asks for
@@ -195,7 +196,7 @@ def test_an_openai_agents_runner_completes_a_two_tool_loop(server):
 
     async def run(streamed: bool) -> str:
         client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
-        settings = agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=40)
+        settings = agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=24)
         agent = agents.Agent(name="assistant", instructions=BRIEF, tools=[get_weather, get_time], model_settings=settings,
                              model=agents.OpenAIResponsesModel(NAME, client), reset_tool_choice=False)
         question = "What is the weather in Paris, and the time in CET?"
