@@ -130,7 +130,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stream: bool = False
+    stream: bool | None = False
 
     def sampling(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,

@@ -112,10 +112,10 @@ class ResponsesRequest(OpenAIModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    store: bool = True
+    store: bool | None = True  # null: the default
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    stream: bool = False
+    stream: bool | None = False
 
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat messages: a function call joins the assistant's message before it."""
@@ -239,7 +239,7 @@ class ResponseShape:
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.run.model,
             "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": b.store, "temperature": b.temperature, "text": {"format": text_format or {"type": "text"}},
+            "store": b.store is not False, "temperature": b.temperature, "text": {"format": text_format or {"type": "text"}},
             "tool_choice": choice, "tools": [t.model_dump() for t in b.tools or []], "top_p": b.top_p,
             "truncation": "disabled", "usage": usage, "metadata": b.metadata or {}}
 
@@ -290,7 +290,7 @@ class ResponseEvents:
 
 def _keep(responses: ResponseStore, body: ResponsesRequest, data: dict, conversation: list[dict],
           blocks: list[Block]) -> None:
-    if body.store:
+    if body.store is not False:
         responses.put(data, conversation + [reply_message(blocks)])
 
 
