@@ -99,7 +99,7 @@ def test_previous_response_id_continues_the_conversation_and_store_keeps_retriev
     unstored = openai_client.responses.create(model=NAME, input="Hi", store=False, max_output_tokens=5)
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve(unstored.id)
-    nulls = openai_client.responses.create(model=NAME, input="Hi", max_output_tokens=5,
+    nulls = openai_client.responses.create(model=NAME, input="Hi", max_output_tokens=5, tool_choice="auto",
                                            extra_body={"store": None, "stream": None})  # null: the defaults
     assert openai_client.responses.retrieve(nulls.id).id == nulls.id
 

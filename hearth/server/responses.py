@@ -148,6 +148,8 @@ class ResponsesRequest(OpenAIModel):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
+        elif choice == "auto" and not self.tools:
+            choice = None  # OpenAI's Responses API takes "auto" without tools (chat completions does not)
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         tools = [chat_tool(t.name, t.description, t.parameters) for t in self.tools] if self.tools else None
         return ChatCompletionRequest.model_validate({
