@@ -9,11 +9,13 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 
 from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2
 from agent_apis import openai_client, server  # noqa: F401 (the fixtures)
-from hearth.server.messages import block_delta, content_block
-from hearth.server.turns import Blocks
+from hearth.server.chat import ChatRun
+from hearth.server.messages import block_events, content_block, event, message_object
+from hearth.server.turns import Blocks, Finish
 
 pytestmark = needs_smollm2
 TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER},
@@ -132,11 +134,25 @@ def test_errors_are_anthropics_shape_and_the_sdks_own_exceptions(client, server)
 
 
 def test_reasoning_reads_as_a_thinking_block_before_the_text():
-    """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is a block of its own."""
+    """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is a block of its
+    own: the events as the route sends them, accumulated by the anthropic SDK's own stream reader."""
     blocks = Blocks()
-    events = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."})
-    assert [(e.type, e.index, e.block.kind) for e in events] == [
+    changes = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
+    assert [(e.type, e.index, e.block.kind) for e in changes] == [
         ("start", 0, "reasoning"), ("delta", 0, "reasoning"), ("stop", 0, "reasoning"),
-        ("start", 1, "text"), ("delta", 1, "text")]
-    assert content_block(blocks.blocks[0], True) == {"type": "thinking", "thinking": "Paris, surely.", "signature": ""}
-    assert block_delta(blocks.blocks[0], "Paris") == {"type": "thinking_delta", "thinking": "Paris"}
+        ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
+    run = ChatRun(NAME, "msg_1", 7, [], None, None)
+    finish = Finish("stop", None, 7, 5, 0)
+    sent = [event("message_start", message=message_object(run, [], None)),
+            *(text for e in changes for text in block_events(e)),
+            event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                  usage={"output_tokens": 5}),
+            event("message_stop")]
+    snapshot, buffers = None, {}
+    for text in sent:
+        data = json.loads(text.split("data: ", 1)[1])
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=buffers)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in snapshot.content] == [
+        ("thinking", "Paris, surely."), ("text", "Paris.")]
+    whole = message_object(run, [content_block(b, True) for b in blocks.blocks], finish)
+    assert whole["content"][0] == {"type": "thinking", "thinking": "Paris, surely.", "signature": ""}

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (/v1/responses) as the openai SDK's `openai_client.responses` sees it, on SmolLM2
+"""OpenAI's Responses API (/v1/responses) as the openai SDK's `client.responses` sees it, on SmolLM2
 served live: every reply against chat completions on the same conversation at temperature 0."""
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
 
 from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2
 from agent_apis import openai_client, server  # noqa: F401 (the fixtures)
-from hearth.server.responses import output_item
-from hearth.server.turns import Blocks
+from hearth.server.chat import ChatRun
+from hearth.server.responses import ResponseEvents, ResponseShape, ResponsesRequest
+from hearth.server.turns import Blocks, Finish
 
 pytestmark = needs_smollm2
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
@@ -162,14 +166,30 @@ def test_bad_requests_are_errors_in_openai_shape(server, kw, status, message):
 
 
 def test_reasoning_reads_as_a_reasoning_item_before_the_message():
-    """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is an item of its own."""
+    """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is an item of its
+    own: the events as the route sends them, read by the openai SDK's own stream state."""
     blocks = Blocks()
-    events = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
-    assert [(e.type, e.index, e.block.kind) for e in events] == [
+    changes = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
+    assert [(e.type, e.index, e.block.kind) for e in changes] == [
         ("start", 0, "reasoning"), ("delta", 0, "reasoning"), ("stop", 0, "reasoning"),
         ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
-    item = output_item(blocks.blocks[0], "rs_1", True)
-    assert item["type"] == "reasoning" and item["content"] == [{"type": "reasoning_text", "text": "Paris, surely."}]
+    shape = ResponseShape(ResponsesRequest(input="Hi"), ChatRun(NAME, "resp_1", 7, [], None, None), 0)
+    writer = ResponseEvents(shape)
+    sent = [writer.event("response.created", response=shape.snapshot("in_progress", [])),
+            *(text for e in changes for text in writer.block(e))]
+    finished = shape.finished(writer.blocks, Finish("stop", None, 7, 5, 0))
+    sent.append(writer.event("response.completed", response=finished))
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    kinds = []
+    for text in sent:
+        data = json.loads(text.split("data: ", 1)[1])
+        for e in state.handle_event(construct_type(type_=ResponseStreamEvent, value=data)):
+            kinds.append(e.type)
+    assert kinds[:4] == ["response.created", "response.output_item.added", "response.reasoning_text.delta",
+                         "response.reasoning_text.done"]
+    final = state._completed_response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "Paris."
+    assert final.output[0].content[0].text == "Paris, surely." and final.usage.total_tokens == 12
 
 
 @pytest.mark.slow  # importing openai-agents alone takes 3 s of CPU (13 s on a busy machine); 6 model calls
@@ -200,8 +220,9 @@ def test_an_openai_agents_runner_completes_a_two_tool_loop(server):
     async def run(streamed: bool) -> str:
         client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
         settings = agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=24)
-        agent = agents.Agent(name="assistant", instructions=BRIEF, tools=[get_weather, get_time], model_settings=settings,
-                             model=agents.OpenAIResponsesModel(NAME, client), reset_tool_choice=False)
+        agent = agents.Agent(name="assistant", instructions=BRIEF, tools=[get_weather, get_time],
+                             model_settings=settings, model=agents.OpenAIResponsesModel(NAME, client),
+                             reset_tool_choice=False)
         question = "What is the weather in Paris, and the time in CET?"
         if not streamed:
             return (await agents.Runner.run(agent, question, hooks=NextTool(), max_turns=4)).final_output

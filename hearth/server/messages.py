@@ -174,17 +174,20 @@ def message_object(run: ChatRun, content: list[dict], finish: Finish | None) -> 
                       "output_tokens": 0 if finish is None else finish.output_tokens}}
 
 
+def event(kind: str, **fields: Any) -> str:
+    """One of Anthropic's stream events: its type names the event and is in its data."""
+    return sse_event(kind, {"type": kind, **fields})
+
+
+def block_events(e: BlockEvent) -> list[str]:
+    if e.type == "start":
+        return [event("content_block_start", index=e.index, content_block=content_block(e.block, False))]
+    if e.type == "delta":
+        return [event("content_block_delta", index=e.index, delta=block_delta(e.block, e.delta))]
+    return [event("content_block_stop", index=e.index)]
+
+
 def stream_events(s: ServedModel, run: ChatRun, path: str) -> AsyncIterator[str]:
-    def event(kind: str, **fields: Any) -> str:
-        return sse_event(kind, {"type": kind, **fields})
-
-    def block_events(e: BlockEvent) -> list[str]:
-        if e.type == "start":
-            return [event("content_block_start", index=e.index, content_block=content_block(e.block, False))]
-        if e.type == "delta":
-            return [event("content_block_delta", index=e.index, delta=block_delta(e.block, e.delta))]
-        return [event("content_block_stop", index=e.index)]
-
     async def events() -> AsyncIterator[str]:
         yield event("message_start", message=message_object(run, [], None))
         pinged = False  # the ping goes after the first block's start (or before the end of an empty reply)

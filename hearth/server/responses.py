@@ -241,7 +241,8 @@ class ResponseShape:
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.run.model,
             "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": b.store is not False, "temperature": b.temperature, "text": {"format": text_format or {"type": "text"}},
+            "store": b.store is not False, "temperature": b.temperature,
+            "text": {"format": text_format or {"type": "text"}},
             "tool_choice": choice, "tools": [t.model_dump() for t in b.tools or []], "top_p": b.top_p,
             "truncation": "disabled", "usage": usage, "metadata": b.metadata or {}}
 
