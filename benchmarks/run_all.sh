@@ -72,6 +72,13 @@ python -m hearth.cli bench serve --base-url "http://127.0.0.1:$PORT" --model tin
     --no-progress | tee -a "$R/serve-tiny.txt"
 kill $SERVER
 
+step "one request through chat completions, responses and messages: SmolLM2-135M Q4_1"
+if [ -f "$SMOLLM2" ]; then
+    (cd benchmarks && python agent_apis.py "../$SMOLLM2" --runs 7 --max-tokens 128 $T --out "../$R/agent-apis")
+else
+    echo "$SMOLLM2 is absent: skipped"
+fi
+
 step "64 concurrent vs one at a time vs transformers static batches: TinyLlama-1.1B shape, bfloat16"
 python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --also-gguf q8_0 --sequential-sample 1 \
     --static-sample 1 $T --out "$R/batching-tinyllama"

@@ -324,3 +324,24 @@ def test_slow_server_queue_overflow_is_503_at_once_and_a_gone_client_is_aborted(
             assert engine.engine.block_manager.check_all_free()
     finally:
         engine.shutdown()
+
+
+def test_the_responses_and_messages_apis_end_a_stream_past_its_time_with_their_own_error_event(limited):
+    url, engine = limited
+    SLOW.set()
+    with httpx.Client(base_url=url, headers=auth(), timeout=10) as http:
+        ask = {"model": NAME, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/responses",
+                         json={**ask, "input": "Once upon a time", "max_output_tokens": 40}) as r:
+            events = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "408" and "1.5 s" in events[-1]["message"]
+        assert "response.output_text.delta" in [e["type"] for e in events]  # text streamed before the limit
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        user = [{"role": "user", "content": "Once upon a time"}]
+        with http.stream("POST", "/v1/messages", json={**ask, "max_tokens": 40, "messages": user}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-2:] == ["event: error", lines[-1]] and "content_block_delta" in "".join(lines)
+        assert json.loads(lines[-1].removeprefix("data: "))["error"]["type"] == "timeout_error"
+    SLOW.clear()
+    wait_engine_idle(engine)
+    assert engine.engine.block_manager.check_all_free()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
+from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.reasoning import ReasoningSplit
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
@@ -45,6 +47,10 @@ class ChatFormat:
         stream = self.tool_streams.setdefault(c.index, ToolCallStream(self.calling))
         return {**delta, **stream.delta(c.text if self.reasoning is None else split.content, final)}
 
+    def called(self, index: int) -> bool:
+        """Whether choice `index` has streamed a tool call."""
+        return index in self.tool_streams and self.tool_streams[index].called
+
     @staticmethod
     def finish_reason(c: CompletionOutput, called: bool) -> str | None:
         return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
@@ -58,7 +64,7 @@ class ChatFormat:
                   "finish_reason": None}] if d.first else []
         delta = self.message_delta(d)
         if delta or (self.k is not None and d.token_ids) or c.finish_reason:
-            called = c.index in self.tool_streams and self.tool_streams[c.index].called
+            called = self.called(c.index)
             item = {"index": c.index, "delta": delta, "logprobs": self.logprobs(d.token_ids, d.logprobs),
                     "finish_reason": self.finish_reason(c, called)}
             if c.finish_reason is not None:
@@ -107,9 +113,8 @@ def chat_prompt(s: ServedModel, messages: list[dict], tools: list | None, tool_c
     return ids, calling
 
 
-async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
-    """The request in the engine; the route answers from it, and a batch's lines (batches.py) in this process."""
-    model = s.check_model(body.model)
+async def prompt_ids(s: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], ToolCalling | None]:
+    """The conversation through the chat template (the BOS added, truncated as asked) and its tool calling."""
     ids, calling = await asyncio.to_thread(
         chat_prompt, s, body.conversation(), body.tools, body.tool_choice, body.parallel_tool_calls,
         body.add_generation_prompt is not False, bool(body.continue_final_message), body.chat_template_kwargs,
@@ -117,7 +122,26 @@ async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    ids = body.truncate(ids)
+    return body.truncate(ids), calling
+
+
+@dataclass
+class ChatRun:
+    """One chat request in the engine: what chat completions, and the routes that speak other APIs
+    (responses.py, messages.py), read their reply from."""
+
+    model: str
+    request_id: str
+    prompt_tokens: int
+    streams: list[RequestStream]
+    fmt: ChatFormat  # how the reply reads: content, reasoning, tool calls
+
+
+async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: str,
+                     prefill_source: str | None = None) -> ChatRun:
+    """Render the conversation and add it to the engine."""
+    model = s.check_model(body.model)
+    ids, calling = await prompt_ids(s, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = s.check_length(len(ids), max_tokens)
     k = body.num_logprobs()
@@ -125,19 +149,24 @@ async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str
     if calling is not None:
         params = calling.sampling_params(params)
     params = s.reasoning_params(params)
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await s.add_all([ids], params, request_id, prefill_source, body.priority)
-    fmt = ChatFormat(s, k, calling, s.thinking_opened(ids))
+    return ChatRun(model, request_id, len(ids), streams, ChatFormat(s, k, calling, s.thinking_opened(ids)))
+
+
+async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
+    """The request in the engine; the route answers from it, and a batch's lines (batches.py) in this process."""
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    run = await start_chat(body, s, request_id, prefill_source)
 
     def reply(final: list[RequestOutput]) -> dict:
-        data = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final)}
+        data = {"id": request_id, "object": "chat.completion", "created": created, "model": run.model,
+                "choices": [run.fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final)}
         if body.prompt_logprobs is not None:
             data["prompt_logprobs"] = prompt_logprobs_json(s.piece, final[0])
         return data
 
-    header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
-    return Started(streams, header, fmt, reply)
+    header = StreamHeader(request_id, created, run.model, body.include_usage, body.continuous_usage)
+    return Started(run.streams, header, run.fmt, reply)
 
 
 @router.post("/v1/chat/completions")

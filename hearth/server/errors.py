@@ -1,4 +1,5 @@
-"""OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for every failure, and
+on Anthropic's routes (/v1/messages...) Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 
 Bad input (validation, RequestError) is a 400, a busy or stopping engine a 503, a bug a 500:
 never a traceback in the response. A stream that already started reports the same JSON as
@@ -7,7 +8,7 @@ its last event (exception_body).
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,12 +29,22 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's shapes (messages.py)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, path: str = "") -> dict:
+    """The error JSON of the API that `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, path), status_code=status)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -48,30 +59,31 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, "invalid request: " + "; ".join(parts), param)
 
 
-def _invalid(_, exc: RequestValidationError) -> JSONResponse:
-    return _from_exception(_, validation_error(exc.errors()))
+def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _from_exception(request, validation_error(exc.errors()))
 
 
 STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503, RequestFailed: 500}  # hearth's exceptions a route may raise
 
 
-def exception_body(e: Exception) -> tuple[int, dict]:
+def exception_body(e: Exception, path: str = "") -> tuple[int, dict]:
     """The status and error JSON of an exception, for a response or a stream's error event."""
     if isinstance(e, APIError):
-        return e.status, error_body(e.status, e.message, e.param)
+        return e.status, error_body(e.status, e.message, e.param, path)
     status = next((code for cls, code in STATUS_OF.items() if isinstance(e, cls)), None)
     if status is None:
-        return 500, error_body(500, f"internal error: {type(e).__name__}: {e}")
-    return status, error_body(status, str(e))
+        return 500, error_body(500, f"internal error: {type(e).__name__}: {e}", path=path)
+    return status, error_body(status, str(e), path=path)
 
 
-def _from_exception(_, e: Exception) -> JSONResponse:
-    status, body = exception_body(e)
+def _from_exception(request: Request, e: Exception) -> JSONResponse:
+    status, body = exception_body(e, request.url.path)
     return JSONResponse(body, status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(StarletteHTTPException, lambda _, e: error_response(e.status_code, str(e.detail)))
+    app.add_exception_handler(StarletteHTTPException,
+                              lambda request, e: error_response(e.status_code, str(e.detail), path=request.url.path))
     for cls in (APIError, *STATUS_OF, Exception):
         app.add_exception_handler(cls, _from_exception)

@@ -20,16 +20,19 @@ PUBLIC_PATHS = ("/health", "/metrics", "/version", *PAGE_PATHS)  # the chat page
 
 
 class BearerAuth:
-    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <api_key>` (compared in constant time)."""
+    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <api_key>`, or `x-api-key: <api_key>`
+    as Anthropic's clients send it (compared in constant time)."""
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_response(401, "invalid or missing API key (Authorization: Bearer ...)")(scope, receive, send)
+            headers = dict(scope["headers"])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                await error_response(401, "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)",
+                                     path=scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -46,7 +49,8 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit():
-            await error_response(400, "the Content-Length header is not a number")(scope, receive, send)
+            await error_response(400, "the Content-Length header is not a number", path=scope["path"])(
+                scope, receive, send)
             return
         if int(declared) > self.max_bytes:
             await self._too_large(scope, receive, send)
@@ -56,8 +60,8 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                await error_response(408, f"the request body did not arrive within {self.timeout:g} s")(
-                    scope, receive, send)
+                await error_response(408, f"the request body did not arrive within {self.timeout:g} s",
+                                     path=scope["path"])(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
                 return
@@ -81,7 +85,7 @@ class BodyLimit:
 
     async def _too_large(self, scope, receive, send) -> None:
         await error_response(413, f"the request body is larger than this server's limit of {self.max_bytes:,} bytes",
-                             "body")(scope, receive, send)
+                             "body", scope["path"])(scope, receive, send)
 
 
 class ConcurrencyLimit:
@@ -96,7 +100,7 @@ class ConcurrencyLimit:
             return
         if self.in_flight >= self.limit:
             await error_response(503, f"the server is busy: {self.in_flight} requests are in flight "
-                                      f"(limit {self.limit}); retry later")(scope, receive, send)
+                                      f"(limit {self.limit}); retry later", path=scope["path"])(scope, receive, send)
             return
         self.in_flight += 1
         try:
