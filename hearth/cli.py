@@ -1,4 +1,4 @@
-"""The `hearth` command: generate, chat, tokenize, inspect, perplexity, convert (and serve, bench)."""
+"""The `hearth` command: generate, chat, tokenize, inspect, perplexity, convert, quantize, imatrix (and serve, bench)."""
 
 from __future__ import annotations
 
@@ -200,6 +200,18 @@ def cmd_convert(args) -> None:
     print(f"wrote {out}")
 
 
+def cmd_quantize(args) -> None:
+    from hearth.loading.quantize import quantize_model
+
+    imatrix = None
+    if args.imatrix is not None:
+        from hearth.imatrix import read_imatrix
+
+        imatrix = read_imatrix(args.imatrix)
+    out = quantize_model(Path(args.source), Path(args.out), args.type.lower(), imatrix=imatrix)
+    print(f"wrote {out}")
+
+
 def _add_generate_and_chat(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
     add_model_argument(p)
@@ -311,6 +323,17 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"],
                    help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="quantize an HF folder or an F32/F16/BF16 GGUF as llama-quantize does")
+    p.add_argument("source", help="a Hugging Face model folder or an F32/F16/BF16 GGUF file")
+    p.add_argument("out")
+    p.add_argument("--type", required=True, type=str.lower, metavar="TYPE",
+                   choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
+                            "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k"],
+                   help="q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k (any case): "
+                        "llama.cpp's mixes, the same type for each tensor as llama-quantize")
+    p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
+    p.set_defaults(func=cmd_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
