@@ -172,13 +172,7 @@ def cmd_perplexity(args) -> None:
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity
 
-    if args.text_file is not None:
-        try:
-            text = Path(args.text_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise HearthError(f"{args.text_file}: cannot read: {e.strerror}") from None
-    else:
-        text = args.text
+    text = _read_text(args)
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     loaded = load_model(args.model, dtype, device, progress=not args.json,
@@ -193,6 +187,39 @@ def cmd_perplexity(args) -> None:
         print(f"perplexity {result['perplexity']:.4f}  (nll {result['nll']:.4f} over {result['tokens']} tokens, context {context})")
 
 
+def _read_text(args) -> str:
+    if args.text_file is None:
+        return args.text
+    try:
+        return Path(args.text_file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise HearthError(f"{args.text_file}: cannot read: {e.strerror}") from None
+
+
+def cmd_imatrix(args) -> None:
+    from tqdm import tqdm
+
+    from hearth.backend import choose_backend
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.imatrix import compute_imatrix
+    from hearth.loading.imatrix_file import write_imatrix
+    from hearth.loading.loader import load_model
+
+    text = _read_text(args)
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    loaded = load_model(args.model, dtype, device, backend=choose_backend(device, dtype, args.backend))
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    tok = loaded.tokenizer
+    total = len(ids) // args.ctx if args.chunks is None else min(args.chunks, len(ids) // args.ctx)
+    with tqdm(total=total, desc="imatrix", unit="chunk") as bar:
+        sums = compute_imatrix(loaded.model, ids, args.ctx, device, tok.bos_token_id if tok.add_bos else None,
+                               args.chunks, on_chunks=bar.update)
+    sums.datasets = [args.text_file or "(--text)"]
+    out = write_imatrix(args.output, sums)
+    print(f"wrote {out}: {len(sums.sums)} weights, {sums.chunks} chunks of {sums.chunk_size} tokens")
+
+
 def cmd_convert(args) -> None:
     from hearth.loading.convert import convert_hf_to_gguf
 
@@ -205,7 +232,7 @@ def cmd_quantize(args) -> None:
 
     imatrix = None
     if args.imatrix is not None:
-        from hearth.imatrix import read_imatrix
+        from hearth.loading.imatrix_file import read_imatrix
 
         imatrix = read_imatrix(args.imatrix)
     out = quantize_model(Path(args.source), Path(args.out), args.type.lower(), imatrix=imatrix)
@@ -334,6 +361,18 @@ def _add_inspect_perplexity_convert(sub) -> None:
                         "llama.cpp's mixes, the same type for each tensor as llama-quantize")
     p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("imatrix", help="an importance matrix for hearth quantize --imatrix (llama-imatrix's GGUF format)")
+    add_model_argument(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text-file", help="the calibration text")
+    src.add_argument("--text")
+    p.add_argument("-o", "--output", required=True, help="the imatrix file to write (GGUF)")
+    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: the whole text)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default %(default)s, llama-imatrix's)")
+    for keyword in ("dtype", "device", "backend"):
+        add_option(p, keyword)
+    p.set_defaults(func=cmd_imatrix)
 
 
 def build_parser() -> argparse.ArgumentParser:
