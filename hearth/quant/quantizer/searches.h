@@ -50,6 +50,12 @@ float put_half(uint8_t* at, float f) {
   return from_half(h);
 }
 
+// x^2 into `out` (returned)
+const float* squares_of(const float* x, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = x[i] * x[i];
+  return out;
+}
+
 // the x of largest magnitude (the first of them)
 float largest_magnitude(int n, const float* x) {
   float max = 0, amax = 0;
@@ -68,7 +74,9 @@ float symmetric_search(int n, int nmax, const float* x, int8_t* L, const float* 
     std::memset(L, 0, n);
     return 0.f;
   }
-  auto weight = [&](int i) { return qw ? qw[i] : x[i] * x[i]; };
+  float squares[32];  // the default weights, once (n <= 32)
+  if (!qw) qw = squares_of(x, n, squares);
+  auto weight = [qw](int i) { return qw[i]; };
   float iscale = -nmax / max, sumlx = 0, suml2 = 0;
   for (int i = 0; i < n; ++i) {
     const int l = std::max(-nmax, std::min(nmax - 1, nearest(iscale * x[i])));
@@ -141,7 +149,9 @@ float q3_search(int n, int nmax, const float* x, int8_t* L) {
 // `mad`: judge by weighted absolute error. Returns the scale; *neg_min = -min (>= 0).
 float affine_search(int n, int nmax, const float* x, const float* weights, uint8_t* L, float* neg_min,
                     float rmin, float rdelta, int nstep, bool mad) {
-  auto weight = [&](int i) { return weights ? weights[i] : x[i] * x[i]; };
+  float squares[32];
+  if (!weights) weights = squares_of(x, n, squares);
+  auto weight = [weights](int i) { return weights[i]; };
   float min = x[0], max = x[0], sum_w = weight(0), sum_x = sum_w * x[0];
   for (int i = 1; i < n; ++i) {
     if (x[i] < min) min = x[i];
