@@ -200,6 +200,23 @@ def test_imatrix_reader_takes_the_legacy_format(tmp_path):
         read_imatrix(tmp_path / "junk.dat")
 
 
+def test_cli_imatrix_then_quantize_with_it(sources, tmp_path, capsys):
+    folder, f16 = sources["tied"]
+    text = "Once upon a time there was a little fox who lived in the forest. " * 8
+    assert main(["imatrix", str(folder), "--text", text, "-o", str(tmp_path / "im.gguf"), "--ctx", "16",
+                 "--chunks", "3"]) == 0
+    assert "3 chunks of 16 tokens" in capsys.readouterr().out
+    imatrix = read_imatrix(tmp_path / "im.gguf")
+    assert len(imatrix) == 2 * 7 and all(v.shape in ((256,), (512,)) for v in imatrix.values())
+    assert main(["quantize", str(f16), str(tmp_path / "q.gguf"), "--type", "Q3_K_M", "--imatrix",
+                 str(tmp_path / "im.gguf")]) == 0
+    plain = _tensors(quantize_model(f16, tmp_path / "plain.gguf", "q3_k_m", progress=False))
+    weighted = _tensors(tmp_path / "q.gguf")
+    assert not np.array_equal(weighted["blk.0.attn_q.weight"].data, plain["blk.0.attn_q.weight"].data)
+    assert main(["imatrix", str(folder), "--text", "too short", "-o", str(tmp_path / "x.gguf")]) == 1
+    assert "fewer than one chunk of 512" in capsys.readouterr().err
+
+
 def _load(path):
     return load_model(path, torch.float32, CPU, progress=False, backend=choose_backend(CPU, torch.float32, "auto"))
 
