@@ -1,4 +1,4 @@
-"""The `hearth` command: generate, chat, tokenize, inspect, perplexity, convert (and serve, bench)."""
+"""The `hearth` command: generate, chat, tokenize, inspect, perplexity, convert, quantize, imatrix (and serve, bench)."""
 
 from __future__ import annotations
 
@@ -237,13 +237,7 @@ def cmd_perplexity(args) -> None:
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity
 
-    if args.text_file is not None:
-        try:
-            text = Path(args.text_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise HearthError(f"{args.text_file}: cannot read: {e.strerror}") from None
-    else:
-        text = args.text
+    text = _read_text(args)
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     loaded = load_model(args.model, dtype, device, progress=not args.json,
@@ -258,10 +252,55 @@ def cmd_perplexity(args) -> None:
         print(f"perplexity {result['perplexity']:.4f}  (nll {result['nll']:.4f} over {result['tokens']} tokens, context {context})")
 
 
+def _read_text(args) -> str:
+    if args.text_file is None:
+        return args.text
+    try:
+        return Path(args.text_file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise HearthError(f"{args.text_file}: cannot read: {e.strerror}") from None
+
+
+def cmd_imatrix(args) -> None:
+    from tqdm import tqdm
+
+    from hearth.backend import choose_backend
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.imatrix import compute_imatrix
+    from hearth.loading.imatrix_file import write_imatrix
+    from hearth.loading.loader import load_model
+
+    text = _read_text(args)
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    loaded = load_model(args.model, dtype, device, backend=choose_backend(device, dtype, args.backend))
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    tok = loaded.tokenizer
+    total = len(ids) // args.ctx if args.chunks is None else min(args.chunks, len(ids) // args.ctx)
+    with tqdm(total=total, desc="imatrix", unit="chunk") as bar:
+        sums = compute_imatrix(loaded.model, ids, args.ctx, device, tok.bos_token_id if tok.add_bos else None,
+                               args.chunks, on_chunks=bar.update)
+    sums.datasets = [args.text_file or "(--text)"]
+    out = write_imatrix(args.output, sums)
+    print(f"wrote {out}: {len(sums.sums)} weights, {sums.chunks} chunks of {sums.chunk_size} tokens")
+
+
 def cmd_convert(args) -> None:
     from hearth.loading.convert import convert_hf_to_gguf
 
     out = convert_hf_to_gguf(Path(args.hf_dir), Path(args.out), args.type)
+    print(f"wrote {out}")
+
+
+def cmd_quantize(args) -> None:
+    from hearth.loading.quantize import quantize_model
+
+    imatrix = None
+    if args.imatrix is not None:
+        from hearth.loading.imatrix_file import read_imatrix
+
+        imatrix = read_imatrix(args.imatrix)
+    out = quantize_model(Path(args.source), Path(args.out), args.type.lower(), imatrix=imatrix)
     print(f"wrote {out}")
 
 
@@ -384,6 +423,29 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"],
                    help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="quantize an HF folder or an F32/F16/BF16 GGUF as llama-quantize does")
+    p.add_argument("source", help="a Hugging Face model folder or an F32/F16/BF16 GGUF file")
+    p.add_argument("out")
+    p.add_argument("--type", required=True, type=str.lower, metavar="TYPE",
+                   choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
+                            "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k"],
+                   help="q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k (any case): "
+                        "llama.cpp's mixes, the same type for each tensor as llama-quantize")
+    p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("imatrix", help="an importance matrix for hearth quantize --imatrix (llama-imatrix's GGUF format)")
+    add_model_argument(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text-file", help="the calibration text")
+    src.add_argument("--text")
+    p.add_argument("-o", "--output", required=True, help="the imatrix file to write (GGUF)")
+    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: the whole text)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default %(default)s, llama-imatrix's)")
+    for keyword in ("dtype", "device", "backend"):
+        add_option(p, keyword)
+    p.set_defaults(func=cmd_imatrix)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,17 +45,19 @@ _built: dict[str, ModuleType | None] = {}  # by name and key: what this process 
 _said: set[str] = set()  # the extensions whose absence was logged
 
 
-def build(name: str, sources: list[Path], what: str, seconds: int, without: str) -> ModuleType | None:
+def build(name: str, sources: list[Path], what: str, seconds: int, without: str,
+          flags: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled module `name` from `sources`, or None (logged once, saying `without`: what runs
-    instead). `seconds`: about how long the build takes (measured on a 2-core machine), for the notice."""
+    instead). `seconds`: about how long the build takes (measured on a 2-core machine), for the notice.
+    `flags`: compiler flags beyond the common ones (e.g. -ffp-contract=off where results must be exact)."""
     reason = _unavailable()
     if reason is not None:
         _warn_once(name, f"hearth: {what} kernels are off ({reason}); {without}")
         return None
-    full_name = f"{name}_{_key(sources)}"
+    full_name = f"{name}_{_key(sources, flags)}"
     if full_name not in _built:
         _built[full_name] = _import_built(full_name, _kernels_dir() / full_name) or _compile(
-            full_name, sources, what, seconds, without)
+            full_name, sources, what, seconds, without, [*_FLAGS, *flags])
     return _built[full_name]
 
 
@@ -73,7 +75,8 @@ def _warn_once(name: str, message: str) -> None:
         log.warning(message)
 
 
-def _compile(full_name: str, sources: list[Path], what: str, seconds: int, without: str) -> ModuleType | None:
+def _compile(full_name: str, sources: list[Path], what: str, seconds: int, without: str,
+             flags: list[str]) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     folder = _kernels_dir() / full_name
@@ -88,7 +91,7 @@ def _compile(full_name: str, sources: list[Path], what: str, seconds: int, witho
             return cpp_extension.load(
                 name=full_name,
                 sources=[str(source) for source in sources],
-                extra_cflags=_FLAGS,
+                extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 verbose=False,
@@ -155,8 +158,8 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _key(sources: list[Path]) -> str:
-    digest = hashlib.sha256(f"{_cpu_flags()}\n{torch.__version__}\n{' '.join(_FLAGS)}\n".encode())
+def _key(sources: list[Path], flags: tuple[str, ...] = ()) -> str:
+    digest = hashlib.sha256(f"{_cpu_flags()}\n{torch.__version__}\n{' '.join([*_FLAGS, *flags])}\n".encode())
     for path in sorted(_read_files(sources)):
         digest.update(f"{path.name}\n".encode() + path.read_bytes())
     return digest.hexdigest()[:12]

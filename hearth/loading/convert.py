@@ -26,6 +26,7 @@ from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITEC
                                   hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import quantize
+from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
 Q = GGMLQuantizationType
@@ -58,11 +59,18 @@ _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
     """Write the HF model folder `hf_dir` as one GGUF file at `out_path` (returned)."""
-    from tqdm import tqdm
-
     if out_type not in OUT_TYPES:
         raise ModelLoadError(f"unknown output type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
-    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    file_type, weight_type = OUT_TYPES[out_type]
+    writer, _, plan = open_hf_folder(hf_dir, file_type, weight_type, progress)
+    return write_gguf(writer, plan, out_path, f"converting to {out_type}", progress)
+
+
+def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GGMLQuantizationType,
+                   progress: bool) -> tuple[GGUFWriter, ModelConfig, list[PlannedTensor]]:
+    """A writer holding the folder's model and tokenizer metadata, its config, and every tensor to
+    write with its GGUF name and type (the 2-D weights in `weight_type` where llama.cpp would)."""
+    hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
@@ -72,12 +80,22 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str =
     if config.conv_bias:
         raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
                              "and its projections' biases")
-    file_type, weight_type = OUT_TYPES[out_type]
     plan = list(_plan_tensors(config, weights, weight_type))
-
     writer = GGUFWriter(None, GGUF_ARCHITECTURES[config.architecture])
     _add_model_metadata(writer, config, hf_dir.name, file_type)
     add_tokenizer_metadata(writer, hf_dir, config.vocab_size)
+    return writer, config, plan
+
+
+def write_gguf(writer: GGUFWriter, plan: list[PlannedTensor], out_path: str | Path, description: str,
+               progress: bool, importance: dict[str, np.ndarray] | None = None) -> Path:
+    """Write `writer`'s metadata and the planned tensors, each encoded in its type (weighed by its
+    entry in `importance`, an importance matrix by tensor name, where it has one), to `out_path`
+    (returned), one tensor in memory at a time; through a .part file, so that no half file is left."""
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    importance = importance or {}
     for name, shape, qtype, _ in plan:
         byte_shape = _byte_shape(shape, qtype)
         if qtype in (Q.F32, Q.F16):
@@ -92,9 +110,9 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str =
         writer.write_header_to_file(partial)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        bar = tqdm(plan, desc=f"converting to {out_type}", unit="tensor", disable=not progress, leave=False)
-        for _, _, qtype, source in bar:
-            writer.write_tensor_data(_encode(source(), qtype))
+        bar = tqdm(plan, desc=description, unit="tensor", disable=not progress, leave=False)
+        for name, _, qtype, source in bar:
+            writer.write_tensor_data(_encode(source(), qtype, importance.get(name)))
         writer.close()
         os.replace(partial, out_path)
     except BaseException:
@@ -107,11 +125,12 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str =
 # ---------------------------------------------------------------- tensors
 
 Source = Callable[[], torch.Tensor]
+PlannedTensor = tuple[str, tuple[int, ...], GGMLQuantizationType, Source]  # name, shape (torch order), type, values
 
 
 def _plan_tensors(
     config: ModelConfig, weights: dict[str, torch.Tensor], weight_type: GGMLQuantizationType
-) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType, Source]]:
+) -> Iterator[PlannedTensor]:
     """(GGUF name, shape, type, function giving the float32 values) of every tensor to write."""
     from hearth.model.layers import rope_inv_freq
 
@@ -146,7 +165,7 @@ def _plan_tensors(
 
 
 def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str,
-                  weight_type: GGMLQuantizationType) -> tuple[str, tuple[int, ...], GGMLQuantizationType, Source]:
+                  weight_type: GGMLQuantizationType) -> PlannedTensor:
     """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection`."""
     names = [hf_expert_name(layer, e, projection) for e in range(config.num_experts)]
     missing = [name for name in names if name not in weights]
@@ -197,13 +216,18 @@ def _nbytes(byte_shape: tuple[int, ...]) -> int:
     return int(np.prod(byte_shape))
 
 
-def _encode(values: torch.Tensor, qtype: GGMLQuantizationType) -> np.ndarray:
+def _encode(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.ndarray | None = None) -> np.ndarray:
+    """The tensor's bytes in `qtype`: K-quants, and the formats an importance matrix weighs when
+    there is one, by hearth's C++ quantizer (llama.cpp's searches), the others by gguf."""
     values = values.detach().to("cpu", torch.float32).contiguous()
     if qtype == Q.F32:
         return values.numpy()
     if qtype == Q.F16:
         return values.to(torch.float16).numpy()
-    return quantize(values, qtype).numpy().reshape(_byte_shape(tuple(values.shape), qtype))
+    byte_shape = _byte_shape(tuple(values.shape), qtype)
+    if qtype in K_QUANTS or (importance is not None and qtype in WEIGHTED):
+        return quantize_rows(values, qtype, importance).reshape(byte_shape)
+    return quantize(values, qtype).numpy().reshape(byte_shape)
 
 
 # ---------------------------------------------------------------- model metadata
