@@ -26,7 +26,8 @@ from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, load_target
+from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_disk_tier,
+                                   load_target)
 from hearth.engine.state_slots import StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.errors import RequestError
@@ -55,20 +56,22 @@ class LLMEngine:
         hybrid = check_hybrid(config, self.model_config)
         self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching and not hybrid)
-        scheduling = config.scheduler
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
-                                   max_num_batched_tokens=scheduling.max_num_batched_tokens,
-                                   enable_chunked_prefill=scheduling.enable_chunked_prefill,
-                                   kv_window=self.model_config.kv_window,
-                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend),
                                   num_state_slots=self.num_state_slots)
+        self.kv_disk_tier = kv_disk_tier(config, self.model_config, self.model_path, self.kv_cache_dtype,
+                                         len(self.runner.kv_caches), self.runner.kv_block_bytes, shard is not None)
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching and not hybrid, self.kv_disk_tier)
+        scheduling = config.scheduler
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
+                                   max_num_batched_tokens=scheduling.max_num_batched_tokens,
+                                   enable_chunked_prefill=scheduling.enable_chunked_prefill,
+                                   kv_window=self.model_config.kv_window,
+                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
         if progress:
@@ -237,6 +240,7 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
+        self.move_tier_blocks()
         result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self.output_processor.release_prompt_sharers()
@@ -248,6 +252,16 @@ class LLMEngine:
         stats.prefix_cache_hits = plan.prefix_cache_hits
         self.last_step = stats
         return outputs
+
+    def move_tier_blocks(self) -> None:
+        """Copy the blocks the KV cache evicted to the disk tier, then write the blocks found there into
+        theirs (kv_cache.py): before anything writes over the one or reads the other."""
+        evicted, loads = self.block_manager.take_tier_moves()
+        if evicted:
+            for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted])):
+                self.kv_disk_tier.write(content_hash, payload)
+        if loads:
+            self.runner.write_block_bytes(loads)
 
     def _failed(self, requests: list[Request], error: Exception) -> StepFailed:
         """Abort the groups of the requests a failed step held; the StepFailed that names them."""
