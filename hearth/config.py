@@ -391,7 +391,7 @@ class CacheConfig:
         help="a disk tier under the prefix cache: full blocks the KV cache evicts are written to DIR (one "
              "checked file each) and loaded back when a prompt's prefix needs them, also after a restart")
     kv_cache_dir_size: int = option(4 * 2**30, parse=parse_size,
-                                    help="the disk tier's bound, e.g. 4GiB (default): least recently used "
+                                    help="the disk tier's bound (4GiB by default; e.g. 512MiB): least recently used "
                                          "blocks are removed past it")
 
     def __post_init__(self) -> None:

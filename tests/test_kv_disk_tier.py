@@ -4,6 +4,7 @@ cache, the disk or the disk after a restart; bad files are skipped; the size bou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
+from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.kv_cache import chain_hash
 from hearth.engine.kv_disk_tier import DiskTier
+from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 
 BLOCK = 16
@@ -87,6 +90,23 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     counts = third.engine.kv_disk_tier.counts
     assert counts.skipped == 2 and counts.hits == 1  # prompt 1's block 0 only
     assert not truncated.exists()
+
+    # the counts reach the engine's stats and /metrics (through the async engine, as the server reads them)
+    engine = AsyncEngine(third.engine)
+    try:
+        asyncio.run(served(engine, prompts[2]))
+        stats = engine.stats()
+        assert stats.kv_disk_tier == third.engine.kv_disk_tier.counts and stats.kv_disk_tier.hits >= 1
+        registry = ServerMetrics(engine, "m").registry
+        assert registry.get_sample_value("hearth:kv_disk_tier_hits_total", {"model_name": "m"}) == stats.kv_disk_tier.hits
+        assert registry.get_sample_value("hearth:kv_disk_tier_skipped_files_total", {"model_name": "m"}) == 2
+    finally:
+        engine.shutdown()
+
+
+async def served(engine: AsyncEngine, prompt: list[int]) -> None:
+    async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
+        pass
 
 
 def test_size_bound_and_foreign_files(tmp_path, caplog):

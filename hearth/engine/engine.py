@@ -18,6 +18,7 @@ from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.kv_cache import BlockManager
+from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.request import Request
@@ -103,6 +104,11 @@ class LLMEngine:
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.config.cache.block_size
+
+    @property
+    def kv_disk_totals(self) -> DiskTierCounts:
+        """The disk tier's counts since the engine started (zeros without one)."""
+        return DiskTierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.counts.copy()
 
     @property
     def spec_decode_totals(self) -> SpecDecodeCounts:
