@@ -390,7 +390,7 @@ class CacheConfig:
         None, metavar="DIR",
         help="a disk tier under the prefix cache: full blocks the KV cache evicts are written to DIR (one "
              "checked file each) and loaded back when a prompt's prefix needs them, also after a restart")
-    kv_cache_dir_size: int = option(4 * 2**30, parse=parse_size,
+    kv_cache_dir_size: int = option(4 * 2**30, parse=parse_size, metavar="SIZE",
                                     help="the disk tier's bound (4GiB by default; e.g. 512MiB): least recently used "
                                          "blocks are removed past it")
 

@@ -8,14 +8,18 @@ import asyncio
 import logging
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hearth import LLM, SamplingParams
+from hearth.config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
+from hearth.engine.embedding import embed
 from hearth.engine.kv_cache import chain_hash
 from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.startup import kv_disk_tier
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 
@@ -71,6 +75,9 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     assert block_file(first, prompts[0], 3).exists()
     assert greedy_tokens(first, prompts[0]) == expected[0]  # its 4 blocks back from disk
     assert tier.counts.hits == 4 and tier.counts.bytes_read > 4 * first.engine.runner.kv_block_bytes
+    # an embedding borrows all 8 blocks: prompt 2's, still cached, reach the disk before it writes over them
+    embed(first.engine, [[rng.randrange(VOCAB_SIZE) for _ in range(8 * BLOCK)]])
+    assert greedy_tokens(first, prompts[2]) == expected[2] and tier.counts.hits == 8
 
     second = tiered_llm(llama, directory)  # a restart: the files are all it has
     assert greedy_tokens(second, prompts[1]) == expected[1]
@@ -128,3 +135,17 @@ def test_size_bound_and_foreign_files(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hearth"):
         assert foreign.read(hashes[0]) is None
     assert "another model" in caplog.text and hashes[0] not in foreign
+
+
+def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):
+    hybrid = SimpleNamespace(is_hybrid=True, architecture="lfm2")
+    dense = SimpleNamespace(is_hybrid=False, architecture="llama")
+    asked = CacheConfig(kv_cache_dir=str(tmp_path))
+    cases = [(EngineConfig(cache=asked), hybrid, "a hybrid model (lfm2)"),
+             (EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path), enable_prefix_caching=False)), dense,
+              "prefix caching is off")]
+    for config, model_config, why in cases:
+        with caplog.at_level(logging.INFO, logger="hearth"):
+            assert kv_disk_tier(config, model_config, tmp_path, "float32", 2, 1024, split=False) is None
+        assert why in caplog.text
+    assert kv_disk_tier(EngineConfig(), dense, tmp_path, "float32", 2, 1024, split=False) is None  # not asked for
