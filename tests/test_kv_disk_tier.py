@@ -20,6 +20,7 @@ from hearth.engine.embedding import embed
 from hearth.engine.kv_cache import chain_hash
 from hearth.engine.kv_disk_tier import DiskTier
 from hearth.engine.startup import kv_disk_tier
+from hearth.errors import HearthError
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 
@@ -42,9 +43,10 @@ def reference_greedy(folder, prompts: list[list[int]]) -> list[list[int]]:
                 for p in prompts]
 
 
-def tiered_llm(folder, directory) -> LLM:
+def tiered_llm(folder, directory, backend: str) -> LLM:
     # 8 blocks: each 70-token prompt takes 5, so the next one evicts the one before
-    return LLM(folder, kv_cache_memory=8 * BLOCK * KV_BYTES_PER_TOKEN, kv_cache_dir=str(directory), progress=False)
+    return LLM(folder, kv_cache_memory=8 * BLOCK * KV_BYTES_PER_TOKEN, kv_cache_dir=str(directory), backend=backend,
+               progress=False)
 
 
 def greedy_tokens(llm: LLM, prompt: list[int]) -> list[int]:
@@ -61,13 +63,14 @@ def block_file(llm: LLM, prompt: list[int], index: int):
     return tier.directory / f"{content_hash.hex()}.kv"
 
 
-def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path, caplog, backend):
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(70)] for _ in range(3)]  # 4 full blocks each
     expected = reference_greedy(llama, prompts)
     directory = tmp_path / "tier"
 
-    first = tiered_llm(llama, directory)
+    first = tiered_llm(llama, directory, backend)
     tier = first.engine.kv_disk_tier
     assert [greedy_tokens(first, p) for p in prompts] == expected  # each evicts the one before
     # prompt 1 evicts the last of prompt 0's 4 full blocks, prompt 2 the other 3 and one of prompt 1's
@@ -79,13 +82,13 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     embed(first.engine, [[rng.randrange(VOCAB_SIZE) for _ in range(8 * BLOCK)]])
     assert greedy_tokens(first, prompts[2]) == expected[2] and tier.counts.hits == 8
 
-    second = tiered_llm(llama, directory)  # a restart: the files are all it has
+    second = tiered_llm(llama, directory, backend)  # a restart: the files are all it has
     assert greedy_tokens(second, prompts[1]) == expected[1]
     assert second.engine.kv_disk_tier.counts.hits == 4
     assert second.engine.block_manager.prefix_cache_hits == 4 * BLOCK
 
     # a corrupted block 1 of prompt 1 and a truncated block 0 of prompt 0: skipped, removed, recomputed
-    third = tiered_llm(llama, directory)
+    third = tiered_llm(llama, directory, backend)
     corrupted, truncated = block_file(third, prompts[1], 1), block_file(third, prompts[0], 0)
     data = bytearray(corrupted.read_bytes())
     data[-5] ^= 0xFF
@@ -149,3 +152,7 @@ def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):
             assert kv_disk_tier(config, model_config, tmp_path, "float32", 2, 1024, split=False) is None
         assert why in caplog.text
     assert kv_disk_tier(EngineConfig(), dense, tmp_path, "float32", 2, 1024, split=False) is None  # not asked for
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(HearthError, match="not a folder"):
+        kv_disk_tier(EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path / "a-file"))), dense, tmp_path,
+                     "float32", 2, 1024, split=False)

@@ -78,9 +78,11 @@ class LLMEngine:
         if progress:
             states = "" if not hybrid else (f"; states of {self.num_state_slots:,} sequences "
                                             f"{self.state_cache_bytes / 2**20:.1f} MiB")
+            tier = "" if self.kv_disk_tier is None else (f"; disk tier {config.cache.kv_cache_dir} holds "
+                                                         f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
             print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
                   f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}",
+                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}{tier}",
                   file=sys.stderr)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,

@@ -116,5 +116,8 @@ def kv_disk_tier(config: EngineConfig, model_config: ModelConfig, model_path: Pa
         return None
     identity = json.dumps([str(Path(model_path).resolve()), model_bytes(model_path), repr(model_config),
                            kv_cache_dtype, cache.block_size, num_layers, block_bytes])
-    return DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, hashlib.sha256(identity.encode()).digest(),
-                    block_bytes)
+    try:
+        return DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, hashlib.sha256(identity.encode()).digest(),
+                        block_bytes)
+    except OSError as e:
+        raise HearthError(f"kv_cache_dir {cache.kv_cache_dir}: not a folder hearth can use ({e})") from None
