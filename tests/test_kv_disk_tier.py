@@ -17,8 +17,9 @@ from hearth import LLM, SamplingParams
 from hearth.config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.embedding import embed
-from hearth.engine.kv_cache import chain_hash
+from hearth.engine.kv_cache import BlockManager, chain_hash
 from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.request import Request
 from hearth.engine.startup import kv_disk_tier
 from hearth.errors import HearthError
 from hearth.server.metrics import ServerMetrics
@@ -156,3 +157,26 @@ def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):
     with pytest.raises(HearthError, match="not a folder"):
         kv_disk_tier(EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path / "a-file"))), dense, tmp_path,
                      "float32", 2, 1024, split=False)
+
+
+def test_block_manager_lists_evictions_by_hash_and_drops_a_load_evicted_before_it_ran(tmp_path):
+    disk = DiskTier(tmp_path, 2**20, identity=b"i" * 32, payload_bytes=4)
+    bm = BlockManager(3, block_size=2, disk=disk)
+    first = Request("a", [1, 2, 3, 4, 5])
+    assert bm.allocate_slots(first, 5, bm.get_computed_blocks(first)[0])
+    bm.cache_blocks(first, 5)  # blocks of (1, 2) and (3, 4)
+    bm.free(first)
+    other = Request("b", [9] * 5)
+    assert bm.allocate_slots(other, 5, [])  # takes every block: both cached ones are evicted
+    hashes = [chain_hash(b"i" * 32, (1, 2))]
+    hashes.append(chain_hash(hashes[0], (3, 4)))
+    evicted, loads = bm.take_tier_moves()
+    assert sorted(h for h, _ in evicted) == sorted(hashes) and not loads
+    for h in hashes:
+        disk.write(h, h[:4])
+    bm.free(other)
+    again = Request("c", [1, 2, 3, 4, 7])
+    blocks, hit = bm.get_computed_blocks(again)  # both from disk: entered, to be loaded
+    assert hit == 4 and [bm.loads[b] for b in blocks] == [h[:4] for h in hashes]
+    assert bm.allocate_slots(Request("d", [8] * 6), 6, [])  # evicts them before any step loaded them
+    assert bm.take_tier_moves() == ([], {})  # nothing to load, nothing to save (the disk has them)
