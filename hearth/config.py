@@ -387,11 +387,19 @@ class CacheConfig:
              "backend, sm_89 and newer)")
     enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
                                          help="no reuse of the KV blocks of a prompt's cached prefix")
+    kv_cache_dir: str | None = option(
+        None, metavar="DIR",
+        help="a disk tier under the prefix cache: full blocks the KV cache evicts are written to DIR (one "
+             "checked file each) and loaded back when a prompt's prefix needs them, also after a restart")
+    kv_cache_dir_size: int = option(4 * 2**30, parse=parse_size, metavar="SIZE",
+                                    help="the disk tier's bound (4GiB by default; e.g. 512MiB): least recently used "
+                                         "blocks are removed past it")
 
     def __post_init__(self) -> None:
         from hearth.kv_format import kv_cache_dtype_name  # imports torch: not for --help
 
         _need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        _need(self.kv_cache_dir_size > 0, "kv_cache_dir_size must be positive")
         self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)  # fp8 -> fp8_e4m3; ValueError if unknown
         _need(self.block_size >= 1, "block_size must be at least 1")
 

@@ -42,6 +42,7 @@ import torch
 
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
+from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
 from hearth.outputs import RequestOutput
@@ -75,6 +76,7 @@ class EngineStats:
     num_kv_blocks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    kv_disk_tier: DiskTierCounts = field(default_factory=DiskTierCounts)  # the disk tier's (--kv-cache-dir) totals
     num_preemptions: int = 0  # totals over the engine's life
     num_generation_tokens: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
@@ -395,6 +397,7 @@ class AsyncEngine:
                 num_kv_blocks=blocks.num_blocks,
                 prefix_cache_queries=blocks.prefix_cache_queries,
                 prefix_cache_hits=blocks.prefix_cache_hits,
+                kv_disk_tier=engine.kv_disk_totals,
                 num_preemptions=old.num_preemptions + num_preempted,
                 num_generation_tokens=old.num_generation_tokens + num_generated,
                 spec_decode=engine.spec_decode_totals.copy(),

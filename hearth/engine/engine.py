@@ -18,6 +18,7 @@ from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.kv_cache import BlockManager
+from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.request import Request
@@ -26,7 +27,8 @@ from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, load_target
+from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_disk_tier,
+                                   load_target)
 from hearth.engine.state_slots import StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
@@ -62,28 +64,32 @@ class LLMEngine:
         hybrid = check_hybrid(config, self.model_config)
         self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching and not hybrid)
-        scheduling = config.scheduler
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
-                                   max_num_batched_tokens=scheduling.max_num_batched_tokens,
-                                   enable_chunked_prefill=scheduling.enable_chunked_prefill,
-                                   kv_window=self.model_config.kv_window,
-                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend),
                                   num_state_slots=self.num_state_slots)
+        self.kv_disk_tier = kv_disk_tier(config, self.model_config, self.model_path, self.kv_cache_dtype,
+                                         len(self.runner.kv_caches), self.runner.kv_block_bytes, shard is not None)
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching and not hybrid, self.kv_disk_tier)
+        scheduling = config.scheduler
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
+                                   max_num_batched_tokens=scheduling.max_num_batched_tokens,
+                                   enable_chunked_prefill=scheduling.enable_chunked_prefill,
+                                   kv_window=self.model_config.kv_window,
+                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
         if progress:
             states = "" if not hybrid else (f"; states of {self.num_state_slots:,} sequences "
                                             f"{self.state_cache_bytes / 2**20:.1f} MiB")
+            tier = "" if self.kv_disk_tier is None else (f"; disk tier {config.cache.kv_cache_dir} holds "
+                                                         f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
             print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
                   f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}",
+                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}{tier}",
                   file=sys.stderr)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
@@ -107,6 +113,11 @@ class LLMEngine:
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.config.cache.block_size
+
+    @property
+    def kv_disk_totals(self) -> DiskTierCounts:
+        """The disk tier's counts since the engine started (zeros without one)."""
+        return DiskTierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.counts.copy()
 
     @property
     def spec_decode_totals(self) -> SpecDecodeCounts:
@@ -249,6 +260,7 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
+        self.move_tier_blocks()
         result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self.output_processor.release_prompt_sharers()
@@ -260,6 +272,16 @@ class LLMEngine:
         stats.prefix_cache_hits = plan.prefix_cache_hits
         self.last_step = stats
         return outputs
+
+    def move_tier_blocks(self) -> None:
+        """Copy the blocks the KV cache evicted to the disk tier, then write the blocks found there into
+        theirs (kv_cache.py): before anything writes over the one or reads the other."""
+        evicted, loads = self.block_manager.take_tier_moves()
+        if evicted:
+            for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted])):
+                self.kv_disk_tier.write(content_hash, payload)
+        if loads:
+            self.runner.write_block_bytes(loads)
 
     def _failed(self, requests: list[Request], error: Exception) -> StepFailed:
         """Abort the groups of the requests a failed step held; the StepFailed that names them."""

@@ -35,13 +35,24 @@ place in the block table, so that positions keep indexing it (the runner sends b
 it, and no kernel reads a position outside the window). They were entered into the prefix
 cache when computed, so they stay findable until evicted; the chain of content ids goes on
 from the request's last entered block, which is remembered rather than read from the table.
+
+A disk tier (kv_disk_tier.py, optional): every full cached block also carries a content hash, a
+chain over its prefix's token ids (hash(parent's hash, its tokens)) seeded with the tier's model
+identity, stable across processes. A cached block that is evicted is listed in `evicted` (hash,
+block id); a prefix lookup that runs out of cached blocks goes on through the hashes on disk, and
+enters each one found (its payload read and checked) into a free block, listed in `loads`. The
+engine hands both to the runner (take_tier_moves) before the step's forward pass: evicted blocks'
+K/V are copied out before anything overwrites them, then loaded blocks' K/V are written in.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from hearth.engine.kv_disk_tier import DiskTier
 from hearth.engine.request import Request
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent content id, token ids of the block)
@@ -57,10 +68,17 @@ class KVBlock:
     # Id of the exact prefix this full, computed block ends; 0 while not (yet) known.
     # Duplicates of a cached block (computed in the same step by another request) share it.
     content_id: int = 0
+    content_hash: bytes = b""  # the chain hash of the same prefix, set with content_id (the disk tier's name)
+
+
+def chain_hash(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
+    """The content hash of a block: its parent's hash and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 disk: DiskTier | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -71,8 +89,12 @@ class BlockManager:
         self.cached: dict[BlockKey, int] = {}  # full computed block content -> block id
         self._next_content_id = 1
         # Per request, how many of its leading blocks have passed through cache_blocks, and the
-        # content id of the last of them (the parent of the next).
-        self._cached_chain: dict[Request, tuple[int, int]] = {}
+        # content id and hash of the last of them (the parent of the next).
+        self._cached_chain: dict[Request, tuple[int, int, bytes]] = {}
+        self.disk = disk
+        self._root_hash = disk.identity if disk is not None else b""
+        self.evicted: list[tuple[bytes, int]] = []  # (content hash, block id): K/V to copy to disk
+        self.loads: dict[int, bytes] = {}  # block id -> payload read from disk: K/V to write in
         # Per request, how many of its leading blocks free_outside_window has given back.
         self._num_window_freed: dict[Request, int] = {}
         # Metrics, in tokens, counted once per successful admission (see allocate_slots).
@@ -108,14 +130,52 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of request.all_token_ids: (block ids, tokens).
 
-        Never all of its tokens: at most (num_tokens - 1) // block_size blocks. Pure
-        lookup: it changes nothing, so a failed admission can simply ask again later.
-        A request with skip_prefix_cache gets no hit.
+        Never all of its tokens: at most (num_tokens - 1) // block_size blocks. Without a disk
+        tier a pure lookup; with one, the blocks found on disk past the cached ones are entered
+        into free blocks (cached, free, most recently used; see `loads`), so that a failed
+        admission asking again later finds them cached. A request with skip_prefix_cache gets no hit.
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
         hits = self.lookup(request.all_token_ids)
+        if self.disk is not None:
+            hits += self._enter_from_disk(request.all_token_ids, hits)
         return hits, len(hits) * self.block_size
+
+    def _enter_from_disk(self, tokens: list[int], hits: list[int]) -> list[int]:
+        """Block ids of the blocks of `tokens` after the cached `hits` that the disk tier holds, each
+        entered into a free block (not one of hits) whose K/V the runner loads before the step."""
+        bs, entered = self.block_size, []
+        parent = self.blocks[hits[-1]] if hits else None
+        parent_id, parent_hash = (0, self._root_hash) if parent is None else (parent.content_id, parent.content_hash)
+        for i in range(len(hits), (len(tokens) - 1) // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            content_hash = chain_hash(parent_hash, block_tokens)
+            if content_hash not in self.disk:
+                break
+            block_id = self._least_recently_used_free(set(hits) | set(entered))
+            if block_id is None:
+                break
+            payload = self.disk.read(content_hash)
+            if payload is None:  # unusable file (skipped with a warning)
+                break
+            block = self.blocks[block_id]
+            self._enter(block, (parent_id, block_tokens), content_hash)
+            self.loads[block_id] = payload
+            self.free_blocks.move_to_end(block_id)
+            entered.append(block_id)
+            parent_id, parent_hash = block.content_id, content_hash
+        return entered
+
+    def _least_recently_used_free(self, taken: set[int]) -> int | None:
+        return next((b for b in self.free_blocks if b not in taken), None)
+
+    def take_tier_moves(self) -> tuple[list[tuple[bytes, int]], dict[int, bytes]]:
+        """The blocks to copy to disk (content hash, block id) and to load from it (block id ->
+        payload) since the last call; the runner does both, in that order, before the next step."""
+        evicted, loads = self.evicted, self.loads
+        self.evicted, self.loads = [], {}
+        return evicted, loads
 
     def lookup(self, tokens: list[int]) -> list[int]:
         """Block ids of the longest cached prefix of full blocks of `tokens`, short of its last token."""
@@ -136,26 +196,38 @@ class BlockManager:
         entered: the caller writes its K/V now, before any step. Stops early with no room."""
         if not self.enable_prefix_caching:
             return []
-        bs, parent, entered, chain = self.block_size, 0, [], set()
+        bs, parent, parent_hash, entered, chain = self.block_size, 0, self._root_hash, [], set()
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             block_id = self.cached.get(key)
             if block_id is None:
-                block_id = next((b for b in self.free_blocks if b not in chain), None)  # least recently used
+                block_id = self._least_recently_used_free(chain)
                 if block_id is None:
                     break
-                block = self.blocks[block_id]
-                if block.key is not None:
-                    del self.cached[block.key]
-                block.key, block.content_id = key, self._next_content_id
-                self._next_content_id += 1
-                self.cached[key] = block_id
+                self._enter(self.blocks[block_id], key, chain_hash(parent_hash, key[1]))
                 entered.append((i, block_id))
             if self.blocks[block_id].ref_cnt == 0:
                 self.free_blocks.move_to_end(block_id)
             chain.add(block_id)
-            parent = self.blocks[block_id].content_id
+            parent, parent_hash = self.blocks[block_id].content_id, self.blocks[block_id].content_hash
         return entered
+
+    def _enter(self, block: KVBlock, key: BlockKey, content_hash: bytes) -> None:
+        """Make a free block the cache's entry for new content (evicting what it held)."""
+        self._evict(block)
+        block.key, block.content_id, block.content_hash = key, self._next_content_id, content_hash
+        self._next_content_id += 1
+        self.cached[key] = block.block_id
+
+    def _evict(self, block: KVBlock) -> None:
+        """Forget the block's cached content; with a disk tier it is listed to be copied there
+        (unless its K/V were never loaded in: then the disk has them already)."""
+        if block.key is not None:
+            del self.cached[block.key]
+            if self.disk is not None and self.loads.pop(block.block_id, None) is None:
+                self.evicted.append((block.content_hash, block.block_id))
+            block.key = None
+        block.content_id, block.content_hash = 0, b""
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's blocks that are full within num_computed_tokens into the cache.
@@ -167,7 +239,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        start, parent = self._cached_chain.get(request, (0, 0))
+        start, parent, parent_hash = self._cached_chain.get(request, (0, 0, self._root_hash))
         end = min(num_computed_tokens // self.block_size, len(request.block_table))
         if end <= start:
             return
@@ -176,6 +248,7 @@ class BlockManager:
             block = self.blocks[table[i]]
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             existing = self.cached.get(key)
+            block.content_hash = chain_hash(parent_hash, key[1])
             if existing is None:
                 block.content_id = self._next_content_id
                 self._next_content_id += 1
@@ -183,8 +256,8 @@ class BlockManager:
                 self.cached[key] = block.block_id
             else:
                 block.content_id = self.blocks[existing].content_id
-            parent = block.content_id
-        self._cached_chain[request] = (end, parent)
+            parent, parent_hash = block.content_id, block.content_hash
+        self._cached_chain[request] = (end, parent, parent_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds a block."""
@@ -192,7 +265,7 @@ class BlockManager:
             return False
         self.cached.clear()
         for block in self.blocks:
-            block.key, block.content_id = None, 0
+            block.key, block.content_id, block.content_hash = None, 0, b""
         self._cached_chain.clear()
         return True
 
@@ -226,14 +299,12 @@ class BlockManager:
             request.block_table.append(block_id)
         if computed:
             request.num_computed_tokens = num_computed
-            self._cached_chain[request] = (len(computed), self.blocks[computed[-1]].content_id)
+            last = self.blocks[computed[-1]]
+            self._cached_chain[request] = (len(computed), last.content_id, last.content_hash)
         for _ in range(num_new_blocks):
             block_id, _ = self.free_blocks.popitem(last=False)
             block = self.blocks[block_id]
-            if block.key is not None:  # evict its cached content
-                del self.cached[block.key]
-                block.key = None
-            block.content_id = 0
+            self._evict(block)
             block.ref_cnt = 1
             request.block_table.append(block_id)
         if computed_blocks is not None:

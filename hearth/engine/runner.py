@@ -233,6 +233,36 @@ class ModelRunner:
         rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
         self.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
 
+    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's K/V as bytes (the disk tier's payload): every layer's cache tensors' rows of
+        the block (a q8_0 cache's codes and scales), raw, in order."""
+        slots = self._slots(block_ids)
+        rows = torch.cat([t[slots].reshape(len(block_ids), -1).view(torch.uint8) for t in self._cache_tensors()], 1)
+        return [row.numpy().tobytes() for row in rows.cpu()]
+
+    def write_block_bytes(self, payloads: dict[int, bytes]) -> None:
+        """Write block_bytes' payloads back, per block id."""
+        block_ids = list(payloads)
+        rows = torch.frombuffer(bytearray(b"".join(payloads.values())), dtype=torch.uint8)
+        rows = rows.view(len(block_ids), -1).to(self.device)
+        slots, start = self._slots(block_ids), 0
+        for t in self._cache_tensors():
+            width = t[0].numel() * t.element_size() * self.block_size
+            t[slots] = rows[:, start:start + width].contiguous().view(t.dtype).view(len(slots), *t.shape[1:])
+            start += width
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """The bytes of one block's K/V in block_bytes' payload."""
+        return sum(t[0].numel() * t.element_size() for t in self._cache_tensors()) * self.block_size
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the KV cache, each [slots, ...]: per layer its K and V (or latent); a
+        quantized cache's codes and scales."""
+        return [t for layer in self.kv_caches for cache in layer
+                for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
+                          else (cache.values,))]
+
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)

@@ -3,6 +3,8 @@ several), the context it serves and the blocks of its KV cache."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
 from hearth.config import EngineConfig, ModelConfig
 from hearth.default_model import resolve_model
 from hearth.errors import HearthError
+from hearth.engine.kv_disk_tier import DiskTier
 from hearth.engine.memory import kv_cache_blocks, kv_cache_budget, model_bytes, state_slot_count
 from hearth.loading.loader import LoadedModel, load_model
 
@@ -95,3 +98,26 @@ def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
         logger.info("prefix caching is off for %s: state checkpoints at block boundaries are not implemented yet",
                     kind)
     return True
+
+
+def kv_disk_tier(config: EngineConfig, model_config: ModelConfig, model_path: Path, kv_cache_dtype: str,
+                 num_layers: int, block_bytes: int, split: bool) -> DiskTier | None:
+    """The disk tier under the prefix cache (kv_cache_dir), or None: not asked for, or off (with a
+    log line) where prefix caching is off or the cache is not all in this process. Its identity
+    hashes what a block's bytes depend on: the model (path, size, config), KV dtype, block size, layers."""
+    cache = config.cache
+    if cache.kv_cache_dir is None:
+        return None
+    why = ("prefix caching is off" if not cache.enable_prefix_caching else
+           f"a hybrid model ({model_config.architecture}) keeps states the tier does not hold"
+           if model_config.is_hybrid else "the model is split over processes" if split else None)
+    if why is not None:
+        logger.info("the KV disk tier (kv_cache_dir) is off: %s", why)
+        return None
+    identity = json.dumps([str(Path(model_path).resolve()), model_bytes(model_path), repr(model_config),
+                           kv_cache_dtype, cache.block_size, num_layers, block_bytes])
+    try:
+        return DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, hashlib.sha256(identity.encode()).digest(),
+                        block_bytes)
+    except OSError as e:
+        raise HearthError(f"kv_cache_dir {cache.kv_cache_dir}: not a folder hearth can use ({e})") from None

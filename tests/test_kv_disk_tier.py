@@ -1,0 +1,182 @@
+"""The disk tier under the prefix cache (--kv-cache-dir): blocks the KV cache evicts are written to files
+and loaded back; the greedy tokens stay transformers' whether a prefix comes from the computation, the
+cache, the disk or the disk after a restart; bad files are skipped; the size bound holds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hearth import LLM, SamplingParams
+from hearth.config import CacheConfig, EngineConfig
+from hearth.engine.async_engine import AsyncEngine
+from hearth.engine.embedding import embed
+from hearth.engine.kv_cache import BlockManager, chain_hash
+from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.request import Request
+from hearth.engine.startup import kv_disk_tier
+from hearth.errors import HearthError
+from hearth.server.metrics import ServerMetrics
+from models import VOCAB_SIZE, load_hf_reference, make_hf_model
+
+BLOCK = 16
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("tier-model") / "llama", "llama")
+
+
+def reference_greedy(folder, prompts: list[list[int]]) -> list[list[int]]:
+    model = load_hf_reference(folder)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                for p in prompts]
+
+
+def tiered_llm(folder, directory, backend: str) -> LLM:
+    # 8 blocks: each 70-token prompt takes 5, so the next one evicts the one before
+    return LLM(folder, kv_cache_memory=8 * BLOCK * KV_BYTES_PER_TOKEN, kv_cache_dir=str(directory), backend=backend,
+               progress=False)
+
+
+def greedy_tokens(llm: LLM, prompt: list[int]) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def block_file(llm: LLM, prompt: list[int], index: int):
+    """The file of the prompt's block `index` (the tier's name for it: its chain hash)."""
+    tier = llm.engine.kv_disk_tier
+    content_hash = tier.identity
+    for i in range(index + 1):
+        content_hash = chain_hash(content_hash, prompt[i * BLOCK:(i + 1) * BLOCK])
+    return tier.directory / f"{content_hash.hex()}.kv"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path, caplog, backend):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(70)] for _ in range(3)]  # 4 full blocks each
+    expected = reference_greedy(llama, prompts)
+    directory = tmp_path / "tier"
+
+    first = tiered_llm(llama, directory, backend)
+    tier = first.engine.kv_disk_tier
+    assert [greedy_tokens(first, p) for p in prompts] == expected  # each evicts the one before
+    # prompt 1 evicts the last of prompt 0's 4 full blocks, prompt 2 the other 3 and one of prompt 1's
+    assert tier.counts.blocks_written == 5 and tier.counts.hits == 0
+    assert block_file(first, prompts[0], 3).exists()
+    assert greedy_tokens(first, prompts[0]) == expected[0]  # its 4 blocks back from disk
+    assert tier.counts.hits == 4 and tier.counts.bytes_read > 4 * first.engine.runner.kv_block_bytes
+    # an embedding borrows all 8 blocks: prompt 2's, still cached, reach the disk before it writes over them
+    embed(first.engine, [[rng.randrange(VOCAB_SIZE) for _ in range(8 * BLOCK)]])
+    assert greedy_tokens(first, prompts[2]) == expected[2] and tier.counts.hits == 8
+
+    second = tiered_llm(llama, directory, backend)  # a restart: the files are all it has
+    assert greedy_tokens(second, prompts[1]) == expected[1]
+    assert second.engine.kv_disk_tier.counts.hits == 4
+    assert second.engine.block_manager.prefix_cache_hits == 4 * BLOCK
+
+    # a corrupted block 1 of prompt 1 and a truncated block 0 of prompt 0: skipped, removed, recomputed
+    third = tiered_llm(llama, directory, backend)
+    corrupted, truncated = block_file(third, prompts[1], 1), block_file(third, prompts[0], 0)
+    data = bytearray(corrupted.read_bytes())
+    data[-5] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-7])
+    with caplog.at_level(logging.WARNING, logger="hearth"):
+        assert [greedy_tokens(third, prompts[1]), greedy_tokens(third, prompts[0])] == [expected[1], expected[0]]
+    assert "checksum mismatch" in caplog.text and "truncated" in caplog.text
+    counts = third.engine.kv_disk_tier.counts
+    assert counts.skipped == 2 and counts.hits == 1  # prompt 1's block 0 only
+    assert not truncated.exists()
+
+    # the counts reach the engine's stats and /metrics (through the async engine, as the server reads them)
+    engine = AsyncEngine(third.engine)
+    try:
+        asyncio.run(served(engine, prompts[2]))
+        stats = engine.stats()
+        assert stats.kv_disk_tier == third.engine.kv_disk_tier.counts and stats.kv_disk_tier.hits >= 1
+        registry = ServerMetrics(engine, "m").registry
+        assert registry.get_sample_value("hearth:kv_disk_tier_hits_total", {"model_name": "m"}) == stats.kv_disk_tier.hits
+        assert registry.get_sample_value("hearth:kv_disk_tier_skipped_files_total", {"model_name": "m"}) == 2
+    finally:
+        engine.shutdown()
+
+
+async def served(engine: AsyncEngine, prompt: list[int]) -> None:
+    async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
+        pass
+
+
+def test_size_bound_and_foreign_files(tmp_path, caplog):
+    payload = bytes(range(200))
+    tier = DiskTier(tmp_path, max_bytes=3 * (len(payload) + 80), identity=b"a" * 32, payload_bytes=len(payload))
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    for h in hashes[:3]:
+        tier.write(h, payload)
+        time.sleep(0.02)  # (mtimes a file-system clock tick apart: a restart orders the files by them)
+    assert tier.read(hashes[0]) == payload  # now the most recently used
+    time.sleep(0.02)
+    tier.write(hashes[3], payload)  # one too many: the least recently used (1) goes
+    assert [h in tier for h in hashes] == [True, False, True, True, False]
+    assert sorted(p.stem for p in tmp_path.glob("*.kv")) == sorted(h.hex() for h in (hashes[0], hashes[2], hashes[3]))
+    reopened = DiskTier(tmp_path, tier.max_bytes, b"a" * 32, len(payload))  # a restart keeps the order
+    reopened.write(hashes[4], payload)
+    assert [h in reopened for h in hashes] == [True, False, False, True, True]
+    foreign = DiskTier(tmp_path, tier.max_bytes, b"b" * 32, len(payload))  # another model's files
+    with caplog.at_level(logging.WARNING, logger="hearth"):
+        assert foreign.read(hashes[0]) is None
+    assert "another model" in caplog.text and hashes[0] not in foreign
+
+
+def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):
+    hybrid = SimpleNamespace(is_hybrid=True, architecture="lfm2")
+    dense = SimpleNamespace(is_hybrid=False, architecture="llama")
+    asked = CacheConfig(kv_cache_dir=str(tmp_path))
+    cases = [(EngineConfig(cache=asked), hybrid, "a hybrid model (lfm2)"),
+             (EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path), enable_prefix_caching=False)), dense,
+              "prefix caching is off")]
+    for config, model_config, why in cases:
+        with caplog.at_level(logging.INFO, logger="hearth"):
+            assert kv_disk_tier(config, model_config, tmp_path, "float32", 2, 1024, split=False) is None
+        assert why in caplog.text
+    assert kv_disk_tier(EngineConfig(), dense, tmp_path, "float32", 2, 1024, split=False) is None  # not asked for
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(HearthError, match="not a folder"):
+        kv_disk_tier(EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path / "a-file"))), dense, tmp_path,
+                     "float32", 2, 1024, split=False)
+
+
+def test_block_manager_lists_evictions_by_hash_and_drops_a_load_evicted_before_it_ran(tmp_path):
+    disk = DiskTier(tmp_path, 2**20, identity=b"i" * 32, payload_bytes=4)
+    bm = BlockManager(3, block_size=2, disk=disk)
+    first = Request("a", [1, 2, 3, 4, 5])
+    assert bm.allocate_slots(first, 5, bm.get_computed_blocks(first)[0])
+    bm.cache_blocks(first, 5)  # blocks of (1, 2) and (3, 4)
+    bm.free(first)
+    other = Request("b", [9] * 5)
+    assert bm.allocate_slots(other, 5, [])  # takes every block: both cached ones are evicted
+    hashes = [chain_hash(b"i" * 32, (1, 2))]
+    hashes.append(chain_hash(hashes[0], (3, 4)))
+    evicted, loads = bm.take_tier_moves()
+    assert sorted(h for h, _ in evicted) == sorted(hashes) and not loads
+    for h in hashes:
+        disk.write(h, h[:4])
+    bm.free(other)
+    again = Request("c", [1, 2, 3, 4, 7])
+    blocks, hit = bm.get_computed_blocks(again)  # both from disk: entered, to be loaded
+    assert hit == 4 and [bm.loads[b] for b in blocks] == [h[:4] for h in hashes]
+    assert bm.allocate_slots(Request("d", [8] * 6), 6, [])  # evicts them before any step loaded them
+    assert bm.take_tier_moves() == ([], {})  # nothing to load, nothing to save (the disk has them)
