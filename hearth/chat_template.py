@@ -52,14 +52,14 @@ def render_chat_template(
 def load_chat_template(source: str) -> str:
     """`--chat-template`'s value: a Jinja file's text, or the template itself (vLLM takes both);
     HearthError for a file that cannot be read, or text that is neither."""
+    if "{{" in source or "{%" in source:  # the text itself (as a path it may be too long for the OS)
+        return source
     path = Path(source).expanduser()
     if path.is_file():
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise HearthError(f"chat template {source}: cannot read it: {e}") from None
-    if "{{" in source or "{%" in source:
-        return source
     raise HearthError(f"chat template {source}: no such file (give a Jinja file, or the template's text)")
 
 

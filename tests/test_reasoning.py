@@ -191,3 +191,40 @@ def test_a_request_s_own_chat_template_makes_the_prompt(client, llm):
     rendered = jinja2.Template(plain).render(messages=QUESTION, add_generation_prompt=True)
     assert res.usage.prompt_tokens == len(llm.get_tokenizer().encode(rendered, add_special_tokens=False))
     assert res.usage.prompt_tokens != ask(client, max_tokens=1).usage.prompt_tokens
+
+
+def test_responses_and_messages_carry_the_reasoning_apart(qwen3, llm):
+    """The same split through /v1/responses (a `reasoning` item before the message) and Anthropic's
+    /v1/messages (a `thinking` block before the text), streamed or not, on a template whose prompt
+    opens the section and a server budget of 2 tokens (neither API has ignore_eos: the random model's
+    reply ends where the engine's own does)."""
+    import anthropic
+
+    opening = template("Qwen3.5-4B.jinja")
+    config = EngineConfig(reasoning=ReasoningConfig(parser="qwen3", budget=2), chat_template=opening)
+    prompt = llm.get_tokenizer().encode_chat(QUESTION, chat_template=opening)
+    ids = generate(llm, prompt, max_tokens=14, thinking_token_budget=2)
+    assert ids[2] == think_ids(llm)[1] and len(ids) > 3, ids  # thinking, the close, an answer
+    thinking, answer = llm.get_tokenizer().decode(ids[:2]).strip(), llm.get_tokenizer().decode(ids[3:]).lstrip()
+    engine = AsyncEngine(LLMEngine(qwen3, config, progress=False))
+    try:
+        with serving(build_app(engine, "qwen3")) as url:
+            openai_client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+            common = {"model": "qwen3", "temperature": 0}
+            r = openai_client.responses.create(input=QUESTION, max_output_tokens=14, **common)
+            assert [item.type for item in r.output] == ["reasoning", "message"]
+            assert (r.output[0].content[0].text.strip(), r.output_text) == (thinking, answer)
+            with openai_client.responses.stream(input=QUESTION, max_output_tokens=14, **common) as stream:
+                last = list(stream)[-1]  # response.incomplete when cut at max_output_tokens
+            assert last.type == f"response.{r.status}" and last.response.output_text == answer
+            assert last.response.output[0].type == "reasoning"
+            greedy = {"model": "qwen3", "extra_body": {"temperature": 0}}  # (anthropic 2.14 takes no temperature)
+            m = claude.messages.create(messages=QUESTION, max_tokens=14, **greedy)
+            assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+                ("thinking", thinking), ("text", answer)]
+            with claude.messages.stream(messages=QUESTION, max_tokens=14, **greedy) as stream:
+                final = stream.get_final_message()
+            assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == answer
+    finally:
+        engine.shutdown()
