@@ -18,11 +18,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from hearth.backend import choose_backend
-from hearth.backend.cpu_linear import Int8Linear, cpu_linear
+from hearth.backend.cpu_linear import HalfLinear, Int8Linear, cpu_linear
 from hearth.backend.stored import DequantLinear
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import load_model
-from hearth.quant import QuantTensor, dequantize
+from hearth.quant import QuantTensor, dequantize, kernels
 from models import make_hf_model
 from optional import import_llama_cpp, llama_cpp_quantizer
 from test_quant_linear import ROWS, assert_within, ext, fp32_tolerance, q8_tolerance  # noqa: F401 (ext: a fixture)
@@ -75,17 +75,22 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
 
 @pytest.mark.parametrize("qtype", GRID_QTYPES, ids=lambda q: q.name)
 def test_grid_formats_multiply_as_their_dequantization(qtype):
-    """The dequantizing module (cpu and reference backends; the gpu backend's on its device): gguf's
-    dequantization times x within fp32 rounding, for a decode row and a prefill."""
+    """The dequantizing module (the reference backend; the gpu backend's on its device): gguf's
+    dequantization times x within fp32 rounding. The cpu backend's (the weight widened to F16 at
+    load, then half_matmul): within the float16 rounding of each weight, 2^-11 of it. A decode
+    row, a few, and a prefill past half_matmul's rows."""
     g = torch.Generator().manual_seed(int(qtype))
     n, k = 37, 768
     data = random_iquant(qtype, n, k, g)
     w = gguf_dense(data, qtype, k)
-    layer = cpu_linear(QuantTensor(data, qtype, (n, k)))
-    assert isinstance(layer, DequantLinear)
-    for m in (1, 33):
+    weight = QuantTensor(data, qtype, (n, k))
+    layer = cpu_linear(weight)
+    assert isinstance(layer, HalfLinear if kernels.extension() is not None else DequantLinear)
+    for m in (1, 5, 130):
         x = torch.randn(m, k, generator=g)
-        assert_within(layer(x), x.double() @ w.double().T, fp32_tolerance(x, w))
+        ref = x.double() @ w.double().T
+        assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))
+        assert_within(layer(x), ref, 2.0**-11 * (x.abs().double() @ w.abs().double().T) + fp32_tolerance(x, w))
 
 
 # ---------------------------------------------------------------- files llama.cpp made, against llama.cpp
