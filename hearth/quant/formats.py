@@ -227,19 +227,18 @@ def tq1_0_to_tq2_0(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 # a grid of 4 or 8 values with a sign per value (IQ3_*, IQ2_*; IQ1_*: values -1, 0, 1 plus a
 # shift of +-1/8 per sub-block). The grids and the sign table are gguf's own (gguf.quants'
 # classes decode them from llama.cpp's tables), not copied here.
-IQ4_NL_VALUES = gguf_quants.IQ4_NL.kvalues  # int8 codebook of IQ4_NL and IQ4_XS
-MXFP4_VALUES = gguf_quants.MXFP4.kvalues  # e2m1 values, doubled (the scale is halved to match)
 
 
 @functools.cache
 def _table(name: str, device: torch.device) -> torch.Tensor:
     """A gguf table on `device`: a grid as float32 (entries, 4 or 8), the sign patterns (128, 8)
-    as float32 +-1, or a codebook as float32 (16,)."""
+    as float32 +-1, or a codebook as float32 (16,): IQ4_NL's int8 values (IQ4_XS's too), MXFP4's
+    e2m1 values doubled (its scale is halved to match)."""
     if name == "ksigns":
         ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
         table = 1 - 2 * _bits(ksigns.unsqueeze(-1)).squeeze(-1).float()  # (128, 8): bit i set -> -1
     elif name in ("IQ4_NL", "MXFP4"):
-        table = torch.tensor(gguf_quants.IQ4_NL.kvalues if name == "IQ4_NL" else MXFP4_VALUES, dtype=torch.float32)
+        table = torch.tensor(getattr(gguf_quants, name).kvalues, dtype=torch.float32)
     else:
         cls = getattr(gguf_quants, name)
         cls.init_grid()
