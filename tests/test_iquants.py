@@ -133,7 +133,9 @@ def requantize(source: Path, out: Path, qtype: Q, quantize) -> Path:
 
 @pytest.fixture(scope="module")
 def float_gguf(tmp_path_factory) -> Path:
-    """A tiny llama whose rows are whole 256-value blocks (hidden 256, intermediate 512)."""
+    """A tiny llama whose rows are whole 256-value blocks (hidden 256, intermediate 512); made only
+    where llama.cpp runs, the only reader of it."""
+    import_llama_cpp()
     root = tmp_path_factory.mktemp("iquant")
     folder = make_hf_model(root / "llama", "llama", hidden_size=256, intermediate_size=512)
     return convert_hf_to_gguf(folder, root / "llama-f32.gguf", "f32", progress=False)
