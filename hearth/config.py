@@ -15,6 +15,7 @@ from hearth.hf_config import (
     hybrid_from_hf,
     latent_attention_from_hf,
     no_rope_layers_from_hf,
+    refuse_quantized_or_multimodal,
     refuse_unimplemented,
     rope_scaling_from_hf,
     sliding_layers_from_hf,
@@ -255,6 +256,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        refuse_quantized_or_multimodal(hf, where)
         arch = _architecture_from_hf(hf, where)
         try:
             hf = hybrid_fields_from_hf(hf, arch)

@@ -235,3 +235,20 @@ def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
         value = hf.get(name, rope.get(name))
         if value not in inactive and arch not in _IMPLEMENTED_BY.get(name, ()):
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
+
+
+def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
+    """A checkpoint hearth would misread refused by name, before any tensor is looked for: weights
+    quantized by a library (quantization_config: AWQ, GPTQ, fp8, bitsandbytes, ...; their tensors
+    are packed integers under other names) and models with an image encoder (vision_config)."""
+    quantization = hf.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise ModelLoadError(
+            f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "
+            "convert the original checkpoint to GGUF with llama.cpp (convert_hf_to_gguf.py, then llama-quantize) "
+            "or `hearth convert`, or load the unquantized bf16/fp16 checkpoint")
+    if hf.get("vision_config") is not None:
+        raise ModelLoadError(
+            f"{where}: a model with an image encoder (vision_config); hearth runs text-only decoders: "
+            "load the text model's own checkpoint where one is published")

@@ -23,3 +23,35 @@ def import_llama_cpp():
     if not _llama_cpp_runs_here():
         pytest.skip("llama-cpp-python is installed but its build does not run on this CPU")
     return llama_cpp
+
+
+def llama_cpp_quantizer():
+    """llama.cpp's own block quantizer, `quantize(values [rows, cols] float32, qtype, imatrix [cols]
+    or None) -> uint8 [rows, bytes]` (ggml_quantize_chunk in the library llama-cpp-python loads),
+    or a skip as import_llama_cpp's. The 1- and 2-bit i-quants take an importance matrix."""
+    import ctypes
+    from pathlib import Path
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    llama_cpp = import_llama_cpp()
+    ggml = ctypes.CDLL(str(Path(llama_cpp.llama_cpp._lib._name).with_name("libggml-base.so")))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    ggml.ggml_quantize_init.argtypes = [ctypes.c_int]
+
+    def quantize(values, qtype, imatrix=None):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        rows, cols = values.shape
+        block, size = GGML_QUANT_SIZES[qtype]
+        out = np.zeros((rows, cols // block * size), np.uint8)
+        weights = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+        ggml.ggml_quantize_init(int(qtype))
+        written = ggml.ggml_quantize_chunk(int(qtype), values.ctypes.data, out.ctypes.data, 0, rows, cols,
+                                           None if weights is None else weights.ctypes.data)
+        assert written == out.nbytes
+        return out
+
+    return quantize

@@ -189,7 +189,7 @@ def test_truncated_gguf_and_unsupported_quant_type(tmp_path, llama, capsys):
     capsys.readouterr()
     assert main(["inspect", str(truncated)]) == 1
     assert "truncated" in capsys.readouterr().err
-    # a tensor of a type hearth does not read (IQ2_XXS)
+    # a tensor of a type hearth does not read (Q8_1: llama.cpp's activation blocks)
     writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
     reader = gguf.GGUFReader(good)
     for field in reader.fields.values():
@@ -197,15 +197,15 @@ def test_truncated_gguf_and_unsupported_quant_type(tmp_path, llama, capsys):
             value = field.contents()
             if field.name.startswith("llama.") or field.name in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
                 writer.add_key_value(field.name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    writer.add_tensor("blk.0.attn_q.weight", __import__("numpy").zeros((64, 66), dtype="uint8"),
-                      raw_shape=(64, 66), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    writer.add_tensor("blk.0.attn_q.weight", __import__("numpy").zeros((64, 80), dtype="uint8"),
+                      raw_shape=(64, 80), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     assert main(["inspect", str(tmp_path / "iq.gguf")]) == 1
     err = capsys.readouterr().err
-    assert "IQ2_XXS" in err and "blk.0.attn_q.weight" in err
+    assert "Q8_1" in err and "blk.0.attn_q.weight" in err
 
 
 def test_chat_keeps_the_conversation_and_its_commands_stay_local(llama):

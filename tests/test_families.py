@@ -100,13 +100,18 @@ def _gguf_dequantized(weight) -> torch.Tensor:
     return weight.float()
 
 
-def _dequantized_reference(folder: Path, weights: dict, out: Path) -> Path:
+def _dequantized_reference(folder: Path, config, weights: dict, out: Path) -> Path:
     """A copy of the HF folder whose weights are the GGUF file's, dequantized by gguf (gemma's norms
-    back from llama.cpp's 1 + w)."""
+    back from llama.cpp's 1 + w), and whose gemma query scale is the file's (convert folds a scale
+    llama.cpp would not compute into the queries: the file's own is then llama.cpp's)."""
     out.mkdir()
     for f in folder.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
+    hf = json.loads((out / "config.json").read_text())
+    if "query_pre_attn_scalar" in hf:
+        hf["query_pre_attn_scalar"] = config.query_pre_attn_scalar or config.head_dim
+        (out / "config.json").write_text(json.dumps(hf))
     original = load_file(folder / "model.safetensors")
     shift = json.loads((folder / "config.json").read_text())["model_type"].startswith("gemma")
     save_file({k: (_gguf_dequantized(weights[canonical_hf_name(k)]) - float(shift and k.endswith("norm.weight"))).contiguous()
@@ -130,7 +135,7 @@ def test_quantized_against_gguf_dequantizer(folders, arch, out_type, tmp_path):
     assert isinstance(matrix, QuantTensor) and matrix.qtype.name == out_type.upper()
     if config.num_experts:  # routers stay F32, as llama.cpp's
         assert not isinstance(weights["model.layers.0.mlp.gate.weight"], QuantTensor)
-    want = _logits_of(_dequantized_reference(folders[arch], weights, tmp_path / "ref"))
+    want = _logits_of(_dequantized_reference(folders[arch], config, weights, tmp_path / "ref"))
     if kernels.extension() is not None and cpu_kernels() is not None:  # the cpu backend's int8 kernels
         kernel_logits = hearth_logits(config, weights, TOKENS, CpuBackend())
         per_token = (kernel_logits - want).abs().max(-1).values / want.abs().max()

@@ -268,6 +268,30 @@ def test_unimplemented_features_are_refused(tmp_path):
         load_model(folder, progress=False)
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}, "'awq'.*GGUF"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}, "'gptq'.*GGUF"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "'fp8'.*bf16"),
+    ({"quantization_config": {"load_in_4bit": True}}, "'unnamed'.*GGUF"),
+    ({"vision_config": {"hidden_size": 32}}, "image encoder"),
+], ids=["awq", "gptq", "fp8", "bitsandbytes", "vision"])
+def test_quantized_and_multimodal_checkpoints_are_refused_by_name(tmp_path, extra, message):
+    """Checked before any tensor is looked for (their tensors have other names and would be reported
+    missing, naming neither the format nor the fix): by load and by convert."""
+    import json
+
+    from hearth.loading.convert import convert_hf_to_gguf
+
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(folder, progress=False)
+    with pytest.raises(ModelLoadError, match=message):
+        convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f16", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_gguf_tensor_hearth_does_not_know_is_refused(tmp_path):
     import gguf
 

@@ -14,7 +14,8 @@ from hearth.quant.formats import QUANTIZE_QTYPES
 F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.TQ1_0: (52,), Q.TQ2_0: (64,),
+    Q.TQ1_0: (52,), Q.TQ2_0: (64,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.IQ3_S: (0,), Q.IQ3_XXS: (0,),
+    Q.IQ2_S: (0,), Q.IQ2_XS: (0,), Q.IQ2_XXS: (0,), Q.IQ1_S: (0,),
 }
 ROWS = 6
 BLOCKS_PER_ROW = 3
@@ -31,10 +32,25 @@ def random_blocks(qtype: Q, seed: int) -> tuple[np.ndarray, tuple[int, int]]:
         raw = values.astype(dtype).view(np.uint8) if dtype else gguf_quants.quantize(values, qtype)
         return np.ascontiguousarray(raw).reshape(ROWS, -1), (ROWS, cols)
     blocks = rng.integers(0, 256, size=(ROWS * BLOCKS_PER_ROW, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
+    for offset in F16_FIELDS.get(qtype, ()):
         scale = (rng.standard_normal(ROWS * BLOCKS_PER_ROW) * 0.05).astype(np.float16)
         blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    set_odd_scales(blocks, qtype, rng)
     return blocks.reshape(ROWS, -1), (ROWS, BLOCKS_PER_ROW * block_size)
+
+
+def set_odd_scales(blocks: np.ndarray, qtype: Q, rng: np.random.Generator) -> None:
+    """The scales kept outside a float16 field, set to finite values: MXFP4's e8m0 exponent (every
+    subnormal and a range of normal ones), IQ1_M's float16 d spread over the top nibbles of its
+    four scale words (a nibble in the high half of bytes 49, 51, 53, 55)."""
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(0, 140, size=len(blocks))
+        blocks[:3, 0] = (0, 1, 2)
+    elif qtype == Q.IQ1_M:
+        d = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            nibble = ((d >> (4 * i)) & 0x0F).astype(np.uint8)
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (nibble << 4)
 
 
 def assert_bit_exact(ours: torch.Tensor, ref: np.ndarray) -> None:
@@ -100,8 +116,8 @@ def test_quant_tensor_round_trip():
 
 
 def test_unsupported_type_raises():
-    with pytest.raises(ModelLoadError, match="IQ2_XXS.*Q4_K"):
-        dequantize(torch.zeros(66, dtype=torch.uint8), Q.IQ2_XXS, (1, 256))
+    with pytest.raises(ModelLoadError, match="Q8_1.*Q4_K.*IQ4_XS"):
+        dequantize(torch.zeros(40, dtype=torch.uint8), Q.Q8_1, (1, 32))
     with pytest.raises(ModelLoadError, match="Q4_K.*Q8_0"):
         quantize(torch.zeros(1, 256), Q.Q4_K)
 

@@ -5,10 +5,11 @@ for that format, its kernel and weight pointers bound once (docs/quantized-matmu
 measurements behind each choice):
 
 - every GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, TQ2_0; TQ1_0 rewritten to TQ2_0
-  at load): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  at load) and the codebook formats (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into 16 int8 values, looked
+  up by one shuffle per 32 values and read as Q8_0's signed codes): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
-  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 is instead
+  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
   repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
   stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding
   per call at any batch size; the file's pages are then released from this process (they stay in
@@ -16,6 +17,10 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
+- the grid i-quants (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M), which have no int8
+  kernel yet: dequantized once at load to an F16 matrix (rounded to float16: 2^-11 of each weight;
+  4-8x the file's bytes) and multiplied as F16 weights are (`HalfLinear`): dequantizing them per call
+  takes ~100 ns a weight.
 - anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
 
 The cpu backend computes in float32: these modules take x float32 [M, K] (what the model's layers
@@ -40,10 +45,13 @@ from hearth.quant.tensor import HALF_DTYPES, QuantTensor, dequantize_rows
 
 Q = GGMLQuantizationType
 # multiplied by `int8_matmul` (activations as llama.cpp's q8_K / q8_0)
-INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0)
-# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 is read in place)
-PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q != Q.TQ2_0)
+INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0,
+               Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4))
 
+# widened to F16 at load (see the module's docstring)
+GRID_QTYPES = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
@@ -54,11 +62,24 @@ HALF_MAX_ROWS = 128
 def cpu_linear(weight: QuantTensor, bias: torch.Tensor | None = None) -> nn.Module:
     """The module that multiplies by `weight` as stored (see the module's docstring)."""
     ext = kernels.extension()
+    if ext is not None and weight.qtype in GRID_QTYPES:
+        weight = widened_to_f16(weight)
     if ext is not None and weight.qtype in HALF_DTYPES:
         return HalfLinear(weight, bias, ext)
     if ext is not None and weight.qtype in (*INT8_QTYPES, Q.TQ1_0):
         return Int8Linear(weight, bias, ext)
     return DequantLinear(weight, bias)
+
+
+def widened_to_f16(weight: QuantTensor) -> QuantTensor:
+    """`weight` dequantized to an F16 matrix, a few million values at a time (no float32 copy of
+    the whole matrix at once)."""
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols, dtype=torch.float16)
+    step = max(1, (1 << 22) // cols)
+    for start in range(0, rows, step):
+        out[start:start + step] = dequantize_rows(weight.matrix()[start:start + step], weight.qtype, cols)
+    return QuantTensor.of_half(out)
 
 
 class Int8Linear(BoundWeights):

@@ -9,6 +9,7 @@ and one type per tensor. Tensors are written one at a time, so memory holds one 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from pathlib import Path
@@ -202,6 +203,8 @@ def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Sourc
             t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
         if hf_name.endswith("conv.conv.weight"):
             t = t.squeeze(1)  # llama.cpp's convolution weight: [channels, taps]
+        if hf_name.endswith(_QUERY_SCALE_CARRIERS.get(config.architecture, ())):
+            t = t * _query_scale_fold(config)
         return t
 
     return values
@@ -287,17 +290,34 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
 
 def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
     """Soft-caps, and what llama.cpp otherwise fixes per family (hearth's reader takes the same
-    defaults, hearth/loading/gguf.py): written only where the model departs from them."""
+    defaults, hearth/loading/gguf.py): written only where the model departs from them. (The query
+    scale has no key llama.cpp reads: it is folded into the queries, _query_scale_fold.)"""
     if config.attn_logit_softcapping is not None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if config.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if config.local_rope_theta not in (None, 10000.0):
         writer.add_rope_freq_base_swa(config.local_rope_theta)
+
+
+# The tensor that carries a gemma2/3 query scale llama.cpp does not compute (_query_scale_fold): the
+# query projection, or gemma3's query norm, which would undo a scaled projection.
+_QUERY_SCALE_CARRIERS = {"gemma2": ("self_attn.q_proj.weight", "self_attn.q_proj.bias"),
+                         "gemma3": ("self_attn.q_norm.weight",)}
+
+
+def _query_scale_fold(config: ModelConfig) -> float:
+    """The factor on the queries that makes llama.cpp's attention scale the model's own.
+
+    llama.cpp (0.3.36, src/models/gemma2.cpp, gemma3.cpp) scales gemma2/3 queries by 1/sqrt(head_dim),
+    or 1/sqrt(hidden / heads) for the 27B models (46 layers for gemma2, 62 for gemma3), and reads no
+    key for another scale (its own converter writes none: the published models all follow that
+    rule). A model whose query_pre_attn_scalar S departs from that L gets sqrt(L / S) folded into its
+    queries (a linear map before RoPE, which is linear too), so that llama.cpp, and hearth's reader
+    with llama.cpp's defaults (hearth/loading/gguf.py), compute q.k / sqrt(S)."""
     big = config.num_layers == {"gemma2": 46, "gemma3": 62}[config.architecture]
     llama_cpp_scalar = config.hidden_size // config.num_heads if big else config.head_dim
-    if (config.query_pre_attn_scalar or config.head_dim) != llama_cpp_scalar:
-        writer.add_attention_scale((config.query_pre_attn_scalar or config.head_dim) ** -0.5)
+    return math.sqrt(llama_cpp_scalar / (config.query_pre_attn_scalar or config.head_dim))
 
 
 # ---------------------------------------------------------------- tokenizer metadata

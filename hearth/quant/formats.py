@@ -8,6 +8,7 @@ Multi-byte fields are little-endian; "d"/"dmin"/"m" are float16 scales.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -221,6 +222,163 @@ def tq1_0_to_tq2_0(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.cat([packed.reshape(-1, 64), blocks[:, 52:54]], dim=1).reshape(shape[0], -1)
 
 
+# ------------------------------------------------------------------ i-quants and MXFP4
+# Codebook formats: a 4-bit index into 16 int8 values (IQ4_NL, IQ4_XS, MXFP4), or an index into
+# a grid of 4 or 8 values with a sign per value (IQ3_*, IQ2_*; IQ1_*: values -1, 0, 1 plus a
+# shift of +-1/8 per sub-block). The grids and the sign table are gguf's own (gguf.quants'
+# classes decode them from llama.cpp's tables), not copied here.
+
+
+@functools.cache
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    """A gguf table on `device`: a grid as float32 (entries, 4 or 8), the sign patterns (128, 8)
+    as float32 +-1, or a codebook as float32 (16,): IQ4_NL's int8 values (IQ4_XS's too), MXFP4's
+    e2m1 values doubled (its scale is halved to match)."""
+    if name == "ksigns":
+        ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+        table = 1 - 2 * _bits(ksigns.unsqueeze(-1)).squeeze(-1).float()  # (128, 8): bit i set -> -1
+    elif name in ("IQ4_NL", "MXFP4"):
+        table = torch.tensor(getattr(gguf_quants, name).kvalues, dtype=torch.float32)
+    else:
+        cls = getattr(gguf_quants, name)
+        cls.init_grid()
+        table = torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy())
+    return table.to(device)
+
+
+def _sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes -> (n, k, 8) float32 +-1: bit i of byte j set -> value 8j + i negative."""
+    return 1 - 2 * _bits(x).transpose(1, 2).float()
+
+
+def _u32(x: torch.Tensor) -> torch.Tensor:
+    """(..., 4k) little-endian bytes -> (..., k) int64 words."""
+    b = x.reshape(*x.shape[:-1], -1, 4).long()
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _u16(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2k) little-endian bytes -> (..., k) int64."""
+    b = x.reshape(*x.shape[:-1], -1, 2).long()
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def _lookup(name: str, index: torch.Tensor) -> torch.Tensor:
+    return _table(name, index.device)[index.long()]
+
+
+# IQ4_NL (18 bytes / 32 values): d f16 | qs[16] as Q4_0's nibbles.  x = d * kvalues[q]
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _lookup("IQ4_NL", _nibbles(blocks[:, 2:]).reshape(-1, 32))
+
+
+# IQ4_XS (136 bytes / 256 values, 8 sub-blocks of 32): d f16 | scales_h u16 (2 bits per sub-block)
+# | scales_l[4] (nibbles: sub-blocks 2i, 2i + 1) | qs[128] (16 bytes a sub-block, Q4_0's nibbles).
+# x = d * (scale - 32) * kvalues[q]
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    high = _u16(blocks[:, 2:4]) >> torch.arange(0, 16, 2, device=blocks.device) & 3
+    low = _nibbles(blocks[:, 4:8]).transpose(1, 2).reshape(-1, 8)
+    dl = (d * ((low | (high << 4)) - 32).float()).unsqueeze(-1)
+    q = _nibbles(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 8, 32)
+    return (dl * _lookup("IQ4_NL", q)).reshape(-1, QK_K)
+
+
+# MXFP4 (17 bytes / 32 values): e u8 (an e8m0 exponent) | qs[16] as Q4_0's nibbles.
+# x = 2^(e - 128) * kvalues[q] (ggml's e8m0_to_fp32_half: subnormal for e < 2)
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    e = blocks[:, :1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32) * _lookup("MXFP4", _nibbles(blocks[:, 1:]).reshape(-1, 32))
+
+
+# IQ2_XXS (66 bytes / 256 values, 8 sub-blocks of 32): d f16 | per sub-block two u32: four grid
+# indices (8 values each) | four 7-bit sign-pattern indices, then a 4-bit scale at bit 28.
+# x = d * (0.5 + scale) * 0.25 * grid * sign
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    return _grid_with_ksigns(blocks, "IQ2_XXS", 0.25)
+
+
+# IQ3_XXS (98 bytes / 256 values): d f16 | qs[64] (grid indices, 4 values each) | per sub-block of
+# 32 a u32 as IQ2_XXS's second word.  x = d * (0.5 + scale) * 0.5 * grid * sign
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    return _grid_with_ksigns(blocks, "IQ3_XXS", 0.5)
+
+
+def _grid_with_ksigns(blocks: torch.Tensor, name: str, step: float) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    if name == "IQ2_XXS":
+        words = blocks[:, 2:].reshape(-1, 8, 8)
+        index, aux = words[..., :4], _u32(words[..., 4:]).squeeze(-1)
+    else:
+        index, aux = blocks[:, 2:66].reshape(-1, 8, 8), _u32(blocks[:, 66:98])
+    db = d * (0.5 + (aux >> 28).float()) * step  # (n, 8)
+    pattern = aux.unsqueeze(-1) >> torch.arange(0, 28, 7, device=blocks.device) & 0x7F  # (n, 8, 4)
+    grid = _lookup(name, index).reshape(-1, 8, 4, 8)
+    return (db.reshape(-1, 8, 1, 1) * grid * _lookup("ksigns", pattern)).reshape(-1, QK_K)
+
+
+# IQ2_XS (74 bytes / 256 values, 16 sub-blocks of 16): d f16 | qs u16[32] (9-bit grid index,
+# 7-bit sign pattern) | scales[8] (nibbles).  x = d * (0.5 + scale) * 0.25 * grid * sign
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    qs = _u16(blocks[:, 2:66])
+    grid = _lookup("IQ2_XS", qs & 511) * _lookup("ksigns", qs >> 9)
+    return _times_nibble_scales(_f16(blocks, 0), blocks[:, 66:74], grid)
+
+
+# IQ2_S (82 bytes / 256 values, 16 sub-blocks of 16): d f16 | qs[32] (grid index, low 8 bits)
+# | signs[32] (a bit per value) | qh[8] (2 more index bits per group of 8) | scales[8] (nibbles).
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    qh = _crumbs(blocks[:, 66:74]).transpose(1, 2).reshape(-1, 32)
+    index = blocks[:, 2:34].long() | (qh.long() << 8)
+    grid = _lookup("IQ2_S", index) * _sign_bits(blocks[:, 34:66])
+    return _times_nibble_scales(_f16(blocks, 0), blocks[:, 74:82], grid)
+
+
+def _times_nibble_scales(d: torch.Tensor, scales: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """grid (n, 32, 8) times d * (0.5 + scale) * 0.25, a 4-bit scale (low nibble first) per 16 values."""
+    db = d * (0.5 + _nibbles(scales).transpose(1, 2).reshape(-1, 16).float()) * 0.25
+    return (db.reshape(-1, 16, 1, 1) * grid.reshape(-1, 16, 2, 8)).reshape(-1, QK_K)
+
+
+# IQ3_S (110 bytes / 256 values, 8 sub-blocks of 32): d f16 | qs[64] (grid index, low 8 bits)
+# | qh[8] (the 9th bit) | signs[32] | scales[4] (nibbles).  x = d * (1 + 2 scale) * grid * sign
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    high = _bits(blocks[:, 66:74]).transpose(1, 2).reshape(-1, 64)
+    grid = _lookup("IQ3_S", blocks[:, 2:66].long() | (high.long() << 8)).reshape(-1, 8, 32)
+    db = d * (1 + 2 * _nibbles(blocks[:, 106:110]).transpose(1, 2).reshape(-1, 8)).float()
+    return (db.unsqueeze(-1) * grid * _sign_bits(blocks[:, 74:106]).reshape(-1, 8, 32)).reshape(-1, QK_K)
+
+
+# IQ1_S (50 bytes / 256 values, 8 sub-blocks of 32): d f16 | qs[32] (grid index, low 8 bits)
+# | qh u16[8]: 3 more index bits per group of 8, a 3-bit scale at bit 12, the shift's sign at 15.
+# x = d * (2 scale + 1) * (grid + shift), shift = +-1/8
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    d, qh = _f16(blocks, 0), _u16(blocks[:, 34:50])  # (n, 8)
+    dl = d * (2 * ((qh >> 12) & 7) + 1).float()
+    shift = torch.where(qh & 0x8000 == 0, 0.125, -0.125)
+    high = (qh.unsqueeze(-1) >> torch.arange(0, 12, 3, device=blocks.device)) & 7
+    grid = _lookup("IQ1_S", blocks[:, 2:34].long() | (high.reshape(-1, 32) << 8)).reshape(-1, 8, 32)
+    return (dl.unsqueeze(-1) * (grid + shift.unsqueeze(-1))).reshape(-1, QK_K)
+
+
+# IQ1_M (56 bytes / 256 values, 16 sub-blocks of 16): qs[32] | qh[16] (a nibble per group of 8:
+# 3 index bits, the shift's sign) | scales u16[4]: four 3-bit scales each, and in their top nibbles
+# the block's f16 d.  x = d * (2 scale + 1) * (grid + shift)
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    sc = _u16(blocks[:, 48:56])  # (n, 4)
+    top = (sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=blocks.device)
+    d_bits = (top[:, 0] | top[:, 1] | top[:, 2] | top[:, 3]).to(torch.int16)
+    d = d_bits.view(torch.float16).float().unsqueeze(-1)
+    scales = (sc.unsqueeze(-1) >> torch.arange(0, 12, 3, device=blocks.device)) & 7
+    dl = d * (2 * scales.reshape(-1, 16) + 1).float()
+    qh = _nibbles(blocks[:, 32:48]).transpose(1, 2).reshape(-1, 32)
+    grid = _lookup("IQ1_M", blocks[:, :32].long() | ((qh & 7).long() << 8))
+    shift = torch.where(qh & 8 == 0, 0.125, -0.125)
+    return (dl.reshape(-1, 16, 1, 1) * (grid + shift.unsqueeze(-1)).reshape(-1, 16, 2, 8)).reshape(-1, QK_K)
+
+
 DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.F32: _f32,
     Q.F16: _f16_array,
@@ -237,6 +395,16 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     Q.Q6_K: _q6_k,
     Q.TQ1_0: _tq1_0,
     Q.TQ2_0: _tq2_0,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
+    Q.MXFP4: _mxfp4,
+    Q.IQ3_S: _iq3_s,
+    Q.IQ3_XXS: _iq3_xxs,
+    Q.IQ2_S: _iq2_s,
+    Q.IQ2_XS: _iq2_xs,
+    Q.IQ2_XXS: _iq2_xxs,
+    Q.IQ1_M: _iq1_m,
+    Q.IQ1_S: _iq1_s,
 }
 
 SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = tuple(DEQUANTIZERS)

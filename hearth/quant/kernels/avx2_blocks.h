@@ -66,6 +66,24 @@ template <> struct Block<Q5_1> {
   __m256i codes(int) const { return _mm256_or_si256(nibbles32(b + 8), bits_to_sixteens(u32(b + 4))); }
 };
 
+// The codebook formats: 4-bit indices (Q4_0's nibbles) looked up in a 16-entry table by one
+// shuffle, giving signed int8 codes read as Q8_0's.
+inline __m256i lookup16(const int8_t* table, __m256i nibbles) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)table)), nibbles);
+}
+template <> struct Block<IQ4_NL> {
+  static constexpr bool SIGNED = true;
+  const uint8_t* b; float d, o = 0.f;
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)) {}
+  __m256i codes(int) const { return lookup16(IQ4_NL_VALUES, nibbles32(b + 2)); }
+};
+template <> struct Block<MXFP4> {
+  static constexpr bool SIGNED = true;
+  const uint8_t* b; float d, o = 0.f;
+  explicit Block(const uint8_t* p) : b(p), d(e8m0_half(p[0])) {}
+  __m256i codes(int) const { return lookup16(MXFP4_VALUES, nibbles32(b + 1)); }
+};
+
 // Scales per 16 values, int16, kept in memory: a chunk's scale vector is then built by broadcasts
 // from it (constants to permute registers would take the registers the accumulators need).
 struct Scales16 {
@@ -150,6 +168,18 @@ template <> struct Block<Q2_K> {
     const __m256i qs = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (c / 4)));
     return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (c % 4)), _mm256_set1_epi8(3));
   }
+};
+
+// IQ4_XS: signed codes (the IQ4_NL table) with a signed 6-bit scale per 32 values and no offset
+// (f = 0, c16 = 0: the dot products need no correction term).
+template <> struct Block<IQ4_XS> {
+  static constexpr bool SIGNED = true;
+  const uint8_t* b; float d, f = 0.f; Scales16 sc; __m256i c16 = _mm256_setzero_si256();
+  explicit Block(const uint8_t* p) : b(p), d(h2f(p)) {
+    for (int j = 0; j < 8; j++) sc.s[2 * j] = sc.s[2 * j + 1] = (int16_t)iq4_xs_scale(p, j);
+  }
+  __m256i scales(int c) const { return sc.whole(c); }
+  __m256i codes(int c) const { return lookup16(IQ4_NL_VALUES, nibbles32(b + 8 + 16 * c)); }
 };
 
 // TQ2_0: the ternary codes as Q2_K lays them out, with no scales: a weight times an activation is

@@ -49,8 +49,24 @@ inline float bf16_to_float(uint16_t h) {
 // GGMLQuantizationType values
 enum QType : int {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, TQ2_0 = 35,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, TQ2_0 = 35,
+  MXFP4 = 39,
 };
+
+// The codebook formats: a 4-bit index into 16 int8 values (gguf.quants' IQ4_NL.kvalues and
+// MXFP4.kvalues, the e2m1 values doubled), read as signed codes like Q8_0's.
+template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_XS || QT == MXFP4; }
+alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4's scale: an e8m0 exponent e as 2^(e - 128), half the OCP scale (its values are doubled);
+// ggml's e8m0_to_fp32_half, subnormal for e < 2
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -81,6 +97,10 @@ template <> struct Fmt<Q4_K> { static constexpr int BS = 256, BYTES = 144, S = 3
 template <> struct Fmt<Q5_K> { static constexpr int BS = 256, BYTES = 176, S = 32, Z = 0;   static constexpr bool OFF = true; };
 template <> struct Fmt<Q6_K> { static constexpr int BS = 256, BYTES = 210, S = 16, Z = 32;  static constexpr bool OFF = false; };
 template <> struct Fmt<TQ2_0> { static constexpr int BS = 256, BYTES = 66, S = 32, Z = 1;   static constexpr bool OFF = false; };
+// codebook formats: q = the int8 value + 128, as Q8_0's
+template <> struct Fmt<IQ4_NL> { static constexpr int BS = 32, BYTES = 18, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ4_XS> { static constexpr int BS = 256, BYTES = 136, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<MXFP4> { static constexpr int BS = 32, BYTES = 17, S = 32, Z = 128; static constexpr bool OFF = false; };
 // half arrays: 32 values taken as one "block"
 template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
 template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
@@ -122,6 +142,32 @@ template <> void unpack<Q5_1>(const uint8_t* b, uint8_t* q, float* s, float* o) 
   for (int j = 0; j < 16; j++) {
     q[j] = (b[8 + j] & 0x0F) | (((qh >> j) & 1) << 4);
     q[j + 16] = (b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+// IQ4_NL: d f16 | qs[16] as Q4_0's nibbles; w = d kvalues[nibble]
+template <> void unpack<IQ4_NL>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  s[0] = h2f(b);
+  for (int j = 0; j < 16; j++) { q[j] = uint8_t(IQ4_NL_VALUES[b[2 + j] & 0x0F] + 128); q[j + 16] = uint8_t(IQ4_NL_VALUES[b[2 + j] >> 4] + 128); }
+}
+// MXFP4: e u8 | qs[16] as Q4_0's nibbles; w = e8m0_half(e) kvalues[nibble]
+template <> void unpack<MXFP4>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  s[0] = e8m0_half(b[0]);
+  for (int j = 0; j < 16; j++) { q[j] = uint8_t(MXFP4_VALUES[b[1 + j] & 0x0F] + 128); q[j + 16] = uint8_t(MXFP4_VALUES[b[1 + j] >> 4] + 128); }
+}
+// IQ4_XS: d f16 | scales_h u16 | scales_l[4] | qs[128], sub-block j of 32: 6-bit scale (low nibble
+// j of scales_l, bits 2j, 2j + 1 of scales_h), codes in qs[16j..] as Q4_0's; w = d (scale - 32) kvalues[nibble]
+inline int iq4_xs_scale(const uint8_t* b, int j) {
+  const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F, high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3;
+  return (low | (high << 4)) - 32;
+}
+template <> void unpack<IQ4_XS>(const uint8_t* b, uint8_t* q, float* s, float*) {
+  const float d = h2f(b);
+  for (int j = 0; j < 8; j++) {
+    s[j] = d * float(iq4_xs_scale(b, j));
+    for (int i = 0; i < 16; i++) {
+      q[32 * j + i] = uint8_t(IQ4_NL_VALUES[b[8 + 16 * j + i] & 0x0F] + 128);
+      q[32 * j + 16 + i] = uint8_t(IQ4_NL_VALUES[b[8 + 16 * j + i] >> 4] + 128);
+    }
   }
 }
 // Q2_K: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16.
@@ -221,6 +267,9 @@ inline void decode(const uint8_t* b, float* w) {
     case Q5_K: { constexpr int QT = Q5_K; __VA_ARGS__; break; }               \
     case Q6_K: { constexpr int QT = Q6_K; __VA_ARGS__; break; }               \
     case TQ2_0: { constexpr int QT = TQ2_0; __VA_ARGS__; break; }             \
+    case IQ4_NL: { constexpr int QT = IQ4_NL; __VA_ARGS__; break; }           \
+    case IQ4_XS: { constexpr int QT = IQ4_XS; __VA_ARGS__; break; }           \
+    case MXFP4: { constexpr int QT = MXFP4; __VA_ARGS__; break; }             \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 

@@ -80,11 +80,14 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
     if constexpr (BS == 256) {
       __m256i dot[MR];
       for (int r = 0; r < MR; r++) dot[r] = _mm256_setzero_si256();
+      constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
 #pragma GCC unroll 8
       for (int c = 0; c < 8; c++) {
-        const __m256i codes = blk.codes(c), scales = blk.scales(c);
+        const __m256i q = blk.codes(c), scales = blk.scales(c);
+        const __m256i codes = SIGNED ? _mm256_sign_epi8(q, q) : q;  // signed codes: |q|, q's sign onto x
         for (int r = 0; r < MR; r++) {
-          const __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
+          __m256i x = _mm256_loadu_si256((const __m256i*)(xb + r * K + 32 * c));
+          if constexpr (SIGNED) x = _mm256_sign_epi8(x, q);
           dot[r] = D::scaled(dot[r], codes, x, scales);
           // keeps the sum in this order: left free, gcc computes all 8 x MR products first and
           // adds them as a tree, spilling most of them to the stack
@@ -94,10 +97,12 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
       for (int r = 0; r < MR; r++) {
         const int64_t m = m0 + r;
         const float dx = a.d[m * nb + b];
-        const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s16.data() + m * (K / 16) + b * 16));
-        const __m256i corr = _mm256_madd_epi16(sums, blk.c16);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(blk.d * dx), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(-blk.f * dx), acc[r]);
+        if constexpr (!SIGNED) {  // signed codes have no offset
+          const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s16.data() + m * (K / 16) + b * 16));
+          const __m256i corr = _mm256_madd_epi16(sums, blk.c16);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(-blk.f * dx), acc[r]);
+        }
       }
     } else {
       constexpr bool SIGNED = requires { Block<QT>::SIGNED; };
@@ -149,7 +154,7 @@ template <int QT>
 void int8_matmul_impl(int path, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
                       int64_t N, int threads) {
 #ifdef HEARTH_VNNI
-  if (path == FASTEST && M >= INT8_TILE_MIN_ROWS) return int8_tiles_matmul(QT, w, K, a, M, y, N, threads);
+  if (path == FASTEST && M >= INT8_TILE_MIN_ROWS && !codebook<QT>()) return int8_tiles_matmul(QT, w, K, a, M, y, N, threads);
 #endif
   const int64_t row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES;
   parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {

@@ -3,7 +3,9 @@
 //   int8_matmul:   every block format, every batch size: activations rounded to int8 per block
 //                  of the weight's format (llama.cpp's q8_K for K-quants, q8_0 otherwise) and
 //                  integer dot products (AVX2 maddubs) against the GGUF blocks where they lie;
-//                  or, on AVX-512 VNNI builds, every format but TQ2_0 repacked once into tiles
+//                  (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices looked up in their 16 int8 values by one
+//                  shuffle, then read as Q8_0's signed codes);
+//                  or, on AVX-512 VNNI builds, every format but TQ2_0 and those repacked once into tiles
 //                  of 32 rows at the format's own bits (`repack`, `packed_matmul`).
 //   grouped_int8_matmul: a mixture-of-experts layer's chosen experts in one call, rows grouped
 //                  by expert, each group through int8_matmul against its own expert's weight.
