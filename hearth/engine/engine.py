@@ -135,8 +135,10 @@ class LLMEngine:
         params = group.params
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
         request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time)
-        # prompt logprobs need every prompt position computed: no prefix-cache skipping
-        request.skip_prefix_cache = params.prompt_logprobs is not None
+        # prompt logprobs need every prompt position computed, and contrastive search every position's
+        # hidden state: no prefix-cache skipping; its candidates take scratch slots after the tokens
+        request.skip_prefix_cache = params.prompt_logprobs is not None or params.contrastive_search
+        request.num_scratch_slots = params.top_k if params.contrastive_search else 0
         generator = spec_generator = None
         if params.seed is not None:
             generator = make_generator(params.seed + index, self.device)
@@ -183,6 +185,9 @@ class LLMEngine:
         if params.contrastive_weight > 0 and self.runner.amateur is None:
             raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
                                "(--contrastive-model PATH)")
+        if params.contrastive_search and not self.model.backend.token_trees:
+            raise RequestError(f"contrastive search (penalty_alpha) is not implemented on the {self.model.backend.name} "
+                               f"backend (its candidates attend through a tree mask): use the cpu or reference backend")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False when it is unknown or done."""

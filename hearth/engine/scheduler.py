@@ -186,14 +186,15 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
-            fits = bm.allocate_slots(request, num_new)
+            slots = num_new + self._scratch(request, request.num_computed_tokens + num_new)
+            fits = bm.allocate_slots(request, slots)
             while not fits:
                 victim = self.running[-1]  # most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
-                fits = bm.allocate_slots(request, num_new)
+                fits = bm.allocate_slots(request, slots)
             else:
                 if request.spec_token_ids:
                     guessing.append(len(out.scheduled))
@@ -219,7 +220,7 @@ class Scheduler:
             if num_new <= 0:
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
-            if not bm.allocate_slots(request, num_new, computed):
+            if not bm.allocate_slots(request, num_new + self._scratch(request, num_hit + num_new), computed):
                 break
             out.prefix_cache_queries += bm.prefix_cache_queries - queries
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
@@ -260,6 +261,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.num_scratch_slots:
+                self.block_manager.free_excess(request, request.num_computed_tokens)
 
     def accept_spec_tokens(self, request: Request, num_accepted: int) -> None:
         """After the step's tokens are appended: the first num_accepted guesses were right (they
@@ -275,6 +278,12 @@ class Scheduler:
         self.block_manager.free_excess(request, request.num_computed_tokens)
 
     # ---- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _scratch(request: Request, end: int) -> int:
+        """The request's scratch slots (Request.num_scratch_slots) when it samples in the step, i.e. its
+        tokens computed up to `end` reach its last."""
+        return request.num_scratch_slots if end == request.num_tokens else 0
 
     def _fit(self, num_new: int, budget: int, out: SchedulerOutput) -> int:
         """Tokens to schedule for a request with num_new left, given the remaining budget."""

@@ -69,6 +69,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     speculative: bool | None = True  # hearth's: false opts this request out of speculative decoding
     contrastive_weight: float | None = None  # hearth's: contrastive decoding against --contrastive-model
     contrastive_alpha: float | None = None
+    penalty_alpha: float | None = None  # transformers' contrastive search (Su et al. 2022), with top_k
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

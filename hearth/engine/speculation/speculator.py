@@ -81,7 +81,8 @@ class Speculator:
         wanted, generators, verified_rows = {}, {}, {}
         for request, tokens in sampled.items():
             params = request.sampling_params
-            if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
+            if (request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight
+                    or params.contrastive_search):
                 continue  # opted out, or contrastive (its scores come from one position at a time)
             verified_rows[request] = tokens.row_token_ids
             k = self._count(request, num_running)
