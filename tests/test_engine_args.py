@@ -27,7 +27,7 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--no-chunked-prefill", "--threads", "--tensor-parallel-size", "--pipeline-parallel-size",
          "--speculative-method", "--speculative-model", "--num-speculative-tokens", "--prompt-lookup-min",
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
-         "--speculative-tree-width", "--contrastive-model"]
+         "--speculative-tree-width", "--exit-layer", "--contrastive-model"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:

@@ -24,6 +24,7 @@ from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner, ScheduledSequence
 from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
+from hearth.engine.speculation.early_exit import EarlyExitDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.engine.startup import context_length, engine_backend, kv_cache_size, load_target
@@ -73,6 +74,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
                                                                     self.max_model_len, progress)
+        if config.speculative.method == "early-exit":  # the model's own first layers draft
+            self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
                                            self.output_processor.sequences)
         self.last_step = StepStats()

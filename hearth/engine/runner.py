@@ -101,9 +101,11 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/kv_format.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
+        kv_caches: KVCaches | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
-        forward; a pipeline-parallel model's passes through its stages)."""
+        forward; a pipeline-parallel model's passes through its stages). kv_caches: caches it shares
+        (early exit's draft: the target's first layers'); None: its own, allocated here."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
@@ -114,8 +116,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = allocate_kv_caches(model.config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
-                                            kv_dtype, device)
+        self.kv_caches = kv_caches if kv_caches is not None else allocate_kv_caches(
+            model.config, len(model.layers), num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None

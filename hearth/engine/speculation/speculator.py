@@ -120,12 +120,12 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_model_len: int,
                      sequences: Mapping[str, SequenceState]) -> Speculator:
-    """The engine's speculator for its config (draft: the draft runner, with method draft)."""
+    """The engine's speculator for its config (draft: the draft runner, with method draft or early-exit)."""
     proposer: Proposer | None = None
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.tree_width)
     elif config.method == "lookahead":
         proposer = LookaheadProposer()
-    elif config.method == "draft":
+    elif config.method in ("draft", "early-exit"):
         proposer = DraftProposer(draft, config.tree_width)
     return Speculator(config, proposer, max_model_len, sequences)
