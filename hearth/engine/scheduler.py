@@ -182,11 +182,11 @@ class Scheduler:
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
-            if bm.blocks_needed(request.num_computed_tokens + num_new) > bm.num_blocks:
+            slots = num_new + self._scratch(request, request.num_computed_tokens + num_new)
+            if bm.blocks_needed(request.num_computed_tokens + slots) > bm.num_blocks:
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
-            slots = num_new + self._scratch(request, request.num_computed_tokens + num_new)
             fits = bm.allocate_slots(request, slots)
             while not fits:
                 victim = self.running[-1]  # most recently admitted
@@ -211,7 +211,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            if bm.blocks_needed(request.num_tokens) > bm.num_blocks:  # grew past the cache
+            if bm.blocks_needed(request.num_tokens + request.num_scratch_slots) > bm.num_blocks:  # grew past the cache
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
