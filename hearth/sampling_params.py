@@ -276,8 +276,8 @@ class SamplingParams:
                f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}.")
         if not self.contrastive_search:
             return
-        _check(2 <= self.top_k <= MAX_CONTRASTIVE_CANDIDATES, f"contrastive search (penalty_alpha > 0) needs top_k "
-                                                              f"in [2, {MAX_CONTRASTIVE_CANDIDATES}], got {self.top_k}.")
+        _check(2 <= self.top_k <= MAX_CONTRASTIVE_CANDIDATES,
+               f"contrastive search (penalty_alpha > 0) needs top_k in [2, {MAX_CONTRASTIVE_CANDIDATES}], got {self.top_k}.")
         _check(self.n == 1 and (self.best_of or 1) == 1,
                "contrastive search (penalty_alpha > 0) is deterministic: n and best_of must be 1.")
         _check(self.structured_outputs is None and self.contrastive_weight == 0,

@@ -243,7 +243,8 @@ def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft, method):
     assert llm.engine.spec_decode_totals.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike", "ngram tree", "draft unlike tree", "early-exit"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike", "ngram tree", "draft unlike tree",
+                                    "early-exit"])
 def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, unlike_draft, method):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way: every
     block of the target's cache and of the draft's is free at the end."""

@@ -388,8 +388,9 @@ class ModelRunner:
                              for r, (_, ids) in zip(requests, tops)])
         step.input_ids = torch.cat([ids for _, ids in tops])
         hidden = self.model_pass(self.model, step, self.kv_caches).split([len(ids) for _, ids in tops])
-        chosen = torch.stack([ids[contrastive_search.choose(self.hidden_states[r], h, probs, r.sampling_params.penalty_alpha)]
-                              for r, (probs, ids), h in zip(requests, tops, hidden)])
+        chosen = torch.stack([
+            ids[contrastive_search.choose(self.hidden_states[r], h, probs, r.sampling_params.penalty_alpha)]
+            for r, (probs, ids), h in zip(requests, tops, hidden)])
         at = torch.tensor(rows, device=out.sampled_token_ids.device)
         out.sampled_token_ids[at] = chosen.to(out.sampled_token_ids.device)
         out.logprobs[at] = raw.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1).to(out.logprobs.device)
