@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode tokens/s with and without speculation (--methods: ngram, lookahead, draft), side by side in one run.
+"""Decode tokens/s with and without speculation (--methods: ngram, lookahead, draft, early-exit), side by side in one run.
 
 Three tasks. `repeat` is input-grounded: the model is asked to repeat a code block with one name
 changed, so its output is mostly a copy of its prompt. `write`: the model writes code from a
@@ -15,6 +15,9 @@ token-identical.
     python benchmarks/speculative.py --threads 1 --cpu-time   # a shared machine: CPU seconds
     python benchmarks/speculative.py --methods draft --threads 1 --cpu-time --out benchmarks/results/speculative-draft
     python benchmarks/speculative.py --methods draft --speculative-tree-width 3 --threads 1 --cpu-time
+    python benchmarks/speculative.py --methods early-exit --exit-layers 12,18,24 --task write --threads 2
+
+early-exit runs one engine per exit layer ("early-exit N": the model's first N layers draft).
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def prompts(llm, task: str, count: int, lines: int) -> list[list[int]]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, lookahead, draft")
+    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, lookahead, draft, early-exit")
+    ap.add_argument("--exit-layers", default="15,20,25", help="early-exit: comma-separated exit layers, an engine each")
     ap.add_argument("--model", default=None, help="default: builtin with draft, else SmolLM2")
     ap.add_argument("--speculative-model", default="builtin-draft", help="draft: the draft model")
     ap.add_argument("--no-speculative-adaptive", action="store_true",
@@ -106,6 +110,8 @@ def parse_args() -> argparse.Namespace:
     if args.cpu_time and args.threads != 1:
         sys.exit("--cpu-time counts one thread's seconds: add --threads 1")
     methods = args.methods.split(",")
+    args.methods = ",".join(name for method in methods for name in (
+        [f"early-exit {layer}" for layer in args.exit_layers.split(",")] if method == "early-exit" else [method]))
     args.model = args.model or ("builtin" if "draft" in methods else str(DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     args.task = args.task or ("python" if "draft" in methods else "repeat")
     return args
@@ -121,10 +127,12 @@ def build_engines(args: argparse.Namespace, methods: list[str]) -> tuple[dict, l
     widths = [1] + ([args.speculative_tree_width] if args.speculative_tree_width > 1 else [])
     names = list(methods)
     for method in methods:
-        draft = dict(speculative_model=args.speculative_model) if method == "draft" else {}
+        base, _, exit_layer = method.partition(" ")  # "early-exit N"
+        draft = (dict(speculative_model=args.speculative_model) if base == "draft" else
+                 dict(exit_layer=int(exit_layer)) if base == "early-exit" else {})
         for width in widths:
             name = method if width == 1 else f"{method} tree"
-            engines[name] = LLM(args.model, speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
+            engines[name] = LLM(args.model, speculative_method=base, num_speculative_tokens=args.num_speculative_tokens,
                                 speculative_adaptive=not args.no_speculative_adaptive, speculative_tree_width=width,
                                 **draft, **common)
             names += [name] if width > 1 else []

@@ -36,6 +36,10 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="scores log p_model - WEIGHT * log p_amateur (0: off; Li et al. use 1)")
     g.add_argument("--contrastive-alpha", type=float, default=0.1,
                    help="only tokens with p_model >= ALPHA * max p_model are candidates")
+    p.add_argument_group("contrastive search").add_argument(
+        "--penalty-alpha", type=float, default=0.0, metavar="ALPHA",
+        help="contrastive search (Su et al.): of the --top-k (2 to 16) likeliest tokens, the one of most "
+             "(1 - ALPHA) p - ALPHA x its hidden state's greatest cosine with the text's (0: off; Su et al. use 0.6)")
 
 
 def _sampling(args):

@@ -447,22 +447,31 @@ class ParallelConfig:
         return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
 
 
+SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit")
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (hearth/engine/speculation/), EngineConfig.speculative. The options' flat
     names (LLM's keywords, the flags) say speculative where the field's own name does not: method is
     speculative_method, num_speculative_tokens stays num_speculative_tokens."""
 
-    # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool) or "draft" (a
-    # smaller model with the target's vocabulary guesses: model)
+    # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool), "draft" (a
+    # smaller model with the target's vocabulary guesses: model) or "early-exit" (the model's own first
+    # exit_layer layers guess)
     method: str | None = option(
-        None, keyword="speculative_method", choices=["ngram", "lookahead", "draft"],
+        None, keyword="speculative_method", choices=list(SPECULATIVE_METHODS),
         help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
-             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; all "
-             "verified by the model in one pass")
+             "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; "
+             "early-exit: from the model's first --exit-layer layers (self-speculation); all verified by the "
+             "model in one pass")
     model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
         None, keyword="speculative_model", metavar="PATH",
         help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")
+    # early-exit: how many of the model's first layers (then its final norm and LM head) draft
+    exit_layer: int | None = option(
+        None, metavar="N", help="early-exit: the draft is the model's first N layers, its final norm and LM head "
+                                "(1 to the model's layers - 1)")
     # the most guesses per request per step; None: DEFAULT_SPECULATIVE_TOKENS, or as many as a token
     # tree of tree_width branches fits (W x guesses below MAX_DECODE_QUERY_LEN)
     num_speculative_tokens: int | None = option(
@@ -482,17 +491,20 @@ class SpeculativeConfig:
     # draft: the draft's top choices for the first guess, each followed by its own guesses); 1: a chain
     tree_width: int = option(
         1, keyword="speculative_tree_width", metavar="W",
-        help="ngram, draft: verify up to W branches of guesses at once through a token-tree mask (ngram: W "
-             "different earlier matches; draft: its top W first guesses, each followed by its own); W x "
+        help="ngram, draft, early-exit: verify up to W branches of guesses at once through a token-tree mask "
+             "(ngram: W different earlier matches; draft: its top W first guesses, each followed by its own); W x "
              "--num-speculative-tokens below 16; 1: one chain")
 
     def __post_init__(self) -> None:
-        _need(self.method in (None, "ngram", "lookahead", "draft"),
-              f"speculative_method {self.method!r} is not implemented: ngram, lookahead or draft "
-              f"(token trees of guesses: speculative_tree_width with ngram or draft)")
+        _need(self.method is None or self.method in SPECULATIVE_METHODS,
+              f"speculative_method {self.method!r} is not implemented: {', '.join(SPECULATIVE_METHODS)} "
+              f"(token trees of guesses: speculative_tree_width with ngram, draft or early-exit)")
         self.model = None if self.model is None else str(self.model)  # a Path as a str
         _need((self.method == "draft") == (self.model is not None),
               "speculative_method draft needs a speculative_model, and a speculative_model needs speculative_method draft")
+        _need((self.method == "early-exit") == (self.exit_layer is not None),
+              "speculative_method early-exit needs an exit_layer, and an exit_layer needs speculative_method early-exit")
+        _need(self.exit_layer is None or self.exit_layer >= 1, f"exit_layer must be at least 1, got {self.exit_layer}")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
                                               (MAX_DECODE_QUERY_LEN - 1) // max(1, self.tree_width))
@@ -501,8 +513,9 @@ class SpeculativeConfig:
               "need 1 <= prompt_lookup_min <= prompt_lookup_max")
         _need(self.disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
         _need(self.tree_width >= 1, "speculative_tree_width must be at least 1")
-        _need(self.tree_width == 1 or self.method in ("ngram", "draft"),
-              "speculative_tree_width > 1 needs speculative_method ngram or draft (lookahead's guesses are one chain)")
+        _need(self.tree_width == 1 or self.method in ("ngram", "draft", "early-exit"),
+              "speculative_tree_width > 1 needs speculative_method ngram, draft or early-exit (lookahead's guesses "
+              "are one chain)")
         _need(self.tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
               f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
               f"rows, its root included, go through the decode kernels), got {self.tree_width} x "
@@ -570,4 +583,7 @@ class EngineConfig:
         one_process = self.speculative.model is None and self.contrastive_model is None
         _need(self.parallel.tensor_parallel_size == 1 or one_process,
               "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
+        _need(not self.parallel.split or self.speculative.method != "early-exit",
+              "speculative_method early-exit runs the model's first layers in one process: not with tensor or "
+              "pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.errors import HearthError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ SAMPLING_EPS = 1e-5
 # Positive temperatures below this are raised to it: dividing logits by a tiny number
 # overflows float32 (vLLM's _MAX_TEMP, with the same warning).
 MIN_TEMPERATURE = 1e-2
+# Contrastive search's most candidates (top_k): they run as rows of one sequence through the decode kernels.
+MAX_CONTRASTIVE_CANDIDATES = MAX_DECODE_QUERY_LEN
 # OpenAI's range for one logit_bias value.
 MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -158,6 +161,10 @@ class SamplingParams:
     # vLLM's: after this many tokens of thinking the engine closes the section (hearth/engine/thinking.py);
     # None: the engine's reasoning_budget; -1: no limit
     thinking_token_budget: int | None = None
+    # contrastive search (Su et al. 2022; transformers' penalty_alpha): among the top_k tokens by
+    # probability, the one of most (1 - alpha) p(v) - alpha max_j cos(h_v, h_j) over the hidden states
+    # of the tokens before; deterministic (temperature, top_p, min_p and seed play no part)
+    penalty_alpha: float = 0.0  # [0, 1]; 0: off; > 0 needs top_k in [2, 16]
 
     @classmethod
     def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
@@ -201,7 +208,7 @@ class SamplingParams:
             )
             self.temperature = MIN_TEMPERATURE
         self._verify()
-        if self.temperature < SAMPLING_EPS:  # greedy: the filters change nothing
+        if self.temperature < SAMPLING_EPS and not self.contrastive_search:  # greedy: the filters change nothing
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @staticmethod
@@ -244,6 +251,7 @@ class SamplingParams:
         _check(self.thinking_token_budget is None or (isinstance(self.thinking_token_budget, int)
                                                       and self.thinking_token_budget >= -1),
                f"thinking_token_budget must be -1 (no limit) or at least 0, got {self.thinking_token_budget!r}.")
+        self._verify_contrastive_search()
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -269,6 +277,18 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
 
+    def _verify_contrastive_search(self) -> None:
+        _check(math.isfinite(self.penalty_alpha) and 0.0 <= self.penalty_alpha <= 1.0,
+               f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}.")
+        if not self.contrastive_search:
+            return
+        _check(2 <= self.top_k <= MAX_CONTRASTIVE_CANDIDATES,
+               f"contrastive search (penalty_alpha > 0) needs top_k in [2, {MAX_CONTRASTIVE_CANDIDATES}], got {self.top_k}.")
+        _check(self.n == 1 and (self.best_of or 1) == 1,
+               "contrastive search (penalty_alpha > 0) is deterministic: n and best_of must be 1.")
+        _check(self.structured_outputs is None and self.contrastive_weight == 0,
+               "contrastive search (penalty_alpha > 0) does not go with structured outputs or contrastive_weight.")
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise RequestError for token ids (logit_bias, stop_token_ids) or a top_k outside the vocabulary."""
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
@@ -280,8 +300,12 @@ class SamplingParams:
         )
 
     @property
+    def contrastive_search(self) -> bool:
+        return self.penalty_alpha > 0
+
+    @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS or self.contrastive_search:  # contrastive search draws nothing
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 

@@ -54,7 +54,8 @@ def token_ids(outputs) -> list[list[int]]:
 # prompts; the draft is the target with noise on its weights (most guesses right, some wrong); and
 # every request guesses (no adapting), so that 32 requests at once still guess. "... tree": token
 # trees of three branches (several matches; the draft's first guess and its two next best tokens).
-SPECULATION = ("plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree")
+# "early-exit": the model's first layer drafts (on the target's own KV cache).
+SPECULATION = ("plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree", "early-exit")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,8 @@ def speculation(model_folders, tmp_path_factory):
             return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
         if spec == "lookahead":
             return dict(speculative_method="lookahead", speculative_adaptive=False)
+        if spec == "early-exit":
+            return dict(speculative_method="early-exit", exit_layer=1, speculative_adaptive=False)
         if arch not in drafts:
             drafts[arch] = make_draft_model(model_folders[arch], tmp_path_factory.mktemp("draft") / arch, noise=0.2)
         return dict(speculative_method="draft", speculative_model=drafts[arch], speculative_adaptive=False)
@@ -90,14 +93,15 @@ def check_speculated(llm, spec: str) -> None:
 
 
 # the draft's path does not depend on the family: four of them (a sliding/soft-capped one, one without RoPE);
-# token trees: a plain one and the sliding/soft-capped one (the window counted from a row's depth)
+# token trees and early exit: a plain one and the sliding/soft-capped one (the window counted from a row's depth)
 DRAFT_ARCHITECTURES = ("llama", "qwen3", "gemma2", "smollm3")
 TREE_ARCHITECTURES = ("llama", "gemma2")
 
 
 @pytest.mark.parametrize("arch,spec", [(arch, spec) for arch in ARCHITECTURES for spec in SPECULATION
                                        if spec in ("plain", "ngram", "lookahead")
-                                       or arch in (TREE_ARCHITECTURES if spec.endswith(" tree") else DRAFT_ARCHITECTURES)])
+                                       or arch in (TREE_ARCHITECTURES if spec.endswith((" tree", "early-exit"))
+                                                   else DRAFT_ARCHITECTURES)])
 def test_greedy_alone_and_32_at_once_match_transformers(model_folders, speculation, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)

@@ -27,8 +27,8 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--no-chunked-prefill", "--threads", "--tensor-parallel-size", "--pipeline-parallel-size",
          "--speculative-method", "--speculative-model", "--num-speculative-tokens", "--prompt-lookup-min",
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
-         "--speculative-tree-width", "--reasoning-parser", "--reasoning-budget", "--chat-template", "--contrastive-model",
-         "--kv-cache-dir", "--kv-cache-dir-size"]
+         "--speculative-tree-width", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
+         "--contrastive-model", "--kv-cache-dir", "--kv-cache-dir-size"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:

@@ -143,6 +143,9 @@ def test_from_cli_reads_generates_flags(tmp_path):
     assert (p.max_tokens, p.temperature, p.stop, p.seed, p.top_k) == (512, 0.0, ["a", "b"], 4, 0)  # greedy: no top-k
     assert p.structured_outputs == StructuredOutputsParams(json={"type": "integer"})
     assert p.watermark == WatermarkParams(7, 2.0)
+    p = SamplingParams.from_cli(parse(["chat", "--penalty-alpha", "0.6", "--top-k", "4"]))  # contrastive search
+    assert (p.penalty_alpha, p.top_k, p.sampling_type) == (0.6, 4, SamplingType.GREEDY)
+    assert SamplingParams.from_openai({"penalty_alpha": 0.5, "top_k": 3}).penalty_alpha == 0.5
     regex = SamplingParams.from_cli(parse(["generate", "--prompt", "x", "--regex", "[a-z]+"]))
     assert regex.structured_outputs == StructuredOutputsParams(regex="[a-z]+")
     with pytest.raises(HearthError, match="missing.lark: cannot read"):

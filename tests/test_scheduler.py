@@ -281,6 +281,28 @@ def test_a_sequence_that_outgrows_the_whole_cache_finishes_with_length():
     assert not s.has_unfinished_requests() and s.block_manager.check_all_free()
 
 
+def test_scratch_slots_come_with_a_sampling_step_and_go_after_it():
+    """Contrastive search's candidates: a request that samples in a step holds num_scratch_slots
+    slots past its tokens during it, given back after; one that cannot have them ends with length."""
+    s = make(num_blocks=8, block_size=4, budget=6)
+    a = req("a", 9, 3)
+    a.num_scratch_slots = 4
+    s.add_request(a)
+    out = s.schedule()  # a chunk of 6: no sampling, no scratch
+    assert out.scheduled == [(a, 6)] and len(a.block_table) == 2
+    s.update_after_step(out)
+    out = s.schedule()  # the last 3 prompt tokens and the draw: 9 + 4 slots
+    assert out.scheduled == [(a, 3)] and len(a.block_table) == 4
+    s.update_after_step(out)
+    assert len(a.block_table) == 3  # back to the 9 computed tokens' blocks
+    tight = make(num_blocks=3, block_size=4, budget=100)
+    b = req("b", 9, 3)
+    b.num_scratch_slots = 4
+    tight.add_request(b)
+    out = tight.schedule()
+    assert out.finished == [b] and b.finish_reason == "length" and tight.block_manager.check_all_free()
+
+
 def test_add_request_rejects_what_can_never_run():
     s = make(num_blocks=2, block_size=4)
     with pytest.raises(RequestError):

@@ -276,6 +276,14 @@ def test_vllm_sampling_extras(client, llm):
     res = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, extra_body={
         "ignore_eos": True, "truncate_prompt_tokens": 4, "top_k": 5, "repetition_penalty": 1.3, "unknown_field": 1})
     assert res.choices[0].text == expected and res.usage.prompt_tokens == 4
+    # contrastive search by transformers' names (tests/test_contrastive_search.py checks its tokens)
+    search = SamplingParams(penalty_alpha=0.6, top_k=4, max_tokens=6, ignore_eos=True)
+    expected = llm.chat(MESSAGES, search, use_tqdm=False)[0].outputs[0].text
+    res = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, extra_body={
+        "ignore_eos": True, "penalty_alpha": 0.6, "top_k": 4})
+    assert res.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.completions.create(model=NAME, prompt="Once", max_tokens=2, extra_body={"penalty_alpha": 0.6})
 
 
 def test_tokenize_and_detokenize(server, llm):

@@ -17,7 +17,7 @@ from scipy import stats
 from hearth import LLM, SamplingParams
 from hearth.config import EngineConfig
 from hearth.engine.sampler import Guesses, Sampler
-from models import VOCAB_SIZE, make_hf_model
+from models import VOCAB_SIZE, load_hf_reference, make_draft_model, make_hf_model
 from test_sampler import build
 
 P_VALUE = 1e-3  # the draws are seeded: a pass is reproducible, a real bias fails far below this
@@ -131,11 +131,14 @@ def speculation(method: str, folder, unlike_draft) -> dict:
         return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
     if method == "lookahead":
         return dict(speculative_method="lookahead", speculative_adaptive=False)
+    if method == "early-exit":  # the first of the model's two layers drafts
+        return dict(speculative_method="early-exit", exit_layer=1, speculative_adaptive=False)
     draft = unlike_draft if method == "draft unlike" else folder
     return dict(speculative_method="draft", speculative_model=draft, speculative_adaptive=False)
 
 
-METHODS = ["ngram", "draft unlike", "draft identical", "ngram tree", "draft unlike tree", "draft identical tree"]
+METHODS = ["ngram", "draft unlike", "draft identical", "ngram tree", "draft unlike tree", "draft identical tree",
+           "early-exit", "early-exit tree"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -240,7 +243,8 @@ def test_seeded_draft_speculation_is_reproducible(folder, unlike_draft, method):
     assert llm.engine.spec_decode_totals.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike", "ngram tree", "draft unlike tree"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike", "ngram tree", "draft unlike tree",
+                                    "early-exit"])
 def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, unlike_draft, method):
     """A small cache (preemption), guesses often rejected (slots given back), aborts mid-way: every
     block of the target's cache and of the draft's is free at the end."""
@@ -274,7 +278,7 @@ def test_every_block_free_after_rejected_preempted_and_aborted_requests(folder, 
         assert engine.runner.draft.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft unlike", "draft unlike tree"])
+@pytest.mark.parametrize("method", ["ngram", "draft unlike", "draft unlike tree", "early-exit"])
 def test_a_request_can_opt_out(folder, unlike_draft, method):
     llm = LLM(folder, progress=False, **speculation(method, folder, unlike_draft))
     prompt = [7, 8, 9, 10] * 4
@@ -312,6 +316,40 @@ def test_unimplemented_methods_and_missing_drafts_are_refused():
         assert width * config.speculative.num_speculative_tokens < 16
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig.from_options(speculative_method="ngram", speculative_tree_width=0)
+    with pytest.raises(ValueError, match="early-exit needs an exit_layer"):
+        EngineConfig.from_options(speculative_method="early-exit")
+    with pytest.raises(ValueError, match="needs speculative_method early-exit"):
+        EngineConfig.from_options(speculative_method="ngram", exit_layer=2)
+    with pytest.raises(ValueError, match="not with tensor or pipeline"):
+        EngineConfig.from_options(speculative_method="early-exit", exit_layer=1, pipeline_parallel_size=2)
+
+
+def test_an_exit_layer_past_the_model_is_refused(folder):
+    for layer in (0, 2):  # the model has two layers: only the first can draft
+        with pytest.raises(ValueError, match="exit_layer must be"):
+            LLM(folder, progress=False, speculative_method="early-exit", exit_layer=layer)
+
+
+def test_early_exit_where_the_last_layer_adds_nothing_has_every_guess_accepted(folder, tmp_path):
+    """The target with its last layer's outputs zeroed (it adds nothing to the residual stream): its
+    first layer, final norm and head are the whole model, so every guess of the early exit is right,
+    greedy or sampled, which holds only if the draft reads the K/V the target's first layer wrote."""
+    idle = make_draft_model(folder, tmp_path / "idle", noise=0.0)
+    model = load_hf_reference(idle)
+    with torch.no_grad():
+        model.model.layers[-1].self_attn.o_proj.weight.zero_()
+        model.model.layers[-1].mlp.down_proj.weight.zero_()
+    model.save_pretrained(idle, safe_serialization=True)
+    llm = LLM(idle, progress=False, **speculation("early-exit", folder, None))
+    prompts = [[7, 8, 9, 10, 11], [40, 3, 3, 90], [5, 6, 70]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    opted_out = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
+    outputs = llm.generate(prompts, [greedy, SamplingParams(temperature=0.8, max_tokens=12, seed=5), opted_out],
+                           use_tqdm=False)
+    plain = LLM(idle, progress=False).generate(prompts[::2], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[::2]] == [o.outputs[0].token_ids for o in plain]
+    counts = llm.engine.spec_decode_totals
+    assert counts.num_draft_tokens > 10 and counts.acceptance_rate == 1
 
 
 def test_the_gpu_backend_refuses_token_trees(folder):

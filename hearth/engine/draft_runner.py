@@ -49,8 +49,8 @@ GuessSource = tuple[int, int, int | None]
 class DraftRunner(SecondModel):
     """The draft model: its runner and KV bookkeeping (SecondModel), its passes, its guesses' distributions."""
 
-    def __init__(self, runner: ModelRunner):
-        super().__init__(runner)
+    def __init__(self, runner: ModelRunner, own_cache: bool = True):
+        super().__init__(runner, own_cache)
         self.backend = runner.backend
         self.guess_probs: dict[Request, torch.Tensor] = {}  # [k, V] per request with guesses
         self._pass_probs: list[torch.Tensor | None] = []  # the last propose's, per pass [rows, V]

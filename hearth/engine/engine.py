@@ -25,6 +25,7 @@ from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner, ScheduledSequence
 from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
+from hearth.engine.speculation.early_exit import EarlyExitDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_disk_tier,
@@ -94,6 +95,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
                                                                     self.max_model_len, progress)
+        if config.speculative.method == "early-exit":  # the model's own first layers draft
+            self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
                                            self.output_processor.sequences)
         self.last_step = StepStats()
@@ -167,8 +170,10 @@ class LLMEngine:
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
         request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time,
                           priority=priority)
-        # prompt logprobs need every prompt position computed: no prefix-cache skipping
-        request.skip_prefix_cache = params.prompt_logprobs is not None
+        # prompt logprobs need every prompt position computed, and contrastive search every position's
+        # hidden state: no prefix-cache skipping; its candidates take scratch slots after the tokens
+        request.skip_prefix_cache = params.prompt_logprobs is not None or params.contrastive_search
+        request.num_scratch_slots = params.top_k if params.contrastive_search else 0
         generator = spec_generator = None
         if params.seed is not None:
             generator = make_generator(params.seed + index, self.device)
@@ -220,6 +225,9 @@ class LLMEngine:
         if params.contrastive_weight > 0 and self.runner.amateur is None:
             raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
                                "(--contrastive-model PATH)")
+        if params.contrastive_search and not self.model.backend.token_trees:
+            raise RequestError(f"contrastive search (penalty_alpha) is not implemented on the {self.model.backend.name} "
+                               f"backend (its candidates attend through a tree mask): use the cpu or reference backend")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False when it is unknown or done."""

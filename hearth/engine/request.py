@@ -67,6 +67,9 @@ class Request:
     # Compute every prompt position even if cached (prompt logprobs need their logits);
     # the request's own blocks still enter the prefix cache for others.
     skip_prefix_cache: bool = False
+    # Slots after its tokens that a step in which it samples may write and that are given back after
+    # the step (contrastive search's candidates, one row each: runner.py).
+    num_scratch_slots: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -19,6 +19,7 @@ states (perplexity, kernels' benchmarks, tests).
 from __future__ import annotations
 
 import mmap
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,9 +30,10 @@ import torch
 from hearth.backend import StepInputs
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
-from hearth.engine.request import Request
-from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch, prompt_logprobs,
-                                   skip_draws)
+from hearth.engine import contrastive_search
+from hearth.engine.request import Request, RequestStatus
+from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
+                                   apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.transformer import Transformer
@@ -104,10 +106,13 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",  # or float16, q8_0, fp8_e4m3 (hearth/kv_format.py)
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
         num_state_slots: int = 0,
+        kv_caches: KVCaches | None = None,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
         forward; a pipeline-parallel model's passes through its stages). num_state_slots: a hybrid
-        model's state cache, the sequences it holds at once (each BatchEntry names its slot)."""
+        model's state cache, the sequences it holds at once (each BatchEntry names its slot).
+        kv_caches: caches it shares (early exit's draft: the target's first layers'); None: its own,
+        allocated here."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
@@ -119,20 +124,28 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         config = model.config
-        self.kv_caches = allocate_kv_caches(config, config.num_attention_layers if config.is_hybrid else len(model.layers),
-                                            num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
-        if config.is_hybrid:
-            self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots, kv_dtype, device)
+        if kv_caches is not None:
+            self.kv_caches = kv_caches
+        else:
+            self.kv_caches = allocate_kv_caches(
+                config, config.num_attention_layers if config.is_hybrid else len(model.layers),
+                num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
+            if config.is_hybrid:
+                self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots, kv_dtype, device)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
         self.amateur: SecondModel | None = None
+        # contrastive search's requests: the final hidden states of their computed tokens [t, hidden]
+        self.hidden_states: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def release_stopped(self) -> None:
-        """The models beside it let go of the requests that no longer run."""
+        """The models beside it let go of the requests that no longer run; so do the hidden states kept."""
         for second in (self.draft, self.amateur):
             if second is not None:
                 second.release_stopped()
+        for request in [r for r in self.hidden_states if r.status is not RequestStatus.RUNNING]:
+            del self.hidden_states[request]
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
         """The step's batch as host arrays: every entry's new tokens end to end."""
@@ -277,6 +290,7 @@ class ModelRunner:
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
         hidden, _ = self.forward(entries)
+        self._keep_hidden_states(sequences, hidden)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
         out = None
@@ -292,6 +306,7 @@ class ModelRunner:
                 new_bitmask=GrammarBitmask)
             batch, guesses = self._sampling_batch(sampled, masks, amateur_logits)
             out = self.sampler(logits, batch, guesses)
+            self._contrastive_search(sampled, logits, out)
             device_results += [out.sampled_token_ids, out.logprobs]
             device_results += [] if out.accepted is None else [out.accepted]
             device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
@@ -387,6 +402,52 @@ class ModelRunner:
         for layer in self.kv_caches:
             for cache in layer:
                 move_rows(cache, sources, targets)
+
+    def _keep_hidden_states(self, sequences: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """Contrastive search: append the hidden states of the tokens each of its requests computed
+        this step to those of its tokens before (a recomputed request starts again at 0)."""
+        row = 0
+        for seq in sequences:
+            request, rows = seq.request, hidden[row : row + seq.num_new_tokens]
+            row += seq.num_new_tokens
+            if not request.sampling_params.contrastive_search:
+                continue
+            start, kept = request.num_computed_tokens, self.hidden_states.get(request)
+            if start and (kept is None or len(kept) < start):
+                raise RuntimeError(f"contrastive search lacks the hidden states of request {request.request_id}'s "
+                                   f"first {start} tokens (computed elsewhere)")
+            self.hidden_states[request] = torch.cat([kept[:start], rows]) if start else rows.clone()
+
+    def _contrastive_search(self, sampled: list[ScheduledSequence], logits: torch.Tensor, out: SamplerOutput) -> None:
+        """Contrastive search's requests take, in `out`, their candidate of most contrastive score
+        (contrastive_search.py) instead of the argmax: their top_k candidates run as one extra pass,
+        each request's k as sibling rows of a token tree after its tokens (in its scratch slots, which
+        later steps overwrite), and their final hidden states meet the request's kept ones."""
+        rows, requests, row = [], [], 0
+        for seq in sampled:
+            if seq.request.sampling_params.contrastive_search:  # (such a request makes no guesses)
+                rows.append(row)
+                requests.append(seq.request)
+            row += len(seq.request.spec_token_ids) + 1
+        if not requests:
+            return
+        raw = logits[torch.tensor(rows, device=logits.device)].float()
+        batch = SamplingBatch.build([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
+                                    [r.output_token_ids for r in requests], [None] * len(requests),
+                                    self.model.config.vocab_size, self.device, eos_token_ids=self.eos_token_ids)
+        penalised = apply_penalties_and_bias(raw, batch, self.backend.apply_token_bitmask)
+        tops = [contrastive_search.candidates(row, r.sampling_params.top_k) for row, r in zip(penalised, requests)]
+        step = self.prepare([BatchEntry([0] * len(ids), r.num_tokens, r.block_table,
+                                        (r.num_tokens, [1 << i for i in range(len(ids))]))
+                             for r, (_, ids) in zip(requests, tops)])
+        step.input_ids = torch.cat([ids for _, ids in tops])
+        hidden = self.model_pass(self.model, step, self.kv_caches).split([len(ids) for _, ids in tops])
+        chosen = torch.stack([
+            ids[contrastive_search.choose(self.hidden_states[r], h, probs, r.sampling_params.penalty_alpha)]
+            for r, (probs, ids), h in zip(requests, tops, hidden)])
+        at = torch.tensor(rows, device=out.sampled_token_ids.device)
+        out.sampled_token_ids[at] = chosen.to(out.sampled_token_ids.device)
+        out.logprobs[at] = raw.log_softmax(dim=-1).gather(1, chosen[:, None]).squeeze(1).to(out.logprobs.device)
 
     def _amateur_logits(self, sampled: list[ScheduledSequence]) -> dict[Request, torch.Tensor]:
         """Contrastive decoding: the amateur's logits [V] for each contrastive request that samples

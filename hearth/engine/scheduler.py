@@ -197,18 +197,19 @@ class Scheduler:
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
-            if bm.blocks_needed(request.num_computed_tokens + num_new) > bm.num_blocks:
+            slots = num_new + self._scratch(request, request.num_computed_tokens + num_new)
+            if bm.blocks_needed(request.num_computed_tokens + slots) > bm.num_blocks:
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
-            fits = bm.allocate_slots(request, num_new)
+            fits = bm.allocate_slots(request, slots)
             while not fits:
                 victim = self.running[-1]  # the lowest priority, latest among equals
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
-                fits = bm.allocate_slots(request, num_new)
+                fits = bm.allocate_slots(request, slots)
             else:
                 if request.spec_token_ids:
                     guessing.append(len(out.scheduled))
@@ -225,7 +226,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            if bm.blocks_needed(request.num_tokens) > bm.num_blocks:  # grew past the cache
+            if bm.blocks_needed(request.num_tokens + request.num_scratch_slots) > bm.num_blocks:  # grew past the cache
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
@@ -234,7 +235,7 @@ class Scheduler:
             if num_new <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
-            if not bm.allocate_slots(request, num_new, computed):
+            if not bm.allocate_slots(request, num_new + self._scratch(request, num_hit + num_new), computed):
                 break
             out.prefix_cache_queries += bm.prefix_cache_queries - queries
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
@@ -277,6 +278,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.num_scratch_slots:
+                self.block_manager.free_excess(request, request.num_computed_tokens)
 
     def accept_spec_tokens(self, request: Request, num_accepted: int) -> None:
         """After the step's tokens are appended: the first num_accepted guesses were right (they
@@ -292,6 +295,12 @@ class Scheduler:
         self.block_manager.free_excess(request, request.num_computed_tokens)
 
     # ---- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _scratch(request: Request, end: int) -> int:
+        """The request's scratch slots (Request.num_scratch_slots) when it samples in the step, i.e. its
+        tokens computed up to `end` reach its last."""
+        return request.num_scratch_slots if end == request.num_tokens else 0
 
     def _fit(self, num_new: int, budget: int, out: SchedulerOutput) -> int:
         """Tokens to schedule for a request with num_new left, given the remaining budget."""

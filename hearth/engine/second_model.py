@@ -42,9 +42,12 @@ class ModelSequence:
 class SecondModel:
     """The second model's runner and KV bookkeeping, request by request."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, own_cache: bool = True):
+        """own_cache False: the runner's KV cache is the target's (early exit's draft), whose blocks the
+        target's requests hold; a subclass then says which (catch_up, fed, block_table)."""
         self.runner = runner
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False) \
+            if own_cache else None
         self.sequences: dict[Request, ModelSequence] = {}
 
     def release_stopped(self) -> None:
@@ -69,6 +72,10 @@ class SecondModel:
             return None
         seq.num_confirmed = len(tokens)
         return BatchEntry(tokens[common:], common, seq.block_table)
+
+    def block_table(self, request: Request) -> list[int]:
+        """The blocks of the request's K/V in this model's cache."""
+        return self.sequences[request].block_table
 
     def fed(self, request: Request, token_ids: list[int]) -> None:
         """The pass wrote these tokens' K/V (after those already there)."""

@@ -10,6 +10,7 @@ model is built.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -180,6 +181,16 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rotaries, kv_cache, meta)
         return x, residual
+
+    def first_layers(self, num_layers: int) -> Transformer:
+        """A view of this model that runs its first num_layers layers, then its final norm and LM head,
+        every module shared (early exit's draft, hearth/engine/speculation/early_exit.py); its backend
+        state its own (a decode path over its layers)."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)  # (copy.copy shares the dict: the model's layers would change)
+        view.layers = nn.ModuleList(self.layers[:num_layers])
+        view.backend_state = {}
+        return view
 
     def _apply(self, fn, recurse=True):
         self.backend_state.clear()  # weight pointers change when tensors move

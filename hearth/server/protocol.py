@@ -71,6 +71,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     contrastive_alpha: float | None = None
     priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's: a lower value is served first
     thinking_token_budget: int | None = None  # vLLM's: thinking closed after this many tokens (--reasoning-parser)
+    penalty_alpha: float | None = None  # transformers' contrastive search (Su et al. 2022), with top_k
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

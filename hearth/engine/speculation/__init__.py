@@ -10,6 +10,7 @@ target's distribution; greedy verification keeps plain decoding's tokens).
     lookahead.py    lookahead decoding: a Jacobi window and an n-gram pool
     draft.py        a draft model's guesses: the passes planned here, run by the draft runner
                     (hearth/engine/draft_runner.py, beside the target's runner)
+    early_exit.py   the model's own first layers as the draft (self-speculation), on its KV cache
     token_tree.py   several branches of guesses verified in one pass
     guess_count.py  how many guesses a request makes (its acceptance, the batch)
     speed_gate.py   whether steps with guesses are measured faster than without

@@ -81,7 +81,8 @@ class Speculator:
         wanted, generators, verified_rows = {}, {}, {}
         for request, tokens in sampled.items():
             params = request.sampling_params
-            if request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight:
+            if (request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight
+                    or params.contrastive_search):
                 continue  # opted out, or contrastive (its scores come from one position at a time)
             verified_rows[request] = tokens.row_token_ids
             k = self._count(request, num_running)
@@ -119,12 +120,12 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_model_len: int,
                      sequences: Mapping[str, SequenceState]) -> Speculator:
-    """The engine's speculator for its config (draft: the draft runner, with method draft)."""
+    """The engine's speculator for its config (draft: the draft runner, with method draft or early-exit)."""
     proposer: Proposer | None = None
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.tree_width)
     elif config.method == "lookahead":
         proposer = LookaheadProposer()
-    elif config.method == "draft":
+    elif config.method in ("draft", "early-exit"):
         proposer = DraftProposer(draft, config.tree_width)
     return Speculator(config, proposer, max_model_len, sequences)
