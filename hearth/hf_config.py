@@ -248,7 +248,10 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
             f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "
             "convert the original checkpoint to GGUF with llama.cpp (convert_hf_to_gguf.py, then llama-quantize) "
             "or `hearth convert`, or load the unquantized bf16/fp16 checkpoint")
-    if hf.get("vision_config") is not None:
+    # Qwen3.5 is published only as an image-text model: its text model runs (the vision tower's tensors
+    # are left unloaded, with a log line; images are refused by the server)
+    runs_text_model = hf.get("architectures") == ["Qwen3_5ForConditionalGeneration"]
+    if hf.get("vision_config") is not None and not runs_text_model:
         raise ModelLoadError(
             f"{where}: a model with an image encoder (vision_config); hearth runs text-only decoders: "
             "load the text model's own checkpoint where one is published")

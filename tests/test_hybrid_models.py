@@ -167,6 +167,10 @@ def test_speculation_and_contrastive_refused_by_name(family):
         LLM(folder, speculative_method="ngram", progress=False)
     with pytest.raises(HearthError, match=f"contrastive_model is not implemented for a hybrid model \\({arch}"):
         LLM(folder, contrastive_model=str(folder), progress=False)
+    llm = LLM(folder, progress=False)
+    with pytest.raises(RequestError, match=f"contrastive search \\(penalty_alpha\\) is not implemented for a hybrid "
+                                           f"model \\({arch}"):
+        llm.generate([[1, 2, 3]], SamplingParams(penalty_alpha=0.5, top_k=4), use_tqdm=False)
 
 
 def test_scheduler_counts_state_slots():

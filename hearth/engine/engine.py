@@ -228,6 +228,9 @@ class LLMEngine:
         if params.contrastive_search and not self.model.backend.token_trees:
             raise RequestError(f"contrastive search (penalty_alpha) is not implemented on the {self.model.backend.name} "
                                f"backend (its candidates attend through a tree mask): use the cpu or reference backend")
+        if params.contrastive_search and self.model_config.is_hybrid:  # (the candidates would advance the states)
+            raise RequestError(f"contrastive search (penalty_alpha) is not implemented for a hybrid model "
+                               f"({self.model_config.architecture}: layers that keep a state per sequence)")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False when it is unknown or done."""

@@ -79,6 +79,6 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
     if skipped:
-        logger.info("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
+        logger.warning("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
                     not_loaded.pattern, config.architecture)
     return config, weights
