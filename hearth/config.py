@@ -419,6 +419,32 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters served beside the model (vLLM's LoRAConfig): hearth/model/lora.py, docs/lora.md."""
+
+    enable_lora: bool = option(False, help="serve PEFT LoRA adapters, chosen per request by name (model: NAME)")
+    # NAME=PATH entries; given any, enable_lora is implied
+    lora_modules: tuple[str, ...] = option(
+        (), flag="--lora", metavar="NAME=PATH",
+        help="a PEFT LoRA adapter folder to load at start, served as NAME (repeatable; implies --enable-lora)")
+    max_loras: int = option(4, help="adapters loaded at once (each a slot in every adapted projection)")
+    max_lora_rank: int = option(16, help="the highest adapter rank r taken (slots are this wide)")
+
+    def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules or ())
+        for entry in self.lora_modules:
+            name, _, path = str(entry).partition("=")
+            _need(bool(name) and bool(path), f"a LoRA module is NAME=PATH, got {entry!r}")
+        self.enable_lora = self.enable_lora or bool(self.lora_modules)
+        _need(self.max_loras >= 1, "max_loras must be at least 1")
+        _need(self.max_lora_rank >= 1, "max_lora_rank must be at least 1")
+
+    def named_paths(self) -> list[tuple[str, str]]:
+        """(NAME, PATH) of each lora_modules entry."""
+        return [tuple(str(entry).split("=", 1)) for entry in self.lora_modules]
+
+
+@dataclass
 class EngineConfig:
     """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
     come from here); every field validated loudly."""
@@ -434,6 +460,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     parallel: ParallelConfig = section(ParallelConfig, "parallelism")
     speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -456,3 +483,7 @@ class EngineConfig:
         _need(self.parallel.tensor_parallel_size == 1 or one_process,
               "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
+        if self.lora.enable_lora:
+            _need(not self.parallel.split, "LoRA adapters with tensor or pipeline parallelism are not implemented")
+            _need(self.speculative.method is None, "speculative decoding with LoRA adapters is not implemented: give "
+                                                   "speculative_method or enable_lora, not both")

@@ -63,6 +63,9 @@ class Request:
     # Compute every prompt position even if cached (prompt logprobs need their logits);
     # the request's own blocks still enter the prefix cache for others.
     skip_prefix_cache: bool = False
+    # The LoRA adapter it runs with: the engine's number for that adapter's load (0: none). Its prefix
+    # cache is its own (the chain of its blocks starts at -lora_id, hearth/engine/kv_cache.py).
+    lora_id: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

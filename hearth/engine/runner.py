@@ -34,6 +34,7 @@ from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutp
                                    skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
+from hearth.model.lora import LoraBank
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 
@@ -53,6 +54,7 @@ class BatchEntry:
     # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
     # of the region's positions it sees (bit j: tree_start + j); None: causal
     tree: tuple[int, list[int]] | None = None
+    lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
 
 
 @dataclass
@@ -118,6 +120,8 @@ class ModelRunner:
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
         self.amateur: SecondModel | None = None
+        # with LoRA adapters (hearth/engine/lora.py): the model's LoraBank and each load's slot by Request.lora_id
+        self.lora: tuple[LoraBank, dict[int, int]] | None = None
 
     def release_stopped(self) -> None:
         """The models beside it let go of the requests that no longer run."""
@@ -172,6 +176,8 @@ class ModelRunner:
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
+        if self.lora is not None:  # each row's adapter
+            self.lora[0].activate(np.repeat([e.lora_slot for e in entries], step.query_lens))
         hidden = self.model_pass(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
 
@@ -280,7 +286,8 @@ class ModelRunner:
             tokens += request.spec_token_ids[: count - len(tokens)]
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
             entries.append(BatchEntry(tokens, start, request.block_table,
-                                      None if tree is None else (start, ancestor_masks(tree))))
+                                      None if tree is None else (start, ancestor_masks(tree)),
+                                      self.lora[1].get(request.lora_id, -1) if self.lora else -1))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + len(request.spec_token_ids):
