@@ -12,7 +12,7 @@ import torch
 
 from hearth import LLM, LoRARequest, SamplingParams
 from hearth.errors import ModelLoadError, RequestError
-from tests.models import load_hf_reference, make_hf_model
+from models import load_hf_reference, make_hf_model
 
 peft = pytest.importorskip("peft")
 
@@ -193,3 +193,42 @@ def test_quantized_base_equals_dequantized_reference(base_and_adapters, tmp_path
     for entry, token, lp in zip(out.logprobs, out.token_ids, logprobs):
         assert math.isclose(entry[token], lp, abs_tol=0.1)
     assert plain.token_ids != out.token_ids
+
+
+def test_load_and_unload_endpoints_and_model_names(llm, base_and_adapters):
+    """Last in this file: the module's engine is then the server's. Through httpx and the openai SDK."""
+    import httpx
+    import openai
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.app import build_app
+    from test_server import serving
+
+    _, adapters = base_and_adapters
+    prompt = [5, 9, 17, 33, 65, 129, 200]
+    offline = llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=LoRARequest("qv"))[0].outputs[0].text
+    engine = AsyncEngine(llm.engine)
+    with serving(build_app(engine, "base")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        listed = {m.id: m for m in client.models.list().data}
+        assert set(listed) == {"base", *ADAPTERS}
+        assert listed["qv"].parent == "base" and listed["base"].parent is None
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+        assert "qv" not in {m.id for m in client.models.list().data}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="qv", prompt=prompt, max_tokens=2)
+        missing = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
+        assert missing.status_code == 400 and "is not a folder" in missing.json()["error"]["message"]
+        again = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": str(adapters["qv"])})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 404
+        loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(adapters["qv"])})
+        assert loaded.status_code == 200, loaded.text
+        reply = client.completions.create(model="qv", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.model == "qv" and reply.choices[0].text == offline
+        chat = client.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.model == "attn"
+        with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+            client.embeddings.create(model="attn", input="hi")
+    engine.shutdown()

@@ -90,7 +90,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ann
     if calling is not None:
         params = calling.sampling_params(params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all([ids], params, request_id, request.headers.get(PREFILL_HEADER))
+    streams = await s.add_all([ids], params, request_id, request.headers.get(PREFILL_HEADER), model)
     fmt = ChatFormat(s, k, calling)
     if body.stream:
         header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)

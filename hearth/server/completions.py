@@ -98,7 +98,7 @@ async def completions(body: CompletionRequest, request: Request, s: Annotated[Se
         prompt_k = k if prompt_k is None else max(k, prompt_k)
     params = body.sampling_params(max_tokens, k, prompt_k)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all(prompts, params, request_id, request.headers.get(PREFILL_HEADER))
+    streams = await s.add_all(prompts, params, request_id, request.headers.get(PREFILL_HEADER), model)
     fmt = CompletionFormat(s, body, texts, params.n)
     if body.stream:
         header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from hearth.engine.async_engine import AsyncEngine, RequestStream
 from hearth.errors import RequestError
+from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.server.errors import APIError
@@ -44,14 +45,22 @@ class ServedModel:
         # the format of tool calls in replies: given, or the one the chat template writes
         self.tool_call_parser = tool_call_parser or parser_for(self.tokenizer.chat_template)
         self.kv_puller = None  # a decode worker's KVPuller (hearth/fleet/disaggregated.py)
+        # LoRA adapters served under their own names (`model: NAME`): name -> path; changed only by the
+        # load and unload routes (lora.py), after the engine did so
+        self.adapters: dict[str, str] = dict(engine.initial_loras)
 
     # ---- checks
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request asked for (the first when it named none); 404 when unknown."""
-        if name is not None and name not in self.names:
+        """The served name a request asked for (the first when it named none), a LoRA adapter's among
+        them; 404 when unknown."""
+        if name is not None and name not in self.names and name not in self.adapters:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
         return name or self.names[0]
+
+    def lora_of(self, name: str) -> LoRARequest | None:
+        """The LoRA adapter a checked model name stands for (None: the base model)."""
+        return LoRARequest(name, 0, self.adapters[name]) if name in self.adapters else None
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -97,9 +106,10 @@ class ServedModel:
     # ---- requests in flight
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      prefill_source: str | None = None) -> list[RequestStream]:
-        """One engine request per prompt (ids `{request_id}-{i}`); all or none are added. On a decode
-        worker, given a prefill worker (its URL or its Ray actor), each prompt's KV is pulled from it first."""
+                      prefill_source: str | None = None, model: str | None = None) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`), through the LoRA adapter `model`
+        names if it names one; all or none are added. On a decode worker, given a prefill worker (its
+        URL or its Ray actor), each prompt's KV is pulled from it first."""
         self.check_sequences(len(prompts), params)
         if prefill_source is not None and self.kv_puller is not None:
             for ids in prompts:
@@ -107,7 +117,8 @@ class ServedModel:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}"))
+                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}",
+                                                             self.lora_of(model) if model else None))
         except BaseException:
             for s in streams:
                 s.close()
