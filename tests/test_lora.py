@@ -178,7 +178,7 @@ def test_quantized_base_equals_dequantized_reference(base_and_adapters, tmp_path
     base, adapters = base_and_adapters
     gguf_file = convert_hf_to_gguf(base, tmp_path / "base-q8_0.gguf", "q8_0", progress=False)
     llm = LLM(str(gguf_file), lora_modules=[f"all={adapters['all']}"], kv_cache_memory=1 << 24, progress=False)
-    assert type(llm.engine.model.layers[0].mlp.down_proj.base).__name__ == "Int8Linear"
+    assert type(llm.engine.model.layers[0].mlp.down_proj.lora_base).__name__ == "Int8Linear"
     prompt = list(range(3, 20))
     plain, out = (o.outputs[0] for o in llm.generate([prompt] * 2, PARAMS, use_tqdm=False,
                                                       lora_request=[None, LoRARequest("all")]))
@@ -193,6 +193,12 @@ def test_quantized_base_equals_dequantized_reference(base_and_adapters, tmp_path
     for entry, token, lp in zip(out.logprobs, out.token_ids, logprobs):
         assert math.isclose(entry[token], lp, abs_tol=0.1)
     assert plain.token_ids != out.token_ids
+    # a step with no adapter runs the cpu backend's whole-layer decode kernels on the wrapped modules' own
+    # weights (their sums in another order than the modules': a few 1e-4 apart)
+    alone = llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == plain.token_ids and llm.engine.model.backend_state["decode_path"] is not None
+    assert [e[t] for e, t in zip(alone.logprobs, alone.token_ids)] == pytest.approx(
+        [e[t] for e, t in zip(plain.logprobs, plain.token_ids)], abs=1e-3)
 
 
 def test_load_and_unload_endpoints_and_model_names(llm, base_and_adapters):

@@ -57,7 +57,7 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, out_sizes: list[int], rows: LoraRows, slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.base, self.rows, self.max_rank = base, rows, max_rank
+        self.lora_base, self.rows, self.max_rank = base, rows, max_rank
         self.in_features, self.out_sizes = in_features, out_sizes
         width = max_rank * len(out_sizes)
         self.register_buffer("lora_a", torch.zeros(slots, width, in_features, dtype=dtype, device=device),
@@ -66,7 +66,7 @@ class LoraLinear(nn.Module):
                              persistent=False)  # [slots, out, R x projections], block-diagonal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        y = self.base(x)
+        y = self.lora_base(x)
         return y if self.rows.active is None else self.rows.add_delta(y, x, self.lora_a, self.lora_b)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -86,6 +86,7 @@ class LoraBank:
         self.scales = [0.0] * max_loras
         # PEFT's module path without "model." (layers.0.self_attn.q_proj) -> (wrapper, projection in it)
         self.targets: dict[str, tuple[LoraLinear, int]] = {}
+        model.lora_rows = self.rows
         dtype, device = model.dtype, model.norm.weight.device
         for i, layer in enumerate(model.layers):
             modules = [(f"layers.{i}.self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
