@@ -100,11 +100,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template (and the
+        LoRA adapter of lora_request: see generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def render_chat(
         self,
