@@ -5,17 +5,18 @@ adapter may target (attention's q, k, v and o, the MLP's gate, up and down) in a
 backend's own module for the base weight (dense, or a QuantTensor's module that `Backend.prepare`
 put there: Int8Linear, HalfLinear, DequantLinear) stays inside it untouched and computes y = x W^T;
 the wrapper adds the adapters' low-rank terms. Each wrapper holds `max_loras` slots of A [R, in] and
-B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros). A
+B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros), laid out
+so that all slots' together are one matrix with no copy: A [slots x R, in], B [out, slots x R]. A
 merged projection (hearth's qkv_proj and gate_up_proj parts: MergedLinear) stacks the A of each
 projection it holds ([q; k; v] rows, R each) and lays their B out block-diagonally, so that one
 pair of matmuls serves them all and each output column sees only its own projection's adapter.
 
 A step's rows each name a slot or none (`LoraBank.activate`, from the runner). The low-rank term
-is then computed for the adapters in the step together: x [T, in] @ A[active]^T -> [T, n x R],
-each row's columns of adapters other than its own zeroed and its own scaled by its adapter's scale,
-then @ B[active]^T -> [T, out], added to the base's output (a batched low-rank matmul by masking:
-two small matmuls per projection whatever the mix). A step whose rows all use one adapter takes its
-matrices directly (no mask); a step with none adds nothing.
+is then computed for every slot together: x [T, in] @ A^T -> [T, slots x R], each row's columns of
+adapters other than its own zeroed and its own scaled by its adapter's scale, then @ B^T -> [T, out],
+added to the base's output (a batched low-rank matmul by masking: two small matmuls per projection
+whatever the mix, no gathering of matrices; empty slots cost their columns). A step whose rows all
+use one adapter takes that slot's matrices alone (no mask); a step with none adds nothing.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ class LoraRows:
     """A step's adapters, shared by every LoraLinear of a model: which slots it uses and each row's."""
 
     def __init__(self) -> None:
-        self.active: torch.Tensor | None = None  # int64 [n] slots used this step; None: no adapter
+        self.active = False  # some row of the step has an adapter
         self.single: tuple[int, float] | None = None  # (slot, scale) when every row uses that one
-        self.row_scales: torch.Tensor | None = None  # [T, n] a row's scale at its slot's column, else 0
+        self.row_scales: torch.Tensor | None = None  # [T, slots] a row's scale at its slot's column, else 0
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """y [T, out] + the low-rank terms of x [T, in], a [slots, R', in], b [slots, out, R']."""
+        """y [T, out] + the low-rank terms of x [T, in], a [slots, R', in], b [out, slots, R']."""
         if self.single is not None:
             slot, scale = self.single
-            return y.add_(F.linear(F.linear(x, a[slot]), b[slot]), alpha=scale)
-        n, rank = len(self.active), a.shape[1]
-        xa = F.linear(x, a[self.active].flatten(0, 1)).view(-1, n, rank) * self.row_scales[:, :, None]
-        return y.add_(F.linear(xa.flatten(1), b[self.active].permute(1, 0, 2).flatten(1)))
+            return y.add_(F.linear(F.linear(x, a[slot]), b[:, slot]), alpha=scale)
+        slots, rank = a.shape[:2]
+        xa = F.linear(x, a.flatten(0, 1)).view(-1, slots, rank) * self.row_scales[:, :, None]
+        return y.add_(F.linear(xa.flatten(1), b.flatten(1)))
 
 
 class LoraLinear(nn.Module):
@@ -62,19 +63,19 @@ class LoraLinear(nn.Module):
         width = max_rank * len(out_sizes)
         self.register_buffer("lora_a", torch.zeros(slots, width, in_features, dtype=dtype, device=device),
                              persistent=False)  # [slots, R x projections, in]
-        self.register_buffer("lora_b", torch.zeros(slots, sum(out_sizes), width, dtype=dtype, device=device),
-                             persistent=False)  # [slots, out, R x projections], block-diagonal
+        self.register_buffer("lora_b", torch.zeros(sum(out_sizes), slots, width, dtype=dtype, device=device),
+                             persistent=False)  # [out, slots, R x projections], block-diagonal per slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         y = self.lora_base(x)
-        return y if self.rows.active is None else self.rows.add_delta(y, x, self.lora_a, self.lora_b)
+        return self.rows.add_delta(y, x, self.lora_a, self.lora_b) if self.rows.active else y
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Projection `part`'s A [r, in] and B [out_sizes[part], r] into the slot (r <= max_rank)."""
         columns = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
         start = sum(self.out_sizes[:part])
         self.lora_a[slot, columns] = a.to(self.lora_a.dtype)
-        self.lora_b[slot, start : start + b.shape[0], columns] = b.to(self.lora_b.dtype)
+        self.lora_b[start : start + b.shape[0], slot, columns] = b.to(self.lora_b.dtype)
 
 
 class LoraBank:
@@ -147,7 +148,7 @@ class LoraBank:
     def clear(self, slot: int) -> None:
         for wrapper in {id(w): w for w, _ in self.targets.values()}.values():
             wrapper.lora_a[slot].zero_()
-            wrapper.lora_b[slot].zero_()
+            wrapper.lora_b[:, slot].zero_()
         self.scales[slot] = 0.0
 
     def activate(self, row_slots: np.ndarray | None) -> None:
@@ -155,17 +156,15 @@ class LoraBank:
         rows = self.rows
         used = np.unique(row_slots[row_slots >= 0]) if row_slots is not None else np.empty(0, dtype=np.int64)
         rows.single = rows.row_scales = None
-        if not len(used):
-            rows.active = None
+        rows.active = bool(len(used))
+        if not rows.active:
             return
-        device = self.device
-        rows.active = torch.from_numpy(used.astype(np.int64)).to(device)
         if len(used) == 1 and (row_slots == used[0]).all():
             rows.single = (int(used[0]), self.scales[int(used[0])])
             return
-        scales = np.array(self.scales, dtype=np.float32)[used]
-        weights = (row_slots[:, None] == used[None, :]) * scales[None, :]  # [T, n]
-        rows.row_scales = torch.from_numpy(weights.astype(np.float32)).to(device, self.dtype)
+        scales = np.array(self.scales, dtype=np.float32)
+        weights = (row_slots[:, None] == np.arange(self.max_loras)[None, :]) * scales[None, :]  # [T, slots]
+        rows.row_scales = torch.from_numpy(weights.astype(np.float32)).to(self.device, self.dtype)
 
     @property
     def device(self) -> torch.device:

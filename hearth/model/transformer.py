@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
         # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
-        adapters = self.lora_rows is not None and self.lora_rows.active is not None
+        adapters = self.lora_rows is not None and self.lora_rows.active
         if not adapters and (out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
