@@ -1,9 +1,11 @@
 """hearth: an LLM inference engine. The public face: LLM, SamplingParams and what generate returns."""
 
+from hearth.lora_request import LoRARequest
 from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams, WatermarkParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "WatermarkParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "WatermarkParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

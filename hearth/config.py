@@ -543,6 +543,32 @@ class ReasoningConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters served beside the model (vLLM's LoRAConfig): hearth/model/lora.py, docs/lora.md."""
+
+    enable_lora: bool = option(False, help="serve PEFT LoRA adapters, chosen per request by name (model: NAME)")
+    # NAME=PATH entries; given any, enable_lora is implied
+    lora_modules: tuple[str, ...] = option(
+        (), flag="--lora", metavar="NAME=PATH",
+        help="a PEFT LoRA adapter folder to load at start, served as NAME (repeatable; implies --enable-lora)")
+    max_loras: int = option(4, help="adapters loaded at once (each a slot in every adapted projection)")
+    max_lora_rank: int = option(16, help="the highest adapter rank r taken (slots are this wide)")
+
+    def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules or ())
+        for entry in self.lora_modules:
+            name, _, path = str(entry).partition("=")
+            _need(bool(name) and bool(path), f"a LoRA module is NAME=PATH, got {entry!r}")
+        self.enable_lora = self.enable_lora or bool(self.lora_modules)
+        _need(self.max_loras >= 1, "max_loras must be at least 1")
+        _need(self.max_lora_rank >= 1, "max_lora_rank must be at least 1")
+
+    def named_paths(self) -> list[tuple[str, str]]:
+        """(NAME, PATH) of each lora_modules entry."""
+        return [tuple(str(entry).split("=", 1)) for entry in self.lora_modules]
+
+
+@dataclass
 class EngineConfig:
     """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
     come from here); every field validated loudly."""
@@ -562,6 +588,7 @@ class EngineConfig:
     chat_template: str | None = option(
         None, metavar="FILE", help="the chat template to use instead of the model's: a Jinja file, or the template "
                                    "itself")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -587,3 +614,7 @@ class EngineConfig:
               "speculative_method early-exit runs the model's first layers in one process: not with tensor or "
               "pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
+        if self.lora.enable_lora:
+            _need(not self.parallel.split, "LoRA adapters with tensor or pipeline parallelism are not implemented")
+            _need(self.speculative.method is None, "speculative decoding with LoRA adapters is not implemented: give "
+                                                   "speculative_method or enable_lora, not both")

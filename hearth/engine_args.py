@@ -37,6 +37,10 @@ def add_option(g, keyword: str, default: Any = None) -> None:
     if isinstance(o.default, bool):
         g.add_argument(o.flag, dest=o.keyword, action="store_false" if o.default else "store_true", help=o.help)
         return
+    if isinstance(o.default, tuple):  # a repeatable flag: each one adds a value
+        g.add_argument(o.flag, dest=o.keyword, action="append", type=o.parse or o.kind, default=None,
+                       metavar=o.metavar, help=o.help)
+        return
     g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
                    metavar=o.metavar, help=o.help)
 
@@ -55,7 +59,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """LLM's keywords from parsed engine arguments."""
-    return {o.keyword: getattr(args, o.keyword) for o in _cli_options()}
+    options = {o.keyword: getattr(args, o.keyword) for o in _cli_options()}
+    for o in _cli_options():  # a repeatable flag given no time or several: its values as a tuple
+        if isinstance(o.default, tuple):
+            options[o.keyword] = tuple(options[o.keyword] or o.default)
+    return options
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -93,6 +101,8 @@ def engine_argv(**values: Any) -> list[str]:
         flag = actions[dest].option_strings[0]
         if actions[dest].nargs == 0:  # a switch: given where it changes the default
             argv += [flag] if value != actions[dest].default else []
+        elif isinstance(value, (list, tuple)):  # a repeatable flag
+            argv += [part for item in value for part in (flag, str(item))]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -10,6 +10,7 @@ from hearth.config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
+from hearth.lora_request import LoRARequest
 from hearth.options import build, keywords_of
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
@@ -46,14 +47,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order."""
+        """Run every prompt to completion; outputs in input order. lora_request: the LoRA adapter of
+        every prompt, or one per prompt (None: the base model); needs enable_lora."""
         prompts = _as_list(prompts)
         params = _params_for(prompts, sampling_params)
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, (list, tuple)) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(None, prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora))
         except RequestError:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -94,11 +100,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template (and the
+        LoRA adapter of lora_request: see generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def render_chat(
         self,

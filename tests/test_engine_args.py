@@ -28,7 +28,8 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--speculative-method", "--speculative-model", "--num-speculative-tokens", "--prompt-lookup-min",
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
          "--speculative-tree-width", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
-         "--contrastive-model", "--kv-cache-dir", "--kv-cache-dir-size"]
+         "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--contrastive-model", "--kv-cache-dir",
+         "--kv-cache-dir-size"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:
@@ -77,7 +78,8 @@ def test_every_option_is_declared_with_help_under_one_name():
     assert {f"--{k.replace('_', '-')}" for k in keywords} - set(FLAGS) == {"--seed", "--block-size",
                                                                               "--enable-prefix-caching",
                                                                               "--enable-chunked-prefill",
-                                                                              "--speculative-adaptive"}
+                                                                              "--speculative-adaptive",
+                                                                              "--lora-modules"}
 
 
 def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
@@ -97,6 +99,10 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
     # the replicas' flags: the same options again
     assert engine_options(parser.parse_args(["serve", *engine_argv(**given)])) == given
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]
+    # a repeatable flag (--lora NAME=PATH): every value, there and back
+    loras = engine_options(parser.parse_args(["serve", "--lora", "a=/x", "--lora", "b=/y"]))
+    assert loras == defaults | {"lora_modules": ("a=/x", "b=/y")}
+    assert engine_options(parser.parse_args(["serve", *engine_argv(**loras)])) == loras
 
 
 

@@ -72,6 +72,9 @@ class CpuDecodePath:
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
+                # a LoRA wrapper's base module (hearth/model/lora.py): the model runs this path only in
+                # steps without adapters
+                parts = [getattr(part, "lora_base", part) for part in parts]
                 weights = [kernel_weight(part) for part in parts]
                 if len(parts) > most or None in weights:
                     return None

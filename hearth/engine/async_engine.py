@@ -45,6 +45,7 @@ from hearth.engine.engine import LLMEngine, StepFailed
 from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
+from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.reasoning import ReasoningFormat
@@ -155,6 +156,9 @@ class AsyncEngine:
         self.reasoning: ReasoningFormat | None = engine.reasoning  # the model's thinking markers, if given
         self.model_path: Path = engine.model_path
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        self.lora_enabled = engine.lora is not None
+        # the LoRA adapters loaded at start (lora_modules), by name: their paths (later loads: add_lora)
+        self.initial_loras = {a.name: a.path for a in engine.list_loras()}
         self._grammars = engine.grammars  # thread-safe: compiles off the engine thread
         self._stats = EngineStats()  # replaced by the engine thread, under _lock
         self._lock = threading.Lock()  # guards _commands, _pending_adds, _stopping, _stats
@@ -198,10 +202,12 @@ class AsyncEngine:
     # ---- requests
 
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request and wait until the engine took it; raises QueueFull, RequestError, EngineStopped.
-        A lower `priority` is served first (LLMEngine.add_request)."""
+        """Queue a request (through the LoRA adapter of lora_request, if any) and wait until the engine
+        took it; raises QueueFull, RequestError, EngineStopped. A lower `priority` is served first
+        (LLMEngine.add_request)."""
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFull(
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
@@ -210,7 +216,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
-        self._command(("add", stream, prompt, params, priority))
+        self._command(("add", stream, prompt, params, priority, lora_request))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -244,6 +250,14 @@ class AsyncEngine:
     async def import_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
         """LLMEngine.import_kv, between two steps (before any request added after it is scheduled)."""
         return await self._between_steps(self.engine.import_kv, token_ids, kv)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """LLMEngine.add_lora, between two steps (ModelLoadError, RequestError)."""
+        await self._between_steps(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """LLMEngine.remove_lora, between two steps (RequestError)."""
+        await self._between_steps(self.engine.remove_lora, lora_name)
 
     async def _between_steps(self, fn, *args):
         """fn(*args) on the engine thread between two steps; what it returns or raises."""
@@ -361,9 +375,9 @@ class AsyncEngine:
             if command[0] == "call":
                 self._call(*command[1:])
                 continue
-            _, stream, prompt, params, priority = command
+            _, stream, prompt, params, priority, lora_request = command
             try:
-                self.engine.add_request(stream.request_id, prompt, params, priority=priority)
+                self.engine.add_request(stream.request_id, prompt, params, priority=priority, lora_request=lora_request)
             except Exception as e:  # RequestError for bad input; anything else reaches the caller too
                 stream._accept(e)
             else:

@@ -19,6 +19,7 @@ from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_disk_tier import DiskTierCounts
+from hearth.engine.lora import LoadedAdapter, LoraAdapters
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.request import Request
@@ -35,6 +36,8 @@ from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
 from hearth.chat_template import load_chat_template
 from hearth.errors import RequestError
+from hearth.lora_request import LoRARequest
+from hearth.model.lora import LoraBank
 from hearth.outputs import RequestOutput
 from hearth.reasoning import FORMATS
 from hearth.sampling_params import SamplingParams
@@ -81,6 +84,7 @@ class LLMEngine:
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
                                    kv_window=self.model_config.kv_window,
                                    state_slots=StateSlots(self.num_state_slots) if hybrid else None)
+        self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
         if progress:
@@ -102,6 +106,16 @@ class LLMEngine:
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _start_lora(self, config: EngineConfig) -> LoraAdapters | None:
+        """With enable_lora: the model's projections wrapped for adapters, and lora_modules loaded."""
+        if not config.lora.enable_lora:
+            return None
+        adapters = LoraAdapters(LoraBank(self.model, config.lora.max_loras, config.lora.max_lora_rank))
+        self.runner.lora = (adapters.bank, adapters.slots)
+        for name, path in config.lora.named_paths():
+            adapters.add(LoRARequest(name, 0, path))
+        return adapters
 
     def close(self) -> None:
         """Stop the workers of a split model, if any (also done when the engine is collected)."""
@@ -136,11 +150,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; raises RequestError (a ValueError) when it cannot be served. A lower
-        `priority` is served first (vLLM's semantics): admitted before, and preempted after, requests
-        of a higher value (hearth/engine/scheduler.py)."""
+        """Queue a request (with lora_request: through that LoRA adapter, loaded first where it is not);
+        raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
+        (vLLM's semantics): admitted before, and preempted after, requests of a higher value
+        (hearth/engine/scheduler.py)."""
         params = params or SamplingParams()
+        if lora_request is not None and self.lora is None:
+            raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
+                               "enable_lora (--enable-lora, or --lora NAME=PATH)")
+        lora_id = 0 if lora_request is None else self.lora.lora_id(lora_request)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -155,7 +175,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.best_of or params.n):
-            group.sequences.append(state := self._new_sequence(group, index, grammar, priority))
+            group.sequences.append(state := self._new_sequence(group, index, grammar, priority, lora_id))
             if index == 0:
                 self.scheduler.add_request(state.request)
             else:
@@ -164,12 +184,12 @@ class LLMEngine:
         self.output_processor.add_group(group)
         return request_id
 
-    def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int) -> SequenceState:
+    def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""
         params = group.params
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
         request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time,
-                          priority=priority)
+                          priority=priority, lora_id=lora_id)
         # prompt logprobs need every prompt position computed, and contrastive search every position's
         # hidden state: no prefix-cache skipping; its candidates take scratch slots after the tokens
         request.skip_prefix_cache = params.prompt_logprobs is not None or params.contrastive_search
@@ -241,6 +261,26 @@ class LLMEngine:
             self.scheduler.abort_request(state.request.request_id)
         self.runner.release_stopped()
         return True
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) --------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> LoadedAdapter:
+        """Load an adapter (ModelLoadError for a bad one, RequestError without enable_lora or a free slot)."""
+        if self.lora is None:
+            raise RequestError("this engine was started without enable_lora (--enable-lora)")
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; RequestError for an unknown one or one that unfinished requests run with."""
+        if self.lora is None:
+            raise RequestError("this engine was started without enable_lora (--enable-lora)")
+        loaded = self.lora.by_name.get(lora_name)
+        using = 0 if loaded is None else sum(s.request.lora_id == loaded.lora_id
+                                             for s in self.output_processor.sequences.values())
+        self.lora.remove(lora_name, using)
+
+    def list_loras(self) -> list[LoadedAdapter]:
+        return [] if self.lora is None else list(self.lora.by_name.values())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)

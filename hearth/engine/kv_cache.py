@@ -25,6 +25,8 @@ Prefix caching (a chain over full blocks, as in vLLM v1):
     block, a duplicate) goes to the head, so it is reused before any cached content is
     evicted. A request frees its blocks in reverse order, so its tail blocks are evicted
     before its head blocks (which more requests are likely to share).
+  * K/V depend on the LoRA adapter a request runs with: a request's chain starts from the parent
+    -lora_id (0: the base model), so that requests of different adapters never share a block.
   * A lookup never returns every token of a request: the last token is always computed
     so the model yields logits for it.
 
@@ -137,8 +139,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
-        hits = self.lookup(request.all_token_ids)
-        if self.disk is not None:
+        hits = self.lookup(request.all_token_ids, -request.lora_id)
+        if self.disk is not None:  # (never with LoRA adapters: startup.kv_disk_tier)
             hits += self._enter_from_disk(request.all_token_ids, hits)
         return hits, len(hits) * self.block_size
 
@@ -177,9 +179,10 @@ class BlockManager:
         self.evicted, self.loads = [], {}
         return evicted, loads
 
-    def lookup(self, tokens: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks of `tokens`, short of its last token."""
-        bs, hits, parent = self.block_size, [], 0
+    def lookup(self, tokens: list[int], root: int = 0) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks of `tokens`, short of its last token.
+        root: the chain's first parent (-lora_id of a LoRA adapter's requests; 0: the base model's)."""
+        bs, hits, parent = self.block_size, [], root
         for i in range((len(tokens) - 1) // bs):
             block_id = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             if block_id is None:
@@ -239,7 +242,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        start, parent, parent_hash = self._cached_chain.get(request, (0, 0, self._root_hash))
+        start, parent, parent_hash = self._cached_chain.get(request, (0, -request.lora_id, self._root_hash))
         end = min(num_computed_tokens // self.block_size, len(request.block_table))
         if end <= start:
             return

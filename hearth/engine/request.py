@@ -70,6 +70,9 @@ class Request:
     # Slots after its tokens that a step in which it samples may write and that are given back after
     # the step (contrastive search's candidates, one row each: runner.py).
     num_scratch_slots: int = 0
+    # The LoRA adapter it runs with: the engine's number for that adapter's load (0: none). Its prefix
+    # cache is its own (the chain of its blocks starts at -lora_id, hearth/engine/kv_cache.py).
+    lora_id: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

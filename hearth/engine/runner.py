@@ -36,6 +36,7 @@ from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutp
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
+from hearth.model.lora import LoraBank
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
 
@@ -56,6 +57,7 @@ class BatchEntry:
     # of the region's positions it sees (bit j: tree_start + j); None: causal
     tree: tuple[int, list[int]] | None = None
     state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
+    lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
 
 
 @dataclass
@@ -138,6 +140,8 @@ class ModelRunner:
         self.amateur: SecondModel | None = None
         # contrastive search's requests: the final hidden states of their computed tokens [t, hidden]
         self.hidden_states: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
+        # with LoRA adapters (hearth/engine/lora.py): the model's LoraBank and each load's slot by Request.lora_id
+        self.lora: tuple[LoraBank, dict[int, int]] | None = None
 
     def release_stopped(self) -> None:
         """The models beside it let go of the requests that no longer run; so do the hidden states kept."""
@@ -201,6 +205,8 @@ class ModelRunner:
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
+        if self.lora is not None:  # each row's adapter
+            self.lora[0].activate(np.repeat([e.lora_slot for e in entries], step.query_lens))
         hidden = self.model_pass(self.model, step, self.kv_caches)
         return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
 
@@ -344,7 +350,8 @@ class ModelRunner:
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
             entries.append(BatchEntry(tokens, start, request.block_table,
                                       None if tree is None else (start, ancestor_masks(tree)),
-                                      request.state_slot if request.state_slot >= 0 else None))
+                                      request.state_slot if request.state_slot >= 0 else None,
+                                      self.lora[1].get(request.lora_id, -1) if self.lora else -1))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + len(request.spec_token_ids):

@@ -27,7 +27,8 @@ def engine_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     # A model split over processes runs eagerly: gloo's collectives cannot be captured in a CUDA
     # graph, NCCL's capture is untried (no two GPUs to try it on), and pipeline stages never replay one.
     split = config.parallel.split
-    backend = choose_backend(device, dtype, config.backend, config.enforce_eager or split)
+    # (LoRA: a step's adapters are chosen per step, which a captured graph would not see)
+    backend = choose_backend(device, dtype, config.backend, config.enforce_eager or split or config.lora.enable_lora)
     if split and backend.name == "gpu" and device.type == "cuda" and not config.enforce_eager:
         logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
     if config.speculative.tree_width > 1 and not backend.token_trees:
@@ -110,7 +111,9 @@ def kv_disk_tier(config: EngineConfig, model_config: ModelConfig, model_path: Pa
         return None
     why = ("prefix caching is off" if not cache.enable_prefix_caching else
            f"a hybrid model ({model_config.architecture}) keeps states the tier does not hold"
-           if model_config.is_hybrid else "the model is split over processes" if split else None)
+           if model_config.is_hybrid else "the model is split over processes" if split else
+           "LoRA adapters are on (a block's K/V depends on the adapter, which the files do not name)"
+           if config.lora.enable_lora else None)
     if why is not None:
         logger.info("the KV disk tier (kv_cache_dir) is off: %s", why)
         return None

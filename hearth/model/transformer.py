@@ -136,6 +136,7 @@ class Transformer(nn.Module):
         self.config = config
         self.backend = ops = backend or Backend()
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
+        self.lora_rows = None  # with LoRA adapters: the step's adapters (hearth/model/lora.py's LoraRows)
         self.embed_tokens, lm_head = vocabulary_modules(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
@@ -175,7 +176,9 @@ class Transformer(nn.Module):
         before adds to the residual stream (None: x is the stream). Returns the same pair after the last."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
-        if (out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
+        # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
+        adapters = self.lora_rows is not None and self.lora_rows.active
+        if not adapters and (out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -4,7 +4,8 @@ Routes, one module each by job: completions.py (/v1/completions), chat.py
 (/v1/chat/completions, with tools.py for tool calling), responses.py (OpenAI's /v1/responses)
 and messages.py (Anthropic's /v1/messages), both run as chat requests and shaped by turns.py,
 embeddings.py (/v1/embeddings), tokens.py (/tokenize, /detokenize: vLLM's shapes), info.py
-(/health, /metrics, /version, /v1/models), page.py (the chat page at /), files.py and batches.py
+(/health, /metrics, /version, /v1/models), lora.py (/v1/load_lora_adapter, /v1/unload_lora_adapter),
+page.py (the chat page at /), files.py and batches.py
 (/v1/files, /v1/batches: OpenAI's Files and Batch APIs, run by batch_runner.py on the state in
 batch_store.py). Completions and chat completions stream through streaming.py; the state they share
 is a ServedModel (served.py); errors are OpenAI's error JSON, Anthropic's on its routes (errors.py);
@@ -20,7 +21,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from hearth.engine.async_engine import AsyncEngine
-from hearth.server import batches, chat, completions, embeddings, files, info, messages, page, responses, tokens
+from hearth.server import batches, chat, completions, embeddings, files, info, lora, messages, page, responses, tokens
 from hearth.server.batch_runner import BatchRunner
 from hearth.server.errors import APIError, install_error_handlers
 from hearth.server.limits import ServerLimits
@@ -54,6 +55,6 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     app.state.responses = responses.ResponseStore()
     install_middleware(app, limits, api_key)
     install_error_handlers(app)
-    for module in (info, tokens, completions, chat, responses, messages, embeddings, files, batches, page):
+    for module in (info, tokens, completions, chat, responses, messages, embeddings, lora, files, batches, page):
         app.include_router(module.router)
     return app

@@ -149,7 +149,7 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
     if calling is not None:
         params = calling.sampling_params(params)
     params = s.reasoning_params(params)
-    streams = await s.add_all([ids], params, request_id, prefill_source, body.priority)
+    streams = await s.add_all([ids], params, request_id, prefill_source, body.priority, model)
     return ChatRun(model, request_id, len(ids), streams, ChatFormat(s, k, calling, s.thinking_opened(ids)))
 
 

@@ -45,6 +45,9 @@ def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, s: Annotated[ServedModel, Depends(served)]):
     model = s.check_model(body.model)
+    if s.lora_of(model) is not None:
+        raise APIError(400, f"embeddings through a LoRA adapter ({model!r}) are not implemented: name the base "
+                            f"model ({s.names[0]!r})", "model")
     prompts = []
     for item in body.inputs():
         if isinstance(item, str):

@@ -39,4 +39,8 @@ async def models(s: Served):
         {"id": name, "object": "model", "created": created, "owned_by": "hearth", "root": str(s.engine.model_path),
          "parent": None, "max_model_len": s.max_model_len}
         for name in s.names
+    ] + [  # LoRA adapters, each with the model it adapts (vLLM's listing)
+        {"id": name, "object": "model", "created": created, "owned_by": "hearth", "root": path,
+         "parent": s.names[0], "max_model_len": s.max_model_len}
+        for name, path in s.adapters.items()
     ]}

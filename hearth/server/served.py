@@ -16,6 +16,7 @@ from fastapi import Request
 
 from hearth.engine.async_engine import AsyncEngine, RequestStream
 from hearth.errors import RequestError
+from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.server.errors import APIError
@@ -47,14 +48,22 @@ class ServedModel:
         self.kv_puller = None  # a decode worker's KVPuller (hearth/fleet/disaggregated.py)
         self.reasoning = engine.reasoning  # the model's thinking markers (--reasoning-parser), or None
         self.trust_request_chat_template = trust_request_chat_template
+        # LoRA adapters served under their own names (`model: NAME`): name -> path; changed only by the
+        # load and unload routes (lora.py), after the engine did so
+        self.adapters: dict[str, str] = dict(engine.initial_loras)
 
     # ---- checks
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request asked for (the first when it named none); 404 when unknown."""
-        if name is not None and name not in self.names:
+        """The served name a request asked for (the first when it named none), a LoRA adapter's among
+        them; 404 when unknown."""
+        if name is not None and name not in self.names and name not in self.adapters:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
         return name or self.names[0]
+
+    def lora_of(self, name: str) -> LoRARequest | None:
+        """The LoRA adapter a checked model name stands for (None: the base model)."""
+        return LoRARequest(name, 0, self.adapters[name]) if name in self.adapters else None
 
     def check_token_ids(self, ids: list[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -122,9 +131,11 @@ class ServedModel:
     # ---- requests in flight
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      prefill_source: str | None = None, priority: int = 0) -> list[RequestStream]:
-        """One engine request per prompt (ids `{request_id}-{i}`, at `priority`); all or none are added. On a
-        decode worker, given a prefill worker (its URL or its Ray actor), each prompt's KV is pulled from it first."""
+                      prefill_source: str | None = None, priority: int = 0,
+                      model: str | None = None) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`, at `priority`), through the LoRA adapter
+        `model` names if it names one; all or none are added. On a decode worker, given a prefill worker
+        (its URL or its Ray actor), each prompt's KV is pulled from it first."""
         self.check_sequences(len(prompts), params)
         if prefill_source is not None and self.kv_puller is not None:
             for ids in prompts:
@@ -132,7 +143,8 @@ class ServedModel:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}", priority))
+                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}", priority,
+                                                             self.lora_of(model) if model else None))
         except BaseException:
             for s in streams:
                 s.close()
