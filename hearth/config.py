@@ -9,6 +9,7 @@ from typing import Any
 
 from hearth.errors import ModelLoadError
 from hearth.hf_config import (
+    architecture_from_hf,
     experts_from_hf,
     gemma2_from_hf,
     hybrid_fields_from_hf,
@@ -38,26 +39,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "GemmaForCausalLM": "gemma",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
-    "SmolLM3ForCausalLM": "smollm3",
-    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored merged
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (hearth/model/latent_attention.py)
-    # hybrids: attention layers between layers that keep a state per sequence (hearth/model/state_layers.py)
-    "Lfm2ForCausalLM": "lfm2",  # short convolutions
-    "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
-}
 # What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
 # cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py)
 ATTENTION, SHORT_CONV, GATED_DELTA_NET = "attention", "short_conv", "gated_delta_net"
@@ -257,7 +238,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         refuse_quantized_or_multimodal(hf, where)
-        arch = _architecture_from_hf(hf, where)
+        arch = architecture_from_hf(hf, where, SUPPORTED_ARCHITECTURES)
         try:
             hf = hybrid_fields_from_hf(hf, arch)
             hidden = int(hf["hidden_size"])
@@ -336,23 +317,6 @@ class ModelConfig:
         every_layer = all(self.is_sliding_layer(layer) for layer in range(self.num_layers)
                           if self.layer_type(layer) == ATTENTION)
         return self.sliding_window if every_layer else None
-
-
-def _architecture_from_hf(hf: dict[str, Any], where: str) -> str:
-    """The architecture of a config.json: its `architectures`, else its model_type."""
-    archs = hf.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
-    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
-    if arch is None:
-        arch = hf.get("model_type")
-        arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(arch, arch)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
-            f"hearth supports {', '.join(HF_ARCHITECTURES)}"
-        )
-    return arch
 
 
 # Bounds on a model's sizes (a few times the largest released models'): a damaged or hostile

@@ -255,3 +255,44 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
         raise ModelLoadError(
             f"{where}: a model with an image encoder (vision_config); hearth runs text-only decoders: "
             "load the text model's own checkpoint where one is published")
+
+
+# config.json's architecture names -> hearth's
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
+    "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up stored merged
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (hearth/model/latent_attention.py)
+    # hybrids: attention layers between layers that keep a state per sequence (hearth/model/state_layers.py)
+    "Lfm2ForCausalLM": "lfm2",  # short convolutions
+    "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
+}
+
+
+def architecture_from_hf(hf: dict[str, Any], where: str, supported: tuple[str, ...]) -> str:
+    """The architecture of a config.json: its `architectures`, else its model_type (one of `supported`)."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{where}: architectures = {archs!r}: expected a list of names")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
+    if arch is None:
+        arch = hf.get("model_type")
+        if isinstance(arch, str):  # (another type is no architecture: refused below)
+            arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(arch, arch)
+    if arch not in supported:
+        raise ModelLoadError(
+            f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"hearth supports {', '.join(HF_ARCHITECTURES)}"
+        )
+    return arch
