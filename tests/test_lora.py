@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import math
 
+import peft
 import pytest
 import torch
 
 from hearth import LLM, LoRARequest, SamplingParams
 from hearth.errors import ModelLoadError, RequestError
 from models import load_hf_reference, make_hf_model
-
-peft = pytest.importorskip("peft")
 
 # real head shapes (head_dim 64, grouped K/V), few layers
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)

@@ -199,7 +199,8 @@ def test_an_openai_agents_runner_completes_a_two_tool_loop(server):
     """The openai-agents runner drives the loop: a call, its output given back, the next call, then
     the answer. SmolLM2's template drops tools, so the hooks name the tool each turn asks for
     (get_weather, then get_time, then none); the rest is the runner's own traffic, streamed or not."""
-    agents = pytest.importorskip("agents")
+    import agents  # openai-agents, in the test extras (imported here: 3 s of CPU)
+
     called = []
 
     @agents.function_tool
