@@ -48,3 +48,16 @@ def openai_client(server):
 def chat_reply(client: openai.OpenAI, messages: list[dict], **kw):
     """The reference: chat completions at temperature 0 on the same conversation."""
     return client.chat.completions.create(model=NAME, messages=messages, temperature=0, **kw)
+
+
+def reasoning_then_text() -> list:
+    """The block events of a reply of reasoning, then text, fed as chat completions' deltas carry them
+    (`reasoning_content`, `content`): the input both APIs' reasoning tests shape into their events."""
+    from hearth.server.turns import Blocks
+
+    blocks = Blocks()
+    changes = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
+    assert [(e.type, e.index, e.block.kind) for e in changes] == [
+        ("start", 0, "reasoning"), ("delta", 0, "reasoning"), ("stop", 0, "reasoning"),
+        ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
+    return changes

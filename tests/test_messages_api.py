@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2
+from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2, reasoning_then_text
 from agent_apis import openai_client, server  # noqa: F401 (the fixtures)
 from hearth.server.chat import ChatRun
 from hearth.server.messages import block_events, content_block, event, message_object
-from hearth.server.turns import Blocks, Finish
+from hearth.server.turns import Finish
 
 pytestmark = needs_smollm2
 TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER},
@@ -142,11 +142,7 @@ def test_errors_are_anthropics_shape_and_the_sdks_own_exceptions(client, server)
 def test_reasoning_reads_as_a_thinking_block_before_the_text():
     """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is a block of its
     own: the events as the route sends them, accumulated by the anthropic SDK's own stream reader."""
-    blocks = Blocks()
-    changes = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
-    assert [(e.type, e.index, e.block.kind) for e in changes] == [
-        ("start", 0, "reasoning"), ("delta", 0, "reasoning"), ("stop", 0, "reasoning"),
-        ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
+    changes = reasoning_then_text()
     run = ChatRun(NAME, "msg_1", 7, [], None)
     finish = Finish("stop", None, 7, 5, 0)
     sent = [event("message_start", message=message_object(run, [], None)),
@@ -160,5 +156,5 @@ def test_reasoning_reads_as_a_thinking_block_before_the_text():
         snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=buffers)
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in snapshot.content] == [
         ("thinking", "Paris, surely."), ("text", "Paris.")]
-    whole = message_object(run, [content_block(b, True) for b in blocks.blocks], finish)
+    whole = message_object(run, [content_block(e.block, True) for e in changes if e.type == "start"], finish)
     assert whole["content"][0] == {"type": "thinking", "thinking": "Paris, surely.", "signature": ""}

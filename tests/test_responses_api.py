@@ -16,11 +16,11 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2
+from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2, reasoning_then_text
 from agent_apis import openai_client, server  # noqa: F401 (the fixtures)
 from hearth.server.chat import ChatRun
 from hearth.server.responses import ResponseEvents, ResponseShape, ResponsesRequest
-from hearth.server.turns import Blocks, Finish
+from hearth.server.turns import Finish
 
 pytestmark = needs_smollm2
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
@@ -170,11 +170,7 @@ def test_bad_requests_are_errors_in_openai_shape(server, kw, status, message):
 def test_reasoning_reads_as_a_reasoning_item_before_the_message():
     """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is an item of its
     own: the events as the route sends them, read by the openai SDK's own stream state."""
-    blocks = Blocks()
-    changes = blocks.feed({"reasoning_content": "Paris, surely."}) + blocks.feed({"content": "Paris."}) + blocks.stop()
-    assert [(e.type, e.index, e.block.kind) for e in changes] == [
-        ("start", 0, "reasoning"), ("delta", 0, "reasoning"), ("stop", 0, "reasoning"),
-        ("start", 1, "text"), ("delta", 1, "text"), ("stop", 1, "text")]
+    changes = reasoning_then_text()
     shape = ResponseShape(ResponsesRequest(input="Hi"), ChatRun(NAME, "resp_1", 7, [], None), 0)
     writer = ResponseEvents(shape)
     sent = [writer.event("response.created", response=shape.snapshot("in_progress", [])),
