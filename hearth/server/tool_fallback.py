@@ -48,7 +48,7 @@ def template_drops_tools(render: Callable[..., str], messages: list[dict[str, An
     if hash(template) not in _warned:
         _warned.add(hash(template))
         logger.warning("the model's chat template ignores `tools`: tools go into the system message in hearth's "
-                       "generic JSON format and replies are constrained to it (docs/server.md, Tool calls)")
+                       "generic JSON format and replies are constrained to it (docs/tool-calling.md)")
     return True
 
 
