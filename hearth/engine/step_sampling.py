@@ -26,7 +26,7 @@ from hearth.backend.base import Backend, DecodeSampling
 from hearth.engine.sampler import SamplingBatch, draw, final_distribution
 from hearth.sampling_params import SamplingParams, SamplingType
 
-# DecodeSampling.params' rows, per request; a padding row is greedy
+# DecodeSampling.params' rows, per request
 PARAMS = ("temperature", "greedy", "top_k", "top_p", "min_p")
 GREEDY, PLAIN, FILTERED = "greedy", "temperature", "filtered"  # the heads (one graph per bucket each)
 
@@ -42,21 +42,24 @@ def drawn_in_step(params: SamplingParams, num_outputs: int) -> bool:
 
 def decode_sampling(params: list[SamplingParams], vocab_size: int, backend: Backend) -> DecodeSampling:
     """The step's DecodeSampling: each row's parameters as SamplingBatch.build reads them (a greedy
-    row: temperature 1, no filters), and the head the batch needs."""
+    row: temperature 1, no filters), and the head the batch needs: (GREEDY, False) when every row
+    is greedy, else (PLAIN or FILTERED, whether some rows are greedy) (the greedy rows' one-hot
+    [B, V] costs memory and time where no row needs it). A padding row samples at temperature 1."""
     V = vocab_size
     values = np.array([(1.0, 1.0, V, 1.0, 0.0) if p.sampling_type == SamplingType.GREEDY else
                        (p.temperature, 0.0, V if p.top_k <= 0 else min(p.top_k, V), p.top_p, p.min_p)
                        for p in params], dtype=np.float64).T  # [PARAMS, B]
     if values[1].all():
-        key = GREEDY
+        key = (GREEDY, False)
     elif (values[2] < V).any() or (values[3] < 1.0).any() or (values[4] > 0.0).any():
-        key = FILTERED
+        key = (FILTERED, bool(values[1].any()))
     else:
-        key = PLAIN
-    return DecodeSampling(values, (1.0, 1.0, V, 1.0, 0.0), key, functools.partial(_head, key, backend))
+        key = (PLAIN, bool(values[1].any()))
+    return DecodeSampling(values, (1.0, 0.0, V, 1.0, 0.0), key, functools.partial(_head, *key, backend))
 
 
-def _head(key: str, backend: Backend, logits: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _head(key: str, any_greedy: bool, backend: Backend, logits: torch.Tensor, params: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32, params [PARAMS, B] float64 -> (token ids [B] int64, their logprobs
     [B] float32 under the raw distribution), as Sampler.__call__ gives them."""
     raw = logits.float()
@@ -66,7 +69,7 @@ def _head(key: str, backend: Backend, logits: torch.Tensor, params: torch.Tensor
         noise = torch.empty_like(raw).exponential_()  # exponential_noise's, no row seeded
         filtered = key == FILTERED
         batch = SamplingBatch(
-            temperature=params[0].float(), greedy=params[1].bool(), all_greedy=False, any_greedy=True,
+            temperature=params[0].float(), greedy=params[1].bool(), all_greedy=False, any_greedy=any_greedy,
             top_k=params[2].long() if filtered else None, top_p=params[3] if filtered else None,
             min_p=params[4].float() if filtered else None, repetition_penalty=None, presence_penalty=None,
             frequency_penalty=None, prompt_mask=None, output_counts=None, bias=None, banned=None, allowed=None,
