@@ -97,8 +97,16 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     runner = graphs.engine.model.backend_state["decode_graphs"]
     assert runner.capture == (DEVICE == "cuda")
     if runner.capture:
-        assert set(runner.graphs) == {1, 2, 4, 8}
+        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4, 8)}
     assert "decode_graphs" not in eager.engine.model.backend_state
+    # greedy rows beside random ones (the random heads captured, on a GPU): the greedy rows' tokens
+    mixed = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, top_k=5, max_tokens=5),
+             SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=1.0, max_tokens=5)]
+    prompts = _prompts(4, seed=4, longest=20)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)] for llm in (graphs, eager)]
+    assert tokens[0][::2] == tokens[1][::2]
+    if runner.capture:
+        assert (4, ("filtered", True)) in runner.graphs
 
 
 @pytest.mark.slow  # (the interpreter: ~40 s)
@@ -110,6 +118,7 @@ def test_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
     A seeded request draws with its own generator, in the eager sampler."""
     folder = make_hf_model(tmp_path / "llama", "llama")
     in_step, eager = _llm(folder), _llm(folder)
+    in_step.engine.runner.backend.use_cuda_graphs = False  # (a GPU's graph replays its own RNG offsets)
     eager.engine.runner.backend.max_graph_batch = 0  # no graphs: every step the eager sampler's
     backend, replays = in_step.engine.runner.backend, []
     run = backend.decode_and_sample
