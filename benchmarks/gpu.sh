@@ -6,12 +6,13 @@
 #
 # Needs torch with CUDA, triton, transformers, gguf; llama-cpp-python for the Q4_K_M file
 # (pip install ../shared/wheels/llama_cpp_python-*.whl). Writes OUT_DIR/{tests.log, kernels.md,
-# engine.md} and their JSON.
+# engine.md, trace.md} and their JSON, and trace.trace.json (benchmarks/gpu_step.sh: the short check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_quant_matmul.py \
-    tests/test_gpu_backend.py tests/test_kv_fp8.py 2>&1 | tee "$out/tests.log"
+    tests/test_gpu_backend.py tests/test_decode_inputs.py tests/test_kv_fp8.py 2>&1 | tee "$out/tests.log"
 python3 benchmarks/gpu_kernels.py --out "$out/kernels"
 python3 benchmarks/gpu.py --out "$out/engine"
+python3 benchmarks/gpu_trace.py --out "$out/trace"

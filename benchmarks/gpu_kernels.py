@@ -6,9 +6,10 @@
   quant matmul  x [M, K] bf16 @ W^T with W in GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), the
                 Llama-3.2-1B projections' shapes; GB/s = weight bytes / time; beside it torch's
                 bf16 matmul of the same shape (cuBLAS reading 2 bytes a weight)
-  gemv-sweep    the small-M kernel's tile and split settings (GEMV_BLOCK_N, GEMV_BLOCK_K,
-                GEMV_WARPS, GEMV_PROGRAMS_PER_SM) tried on every matrix at M = 1: total time per
-                format, the best first
+  gemv-sweep    the small-M kernel's launches (quant_matmul.GEMV_CANDIDATES: block_n, block_k, warps,
+                programs per SM) per shape class (square, long rows, wide, vocab) and format at M = 1:
+                the fastest per cell against today's, and the GEMV_CONFIGS table to paste in
+                (--sections gemv-sweep; ~5 minutes on an H100, not part of benchmarks/gpu.sh)
   decode attn   the paged split-KV decode kernel over the Llama-3.2-1B layer shape (32 heads, 8 KV
                 heads, head_dim 64): GB/s = K/V bytes / time
 Times are medians of triton.testing.do_bench (CUDA events).
@@ -43,38 +44,62 @@ def random_blocks(qtype, n: int, k: int):
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
+# per GEMV shape class (quant_matmul.shape_class), the matrices the sweep times: Llama-3.2-1B's and Llama-3-8B's
+CLASS_SHAPES = {"square": [(2048, 2048), (3072, 2048), (4096, 4096), (6144, 4096)],
+                "long_rows": [(2048, 8192), (4096, 14336)],
+                "wide": [(16384, 2048), (28672, 4096)],
+                "vocab": [(128256, 2048)]}
+
+
 def gemv_sweep(data: dict) -> str:
-    """Each setting's summed M = 1 time over SHAPES per format (module constants patched)."""
+    """Every launch of GEMV_CANDIDATES at M = 1, per shape class and format: the fastest by time
+    summed over the class's matrices, against the launch GEMV_CONFIGS gives today; then the table
+    to paste into hearth/triton_kernels/quant_matmul.py."""
     import itertools
 
     import torch
+    import triton
 
     from hearth.triton_kernels import quant_matmul as qm
 
-    import triton
-
     def quick(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median") / 1e3
 
-    x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES.values()}
-    weights = {(q, name): qm.TritonQuantWeight.from_blocks(random_blocks(q, n, k), q, (n, k), "cuda")
-               for q in qm.SUPPORTED_QTYPES for name, (n, k) in SHAPES.items()}
-    default = (qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM)
-    rows = []
-    for setting in itertools.product((8, 16, 32), (512, 1024), (4, 8), (8,)):
-        qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM = setting
-        try:
-            times = {q: sum(quick(lambda w=weights[(q, name)], k=k: w.gemv(x[k])) for name, (_, k) in SHAPES.items())
-                     for q in qm.SUPPORTED_QTYPES}
-        except Exception as e:  # a setting the compiler refuses (registers, shared memory)
-            print(f"gemv setting {setting}: {type(e).__name__}", file=sys.stderr)
-            continue
-        rows.append([*setting, *(times[q] * 1e6 for q in qm.SUPPORTED_QTYPES), sum(times.values()) * 1e6])
-        data.setdefault("gemv_sweep", []).append({"setting": setting, "us": {q.name: t * 1e6 for q, t in times.items()}})
-    qm.GEMV_BLOCK_N, qm.GEMV_BLOCK_K, qm.GEMV_WARPS, qm.GEMV_PROGRAMS_PER_SM = default
-    rows.sort(key=lambda r: r[-1])
-    return "GEMV settings at M = 1, us summed over the five matrices (best first)\n\n" + table(
-        ["BLOCK_N", "BLOCK_K", "warps", "programs/SM", *(q.name for q in qm.SUPPORTED_QTYPES), "all"], rows[:15])
+    launches = [qm.GemvConfig(*c) for c in itertools.product(*qm.GEMV_CANDIDATES.values())]
+    rows, best = [], {}
+    for cls, shapes in CLASS_SHAPES.items():
+        for qtype in qm.SUPPORTED_QTYPES:
+            weights = [qm.TritonQuantWeight.from_blocks(random_blocks(qtype, n, k), qtype, (n, k), "cuda")
+                       for n, k in shapes]
+            xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes]
+
+            def total(config, weights=weights, xs=xs):
+                return sum(quick(lambda w=w, x=x: w.gemv(x, config=config)) for w, x in zip(weights, xs))
+
+            today = total(weights[0].gemv_config)
+            times = {}
+            for config in launches:
+                try:
+                    times[config] = total(config)
+                except Exception as e:  # a launch the compiler refuses (registers, shared memory)
+                    print(f"{cls} {qtype.name} {config}: {type(e).__name__}", file=sys.stderr)
+            config = min(times, key=times.get)
+            best[(cls, qtype.name)] = (config, times[config], today)
+            rows.append([cls, qtype.name, config.block_n, config.block_k, config.warps, config.programs_per_sm,
+                         times[config] * 1e6, today * 1e6, today / times[config]])
+            data.setdefault("gemv_sweep", []).append(
+                {"class": cls, "qtype": qtype.name, "shapes": shapes, "today_us": today * 1e6,
+                 "us": {repr(c): t * 1e6 for c, t in times.items()}})
+            del weights
+    literal = ["GEMV_CONFIGS: dict[tuple[str, str], GemvConfig] = {"]
+    literal += [f'    ("{cls}", "{name}"): {config!r},  # {t * 1e6:.1f} us (was {today * 1e6:.1f})'
+                for (cls, name), (config, t, today) in best.items()]
+    literal += ['    **{(c, "*"): GemvConfig() for c in SHAPE_CLASSES},', "}"]
+    return "\n".join([
+        "GEMV launches at M = 1 per shape class and format: the fastest of "
+        f"{len(launches)}, us summed over the class's matrices", "",
+        table(["class", "format", "block_n", "block_k", "warps", "programs/SM", "best us", "today us", "speed-up"],
+              rows), "", "To paste into hearth/triton_kernels/quant_matmul.py:", "", "```python", *literal, "```"])
 
 
 def bench(fn) -> float:

@@ -97,8 +97,46 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     runner = graphs.engine.model.backend_state["decode_graphs"]
     assert runner.capture == (DEVICE == "cuda")
     if runner.capture:
-        assert set(runner.graphs) == {1, 2, 4, 8}
+        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4, 8)}
     assert "decode_graphs" not in eager.engine.model.backend_state
+    # greedy rows beside random ones (the random heads captured, on a GPU): the greedy rows' tokens
+    mixed = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, top_k=5, max_tokens=5),
+             SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=1.0, max_tokens=5)]
+    prompts = _prompts(4, seed=4, longest=20)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)] for llm in (graphs, eager)]
+    assert tokens[0][::2] == tokens[1][::2]
+    if runner.capture:
+        assert (4, ("filtered", True)) in runner.graphs
+
+
+@pytest.mark.slow  # (the interpreter: ~40 s)
+def test_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
+    """Decode steps whose draws run inside the step (hearth/engine/step_sampling.py: greedy rows,
+    temperature, top-k / top-p / min-p): the eager sampler's tokens. Random rows draw with the
+    global RNG, seeded alike for both engines; the batches are whole buckets (1, 2, 4), so both
+    draw the same noise (a padded bucket's padding rows draw noise too: there the streams part).
+    A seeded request draws with its own generator, in the eager sampler."""
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    in_step, eager = _llm(folder), _llm(folder)
+    in_step.engine.runner.backend.use_cuda_graphs = False  # (a GPU's graph replays its own RNG offsets)
+    eager.engine.runner.backend.max_graph_batch = 0  # no graphs: every step the eager sampler's
+    backend, replays = in_step.engine.runner.backend, []
+    run = backend.decode_and_sample
+    backend.decode_and_sample = lambda *args: replays.append(args[-1].key) or run(*args)
+    greedy, plain = SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=1.0, max_tokens=6)
+    filtered = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=6)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6)
+    batches = [[plain], [filtered, greedy], [greedy, plain, plain, plain], [seeded, plain]]
+    for i, params in enumerate(batches):
+        prompts = _prompts(len(params), seed=10 + i, longest=12)
+        tokens = []
+        for llm in (in_step, eager):
+            torch.manual_seed(i)
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert tokens[0] == tokens[1], f"batch {i}"
+    # (the greedy head: test_decode_graphs_match_the_eager_path)
+    assert set(replays) == {("temperature", False), ("filtered", True), ("temperature", True)}
+    assert len(replays) == 5 * 3  # 5 decode steps of the first three batches; none with the seeded request
 
 
 @pytest.mark.parametrize("arch,out_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen3_moe", "q4_0")])

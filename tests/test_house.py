@@ -5,7 +5,7 @@ The layers are LAYERS below, top to bottom; docs/architecture.md ("Layers") show
 and test_the_docs_show_the_layer_table holds the two together. A module may import its own layer
 and the layers below it; an import under `if TYPE_CHECKING:` (annotations only, never run) is
 exempt. Imports inside functions count: they run too, only later. In hearth/engine/ only the
-runners and the sampler build tensors (TENSOR_MODULES): the rest is bookkeeping.
+runners and the sampler (and its head run inside a backend's step) build tensors (TENSOR_MODULES): the rest is bookkeeping.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "hearth.reasoning")),
 ]
 # the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
-TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.sampler")
+TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.sampler",
+                  "hearth.engine.step_sampling")
 TENSOR_BUILDERS = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "empty", "zeros", "ones", "full",
                    "arange", "linspace", "eye", "rand", "randn", "randint", "randperm", "stack", "cat", "concat",
                    "concatenate", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}

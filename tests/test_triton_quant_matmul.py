@@ -28,7 +28,10 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from hearth.triton_kernels.quant_matmul import GEMV_MAX_M, SUPPORTED_QTYPES, TritonQuantWeight
+import itertools
+
+from hearth.triton_kernels.quant_matmul import (GEMV_CANDIDATES, GEMV_CONFIGS, GEMV_MAX_M, SUPPORTED_QTYPES, GemvConfig,
+                                                TritonQuantWeight, shape_class)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, K = 103, 512  # N no multiple of any tile; K two K-quant super-blocks, 16 Q8_0/Q4_0 blocks
@@ -114,6 +117,33 @@ def test_gemv_split_over_k(qtype):
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
     for split_k in (2, 3):
         check_product(holder.gemv(x, split_k=split_k), x, gguf_quants.dequantize(blocks, qtype), tensor_cores=False)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda q: q.name)
+def test_every_gemv_launch_a_sweep_may_pick(qtype):
+    """Every (block_n, block_k) of GEMV_CANDIDATES (K split in two where it has two tiles: partial
+    tiles, uneven splits) and every launch of GEMV_CONFIGS: within the GEMV's bound."""
+    k = 1024
+    blocks = make_blocks(qtype, 24, k, seed=11)  # 24 rows: partial row blocks of 16 and 32
+    holder = TritonQuantWeight.from_blocks(torch.from_numpy(blocks), qtype, (24, k), DEVICE)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    ref = gguf_quants.dequantize(blocks, qtype)
+    configs = [GemvConfig(n, k) for n, k in itertools.product(GEMV_CANDIDATES["block_n"], GEMV_CANDIDATES["block_k"])]
+    for config in configs + sorted(set(GEMV_CONFIGS.values()), key=repr):
+        check_product(holder.gemv(x, split_k=2, config=config), x, ref, tensor_cores=False)
+
+
+def test_each_weight_takes_the_launch_of_its_shape_class(monkeypatch):
+    """Llama-3.2-1B's matrices fall in their classes; a weight reads the table's entry for its class
+    and format, else its class's entry for any format."""
+    assert [shape_class(n, k) for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))] \
+        == ["square", "square", "wide", "long_rows", "vocab"]
+    tuned = GemvConfig(16, 1024, 8, 2)
+    monkeypatch.setitem(GEMV_CONFIGS, ("long_rows", "Q4_K"), tuned)
+    for qtype, expected in ((Q.Q4_K, tuned), (Q.Q8_0, GEMV_CONFIGS[("long_rows", "*")])):
+        holder = TritonQuantWeight.from_blocks(torch.from_numpy(make_blocks(qtype, 16, 512, seed=1)), qtype, (16, 512),
+                                               DEVICE)
+        assert holder.gemv_config == expected
 
 
 def test_gemm_takes_rows_with_a_stride():

@@ -12,6 +12,7 @@ for; this one is the readable definition they are tested against.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,20 @@ class StepInputs:
                           self.block_tables[first:end], self.block_size,
                           self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None,
                           None if self.state_slots is None else self.state_slots[first:end])
+
+
+@dataclass
+class DecodeSampling:
+    """How a decode step draws its tokens inside the backend's step (Backend.decode_and_sample):
+    the rows' sampling parameters and the head that turns logits into tokens, both the engine's
+    sampler's (the backend keeps the parameters on its device and runs the head where it runs the
+    model: for the gpu backend, inside the step's CUDA graph)."""
+
+    params: np.ndarray  # float64 [num_params, S] per sequence
+    defaults: tuple[float, ...]  # a padding row's parameters
+    key: Hashable  # the head's variant (one captured graph per batch bucket and key)
+    # (logits [B, V] float32, params [num_params, B] float64 on the device) -> tensors [B, ...]; no host reads
+    head: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -207,6 +222,12 @@ class Backend:
                 ) -> torch.Tensor:  # [T, hidden] after the final norm
         input_ids, positions, meta = self.inputs(model, step)
         return model(input_ids, positions, kv_caches, meta)
+
+    def decode_and_sample(self, model: nn.Module, step: StepInputs, kv_caches, sampling: DecodeSampling
+                          ) -> tuple[torch.Tensor, ...] | None:
+        """A decode step and its draws in one go, where the backend runs them together: the head's
+        outputs [S, ...], or None (then the caller runs `forward` and its sampler)."""
+        return None
 
     def inputs(self, model: nn.Module, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's token ids [T], positions [T] and attention metadata, on this backend's device."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hearth.backend.base import Backend, StepInputs
+from hearth.backend.base import Backend, DecodeSampling, StepInputs
 from hearth.backend.gpu_linear import TritonQuantLinear
 from hearth.triton_kernels import activation, attention, norm, rope
 
@@ -65,19 +65,28 @@ class GpuBackend(Backend):
     # ---- a step ------------------------------------------------------------------------
 
     def forward(self, model, step: StepInputs, kv_caches):
-        # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
-        if step.decode_only and step.num_seqs <= self.max_graph_batch and not model.config.num_experts:
-            graphs = model.backend_state.get("decode_graphs")
-            if graphs is None:
-                from hearth.backend.graphs import DecodeGraphs
+        graphs = self._decode_graphs(model, step, kv_caches)
+        return graphs.run(step) if graphs is not None else super().forward(model, step, kv_caches)
 
-                max_blocks = -(-model.rope.max_positions // step.block_size)
-                graphs = model.backend_state["decode_graphs"] = DecodeGraphs(
-                    self, model, kv_caches, self.max_graph_batch, max_blocks, step.block_size,
-                    capture=self.use_cuda_graphs)
-            if graphs.fits(step):
-                return graphs.run(step)
-        return super().forward(model, step, kv_caches)
+    def decode_and_sample(self, model, step: StepInputs, kv_caches, sampling: DecodeSampling):
+        """The forward pass, LM head and draws of a decode step in one graph replay (graphs.py)."""
+        graphs = self._decode_graphs(model, step, kv_caches)
+        return None if graphs is None else graphs.run(step, sampling)
+
+    def _decode_graphs(self, model, step: StepInputs, kv_caches):
+        """The model's DecodeGraphs (made on first use) where they run this step, else None."""
+        # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
+        if not step.decode_only or step.num_seqs > self.max_graph_batch or model.config.num_experts:
+            return None
+        graphs = model.backend_state.get("decode_graphs")
+        if graphs is None:
+            from hearth.backend.graphs import DecodeGraphs
+
+            max_blocks = -(-model.rope.max_positions // step.block_size)
+            graphs = model.backend_state["decode_graphs"] = DecodeGraphs(
+                self, model, kv_caches, self.max_graph_batch, max_blocks, step.block_size,
+                capture=self.use_cuda_graphs)
+        return graphs if graphs.fits(step) else None
 
     def inputs(self, model, step: StepInputs):
         dev = self.device

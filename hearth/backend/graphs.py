@@ -1,25 +1,32 @@
-"""Decode steps replayed from CUDA graphs, one per bucketed batch size.
+"""Decode steps replayed from CUDA graphs, one per bucketed batch size (and sampling head).
 
 A decode step of a 1B model launches hundreds of small kernels; launched one by one from Python
 they leave the GPU idle most of the step. A CUDA graph records the whole forward pass once and
-replays it with one launch. A graph's tensors are fixed, so every input lives in one static
-int32 buffer on the device (token ids, positions, slots, context lengths, block tables), filled
-from one pinned host buffer by one copy per step; a batch of b sequences runs the graph of the
-smallest bucket >= b, its rows past b padded so that they are harmless: slot -1 (the K/V write
-is skipped), context length 0 (attention gives zeros), token and position 0. The output rows
-past b are ignored.
+replays it with one launch. A graph's tensors are fixed, so every input lives in the persistent
+buffers of decode_inputs.py (tokens, context lengths, block tables, sampling parameters), which
+each step changes by a small diff; the positions and slots are computed from them inside the
+graph. A batch of b sequences runs the graph of the smallest bucket >= b, its rows past b padded
+so that they are harmless (decode_inputs.py); the output rows past b are ignored.
+
+A step may also carry a sampling head (`DecodeSampling`, built by the engine's sampler): then the
+graph holds the LM head and the draws too, and one replay turns the buffers into each row's next
+token and its logprob, with no host work between the forward pass and the tokens. One graph per
+(bucket, head key): a greedy head, a plain temperature head and one with top-k / top-p / min-p
+filters are different graphs (the filters' sort costs what a greedy step does not need).
 
 With capture off (`capture=False`: on a CPU, under Triton's interpreter, or `--enforce-eager`'s
-tests) the same buffers and padding run eagerly, which is how the tests check this logic
+tests) the same buffers, padding and heads run eagerly, which is how the tests check this logic
 without a GPU.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Hashable
+
 import torch
 
-from hearth.backend.base import StepInputs
+from hearth.backend.base import DecodeSampling, StepInputs
+from hearth.backend.decode_inputs import DecodeInputs
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -33,85 +40,63 @@ class DecodeGraphs:
                  capture: bool):
         self.backend, self.model, self.kv_caches = backend, model, kv_caches
         self.buckets = bucket_sizes(max_batch)
-        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.max_batch, self.block_size = max_batch, block_size
         self.capture = capture
-        device = backend.device
-        # one int32 buffer: ids [B], positions [B], slots [B], context lens [B], block tables [B, W]
-        n = max_batch
-        fields = {"input_ids": n, "positions": n, "slot_mapping": n, "seq_lens": n, "block_tables": n * max_blocks}
-        self._offsets, start = {}, 0
-        for name, size in fields.items():
-            self._offsets[name] = (start, start + size)
-            start += size
-        self.host = torch.zeros(start, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.device_buffer = torch.zeros(start, dtype=torch.int32, device=device)
-        self._host_view = self.host.numpy()
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's hidden states [bucket, hidden]
+        self.inputs = DecodeInputs(max_batch, max_blocks, block_size, backend.device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=backend.device)
+        self.graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}
+        # (bucket, head key) -> the graph's outputs: hidden states [bucket, hidden], or the head's tensors
+        self.outputs: dict[tuple[int, Hashable], torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self.pool = None
 
     def fits(self, step: StepInputs) -> bool:
-        return step.decode_only and step.num_seqs <= self.max_batch and step.block_tables.shape[1] <= self.max_blocks
+        return self.inputs.fits(step)
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _field(self, buffer, name: str):
-        start, end = self._offsets[name]
-        return buffer[start:end]
+    def _run_model(self, size: int, sampling: DecodeSampling | None):
+        """The forward pass over the buffers' first `size` rows, then the sampling head if any."""
+        inputs = self.inputs
+        positions, slots = inputs.positions_and_slots(size)
+        meta = self.backend.metadata(slots, self.query_start_loc[: size + 1], inputs.field("seq_lens", size),
+                                     inputs.block_tables(size), self.block_size, 1, self.model.config.num_kv_heads)
+        hidden = self.model(inputs.field("input_ids", size), positions, self.kv_caches, meta)
+        if sampling is None:
+            return hidden
+        return sampling.head(self.model.compute_logits(hidden), inputs.params[:, :size])
 
-    def _load(self, step: StepInputs, size: int) -> None:
-        """Write the step's rows (and padding up to `size`) into the host buffer, then copy it over."""
-        b, width = step.num_seqs, step.block_tables.shape[1]
-        host = self._host_view
-        on_device = isinstance(step.input_ids, torch.Tensor)  # drawn by the pass before: copied below
-        for name, values, pad in (("input_ids", 0 if on_device else step.input_ids, 0), ("positions", step.positions, 0),
-                                  ("slot_mapping", step.slot_mapping, -1), ("seq_lens", step.seq_lens, 0)):
-            field = self._field(host, name)
-            field[:b] = values
-            field[b:size] = pad
-        tables = self._field(host, "block_tables").reshape(self.max_batch, self.max_blocks)
-        tables[:b, :width] = step.block_tables
-        tables[:b, width:] = 0
-        tables[b:size] = 0
-        self.device_buffer.copy_(self.host, non_blocking=True)
-        if on_device:
-            self._field(self.device_buffer, "input_ids")[:b].copy_(step.input_ids)
-
-    def _run_model(self, size: int) -> torch.Tensor:
-        """The forward pass over the static buffers' first `size` rows."""
-        buf = self.device_buffer
-        tables = self._field(buf, "block_tables").view(self.max_batch, self.max_blocks)[:size]
-        meta = self.backend.metadata(
-            self._field(buf, "slot_mapping")[:size], self.query_start_loc[: size + 1],
-            self._field(buf, "seq_lens")[:size], tables, self.block_size, 1, self.model.config.num_kv_heads,
-        )
-        return self.model(self._field(buf, "input_ids")[:size], self._field(buf, "positions")[:size],
-                          self.kv_caches, meta)
-
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Hidden states [b, hidden] of a decode step of b <= max_batch sequences."""
+    def run(self, step: StepInputs, sampling: DecodeSampling | None = None):
+        """Hidden states [b, hidden] of a decode step of b <= max_batch sequences; or, given a
+        sampling head, its outputs' first b rows."""
         size = self.bucket(step.num_seqs)
-        self._load(step, size)
+        if sampling is None:
+            self.inputs.update(step, size)
+        else:
+            self.inputs.update(step, size, sampling.params, sampling.defaults)
+        key = (size, None if sampling is None else sampling.key)
         if not self.capture:
-            return self._run_model(size)[: step.num_seqs]
-        if size not in self.graphs:
-            self._capture(size)
-        self.graphs[size].replay()
-        return self.outputs[size][: step.num_seqs]
+            out = self._run_model(size, sampling)
+        else:
+            if key not in self.graphs:
+                self._capture(key, sampling)
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        b = step.num_seqs
+        return out[:b] if isinstance(out, torch.Tensor) else tuple(t[:b] for t in out)
 
-    def _capture(self, size: int) -> None:
-        """Record the forward pass at batch `size` (after one eager run: Triton compiles its kernels
+    def _capture(self, key: tuple[int, Hashable], sampling: DecodeSampling | None) -> None:
+        """Record the step at batch key[0] (after one eager run: Triton compiles its kernels
         and torch's allocator warms up outside the capture). The current buffer contents are a real
         step's (or padding): the warm-up's K/V writes go where that step's own would."""
+        size = key[0]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._run_model(size)
+            self._run_model(size, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._run_model(size)
+            self.outputs[key] = self._run_model(size, sampling)
         self.pool = graph.pool()
-        self.graphs[size] = graph
+        self.graphs[key] = graph

@@ -34,6 +34,7 @@ from hearth.engine import contrastive_search
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
+from hearth.engine.step_sampling import decode_sampling, drawn_in_step
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
 from hearth.model.lora import LoraBank
@@ -202,9 +203,10 @@ class ModelRunner:
             state_slots=state_slots,
         )
 
-    def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
-        step = self.prepare(entries)
+    def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]
+        (step: the entries already prepared)."""
+        step = self.prepare(entries) if step is None else step
         if self.lora is not None:  # each row's adapter
             self.lora[0].activate(np.repeat([e.lora_slot for e in entries], step.query_lens))
         hidden = self.model_pass(self.model, step, self.kv_caches)
@@ -291,11 +293,16 @@ class ModelRunner:
         if not sequences:
             return StepResult({}, {})
         entries, sampled, sample_rows, scored = self._lay_out(sequences)
+        step = self.prepare(entries)
+        if len(sampled) == len(sequences) and step.decode_only:
+            drawn = self._draws_in_step(sampled, step)
+            if drawn is not None:
+                return drawn
         amateur_logits = self._amateur_logits(sampled)
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
-        hidden, _ = self.forward(entries)
+        hidden, _ = self.forward(entries, step)
         self._keep_hidden_states(sequences, hidden)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
@@ -337,6 +344,24 @@ class ModelRunner:
                 entry.update(zip(ids, lps))
             result.prompt_logprobs[request] = entries
         return result
+
+    def _draws_in_step(self, sampled: list[ScheduledSequence], step: StepInputs) -> StepResult | None:
+        """A step of plain decodes, each drawing its next token as step_sampling.py's head can: the
+        backend runs the model, the LM head and the draws in one go (the gpu backend: one CUDA graph
+        replay), and the host reads the tokens and their logprobs. None: not such a step, or the
+        backend has no such path (then the step takes the eager way)."""
+        if not self.own_pass or self.lora is not None or any(
+                s.request.spec_token_ids or s.matcher is not None or s.generator is not None or s.forced
+                or not drawn_in_step(s.request.sampling_params, len(s.request.output_token_ids)) for s in sampled):
+            return None
+        sampling = decode_sampling([s.request.sampling_params for s in sampled], self.model.config.vocab_size,
+                                   self.backend)
+        out = self.backend.decode_and_sample(self.model, step, self.kv_caches, sampling)
+        if out is None:
+            return None
+        token_ids, logprobs = (t.tolist() for t in to_host(list(out)))
+        return StepResult({s.request: SampledTokens([t], [lp], None, 0, 0, [t])
+                           for s, t, lp in zip(sampled, token_ids, logprobs)}, {})
 
     def _lay_out(self, sequences: list[ScheduledSequence]):
         """The step's BatchEntry list, the sequences that sample and their rows (each guess's and

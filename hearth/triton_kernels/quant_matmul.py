@@ -34,12 +34,16 @@ gguf, whether or not the compiler fuses it into an FMA.
 Kernels (tiles are [rows, sub-blocks, values per sub-block], so each scale is loaded once per
 sub-block, not per value):
 
-- `_gemv_kernel`, M <= GEMV_MAX_M (decode): a program owns GEMV_BLOCK_N rows and a range of K
+- `_gemv_kernel`, M <= GEMV_MAX_M (decode): a program owns block_n rows and a range of K
   (split over K when N alone gives too few programs; the splits' fp32 partial sums are added by
-  torch), dequantizes a [GEMV_BLOCK_N, GEMV_BLOCK_K] tile once (128-bit loads of the codes) and
+  torch), dequantizes a [block_n, block_k] tile once (128-bit loads of the codes) and
   multiplies it with every row of x in fp32, keeping per-sub-block sums [BLOCK_N, NB, BLOCK_M] in
   the tile's own register layout. Exact weights, fp32 products and sums:
   |y - ref| <= K * 2^-24 * sum |w| |x|.
+  Its launch (block_n, block_k, warps, when to split K) is per shape class and format
+  (`shape_class`, GEMV_CONFIGS): a small square matrix, a long-row down projection, a wide
+  gate/up and an LM head want different tiles and splits; benchmarks/gpu_kernels.py's sweep
+  times GEMV_CANDIDATES on a GPU and prints the table.
 - `_gemm_kernel`, M > GEMV_MAX_M (prefill): a [GEMM_BLOCK_N, GEMM_BLOCK_K] weight tile dequantized
   to x's dtype (bf16/f16) is the A operand of tl.dot against x^T (for sm_90 Triton emits wgmma with
   A in registers and prefetches the codes and x with cp.async over GEMM_STAGES), fp32
@@ -51,6 +55,7 @@ sub-block, not per value):
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -63,11 +68,50 @@ Q = GGMLQuantizationType
 SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 GEMV_MAX_M = 8  # most rows of x for the GEMV; more take the tl.dot kernel
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 512, 4
-GEMV_PROGRAMS_PER_SM = 4  # below this many programs over N, K is split
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The GEMV kernel's launch: rows per program, K values per tile, warps, and the programs per SM
+    below which K is split (a matrix of few rows gets its K ranges spread over the GPU)."""
+
+    block_n: int = 8
+    block_k: int = 512
+    warps: int = 4
+    programs_per_sm: int = 4
+
+
+# What a sweep may try (benchmarks/gpu_kernels.py --sections gemv-sweep); tests/test_triton_quant_matmul.py
+# runs every (block_n, block_k) of it against gguf's dequantizer, so any entry the sweep picks is correct.
+GEMV_CANDIDATES = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "warps": (2, 4, 8),
+                   "programs_per_sm": (2, 4, 8, 16)}
+SHAPE_CLASSES = ("square", "long_rows", "wide", "vocab")
+
+
+def shape_class(n: int, k: int) -> str:
+    """A weight [N, K]'s class for the GEMV's launch: vocab (an LM head, N >= 32768), long_rows
+    (K >= 2N: a down projection, few outputs, long dot products), wide (N >= 2K: gate/up), else
+    square (attention's q/k/v/o, small models' matrices)."""
+    if n >= 32768:
+        return "vocab"
+    if k >= 2 * n:
+        return "long_rows"
+    return "wide" if n >= 2 * k else "square"
+
+
+# (shape class, format name or "*" for any) -> launch; the sweep prints this table (best per cell) to paste
+# in. Until a sweep on a GPU fills it, every class takes the one launch tuned before classes existed.
+GEMV_CONFIGS: dict[tuple[str, str], GemvConfig] = {(c, "*"): GemvConfig() for c in SHAPE_CLASSES}
+
+
+def gemv_config(qtype: GGMLQuantizationType, n: int, k: int) -> GemvConfig:
+    """The GEMV launch for a `qtype` weight [N, K]: GEMV_CONFIGS' entry for its class and format, or
+    for its class and any format."""
+    cls = shape_class(n, k)
+    return GEMV_CONFIGS.get((cls, qtype.name)) or GEMV_CONFIGS[(cls, "*")]
 GEMM_BLOCK_N, GEMM_BLOCK_K, GEMM_WARPS, GEMM_STAGES = 64, 64, 4, 3
 GEMM_MIN_BLOCK_M, GEMM_MAX_BLOCK_M = 16, 128
-DEQUANT_BLOCK_N = 8
+DEQUANT_BLOCK_N, DEQUANT_BLOCK_K = 8, 512
 
 # Format codes inside the kernels (tl.constexpr): the GGML type numbers.
 _Q8_0 = tl.constexpr(int(Q.Q8_0))
@@ -220,6 +264,7 @@ class TritonQuantWeight:
                  sc: torch.Tensor | None = None, mn: torch.Tensor | None = None):
         self.qtype, self.shape = qtype, shape
         self.q, self.d, self.qh, self.dmin, self.sc, self.mn = q, d, qh, dmin, sc, mn  # None: not in this format
+        self.gemv_config = gemv_config(qtype, *shape)  # (the table is read once, when the weight is made)
 
     @classmethod
     def from_blocks(cls, data: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int],
@@ -269,7 +314,7 @@ class TritonQuantWeight:
         """The whole weight, [N, K] in `dtype` (exact in float32; for tests and tools)."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=dtype, device=self.device)
-        nb = GEMV_BLOCK_K // _SUB_BLOCK[self.qtype]
+        nb = DEQUANT_BLOCK_K // _SUB_BLOCK[self.qtype]
         grid = (triton.cdiv(n, DEQUANT_BLOCK_N), triton.cdiv(k // _SUB_BLOCK[self.qtype], nb))
         _dequantize_kernel[grid](out, *self._weight_args(), n, k, **self._format_args(),
                                  BLOCK_N=DEQUANT_BLOCK_N, NB=nb)
@@ -286,24 +331,25 @@ class TritonQuantWeight:
                              f"got {x.dtype} {tuple(x.shape)}")
         return x if x.stride(1) == 1 else x.contiguous()
 
-    def gemv(self, x: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
-        """The small-M kernel (meant for M <= GEMV_MAX_M: it holds M x GEMV_BLOCK_N x 16 partial
-        sums); split_k: K ranges per block of rows, None to fill the GPU (GEMV_PROGRAMS_PER_SM
-        programs per SM)."""
+    def gemv(self, x: torch.Tensor, split_k: int | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+        """The small-M kernel (meant for M <= GEMV_MAX_M: it holds M x block_n x 16 partial sums)
+        with `config` (None: the weight's, from GEMV_CONFIGS); split_k: K ranges per block of rows,
+        None to fill the GPU (config.programs_per_sm programs per SM)."""
         x = self._check(x)
+        config = config or self.gemv_config
         (m, k), n = x.shape, self.shape[0]
-        nb = GEMV_BLOCK_K // _SUB_BLOCK[self.qtype]
-        row_blocks, tiles = triton.cdiv(n, GEMV_BLOCK_N), triton.cdiv(k // _SUB_BLOCK[self.qtype], nb)
+        nb = config.block_k // _SUB_BLOCK[self.qtype]
+        row_blocks, tiles = triton.cdiv(n, config.block_n), triton.cdiv(k // _SUB_BLOCK[self.qtype], nb)
         if split_k is None:  # the interpreter (CPU tensors) has no SMs to fill
-            split_k = GEMV_PROGRAMS_PER_SM * _sm_count(x.device) // row_blocks if x.device.type == "cuda" else 1
+            split_k = config.programs_per_sm * _sm_count(x.device) // row_blocks if x.device.type == "cuda" else 1
         tiles_per_split = triton.cdiv(tiles, min(max(split_k, 1), tiles))
         splits = triton.cdiv(tiles, tiles_per_split)  # none empty
         y = torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
         if m > 0:
             _gemv_kernel[(row_blocks, splits)](
                 x, y, *self._weight_args(), m, n, k, x.stride(0), y.stride(0), y.stride(1), tiles_per_split,
-                **self._format_args(), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N, NB=nb,
-                num_warps=GEMV_WARPS)
+                **self._format_args(), BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, NB=nb,
+                num_warps=config.warps)
         return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
