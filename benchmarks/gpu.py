@@ -11,8 +11,8 @@ What it measures (Llama-3.2-1B shape, random weights made by `hearth bench make-
   decode b=64   64 prompts of 128 tokens decoding 128 tokens together, the same three
   (both decodes also with hearth --kv-cache-dtype fp8: K/V as e4m3 bytes, GB/s counted with them)
   throughput    512 requests x (128 prompt + 128 output), at most 256 running: output tokens/s
-  GGUF          the same model as GGUF files: Q8_0 (hearth's converter) and Q4_K_M (llama.cpp's own
-                quantizer through llama-cpp-python, when installed): decode b=1 with the weights kept
+  GGUF          the same model as GGUF files: Q8_0 (hearth's converter) and Q4_K_M (hearth quantize, byte-equal
+                to llama.cpp's quantizer): decode b=1 with the weights kept
                 quantized on the GPU
 Every figure is the median of --runs runs, engines interleaved run by run.
 """
@@ -52,22 +52,16 @@ def hbm_bandwidth() -> float:
 
 
 def make_files(work: Path) -> dict:
-    """The HF folder, a Q8_0 GGUF and (with llama-cpp-python) a Q4_K_M GGUF of the benchmark shape."""
+    """The HF folder, a Q8_0 GGUF and a Q4_K_M GGUF of the benchmark shape. Q4_K_M comes from
+    `hearth quantize`, whose K-quant mixes are byte-equal to llama-quantize's (tests/test_quantize.py),
+    so no llama.cpp build has to travel to the GPU machine."""
     from hearth.bench.models import make_model
+    from hearth.loading.quantize import quantize_model
 
     files = make_model(ARCH, work, ["f16", "q8_0"], progress=False)["files"]
-    try:
-        import llama_cpp
-    except ImportError:
-        print("llama-cpp-python is not installed: no Q4_K_M file", file=sys.stderr)
-        return files
     q4km = work / f"{ARCH}-q4_k_m.gguf"
     if not q4km.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-        params.nthread = 16
-        if llama_cpp.llama_model_quantize(str(files["f16"]).encode(), str(q4km).encode(), params) != 0:
-            raise RuntimeError("llama.cpp could not quantize the f16 file")
+        quantize_model(files["f16"], q4km, "q4_k_m", progress=False)
     files["q4_k_m"] = q4km
     return files
 
