@@ -88,14 +88,7 @@ class LLMEngine:
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
         if progress:
-            states = "" if not hybrid else (f"; states of {self.num_state_slots:,} sequences "
-                                            f"{self.state_cache_bytes / 2**20:.1f} MiB")
-            tier = "" if self.kv_disk_tier is None else (f"; disk tier {config.cache.kv_cache_dir} holds "
-                                                         f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
-            print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
-                  f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}{tier}",
-                  file=sys.stderr)
+            self._announce()
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
                                                                     self.max_model_len, progress)
@@ -106,6 +99,16 @@ class LLMEngine:
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _announce(self) -> None:
+        """The start-up line: the model, where it runs, and what its caches hold."""
+        states = "" if not self.model_config.is_hybrid else (f"; states of {self.num_state_slots:,} sequences "
+                                                             f"{self.state_cache_bytes / 2**20:.1f} MiB")
+        tier = "" if self.kv_disk_tier is None else (f"; disk tier {self.config.cache.kv_cache_dir} holds "
+                                                     f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
+        print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
+              f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds {self.kv_cache_tokens:,} "
+              f"tokens ({self.num_blocks:,} blocks of {self.config.cache.block_size}){states}{tier}", file=sys.stderr)
 
     def _start_lora(self, config: EngineConfig) -> LoraAdapters | None:
         """With enable_lora: the model's projections wrapped for adapters, and lora_modules loaded."""
@@ -311,7 +314,7 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
-        self.move_tier_blocks()
+        self.move_cache_contents()
         result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self.output_processor.release_prompt_sharers()
@@ -324,9 +327,9 @@ class LLMEngine:
         self.last_step = stats
         return outputs
 
-    def move_tier_blocks(self) -> None:
-        """Copy the blocks the KV cache evicted to the disk tier, then write the blocks found there into
-        theirs (kv_cache.py): before anything writes over the one or reads the other."""
+    def move_cache_contents(self) -> None:
+        """Before a forward pass (anything that writes over the one or reads the other): copy the blocks
+        the KV cache evicted to the disk tier, then write the blocks found there into theirs (kv_cache.py)."""
         evicted, loads = self.block_manager.take_tier_moves()
         if evicted:
             for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted])):

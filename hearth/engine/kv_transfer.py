@@ -36,7 +36,7 @@ def import_kv(engine: LLMEngine, token_ids: list[int], kv: torch.Tensor) -> int:
                            f"({len(runner.kv_caches)} layers, blocks of {block_size}, {tuple(k_cache.shape[1:])})")
     covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
     entered = engine.block_manager.import_prefix(covered)
-    engine.move_tier_blocks()  # the blocks it evicted, before their K/V are written over
+    engine.move_cache_contents()  # the blocks it evicted, before their K/V are written over
     if entered:
         runner.write_kv_blocks(entered, kv)
     return len(entered) * block_size
