@@ -112,7 +112,8 @@ class ModelRunner:
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
         forward; a pipeline-parallel model's passes through its stages). num_state_slots: a hybrid
-        model's state cache, the sequences it holds at once (each BatchEntry names its slot).
+        model's state cache, the sequences it holds at once and its prefix checkpoints (each BatchEntry
+        names its slot; copy_states copies between them)).
         kv_caches: caches it shares (early exit's draft: the target's first layers'); None: its own,
         allocated here."""
         self.model = model
@@ -231,6 +232,18 @@ class ModelRunner:
                 vector = rows[-1] if pooling == "last" else rows.mean(0, dtype=torch.float32)
                 vectors.append(torch.nn.functional.normalize(vector.float(), dim=0))
         return torch.stack(vectors).cpu()
+
+    def copy_states(self, moves: list[tuple[int, int]]) -> None:
+        """A hybrid model's state checkpoints taken and restored (state_slots.py): every state layer's
+        states copied from slot to slot, move by move in order (a later one may read an earlier one's)."""
+        if not moves:
+            return
+        config = self.model.config
+        for layer, states in enumerate(self.kv_caches):
+            if config.state_shapes(layer):
+                for state in states:
+                    for source, target in moves:
+                        state[target] = state[source]
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
