@@ -234,8 +234,8 @@ def cmd_inspect(args) -> None:
         print(f"budget           {info['kv_budget_bytes'] / 2**20:.1f} MiB holds the states of "
               f"{info['kv_budget_sequences']:,} sequences{kept} and {info['kv_budget_tokens']:,} tokens{which}")
         if checkpoints:
-            print(f"state checkpoints {info['kv_budget_state_checkpoint_bytes'] / 2**20:.1f} MiB of it (one per sequence, "
-                  f"prefix caching on)")
+            print(f"checkpoints      {info['kv_budget_state_checkpoint_bytes'] / 2**20:.1f} MiB of it: states at "
+                  f"prefix-cache block boundaries, one per sequence")
         return
     print(f"KV budget        {info['kv_budget_bytes'] / 2**20:.1f} MiB holds {info['kv_budget_tokens']:,} tokens{which}")
 
