@@ -90,8 +90,29 @@ def test_one_at_a_time_matches_transformers(family, backend):
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0, 32 if caching else 0]
     assert llm.engine.block_manager.prefix_cache_hits == (32 if caching else 0)
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots == 1
-    with pytest.raises(RequestError, match=f"not implemented for hybrid models \\({arch}"):
-        llm.engine.export_kv(PROMPTS[0])
+    if not caching:
+        with pytest.raises(RequestError, match=f"needs prefix caching on a hybrid model \\({arch}"):
+            llm.engine.export_kv(PROMPTS[0])
+
+
+def test_kv_transfer_carries_the_state_checkpoint(family):
+    """Disaggregated prefill's transfer: a prefill engine's K/V of a prompt's full blocks up to its state
+    checkpoint (32 of SHARED + [3, 4, 5]'s 43 tokens) and that checkpoint's states, entered into a decode
+    engine, whose request with the prompt starts after them and gives transformers' tokens and logprobs;
+    states that do not fit the model are refused by name."""
+    arch, folder, expected = family
+    prefill, decode = LLM(folder, progress=False), LLM(folder, progress=False)
+    prompt = PROMPTS[3]
+    prefill.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    tensors = prefill.engine.export_kv(prompt)
+    assert tensors["kv"].shape[2] == 32 and set(tensors) - {"kv"} == set(decode.engine.runner.state_tensors())
+    with pytest.raises(RequestError, match="do not fit this engine's state layers"):
+        decode.engine.import_kv(prompt, {**tensors, next(iter(set(tensors) - {"kv"})): torch.zeros(3)})
+    assert decode.engine.import_kv(prompt, tensors) == 32
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    output = decode.generate([prompt], params, use_tqdm=False)[0]
+    assert output.num_cached_tokens == 32
+    _check([output], [expected[3]])
 
 
 def test_prefix_cache_restores_state_checkpoints(family):

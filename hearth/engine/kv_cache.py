@@ -155,7 +155,7 @@ class BlockManager:
     def _up_to_checkpoint(self, request: Request, hits: list[int]) -> list[int]:
         """The hits up to the last whose prefix has a state checkpoint; where the K/V hits reach further,
         request.checkpoint_junction names the end of them (a checkpoint is taken there: state_slots.py)."""
-        found = next((n for n in range(len(hits), 0, -1) if self.blocks[hits[n - 1]].content_id in self.checkpoints), 0)
+        found = self.checkpoints.prefix_end([self.blocks[b].content_id for b in hits])
         request.checkpoint_junction = len(hits) * self.block_size if len(hits) > found else 0
         return hits[:found]
 

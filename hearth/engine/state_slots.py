@@ -90,14 +90,27 @@ class StateCheckpoints:
         """The content ids that have a checkpoint, least recently used first."""
         return iter(list(self._slots))
 
+    def prefix_end(self, content_ids: list[int]) -> int:
+        """How many leading blocks of a chain (their content ids, in order) end at its last checkpoint (0: none)."""
+        return next((n for n in range(len(content_ids), 0, -1) if content_ids[n - 1] in self._slots), 0)
+
+    def slot(self, content_id: int) -> int:
+        return self._slots[content_id]
+
+    def enter(self, content_id: int) -> int:
+        """The prefix content_id's checkpoint slot, taken (from the least recently used one when none is
+        free) where it has none; its states are the caller's to write (an import, or a save's move)."""
+        if content_id not in self._slots:
+            self._slots[content_id] = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+        self._slots.move_to_end(content_id)
+        return self._slots[content_id]
+
     def save(self, content_id: int, state_slot: int) -> None:
         """Checkpoint the state in state_slot as the prefix content_id's (kept if it has one already)."""
         if content_id in self._slots:
             self._slots.move_to_end(content_id)
-            return
-        slot = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
-        self._slots[content_id] = slot
-        self._moves.append((state_slot, slot))
+        else:
+            self._moves.append((state_slot, self.enter(content_id)))
 
     def restore(self, content_id: int, state_slot: int) -> None:
         """Copy the prefix content_id's checkpoint into state_slot (a request starting after it)."""
