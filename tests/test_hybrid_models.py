@@ -177,6 +177,7 @@ def test_mixed_batch_chunked_prefill_and_preemption(family):
     outputs = _greedy_with_top5(llm)
     _check(outputs, expected)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert engine.block_manager.prefix_cache_hits > 0  # preempted requests restarted from their checkpoints
     assert engine.block_manager.check_all_free() and engine.scheduler.state_slots.num_free == 4
 
 
