@@ -83,4 +83,7 @@ step "64 concurrent vs one at a time vs transformers static batches: TinyLlama-1
 python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --also-gguf q8_0 --sequential-sample 1 \
     --static-sample 1 $T --out "$R/batching-tinyllama"
 
+step "prefix caching on a hybrid model (state checkpoints): TTFT of requests sharing a 1k-token prefix"
+python benchmarks/hybrid_prefix_cache.py --hidden 256 --layers 4 --runs 2 $T --out "$R/hybrid_prefix_cache"
+
 step "done"

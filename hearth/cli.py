@@ -229,8 +229,13 @@ def cmd_inspect(args) -> None:
         kinds = info["state_layers"]["layer_types"]
         layers = ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds))
         print(f"state cache      {info['state_layers']['state_bytes_per_sequence']:,} bytes/sequence (layers: {layers})")
+        checkpoints = info["kv_budget_state_checkpoints"]
+        kept = f", {checkpoints:,} prefix-cache state checkpoints" if checkpoints else ""
         print(f"budget           {info['kv_budget_bytes'] / 2**20:.1f} MiB holds the states of "
-              f"{info['kv_budget_sequences']:,} sequences and {info['kv_budget_tokens']:,} tokens{which}")
+              f"{info['kv_budget_sequences']:,} sequences{kept} and {info['kv_budget_tokens']:,} tokens{which}")
+        if checkpoints:
+            print(f"checkpoints      {info['kv_budget_state_checkpoint_bytes'] / 2**20:.1f} MiB of it: states at "
+                  f"prefix-cache block boundaries, one per sequence")
         return
     print(f"KV budget        {info['kv_budget_bytes'] / 2**20:.1f} MiB holds {info['kv_budget_tokens']:,} tokens{which}")
 

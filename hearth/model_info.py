@@ -10,7 +10,7 @@ from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.config import EngineConfig
 from hearth.default_model import resolve_model
 from hearth.engine.memory import (choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes,
-                                  state_slot_count)
+                                  state_bytes_per_slot, state_slot_count)
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 
@@ -86,20 +86,24 @@ def _kv_dtype(kv_cache_dtype: str, kv_element_size: int | None) -> tuple[str, fl
 def _kv_budget(path: Path, config, kv_per_token: int, budget: int | None, state_bytes: int) -> dict:
     """The tokens a budget given holds; with none, the budget an engine with default options computes
     (`hearth serve`'s), in whole blocks as the engine's start-up line gives it. A hybrid model's budget
-    keeps the states of some sequences first (kv_budget_sequences: how many run at once) and K/V in the rest."""
+    keeps the states of some sequences first (kv_budget_sequences: how many run at once), with prefix caching
+    (on by default) as many state checkpoints (hearth/engine/state_slots.py), and K/V in the rest."""
     defaults = EngineConfig()
     block_size, max_num_seqs = defaults.cache.block_size, defaults.scheduler.max_num_seqs
+    slot_bytes = state_bytes_per_slot(state_bytes, defaults.cache.enable_prefix_caching)
     default = budget is None
     if default:
         budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size, config.max_position_embeddings,
-                                 max_num_seqs, model_bytes(path), state_bytes)
-    slots = state_slot_count(budget, kv_per_token, block_size, state_bytes, max_num_seqs)
-    kv_bytes = budget - slots * state_bytes
+                                 max_num_seqs, model_bytes(path), slot_bytes)
+    slots = state_slot_count(budget, kv_per_token, block_size, slot_bytes, max_num_seqs)
+    kv_bytes = budget - slots * slot_bytes
     tokens = kv_cache_blocks(kv_bytes, kv_per_token, block_size) * block_size if default else kv_bytes // kv_per_token
     info = {"kv_budget_bytes": tokens * kv_per_token if default else budget, "kv_budget_default": default,
             "kv_budget_tokens": tokens}
     if state_bytes:
-        info |= {"kv_budget_bytes": tokens * kv_per_token + slots * state_bytes, "kv_budget_sequences": slots}
+        info |= {"kv_budget_bytes": tokens * kv_per_token + slots * slot_bytes, "kv_budget_sequences": slots,
+                 "kv_budget_state_checkpoints": slots * (slot_bytes // state_bytes - 1),
+                 "kv_budget_state_checkpoint_bytes": slots * (slot_bytes - state_bytes)}
     return info
 
 

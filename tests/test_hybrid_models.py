@@ -20,7 +20,7 @@ from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.scheduler import Scheduler
-from hearth.engine.state_slots import StateSlots
+from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.errors import HearthError, ModelLoadError, RequestError
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.gguf import config_from_metadata
@@ -77,19 +77,72 @@ def _check(outputs, expected) -> None:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_one_at_a_time_matches_transformers(family, backend, caplog):
-    """Batch 1 (max_num_seqs 1): each prompt computed alone, the second sharing-prefix request too.
-    Prefix caching asked for (cpu) or not (reference): off either way for a hybrid, with a log line."""
+def test_one_at_a_time_matches_transformers(family, backend):
+    """Batch 1 (max_num_seqs 1): each prompt computed alone. With prefix caching (cpu) the request sharing
+    SHARED with the one before starts from its state checkpoint at the end of the other's prompt's last
+    full block (32 tokens); without it (reference) nothing is reused. Either way transformers' tokens."""
     arch, folder, expected = family
-    with caplog.at_level(logging.INFO, logger="hearth"):
-        llm = LLM(folder, backend=backend, max_num_seqs=1, enable_prefix_caching=backend == "cpu", progress=False)
-    assert ("prefix caching is off" in caplog.text) == (backend == "cpu")
-    assert not llm.engine.block_manager.enable_prefix_caching
-    _check(_greedy_with_top5(llm), expected)
-    assert llm.engine.block_manager.prefix_cache_hits == 0
+    caching = backend == "cpu"
+    llm = LLM(folder, backend=backend, max_num_seqs=1, enable_prefix_caching=caching, progress=False)
+    assert llm.engine.num_state_checkpoints == (1 if caching else 0)
+    outputs = _greedy_with_top5(llm)
+    _check(outputs, expected)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0, 32 if caching else 0]
+    assert llm.engine.block_manager.prefix_cache_hits == (32 if caching else 0)
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots == 1
-    with pytest.raises(RequestError, match=f"not implemented for hybrid models \\({arch}"):
-        llm.engine.export_kv(PROMPTS[0])
+    if not caching:
+        with pytest.raises(RequestError, match=f"needs prefix caching on a hybrid model \\({arch}"):
+            llm.engine.export_kv(PROMPTS[0])
+
+
+def test_kv_transfer_carries_the_state_checkpoint(family):
+    """Disaggregated prefill's transfer: a prefill engine's K/V of a prompt's full blocks up to its state
+    checkpoint (32 of SHARED + [3, 4, 5]'s 43 tokens) and that checkpoint's states, entered into a decode
+    engine, whose request with the prompt starts after them and gives transformers' tokens and logprobs;
+    states that do not fit the model are refused by name."""
+    arch, folder, expected = family
+    prefill, decode = LLM(folder, progress=False), LLM(folder, progress=False)
+    prompt = PROMPTS[3]
+    prefill.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    tensors = prefill.engine.export_kv(prompt)
+    assert tensors["kv"].shape[2] == 32 and set(tensors) - {"kv"} == set(decode.engine.runner.state_tensors())
+    with pytest.raises(RequestError, match="do not fit this engine's state layers"):
+        decode.engine.import_kv(prompt, {**tensors, next(iter(set(tensors) - {"kv"})): torch.zeros(3)})
+    assert decode.engine.import_kv(prompt, tensors) == 32
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    output = decode.generate([prompt], params, use_tqdm=False)[0]
+    assert output.num_cached_tokens == 32
+    _check([output], [expected[3]])
+
+
+def test_prefix_cache_restores_state_checkpoints(family):
+    """A long prefix shared: the second request starts from the first's checkpoint at the end of its
+    prompt's last full block (96 of 100 shared tokens) and computes only its tail; a request that parts
+    from them at token 70 finds their K/V up to 64 but no state there, computes from 0 and leaves a
+    checkpoint at that junction, from which the next one sharing 70 tokens starts. Every first token's
+    top-5 logprobs and greedy tokens equal transformers' on the whole prompt."""
+    arch, folder, _ = family
+    long = random_prompts(1, seed=12, shortest=100, longest=100)[0]
+    prompts = [long + [3, 4, 5], long + [7, 8], long[:70] + [9], long[:70] + [10, 11]]
+    llm = LLM(folder, max_num_seqs=2, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    outputs, computed = [], []
+    for prompt in prompts:  # one at a time, so that each finds what the ones before left
+        outputs += llm.generate([prompt], params, use_tqdm=False)
+        computed.append(len(prompt) - outputs[-1].num_cached_tokens)
+    assert [o.num_cached_tokens for o in outputs] == [0, 96, 0, 64] and computed == [103, 6, 71, 8]
+    reference = load_hf_reference(folder)
+    with torch.no_grad():
+        for prompt, output in zip(prompts, outputs):
+            ids = torch.tensor([prompt])
+            theirs = torch.log_softmax(reference(ids).logits[0, -1].float(), -1)
+            tokens = reference.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                        attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+            sample = output.outputs[0]
+            assert sample.token_ids == tokens
+            assert set(theirs.topk(5).indices.tolist()) <= set(sample.logprobs[0])
+            for token, logprob in sample.logprobs[0].items():
+                assert logprob == pytest.approx(theirs[token].item(), abs=1e-4)
 
 
 def test_perplexity_windows_each_in_a_state_slot(family):
@@ -113,16 +166,18 @@ def test_perplexity_windows_each_in_a_state_slot(family):
 
 def test_mixed_batch_chunked_prefill_and_preemption(family):
     """Every prompt at once in 16-token steps (prompts in chunks beside decodes), 4 state slots for 5
-    requests and a KV cache of 5 blocks, fewer than they need together (preemption, re-prefill)."""
+    requests and a KV cache of 5 blocks, fewer than they need together (preemption, re-prefill), with
+    prefix caching: a state checkpoint per slot from the same budget."""
     arch, folder, expected = family
     state_bytes, kv_bytes = SIZES[arch]
     llm = LLM(folder, max_num_batched_tokens=16, max_num_seqs=4, progress=False,
-              kv_cache_memory=4 * state_bytes + 5 * 16 * kv_bytes)
+              kv_cache_memory=4 * 2 * state_bytes + 5 * 16 * kv_bytes)
     engine = llm.engine
-    assert (engine.num_state_slots, engine.num_blocks) == (4, 5)
+    assert (engine.num_state_slots, engine.num_state_checkpoints, engine.num_blocks) == (4, 4, 5)
     outputs = _greedy_with_top5(llm)
     _check(outputs, expected)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert engine.block_manager.prefix_cache_hits > 0  # preempted requests restarted from their checkpoints
     assert engine.block_manager.check_all_free() and engine.scheduler.state_slots.num_free == 4
 
 
@@ -155,10 +210,12 @@ def test_inspect_gives_state_and_kv_sizes(family):
     info = model_info(folder, kv_budget_bytes=budget, kv_element_size=4)
     assert info["kv_cache_bytes_per_token"] == kv_bytes
     assert info["state_layers"]["state_bytes_per_sequence"] == state_bytes
-    # as many states as the budget holds with a block each, at most the default max_num_seqs
-    sequences = min(EngineConfig().scheduler.max_num_seqs, budget // (state_bytes + 16 * kv_bytes))
-    assert info["kv_budget_sequences"] == sequences
-    assert info["kv_budget_tokens"] == (budget - sequences * state_bytes) // kv_bytes
+    # as many states as the budget holds with a prefix-cache checkpoint (prefix caching is on by default)
+    # and a block each, at most the default max_num_seqs
+    sequences = min(EngineConfig().scheduler.max_num_seqs, budget // (2 * state_bytes + 16 * kv_bytes))
+    assert info["kv_budget_sequences"] == info["kv_budget_state_checkpoints"] == sequences
+    assert info["kv_budget_state_checkpoint_bytes"] == sequences * state_bytes
+    assert info["kv_budget_tokens"] == (budget - sequences * 2 * state_bytes) // kv_bytes
 
 
 def test_speculation_and_contrastive_refused_by_name(family):
@@ -194,6 +251,44 @@ def test_scheduler_counts_state_slots():
     assert requests[0].state_slot == -1 and scheduler.state_slots.num_free == 2
     out = scheduler.schedule()
     assert [r for r, _ in out.scheduled] == requests[1:] and scheduler.state_slots.num_free == 0
+
+
+def test_state_checkpoints_live_and_die_with_their_blocks():
+    """No tensors: a hybrid request's steps end at its checkpoint boundaries (every 2 blocks here, and its
+    prompt's last full block), each followed by a save the runner is asked for; a third checkpoint takes
+    the least recently used one's slot; a request sharing the prompt starts from the last checkpoint with
+    a restore; a block evicted takes its checkpoint with it, so that the next lookup stops short of it."""
+    checkpoints = StateCheckpoints(first_slot=2, count=2, interval_blocks=2)
+    bm = BlockManager(7, 4, checkpoints=checkpoints)
+    scheduler = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, state_slots=StateSlots(2))
+
+    def step(request):
+        out = scheduler.schedule()
+        scheduler.update_after_step(out)
+        return [n for r, n in out.scheduled if r is request], checkpoints.take_moves()
+
+    def content_ids(*tokens):  # the cached blocks' content ids, by the tokens that end them
+        ids = {bm.blocks[i].key[1][-1]: bm.blocks[i].content_id for i in bm.cached.values()}
+        return {ids.get(t) for t in tokens}
+
+    prompt = list(range(1, 23))  # 22 tokens: its last full block short of the last token ends at 20
+    a = Request("a", prompt)
+    scheduler.add_request(a)
+    assert [step(a) for _ in range(4)] == [([8], [(0, 2)]), ([8], [(0, 3)]), ([4], [(0, 2)]), ([2], [])]
+    assert set(checkpoints) == content_ids(16, 20)  # the one at 8 gave its slot to the one at 20
+    scheduler.finish_request(a, RequestStatus.FINISHED_STOPPED)
+    b = Request("b", prompt + [99])
+    scheduler.add_request(b)
+    assert step(b) == ([3], [(2, b.state_slot)]) and b.num_cached_tokens == 20
+    scheduler.finish_request(b, RequestStatus.FINISHED_STOPPED)
+    assert bm.allocate_slots(other := Request("x", [77] * 12), 12)  # evicts the blocks freed last: 24, then 20
+    assert set(checkpoints) == content_ids(16) and None not in content_ids(12, 16)
+    bm.free(other)
+    c = Request("c", prompt + [98])
+    scheduler.add_request(c)
+    # from 16, not 20 (its block is gone); and after the step its state at 20 is saved again
+    assert step(c) == ([4], [(3, c.state_slot), (c.state_slot, 2)]) and c.num_cached_tokens == 16
+    assert all(cid in {bm.blocks[i].content_id for i in bm.cached.values()} for cid in checkpoints)
 
 
 REFUSED = {  # per family: config.json fields hearth does not implement, and what the error says

@@ -243,13 +243,13 @@ class AsyncEngine:
         engine thread between two steps; RequestError, CacheFull, EngineStopped."""
         return await self._between_steps(embed, self.engine, prompts)
 
-    async def export_kv(self, token_ids: list[int]) -> torch.Tensor:
+    async def export_kv(self, token_ids: list[int]) -> dict[str, torch.Tensor]:
         """LLMEngine.export_kv, between two steps."""
         return await self._between_steps(self.engine.export_kv, token_ids)
 
-    async def import_kv(self, token_ids: list[int], kv: torch.Tensor) -> int:
+    async def import_kv(self, token_ids: list[int], tensors: dict[str, torch.Tensor]) -> int:
         """LLMEngine.import_kv, between two steps (before any request added after it is scheduled)."""
-        return await self._between_steps(self.engine.import_kv, token_ids, kv)
+        return await self._between_steps(self.engine.import_kv, token_ids, tensors)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """LLMEngine.add_lora, between two steps (ModelLoadError, RequestError)."""

@@ -31,7 +31,7 @@ from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_disk_tier,
                                    load_target)
-from hearth.engine.state_slots import StateSlots
+from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
 from hearth.chat_template import load_chat_template
@@ -68,16 +68,20 @@ class LLMEngine:
         hybrid = check_hybrid(config, self.model_config)
         self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
+        # with prefix caching, a hybrid's state checkpoints: as many as its running slots, rows after them
+        self.num_state_checkpoints = self.num_state_slots if hybrid and config.cache.enable_prefix_caching else 0
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend),
-                                  num_state_slots=self.num_state_slots)
+                                  num_state_slots=self.num_state_slots + self.num_state_checkpoints)
         self.kv_disk_tier = kv_disk_tier(config, self.model_config, self.model_path, self.kv_cache_dtype,
                                          len(self.runner.kv_caches), self.runner.kv_block_bytes, shard is not None)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching and not hybrid, self.kv_disk_tier)
+        checkpoints = StateCheckpoints(self.num_state_slots, self.num_state_checkpoints) \
+            if self.num_state_checkpoints else None
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          self.kv_disk_tier, checkpoints)
         scheduling = config.scheduler
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
@@ -86,16 +90,11 @@ class LLMEngine:
                                    state_slots=StateSlots(self.num_state_slots) if hybrid else None)
         self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
-        self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
+        state_bytes = self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
+        self.state_cache_bytes = self.num_state_slots * state_bytes
+        self.state_checkpoint_bytes = self.num_state_checkpoints * state_bytes
         if progress:
-            states = "" if not hybrid else (f"; states of {self.num_state_slots:,} sequences "
-                                            f"{self.state_cache_bytes / 2**20:.1f} MiB")
-            tier = "" if self.kv_disk_tier is None else (f"; disk tier {config.cache.kv_cache_dir} holds "
-                                                         f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
-            print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
-                  f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds "
-                  f"{self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {config.cache.block_size}){states}{tier}",
-                  file=sys.stderr)
+            self._announce()
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
         self.runner.draft, self.runner.amateur = load_second_models(config, self.runner, self.dtype, self.tokenizer,
                                                                     self.max_model_len, progress)
@@ -106,6 +105,18 @@ class LLMEngine:
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _announce(self) -> None:
+        """The start-up line: the model, where it runs, and what its caches hold."""
+        states = "" if not self.model_config.is_hybrid else (f"; states of {self.num_state_slots:,} sequences "
+                                                             f"{self.state_cache_bytes / 2**20:.1f} MiB")
+        if self.num_state_checkpoints:
+            states += f" and as many prefix-cache state checkpoints {self.state_checkpoint_bytes / 2**20:.1f} MiB"
+        tier = "" if self.kv_disk_tier is None else (f"; disk tier {self.config.cache.kv_cache_dir} holds "
+                                                     f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
+        print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
+              f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds {self.kv_cache_tokens:,} "
+              f"tokens ({self.num_blocks:,} blocks of {self.config.cache.block_size}){states}{tier}", file=sys.stderr)
 
     def _start_lora(self, config: EngineConfig) -> LoraAdapters | None:
         """With enable_lora: the model's projections wrapped for adapters, and lora_modules loaded."""
@@ -311,7 +322,7 @@ class LLMEngine:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
-        self.move_tier_blocks()
+        self.move_cache_contents()
         result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
         self.scheduler.update_after_step(plan)
         self.output_processor.release_prompt_sharers()
@@ -324,9 +335,12 @@ class LLMEngine:
         self.last_step = stats
         return outputs
 
-    def move_tier_blocks(self) -> None:
-        """Copy the blocks the KV cache evicted to the disk tier, then write the blocks found there into
-        theirs (kv_cache.py): before anything writes over the one or reads the other."""
+    def move_cache_contents(self) -> None:
+        """Before a forward pass (anything that writes over the one or reads the other): copy the blocks
+        the KV cache evicted to the disk tier, then write the blocks found there into theirs (kv_cache.py);
+        a hybrid's state checkpoints to take and to restore (state_slots.py), in order."""
+        if self.block_manager.checkpoints is not None:
+            self.runner.copy_states(self.block_manager.checkpoints.take_moves())
         evicted, loads = self.block_manager.take_tier_moves()
         if evicted:
             for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted])):

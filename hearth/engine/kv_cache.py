@@ -45,6 +45,10 @@ block id); a prefix lookup that runs out of cached blocks goes on through the ha
 enters each one found (its payload read and checked) into a free block, listed in `loads`. The
 engine hands both to the runner (take_tier_moves) before the step's forward pass: evicted blocks'
 K/V are copied out before anything overwrites them, then loaded blocks' K/V are written in.
+
+A hybrid model's state checkpoints (state_slots.StateCheckpoints, optional): a prefix is found only up
+to the last of its cached blocks whose content id has a checkpoint (the states there), and a cached
+block's checkpoint goes with it when it is evicted or the cache is reset.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from dataclasses import dataclass
 
 from hearth.engine.kv_disk_tier import DiskTier
 from hearth.engine.request import Request
+from hearth.engine.state_slots import StateCheckpoints
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent content id, token ids of the block)
 NO_BLOCK = -1  # a block_table entry whose block was freed behind the sliding window
@@ -80,7 +85,7 @@ def chain_hash(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 disk: DiskTier | None = None):
+                 disk: DiskTier | None = None, checkpoints: StateCheckpoints | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -94,6 +99,7 @@ class BlockManager:
         # content id and hash of the last of them (the parent of the next).
         self._cached_chain: dict[Request, tuple[int, int, bytes]] = {}
         self.disk = disk
+        self.checkpoints = checkpoints  # a hybrid model's state checkpoints (with prefix caching)
         self._root_hash = disk.identity if disk is not None else b""
         self.evicted: list[tuple[bytes, int]] = []  # (content hash, block id): K/V to copy to disk
         self.loads: dict[int, bytes] = {}  # block id -> payload read from disk: K/V to write in
@@ -140,9 +146,32 @@ class BlockManager:
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
         hits = self.lookup(request.all_token_ids, -request.lora_id)
-        if self.disk is not None:  # (never with LoRA adapters: startup.kv_disk_tier)
+        if self.disk is not None:  # (never with LoRA adapters: startup.kv_disk_tier; nor hybrids)
             hits += self._enter_from_disk(request.all_token_ids, hits)
+        if self.checkpoints is not None:
+            hits = self._up_to_checkpoint(request, hits)
         return hits, len(hits) * self.block_size
+
+    def _up_to_checkpoint(self, request: Request, hits: list[int]) -> list[int]:
+        """The hits up to the last whose prefix has a state checkpoint; where the K/V hits reach further,
+        request.checkpoint_junction names the end of them (a checkpoint is taken there: state_slots.py)."""
+        found = self.checkpoints.prefix_end([self.blocks[b].content_id for b in hits])
+        request.checkpoint_junction = len(hits) * self.block_size if len(hits) > found else 0
+        return hits[:found]
+
+    def save_state(self, request: Request) -> None:
+        """Checkpoint the state of a hybrid request whose computed tokens end a full cached block (its
+        state slot holds the states there until the next pass: the runner copies it before)."""
+        end = request.num_computed_tokens // self.block_size
+        content_id = self.blocks[request.block_table[end - 1]].content_id if end else 0
+        if content_id:  # (0: not entered, prefix caching off)
+            self.checkpoints.save(content_id, request.state_slot)
+
+    def restore_state(self, request: Request) -> None:
+        """Copy into an admitted hybrid request's state slot the checkpoint its prefix hits end at."""
+        if request.num_computed_tokens:
+            last = request.block_table[request.num_computed_tokens // self.block_size - 1]
+            self.checkpoints.restore(self.blocks[last].content_id, request.state_slot)
 
     def _enter_from_disk(self, tokens: list[int], hits: list[int]) -> list[int]:
         """Block ids of the blocks of `tokens` after the cached `hits` that the disk tier holds, each
@@ -227,6 +256,8 @@ class BlockManager:
         (unless its K/V were never loaded in: then the disk has them already)."""
         if block.key is not None:
             del self.cached[block.key]
+            if self.checkpoints is not None:
+                self.checkpoints.drop(block.content_id)
             if self.disk is not None and self.loads.pop(block.block_id, None) is None:
                 self.evicted.append((block.content_hash, block.block_id))
             block.key = None
@@ -267,6 +298,8 @@ class BlockManager:
         if len(self.free_blocks) != self.num_blocks:
             return False
         self.cached.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         for block in self.blocks:
             block.key, block.content_id, block.content_hash = None, 0, b""
         self._cached_chain.clear()

@@ -64,6 +64,9 @@ class Request:
     num_preemptions: int = 0
     # A hybrid model's: the request's slot in the state cache while it runs (-1: none; state_slots.py).
     state_slot: int = -1
+    # With state checkpoints (a hybrid's prefix caching): where its cached K/V ended at admission, past the
+    # checkpoint it started from (0: not past it); a checkpoint is taken there (state_slots.py).
+    checkpoint_junction: int = 0
     # Compute every prompt position even if cached (prompt logprobs need their logits);
     # the request's own blocks still enter the prefix cache for others.
     skip_prefix_cache: bool = False

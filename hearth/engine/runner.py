@@ -113,7 +113,8 @@ class ModelRunner:
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
         forward; a pipeline-parallel model's passes through its stages). num_state_slots: a hybrid
-        model's state cache, the sequences it holds at once (each BatchEntry names its slot).
+        model's state cache, the sequences it holds at once and its prefix checkpoints (each BatchEntry
+        names its slot; copy_states copies between them)).
         kv_caches: caches it shares (early exit's draft: the target's first layers'); None: its own,
         allocated here."""
         self.model = model
@@ -234,17 +235,35 @@ class ModelRunner:
                 vectors.append(torch.nn.functional.normalize(vector.float(), dim=0))
         return torch.stack(vectors).cpu()
 
+    def copy_states(self, moves: list[tuple[int, int]]) -> None:
+        """A hybrid model's state checkpoints taken and restored (state_slots.py): every state layer's
+        states copied from slot to slot, move by move in order (a later one may read an earlier one's)."""
+        for state in self.state_tensors().values() if moves else ():
+            for source, target in moves:
+                state[target] = state[source]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """A hybrid model's state tensors, [state and checkpoint slots, *shape] each, by name:
+        state.{layer}.{its index in the layer} (ModelConfig.state_shapes)."""
+        config = self.model.config
+        return {f"state.{layer}.{i}": t for layer, states in enumerate(self.kv_caches) if config.state_shapes(layer)
+                for i, t in enumerate(states)}
+
+    def attention_caches(self) -> KVCaches:
+        """The attention layers' (K, V) caches: every layer's but a hybrid model's state layers'."""
+        config = self.model.config
+        return [cache for layer, cache in enumerate(self.kv_caches) if not config.state_shapes(layer)]
+
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """The K/V of the blocks, in order, on the host: [layers, 2, blocks x block_size, kv_heads, head_dim]."""
-        if self.model.config.is_hybrid:  # (kv_transfer.py refuses such models first)
-            raise ValueError("a hybrid model's K/V alone do not make its prefix: its states are not transferred yet")
+        """The K/V of the blocks, in order, on the host: [attention layers, 2, blocks x block_size, kv_heads,
+        head_dim]."""
         slots = self._slots(block_ids)
-        return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches]).cpu()
+        return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.attention_caches()]).cpu()
 
     def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write kv (read_kv's layout, for these blocks) into the blocks."""
         slots = self._slots(block_ids)
-        for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
+        for (k, v), layer in zip(self.attention_caches(), kv.to(self.device)):
             k[slots], v[slots] = layer[0].to(k.dtype), layer[1].to(v.dtype)
 
     def write_kv_blocks(self, entered: list[tuple[int, int]], kv: torch.Tensor) -> None:

@@ -48,7 +48,10 @@ Decisions:
     window): the blocks it holds stay bounded by the window however long it runs.
   * A hybrid model's request also needs a state slot (state_slots.py): admission stops when none
     is free, as when blocks run out; a preempted or finished request gives its slot back, and a
-    preempted one recomputes its state with its K/V when it is admitted again.
+    preempted one recomputes its state with its K/V when it is admitted again. With prefix caching,
+    its prefix hits end where a state checkpoint is (BlockManager.get_computed_blocks), which is copied
+    into its slot at admission; a step of it ends at its next checkpoint boundary, if one comes first
+    (a prompt's chunk is cut there), and its state is checkpointed after the step that reaches one.
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -193,7 +196,7 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new != 1:  # guesses follow only the last real token
                 request.spec_token_ids.clear()
-            num_new = self._fit(num_new, budget, out)
+            num_new = self._fit(self._to_checkpoint(request, request.num_computed_tokens, num_new), budget, out)
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
@@ -231,7 +234,7 @@ class Scheduler:
                 out.finished.append(request)
                 continue
             computed, num_hit = bm.get_computed_blocks(request)
-            num_new = self._fit(request.num_tokens - num_hit, budget, out)
+            num_new = self._fit(self._to_checkpoint(request, num_hit, request.num_tokens - num_hit), budget, out)
             if num_new <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
@@ -241,6 +244,8 @@ class Scheduler:
             out.prefix_cache_hits += bm.prefix_cache_hits - hits
             if self.state_slots is not None:
                 self.state_slots.allocate(request)  # (one is free: checked above)
+                if bm.checkpoints is not None:
+                    bm.restore_state(request)
             self._free_behind_window(request)  # prefix-cache hits older than the window
             self.waiting.pop(0)
             _enqueue(self.running, request)
@@ -278,6 +283,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self.block_manager.cache_blocks(request, request.num_computed_tokens)
+            if self._next_checkpoint(request, request.num_computed_tokens - 1) == request.num_computed_tokens:
+                self.block_manager.save_state(request)
             if request.num_scratch_slots:
                 self.block_manager.free_excess(request, request.num_computed_tokens)
 
@@ -311,6 +318,23 @@ class Scheduler:
         if num_new <= budget or not out.scheduled:
             return num_new
         return 0
+
+    def _next_checkpoint(self, request: Request, computed: int) -> int | None:
+        """With state checkpoints: the request's first checkpoint boundary after `computed` tokens
+        (state_slots.py: its prompt's last full block, its junction, every interval); else None."""
+        checkpoints = self.block_manager.checkpoints
+        if checkpoints is None:
+            return None
+        bs = self.block_manager.block_size
+        every = checkpoints.interval_blocks * bs
+        prompt_end = (request.num_prompt_tokens - 1) // bs * bs
+        return min([b for b in (prompt_end, request.checkpoint_junction) if b > computed]
+                   + [(computed // every + 1) * every])
+
+    def _to_checkpoint(self, request: Request, computed: int, num_new: int) -> int:
+        """num_new, cut so that a step from `computed` tokens ends at the request's next checkpoint boundary."""
+        boundary = self._next_checkpoint(request, computed)
+        return num_new if boundary is None else min(num_new, boundary - computed)
 
     def _free_behind_window(self, request: Request) -> None:
         """With a window on every layer: free the request's blocks that its next query (at

@@ -16,7 +16,8 @@ from hearth.config import EngineConfig, ModelConfig
 from hearth.default_model import resolve_model
 from hearth.errors import HearthError
 from hearth.engine.kv_disk_tier import DiskTier
-from hearth.engine.memory import kv_cache_blocks, kv_cache_budget, model_bytes, state_slot_count
+from hearth.engine.memory import (kv_cache_blocks, kv_cache_budget, model_bytes, state_bytes_per_slot,
+                                  state_slot_count)
 from hearth.loading.loader import LoadedModel, load_model
 
 logger = logging.getLogger("hearth")
@@ -71,11 +72,13 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Backend, device: torch.device,
                   dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, int]:
     """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py), its
-    bytes per token, and a hybrid model's state slots (from the same budget; 0 for other models)."""
+    bytes per token, and a hybrid model's state slots (from the same budget, each with a state checkpoint's
+    bytes beside it when prefix caching is on; 0 for other models)."""
     cache, max_num_seqs = config.cache, config.scheduler.max_num_seqs
     check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
     bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
-    state_bytes = model_config.state_bytes_per_sequence(dtype.itemsize)
+    state_bytes = state_bytes_per_slot(model_config.state_bytes_per_sequence(dtype.itemsize),
+                                       cache.enable_prefix_caching)
     budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
                                                       max_num_seqs, model_bytes(model_path), state_bytes)
     slots = state_slot_count(budget, bytes_per_token, cache.block_size, state_bytes, max_num_seqs)
@@ -84,8 +87,8 @@ def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Back
 
 def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
     """Refuse what a hybrid model (layers with a state per sequence: lfm2, qwen3_5) cannot run yet
-    rather than compute it wrongly; returns whether the model is one. Prefix caching is turned off
-    for it (its blocks' K/V without the states at their ends would not make a prefix), with a log line."""
+    rather than compute it wrongly; returns whether the model is one. (Its prefix caching keeps state
+    checkpoints beside the KV blocks: state_slots.py.)"""
     if not model_config.is_hybrid:
         return False
     kind = f"a hybrid model ({model_config.architecture}: layers that keep a state per sequence)"
@@ -95,9 +98,6 @@ def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
     for asked, what in refused:
         if asked:
             raise HearthError(f"{what} is not implemented for {kind}")
-    if config.cache.enable_prefix_caching:
-        logger.info("prefix caching is off for %s: state checkpoints at block boundaries are not implemented yet",
-                    kind)
     return True
 
 

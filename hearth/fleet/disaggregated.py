@@ -79,14 +79,16 @@ class PrefillRequest(OpenAIModel):
 @prefill_routes.post(KV_PATH)
 async def prefill(body: PrefillRequest, s: Annotated[ServedModel, Depends(served)]):
     """Run the prompt (one greedy token) and answer with its full blocks' K/V, safetensors bytes
-    {"kv": [layers, 2, tokens, kv_heads, head_dim]}."""
+    {"kv": [layers, 2, tokens, kv_heads, head_dim]} (a hybrid model's: and the state checkpoint at their
+    end, hearth/engine/kv_transfer.py)."""
     ids = body.prompt_token_ids
     s.check_token_ids(ids, "prompt token ids")
     s.check_length(len(ids), 1)
     streams = await s.add_all([ids], SamplingParams(temperature=0, max_tokens=1), f"prefill-{uuid.uuid4().hex}")
     await s.final_outputs(streams)
-    kv = await s.engine.export_kv(ids)
-    return Response(safetensors.torch.save({"kv": kv.contiguous()}), media_type="application/octet-stream")
+    tensors = await s.engine.export_kv(ids)
+    return Response(safetensors.torch.save({name: t.contiguous() for name, t in tensors.items()}),
+                    media_type="application/octet-stream")
 
 
 class HTTPTransport:
@@ -191,15 +193,15 @@ class KVPuller:
         transport = self.transport(source)
         try:
             answered, body = await transport.fetch(source, ids)
-            kv = safetensors.torch.load(body)["kv"]
-            entered = await s.engine.import_kv(ids, kv)
+            tensors = safetensors.torch.load(body)
+            entered = await s.engine.import_kv(ids, tensors)
         except Exception as e:  # noqa: BLE001 - any failure: this worker computes the prompt itself
             logger.warning("KV pull from %s failed (%s); computing the prompt here", source, e)
             self.failures.labels(transport.name).inc()
             return 0
         done = time.perf_counter()
         self.bytes.labels(transport.name).inc(len(body))
-        self.tokens.labels(transport.name).inc(kv.shape[2])
+        self.tokens.labels(transport.name).inc(tensors["kv"].shape[2])
         self.transfer_seconds.labels(transport.name).observe(done - answered)
         self.prefill_seconds.labels(transport.name).observe(done - start)
         return entered
