@@ -19,7 +19,7 @@ from hearth import LLM, SamplingParams
 from hearth.cli import build_parser
 from hearth.engine.async_engine import QueueFull
 from hearth.errors import HearthError
-from hearth.fleet.model_app import build_models_app, model_builder, model_paths
+from hearth.fleet.model_app import build_models_app, model_paths, models_from_args
 from hearth.fleet.models import ModelRegistry
 from hearth.server.limits import ServerLimits
 from test_server import serving
@@ -48,13 +48,14 @@ def server(bad_file):
     specs = ["--model", "tiny=builtin", "--model", f"smol={GGUF}", "--model", f"bad={bad_file}"]
     args = serve_args(*specs, "--max-loaded-models", "1")
     limits = ServerLimits()
-    build, loads = model_builder(args, limits), {}
+    models, loads = models_from_args(args, limits, slot_wait=0.3), {}
+    build = models.build
 
     def counted(name, path, adapters):
         loads[name] = loads.get(name, 0) + 1
         return build(name, path, adapters)
 
-    models = ModelRegistry(model_paths(args.models, None), counted, args.max_loaded_models, slot_wait=0.3)
+    models.build = counted
     with serving(build_models_app(models, 16, limits=limits)) as url:
         yield url, models, loads
 
@@ -176,6 +177,19 @@ def test_a_model_in_use_is_not_unloaded(server, client, expected):
             assert r.status_code == 503 and r.headers["retry-after"] and "--max-loaded-models" in r.text
         # the stream closed: its request is aborted and tiny can go
     assert complete(client, "smol") == expected["smol"]
+
+
+def test_batch_lines_go_to_the_model_they_name(server, client, expected):
+    from test_batches import answers, request_line, run_batch
+
+    lines = [request_line(name, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 8,
+                                                    "temperature": 0}) for name in expected]
+    lines.append(request_line("unknown", "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2}))
+    batch, _ = run_batch(client, lines, "/v1/completions")
+    output, errors = answers(client, batch.output_file_id), answers(client, batch.error_file_id)
+    assert {name: line["response"]["body"]["choices"][0]["text"] for name, line in output.items()} == expected
+    assert errors["unknown"]["response"]["status_code"] == 404
+    assert errors["unknown"]["response"]["body"]["error"]["code"] == "model_not_found"
 
 
 def test_registry_refuses_a_load_while_every_model_is_busy():

@@ -236,25 +236,35 @@ def model_builder(args: argparse.Namespace, limits):
     return build
 
 
+def models_from_args(args: argparse.Namespace, limits, **keywords) -> ModelRegistry:
+    """The registry of `hearth serve`'s --model / --model-dir models, --lora's adapters the first model's;
+    keywords: the registry's own (slot_wait)."""
+    from hearth.config import LoRAConfig
+
+    paths = model_paths(args.models, args.model_dir)
+    try:
+        adapters = dict(LoRAConfig(lora_modules=tuple(args.lora_modules or ())).named_paths())
+        return ModelRegistry(paths, model_builder(args, limits), args.max_loaded_models, args.sleep_idle_seconds,
+                             default_adapters=adapters, **keywords)
+    except ValueError as e:
+        raise HearthError(str(e)) from None
+
+
 def run_models_server(args: argparse.Namespace) -> None:
     """`hearth serve --model NAME=PATH ... | --model-dir DIR`: serve the models until SIGTERM."""
-    from hearth.config import LoRAConfig
     from hearth.server.batch_store import default_batch_dir
     from hearth.server.limits import ServerLimits
     from hearth.server.serve import run_uvicorn
 
-    paths = model_paths(args.models, args.model_dir)
     try:
         limits = ServerLimits.from_args(args)
-        adapters = dict(LoRAConfig(lora_modules=tuple(args.lora_modules or ())).named_paths())
-        models = ModelRegistry(paths, model_builder(args, limits), args.max_loaded_models, args.sleep_idle_seconds,
-                               default_adapters=adapters)
     except ValueError as e:
         raise HearthError(str(e)) from None
+    models = models_from_args(args, limits)
     batch_dir = args.batch_dir or default_batch_dir()
     app = build_models_app(models, 2 * args.max_num_seqs, args.api_key, limits, batch_dir)
-    for name, path in paths.items():
-        print(f"model      {name}: {path}")
+    for entry in models.entries.values():
+        print(f"model      {entry.name}: {entry.path}")
     print(f"loaded     on first use; at most {args.max_loaded_models or 'every'} at once"
           + (f"; asleep after {args.sleep_idle_seconds:g} s idle" if args.sleep_idle_seconds else ""))
     print(f"batches    {batch_dir}", flush=True)
