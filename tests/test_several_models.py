@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ import openai
 import pytest
 
 from hearth import LLM, SamplingParams
-from hearth.cli import build_parser
+from hearth.cli import build_parser, main
 from hearth.engine.async_engine import QueueFull
 from hearth.errors import HearthError
 from hearth.fleet.model_app import build_models_app, model_paths, models_from_args
@@ -190,6 +191,32 @@ def test_batch_lines_go_to_the_model_they_name(server, client, expected):
     assert {name: line["response"]["body"]["choices"][0]["text"] for name, line in output.items()} == expected
     assert errors["unknown"]["response"]["status_code"] == 404
     assert errors["unknown"]["response"]["body"]["error"]["code"] == "model_not_found"
+
+
+def test_idle_models_sleep_and_wake_on_request(expected):
+    """--sleep-idle-seconds: an idle model sleeps (level 1); its next request wakes it, same greedy output.
+    One model: the sleep endpoints need no name."""
+    args = serve_args("--model", "tiny=builtin", "--sleep-idle-seconds", "0.3")
+    with serving(build_models_app(models_from_args(args, ServerLimits()), 16)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert complete(client, "tiny") == expected["tiny"]
+        deadline = time.monotonic() + 10
+        while not httpx.get(url + "/is_sleeping").json()["is_sleeping"]:
+            assert time.monotonic() < deadline, "the idle model did not go to sleep"
+            time.sleep(0.1)
+        unnamed = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert unnamed.json()["choices"][0]["text"] == expected["tiny"]  # no model named: the first
+        assert states(url)["tiny"] == "loaded"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "builtin", "--model", "x=builtin"], "not both"),
+    (["serve", "--model", "x=builtin", "--data-parallel-size", "2"], "one process"),
+    (["serve", "--model-dir", "/nonexistent"], "not a directory"),
+    (["serve", "--model", "x=builtin", "--max-loaded-models", "0"], "at least 1"),
+])
+def test_bad_model_flags_are_refused(argv, message, capsys):
+    assert main(argv) == 1 and message in capsys.readouterr().err
 
 
 def test_registry_refuses_a_load_while_every_model_is_busy():

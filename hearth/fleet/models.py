@@ -49,6 +49,7 @@ class ModelEntry:
     served: ServedModel | None = None
     loading: asyncio.Task | None = None  # the load under way, which every request for it awaits
     in_flight: int = 0  # leases open: requests (and batch lines) running on it
+    waiting: int = 0  # leases being taken: requests waiting for it to load
     last_used: float = 0.0  # time.monotonic() of its last lease's end (or load)
     sleep_level: int = 0  # 0: awake; 1: KV cache given back; 2: unloaded by a sleep
     error: str | None = None  # why its last load failed
@@ -113,18 +114,22 @@ class ModelRegistry:
             self._notify()
 
     async def _acquire(self, entry: ModelEntry) -> ServedModel:
-        while True:
-            if entry.loading is not None:
-                await asyncio.shield(entry.loading)
-            elif entry.served is not None:
-                entry.sleep_level = 0  # level 1 keeps everything but the cache's pages: awake at once
-                entry.in_flight += 1
-                return entry.served
-            else:
-                await self._make_room()
-                if entry.loading is None and entry.served is None:  # nobody else started it while this waited
-                    entry.loading = asyncio.get_running_loop().create_task(self._load(entry))
-                    entry.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        entry.waiting += 1  # (a model its requests wait for is not unloaded to make room for another)
+        try:
+            while True:
+                if entry.loading is not None:
+                    await asyncio.shield(entry.loading)
+                elif entry.served is not None:
+                    entry.sleep_level = 0  # level 1 keeps everything but the cache's pages: awake at once
+                    entry.in_flight += 1
+                    return entry.served
+                else:
+                    await self._make_room()
+                    if entry.loading is None and entry.served is None:  # nobody else started it meanwhile
+                        entry.loading = asyncio.get_running_loop().create_task(self._load(entry))
+                        entry.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        finally:
+            entry.waiting -= 1
 
     # ---- loading and unloading
 
@@ -150,7 +155,8 @@ class ModelRegistry:
         """Unload least recently used idle models until one more fits; wait (up to slot_wait) while none is idle."""
         deadline = time.monotonic() + self.slot_wait
         while self.max_loaded is not None and self._occupied() >= self.max_loaded:
-            idle = [e for e in self.entries.values() if e.served is not None and e.loading is None and not e.in_flight]
+            idle = [e for e in self.entries.values()
+                    if e.served is not None and e.loading is None and not e.in_flight and not e.waiting]
             if idle:
                 await self.unload(min(idle, key=lambda e: e.last_used))
                 continue
