@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hearth.engine.async_engine import QueueFull
+from hearth.errors import RequestError
 from hearth.server.errors import APIError
 from hearth.server.served import ServedModel
 
@@ -167,9 +168,10 @@ class ModelRegistry:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changes().wait(), left)
 
-    async def unload(self, entry: ModelEntry) -> None:
-        """Stop the model's engine and let its memory go (it must have no lease open)."""
-        served, entry.served, entry.sleep_level = entry.served, None, 0
+    async def unload(self, entry: ModelEntry, sleep_level: int = 0) -> None:
+        """Stop the model's engine and let its memory go (it must have no lease open); sleep_level 2: a
+        sleep's unload."""
+        served, entry.served, entry.sleep_level = entry.served, None, sleep_level
         if served is None:
             return
         await asyncio.to_thread(served.engine.shutdown)
@@ -189,11 +191,15 @@ class ModelRegistry:
                                 "end")
         if entry.served is None:
             return  # not loaded: it holds nothing to give back
-        if level == 1:
-            await entry.served.engine.release_kv_cache()
-        else:
-            await self.unload(entry)
-        entry.sleep_level = level
+        if level == 2:
+            await self.unload(entry, sleep_level=2)
+        else:  # (set first: a request that comes meanwhile wakes it)
+            entry.sleep_level = 1
+            try:
+                await entry.served.engine.release_kv_cache()
+            except RequestError:  # a request came and reached the engine first: it is awake
+                raise APIError(409, f"the model `{entry.name}` got a request while going to sleep: retry once "
+                                    "its requests end") from None
         logger.info("the model %s sleeps (level %d)", entry.name, level)
 
     async def wake_up(self, entry: ModelEntry) -> None:

@@ -8,8 +8,9 @@ embeddings.py (/v1/embeddings), tokens.py (/tokenize, /detokenize: vLLM's shapes
 page.py (the chat page at /), files.py and batches.py
 (/v1/files, /v1/batches: OpenAI's Files and Batch APIs, run by batch_runner.py on the state in
 batch_store.py). Completions and chat completions stream through streaming.py; the state they share
-is a ServedModel (served.py), one per engine (the fleet's several models: hearth/fleet/model_app.py); errors are OpenAI's error JSON, Anthropic's on its routes (errors.py);
-the limits a public server needs are limits.py's, the middleware before the routes middleware.py's.
+is a ServedModel (served.py), one per engine (the fleet's several models: hearth/fleet/model_app.py);
+errors are OpenAI's error JSON, Anthropic's on its routes (errors.py); the limits a public server
+needs are limits.py's, the middleware before the routes middleware.py's.
 """
 
 from __future__ import annotations

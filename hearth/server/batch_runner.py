@@ -1,4 +1,5 @@
-"""BatchRunner: OpenAI's batches, run in this server's engine at a lower priority than online requests.
+"""BatchRunner: OpenAI's batches, run in this server's engine (each line in its model's, where the server
+has several) at a lower priority than online requests.
 
 A batch goes validating -> in_progress -> finalizing -> completed, as OpenAI reports it: failed when its
 input file is malformed (with `errors`: each bad line's code, message and number), cancelling ->

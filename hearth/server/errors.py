@@ -41,7 +41,8 @@ def error_body(status: int, message: str, param: str | None = None, path: str = 
     if path.startswith(ANTHROPIC_PATHS):
         kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": code or status}}
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": code or status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, path: str = "") -> JSONResponse:
