@@ -265,7 +265,8 @@ def run_models_server(args: argparse.Namespace) -> None:
     app = build_models_app(models, 2 * args.max_num_seqs, args.api_key, limits, batch_dir)
     for entry in models.entries.values():
         print(f"model      {entry.name}: {entry.path}")
-    print(f"loaded     on first use; at most {args.max_loaded_models or 'every'} at once"
+    limit = f"at most {args.max_loaded_models} at once" if args.max_loaded_models else "no limit to how many at once"
+    print(f"loaded     on first use; {limit}"
           + (f"; asleep after {args.sleep_idle_seconds:g} s idle" if args.sleep_idle_seconds else ""))
     print(f"batches    {batch_dir}", flush=True)
     run_uvicorn(app, args, limits, on_stop=models.shutdown)
