@@ -236,12 +236,13 @@ def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_
 
 
 @contextlib.contextmanager
-def hearth_serve(model: str, options: list[str]):
+def hearth_serve(model: str | None, options: list[str]):
     """`hearth serve MODEL OPTIONS` (served as "m", any free port) as a child process; yields its URL
-    (without /v1), then stops it."""
+    (without /v1), then stops it. model None: the options name the models (--model NAME=PATH)."""
+    named = [model, "--served-model-name", "m"] if model is not None else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hearth.cli", "serve", model, "--port", "0", "--no-access-log", "--log-level",
-         "warning", "--served-model-name", "m", *options],
+        [sys.executable, "-m", "hearth.cli", "serve", *named, "--port", "0", "--no-access-log", "--log-level",
+         "warning", *options],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
     try:

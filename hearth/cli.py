@@ -361,8 +361,21 @@ def _add_serve(sub) -> None:
                         "code, run in a sandbox)")
     add_limit_arguments(p, parse_size)
     _add_replicas(p)
+    _add_models(p)
     add_engine_arguments(p)
     p.set_defaults(func=serve)
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several models (docs/several-models.md)")
+    g.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                   help="a model to serve as NAME, loaded on its first request (repeatable; instead of MODEL)")
+    g.add_argument("--model-dir", type=Path, default=None,
+                   help="serve every GGUF file (named without .gguf) and Hugging Face folder in DIR by its name")
+    g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                   help="models loaded at once: past N, the least recently used idle one is unloaded (default: all)")
+    g.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
+                   help="a model idle for S seconds sleeps (its KV cache given back) until its next request")
 
 
 def _add_replicas(p: argparse.ArgumentParser) -> None:

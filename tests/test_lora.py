@@ -200,6 +200,43 @@ def test_quantized_base_equals_dequantized_reference(base_and_adapters, tmp_path
         [e[t] for e, t in zip(plain.logprobs, plain.token_ids)], abs=1e-3)
 
 
+def test_adapters_in_a_server_of_several_models(llm, base_and_adapters):
+    """`hearth serve --model base=... --model other=builtin --lora attn=...`: an adapter's name routes to its
+    model, one loaded at run time too (`model` in the load's body), and both come back with their model
+    after it was unloaded for the other one (--max-loaded-models 1)."""
+    import httpx
+    import openai
+
+    from hearth.cli import build_parser
+    from hearth.fleet.model_app import build_models_app, models_from_args
+    from hearth.server.limits import ServerLimits
+    from test_server import serving
+
+    base, adapters = base_and_adapters
+    prompt = [5, 9, 17, 33, 65, 129, 200]
+    offline = {name: llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=LoRARequest(name))[0].outputs[0].text
+               for name in ("attn", "mlp")}
+    args = build_parser().parse_args(["serve", "--model", f"base={base}", "--model", "other=builtin", "--lora",
+                                      f"attn={adapters['attn']}", "--kv-cache-memory", "16MiB", "--max-loaded-models", "1"])
+    with serving(build_models_app(models_from_args(args, ServerLimits()), 8)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def text(model: str) -> str:
+            reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.model == model
+            return reply.choices[0].text
+
+        assert text("attn") == offline["attn"]
+        loaded = httpx.post(url + "/v1/load_lora_adapter",
+                            json={"model": "base", "lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+        assert loaded.status_code == 200, loaded.text
+        parents = {m.id: m.parent for m in client.models.list().data}
+        assert parents == {"base": None, "attn": "base", "mlp": "base", "other": None}
+        assert text("other")  # base unloaded for it
+        assert text("mlp") == offline["mlp"] and text("attn") == offline["attn"]
+
+
 def test_load_and_unload_endpoints_and_model_names(llm, base_and_adapters):
     """Last in this file: the module's engine is then the server's. Through httpx and the openai SDK."""
     import httpx

@@ -259,6 +259,10 @@ class AsyncEngine:
         """LLMEngine.remove_lora, between two steps (RequestError)."""
         await self._between_steps(self.engine.remove_lora, lora_name)
 
+    async def release_kv_cache(self) -> int:
+        """LLMEngine.release_kv_cache, between two steps (RequestError while requests run)."""
+        return await self._between_steps(self.engine.release_kv_cache)
+
     async def _between_steps(self, fn, *args):
         """fn(*args) on the engine thread between two steps; what it returns or raises."""
         loop = asyncio.get_running_loop()

@@ -296,6 +296,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
 
+    def release_kv_cache(self) -> int:
+        """Forget the prefix cache and give the KV cache's memory back (a sleeping model's: the next request
+        finds an empty cache); the bytes released (ModelRunner.release_kv_memory). RequestError while
+        requests run."""
+        if self.has_unfinished_requests() or not self.block_manager.reset_prefix_cache():
+            raise RequestError("the KV cache cannot be released while requests are running")
+        return self.runner.release_kv_memory()
+
     # ---- KV handed between engines (hearth/fleet/disaggregated.py) ------------------
 
     export_kv = kv_transfer.export_kv

@@ -18,6 +18,8 @@ states (perplexity, kernels' benchmarks, tests).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -302,6 +304,19 @@ class ModelRunner:
         return [t for layer in self.kv_caches for cache in layer
                 for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
                           else (cache.values,))]
+
+    def release_kv_memory(self) -> int:
+        """Give the KV cache's memory back to the OS, its tensors kept where they are (kernels and CUDA
+        graphs hold their addresses): on a CPU each cache buffer is an anonymous shared map (`zeroed`),
+        whose pages are removed and read as zeros again, as unused slots must, costing nothing until
+        written. Returns the bytes released: 0 off a CPU, where the memory stays."""
+        if self.device.type != "cpu":
+            return 0
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._cache_tensors()}
+        for address, nbytes in storages.items():
+            if _libc().madvise(address, nbytes, mmap.MADV_REMOVE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE) failed on the KV cache")
+        return sum(storages.values())
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -602,6 +617,13 @@ def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.
     return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
                   for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
             for layer in range(config.num_layers)]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""`hearth serve`: one server (hearth/server/serve.py), or with --data-parallel-size N / --ray /
---disaggregate the replicas and then the router in front.
+"""`hearth serve`: one server (hearth/server/serve.py), several models in one server (--model NAME=PATH,
+--model-dir: model_app.py), or with --data-parallel-size N / --ray / --disaggregate the replicas and then
+the router in front.
 
 Each replica is `hearth serve` with the user's own arguments, followed by the ones that make it a
 replica (the last occurrence of an option wins): a free port on its machine, a private API key the
@@ -40,7 +41,9 @@ def serve(args) -> None:
         raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
     if args.prefill_workers < 1:
         raise HearthError(f"--prefill-workers must be at least 1 (got {args.prefill_workers})")
-    if args.data_parallel_size > 1 or args.ray or args.disaggregate:
+    if args.models or args.model_dir is not None:
+        run_models(args)
+    elif args.data_parallel_size > 1 or args.ray or args.disaggregate:
         run_router(args)
     elif args.role is None:
         run_server(args)
@@ -48,6 +51,20 @@ def serve(args) -> None:
         from hearth.fleet.disaggregated import add_role
 
         run_server(args, extend_app=lambda app: add_role(app, args.role, args.api_key))
+
+
+def run_models(args) -> None:
+    """Several models in this one process (model_app.py)."""
+    from hearth.fleet.model_app import run_models_server
+
+    if args.model is not None:
+        raise HearthError(f"give the models either as MODEL ({args.model}) or with --model/--model-dir, not both")
+    if args.data_parallel_size > 1 or args.ray or args.disaggregate or args.role is not None:
+        raise HearthError("--model/--model-dir serve several models in one process: not with --data-parallel-size, "
+                          "--ray, --disaggregate or --role")
+    if args.served_model_name is not None:
+        raise HearthError("--served-model-name names the one MODEL: with --model, give the name as NAME=PATH")
+    run_models_server(args)
 
 
 def run_router(args) -> None:

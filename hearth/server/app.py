@@ -8,14 +8,16 @@ embeddings.py (/v1/embeddings), tokens.py (/tokenize, /detokenize: vLLM's shapes
 page.py (the chat page at /), files.py and batches.py
 (/v1/files, /v1/batches: OpenAI's Files and Batch APIs, run by batch_runner.py on the state in
 batch_store.py). Completions and chat completions stream through streaming.py; the state they share
-is a ServedModel (served.py); errors are OpenAI's error JSON, Anthropic's on its routes (errors.py);
-the limits a public server needs are limits.py's, the middleware before the routes middleware.py's.
+is a ServedModel (served.py), one per engine (the fleet's several models: hearth/fleet/model_app.py);
+errors are OpenAI's error JSON, Anthropic's on its routes (errors.py); the limits a public server
+needs are limits.py's, the middleware before the routes middleware.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -26,35 +28,53 @@ from hearth.server.batch_runner import BatchRunner
 from hearth.server.errors import APIError, install_error_handlers
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
-from hearth.server.served import ServedModel
+from hearth.server.served import Lease, ServedModel
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               limits: ServerLimits | None = None, tool_call_parser: str | None = None,
               batch_dir: Path | None = None, trust_request_chat_template: bool = False) -> FastAPI:
-    """A prefill or decode worker of a disaggregated set is this app with its role added by the fleet
-    (hearth/fleet/disaggregated.py: add_role). batch_dir: where the files and batches live, their unfinished
-    batches taken up when the app starts (None: a temporary directory made on first use)."""
+    """One engine's app. A prefill or decode worker of a disaggregated set is this app with its role added by
+    the fleet (hearth/fleet/disaggregated.py: add_role). batch_dir: where the files and batches live, their
+    unfinished batches taken up when the app starts (None: a temporary directory made on first use)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
     served = ServedModel(engine, names, limits, tool_call_parser, trust_request_chat_template)
-    runner = BatchRunner(served, batch_dir)
+
+    @contextlib.asynccontextmanager
+    async def lease(_: str | None):  # every request is this engine's (its routes check the name)
+        yield served
+
+    app = api_app(lease, engine.max_num_seqs, batch_dir)
+    app.state.served = served
+    app.include_router(info.router)
+    install_middleware(app, limits, api_key)
+    return app
+
+
+def api_app(lease: Lease, batch_window: int, batch_dir: Path | None = None,
+            lifespan_hook: Callable[[], contextlib.AbstractAsyncContextManager] | None = None) -> FastAPI:
+    """The routes every app serves, without info.py's (/health, /metrics, /v1/models: one engine's, or the
+    fleet's over several) and without the middleware (install_middleware, after the caller's own). lease:
+    the model a batch line names (served.py); batch_window: 2x that many lines run at once.
+    lifespan_hook: entered while the app runs (the fleet's models)."""
+    runner = BatchRunner(lease, batch_window, batch_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        if batch_dir is not None:
-            try:
-                runner.resume()
-            except APIError as e:  # another server holds the directory: this one serves without batches
-                logging.getLogger("hearth").warning("%s", e.message)
-        yield
-        await runner.stop()
+        async with lifespan_hook() if lifespan_hook is not None else contextlib.nullcontext():
+            if batch_dir is not None:
+                try:
+                    runner.resume()
+                except APIError as e:  # another server holds the directory: this one serves without batches
+                    logging.getLogger("hearth").warning("%s", e.message)
+            yield
+            await runner.stop()
 
     app = FastAPI(title="hearth", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.served, app.state.batches = served, runner
+    app.state.served, app.state.batches = None, runner
     app.state.responses = responses.ResponseStore()
-    install_middleware(app, limits, api_key)
     install_error_handlers(app)
-    for module in (info, tokens, completions, chat, responses, messages, embeddings, lora, files, batches, page):
+    for module in (tokens, completions, chat, responses, messages, embeddings, lora, files, batches, page):
         app.include_router(module.router)
     return app

@@ -1,4 +1,5 @@
-"""BatchRunner: OpenAI's batches, run in this server's engine at a lower priority than online requests.
+"""BatchRunner: OpenAI's batches, run in this server's engine (each line in its model's, where the server
+has several) at a lower priority than online requests.
 
 A batch goes validating -> in_progress -> finalizing -> completed, as OpenAI reports it: failed when its
 input file is malformed (with `errors`: each bad line's code, message and number), cancelling ->
@@ -37,7 +38,7 @@ from hearth.server import chat, completions, embeddings
 from hearth.server.batch_store import AnswerLog, BatchStore, FileStore, lock_dir, new_id
 from hearth.server.errors import APIError, exception_body, validation_error
 from hearth.server.protocol import ChatCompletionRequest, CompletionRequest
-from hearth.server.served import ServedModel
+from hearth.server.served import Lease, ServedModel
 from hearth.server.streaming import Started, final_json
 
 logger = logging.getLogger("hearth")
@@ -61,6 +62,13 @@ ENDPOINTS = {
     "/v1/completions": (CompletionRequest, _generation(completions.start)),
     "/v1/embeddings": (embeddings.EmbeddingRequest, embeddings.embeddings),
 }
+
+
+def _line_view(served: ServedModel) -> ServedModel:
+    """A batch line's view of the served model: no request timeout (lines wait behind online requests)."""
+    view = copy.copy(served)
+    view.limits = dataclasses.replace(served.limits, request_timeout=None)
+    return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +118,10 @@ def parse_input(data: bytes, endpoint: str) -> tuple[list[Line], list[dict]]:
 
 
 class BatchRunner:
-    def __init__(self, served: ServedModel, root: Path | None) -> None:
-        """root None: a fresh temporary directory, made on first use (nothing to resume)."""
-        # the lines' view of the served model: no request timeout (they wait behind online requests)
-        self.served = copy.copy(served)
-        self.served.limits = dataclasses.replace(served.limits, request_timeout=None)
+    def __init__(self, lease: Lease, window: int, root: Path | None) -> None:
+        """lease: the served model a line's body names (served.py); at most `window` lines run at once.
+        root None: a fresh temporary directory, made on first use (nothing to resume)."""
+        self.lease = lease
         self.root = root
         self._opened = False
         self.files: FileStore
@@ -123,7 +130,7 @@ class BatchRunner:
         self.logs: dict[str, dict[str, AnswerLog]] = {}  # a running batch's answer files
         self.tasks: dict[str, asyncio.Task] = {}
         self.in_flight: dict[str, set[asyncio.Task]] = {}  # a running batch's lines
-        self.window = asyncio.Semaphore(2 * served.engine.max_num_seqs)
+        self.window = asyncio.Semaphore(window)
 
     def open(self) -> None:
         """Take the directory (APIError 503 when another server holds it) and read what it holds."""
@@ -302,8 +309,9 @@ class BatchRunner:
                 body.priority += BATCH_PRIORITY
             while True:
                 try:
-                    return 200, await answer(body, self.served)
-                except QueueFull:
+                    async with self.lease(raw.get("model")) as served:
+                        return 200, await answer(body, _line_view(served))
+                except QueueFull:  # a full queue, or no model to unload for this one's load: wait
                     await asyncio.sleep(QUEUE_RETRY_SECONDS)
         except ValidationError as e:
             return exception_body(validation_error(e.errors()))

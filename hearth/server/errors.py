@@ -24,9 +24,10 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permiss
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        """code: OpenAI's error code where it has one (model_not_found); the status otherwise."""
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 ANTHROPIC_PATHS = "/v1/messages"  # the routes that answer in Anthropic's shapes (messages.py)
@@ -35,12 +36,13 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    500: "api_error", 503: "overloaded_error"}
 
 
-def error_body(status: int, message: str, param: str | None = None, path: str = "") -> dict:
+def error_body(status: int, message: str, param: str | None = None, path: str = "", code: str | None = None) -> dict:
     """The error JSON of the API that `path` belongs to."""
     if path.startswith(ANTHROPIC_PATHS):
         kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": code or status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, path: str = "") -> JSONResponse:
@@ -69,7 +71,7 @@ STATUS_OF = {RequestError: 400, QueueFull: 503, EngineStopped: 503, RequestFaile
 def exception_body(e: Exception, path: str = "") -> tuple[int, dict]:
     """The status and error JSON of an exception, for a response or a stream's error event."""
     if isinstance(e, APIError):
-        return e.status, error_body(e.status, e.message, e.param, path)
+        return e.status, error_body(e.status, e.message, e.param, path, e.code)
     status = next((code for cls, code in STATUS_OF.items() if isinstance(e, cls)), None)
     if status is None:
         return 500, error_body(500, f"internal error: {type(e).__name__}: {e}", path=path)

@@ -72,20 +72,25 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # what comes after the body: the client's disconnect
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(b"".join(chunks), receive), send)
 
     async def _too_large(self, scope, receive, send) -> None:
         await error_response(413, f"the request body is larger than this server's limit of {self.max_bytes:,} bytes",
                              "body", scope["path"])(scope, receive, send)
+
+
+def replaying(body: bytes, receive):
+    """An ASGI receive that gives `body` whole first, then what comes after it (the client's disconnect)."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 class ConcurrencyLimit:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 from fastapi import Request
 
@@ -26,6 +27,11 @@ from hearth.tool_calls import parser_for
 
 
 PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from: URL or ray://
+
+
+# the ServedModel that a model name stands for, held while the context is open (a model with requests in
+# flight is not unloaded); None: the default model. One engine's app leases its one model for every name.
+Lease = Callable[[str | None], AbstractAsyncContextManager["ServedModel"]]
 
 
 class RequestTimeout(APIError):
@@ -193,5 +199,12 @@ class ServedModel:
 
 
 def served(request: Request) -> ServedModel:
-    """The route dependency: the app's ServedModel."""
+    """The route dependency: the ServedModel the request was routed to by its `model` (request.state.served,
+    where the app serves several: hearth/fleet/model_app.py), else the app's one."""
+    routed = getattr(request.state, "served", None)
+    if routed is not None:
+        return routed
+    if request.app.state.served is None:
+        raise APIError(400, "this server serves several models: the request body must be a JSON object that names "
+                            "one in `model`", "model")
     return request.app.state.served
