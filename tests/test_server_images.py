@@ -318,3 +318,16 @@ def test_real_vision_templates_render_one_marker_per_image_where_the_parts_were(
     assert text == reference and text.count(marker) == 2
     assert text.index("XYLO") < text.index(marker) < text.index("ZEPP") < text.rindex(marker)
     assert [np.asarray(im).tolist() for im in images] == [first.tolist(), second.tolist()]
+
+
+def test_hearth_serve_takes_the_image_limits_and_allowed_hosts_as_options():
+    from hearth.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-image-size", "2MiB", "--max-image-pixels", "1000000",
+                                      "--max-images-per-request", "2", "--image-fetch-timeout", "3",
+                                      "--allowed-media-domains", "images.example.com", "cdn.example.org"])
+    limits = ServerLimits.from_args(args)
+    assert (limits.max_image_bytes, limits.max_image_pixels, limits.max_images_per_request,
+            limits.image_fetch_timeout) == (2 * 2**20, 1_000_000, 2, 3.0)
+    assert args.allowed_media_domains == ["images.example.com", "cdn.example.org"]
+    assert build_parser().parse_args(["serve"]).allowed_media_domains is None
