@@ -290,10 +290,10 @@ def test_decoded_images_equal_what_was_encoded():
         decode_image(encoded(pixels(5, 31, 19)), 588)
 
 
-def rendered(engine, messages: list[dict], template: str):
+def rendered(engine, messages: list[dict], template: str, **fields):
     """The (text, images) the server makes of `messages` through `template`."""
     served = build_app(engine, NAME, trust_request_chat_template=True).state.served
-    body = ChatCompletionRequest.model_validate({"messages": messages, "chat_template": template})
+    body = ChatCompletionRequest.model_validate({"messages": messages, "chat_template": template, **fields})
     prompt = asyncio.run(chat_prompt(served, body))
     return prompt.text, prompt.images
 
@@ -331,3 +331,13 @@ def test_hearth_serve_takes_the_image_limits_and_allowed_hosts_as_options():
             limits.image_fetch_timeout) == (2 * 2**20, 1_000_000, 2, 3.0)
     assert args.allowed_media_domains == ["images.example.com", "cdn.example.org"]
     assert build_parser().parse_args(["serve"]).allowed_media_domains is None
+
+
+def test_a_final_message_with_an_image_is_continued_after_its_text(engine, monkeypatch):
+    monkeypatch.setattr(engine, "accepts_images", True)
+    messages = [{"role": "user", "content": "Describe it."}, {"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(encoded(SMALL))}}, {"type": "text", "text": "It shows"}]}]
+    text, images = rendered(engine, messages, VISION_TEMPLATE, add_generation_prompt=False,
+                            continue_final_message=True)
+    assert text == "<|im_start|>user\nDescribe it.<|im_end|>\n<|im_start|>assistant\n<image>It shows"
+    assert len(images) == 1
