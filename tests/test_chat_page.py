@@ -28,8 +28,9 @@ import pytest
 from markdown_it import MarkdownIt
 from PIL import Image
 from PyQt6 import sip
-from PyQt6.QtCore import QEventLoop, QTimer, QUrl
+from PyQt6.QtCore import QEventLoop, QPoint, Qt, QTimer, QUrl
 from PyQt6.QtGui import QImage
+from PyQt6.QtTest import QTest
 from PyQt6.QtWebEngineCore import QWebEnginePage, QWebEngineProfile, QWebEngineSettings
 from PyQt6.QtWebEngineWidgets import QWebEngineView
 from PyQt6.QtWidgets import QApplication
@@ -56,6 +57,10 @@ class Page(QWebEnginePage):
         self.confirmed: list[str] = []
         self.settings().setAttribute(QWebEngineSettings.WebAttribute.JavascriptCanAccessClipboard, True)
         self.permissionRequested.connect(lambda permission: permission.grant())
+
+    def chooseFiles(self, mode, old_files, accepted_types):  # noqa: N802 (Qt's name): a file input's dialog
+        chosen, self.files_to_choose = getattr(self, "files_to_choose", []), []
+        return chosen
 
     def javaScriptConfirm(self, origin, message):  # noqa: N802 (Qt's name)
         self.confirmed.append(message)
@@ -106,6 +111,12 @@ class Browser:
                 return value
             self._wait(lambda quit: QTimer.singleShot(50, quit), 1)
         raise AssertionError(f"timed out waiting for {script!r}")
+
+    def click(self, selector: str) -> None:
+        """A mouse click in the middle of the element (a user's gesture, as scripts' clicks are not)."""
+        x, y = self.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+                       " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        QTest.mouseClick(self.view.focusProxy(), Qt.MouseButton.LeftButton, pos=QPoint(round(x), round(y)))
 
     def screenshot(self, path) -> QImage:
         self._wait(lambda done: QTimer.singleShot(300, done), 1)  # the compositor's next frames
@@ -437,30 +448,25 @@ def check_dark_mode(browser: Browser, url: str) -> None:
     assert browser.js("document.documentElement.className") == "light" and browser.js(background) == "rgb(250, 250, 250)"
 
 
-def attach_file(browser: Browser, data: bytes, name: str) -> None:
-    """Chooses a file in the attach button's file input, as a user's pick does (a change event)."""
-    browser.js(f"""(() => {{ const input = document.getElementById('attach-input'), files = new DataTransfer();
-      const bytes = Uint8Array.from(atob({json.dumps(base64.b64encode(data).decode())}), (c) => c.charCodeAt(0));
-      files.items.add(new File([bytes], {json.dumps(name)}, {{type: 'image/png'}}));
-      input.files = files.files; input.dispatchEvent(new Event('change')); }})()""")
-
-
-def test_attached_images_show_as_thumbnails_and_go_to_the_server_as_data_urls(served, browser, monkeypatch):
-    """Two images attached of three picked (one removed) go with the message; the server's 400 for a
-    model without vision shows. Told the model reads images, the engine gets both, pixel for pixel."""
+def test_attached_images_show_as_thumbnails_and_go_to_the_server_as_data_urls(served, browser, monkeypatch,
+                                                                              tmp_path):
+    """Two images attached of three picked with the Image button (one removed) go with the message; the
+    server's 400 for a model without vision shows. Told the model reads images, the engine gets both,
+    pixel for pixel."""
     url, engine, llm_engine = served
     open_page(browser, url)
     browser.js("document.getElementById('new-chat').click()")
     set_value(browser, "max_tokens", "8")
     arrays = [np.random.default_rng(seed).integers(0, 256, (12 + seed, 20, 3), dtype=np.uint8) for seed in range(3)]
-    files = []
-    for array in arrays:
-        buf = io.BytesIO()
-        Image.fromarray(array).save(buf, "PNG")
-        files.append(buf.getvalue())
-    for i, data in enumerate(files):
-        attach_file(browser, data, f"picture{i}.png")
-        browser.until(f"document.querySelectorAll('#attachments img.thumb').length == {i + 1}")
+    paths = [tmp_path / f"picture{i}.png" for i in range(3)]
+    for array, path in zip(arrays, paths):
+        Image.fromarray(array).save(path)
+    files = [path.read_bytes() for path in paths]
+    for chosen, count in ((paths[:2], 2), (paths[2:], 3)):  # two at once, then one more
+        browser.page.files_to_choose = [str(p) for p in chosen]
+        browser.click("#attach")  # a user's click: a file dialog opens only for one
+        browser.until(f"document.querySelectorAll('#attachments img.thumb').length == {count}")
+    assert browser.js("document.getElementById('attach-input').accept").startswith("image/png")
     press(browser, "#attachments .attachment:nth-child(2)", "✕")
     assert browser.js("document.querySelectorAll('#attachments img.thumb').length") == 2
     send(browser, "What is in them?")
