@@ -341,3 +341,31 @@ def test_a_final_message_with_an_image_is_continued_after_its_text(engine, monke
                             continue_final_message=True)
     assert text == "<|im_start|>user\nDescribe it.<|im_end|>\n<|im_start|>assistant\n<image>It shows"
     assert len(images) == 1
+
+
+def test_the_text_the_engine_gets_encodes_to_the_ids_the_server_counted(engine, tmp_path):
+    """The engine encodes a text prompt with the tokenizer's special tokens (LLMEngine._encode): where the
+    tokenizer adds a BOS, the one a template wrote is left out of the text, so that it comes once."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from hearth.server.chat import ChatPrompt
+    from hearth.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    image = Image.fromarray(SMALL)
+    for add_bos in (False, True):
+        folder = tmp_path / f"bos-{add_bos}"
+        folder.mkdir()
+        shutil.copy(engine.model_path / "tokenizer.json", folder)
+        config = json.loads((engine.model_path / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos}))
+        tok = Tokenizer.from_hf_dir(folder)
+        assert tok.add_bos == add_bos
+        for template in (VISION_TEMPLATE, "{{ bos_token }}" + VISION_TEMPLATE):
+            text = tok.chat_text(messages, True, False, template)
+            prompt = ChatPrompt(tok.encode_chat_text(text), text, [image], None)
+            engine_text, data = prompt.with_images(SimpleNamespace(tokenizer=tok))
+            assert tok.encode(engine_text) == prompt.ids and prompt.ids.count(tok.bos_token_id) == (
+                add_bos or template.startswith("{{")) and data == {"image": [image]}

@@ -72,7 +72,8 @@ class ImageSources:
             return data_url_bytes(url, self.limits.max_image_bytes, what)
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-            raise ImageError(f"{what}: {url[:60]!r} is neither a data URL (data:image/png;base64,...) nor an http(s) URL")
+            raise ImageError(f"{what}: {url[:60]!r} is neither a data URL (data:image/png;base64,...) "
+                             "nor an http(s) URL")
         if parts.hostname.lower() not in self.allowed_media_domains:
             raise ImageError(f"{what}: this server does not fetch images from {parts.hostname} (send the image as a "
                              "data URL, or start the server with --allowed-media-domains naming that host)")

@@ -56,7 +56,7 @@ _HELP = {
                                    "open connections of one client address, idle ones included, before 429s"),
     "header_timeout": ("--header-timeout",
                        "seconds a connection has to send a request's head, from its opening or its last response"),
-    "max_image_bytes": ("--max-image-size", "largest image in bytes (decoded from a data URL, or fetched), or e.g. 20MiB"),
+    "max_image_bytes": ("--max-image-size", "largest image in bytes (a data URL's, or fetched), or e.g. 20MiB"),
     "max_image_pixels": ("--max-image-pixels", "largest image in pixels, width x height, read from its header"),
     "max_images_per_request": ("--max-images-per-request", "images one request may bring"),
     "image_fetch_timeout": ("--image-fetch-timeout",

@@ -1,8 +1,7 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
 A request translates into a chat completions request (`system` first, each message's text and
-`image` blocks (as image_url parts: base64 ones as data URLs),
-`tool_use` blocks as the assistant's tool calls, `tool_result` blocks as tool messages; tools
+`image` blocks (as image_url parts: base64 ones as data URLs), `tool_use` blocks as the assistant's tool calls, `tool_result` blocks as tool messages; tools
 and tool_choice, stop_sequences and the sampling fields) and runs as one (chat.py's start_chat);
 the reply's blocks (turns.py) become content blocks: `text`, `tool_use`, and a `thinking` block
 where the reply has reasoning. Streamed as Anthropic streams: message_start, then per block

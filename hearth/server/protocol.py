@@ -159,7 +159,8 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = None
 
     def image_urls(self) -> list[str]:
-        return [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)] if isinstance(self.content, list) else []
+        parts = self.content if isinstance(self.content, list) else []
+        return [p.image_url.url for p in parts if isinstance(p, ImageURLPart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: text parts joined; with images, a list of parts in
@@ -167,7 +168,8 @@ class ChatMessage(OpenAIModel):
         models' templates render as their image marker)."""
         content = self.content
         if isinstance(content, list) and self.image_urls():
-            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content]
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                       for p in content]
         elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         # "" for none (an assistant's turn of tool calls): templates such as Qwen 3's concatenate it

@@ -1,9 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 A request translates into a chat completions request (`instructions` and the `input` items into
-messages, `input_image` parts as image_url parts, the flat function tools into chat tools, `text.format` into a response_format) and runs
-as one (chat.py's start_chat); the reply's blocks (turns.py) become output items: a `message` with
-one output_text part, `function_call`s, and a `reasoning` item where the reply has reasoning.
+messages, `input_image` parts as image_url parts, the flat function tools into chat tools,
+`text.format` into a response_format) and runs as one (chat.py's start_chat); the reply's blocks
+(turns.py) become output items: a `message` with one output_text part, `function_call`s, and a
+`reasoning` item where the reply has reasoning.
 Streamed, each item is told by OpenAI's typed events, numbered by `sequence_number`.
 
 With `store` (the default) a finished response and the conversation it ends are kept in memory,
