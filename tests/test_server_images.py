@@ -23,10 +23,12 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import hypothesis
 import numpy as np
 import openai
 import pytest
 import transformers
+from hypothesis import strategies as st
 from PIL import Image
 
 from hearth.config import EngineConfig
@@ -369,3 +371,22 @@ def test_the_text_the_engine_gets_encodes_to_the_ids_the_server_counted(engine, 
             engine_text, data = prompt.with_images(SimpleNamespace(tokenizer=tok))
             assert tok.encode(engine_text) == prompt.ids and prompt.ids.count(tok.bos_token_id) == (
                 add_bos or template.startswith("{{")) and data == {"image": [image]}
+
+
+SAMPLES = [encoded(pixels(8, 13, 11), fmt) for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP")]
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(sample=st.sampled_from(SAMPLES), cut=st.integers(0, 2000),
+                  flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 255)), max_size=4))
+def test_damaged_images_decode_or_fail_with_an_image_error_only(sample, cut, flips):
+    """Any file cut short or with bytes changed is read whole or refused with an ImageError (the 400),
+    never another exception (a 500)."""
+    data = bytearray(sample[:max(1, len(sample) - cut)])
+    for at, xor in flips:
+        data[at % len(data)] ^= xor
+    try:
+        image = decode_image(bytes(data), 10_000)
+    except ImageError:
+        return
+    assert image.size[0] * image.size[1] <= 10_000
