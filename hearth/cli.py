@@ -359,6 +359,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests give their own chat template (vLLM's `chat_template` field; a template is "
                         "code, run in a sandbox)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose images a request may give by http(s) URL, fetched by the server (vLLM's option; "
+                        "default: none, images come as data URLs)")
     add_limit_arguments(p, parse_size)
     _add_replicas(p)
     _add_models(p)

@@ -117,6 +117,11 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model reads images: it has a vision encoder (none of the decoders here has)."""
+        return False
+
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(

@@ -11,3 +11,7 @@ class ModelLoadError(HearthError):
 
 class RequestError(HearthError, ValueError):
     """A request the engine cannot take (prompt too long, bad parameter)."""
+
+
+# how a model without a vision encoder refuses images (the engine's RequestError, the server's 400)
+NO_IMAGES = "this model takes no images"

@@ -275,6 +275,38 @@ class Tokenizer:
         variables = {**{k: v for k, v in self._template_tokens.items() if v is not None}, **kwargs}
         return render_chat_template(chat_template or self.chat_template, messages, add_generation_prompt, **variables)
 
+    def chat_text(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """A conversation's prompt text through the chat template; with continue_final_message it ends
+        with the final message itself (its last text part, where its content is a list of parts), without
+        its end of turn."""
+        if not messages:
+            raise RequestError("messages must contain at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            if isinstance(final, list):
+                final = next((p.get("text") or "" for p in reversed(final) if p.get("type") == "text"), "")
+            if final and final in text:
+                text = text[: text.rindex(final) + len(final)]
+        return text
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """A rendered conversation's token ids: special tokens parsed, BOS added when the tokenizer adds
+        one and the template did not."""
+        ids = self.encode(text, add_special_tokens=False)
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
     def encode_chat(
         self,
         messages: list[dict],
@@ -283,21 +315,9 @@ class Tokenizer:
         chat_template: str | None = None,
         **kwargs: Any,
     ) -> list[int]:
-        """A conversation's token ids through the chat template: special tokens parsed, BOS added
-        when the tokenizer adds one and the template did not."""
-        if not messages:
-            raise RequestError("messages must contain at least one message")
-        if continue_final_message and add_generation_prompt:
-            raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
-        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
-        if continue_final_message:  # end with the final message itself, without its end of turn
-            final = messages[-1].get("content") or ""
-            if final and final in text:
-                text = text[: text.rindex(final) + len(final)]
-        ids = self.encode(text, add_special_tokens=False)
-        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
-        return ids
+        """A conversation's token ids through the chat template (chat_text, then encode_chat_text)."""
+        return self.encode_chat_text(
+            self.chat_text(messages, add_generation_prompt, continue_final_message, chat_template, **kwargs))
 
 
 class IncrementalDecoder:

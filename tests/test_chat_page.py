@@ -7,6 +7,7 @@ written to the test's folder (its path printed)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import keyword
@@ -21,12 +22,15 @@ os.environ.setdefault("QTWEBENGINE_DISABLE_SANDBOX", "1")  # Chromium's sandbox 
 os.environ.setdefault("QTWEBENGINE_CHROMIUM_FLAGS", "--disable-gpu")
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from markdown_it import MarkdownIt
+from PIL import Image
 from PyQt6 import sip
-from PyQt6.QtCore import QEventLoop, QTimer, QUrl
+from PyQt6.QtCore import QEventLoop, QPoint, Qt, QTimer, QUrl
 from PyQt6.QtGui import QImage
+from PyQt6.QtTest import QTest
 from PyQt6.QtWebEngineCore import QWebEnginePage, QWebEngineProfile, QWebEngineSettings
 from PyQt6.QtWebEngineWidgets import QWebEngineView
 from PyQt6.QtWidgets import QApplication
@@ -34,6 +38,7 @@ from PyQt6.QtWidgets import QApplication
 from hearth.config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
+from hearth.errors import NO_IMAGES
 from hearth.server.app import build_app
 from models import make_hf_model
 from test_server import serving
@@ -52,6 +57,10 @@ class Page(QWebEnginePage):
         self.confirmed: list[str] = []
         self.settings().setAttribute(QWebEngineSettings.WebAttribute.JavascriptCanAccessClipboard, True)
         self.permissionRequested.connect(lambda permission: permission.grant())
+
+    def chooseFiles(self, mode, old_files, accepted_types):  # noqa: N802 (Qt's name): a file input's dialog
+        chosen, self.files_to_choose = getattr(self, "files_to_choose", []), []
+        return chosen
 
     def javaScriptConfirm(self, origin, message):  # noqa: N802 (Qt's name)
         self.confirmed.append(message)
@@ -102,6 +111,12 @@ class Browser:
                 return value
             self._wait(lambda quit: QTimer.singleShot(50, quit), 1)
         raise AssertionError(f"timed out waiting for {script!r}")
+
+    def click(self, selector: str) -> None:
+        """A mouse click in the middle of the element (a user's gesture, as scripts' clicks are not)."""
+        x, y = self.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+                       " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        QTest.mouseClick(self.view.focusProxy(), Qt.MouseButton.LeftButton, pos=QPoint(round(x), round(y)))
 
     def screenshot(self, path) -> QImage:
         self._wait(lambda done: QTimer.singleShot(300, done), 1)  # the compositor's next frames
@@ -267,6 +282,14 @@ def test_conversations_are_listed_renamed_kept_after_a_reload_opened_and_deleted
     assert browser.js(titles) == ["Fox <b>story</b>"] and browser.page.errors == []
 
 
+def open_page(browser: Browser, url: str) -> None:
+    """The page, with the key, where a test runs alone (otherwise as the tests before left it)."""
+    if not browser.page.url().toString().startswith(url):
+        browser.load(url + "/")
+        browser.js(f"localStorage.setItem('hearth.key', {json.dumps(json.dumps(API_KEY))})")
+        browser.load(url + "/")
+
+
 def test_stop_ends_the_reply_and_the_server_aborts_it(served, browser):
     url, engine, llm_engine = served
     full = answer(url, [{"role": "user", "content": PROMPT}], 400).choices[0].message.content
@@ -274,10 +297,7 @@ def test_stop_ends_the_reply_and_the_server_aborts_it(served, browser):
     step = llm_engine.step
     llm_engine.step = lambda: (time.sleep(0.05), step())[1]  # slow enough to stop mid-reply
     try:
-        if not browser.page.url().toString().startswith(url):  # run alone: the page, with the key
-            browser.load(url + "/")
-            browser.js(f"localStorage.setItem('hearth.key', {json.dumps(json.dumps(API_KEY))})")
-            browser.load(url + "/")
+        open_page(browser, url)
         browser.js("document.getElementById('new-chat').click()")
         for name, value in (("max_tokens", "400"), ("temperature", "0"), ("system", "")):
             set_value(browser, name, value)
@@ -426,3 +446,43 @@ def check_dark_mode(browser: Browser, url: str) -> None:
     assert browser.js("document.documentElement.className") == "dark" and browser.js(background) == "rgb(20, 21, 24)"
     browser.js("document.getElementById('toggle-theme').click()")
     assert browser.js("document.documentElement.className") == "light" and browser.js(background) == "rgb(250, 250, 250)"
+
+
+def test_attached_images_show_as_thumbnails_and_go_to_the_server_as_data_urls(served, browser, monkeypatch,
+                                                                              tmp_path):
+    """Two images attached of three picked with the Image button (one removed) go with the message; the
+    server's 400 for a model without vision shows. Told the model reads images, the engine gets both,
+    pixel for pixel."""
+    url, engine, llm_engine = served
+    open_page(browser, url)
+    browser.js("document.getElementById('new-chat').click()")
+    set_value(browser, "max_tokens", "8")
+    arrays = [np.random.default_rng(seed).integers(0, 256, (12 + seed, 20, 3), dtype=np.uint8) for seed in range(3)]
+    paths = [tmp_path / f"picture{i}.png" for i in range(3)]
+    for array, path in zip(arrays, paths):
+        Image.fromarray(array).save(path)
+    files = [path.read_bytes() for path in paths]
+    for chosen, count in ((paths[:2], 2), (paths[2:], 3)):  # two at once, then one more
+        browser.page.files_to_choose = [str(p) for p in chosen]
+        browser.click("#attach")  # a user's click: a file dialog opens only for one
+        browser.until(f"document.querySelectorAll('#attachments img.thumb').length == {count}")
+    assert browser.js("document.getElementById('attach-input').accept").startswith("image/png")
+    press(browser, "#attachments .attachment:nth-child(2)", "✕")
+    assert browser.js("document.querySelectorAll('#attachments img.thumb').length") == 2
+    send(browser, "What is in them?")
+    assert NO_IMAGES in browser.until("document.getElementById('error').textContent")
+    assert browser.js("document.getElementById('attachments').hidden")  # they went with the message
+    message = current(browser)["messages"][0]
+    assert message["content"] == "What is in them?"
+    assert [base64.b64decode(u.removeprefix("data:image/png;base64,")) for u in message["images"]] == [files[0], files[2]]
+    assert browser.js("document.querySelectorAll('.message.user .images img.thumb').length") == 2
+
+    seen = []
+    add_request = llm_engine.add_request
+    monkeypatch.setattr(engine, "accepts_images", True)
+    monkeypatch.setattr(llm_engine, "add_request", lambda *a, **kw: (seen.append(kw), add_request(*a, **kw))[1])
+    press(browser, ".message.user", "Regenerate")  # the unanswered message is sent again
+    browser.until("document.getElementById('error').textContent.includes('multi_modal_data')")
+    assert [np.asarray(im).tolist() for im in seen[0]["multi_modal_data"]["image"]] == [arrays[0].tolist(),
+                                                                                       arrays[2].tolist()]
+    assert browser.page.errors == []

@@ -156,7 +156,7 @@ def test_text_format_json_schema_constrains_the_reply(openai_client):
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0"),
     ({"tool_choice": "required"}, 400, "tool_choice needs tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "needs a schema"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "neither a data URL"),
     ({"model": "gpt-4o"}, 404, "does not exist"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
 ])

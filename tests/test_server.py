@@ -8,6 +8,7 @@ the real `hearth serve` command and stops it with SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -539,11 +540,32 @@ def test_64_concurrent_streams_then_32_disconnects_free_everything(server):
     assert after[("hearth:kv_cache_usage_perc", ())] == 0.0
 
 
+def check_image_options(client: openai.OpenAI) -> None:
+    """The image options reach the server: its pixel limit, and the one host it fetches from (which
+    does not resolve: the fetch is tried and fails, where another host is refused)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    png = BytesIO()
+    Image.new("RGB", (11, 10)).save(png, "PNG")
+    for url, expected in ((f"data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}",
+                           "110 pixels; this server's limit is 100"),
+                          ("https://images.invalid/cat.png", "https://images.invalid/cat.png"),
+                          ("https://other.invalid/cat.png", "does not fetch images from other.invalid")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=NAME, max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+        message = caught.value.body["message"]
+        assert expected in message and ("does not fetch" in message) == ("other" in url), message
+
+
 def test_hearth_serve_prints_serves_and_exits_on_sigterm(folder):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "hearth.cli", "serve", str(folder), "--port", "0", "--served-model-name", NAME,
-         "--no-access-log", "--kv-cache-memory", "4MiB"],
+         "--no-access-log", "--kv-cache-memory", "4MiB", "--max-image-pixels", "100", "--image-fetch-timeout", "1",
+         "--allowed-media-domains", "images.invalid"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -559,6 +581,7 @@ def test_hearth_serve_prints_serves_and_exits_on_sigterm(folder):
         url = line.split()[1].removesuffix("/v1")
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4).choices[0].message
+        check_image_options(client)
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
                           json={"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()

@@ -35,7 +35,7 @@ from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
 from hearth.chat_template import load_chat_template
-from hearth.errors import RequestError
+from hearth.errors import NO_IMAGES, RequestError
 from hearth.lora_request import LoRARequest
 from hearth.model.lora import LoraBank
 from hearth.outputs import RequestOutput
@@ -162,12 +162,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict[str, list] | None = None,
     ) -> str:
         """Queue a request (with lora_request: through that LoRA adapter, loaded first where it is not);
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
-        (hearth/engine/scheduler.py)."""
+        (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, one for each
+        image marker of the prompt, in order; refused by a model without a vision encoder."""
         params = params or SamplingParams()
+        if multi_modal_data is not None and not self.accepts_images:
+            images = multi_modal_data.get("image") if isinstance(multi_modal_data, dict) else None
+            raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
+                               f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
                                "enable_lora (--enable-lora, or --lora NAME=PATH)")
@@ -216,6 +222,11 @@ class LLMEngine:
         return SequenceState(request, index, decoder, generator, spec_generator=spec_generator,
                              logprobs=[] if params.logprobs is not None else None,
                              matcher=None if grammar is None else self.grammars.matcher(grammar), thinking=thinking)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether requests may bring images (multi_modal_data)."""
+        return self.model_config.accepts_images
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

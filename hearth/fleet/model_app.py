@@ -231,7 +231,8 @@ def model_builder(args: argparse.Namespace, limits):
         loras = tuple(f"{n}={p}" for n, p in adapters.items())
         engine = build_llm(argparse.Namespace(**{**vars(args), "model": path}), lora_modules=loras).engine
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
-        return ServedModel(async_engine, [name], limits, args.tool_call_parser, args.trust_request_chat_template)
+        return ServedModel(async_engine, [name], limits, args.tool_call_parser, args.trust_request_chat_template,
+                           tuple(args.allowed_media_domains or ()))
 
     return build
 

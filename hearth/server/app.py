@@ -10,7 +10,8 @@ page.py (the chat page at /), files.py and batches.py
 batch_store.py). Completions and chat completions stream through streaming.py; the state they share
 is a ServedModel (served.py), one per engine (the fleet's several models: hearth/fleet/model_app.py);
 errors are OpenAI's error JSON, Anthropic's on its routes (errors.py); the limits a public server
-needs are limits.py's, the middleware before the routes middleware.py's.
+needs are limits.py's, the middleware before the routes middleware.py's; images in
+requests are read by images.py.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ from hearth.server.served import Lease, ServedModel
 
 def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-              batch_dir: Path | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+              batch_dir: Path | None = None, trust_request_chat_template: bool = False,
+              allowed_media_domains: tuple[str, ...] = ()) -> FastAPI:
     """One engine's app. A prefill or decode worker of a disaggregated set is this app with its role added by
     the fleet (hearth/fleet/disaggregated.py: add_role). batch_dir: where the files and batches live, their
-    unfinished batches taken up when the app starts (None: a temporary directory made on first use)."""
+    unfinished batches taken up when the app starts (None: a temporary directory made on first use).
+    allowed_media_domains: the hosts images may be fetched from by URL (none: data URLs only; hearth/server/images.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or ServerLimits()
-    served = ServedModel(engine, names, limits, tool_call_parser, trust_request_chat_template)
+    served = ServedModel(engine, names, limits, tool_call_parser, trust_request_chat_template, allowed_media_domains)
 
     @contextlib.asynccontextmanager
     async def lease(_: str | None):  # every request is this engine's (its routes check the name)

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from PIL import Image
 
 from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.reasoning import ReasoningSplit
+from hearth.server.errors import APIError
 from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
 from hearth.server.served import ServedModel, served
 from hearth.server.streaming import Delta, Started, StreamHeader, respond
@@ -87,16 +89,16 @@ class ChatFormat:
 
 
 def render_chat(s: ServedModel, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
-                tools: list | None, kwargs: dict | None, chat_template: str | None = None) -> list[int]:
+                tools: list | None, kwargs: dict | None, chat_template: str | None = None) -> str:
     extra = {**({"tools": tools} if tools is not None else {}), **(kwargs or {})}
-    return s.tokenizer.encode_chat(messages, add_generation_prompt, continue_final, s.chat_template(chat_template),
-                                   **extra)
+    return s.tokenizer.chat_text(messages, add_generation_prompt, continue_final, s.chat_template(chat_template),
+                                 **extra)
 
 
-def chat_prompt(s: ServedModel, messages: list[dict], tools: list | None, tool_choice: Any, parallel: bool | None,
-                add_generation_prompt: bool = True, continue_final: bool = False, kwargs: dict | None = None,
-                chat_template: str | None = None) -> tuple[list[int], ToolCalling | None]:
-    """A conversation's prompt ids and its tool calling: with tools the template ignores, in the
+def chat_text(s: ServedModel, messages: list[dict], tools: list | None, tool_choice: Any, parallel: bool | None,
+              add_generation_prompt: bool = True, continue_final: bool = False, kwargs: dict | None = None,
+              chat_template: str | None = None) -> tuple[str, ToolCalling | None]:
+    """A conversation's prompt text and its tool calling: with tools the template ignores, in the
     generic format (hearth/server/tool_fallback.py)."""
     calling = tool_calling(tools, tool_choice, parallel, s.tool_call_parser)
     if calling is not None:
@@ -109,20 +111,46 @@ def chat_prompt(s: ServedModel, messages: list[dict], tools: list | None, tool_c
         if template_drops_tools(render, messages, tools, template or s.tokenizer.chat_template):
             messages = generic_messages(messages, tools, tool_choice == "required")
             calling, tools = generic_calling(calling, tools, tool_choice, parallel), None
-    ids = render_chat(s, messages, add_generation_prompt, continue_final, tools, kwargs, chat_template)
-    return ids, calling
+    text = render_chat(s, messages, add_generation_prompt, continue_final, tools, kwargs, chat_template)
+    return text, calling
 
 
-async def prompt_ids(s: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], ToolCalling | None]:
-    """The conversation through the chat template (the BOS added, truncated as asked) and its tool calling."""
-    ids, calling = await asyncio.to_thread(
-        chat_prompt, s, body.conversation(), body.tools, body.tool_choice, body.parallel_tool_calls,
+@dataclass
+class ChatPrompt:
+    """A conversation ready for the engine."""
+
+    ids: list[int]  # its token ids: what the server counts and checks, and gives the engine without images
+    text: str  # what the engine gets with images, and expands their markers in (each image part's, in order)
+    images: list[Image.Image]  # decoded, in the order of the conversation's image parts
+    calling: ToolCalling | None
+
+    def with_images(self, s: ServedModel) -> tuple[str, dict[str, list]] | None:
+        """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images (None: without)."""
+        if not self.images:
+            return None
+        text, bos = self.text, s.tokenizer.special_token_texts.get("bos_token")
+        if s.tokenizer.add_bos and bos and text.startswith(bos):  # the engine's encoding adds it again
+            text = text[len(bos):]
+        return text, {"image": self.images}
+
+
+async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt:
+    """The conversation's images read (a bad one: 400), then the conversation through the chat template
+    (the BOS added, truncated as asked), and its tool calling."""
+    images = await s.images.load(body.image_urls())
+    if images:
+        s.check_images(body.model)
+        if body.truncate_prompt_tokens is not None:
+            raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+    text, calling = await asyncio.to_thread(
+        chat_text, s, body.conversation(), body.tools, body.tool_choice, body.parallel_tool_calls,
         body.add_generation_prompt is not False, bool(body.continue_final_message), body.chat_template_kwargs,
         body.chat_template)
+    ids = await asyncio.to_thread(s.tokenizer.encode_chat_text, text)
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    return body.truncate(ids), calling
+    return ChatPrompt(body.truncate(ids), text, images, calling)
 
 
 @dataclass
@@ -141,7 +169,8 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
                      prefill_source: str | None = None) -> ChatRun:
     """Render the conversation and add it to the engine."""
     model = s.check_model(body.model)
-    ids, calling = await prompt_ids(s, body)
+    prompt = await chat_prompt(s, body)
+    ids, calling = prompt.ids, prompt.calling
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = s.check_length(len(ids), max_tokens)
     k = body.num_logprobs()
@@ -149,7 +178,8 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
     if calling is not None:
         params = calling.sampling_params(params)
     params = s.reasoning_params(params)
-    streams = await s.add_all([ids], params, request_id, prefill_source, body.priority, model)
+    streams = await s.add_all([ids], params, request_id, prefill_source, body.priority, model,
+                              prompt.with_images(s))
     return ChatRun(model, request_id, len(ids), streams, ChatFormat(s, k, calling, s.thinking_opened(ids)))
 
 

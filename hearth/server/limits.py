@@ -2,7 +2,7 @@
 
 connections.py enforces those of the sockets (how many, how many per client, how long a request's
 head may take); middleware.py those met before a route (body size and time, requests in flight);
-ServedModel checks the rest per request (prompt and output tokens, sequences, time).
+ServedModel checks the rest per request (prompt and output tokens, sequences, time), images.py those of images.
 Only the standard library is imported: the CLI imports this to build its parser.
 """
 
@@ -24,6 +24,12 @@ class ServerLimits:
     max_connections: int = 1000  # open sockets, idle keep-alive ones included (a process has ~1,024 files)
     header_timeout: float = 5.0  # seconds a connection has to send a request's head (line and headers)
     max_connections_per_client: int = 256  # open sockets of one client address
+    # images in requests (hearth/server/images.py): each one's bytes and pixels (25 MP: a phone's photo; Pillow's
+    # own guard is at 89 MP), how many one request may bring, and how long a remote one may take to fetch
+    max_image_bytes: int = 10 * 2**20
+    max_image_pixels: int = 25_000_000
+    max_images_per_request: int = 8
+    image_fetch_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -50,6 +56,11 @@ _HELP = {
                                    "open connections of one client address, idle ones included, before 429s"),
     "header_timeout": ("--header-timeout",
                        "seconds a connection has to send a request's head, from its opening or its last response"),
+    "max_image_bytes": ("--max-image-size", "largest image in bytes (a data URL's, or fetched), or e.g. 20MiB"),
+    "max_image_pixels": ("--max-image-pixels", "largest image in pixels, width x height, read from its header"),
+    "max_images_per_request": ("--max-images-per-request", "images one request may bring"),
+    "image_fetch_timeout": ("--image-fetch-timeout",
+                            "seconds to fetch a remote image (from --allowed-media-domains only)"),
 }
 
 
@@ -58,5 +69,5 @@ def add_limit_arguments(p: argparse.ArgumentParser, parse_size) -> None:
     g = p.add_argument_group("limits (past one: an OpenAI-shaped 4xx error, or a 503 while busy)")
     for f in fields(ServerLimits):
         flag, text = _HELP[f.name]
-        kind = parse_size if f.name == "max_body_bytes" else (float if "timeout" in f.name else int)
+        kind = parse_size if f.name.endswith("_bytes") else (float if "timeout" in f.name else int)
         g.add_argument(flag, dest=f.name, type=kind, default=f.default, help=text + " (default %(default)s)".replace("None", "none"))

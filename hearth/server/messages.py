@@ -1,7 +1,7 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
-A request translates into a chat completions request (`system` first, each message's text,
-`tool_use` blocks as the assistant's tool calls, `tool_result` blocks as tool messages; tools
+A request translates into a chat completions request (`system` first, each message's text and
+`image` blocks (as image_url parts: base64 ones as data URLs), `tool_use` blocks as the assistant's tool calls, `tool_result` blocks as tool messages; tools
 and tool_choice, stop_sequences and the sampling fields) and runs as one (chat.py's start_chat);
 the reply's blocks (turns.py) become content blocks: `text`, `tool_use`, and a `thinking` block
 where the reply has reasoning. Streamed as Anthropic streams: message_start, then per block
@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from hearth.errors import RequestError
-from hearth.server.chat import ChatRun, prompt_ids, start_chat
+from hearth.server.chat import ChatRun, chat_prompt, start_chat
 from hearth.server.errors import exception_body
-from hearth.server.protocol import ChatCompletionRequest, OpenAIModel
+from hearth.server.protocol import ChatCompletionRequest, OpenAIModel, chat_content
 from hearth.server.served import PREFILL_HEADER, ServedModel, served
 from hearth.server.streaming import SSEResponse, cancel_on_disconnect
 from hearth.server.turns import (Block, BlockEvent, Finish, chat_tool, reply_deltas, sse_event, template_call,
@@ -53,13 +53,36 @@ class ToolResultBlock(OpenAIModel):
     content: str | list[TextBlock] = ""
 
 
+class Base64Source(OpenAIModel):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(OpenAIModel):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(OpenAIModel):
+    """An image (hearth/server/images.py reads it): base64 data, read as the data URL it makes, or a URL."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def url(self) -> str:
+        s = self.source
+        return s.url if isinstance(s, URLSource) else f"data:{s.media_type};base64,{s.data}"
+
+
 class ThinkingBlock(OpenAIModel):
     """An earlier reply's thinking given back: chat templates leave past reasoning out, so does this."""
 
     type: Literal["thinking", "redacted_thinking"]
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -74,7 +97,8 @@ class InputMessage(OpenAIModel):
         """This message as chat messages: a user's tool results are tool messages before its text."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        text = _text([b for b in self.content if isinstance(b, TextBlock)])
+        text = chat_content([("text", b.text) if isinstance(b, TextBlock) else ("image", b.url())
+                             for b in self.content if isinstance(b, (TextBlock, ImageBlock))])
         calls = [template_call(b.id, b.name, b.input) for b in self.content if isinstance(b, ToolUseBlock)]
         results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
                    for b in self.content if isinstance(b, ToolResultBlock)]
@@ -231,4 +255,4 @@ async def create_message(body: MessagesRequest, request: Request, s: Served):
 async def count_tokens(body: CountTokensRequest, s: Served):
     chat = body.chat_request()
     s.check_model(chat.model)
-    return {"input_tokens": len((await prompt_ids(s, chat))[0])}
+    return {"input_tokens": len((await chat_prompt(s, chat)).ids)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -129,16 +129,48 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str  # a data URL, or http(s) (hearth/server/images.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImageURLPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+def chat_content(parts: list[tuple[str, str]], joiner: str = "\n") -> str | list[dict[str, str | dict]]:
+    """Another API's content as chat completions' (its parts as ("text", text) or ("image", url), in
+    order): the text joined by `joiner` where there is no image, else a list of text and image_url parts."""
+    if all(kind == "text" for kind, _ in parts):
+        return joiner.join(text for _, text in parts)
+    return [{"type": "text", "text": value} if kind == "text" else {"type": "image_url", "image_url": {"url": value}}
+            for kind, value in parts]
+
+
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    def image_urls(self) -> list[str]:
+        parts = self.content if isinstance(self.content, list) else []
+        return [p.image_url.url for p in parts if isinstance(p, ImageURLPart)]
+
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined; with images, a list of parts in
+        their order, each image an `{"type": "image"}` part (transformers' convention, which vision
+        models' templates render as their image marker)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and self.image_urls():
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                       for p in content]
+        elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         # "" for none (an assistant's turn of tool calls): templates such as Qwen 3's concatenate it
         message: dict[str, Any] = {"role": self.role, "content": "" if content is None else content}
@@ -169,6 +201,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise RequestError("messages must contain at least one message")
         return [m.for_template() for m in self.messages]
+
+    def image_urls(self) -> list[str]:
+        """The images' URLs in the order the conversation gives them (the order of its image parts)."""
+        return [url for m in self.messages for url in m.image_urls()]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and self.top_logprobs < 0:

@@ -1,9 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 A request translates into a chat completions request (`instructions` and the `input` items into
-messages, the flat function tools into chat tools, `text.format` into a response_format) and runs
-as one (chat.py's start_chat); the reply's blocks (turns.py) become output items: a `message` with
-one output_text part, `function_call`s, and a `reasoning` item where the reply has reasoning.
+messages, `input_image` parts as image_url parts, the flat function tools into chat tools,
+`text.format` into a response_format) and runs as one (chat.py's start_chat); the reply's blocks
+(turns.py) become output items: a `message` with one output_text part, `function_call`s, and a
+`reasoning` item where the reply has reasoning.
 Streamed, each item is told by OpenAI's typed events, numbered by `sequence_number`.
 
 With `store` (the default) a finished response and the conversation it ends are kept in memory,
@@ -26,7 +27,7 @@ from pydantic import Discriminator, Field, Tag
 from hearth.errors import RequestError
 from hearth.server.chat import ChatRun, start_chat
 from hearth.server.errors import APIError, exception_body
-from hearth.server.protocol import ChatCompletionRequest, OpenAIModel
+from hearth.server.protocol import ChatCompletionRequest, OpenAIModel, chat_content
 from hearth.server.served import PREFILL_HEADER, ServedModel, served
 from hearth.server.streaming import SSEResponse, cancel_on_disconnect
 from hearth.server.structured import JsonSchemaFormat
@@ -38,13 +39,33 @@ router = APIRouter()
 STORED_RESPONSES = 1000  # responses kept for GET and previous_response_id, the oldest forgotten first
 
 
-class ContentPart(OpenAIModel):
+class TextPart(OpenAIModel):
     type: Literal["input_text", "output_text"]  # output_text: an earlier reply given back
     text: str
 
 
-def _text(content: str | list[ContentPart]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+class ImagePart(OpenAIModel):
+    """An image (hearth/server/images.py reads it): a data URL, or a URL; not an uploaded file's id."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+    def url(self) -> str:
+        if self.image_url is None:
+            raise APIError(400, "an input_image needs its image_url (a data URL, or http(s)); file_id is not "
+                                "taken by this server", "input")
+        return self.image_url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+def _content(content: str | list[ContentPart]) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    return chat_content([("text", p.text) if isinstance(p, TextPart) else ("image", p.url()) for p in content], "")
 
 
 class MessageItem(OpenAIModel):
@@ -125,13 +146,13 @@ class ResponsesRequest(OpenAIModel):
         for item in self.input:
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": _text(item.content)})
+                messages.append({"role": role, "content": _content(item.content)})
             elif isinstance(item, FunctionCallItem):
                 if not messages or messages[-1]["role"] != "assistant":
                     messages.append({"role": "assistant", "content": ""})
                 messages[-1].setdefault("tool_calls", []).append(template_call(item.call_id, item.name, item.arguments))
             elif isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output)})
         return messages
 
     def response_format(self) -> dict[str, Any] | None:

@@ -34,7 +34,8 @@ def run_server(args, extend_app: Callable | None = None) -> None:
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
     batch_dir = args.batch_dir or default_batch_dir()
     app = build_app(async_engine, name, api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
-                    batch_dir=batch_dir, trust_request_chat_template=args.trust_request_chat_template)
+                    batch_dir=batch_dir, trust_request_chat_template=args.trust_request_chat_template,
+                    allowed_media_domains=tuple(args.allowed_media_domains or ()))
     if extend_app is not None:
         extend_app(app)
     print(f"model      {engine.model_path} (served as {name!r}), {engine.device} {str(engine.dtype).removeprefix('torch.')}")

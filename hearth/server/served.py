@@ -16,11 +16,12 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import Request
 
 from hearth.engine.async_engine import AsyncEngine, RequestStream
-from hearth.errors import RequestError
+from hearth.errors import NO_IMAGES, RequestError
 from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
 from hearth.server.errors import APIError
+from hearth.server.images import ImageSources
 from hearth.server.limits import ServerLimits
 from hearth.server.metrics import ServerMetrics
 from hearth.tool_calls import parser_for
@@ -41,7 +42,8 @@ class RequestTimeout(APIError):
 
 class ServedModel:
     def __init__(self, engine: AsyncEngine, names: list[str], limits: ServerLimits,
-                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
+                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+                 allowed_media_domains: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.names = names
         self.limits = limits
@@ -57,6 +59,7 @@ class ServedModel:
         # LoRA adapters served under their own names (`model: NAME`): name -> path; changed only by the
         # load and unload routes (lora.py), after the engine did so
         self.adapters: dict[str, str] = dict(engine.initial_loras)
+        self.images = ImageSources(limits, allowed_media_domains)  # how images in requests are read
 
     # ---- checks
 
@@ -108,6 +111,11 @@ class ServedModel:
             )
         return max_tokens
 
+    def check_images(self, name: str | None) -> None:
+        """A request with images needs a model that reads them (the engine refuses them too)."""
+        if not self.engine.accepts_images:
+            raise APIError(400, f"{NO_IMAGES}: `{self.check_model(name)}` has no vision encoder", "messages")
+
     def chat_template(self, requested: str | None) -> str | None:
         """A request's own chat template (vLLM's `chat_template`), where the server allows one; None:
         the model's."""
@@ -137,20 +145,25 @@ class ServedModel:
     # ---- requests in flight
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      prefill_source: str | None = None, priority: int = 0,
-                      model: str | None = None) -> list[RequestStream]:
+                      prefill_source: str | None = None, priority: int = 0, model: str | None = None,
+                      with_images: tuple[str, dict[str, list]] | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`, at `priority`), through the LoRA adapter
         `model` names if it names one; all or none are added. On a decode worker, given a prefill worker
-        (its URL or its Ray actor), each prompt's KV is pulled from it first."""
+        (its URL or its Ray actor), each prompt's KV is pulled from it first. with_images: a one-prompt
+        request's text and multi_modal_data, given to the engine in place of its ids (the engine expands
+        the image markers in the text)."""
         self.check_sequences(len(prompts), params)
+        if with_images is not None and prefill_source is not None:
+            raise APIError(400, "images are not taken by disaggregated prefill and decode workers", "messages")
         if prefill_source is not None and self.kv_puller is not None:
             for ids in prompts:
                 await self.kv_puller.pull(self, prefill_source, ids)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{request_id}-{i}", priority,
-                                                             self.lora_of(model) if model else None))
+                prompt, data = with_images or (ids, None)
+                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}", priority,
+                                                             self.lora_of(model) if model else None, data))
         except BaseException:
             for s in streams:
                 s.close()

@@ -26,9 +26,10 @@ async def tokenize(body: TokenizeRequest, s: Served):
         ids = await asyncio.to_thread(s.tokenizer.encode, body.prompt,
                                       add_special_tokens=body.add_special_tokens is not False)
     else:
-        ids = await asyncio.to_thread(
+        text = await asyncio.to_thread(
             render_chat, s, [m.for_template() for m in body.messages], body.add_generation_prompt is not False,
             bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
+        ids = await asyncio.to_thread(s.tokenizer.encode_chat_text, text)
     strs = [s.tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}
 

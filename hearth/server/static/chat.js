@@ -11,6 +11,7 @@ const SETTINGS = ["system", "temperature", "top_p", "max_tokens"];
 const conversations = new Conversations();
 let controller = null;  // aborts the reply being streamed
 let pendingRetry = null;  // what to do once an API key is given
+let attached = [];  // the images (data URLs) that go with the next message
 const narrow = matchMedia("(max-width: 700px)");  // a phone: the sidebar covers the chat, shown when asked
 
 function element(tag, className = "", text = "") {
@@ -120,7 +121,14 @@ function fill(box, message) {
       const code = pre.firstChild;
       pre.prepend(button("Copy", "Copy the code", (event) => copy(code.textContent, event.target)));
     }
-  } else body.textContent = message.content;
+  } else {
+    body.textContent = message.content;
+    if (message.images?.length) {
+      const row = element("div", "images");
+      row.append(...message.images.map(thumbnail));
+      body.prepend(row);
+    }
+  }
   box.querySelector(".stats").textContent = message.stats ? statsText(message.stats) : "";
 }
 
@@ -137,6 +145,46 @@ function scrollDown(always = false) {
 function showError(text) {
   $("error").textContent = text;
   $("error").hidden = !text;
+}
+
+function thumbnail(url) {
+  const image = element("img", "thumb");
+  image.src = url;
+  image.alt = "an attached image";
+  return image;
+}
+
+// ---- images attached to the next message: thumbnails, each with a button that removes it
+
+function showAttachments() {
+  $("attachments").hidden = !attached.length;
+  $("attachments").replaceChildren(...attached.map((url, index) => {
+    const item = element("span", "attachment");
+    item.append(thumbnail(url), button("✕", "Remove the image", () => {
+      attached.splice(index, 1);
+      showAttachments();
+    }));
+    return item;
+  }));
+}
+
+function dataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach() {
+  const files = [...$("attach-input").files];
+  $("attach-input").value = "";  // the same file may be chosen again
+  for (const file of files) {
+    if (file.type.startsWith("image/")) attached.push(await dataURL(file));
+    else showError(`${file.name} is not an image`);
+  }
+  showAttachments();
 }
 
 // ---- what the buttons on a message do
@@ -160,11 +208,12 @@ function edit(index) {
   if (controller) return;
   const box = $("messages").children[index];
   const area = element("textarea", "editor");
-  area.value = conversations.messages[index].content;
+  const { content, images } = conversations.messages[index];  // the images stay with the edited text
+  area.value = content;
   area.rows = Math.min(12, area.value.split("\n").length + 1);
   const send = button("Send", "Send the edited message; the replies after it are dropped", () => {
     const text = area.value.trim();
-    if (text) resendFrom(index, { role: "user", content: text });
+    if (text || images?.length) resendFrom(index, { role: "user", content: text, ...(images ? { images } : {}) });
   });
   send.className = "primary";
   box.querySelector(".body").replaceWith(area);
@@ -204,12 +253,18 @@ async function loadModels() {
   }
 }
 
+// a message with images: its text and its images as parts (image_url parts of data URLs)
+function apiMessage({ role, content, images }) {
+  if (!images?.length) return { role, content };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return { role, content: content ? [{ type: "text", text: content }, ...parts] : parts };
+}
+
 function requestBody(messages) {
   const system = $("system").value.trim();
   const body = {
     model: $("model").value || undefined,
-    messages: [...(system ? [{ role: "system", content: system }] : []),
-      ...messages.map(({ role, content }) => ({ role, content }))],
+    messages: [...(system ? [{ role: "system", content: system }] : []), ...messages.map(apiMessage)],
   };
   for (const name of ["temperature", "top_p", "max_tokens"]) {
     const value = $(name).value.trim();
@@ -270,6 +325,7 @@ async function reply() {
 
 function setBusy(busy) {
   $("send").hidden = busy;
+  $("attach").disabled = busy;
   $("stop").hidden = !busy;
   $("prompt").disabled = busy;
 }
@@ -279,12 +335,14 @@ function setBusy(busy) {
 function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || controller) return;
+  if ((!text && !attached.length) || controller) return;
   showError("");
   const conversation = conversations.open();
-  conversation.messages.push({ role: "user", content: text });
+  conversation.messages.push({ role: "user", content: text, ...(attached.length ? { images: attached } : {}) });
   conversations.touch(conversation);
   $("prompt").value = "";
+  attached = [];
+  showAttachments();
   showAll();
   reply();
 }
@@ -313,6 +371,8 @@ $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
 });
 $("stop").addEventListener("click", () => controller?.abort());
+$("attach").addEventListener("click", () => $("attach-input").click());
+$("attach-input").addEventListener("change", attach);
 $("new-chat").addEventListener("click", () => switchTo(null));
 $("toggle-sidebar").addEventListener("click", () => { $("sidebar").hidden = !$("sidebar").hidden; });
 $("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });

@@ -16,7 +16,8 @@ export const store = {
 const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8);  // randomUUID needs https
 
 // The conversations, the most recently used first: [{id, title, messages, updated}]. A message is
-// {role, content} and, for a reply, maybe {reasoning, stats}; only role and content are sent back.
+// {role, content} and, for a user's, maybe {images} (data URLs), for a reply maybe {reasoning, stats};
+// role, content and images are sent back.
 // `current` is null for a new chat until its first message is sent (no empty conversations pile up).
 export class Conversations {
   constructor() {
@@ -79,6 +80,7 @@ export class Conversations {
 
   static title(conversation) {
     const first = conversation.messages.find((m) => m.role === "user");
-    return conversation.title || first?.content.trim().split("\n")[0].slice(0, 60) || "New chat";
+    return conversation.title || first?.content.trim().split("\n")[0].slice(0, 60) ||
+      (first?.images?.length ? "Image" : "New chat");
   }
 }
