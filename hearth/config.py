@@ -3,6 +3,7 @@ engine's options (EngineConfig and its nested configs), each declared once (hear
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from hearth.hf_config import (
 )
 from hearth.options import build, option, parse_size, section
 from hearth.reasoning import FORMATS
+from hearth.vision_config import VisionConfig, text_config_of, vision_family, vision_from_hf
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -116,6 +118,7 @@ class ModelConfig:
     attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
     extra: dict[str, Any] = field(default_factory=dict)
+    vision: VisionConfig | None = None  # an image-text model's encoder and projector (hearth/vision_config.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -238,6 +241,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         refuse_quantized_or_multimodal(hf, where)
+        if vision_family(hf) is not None:  # an image-text model: its text model, with the vision config beside
+            text = cls.from_hf(text_config_of(hf), where)
+            try:
+                return dataclasses.replace(text, vision=vision_from_hf(hf, text.vocab_size))
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{where}: {e}") from None
         arch = architecture_from_hf(hf, where, SUPPORTED_ARCHITECTURES)
         try:
             hf = hybrid_fields_from_hf(hf, arch)

@@ -66,7 +66,9 @@ class GpuBackend(Backend):
 
     def forward(self, model, step: StepInputs, kv_caches):
         # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
-        if step.decode_only and step.num_seqs <= self.max_graph_batch and not model.config.num_experts:
+        # (and a step with an image's rows: the graphs embed token ids only)
+        if (step.decode_only and step.num_seqs <= self.max_graph_batch and not model.config.num_experts
+                and step.embeds is None):
             graphs = model.backend_state.get("decode_graphs")
             if graphs is None:
                 from hearth.backend.graphs import DecodeGraphs

@@ -17,6 +17,7 @@ import torch
 from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
+from hearth.engine.images import expand_prompt, images_of
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -60,6 +61,7 @@ class LLMEngine:
         loaded, self.workers, shard = load_target(model, config, backend, self.dtype, self.device, progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
+        self.image_processor = loaded.image_processor  # None: a text-only model
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
@@ -83,7 +85,8 @@ class LLMEngine:
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
                                    kv_window=self.model_config.kv_window,
-                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
+                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None,
+                                   encoder_cache=self.runner.encoder_cache or ())
         self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         self.state_cache_bytes = self.num_state_slots * self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
@@ -151,11 +154,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict | None = None,
     ) -> str:
         """Queue a request (with lora_request: through that LoRA adapter, loaded first where it is not);
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
-        (hearth/engine/scheduler.py)."""
+        (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, each named in
+        the text prompt by the model's marker <image> (hearth/engine/images.py)."""
         params = params or SamplingParams()
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
@@ -164,7 +169,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._encode(prompt)
+        image_ids, images = expand_prompt(prompt, images_of(multi_modal_data), self.image_processor, self.tokenizer,
+                                          None if self.model_config.vision is None else
+                                          self.model_config.vision.image_token_id)
+        prompt_text, prompt_ids = self._encode(prompt) if image_ids is None else (prompt, image_ids)
         self._check_fits(prompt_ids)
         self._check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -172,6 +180,7 @@ class LLMEngine:
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt_text, prompt_ids, params, now)
+        group.images = images
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.best_of or params.n):
@@ -189,7 +198,7 @@ class LLMEngine:
         params = group.params
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
         request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time,
-                          priority=priority, lora_id=lora_id)
+                          priority=priority, lora_id=lora_id, images=group.images)
         # prompt logprobs need every prompt position computed, and contrastive search every position's
         # hidden state: no prefix-cache skipping; its candidates take scratch slots after the tokens
         request.skip_prefix_cache = params.prompt_logprobs is not None or params.contrastive_search
