@@ -241,12 +241,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         refuse_quantized_or_multimodal(hf, where)
-        if vision_family(hf) is not None:  # an image-text model: its text model, with the vision config beside
-            text = cls.from_hf(text_config_of(hf), where)
-            try:
-                return dataclasses.replace(text, vision=vision_from_hf(hf, text.vocab_size))
-            except ModelLoadError as e:
-                raise ModelLoadError(f"{where}: {e}") from None
+        if vision_family(hf) is not None:
+            return cls._image_text_from_hf(hf, where)
         arch = architecture_from_hf(hf, where, SUPPORTED_ARCHITECTURES)
         try:
             hf = hybrid_fields_from_hf(hf, arch)
@@ -260,10 +256,8 @@ class ModelConfig:
             rope = hf.get("rope_parameters") or {}
             local_rope = rope.get("sliding_attention")
             rope = rope.get("full_attention", rope)
-            act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-            if gemma:
-                # transformers runs gemma with the tanh approximation whatever the config says
-                act = "gelu_pytorch_tanh"
+            # transformers runs gemma with the tanh approximation whatever the config says
+            act = "gelu_pytorch_tanh" if gemma else hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
             refuse_unimplemented(hf, where, arch)
             if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
                 head_dim = int(hf["qk_rope_head_dim"])
@@ -305,6 +299,15 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: {e}") from None
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
+
+    @classmethod
+    def _image_text_from_hf(cls, hf: dict[str, Any], where: str) -> "ModelConfig":
+        """An image-text model's: its text model's config, with the vision config beside (vision_config.py)."""
+        text = cls.from_hf(text_config_of(hf), where)
+        try:
+            return dataclasses.replace(text, vision=vision_from_hf(hf, text.vocab_size))
+        except (ModelLoadError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: {e}") from None
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x
