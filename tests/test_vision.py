@@ -59,7 +59,8 @@ def _reference(vlm, text: str, images: list):
 def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
     """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
     vision = engine.model_config.vision
-    ids, spans = expand_prompt(text, images, engine.image_processor, engine.tokenizer, vision.image_token_id)
+    ids, spans = expand_prompt(text, {"image": images}, engine.image_processor, engine.tokenizer,
+                               vision.image_token_id)
     request = Request("logits", ids, images=spans)
     assert engine.block_manager.allocate_slots(request, len(ids))
     pieces = []
@@ -81,7 +82,7 @@ def test_pixels_and_token_ids_are_the_processors(vlm):
         inputs = vlm[1](text=[PROMPT], images=[[image]], return_tensors="pt")
         mine = engine.image_processor.process(image)
         assert np.array_equal(mine.pixel_values, inputs["pixel_values"][0].numpy())
-        ids, spans = expand_prompt(PROMPT, [image], engine.image_processor, engine.tokenizer,
+        ids, spans = expand_prompt(PROMPT, {"image": image}, engine.image_processor, engine.tokenizer,
                                    engine.model_config.vision.image_token_id)
         assert ids == inputs["input_ids"][0].tolist()
         assert spans[0].num_embeds == len(mine.pixel_values) * 64
@@ -131,8 +132,12 @@ def test_encoder_and_prefix_caches_hit_on_the_same_image_only(vlm):
 
 def test_chunks_through_images_and_a_small_encoder_budget(vlm):
     """Chunks of 48 tokens, an encoder budget below one image's embeddings: each image is encoded alone
-    in the step its first chunk reaches it, and the tokens are transformers'."""
+    in the step its first chunk reaches it, and the tokens are transformers'; the same through the
+    AsyncEngine (the server's way in)."""
+    import asyncio
+
     from hearth import LLM
+    from hearth.engine.async_engine import AsyncEngine
 
     images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
     ref_tokens = _reference(vlm, TWO, images)[2]
@@ -140,6 +145,15 @@ def test_chunks_through_images_and_a_small_encoder_budget(vlm):
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
     assert llm.engine.runner.encoder_cache.misses == 2
+    engine = AsyncEngine(llm.engine)
+
+    async def generate():
+        return [o async for o in engine.generate(TWO, GREEDY, multi_modal_data={"image": images})][-1]
+
+    try:
+        assert asyncio.run(generate()).outputs[0].token_ids == ref_tokens
+    finally:
+        engine.shutdown()
 
 
 def test_scheduler_budgets_encoder_work():

@@ -203,11 +203,11 @@ class AsyncEngine:
 
     async def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, multi_modal_data: dict | None = None,
     ) -> RequestStream:
-        """Queue a request (through the LoRA adapter of lora_request, if any) and wait until the engine
-        took it; raises QueueFull, RequestError, EngineStopped. A lower `priority` is served first
-        (LLMEngine.add_request)."""
+        """Queue a request (through the LoRA adapter of lora_request, if any; with multi_modal_data's
+        images, {"image": [PIL images]}) and wait until the engine took it; raises QueueFull,
+        RequestError, EngineStopped. A lower `priority` is served first (LLMEngine.add_request)."""
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFull(
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
@@ -216,7 +216,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
-        self._command(("add", stream, prompt, params, priority, lora_request))
+        self._command(("add", stream, prompt, params, priority, lora_request, multi_modal_data))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -228,10 +228,11 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs; closing or cancelling the iteration aborts it."""
-        stream = await self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request(prompt, params, request_id, priority, multi_modal_data=multi_modal_data)
         try:
             async for output in stream:
                 yield output
@@ -375,9 +376,10 @@ class AsyncEngine:
             if command[0] == "call":
                 self._call(*command[1:])
                 continue
-            _, stream, prompt, params, priority, lora_request = command
+            _, stream, prompt, params, priority, lora_request, images = command
             try:
-                self.engine.add_request(stream.request_id, prompt, params, priority=priority, lora_request=lora_request)
+                self.engine.add_request(stream.request_id, prompt, params, priority=priority, lora_request=lora_request,
+                                        multi_modal_data=images)
             except Exception as e:  # RequestError for bad input; anything else reaches the caller too
                 stream._accept(e)
             else:

@@ -17,7 +17,7 @@ import torch
 from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
-from hearth.engine.images import expand_prompt, images_of
+from hearth.engine.images import expand_prompt
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -169,7 +169,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        image_ids, images = expand_prompt(prompt, images_of(multi_modal_data), self.image_processor, self.tokenizer,
+        image_ids, images = expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
                                           None if self.model_config.vision is None else
                                           self.model_config.vision.image_token_id)
         prompt_text, prompt_ids = self._encode(prompt) if image_ids is None else (prompt, image_ids)

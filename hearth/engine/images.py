@@ -48,13 +48,15 @@ def images_of(multi_modal_data: Any) -> list:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
-def expand_prompt(prompt: str | list[int], images: list, processor: ImageProcessor | None, tokenizer: Tokenizer,
-                  image_token_id: int | None) -> tuple[list[int] | None, list[ImageSpan]]:
-    """A prompt with images -> (its token ids with every image's placeholders, the images' spans); a
-    prompt without: (None, []) for the engine's own encoding. RequestError for images to a text model,
-    markers and images that do not pair up, token ids that hold placeholders."""
-    if images and processor is None:
-        raise RequestError(f"this model takes no images (a text-only model); {len(images)} given")
+def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: ImageProcessor | None,
+                  tokenizer: Tokenizer, image_token_id: int | None) -> tuple[list[int] | None, list[ImageSpan]]:
+    """A prompt with images (multi_modal_data, vLLM's) -> (its token ids with every image's placeholders,
+    the images' spans); a prompt without: (None, []) for the engine's own encoding. RequestError for
+    multi_modal_data to a text model, markers and images that do not pair up, token ids that hold
+    placeholders."""
+    if multi_modal_data is not None and processor is None:
+        raise RequestError("this model takes no images (a text-only model): leave out multi_modal_data")
+    images = images_of(multi_modal_data)
     if processor is None:
         return None, []
     if not isinstance(prompt, str):
