@@ -215,3 +215,34 @@ def test_vision_families_hearth_does_not_run_are_refused(vlm):
     config["text_config"]["model_type"] = "mistral"
     with pytest.raises(ModelLoadError, match="llama text model"):
         ModelConfig.from_hf(config)
+
+
+@pytest.mark.slow  # (~30 s: prefill under Triton's interpreter without a GPU)
+def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
+    """The gpu backend (on the GPU, else its Triton kernels interpreted on the CPU) runs the encoder with
+    torch operations on its device and takes the image rows through its prefill; a processor whose
+    longest edge is one tile makes no grid (the global image alone): transformers' greedy tokens."""
+    import json
+    import shutil
+
+    import transformers
+
+    from hearth import LLM
+
+    folder = tmp_path / "one-tile"
+    shutil.copytree(vlm[0], folder)
+    settings = json.loads((folder / "processor_config.json").read_text())
+    settings["image_processor"]["size"]["longest_edge"] = 512
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    image = _image(*IMAGES[0])
+    inputs = processor(text=[PROMPT], images=[[image]], return_tensors="pt")
+    assert inputs["pixel_values"].shape[1] == 1
+    with torch.no_grad():
+        expected = vlm[2].generate(**inputs, max_new_tokens=3, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(folder), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [image]}},
+                       SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out[0].outputs[0].token_ids == expected.tolist()
