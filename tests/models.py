@@ -246,8 +246,8 @@ def make_vlm(folder: Path, seed: int = 0, text: dict | None = None, vision: dict
     config = transformers.SmolVLMConfig(
         text_config={**_COMMON, "model_type": "llama", "vocab_size": 384, "max_position_embeddings": 4096,
                      **(text or {})},
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=VLM_TILE, patch_size=16, **(vision or {})),
+        vision_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": VLM_TILE, "patch_size": 16, **(vision or {})},
         scale_factor=4, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     model = transformers.SmolVLMForConditionalGeneration(config)
     with torch.no_grad():

@@ -246,3 +246,21 @@ def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
                        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids == inputs["input_ids"][0].tolist()
     assert out[0].outputs[0].token_ids == expected.tolist()
+
+
+def test_generate_reads_image_files(tmp_path):
+    """hearth generate --image: files read as PIL images (markers put first when the prompt has none);
+    a file that is no image is a HearthError naming it."""
+    import argparse
+
+    from hearth.cli import _generate_prompt
+    from hearth.errors import HearthError
+
+    _image(0, 30, 40).save(tmp_path / "a.png")
+    (tmp_path / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    prompt = _generate_prompt(argparse.Namespace(prompt="Compare.", image=[str(tmp_path / "a.png")] * 2))
+    assert prompt["prompt"] == "<image><image>Compare." and prompt["multi_modal_data"]["image"][1].size == (40, 30)
+    kept = _generate_prompt(argparse.Namespace(prompt="x <image> y", image=[str(tmp_path / "a.png")]))
+    assert kept["prompt"] == "x <image> y"
+    with pytest.raises(HearthError, match="b.png"):
+        _generate_prompt(argparse.Namespace(prompt="x", image=[str(tmp_path / "b.png")]))
