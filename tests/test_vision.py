@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine.images import expand_prompt, step_embeddings
+from hearth.engine.images import step_embeddings
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import ImageSpan, Request
 from hearth.engine.runner import BatchEntry
@@ -59,9 +59,9 @@ def _reference(vlm, text: str, images: list):
 def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
     """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
     vision = engine.model_config.vision
-    ids, spans = expand_prompt(text, {"image": images}, engine.image_processor, engine.tokenizer,
-                               vision.image_token_id)
-    request = Request("logits", ids, images=spans)
+    expanded = engine.prompt_with_images(text, {"image": images})
+    ids = expanded.token_ids
+    request = Request("logits", ids, images=expanded.images)
     assert engine.block_manager.allocate_slots(request, len(ids))
     pieces = []
     for start, end in ((0, cut), (cut, len(ids))) if cut else ((0, len(ids)),):
@@ -82,10 +82,9 @@ def test_pixels_and_token_ids_are_the_processors(vlm):
         inputs = vlm[1](text=[PROMPT], images=[[image]], return_tensors="pt")
         mine = engine.image_processor.process(image)
         assert np.array_equal(mine.pixel_values, inputs["pixel_values"][0].numpy())
-        ids, spans = expand_prompt(PROMPT, {"image": image}, engine.image_processor, engine.tokenizer,
-                                   engine.model_config.vision.image_token_id)
-        assert ids == inputs["input_ids"][0].tolist()
-        assert spans[0].num_embeds == len(mine.pixel_values) * 64
+        expanded = engine.prompt_with_images(PROMPT, {"image": image})
+        assert expanded.token_ids == inputs["input_ids"][0].tolist()
+        assert expanded.images[0].num_embeds == len(mine.pixel_values) * 64
 
 
 @pytest.mark.parametrize("text, which", [(PROMPT, (0,)), (TWO, (0, 1))], ids=["one-image", "two-images"])

@@ -17,7 +17,7 @@ import torch
 from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
-from hearth.engine.images import expand_prompt
+from hearth.engine.images import PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -149,7 +149,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptWithImages,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -169,10 +169,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        image_ids, images = expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
-                                          None if self.model_config.vision is None else
-                                          self.model_config.vision.image_token_id)
-        prompt_text, prompt_ids = self._encode(prompt) if image_ids is None else (prompt, image_ids)
+        expanded = prompt if isinstance(prompt, PromptWithImages) else self.prompt_with_images(prompt, multi_modal_data)
+        prompt_text, prompt_ids = self._encode(prompt) if expanded is None else (expanded.text, expanded.token_ids)
         self._check_fits(prompt_ids)
         self._check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -180,7 +178,7 @@ class LLMEngine:
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt_text, prompt_ids, params, now)
-        group.images = images
+        group.images = [] if expanded is None else expanded.images
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.best_of or params.n):
@@ -192,6 +190,13 @@ class LLMEngine:
                 group.waiting_for_prompt.append(state.request)
         self.output_processor.add_group(group)
         return request_id
+
+    def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict | None) -> PromptWithImages | None:
+        """The prompt with its images' placeholders and spans (None: no images); RequestError as
+        add_request's. Reads no engine state: safe beside a step on another thread."""
+        vision = self.model_config.vision
+        return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
+                             None if vision is None else vision.image_token_id)
 
     def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""

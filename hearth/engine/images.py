@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,27 +49,36 @@ def images_of(multi_modal_data: Any) -> list:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
+@dataclass(frozen=True)
+class PromptWithImages:
+    """A prompt's text, its token ids with every image's placeholders, and the images' spans."""
+
+    text: str
+    token_ids: list[int]
+    images: list[ImageSpan]
+
+
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: ImageProcessor | None,
-                  tokenizer: Tokenizer, image_token_id: int | None) -> tuple[list[int] | None, list[ImageSpan]]:
-    """A prompt with images (multi_modal_data, vLLM's) -> (its token ids with every image's placeholders,
-    the images' spans); a prompt without: (None, []) for the engine's own encoding. RequestError for
-    multi_modal_data to a text model, markers and images that do not pair up, token ids that hold
-    placeholders."""
+                  tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
+    """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
+    engine's own encoding. RequestError for multi_modal_data to a text model, markers and images that
+    do not pair up, token ids that hold placeholders. Reads no engine state (the AsyncEngine runs it
+    off the engine's thread)."""
     if multi_modal_data is not None and processor is None:
         raise RequestError("this model takes no images (a text-only model): leave out multi_modal_data")
     images = images_of(multi_modal_data)
     if processor is None:
-        return None, []
+        return None
     if not isinstance(prompt, str):
         if images or image_token_id in prompt:
             raise RequestError(f"images go with a text prompt that names each with {IMAGE_MARKER}, not token ids")
-        return None, []
+        return None
     markers = prompt.count(IMAGE_MARKER)
     if markers != len(images):
         raise RequestError(f"the prompt names {markers} image(s) with {IMAGE_MARKER} and {len(images)} image(s) "
                            f"were given: each image needs its {IMAGE_MARKER} in the text, in order")
     if not images:
-        return None, []
+        return None
     processed = [processor.process(image) for image in images]
     parts = prompt.split(IMAGE_MARKER)
     text = parts[0] + "".join(processor.placeholder_text(p.rows, p.cols) + after
@@ -83,7 +93,7 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: Ima
         spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values, count))
     if used != len(positions):  # (the marker's own text tokenized as placeholders: the tokenizer disagrees)
         raise RequestError(f"the prompt holds {len(positions) - used} placeholder tokens of no image")
-    return ids, spans
+    return PromptWithImages(prompt, ids, spans)
 
 
 class EncoderCache:
