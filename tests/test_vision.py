@@ -210,6 +210,9 @@ def test_vision_families_hearth_does_not_run_are_refused(vlm):
              "vision_config": {"hidden_size": 32}, "text_config": {"model_type": "llama"}}
     with pytest.raises(ModelLoadError, match="image encoder"):
         ModelConfig.from_hf(llava)
+    from hearth.model_info import model_info
+
+    assert model_info(vlm[0])["vision"]["tokens_per_tile"] == 64  # hearth inspect's line
     config = json.loads((vlm[0] / "config.json").read_text())
     config["text_config"]["model_type"] = "mistral"
     with pytest.raises(ModelLoadError, match="llama text model"):
