@@ -92,7 +92,10 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `beam_width` best continuations of each prompt (see hearth/engine/beam_search.py)."""
-        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p, _ in _as_list(prompts)]
+        prompts = _as_list(prompts)
+        if any(images is not None for _, images in prompts):
+            raise RequestError("beam search with images (multi_modal_data) is not implemented by hearth")
+        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p, _ in prompts]
         return beam_search(self.engine, prompt_ids, params)
 
     def chat(

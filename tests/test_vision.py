@@ -14,7 +14,7 @@ from hearth.engine.request import ImageSpan, Request
 from hearth.engine.runner import BatchEntry
 from hearth.engine.scheduler import Scheduler
 from hearth.errors import ModelLoadError, RequestError
-from hearth.sampling_params import SamplingParams
+from hearth.sampling_params import BeamSearchParams, SamplingParams
 from models import make_hf_model, make_vlm
 
 PROMPT = "<|im_start|>user\nWhat is in <image>?<|im_end|>\n<|im_start|>assistant\n"
@@ -195,6 +195,9 @@ def test_bad_image_requests_are_refused(vlm, tmp_path):
             engine.add_request(None, prompt, GREEDY, multi_modal_data=data)
     with pytest.raises(RequestError, match="not token ids"):
         engine.add_request(None, [1, 2, engine.model_config.vision.image_token_id], GREEDY)
+    with pytest.raises(RequestError, match="beam search with images"):
+        vlm[3].beam_search({"prompt": "a <image>", "multi_modal_data": {"image": [image]}},
+                           BeamSearchParams(beam_width=2, max_tokens=2))
     text_only = LLM(str(make_hf_model(tmp_path / "llama", "llama")), progress=False).engine
     with pytest.raises(RequestError, match="this model takes no images"):
         text_only.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [image]})
