@@ -54,11 +54,13 @@ def main() -> None:
     reference = _transformers(folder)
     llm = _hearth(folder)
     for repeat in range(args.repeats):
-        results["transformers"].append(reference(image, PROMPT.format(f"run {repeat} ")))
         fresh = Image.fromarray(np.asarray(image) ^ repeat)  # another image each repeat: a cold encoder cache
-        results["hearth, cold image"].append(llm(fresh, PROMPT.format(f"run {repeat} ")))
-        results["hearth, image in the encoder cache"].append(llm(fresh, PROMPT.format(f"again {repeat} ")))
-        results["hearth, same prompt again (prefix cache)"].append(llm(fresh, PROMPT.format(f"again {repeat} ")))
+        runs = [("transformers", reference, f"run {repeat} "), ("hearth, cold image", llm, f"run {repeat} "),
+                ("hearth, image in the encoder cache", llm, f"again {repeat} "),
+                ("hearth, same prompt again (prefix cache)", llm, f"again {repeat} ")]
+        for name, ttft, words in runs:
+            results[name].append(ttft(fresh, PROMPT.format(words)))
+            print(f"{name}: {results[name][-1]:.2f} s", flush=True)
     info = machine()
     rows = [[name, f"{statistics.median(times):.2f}", ", ".join(f"{t:.2f}" for t in times)]
             for name, times in results.items()]
