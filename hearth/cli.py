@@ -60,11 +60,38 @@ def _stream(llm, prompt, params) -> str:
     return shown if output is None else output.outputs[0].text
 
 
+def _read_images(paths: list[str]) -> list:
+    """--image's files as PIL images (HearthError for one that cannot be read as an image)."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            image = Image.open(path)
+            image.load()
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise HearthError(f"{path}: not an image hearth can read ({e})") from None
+        images.append(image)
+    return images
+
+
+def _generate_prompt(args):
+    """--prompt, or with --image the prompt dict with its images (a marker <image> per image put
+    before the text when the text names none)."""
+    if not args.image:
+        return args.prompt
+    from hearth.image_processor import IMAGE_MARKER
+
+    text = args.prompt if IMAGE_MARKER in args.prompt else IMAGE_MARKER * len(args.image) + args.prompt
+    return {"prompt": text, "multi_modal_data": {"image": _read_images(args.image)}}
+
+
 def cmd_generate(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
+    prompt = _generate_prompt(args)
     llm = build_llm(args)
     if args.json:
-        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
         print(json.dumps({
             "prompt": args.prompt,
@@ -76,7 +103,7 @@ def cmd_generate(args) -> None:
         }))
         return
     sys.stdout.write(args.prompt)
-    _stream(llm, args.prompt, params)
+    _stream(llm, prompt, params)
     sys.stdout.write("\n")
 
 
@@ -207,6 +234,10 @@ def cmd_inspect(args) -> None:
         print(f"latent attention rank {a['kv_lora_rank']} + rotated key {a['qk_rope_head_dim']}: "
               f"{a['values_per_token_per_layer']} cached values per token and layer (per-head K and V: "
               f"{a['per_head_kv_values_per_token_per_layer']:,})")
+    if "vision" in info:
+        v = info["vision"]
+        print(f"vision           {v['family']}: SigLIP {v['layers']} layers x {v['hidden_size']}, tiles of {v['tile']} px "
+              f"(patches of {v['patch']}), {v['tokens_per_tile']} tokens a tile (docs/vision.md)")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")
@@ -317,6 +348,9 @@ def _add_generate_and_chat(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
     add_model_argument(p)
     p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for an image-text model (repeatable); the prompt names each with <image>, "
+                        "in order (without any, the images go before the text)")
     p.add_argument("--json", action="store_true")
     _add_sampling(p, max_tokens=128)
     # one sequence at a time: the KV cache holds one context, not a share of memory

@@ -3,6 +3,7 @@ engine's options (EngineConfig and its nested configs), each declared once (hear
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from hearth.hf_config import (
 )
 from hearth.options import build, option, parse_size, section
 from hearth.reasoning import FORMATS
+from hearth.vision_config import VisionConfig, text_config_of, vision_family, vision_from_hf
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -116,11 +118,12 @@ class ModelConfig:
     attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
     extra: dict[str, Any] = field(default_factory=dict)
+    vision: VisionConfig | None = None  # an image-text model's encoder and projector (hearth/vision_config.py)
 
     @property
     def accepts_images(self) -> bool:
-        """Whether the model reads images: it has a vision encoder (none of the decoders here has)."""
-        return False
+        """Whether the model reads images: it has a vision encoder (hearth/vision_config.py)."""
+        return self.vision is not None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -243,6 +246,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         refuse_quantized_or_multimodal(hf, where)
+        if vision_family(hf) is not None:
+            return cls._image_text_from_hf(hf, where)
         arch = architecture_from_hf(hf, where, SUPPORTED_ARCHITECTURES)
         try:
             hf = hybrid_fields_from_hf(hf, arch)
@@ -256,10 +261,8 @@ class ModelConfig:
             rope = hf.get("rope_parameters") or {}
             local_rope = rope.get("sliding_attention")
             rope = rope.get("full_attention", rope)
-            act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-            if gemma:
-                # transformers runs gemma with the tanh approximation whatever the config says
-                act = "gelu_pytorch_tanh"
+            # transformers runs gemma with the tanh approximation whatever the config says
+            act = "gelu_pytorch_tanh" if gemma else hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
             refuse_unimplemented(hf, where, arch)
             if arch == "deepseek_v2":  # q and k: head_dim is their rotated part, as transformers has it
                 head_dim = int(hf["qk_rope_head_dim"])
@@ -301,6 +304,15 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: {e}") from None
         except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{where}: malformed field: {e}") from None
+
+    @classmethod
+    def _image_text_from_hf(cls, hf: dict[str, Any], where: str) -> "ModelConfig":
+        """An image-text model's: its text model's config, with the vision config beside (vision_config.py)."""
+        text = cls.from_hf(text_config_of(hf), where)
+        try:
+            return dataclasses.replace(text, vision=vision_from_hf(hf, text.vocab_size))
+        except (ModelLoadError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: {e}") from None
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from hearth.errors import ModelLoadError
+from hearth.vision_config import VISION_ARCHITECTURES, vision_family
 
 # config.json's layer_types of hybrids -> ModelConfig's (config.py's ATTENTION, SHORT_CONV, GATED_DELTA_NET)
 _HYBRID_LAYER_KINDS = {"full_attention": "attention", "conv": "short_conv", "linear_attention": "gated_delta_net"}
@@ -250,11 +251,13 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
             "or `hearth convert`, or load the unquantized bf16/fp16 checkpoint")
     # Qwen3.5 is published only as an image-text model: its text model runs (the vision tower's tensors
     # are left unloaded, with a log line; images are refused by the server)
+    # SmolVLM / Idefics3 run whole, images included (hearth/vision_config.py)
     runs_text_model = hf.get("architectures") == ["Qwen3_5ForConditionalGeneration"]
-    if hf.get("vision_config") is not None and not runs_text_model:
+    if hf.get("vision_config") is not None and not runs_text_model and vision_family(hf) is None:
         raise ModelLoadError(
-            f"{where}: a model with an image encoder (vision_config); hearth runs text-only decoders: "
-            "load the text model's own checkpoint where one is published")
+            f"{where}: a model with an image encoder (vision_config) of a family hearth does not implement "
+            f"(hearth runs the images of {', '.join(sorted(VISION_ARCHITECTURES))}); load the text model's own "
+            "checkpoint where one is published")
 
 
 # config.json's architecture names -> hearth's

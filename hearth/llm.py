@@ -15,7 +15,8 @@ from hearth.options import build, keywords_of
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
 
-# text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
+# text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}, either with
+# "multi_modal_data": {"image": [PIL images]} (an image-text model's; the text names each image with <image>)
 Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
@@ -58,8 +59,8 @@ class LLM:
             raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora))
+            for (prompt, images), p, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora, multi_modal_data=images))
         except RequestError:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -77,7 +78,8 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (cumulative text)."""
-        request_id = self.engine.add_request(None, _unwrapped(prompt), sampling_params)
+        prompt, images = _unwrapped(prompt)
+        request_id = self.engine.add_request(None, prompt, sampling_params, multi_modal_data=images)
         try:
             while True:
                 for output in self.engine.step():
@@ -90,7 +92,10 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `beam_width` best continuations of each prompt (see hearth/engine/beam_search.py)."""
-        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in _as_list(prompts)]
+        prompts = _as_list(prompts)
+        if any(images is not None for _, images in prompts):
+            raise RequestError("beam search with images (multi_modal_data) is not implemented by hearth")
+        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p, _ in prompts]
         return beam_search(self.engine, prompt_ids, params)
 
     def chat(
@@ -118,25 +123,28 @@ class LLM:
         return self.engine.tokenizer.encode_chat(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
 
-def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], dict | None]]:
     if isinstance(prompts, (str, dict)):
         return [_unwrapped(prompts)]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
+        return [(prompts, None)]  # one prompt given as token ids
     return [_unwrapped(p) for p in prompts]
 
 
-def _unwrapped(prompt: Prompt) -> str | list[int]:
-    """vLLM's prompt dicts as the text or token ids they hold; other prompts as they are."""
+def _unwrapped(prompt: Prompt) -> tuple[str | list[int], dict | None]:
+    """vLLM's prompt dicts as the text or token ids they hold and their multi_modal_data; other
+    prompts as they are, without."""
     if not isinstance(prompt, dict):
-        return prompt
-    if set(prompt) == {"prompt"}:
-        return prompt["prompt"]
-    if set(prompt) == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
-    raise RequestError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids', nothing else; got the "
-                       f"keys {sorted(map(str, prompt))}")
+        return prompt, None
+    images = prompt.get("multi_modal_data")
+    keys = set(prompt) - {"multi_modal_data"}
+    if keys == {"prompt"}:
+        return prompt["prompt"], images
+    if keys == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"]), images
+    raise RequestError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (and maybe "
+                       f"'multi_modal_data'), nothing else; got the keys {sorted(map(str, prompt))}")
 
 
 def _params_for(prompts: list[Prompt], params) -> list[SamplingParams]:

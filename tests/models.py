@@ -222,3 +222,40 @@ def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.
                          kv_dtype=torch.float32)
     hidden, _ = runner.forward([BatchEntry(list(token_ids), 0, list(range(blocks)))])
     return model.compute_logits(hidden)
+
+
+# SmolVLM-256M's image geometry (tiles of 512 pixels, patches of 16, a pixel shuffle of 4: 64 tokens a
+# tile), its processor's longest edge halved (2 x 2 tiles and the global image at most: quick tests)
+VLM_TILE, VLM_LONGEST_EDGE = 512, 1024
+VLM_SPECIAL = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+               *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+
+
+def make_vlm(folder: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+             longest_edge: int = VLM_LONGEST_EDGE, spread: bool = True) -> Path:
+    """A random SmolVLM (transformers' SmolVLMForConditionalGeneration: SigLIP, pixel shuffle, llama) in real
+    image shapes with a tiny encoder and text model (text, vision: other sizes), its tokenizer (the image
+    tokens added) and its processor's settings (Idefics3Processor: SmolVLM's needs num2words, and lays
+    images out the same). spread: weights spread wider than transformers' init (logits far from uniform)."""
+    import transformers
+
+    make_tokenizer(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": VLM_SPECIAL})
+    torch.manual_seed(seed)
+    config = transformers.SmolVLMConfig(
+        text_config={**_COMMON, "model_type": "llama", "vocab_size": 384, "max_position_embeddings": 4096,
+                     **(text or {})},
+        vision_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": VLM_TILE, "patch_size": 16, **(vision or {})},
+        scale_factor=4, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    model = transformers.SmolVLMForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters() if spread else ():
+            p.normal_(1.0 if p.dim() == 1 and "norm" in name else 0.0, 0.2 if p.dim() == 1 else 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    image_processor = transformers.Idefics3ImageProcessor(size={"longest_edge": longest_edge},
+                                                          max_image_size={"longest_edge": VLM_TILE})
+    processor = transformers.Idefics3Processor(image_processor, tokenizer, image_seq_len=64)
+    processor.save_pretrained(folder)
+    return folder

@@ -56,6 +56,9 @@ class StepInputs:
     tree_masks: np.ndarray | None = None
     # hybrid models: int32 [S] each sequence's slot in the state cache (None: the model keeps no state)
     state_slots: np.ndarray | None = None
+    # rows whose input is given rather than looked up (an image's embeddings in place of its placeholder
+    # tokens): their indices int64 [k] and values [k, hidden] on the backend's device; None: none
+    embeds: tuple[np.ndarray, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -221,7 +224,8 @@ class Backend:
     def forward(self, model: nn.Module, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:  # [T, hidden] after the final norm
         input_ids, positions, meta = self.inputs(model, step)
-        return model(input_ids, positions, kv_caches, meta)
+        embeds = None if step.embeds is None else (torch.from_numpy(step.embeds[0]).to(self.device), step.embeds[1])
+        return model(input_ids, positions, kv_caches, meta, embeds)
 
     def decode_and_sample(self, model: nn.Module, step: StepInputs, kv_caches, sampling: DecodeSampling
                           ) -> tuple[torch.Tensor, ...] | None:

@@ -76,7 +76,9 @@ class GpuBackend(Backend):
     def _decode_graphs(self, model, step: StepInputs, kv_caches):
         """The model's DecodeGraphs (made on first use) where they run this step, else None."""
         # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
-        if not step.decode_only or step.num_seqs > self.max_graph_batch or model.config.num_experts:
+        # (and a step with an image's rows: the graphs embed token ids only)
+        if (not step.decode_only or step.num_seqs > self.max_graph_batch or model.config.num_experts
+                or step.embeds is not None):
             return None
         graphs = model.backend_state.get("decode_graphs")
         if graphs is None:

@@ -216,6 +216,10 @@ class AsyncEngine:
             )
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
+        if multi_modal_data is not None:  # images resized and the prompt tokenized beside the steps, not between them
+            expanded = await asyncio.to_thread(self.engine.prompt_with_images, prompt, multi_modal_data)
+            if expanded is not None:
+                prompt, multi_modal_data = expanded, None
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
         self._command(("add", stream, prompt, params, priority, lora_request, multi_modal_data))
         try:
@@ -229,10 +233,11 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        multi_modal_data: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs; closing or cancelling the iteration aborts it."""
-        stream = await self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request(prompt, params, request_id, priority, multi_modal_data=multi_modal_data)
         try:
             async for output in stream:
                 yield output

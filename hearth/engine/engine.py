@@ -17,6 +17,7 @@ import torch
 from hearth.config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
+from hearth.engine.images import PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -60,6 +61,7 @@ class LLMEngine:
         loaded, self.workers, shard = load_target(model, config, backend, self.dtype, self.device, progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
+        self.image_processor = loaded.image_processor  # None: a text-only model
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
@@ -87,7 +89,8 @@ class LLMEngine:
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
                                    kv_window=self.model_config.kv_window,
-                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None)
+                                   state_slots=StateSlots(self.num_state_slots) if hybrid else None,
+                                   encoder_cache=self.runner.encoder_cache or ())
         self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         state_bytes = self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
@@ -157,7 +160,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptWithImages,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -167,13 +170,10 @@ class LLMEngine:
         """Queue a request (with lora_request: through that LoRA adapter, loaded first where it is not);
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
-        (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, one for each
-        image marker of the prompt, in order; refused by a model without a vision encoder."""
+        (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, each named in
+        the text prompt by the model's marker <image> (hearth/engine/images.py); refused by a model without
+        a vision encoder."""
         params = params or SamplingParams()
-        if multi_modal_data is not None and not self.accepts_images:
-            images = multi_modal_data.get("image") if isinstance(multi_modal_data, dict) else None
-            raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
-                               f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
                                "enable_lora (--enable-lora, or --lora NAME=PATH)")
@@ -181,7 +181,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._encode(prompt)
+        expanded = prompt if isinstance(prompt, PromptWithImages) else self.prompt_with_images(prompt, multi_modal_data)
+        prompt_text, prompt_ids = self._encode(prompt) if expanded is None else (expanded.text, expanded.token_ids)
         self._check_fits(prompt_ids)
         self._check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -189,6 +190,7 @@ class LLMEngine:
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         now = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt_text, prompt_ids, params, now)
+        group.images = [] if expanded is None else expanded.images
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index in range(params.best_of or params.n):
@@ -201,12 +203,23 @@ class LLMEngine:
         self.output_processor.add_group(group)
         return request_id
 
+    def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict | None) -> PromptWithImages | None:
+        """The prompt with its images' placeholders and spans (None: no images); RequestError as
+        add_request's. Reads no engine state: safe beside a step on another thread."""
+        if multi_modal_data is not None and not self.accepts_images:
+            images = multi_modal_data.get("image") if isinstance(multi_modal_data, dict) else None
+            raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
+                               f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
+        vision = self.model_config.vision
+        return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
+                             None if vision is None else vision.image_token_id)
+
     def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""
         params = group.params
         seq_id = group.request_id if (params.best_of or params.n) == 1 else f"{group.request_id}#{index}"
         request = Request(seq_id, list(group.prompt_token_ids), params, arrival_time=group.arrival_time,
-                          priority=priority, lora_id=lora_id)
+                          priority=priority, lora_id=lora_id, images=group.images)
         # prompt logprobs need every prompt position computed, and contrastive search every position's
         # hidden state: no prefix-cache skipping; its candidates take scratch slots after the tokens
         request.skip_prefix_cache = params.prompt_logprobs is not None or params.contrastive_search

@@ -29,6 +29,9 @@ Prefix caching (a chain over full blocks, as in vLLM v1):
     -lora_id (0: the base model), so that requests of different adapters never share a block.
   * A lookup never returns every token of a request: the last token is always computed
     so the model yields logits for it.
+  * A block that holds tokens of a prompt's image (Request.images) has the content hash of each
+    such image after its token ids in its key (two int64s an image: block_content): the same image
+    hits, another image of the same size (the same placeholder tokens) misses.
 
 Sliding windows: when every layer of the model attends only to its last `window` positions,
 a running request's blocks whose tokens are all older than that are never read again;
@@ -59,7 +62,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from hearth.engine.kv_disk_tier import DiskTier
-from hearth.engine.request import Request
+from hearth.engine.request import ImageSpan, Request
 from hearth.engine.state_slots import StateCheckpoints
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent content id, token ids of the block)
@@ -76,6 +79,17 @@ class KVBlock:
     # Duplicates of a cached block (computed in the same step by another request) share it.
     content_id: int = 0
     content_hash: bytes = b""  # the chain hash of the same prefix, set with content_id (the disk tier's name)
+
+
+def block_content(tokens: list[int], index: int, block_size: int, images: list[ImageSpan]) -> tuple[int, ...]:
+    """Block `index`'s part of a block key: its token ids, then the content hash of every image whose
+    tokens it holds (ImageSpan.key). A block of text alone: its token ids."""
+    start, end = index * block_size, (index + 1) * block_size
+    block = tuple(tokens[start:end])
+    for image in images:
+        if image.start < end and image.end > start:
+            block += image.key
+    return block
 
 
 def chain_hash(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
@@ -145,9 +159,9 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
-        hits = self.lookup(request.all_token_ids, -request.lora_id)
+        hits = self.lookup(request.all_token_ids, -request.lora_id, request.images)
         if self.disk is not None:  # (never with LoRA adapters: startup.kv_disk_tier; nor hybrids)
-            hits += self._enter_from_disk(request.all_token_ids, hits)
+            hits += self._enter_from_disk(request.all_token_ids, hits, request.images)
         if self.checkpoints is not None:
             hits = self._up_to_checkpoint(request, hits)
         return hits, len(hits) * self.block_size
@@ -173,14 +187,14 @@ class BlockManager:
             last = request.block_table[request.num_computed_tokens // self.block_size - 1]
             self.checkpoints.restore(self.blocks[last].content_id, request.state_slot)
 
-    def _enter_from_disk(self, tokens: list[int], hits: list[int]) -> list[int]:
+    def _enter_from_disk(self, tokens: list[int], hits: list[int], images: list[ImageSpan]) -> list[int]:
         """Block ids of the blocks of `tokens` after the cached `hits` that the disk tier holds, each
         entered into a free block (not one of hits) whose K/V the runner loads before the step."""
         bs, entered = self.block_size, []
         parent = self.blocks[hits[-1]] if hits else None
         parent_id, parent_hash = (0, self._root_hash) if parent is None else (parent.content_id, parent.content_hash)
         for i in range(len(hits), (len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = block_content(tokens, i, bs, images)
             content_hash = chain_hash(parent_hash, block_tokens)
             if content_hash not in self.disk:
                 break
@@ -208,12 +222,13 @@ class BlockManager:
         self.evicted, self.loads = [], {}
         return evicted, loads
 
-    def lookup(self, tokens: list[int], root: int = 0) -> list[int]:
+    def lookup(self, tokens: list[int], root: int = 0, images: list[ImageSpan] = ()) -> list[int]:
         """Block ids of the longest cached prefix of full blocks of `tokens`, short of its last token.
-        root: the chain's first parent (-lora_id of a LoRA adapter's requests; 0: the base model's)."""
+        root: the chain's first parent (-lora_id of a LoRA adapter's requests; 0: the base model's).
+        images: the prompt's (their hashes are in their blocks' keys)."""
         bs, hits, parent = self.block_size, [], root
         for i in range((len(tokens) - 1) // bs):
-            block_id = self.cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            block_id = self.cached.get((parent, block_content(tokens, i, bs, images)))
             if block_id is None:
                 break
             hits.append(block_id)
@@ -280,7 +295,7 @@ class BlockManager:
         tokens, bs, table = request.all_token_ids, self.block_size, request.block_table
         for i in range(start, end):
             block = self.blocks[table[i]]
-            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            key = (parent, block_content(tokens, i, bs, request.images))
             existing = self.cached.get(key)
             block.content_hash = chain_hash(parent_hash, key[1])
             if existing is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearth.engine.request import Request, RequestStatus
+from hearth.engine.request import ImageSpan, Request, RequestStatus
 from hearth.engine.runner import Alternatives, SampledTokens, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
@@ -54,6 +54,7 @@ class RequestGroup:
     sequences: list[SequenceState] = field(default_factory=list)
     waiting_for_prompt: list[Request] = field(default_factory=list)  # samples not yet handed to the scheduler
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # the prompt's images (every sample's the same)
 
     @property
     def finished(self) -> bool:

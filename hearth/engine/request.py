@@ -45,6 +45,25 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(slots=True, eq=False)
+class ImageSpan:
+    """One image of a prompt (hearth/engine/images.py): its placeholder tokens lie in positions
+    [start, end) (with the tile markers between them), and its num_embeds embeddings take the places
+    of those placeholders, in order."""
+
+    start: int
+    end: int
+    content_hash: bytes  # 16 bytes of the image's pixels and size: the encoder cache's and prefix cache's key
+    pixel_values: Any  # the processor's numpy array [tiles, 3, tile, tile]: what the encoder reads
+    num_embeds: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The content hash as two int64s, for the prefix cache's block keys (kv_cache.py)."""
+        return (int.from_bytes(self.content_hash[:8], "little", signed=True),
+                int.from_bytes(self.content_hash[8:16], "little", signed=True))
+
+
 @dataclass(slots=True, eq=False, weakref_slot=True)  # weak references: per-request state kept beside it
 class Request:
     request_id: str
@@ -76,6 +95,9 @@ class Request:
     # The LoRA adapter it runs with: the engine's number for that adapter's load (0: none). Its prefix
     # cache is its own (the chain of its blocks starts at -lora_id, hearth/engine/kv_cache.py).
     lora_id: int = 0
+    # The prompt's images, in order (none for a text prompt): their embeddings enter in place of their
+    # placeholder tokens, and their content hashes are part of the prefix cache's keys of their blocks.
+    images: list[ImageSpan] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -33,6 +33,7 @@ from hearth.backend import StepInputs
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
 from hearth.engine import contrastive_search
+from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, step_embeddings
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
@@ -61,6 +62,8 @@ class BatchEntry:
     tree: tuple[int, list[int]] | None = None
     state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
     lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
+    # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
+    embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -146,6 +149,8 @@ class ModelRunner:
         self.hidden_states: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
         # with LoRA adapters (hearth/engine/lora.py): the model's LoraBank and each load's slot by Request.lora_id
         self.lora: tuple[LoraBank, dict[int, int]] | None = None
+        # an image-text model's image embeddings by content (images.py), a few prompts' worth
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_ROWS) if model.vision is not None else None
 
     def release_stopped(self) -> None:
         """The models beside it let go of the requests that no longer run; so do the hidden states kept."""
@@ -204,7 +209,17 @@ class ModelRunner:
             tree_start=tree_start,
             tree_masks=tree_masks,
             state_slots=state_slots,
+            embeds=self._image_rows(entries, query_start_loc),
         )
+
+    @staticmethod
+    def _image_rows(entries: list[BatchEntry], query_start_loc: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The step's rows that take image embeddings (in the flattened batch) and their values."""
+        given = [(i, e.embeds) for i, e in enumerate(entries) if e.embeds is not None]
+        if not given:
+            return None
+        return (np.concatenate([rows + query_start_loc[i] for i, (rows, _) in given]),
+                torch.cat([v for _, (_, values) in given for v in values]))
 
     def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]
@@ -410,7 +425,10 @@ class ModelRunner:
             entries.append(BatchEntry(tokens, start, request.block_table,
                                       None if tree is None else (start, ancestor_masks(tree)),
                                       request.state_slot if request.state_slot >= 0 else None,
-                                      self.lora[1].get(request.lora_id, -1) if self.lora else -1))
+                                      self.lora[1].get(request.lora_id, -1) if self.lora else -1,
+                                      None if not request.images else step_embeddings(
+                                          request, start, count, self.model.config.vision.image_token_id,
+                                          self.encoder_cache, self.model.vision.encode)))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + len(request.spec_token_ids):

@@ -52,6 +52,11 @@ Decisions:
     its prefix hits end where a state checkpoint is (BlockManager.get_computed_blocks), which is copied
     into its slot at admission; a step of it ends at its next checkpoint boundary, if one comes first
     (a prompt's chunk is cut there), and its state is checkpointed after the step that reaches one.
+  * Images: a chunk that reaches an image's tokens needs the image's embeddings, and an image is
+    encoded whole (hearth/engine/images.py). The encoder work a step takes (the images its chunks
+    reach that the encoder cache lacks, in embeddings) is held to max_num_encoder_tokens: a chunk
+    ends before the first image past that budget, unless that image would be the step's first
+    encoder work (so that an image larger than the budget is still encoded, alone).
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -64,7 +69,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from hearth.engine.kv_cache import BlockManager
@@ -104,9 +109,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  clock: Callable[[], float] = time.monotonic, kv_window: int | None = None,
-                 state_slots: StateSlots | None = None):
+                 state_slots: StateSlots | None = None, encoder_cache: Container[bytes] = (),
+                 max_num_encoder_tokens: int | None = None):
         """kv_window: the window every layer of the model attends through (None: some layer sees all).
-        state_slots: a hybrid model's state cache (None: the model keeps no state per sequence)."""
+        state_slots: a hybrid model's state cache (None: the model keeps no state per sequence).
+        encoder_cache: the content hashes of the images whose embeddings are cached (images.py);
+        max_num_encoder_tokens: the image embeddings a step may encode (None: max_num_batched_tokens)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -117,6 +125,10 @@ class Scheduler:
         self.clock = clock
         self.kv_window = kv_window
         self.state_slots = state_slots
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        self._step_images: set[bytes] = set()  # the images this step's chunks encode
+        self._encoder_budget = 0
         self.waiting: list[Request] = []  # both in queue order (_queue_key)
         self.running: list[Request] = []
         self._arrivals = itertools.count()
@@ -176,6 +188,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._step_images.clear()
+        self._encoder_budget = self.max_num_encoder_tokens
         budget, guessing = self._schedule_running(out, self.max_num_batched_tokens)
         budget = self._admit_waiting(out, budget)
         self._schedule_guesses(out, budget, guessing)
@@ -196,7 +210,8 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new != 1:  # guesses follow only the last real token
                 request.spec_token_ids.clear()
-            num_new = self._fit(self._to_checkpoint(request, request.num_computed_tokens, num_new), budget, out)
+            num_new = self._fit_encoder(request, request.num_computed_tokens,
+                                        self._fit(self._to_checkpoint(request, request.num_computed_tokens, num_new), budget, out))
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
@@ -234,7 +249,8 @@ class Scheduler:
                 out.finished.append(request)
                 continue
             computed, num_hit = bm.get_computed_blocks(request)
-            num_new = self._fit(self._to_checkpoint(request, num_hit, request.num_tokens - num_hit), budget, out)
+            num_new = self._fit_encoder(request, num_hit,
+                                        self._fit(self._to_checkpoint(request, num_hit, request.num_tokens - num_hit), budget, out))
             if num_new <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
@@ -335,6 +351,21 @@ class Scheduler:
         """num_new, cut so that a step from `computed` tokens ends at the request's next checkpoint boundary."""
         boundary = self._next_checkpoint(request, computed)
         return num_new if boundary is None else min(num_new, boundary - computed)
+
+    def _fit_encoder(self, request: Request, start: int, num_new: int) -> int:
+        """The chunk start..start+num_new-1 cut before the first image it reaches whose encoding does not
+        fit what is left of the step's encoder budget (unless nothing else is encoded this step); the
+        images it keeps are counted against the budget."""
+        for image in request.images:
+            if image.start >= start + num_new or image.end <= start:
+                continue
+            if image.content_hash in self._step_images or image.content_hash in self.encoder_cache:
+                continue
+            if image.num_embeds > self._encoder_budget and self._step_images:  # (unchunked: it waits whole)
+                return max(image.start, start) - start if self.enable_chunked_prefill else 0
+            self._step_images.add(image.content_hash)
+            self._encoder_budget -= image.num_embeds
+        return num_new
 
     def _free_behind_window(self, request: Request) -> None:
         """With a window on every layer: free the request's blocks that its next query (at

@@ -75,6 +75,9 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
+    if config.vision is not None:
+        raise ModelLoadError(f"{hf_dir}: an image-text model: hearth does not write its vision tower (llama.cpp's "
+                             "mmproj file) to GGUF; run the folder itself")
     if config.architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
                              f"({NO_GGUF[config.architecture]}); run the folder itself")

@@ -12,6 +12,7 @@ from hearth.backend import Backend, choose_backend
 from hearth.config import ModelConfig
 from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
+from hearth.image_processor import ImageProcessor
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 
@@ -26,6 +27,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
+    image_processor: ImageProcessor | None = None  # an image-text model's (hearth/image_processor.py)
 
 
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
@@ -63,6 +65,9 @@ def load_model(
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
     config, weights, tokenizer = read_model(path, progress)
+    if shard is not None and config.vision is not None:
+        raise ModelLoadError(f"{path}: an image-text model split over processes is not implemented by hearth: run it "
+                             "with tensor_parallel_size and pipeline_parallel_size 1")
     if shard is not None:
         config, weights = shard.config(config), shard.weights(weights, config)
     with torch.device("meta"):  # no memory until load_weights puts the real tensors in
@@ -76,4 +81,5 @@ def load_model(
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
-    return LoadedModel(model.eval(), tokenizer, config, path)
+    image_processor = None if config.vision is None else ImageProcessor.from_hf_dir(path, config.vision)
+    return LoadedModel(model.eval(), tokenizer, config, path, image_processor)

@@ -57,7 +57,10 @@ _HF_ALIASES = (
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
     *_LFM2_ALIASES,
     (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
+    (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
 )
+# idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names)
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.")
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
 # multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
@@ -113,7 +116,10 @@ def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
 
 def canonical_hf_name(name: str) -> str:
     """A checkpoint's tensor name as hearth's modules name it (mixtral's block_sparse_moe.experts.N.w1
-    is mlp.experts.N.gate_proj, deepseek_v2's mlp.shared_experts is mlp.shared_expert)."""
+    is mlp.experts.N.gate_proj, deepseek_v2's mlp.shared_experts is mlp.shared_expert). An image-text
+    model's vision tower keeps its own names (its out_proj is no lfm2 attention's)."""
+    if name.startswith(_VISION_PREFIXES):
+        return name
     for pattern, replacement in _HF_ALIASES:
         name = pattern.sub(replacement, name)
     return name

@@ -24,6 +24,7 @@ from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors,
                                  partial_rotary_order)
 from hearth.model.state_layers import GatedDeltaNet, ShortConv
+from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
 
@@ -149,6 +150,8 @@ class Transformer(nn.Module):
         if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
             zeros = torch.zeros_like(self.rope.inv_freq)
             self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
+        # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*)
+        self.vision = None if config.vision is None else VisionTower(config.vision, config.hidden_size)
 
     @torch.inference_mode()
     def forward(
@@ -159,14 +162,21 @@ class Transformer(nn.Module):
         # (ModelConfig.kv_cache_layout); a hybrid model's state layer: its states (ModelConfig.state_shapes)
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
+        # rows [k] whose input is given (an image's embeddings in place of its placeholder tokens) and
+        # their values [k, hidden]; None: every row's is its token's embedding
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        return self.norm(*self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta))[0]
+        return self.norm(*self.run_layers(self.embed(input_ids, embeds), None, positions, kv_caches, meta))[0]
 
     @torch.inference_mode()
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+    def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        if embeds is not None:
+            rows, values = embeds
+            x[rows] = values.to(x.dtype)
         return x
 
     @torch.inference_mode()
@@ -256,7 +266,7 @@ class Transformer(nn.Module):
             params = dict(module.named_parameters(recurse=False))
             if not params:
                 continue
-            hf_name = name if name.startswith("lm_head") else f"model.{name}"
+            hf_name = _checkpoint_module_name(name)
             found = {attr: source(f"{hf_name}.{attr}") for attr in params}
             for attr, param in params.items():
                 if found[attr] is None:
@@ -320,6 +330,14 @@ class Transformer(nn.Module):
                 for attr in ("weight", "bias"):
                     merged[f"model.{name}.parts.{g}.{attr}"] = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
         return merged
+
+
+def _checkpoint_module_name(name: str) -> str:
+    """The checkpoint's name of a module: the text model's under model., the vision tower's parts
+    (vision.vision_model, vision.connector) under model. as well."""
+    if name.startswith("lm_head"):
+        return name
+    return "model." + name.removeprefix("vision.")
 
 
 def vocabulary_modules(rows: int, hidden_size: int) -> tuple[nn.Embedding, Linear]:

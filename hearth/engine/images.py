@@ -1,0 +1,143 @@
+"""Images in a request: the prompt's markers expanded into the model's placeholder tokens, where each
+image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and a step's rows of
+image embeddings for the runner.
+
+A prompt names each image with the model's marker (`<image>`, as its chat template writes an image
+content part), once per image of multi_modal_data["image"], in order. Each marker becomes the text
+the model's processor makes of it (hearth/image_processor.py) before the prompt is tokenized, so the
+token ids are the processor's. The k-th image's embeddings take the places of the next
+num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
+
+The encoder cache keeps each image's embeddings by its content hash, least recently used first out
+past `max_rows` rows: an image seen again (in this prompt, another request, or the next chunk of
+this one) is not encoded again. It is only a cache: a miss encodes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hearth.engine.request import ImageSpan, Request
+from hearth.errors import RequestError
+from hearth.image_processor import IMAGE_MARKER, ImageProcessor
+
+if TYPE_CHECKING:
+    import torch
+
+    from hearth.tokenizer import Tokenizer
+
+
+# the encoder cache's bound, in embeddings (a few images' worth: SmolVLM's largest image is 17 x 64)
+ENCODER_CACHE_ROWS = 8192
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """multi_modal_data's images (vLLM's shape: {"image": an image or a list of them})."""
+    if multi_modal_data is None:
+        return []
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+        kinds = sorted(multi_modal_data) if isinstance(multi_modal_data, dict) else type(multi_modal_data).__name__
+        raise RequestError(f"multi_modal_data holds {{'image': [images]}}; got {kinds}")
+    images = multi_modal_data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+@dataclass(frozen=True)
+class PromptWithImages:
+    """A prompt's text, its token ids with every image's placeholders, and the images' spans."""
+
+    text: str
+    token_ids: list[int]
+    images: list[ImageSpan]
+
+
+def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: ImageProcessor | None,
+                  tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
+    """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
+    engine's own encoding (processor None: a text model, which the engine lets no images reach).
+    RequestError for markers and images that do not pair up, token ids that hold placeholders. Reads
+    no engine state (the AsyncEngine runs it off the engine's thread)."""
+    if processor is None:
+        return None
+    images = images_of(multi_modal_data)
+    if not isinstance(prompt, str):
+        if images or image_token_id in prompt:
+            raise RequestError(f"images go with a text prompt that names each with {IMAGE_MARKER}, not token ids")
+        return None
+    markers = prompt.count(IMAGE_MARKER)
+    if markers != len(images):
+        raise RequestError(f"the prompt names {markers} image(s) with {IMAGE_MARKER} and {len(images)} image(s) "
+                           f"were given: each image needs its {IMAGE_MARKER} in the text, in order")
+    if not images:
+        return None
+    processed = [processor.process(image) for image in images]
+    parts = prompt.split(IMAGE_MARKER)
+    text = parts[0] + "".join(processor.placeholder_text(p.rows, p.cols) + after
+                              for p, after in zip(processed, parts[1:]))
+    ids = tokenizer.encode(text)
+    positions = np.flatnonzero(np.asarray(ids) == image_token_id)
+    spans, used = [], 0
+    for image in processed:
+        count = len(image.pixel_values) * processor.image_seq_len
+        mine = positions[used:used + count]
+        used += count
+        spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values, count))
+    if used != len(positions):  # (the marker's own text tokenized as placeholders: the tokenizer disagrees)
+        raise RequestError(f"the prompt holds {len(positions) - used} placeholder tokens of no image")
+    return PromptWithImages(prompt, ids, spans)
+
+
+class EncoderCache:
+    """Image embeddings [rows, hidden] by content hash, least recently used evicted past max_rows."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.rows = 0
+        self.hits = self.misses = 0
+
+    def __contains__(self, content_hash: bytes) -> bool:
+        return content_hash in self.entries
+
+    def embeddings(self, image: ImageSpan, encode: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+        """The image's embeddings, from the cache or encoded now (and kept)."""
+        found = self.entries.get(image.content_hash)
+        if found is not None:
+            self.hits += 1
+            self.entries.move_to_end(image.content_hash)
+            return found
+        self.misses += 1
+        found = encode(image.pixel_values)
+        self.entries[image.content_hash] = found
+        self.rows += len(found)
+        while self.rows > self.max_rows and len(self.entries) > 1:
+            _, evicted = self.entries.popitem(last=False)
+            self.rows -= len(evicted)
+        return found
+
+
+def step_embeddings(request: Request, start: int, count: int, image_token_id: int, cache: EncoderCache,
+                    encode: Callable[[np.ndarray], torch.Tensor]) -> tuple[np.ndarray, list[torch.Tensor]] | None:
+    """The rows among a step's tokens start..start+count-1 of `request` that hold image embeddings
+    (indices from the step's first token, int64 [k]) and their values (one tensor per image, in order);
+    None when no image token is among them. A chunk may begin or end inside an image."""
+    rows, values = [], []
+    end = start + count
+    for image in request.images:
+        low, high = max(start, image.start), min(end, image.end)
+        if low >= high:
+            continue
+        is_image = np.asarray(request.all_token_ids[image.start:high]) == image_token_id
+        index = np.cumsum(is_image) - 1  # each position's row among the image's embeddings
+        local = np.flatnonzero(is_image[low - image.start:]) + (low - image.start)
+        if len(local):
+            rows.append(local + (image.start - start))
+            values.append(cache.embeddings(image, encode)[index[local]])
+    return (np.concatenate(rows), values) if rows else None

@@ -1,0 +1,164 @@
+"""Images as SmolVLM's / Idefics3's processor makes them (transformers' Idefics3ImageProcessor, its PIL
+path, step for step in numpy and PIL so that the pixels are the same to the bit), and the text each
+image's marker in a prompt expands to (Idefics3Processor's: tiles row by row, each after
+<fake_token_around_image><row_r_col_c>, then the global image after <global-img>, image_seq_len image
+tokens each).
+
+An image: RGB (transparency composited onto white); its longest edge resized to size.longest_edge
+(LANCZOS), then up to whole multiples of max_image_size.longest_edge; split into tiles of that size,
+row by row, plus the whole image resized to one tile (the global image); every tile rescaled by
+1/255 and normalised with image_mean / image_std. No torch here: the engine's runner makes tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hearth.errors import ModelLoadError, RequestError
+from hearth.vision_config import VisionConfig
+
+IMAGE_MARKER = "<image>"  # an image's place in a prompt, as the chat template writes an image part
+_MAX_IMAGE_SIZE = 4096  # transformers' bound on the resized image's edges (Idefics3's MAX_IMAGE_SIZE)
+_LANCZOS = 1  # PIL.Image.Resampling.LANCZOS
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: np.ndarray  # float32 [tiles, 3, tile, tile]: the row-major tiles, then the global image
+    rows: int  # tiles down and across (0, 0: the image is one tile, no global image)
+    cols: int
+    content_hash: bytes  # the image's own pixels and size (not the processed ones): the caches' key
+
+
+class ImageProcessor:
+    def __init__(self, vision: VisionConfig, longest_edge: int, tile: int, image_seq_len: int,
+                 mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float = 1 / 255,
+                 do_image_splitting: bool = True, resample: int = _LANCZOS):
+        self.vision = vision
+        self.longest_edge, self.tile, self.image_seq_len = longest_edge, tile, image_seq_len
+        self.mean, self.std = np.array(mean, dtype=np.float32), np.array(std, dtype=np.float32)
+        self.rescale_factor, self.do_image_splitting, self.resample = rescale_factor, do_image_splitting, resample
+
+    @classmethod
+    def from_hf_dir(cls, folder: Path, vision: VisionConfig) -> ImageProcessor:
+        """preprocessor_config.json's settings, or processor_config.json's image_processor (as
+        transformers 5 saves them), transformers' defaults where a field or both are missing;
+        image_seq_len from processor_config.json, else the one the vision config implies."""
+        processor = _read_optional(folder / "processor_config.json")
+        config = _read_optional(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        try:
+            tile = int((config.get("max_image_size") or {}).get("longest_edge", vision.image_size))
+            longest = int((config.get("size") or {}).get("longest_edge", 4 * tile))
+            seq_len = int(processor.get("image_seq_len", vision.tokens_per_tile))
+            made = cls(vision, longest, tile, seq_len, tuple(config.get("image_mean", (0.5, 0.5, 0.5))),
+                       tuple(config.get("image_std", (0.5, 0.5, 0.5))), float(config.get("rescale_factor", 1 / 255)),
+                       bool(config.get("do_image_splitting", True)), int(config.get("resample", _LANCZOS)))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{folder}: malformed image processor settings: {e}") from None
+        if seq_len != vision.tokens_per_tile or tile % vision.patch_size or not 0 < tile <= longest \
+                or len(made.mean) != 3 or len(made.std) != 3:
+            raise ModelLoadError(f"{folder}: image processor settings (tiles of {tile}, image_seq_len {seq_len}, "
+                                 f"longest edge {longest}) do not fit the vision encoder (patches of "
+                                 f"{vision.patch_size}, {vision.tokens_per_tile} tokens a tile)")
+        return made
+
+    def process(self, image: Any) -> ProcessedImage:
+        """One PIL image -> its tiles' pixel values and layout; RequestError for anything else."""
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise RequestError(f"an image is a PIL.Image.Image, not {type(image).__name__}")
+        rgb = _to_rgb(image)
+        digest = hashlib.blake2b(f"{rgb.size}".encode() + rgb.tobytes(), digest_size=16).digest()
+        width, height = rgb.size
+        if self.do_image_splitting:
+            height, width = _longest_edge_to(height, width, self.longest_edge)
+            rgb = rgb.resize((width, height), self.resample)
+            height, width = _multiples_of(height, width, self.tile)
+            rgb = rgb.resize((width, height), self.resample)
+        else:
+            rgb = rgb.resize((self.tile, self.tile), self.resample)
+            height = width = self.tile
+        pixels = np.moveaxis(np.array(rgb), -1, 0)  # CHW uint8
+        rows = cols = 0
+        tiles = [pixels]
+        if height > self.tile or width > self.tile:
+            rows, cols = height // self.tile, width // self.tile
+            tiles = [pixels[:, r * self.tile:(r + 1) * self.tile, c * self.tile:(c + 1) * self.tile]
+                     for r in range(rows) for c in range(cols)]
+            tiles.append(np.moveaxis(np.array(rgb.resize((self.tile, self.tile), self.resample)), -1, 0))
+        return ProcessedImage(np.stack([self._normalise(t) for t in tiles]), rows, cols, digest)
+
+    def _normalise(self, tile: np.ndarray) -> np.ndarray:
+        scaled = (tile.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        return ((scaled.T - self.mean) / self.std).T
+
+    def placeholder_text(self, rows: int, cols: int) -> str:
+        """The text an image's marker becomes (Idefics3Processor's, token for token)."""
+        tokens = IMAGE_MARKER * self.image_seq_len
+        whole = f"<fake_token_around_image><global-img>{tokens}<fake_token_around_image>"
+        if rows == 0 and cols == 0:
+            return whole
+        grid = "".join("".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols))
+                       + "\n" for r in range(rows))
+        return grid + "\n" + whole
+
+
+def _to_rgb(image):
+    """RGB, with any transparency composited onto white (transformers' convert_to_rgb)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _longest_edge_to(height: int, width: int, longest: int) -> tuple[int, int]:
+    """The longest edge made `longest`, the other kept in proportion and even; then both within
+    transformers' 4096 (Idefics3's get_resize_output_image_size)."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > _MAX_IMAGE_SIZE:
+        width, height = _MAX_IMAGE_SIZE, int(_MAX_IMAGE_SIZE / aspect)
+    elif height > width and height > _MAX_IMAGE_SIZE:
+        height, width = _MAX_IMAGE_SIZE, int(_MAX_IMAGE_SIZE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _multiples_of(height: int, width: int, tile: int) -> tuple[int, int]:
+    """Both edges up to whole tiles (Idefics3's resize_for_vision_encoder)."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def _read_optional(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,271 @@
+"""Images in: SmolVLM (transformers' SmolVLMForConditionalGeneration with random weights in real image
+shapes) against transformers' own processor and model, fp32: pixels, token ids, logits, greedy tokens;
+the encoder and prefix caches; chunks through an image; the encoder budget; bad requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.engine.images import step_embeddings
+from hearth.engine.kv_cache import BlockManager
+from hearth.engine.request import ImageSpan, Request
+from hearth.engine.runner import BatchEntry
+from hearth.engine.scheduler import Scheduler
+from hearth.errors import ModelLoadError, RequestError
+from hearth.sampling_params import BeamSearchParams, SamplingParams
+from models import make_hf_model, make_vlm
+
+PROMPT = "<|im_start|>user\nWhat is in <image>?<|im_end|>\n<|im_start|>assistant\n"
+TWO = "<|im_start|>user\nCompare <image> with<image> please<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _image(seed: int, height: int, width: int, mode: str = "RGB"):
+    from PIL import Image
+
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels[..., 0] if channels == 1 else pixels, mode)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    import transformers
+
+    from hearth import LLM
+
+    folder = make_vlm(tmp_path_factory.mktemp("smolvlm"))
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, processor, reference, LLM(str(folder), progress=False)
+
+
+# odd sizes: a landscape RGB (2 x 2 tiles), a tall RGBA (2 x 1), a tiny grey one (upscaled, 2 x 2)
+IMAGES = ((0, 300, 421, "RGB"), (1, 517, 203, "RGBA"), (2, 37, 45, "L"))
+
+
+def _reference(vlm, text: str, images: list):
+    """transformers' processor inputs, the model's logits of every position and its greedy tokens."""
+    _, processor, reference, _ = vlm
+    inputs = processor(text=[text], images=[images], return_tensors="pt")
+    with torch.no_grad():
+        logits = reference(**inputs).logits[0]
+        out = reference.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    return inputs, logits, out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
+    """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
+    vision = engine.model_config.vision
+    expanded = engine.prompt_with_images(text, {"image": images})
+    ids = expanded.token_ids
+    request = Request("logits", ids, images=expanded.images)
+    assert engine.block_manager.allocate_slots(request, len(ids))
+    pieces = []
+    for start, end in ((0, cut), (cut, len(ids))) if cut else ((0, len(ids)),):
+        embeds = step_embeddings(request, start, end - start, vision.image_token_id, engine.runner.encoder_cache,
+                                 engine.model.vision.encode)
+        hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds)])
+        pieces.append(engine.model.compute_logits(hidden))
+    engine.block_manager.free(request)
+    return ids, torch.cat(pieces)
+
+
+def test_pixels_and_token_ids_are_the_processors(vlm):
+    """Every tile's pixel values bit for bit, and the expanded prompt's token ids, as transformers'
+    Idefics3 processor makes them (RGB, RGBA composited on white, greyscale; split and upscaled)."""
+    engine = vlm[3].engine
+    for seed, height, width, mode in IMAGES:
+        image = _image(seed, height, width, mode)
+        inputs = vlm[1](text=[PROMPT], images=[[image]], return_tensors="pt")
+        mine = engine.image_processor.process(image)
+        assert np.array_equal(mine.pixel_values, inputs["pixel_values"][0].numpy())
+        expanded = engine.prompt_with_images(PROMPT, {"image": image})
+        assert expanded.token_ids == inputs["input_ids"][0].tolist()
+        assert expanded.images[0].num_embeds == len(mine.pixel_values) * 64
+
+
+@pytest.mark.parametrize("text, which", [(PROMPT, (0,)), (TWO, (0, 1))], ids=["one-image", "two-images"])
+def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which):
+    """fp32 logits of every position within 1e-4, whole and in two chunks that cut through the first
+    image's tokens; greedy tokens through LLM.generate with vLLM's prompt dict."""
+    images = [_image(*IMAGES[i]) for i in which]
+    inputs, ref_logits, ref_tokens = _reference(vlm, text, images)
+    engine = vlm[3].engine
+    ids, logits = _hearth_logits(engine, text, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    image_token = engine.model_config.vision.image_token_id
+    cut = ids.index(image_token) + 100  # inside the first image's first tile
+    torch.testing.assert_close(_hearth_logits(engine, text, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    out = vlm[3].generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_encoder_and_prefix_caches_hit_on_the_same_image_only(vlm):
+    """The same image again: no encoding, its blocks from the prefix cache; another image of the same
+    size (the same placeholder tokens): encoded, and a prefix-cache miss from the image's first block
+    on. The tokens are transformers' either way."""
+    llm = vlm[3]
+    engine = llm.engine
+    cache, blocks, bs = engine.runner.encoder_cache, engine.block_manager, engine.config.cache.block_size
+    first, other = _image(7, 260, 390), _image(8, 260, 390)
+    expected = {id(image): _reference(vlm, PROMPT, [image])[2] for image in (first, other)}
+
+    def run(image) -> tuple[int, int, int, Request]:
+        misses, hits, prefix = cache.misses, cache.hits, blocks.prefix_cache_hits
+        out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected[id(image)]
+        return cache.misses - misses, cache.hits - hits, blocks.prefix_cache_hits - prefix, out[0]
+
+    misses, _, _, out = run(first)
+    assert misses == 1
+    misses, hits, prefix, _ = run(first)
+    assert (misses, prefix) == (0, (len(out.prompt_token_ids) - 1) // bs * bs)
+    misses, hits, prefix, _ = run(other)
+    first_image_token = out.prompt_token_ids.index(engine.model_config.vision.image_token_id)
+    assert (misses, prefix) == (1, first_image_token // bs * bs)
+
+
+def test_chunks_through_images_and_a_small_encoder_budget(vlm):
+    """Chunks of 48 tokens, an encoder budget below one image's embeddings: each image is encoded alone
+    in the step its first chunk reaches it, and the tokens are transformers'; the same through the
+    AsyncEngine (the server's way in)."""
+    import asyncio
+
+    from hearth import LLM
+    from hearth.engine.async_engine import AsyncEngine
+
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    ref_tokens = _reference(vlm, TWO, images)[2]
+    llm = LLM(str(vlm[0]), progress=False, max_num_batched_tokens=48)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+    assert llm.engine.runner.encoder_cache.misses == 2
+    engine = AsyncEngine(llm.engine)
+
+    async def generate():
+        return [o async for o in engine.generate(TWO, GREEDY, multi_modal_data={"image": images})][-1]
+
+    try:
+        assert asyncio.run(generate()).outputs[0].token_ids == ref_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_scheduler_budgets_encoder_work():
+    """An image is encoded whole in the step its first token is scheduled, against the step's encoder
+    budget: a chunk that reaches an image past the budget ends before it, unless the image is the
+    step's first encoder work or is cached."""
+    def request(name: str, digest: bytes, embeds: int) -> Request:
+        return Request(name, list(range(200)), images=[ImageSpan(10, 10 + embeds, digest, None, embeds)])
+
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=1000,
+                          max_num_encoder_tokens=100)
+    first, second, big = request("a", b"a" * 16, 80), request("b", b"b" * 16, 80), request("c", b"c" * 16, 150)
+    for r in (first, second):
+        scheduler.add_request(r)
+    assert [(r.request_id, n) for r, n in scheduler.schedule().scheduled] == [("a", 200), ("b", 10)]
+    cached = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=1000, max_num_encoder_tokens=100,
+                       encoder_cache={b"b" * 16})
+    for r in (request("a", b"a" * 16, 80), request("b", b"b" * 16, 80)):
+        cached.add_request(r)
+    assert [n for _, n in cached.schedule().scheduled] == [200, 200]
+    alone = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=1000, max_num_encoder_tokens=100)
+    alone.add_request(big)
+    assert [n for _, n in alone.schedule().scheduled] == [200]
+
+
+def test_bad_image_requests_are_refused(vlm, tmp_path):
+    from hearth import LLM
+
+    engine = vlm[3].engine
+    image = _image(0, 30, 40)
+    cases = [
+        ("a <image> and <image>", {"image": [image]}, "names 2 image"),
+        ("no marker", {"image": [image]}, "names 0 image"),
+        ("a <image>", None, "names 1 image"),
+        ("a <image>", {"image": ["not an image"]}, "PIL.Image"),
+        ("a <image>", {"video": [image]}, "multi_modal_data holds"),
+    ]
+    for prompt, data, message in cases:
+        with pytest.raises(RequestError, match=message):
+            engine.add_request(None, prompt, GREEDY, multi_modal_data=data)
+    with pytest.raises(RequestError, match="not token ids"):
+        engine.add_request(None, [1, 2, engine.model_config.vision.image_token_id], GREEDY)
+    with pytest.raises(RequestError, match="beam search with images"):
+        vlm[3].beam_search({"prompt": "a <image>", "multi_modal_data": {"image": [image]}},
+                           BeamSearchParams(beam_width=2, max_tokens=2))
+    text_only = LLM(str(make_hf_model(tmp_path / "llama", "llama")), progress=False).engine
+    with pytest.raises(RequestError, match="this model takes no images"):
+        text_only.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [image]})
+    assert not engine.has_unfinished_requests() and engine.block_manager.check_all_free()
+
+
+def test_vision_families_hearth_does_not_run_are_refused(vlm):
+    import json
+
+    from hearth.config import ModelConfig
+
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+             "vision_config": {"hidden_size": 32}, "text_config": {"model_type": "llama"}}
+    with pytest.raises(ModelLoadError, match="image encoder"):
+        ModelConfig.from_hf(llava)
+    from hearth.model_info import model_info
+
+    assert model_info(vlm[0])["vision"]["tokens_per_tile"] == 64  # hearth inspect's line
+    config = json.loads((vlm[0] / "config.json").read_text())
+    config["text_config"]["model_type"] = "mistral"
+    with pytest.raises(ModelLoadError, match="llama text model"):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.slow  # (~30 s: prefill under Triton's interpreter without a GPU)
+def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
+    """The gpu backend (on the GPU, else its Triton kernels interpreted on the CPU) runs the encoder with
+    torch operations on its device and takes the image rows through its prefill; a processor whose
+    longest edge is one tile makes no grid (the global image alone): transformers' greedy tokens."""
+    import json
+    import shutil
+
+    import transformers
+
+    from hearth import LLM
+
+    folder = tmp_path / "one-tile"
+    shutil.copytree(vlm[0], folder)
+    settings = json.loads((folder / "processor_config.json").read_text())
+    settings["image_processor"]["size"]["longest_edge"] = 512
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    image = _image(*IMAGES[0])
+    inputs = processor(text=[PROMPT], images=[[image]], return_tensors="pt")
+    assert inputs["pixel_values"].shape[1] == 1
+    with torch.no_grad():
+        expected = vlm[2].generate(**inputs, max_new_tokens=3, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(folder), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [image]}},
+                       SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out[0].outputs[0].token_ids == expected.tolist()
+
+
+def test_generate_reads_image_files(tmp_path):
+    """hearth generate --image: files read as PIL images (markers put first when the prompt has none);
+    a file that is no image is a HearthError naming it."""
+    import argparse
+
+    from hearth.cli import _generate_prompt
+    from hearth.errors import HearthError
+
+    _image(0, 30, 40).save(tmp_path / "a.png")
+    (tmp_path / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    prompt = _generate_prompt(argparse.Namespace(prompt="Compare.", image=[str(tmp_path / "a.png")] * 2))
+    assert prompt["prompt"] == "<image><image>Compare." and prompt["multi_modal_data"]["image"][1].size == (40, 30)
+    kept = _generate_prompt(argparse.Namespace(prompt="x <image> y", image=[str(tmp_path / "a.png")]))
+    assert kept["prompt"] == "x <image> y"
+    with pytest.raises(HearthError, match="b.png"):
+        _generate_prompt(argparse.Namespace(prompt="x", image=[str(tmp_path / "b.png")]))
