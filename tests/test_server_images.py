@@ -271,9 +271,10 @@ def test_images_reach_the_engine_in_order_with_one_marker_each(engine, clients, 
     images of every API's request; the engine (a text-only model's) refuses them with its own message."""
     openai_client, anthropic_client = clients
     seen = []
-    add_request = engine.engine.add_request
+    expand = engine.engine.prompt_with_images  # where the engine takes a prompt's images (on a worker thread)
     monkeypatch.setattr(engine, "accepts_images", True)
-    monkeypatch.setattr(engine.engine, "add_request", lambda *a, **kw: (seen.append((a[1], kw)), add_request(*a, **kw))[1])
+    monkeypatch.setattr(engine.engine, "prompt_with_images",
+                        lambda prompt, data: (seen.append((prompt, data)), expand(prompt, data))[1])
     first, second = pixels(3, 17, 29), pixels(4, 40, 8)
     urls = [data_url(encoded(first)), data_url(encoded(second, "BMP"), "image/bmp")]
     expected = f"{NO_IMAGES}: llama has no vision encoder (multi_modal_data with 2 images)"
@@ -296,8 +297,8 @@ def test_images_reach_the_engine_in_order_with_one_marker_each(engine, clients, 
     assert [prompt for prompt, _ in seen] == ["<|im_start|>user\n<image>and<image><|im_end|>\n<|im_start|>assistant\n",
                                               f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n",
                                               f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n"]
-    for _, kw in seen:
-        images = kw["multi_modal_data"]["image"]
+    for _, data in seen:
+        images = data["image"]
         assert [np.asarray(im).tolist() for im in images] == [first.tolist(), second.tolist()]
 
 
