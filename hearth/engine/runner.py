@@ -18,7 +18,6 @@ states (perplexity, kernels' benchmarks, tests).
 
 from __future__ import annotations
 
-import mmap
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
+from hearth.kv_format import KVCache, Q8Cache, allocate_kv_caches, move_rows, with_state_caches
 from hearth.engine import contrastive_search
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
@@ -528,45 +527,3 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
     parts = flat.split([t.numel() for t in tensors])
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
-
-
-def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
-                       device: torch.device) -> KVCaches:
-    """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype` (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
-    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
-    latent width] (ModelConfig.kv_cache_layout)."""
-    tensors, heads, width = config.kv_cache_layout()
-    shape = (tensors * num_layers, num_slots, heads, width)
-    if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
-        codes = zeroed(shape, torch.int8, device)
-        scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
-        caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
-    elif kv_cache_dtype == "fp8_e4m3":
-        caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
-    else:
-        caches = list(zeroed(shape, torch.float16 if kv_cache_dtype == "float16" else dtype, device))
-    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
-
-
-def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.dtype,
-                      device: torch.device) -> KVCaches:
-    """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
-    layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
-    convolution's window in `dtype`, a delta rule's state in float32)."""
-    attention = iter(kv_caches)
-    return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
-                  for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
-            for layer in range(config.num_layers)]
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor whose pages are not touched up front. On a CPU: an anonymous memory map,
-    which the OS fills with zeros page by page on first use, so a KV cache sized for a long context
-    costs nothing until tokens are written (torch.zeros would write every page at start-up). On a
-    GPU: torch.zeros (a device memset, milliseconds). Unused slots read as zeros either way, so a
-    masked attention weight of 0 never meets a NaN left in memory."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)
