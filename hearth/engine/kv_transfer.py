@@ -20,6 +20,7 @@ def export_kv(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """The K/V of the cached full blocks that start `token_ids` (short of its last token):
     [layers, 2, tokens, kv_heads, head_dim], tokens a multiple of the block size (maybe 0)."""
     _check_kv_local(engine)
+    engine.wait_for_pass()
     return engine.runner.read_kv(engine.block_manager.lookup(token_ids))
 
 
@@ -34,6 +35,7 @@ def import_kv(engine: LLMEngine, token_ids: list[int], kv: torch.Tensor) -> int:
             or kv.shape[3:] != k_cache.shape[1:]):
         raise RequestError(f"KV of shape {tuple(kv.shape)} does not fit this engine's cache "
                            f"({len(runner.kv_caches)} layers, blocks of {block_size}, {tuple(k_cache.shape[1:])})")
+    engine.wait_for_pass()
     covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
     entered = engine.block_manager.import_prefix(covered)
     engine.move_tier_blocks()  # the blocks it evicted, before their K/V are written over

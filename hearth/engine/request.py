@@ -73,6 +73,9 @@ class Request:
     # The LoRA adapter it runs with: the engine's number for that adapter's load (0: none). Its prefix
     # cache is its own (the chain of its blocks starts at -lora_id, hearth/engine/kv_cache.py).
     lora_id: int = 0
+    # Drawn tokens not appended yet: with asynchronous scheduling (overlap.py) the step after the one
+    # that drew them runs before the host reads them, its input the draw still on the device (0 or 1).
+    num_pending_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hearth.backend import StepInputs
+from hearth.backend.transfer import HostCopy, to_device, to_host
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCache, Q8Cache, allocate_kv_caches, move_rows, with_state_caches
 from hearth.engine import contrastive_search
@@ -92,6 +93,33 @@ class SampledTokens:
 class StepResult:
     sampled: dict[Request, SampledTokens]  # the requests that reached the end of their tokens
     prompt_logprobs: dict[Request, list[dict[int, float]]]  # per scored prompt token: {id: logprob}
+
+
+@dataclass
+class StagedStep:
+    """A step's host side (ModelRunner.stage): read from its requests on the engine's thread."""
+
+    sequences: list[ScheduledSequence]
+    entries: list[BatchEntry]
+    sampled: list[ScheduledSequence]  # those that reach the end of their tokens
+    sample_rows: list[int]  # their rows (each guess's and the one after)
+    scored: list[tuple[Request, int, int, int]]  # prompt scoring: (request, first row, start, count)
+    inputs: StepInputs
+    # per pending token, its row here and its row among the step before's draws (int64 on the host)
+    feeds: tuple[torch.Tensor, torch.Tensor] | None
+    draw_rows: dict[Request, int]  # each sampling request's draw: its row of the sampler's sampled_token_ids
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model pass and draws are started (ModelRunner.launch); `collect` reads them."""
+
+    sampled: list[ScheduledSequence]
+    out: SamplerOutput | None
+    rewinds: dict[Request, torch.Tensor]  # seeded generators' states before the step's draws
+    scoring: list[tuple[Request, list[int]]]
+    host: HostCopy
+    draw_rows: dict[Request, int]
 
 
 class ModelRunner:
@@ -204,10 +232,14 @@ class ModelRunner:
     def forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]."""
         step = self.prepare(entries)
+        hidden = self._pass(step, entries)
+        return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+    def _pass(self, step: StepInputs, entries: list[BatchEntry]) -> torch.Tensor:
+        """The model pass of the entries' prepared step: hidden states [T, hidden]."""
         if self.lora is not None:  # each row's adapter
             self.lora[0].activate(np.repeat([e.lora_slot for e in entries], step.query_lens))
-        hidden = self.model_pass(self.model, step, self.kv_caches)
-        return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+        return self.model_pass(self.model, step, self.kv_caches)
 
     def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The model pass and the logits of each entry's last token [B, V]."""
@@ -289,18 +321,46 @@ class ModelRunner:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
         if not sequences:
             return StepResult({}, {})
-        entries, sampled, sample_rows, scored = self._lay_out(sequences)
+        return self.collect(self.launch(self.stage(sequences)))
+
+    def stage(self, sequences: list[ScheduledSequence], drawn_before: dict[Request, int] | None = None
+              ) -> StagedStep:
+        """A step's host side, read from its requests now: the batch laid out, its StepInputs. A request
+        whose last token is still pending (Request.num_pending_tokens) is fed its draw in the step
+        before, at its row drawn_before[request] of that step's draws (StagedStep.draw_rows)."""
+        entries, sampled, sample_rows, scored, fed = self._lay_out(sequences)
+        feeds = None
+        if fed:
+            if drawn_before is None or any(r not in drawn_before for _, r in fed):
+                raise RuntimeError("a pending token is fed from the step before's draws, which do not hold it")
+            feeds = (torch.tensor([row for row, _ in fed]), torch.tensor([drawn_before[r] for _, r in fed]))
+        draw_rows, row = {}, 0
+        for seq in sampled:
+            draw_rows[seq.request] = row
+            row += len(seq.request.spec_token_ids) + 1
+        return StagedStep(sequences, entries, sampled, sample_rows, scored, self.prepare(entries), feeds, draw_rows)
+
+    def launch(self, staged: StagedStep, draws_before: torch.Tensor | None = None) -> LaunchedStep:
+        """The step's tensor work: the model pass, logits, the draws, and their copy to the host started;
+        draws_before: the step before's sampled token ids, which feed its pending tokens. Reads no
+        request field that the engine's output processing writes (asynchronous scheduling runs it
+        beside that, on a worker thread: engine/overlap.py)."""
+        sampled, step = staged.sampled, staged.inputs
         amateur_logits = self._amateur_logits(sampled)
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
-        hidden, _ = self.forward(entries)
-        self._keep_hidden_states(sequences, hidden)
+        if staged.feeds is not None:  # tokens drawn by the step before, never read by the host
+            rows, sources = staged.feeds
+            step.input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
+            step.input_ids[to_device(rows, self.device)] = draws_before[to_device(sources, draws_before.device)]
+        hidden = self._pass(step, staged.entries)
+        self._keep_hidden_states(staged.sequences, hidden)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
         out = None
         if sampled:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            logits = self.model.compute_logits(hidden[to_device(torch.tensor(staged.sample_rows), hidden.device)])
             constrained = [seq for seq in sampled if seq.matcher is not None]
             # The grammar masks are filled on another thread from here until the sampler applies them,
             # after drawing its noise: on a CPU the model's threads fill every core until now, and a mask
@@ -316,7 +376,7 @@ class ModelRunner:
             device_results += [] if out.accepted is None else [out.accepted]
             device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
         scoring = []
-        for request, first_row, start, count in scored:
+        for request, first_row, start, count in staged.scored:
             count = min(count, request.num_prompt_tokens - 1 - start)
             if count > 0:  # the rows predicting prompt tokens start+1 .. start+count
                 targets = request.prompt_token_ids[start + 1 : start + 1 + count]
@@ -324,12 +384,15 @@ class ModelRunner:
                 scoring.append((request, targets))
                 device_results += prompt_logprobs(logits, torch.tensor(targets, device=logits.device),
                                                   request.sampling_params.prompt_logprobs)
-        host = iter(to_host(device_results))
+        return LaunchedStep(sampled, out, rewinds, scoring, HostCopy(device_results), staged.draw_rows)
 
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """The launched step's results on the host (waiting for its copy): the kept tokens, the prompt logprobs."""
+        host = iter(launched.host.wait())
         result = StepResult({}, {})
-        if out is not None:
-            result.sampled = self._kept_tokens(sampled, out, host, rewinds)
-        for request, targets in scoring:
+        if launched.out is not None:
+            result.sampled = self._kept_tokens(launched.sampled, launched.out, host, launched.rewinds)
+        for request, targets in launched.scoring:
             chosen, top_ids, top_lps = next(host).tolist(), next(host).tolist(), next(host).tolist()
             entries = [{t: lp} for t, lp in zip(targets, chosen)]
             for entry, ids, lps in zip(entries, top_ids, top_lps):
@@ -339,12 +402,16 @@ class ModelRunner:
 
     def _lay_out(self, sequences: list[ScheduledSequence]):
         """The step's BatchEntry list, the sequences that sample and their rows (each guess's and
-        the one after), and the prompt-scoring (request, first row, start, count) of each."""
-        entries, sampled, sample_rows, scored = [], [], [], []
+        the one after), the prompt-scoring (request, first row, start, count) of each, and the
+        (row, request) of each pending token (a placeholder 0 in its entry)."""
+        entries, sampled, sample_rows, scored, fed = [], [], [], [], []
         row = 0
         for seq in sequences:
             request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
             tokens = request.all_token_ids[start : start + count]
+            if request.num_pending_tokens and len(tokens) < count:  # its last draw, still on the device
+                fed.append((row + len(tokens), request))
+                tokens.append(0)
             tokens += request.spec_token_ids[: count - len(tokens)]
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
             entries.append(BatchEntry(tokens, start, request.block_table,
@@ -353,12 +420,12 @@ class ModelRunner:
                                       self.lora[1].get(request.lora_id, -1) if self.lora else -1))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
-            if start + count == request.num_tokens + len(request.spec_token_ids):
+            if start + count == request.num_tokens + request.num_pending_tokens + len(request.spec_token_ids):
                 num_rows = len(request.spec_token_ids) + 1
                 sample_rows.extend(range(row + count - num_rows, row + count))
                 sampled.append(seq)
             row += count
-        return entries, sampled, sample_rows, scored
+        return entries, sampled, sample_rows, scored, fed
 
     def _kept_tokens(self, sampled: list[ScheduledSequence], out: SamplerOutput, host,
                      rewinds: dict[Request, torch.Tensor]) -> dict[Request, SampledTokens]:
@@ -517,13 +584,3 @@ class ModelRunner:
                                for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy the tensors to the host in one transfer (one synchronisation); each keeps its shape.
-    They travel as float64, which holds token ids and float32 values exactly."""
-    if not tensors:
-        return []
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
-    parts = flat.split([t.numel() for t in tensors])
-    return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
