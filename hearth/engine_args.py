@@ -34,7 +34,7 @@ def add_option(g, keyword: str, default: Any = None) -> None:
     """The flag of one declared option on a parser or group (`default`: this command's own, if any)."""
     o = next(o for o in _cli_options() if o.keyword == keyword)
     default = o.default if default is None else default
-    if isinstance(o.default, bool):
+    if isinstance(o.default, bool) or o.negatable:  # (a negatable switch's default may be None: auto)
         action = argparse.BooleanOptionalAction if o.negatable else "store_false" if o.default else "store_true"
         g.add_argument(o.flag, dest=o.keyword, action=action, default=o.default, help=o.help)
         return
@@ -120,6 +120,7 @@ def flags_table() -> str:
             flag += " " + "\\|".join(map(str, action.choices))
         default = "off" if action.nargs == 0 else ("-" if action.default is None else action.default)
         if isinstance(action, argparse.BooleanOptionalAction):
-            flag, default = " / ".join(f"`{f}`" for f in action.option_strings)[1:-1], "on" if action.default else "off"
+            flag = " / ".join(f"`{f}`" for f in action.option_strings)[1:-1]
+            default = "auto" if action.default is None else "on" if action.default else "off"
         rows.append(f"| `{flag}` | {default} | {(action.help or '') % {'default': action.default}} |")
     return "\n".join(rows)

@@ -103,6 +103,7 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]
     assert engine_argv(async_scheduling=False) == ["--no-async-scheduling"]  # a switch with both flags
     assert engine_options(parser.parse_args(["serve", "--async-scheduling"]))["async_scheduling"] is True
+    assert engine_argv(async_scheduling=True) == ["--async-scheduling"]
     # a repeatable flag (--lora NAME=PATH): every value, there and back
     loras = engine_options(parser.parse_args(["serve", "--lora", "a=/x", "--lora", "b=/y"]))
     assert loras == defaults | {"lora_modules": ("a=/x", "b=/y")}

@@ -8,6 +8,7 @@ add_request / step / abort_request.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -106,9 +107,12 @@ class LLMEngine:
                                            self.output_processor.sequences)
         # asynchronous scheduling: never with speculation (its guesses need the tokens: overlap.py) or a
         # model split over processes; a CPU runs the passes on a thread of their own
-        self.overlap = (OneStepAhead(self, worker_thread=self.device.type == "cpu")
-                        if config.scheduler.async_scheduling and not self.speculator.active and self.workers is None
-                        else None)
+        on_cpu = self.device.type == "cpu"
+        overlap = config.scheduler.async_scheduling
+        if overlap is None:  # where it pays: a GPU, or a CPU with a core the passes leave to the host
+            overlap = not on_cpu or torch.get_num_threads() < (os.cpu_count() or 1)
+        self.overlap = (OneStepAhead(self, worker_thread=on_cpu)
+                        if overlap and not self.speculator.active and self.workers is None else None)
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
