@@ -8,7 +8,6 @@ add_request / step / abort_request.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
-from hearth.engine.overlap import OneStepAhead
+from hearth.engine.overlap import one_step_ahead
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.sampler import make_generator
@@ -105,14 +104,7 @@ class LLMEngine:
             self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
                                            self.output_processor.sequences)
-        # asynchronous scheduling: never with speculation (its guesses need the tokens: overlap.py) or a
-        # model split over processes; a CPU runs the passes on a thread of their own
-        on_cpu = self.device.type == "cpu"
-        overlap = config.scheduler.async_scheduling
-        if overlap is None:  # where it pays: a GPU, or a CPU with a core the passes leave to the host
-            overlap = not on_cpu or torch.get_num_threads() < (os.cpu_count() or 1)
-        self.overlap = (OneStepAhead(self, worker_thread=on_cpu)
-                        if overlap and not self.speculator.active and self.workers is None else None)
+        self.overlap = one_step_ahead(self)  # asynchronous scheduling (None: off)
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)

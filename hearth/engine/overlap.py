@@ -30,9 +30,12 @@ from 70% to 1.2% under its asynchronous scheduling, vllm-project/vllm#37150).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from hearth.engine.output_processor import SequenceState, StepStats
 from hearth.engine.request import Request, RequestStatus
@@ -135,6 +138,18 @@ class OneStepAhead:
         return (request.status is RequestStatus.RUNNING
                 and (max_tokens is None or request.num_output_tokens + 1 < max_tokens)
                 and request.num_tokens + 1 < self.engine.max_model_len)
+
+
+def one_step_ahead(engine: LLMEngine) -> OneStepAhead | None:
+    """The engine's OneStepAhead where its async_scheduling is on (None, auto: where it pays, a GPU or
+    a CPU with a core the passes leave to the host); never with speculation (its guesses need the
+    tokens) or a model split over processes. A CPU runs the passes on a thread of their own."""
+    on_cpu = engine.device.type == "cpu"
+    on = engine.config.scheduler.async_scheduling
+    if on is None:
+        on = not on_cpu or torch.get_num_threads() < (os.cpu_count() or 1)
+    return OneStepAhead(engine, worker_thread=on_cpu) if on and not engine.speculator.active and engine.workers is None \
+        else None
 
 
 def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:
