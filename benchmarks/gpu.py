@@ -31,6 +31,7 @@ from pathlib import Path
 from common import REPO, median, table, timed
 
 ARCH = "llama-3.2-1b"
+HEARTH_OPTIONS: dict = {}  # every hearth engine's extra options (--async-scheduling / --no-async-scheduling)
 
 
 def hbm_bandwidth() -> float:
@@ -71,7 +72,7 @@ def hearth_llm(path, enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
 
     return LLM(str(path), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, kv_cache_memory=8 << 30,
                kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192,
-               progress=False)
+               progress=False, **HEARTH_OPTIONS)
 
 
 def hearth_decode(llm, batch: int, input_len: int, output_len: int, rng: random.Random) -> dict:
@@ -221,12 +222,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/hearth-gpu-bench", help="where the model files are made")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: transformers,eager,fp8,throughput,gguf")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="every hearth engine with asynchronous scheduling on or off (default: the engine's default)")
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.async_scheduling is not None:
+        HEARTH_OPTIONS["async_scheduling"] = args.async_scheduling
     import torch
 
     results: dict = {"command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:]),

@@ -398,6 +398,14 @@ class SchedulerConfig:
     max_model_len: int | None = option(None, help="the longest context in tokens (default: the model's)")
     enable_chunked_prefill: bool = option(True, flag="--no-chunked-prefill",
                                           help="a prompt is computed whole in one step, never in chunks")
+    async_scheduling: bool | None = option(
+        None, negatable=True,
+        help="schedule and lay out the next step while the current one computes, and process its tokens "
+             "while the next one does (outputs are the same; steps that need a token first, such as structured "
+             "output, penalties or speculation, run synchronously). Default: on with a GPU (the host's work "
+             "hides behind the device's); on a CPU only where torch's threads leave a core free (with every "
+             "core computing, Python is 0.3-3%% of a SmolLM2 step and handing the pass to a thread costs "
+             "about that: docs/benchmarks.md)")
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")

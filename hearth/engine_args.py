@@ -34,8 +34,9 @@ def add_option(g, keyword: str, default: Any = None) -> None:
     """The flag of one declared option on a parser or group (`default`: this command's own, if any)."""
     o = next(o for o in _cli_options() if o.keyword == keyword)
     default = o.default if default is None else default
-    if isinstance(o.default, bool):
-        g.add_argument(o.flag, dest=o.keyword, action="store_false" if o.default else "store_true", help=o.help)
+    if isinstance(o.default, bool) or o.negatable:  # (a negatable switch's default may be None: auto)
+        action = argparse.BooleanOptionalAction if o.negatable else "store_false" if o.default else "store_true"
+        g.add_argument(o.flag, dest=o.keyword, action=action, default=o.default, help=o.help)
         return
     if isinstance(o.default, tuple):  # a repeatable flag: each one adds a value
         g.add_argument(o.flag, dest=o.keyword, action="append", type=o.parse or o.kind, default=None,
@@ -99,7 +100,9 @@ def engine_argv(**values: Any) -> list[str]:
     argv: list[str] = []
     for dest, value in values.items():
         flag = actions[dest].option_strings[0]
-        if actions[dest].nargs == 0:  # a switch: given where it changes the default
+        if isinstance(actions[dest], argparse.BooleanOptionalAction):  # --flag / --no-flag
+            argv += [actions[dest].option_strings[0 if value else 1]] if value != actions[dest].default else []
+        elif actions[dest].nargs == 0:  # a switch: given where it changes the default
             argv += [flag] if value != actions[dest].default else []
         elif isinstance(value, (list, tuple)):  # a repeatable flag
             argv += [part for item in value for part in (flag, str(item))]
@@ -116,5 +119,8 @@ def flags_table() -> str:
         if action.choices:
             flag += " " + "\\|".join(map(str, action.choices))
         default = "off" if action.nargs == 0 else ("-" if action.default is None else action.default)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flag = " / ".join(f"`{f}`" for f in action.option_strings)[1:-1]
+            default = "auto" if action.default is None else "on" if action.default else "off"
         rows.append(f"| `{flag}` | {default} | {(action.help or '') % {'default': action.default}} |")
     return "\n".join(rows)

@@ -27,13 +27,18 @@ same budget holds twice the tokens. The gpu backend's Triton kernels write and r
 hardware conversions need an sm_89 GPU or newer: Ada, Hopper); the reference path here reads it
 on any device; the cpu backend's C++ kernels do not (q8_0 is their 8-bit cache).
 
-The functions below are the reference path's (plain torch, any device) and the tests' definition.
+The functions below are the reference path's (plain torch, any device) and the tests' definition;
+`allocate_kv_caches` lays out a model's whole cache in one of these formats (the runner's).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 KV_CACHE_DTYPES = ("auto", "float16", "q8_0", "fp8_e4m3")
@@ -173,3 +178,63 @@ def move_rows(cache: KVCache, sources: torch.Tensor, targets: torch.Tensor) -> N
               (cache.values.view(torch.uint8),) if isinstance(cache, Fp8Cache) else (cache,))
     for tensor in stored:
         tensor.index_copy_(0, targets, tensor[sources])
+
+
+def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
+                       device: torch.device) -> KVCaches:
+    """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
+    head_dim] in `dtype` (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
+    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
+    latent width] (ModelConfig.kv_cache_layout)."""
+    tensors, heads, width = config.kv_cache_layout()
+    shape = (tensors * num_layers, num_slots, heads, width)
+    if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
+        codes = zeroed(shape, torch.int8, device)
+        scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
+        caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
+    elif kv_cache_dtype == "fp8_e4m3":
+        caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
+    else:
+        caches = list(zeroed(shape, torch.float16 if kv_cache_dtype == "float16" else dtype, device))
+    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
+
+
+def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.dtype,
+                      device: torch.device) -> KVCaches:
+    """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
+    layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
+    convolution's window in `dtype`, a delta rule's state in float32)."""
+    attention = iter(kv_caches)
+    return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
+                  for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
+            for layer in range(config.num_layers)]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor whose pages are not touched up front. On a CPU: an anonymous memory map,
+    which the OS fills with zeros page by page on first use, so a KV cache sized for a long context
+    costs nothing until tokens are written (torch.zeros would write every page at start-up). On a
+    GPU: torch.zeros (a device memset, milliseconds). Unused slots read as zeros either way, so a
+    masked attention weight of 0 never meets a NaN left in memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def release_pages(tensors: list[torch.Tensor]) -> int:
+    """Give the pages of `zeroed` CPU tensors back to the OS, the tensors kept where they are (kernels
+    and CUDA graphs hold their addresses): each storage is an anonymous shared map, whose pages are
+    removed and read as zeros again, costing nothing until written. Returns the bytes released."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    for address, nbytes in storages.items():
+        if _libc().madvise(address, nbytes, mmap.MADV_REMOVE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE) failed on the KV cache")
+    return sum(storages.values())

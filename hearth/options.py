@@ -37,17 +37,18 @@ def parse_size(text: str) -> int:
 
 def option(default: Any = MISSING, *, help: str, keyword: str | None = None, flag: str | None = None,
            choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None,
-           metavar: str | None = None, group: str | None = None, cli: bool = True) -> Any:
+           metavar: str | None = None, group: str | None = None, cli: bool = True, negatable: bool = False) -> Any:
     """A dataclass field that is one of the engine's options.
 
     help: what it does, for --help and the README (argparse's %(default)s may be used); keyword: the
     flat name of LLM's keyword and of the parsed CLI argument (default: the field's name); flag: the
     CLI flag (default: --keyword-with-dashes; a switch gives its flag, store_true or store_false
     following the default); parse: reads the flag's text (default: the declared type); group: the
-    --help section (default: the nested config's); cli: False for an option with no flag.
+    --help section (default: the nested config's); cli: False for an option with no flag; negatable: a
+    switch with both flags, --flag and --no-flag (vLLM's --async-scheduling / --no-async-scheduling).
     """
     meta = {"help": help, "keyword": keyword, "flag": flag, "choices": choices, "parse": parse,
-            "metavar": metavar, "group": group, "cli": cli}
+            "metavar": metavar, "group": group, "cli": cli, "negatable": negatable}
     return field(default=default, metadata=meta)
 
 
@@ -72,6 +73,7 @@ class Option:
     parse: Callable[[str], Any] | None
     metavar: str | None
     cli: bool
+    negatable: bool = False
 
     @property
     def kind(self) -> type:
@@ -94,7 +96,7 @@ def declared_options(config: type, group: str = "engine", path: tuple[str, ...] 
         keyword = meta["keyword"] or spec.name
         found.append(Option((*path, spec.name), keyword, meta["flag"] or "--" + keyword.replace("_", "-"),
                             meta["group"] or group, hints[spec.name], spec.default, meta["help"], meta["choices"],
-                            meta["parse"], meta["metavar"], meta["cli"]))
+                            meta["parse"], meta["metavar"], meta["cli"], meta.get("negatable", False)))
     return found
 
 

@@ -29,7 +29,7 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
          "--speculative-tree-width", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
          "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--contrastive-model", "--kv-cache-dir",
-         "--kv-cache-dir-size"]
+         "--kv-cache-dir-size", "--async-scheduling", "--no-async-scheduling"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:
@@ -62,8 +62,8 @@ def test_readme_table_is_the_declarations():
     assert table == flags_table(), ("README.md's table of engine flags differs from EngineConfig's declaration: "
                                     "paste in the output of python -c 'from hearth.engine_args import flags_table; "
                                     "print(flags_table())'")
-    for flag in FLAGS:
-        assert f"| `{flag}" in table
+    for flag in FLAGS:  # (a switch with both flags names them in one cell: `--x` / `--no-x`)
+        assert f"| `{flag}" in table or f"/ `{flag}`" in table
 
 
 def test_every_option_is_declared_with_help_under_one_name():
@@ -88,17 +88,22 @@ def test_flags_parse_to_the_keywords_and_defaults_of_the_declaration():
     assert engine_options(parser.parse_args(["serve"])) == defaults
     assert engine_options(parser.parse_args(["generate", "--prompt", "x"])) == defaults | {"max_num_seqs": 1}
     argv = ["serve", "--no-prefix-caching", "--max-num-seqs", "3", "--kv-cache-memory", "2GiB", "--kv-cache-dtype",
-            "q8_0", "--speculative-method", "ngram", "--no-speculative-adaptive", "--max-model-len", "64"]
+            "q8_0", "--speculative-method", "ngram", "--no-speculative-adaptive", "--max-model-len", "64",
+            "--no-async-scheduling"]
     given = engine_options(parser.parse_args(argv))
     assert given == defaults | {"enable_prefix_caching": False, "max_num_seqs": 3, "kv_cache_memory": 2 << 30,
                                 "kv_cache_dtype": "q8_0", "speculative_method": "ngram",
-                                "speculative_adaptive": False, "max_model_len": 64}
+                                "speculative_adaptive": False, "max_model_len": 64, "async_scheduling": False}
     config = EngineConfig.from_options(**given)
     assert (config.cache.enable_prefix_caching, config.scheduler.max_num_seqs, config.cache.kv_cache_memory,
-            config.scheduler.max_model_len, config.speculative.adaptive) == (False, 3, 2 << 30, 64, False)
+            config.scheduler.max_model_len, config.speculative.adaptive, config.scheduler.async_scheduling
+            ) == (False, 3, 2 << 30, 64, False, False)
     # the replicas' flags: the same options again
     assert engine_options(parser.parse_args(["serve", *engine_argv(**given)])) == given
     assert engine_argv(threads=2, enable_chunked_prefill=True, max_model_len=None) == ["--threads", "2"]
+    assert engine_argv(async_scheduling=False) == ["--no-async-scheduling"]  # a switch with both flags
+    assert engine_options(parser.parse_args(["serve", "--async-scheduling"]))["async_scheduling"] is True
+    assert engine_argv(async_scheduling=True) == ["--async-scheduling"]
     # a repeatable flag (--lora NAME=PATH): every value, there and back
     loras = engine_options(parser.parse_args(["serve", "--lora", "a=/x", "--lora", "b=/y"]))
     assert loras == defaults | {"lora_modules": ("a=/x", "b=/y")}

@@ -47,6 +47,7 @@ def embed(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
             raise RequestError(f"an input has {len(ids)} tokens, more than the model's context window "
                                f"of {engine.max_model_len} tokens")
     budget = max(engine.config.scheduler.max_num_batched_tokens, max(map(len, prompts)))
+    engine.wait_for_pass()  # (a step in flight may still write into blocks freed for these)
     # closing: a batch's blocks go back even when the runner stops in the middle of it
     with closing(_batches(engine, prompts, budget)) as batches:
         return engine.runner.pooled(batches, pooling_of(engine.model_config.architecture))

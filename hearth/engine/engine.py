@@ -23,8 +23,9 @@ from hearth.engine.kv_disk_tier import DiskTierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
+from hearth.engine.overlap import one_step_ahead
 from hearth.engine.request import Request
-from hearth.engine.runner import ModelRunner, ScheduledSequence
+from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
 from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft
@@ -105,6 +106,7 @@ class LLMEngine:
             self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
                                            self.output_processor.sequences)
+        self.overlap = one_step_ahead(self)  # asynchronous scheduling (None: off)
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
@@ -303,6 +305,7 @@ class LLMEngine:
         """Load an adapter (ModelLoadError for a bad one, RequestError without enable_lora or a free slot)."""
         if self.lora is None:
             raise RequestError("this engine was started without enable_lora (--enable-lora)")
+        self.wait_for_pass()
         return self.lora.add(lora_request)
 
     def remove_lora(self, lora_name: str) -> None:
@@ -312,6 +315,7 @@ class LLMEngine:
         loaded = self.lora.by_name.get(lora_name)
         using = 0 if loaded is None else sum(s.request.lora_id == loaded.lora_id
                                              for s in self.output_processor.sequences.values())
+        self.wait_for_pass()
         self.lora.remove(lora_name, using)
 
     def list_loras(self) -> list[LoadedAdapter]:
@@ -324,9 +328,16 @@ class LLMEngine:
         """Forget the prefix cache and give the KV cache's memory back (a sleeping model's: the next request
         finds an empty cache); the bytes released (ModelRunner.release_kv_memory). RequestError while
         requests run."""
+        self.wait_for_pass()
         if self.has_unfinished_requests() or not self.block_manager.reset_prefix_cache():
             raise RequestError("the KV cache cannot be released while requests are running")
         return self.runner.release_kv_memory()
+
+    def wait_for_pass(self) -> None:
+        """Wait until no model pass runs (with async_scheduling one may, between steps): before the
+        KV cache or the model's adapters are touched from outside a step."""
+        if self.overlap is not None:
+            self.overlap.wait()
 
     # ---- KV handed between engines (hearth/fleet/disaggregated.py) ------------------
 
@@ -336,10 +347,13 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the (cumulative) output of every group that progressed.
+        """Run one iteration; returns the (cumulative) output of every group that progressed (with
+        async_scheduling: the outputs of the step before, this one launched: hearth/engine/overlap.py).
 
         If it raises (a kernel error, out of memory), the requests it planned are aborted (their
         KV blocks freed) and StepFailed names them: the engine serves the others on."""
+        if self.overlap is not None:
+            return self.overlap.step()
         try:
             self.speculator.plan(self.scheduler.num_running)  # this step's guesses
         except Exception as e:
@@ -351,13 +365,23 @@ class LLMEngine:
             raise self._failed([r for r, _ in plan.scheduled] + plan.finished, e) from e
 
     def _run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """A scheduled step, synchronously: execute, then process its results."""
+        stats = self._plan_stats(plan)
+        self.move_cache_contents()
+        result = self.runner.execute(self._scheduled_sequences(plan))
+        self.scheduler.update_after_step(plan)
+        self.output_processor.release_prompt_sharers()
+        return self._process(plan, result, stats)
+
+    @staticmethod
+    def _plan_stats(plan: SchedulerOutput) -> StepStats:
         stats = StepStats(batch_size=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
                           num_preempted=len(plan.preempted))
         stats.finished_reasons += ["length"] * len(plan.finished)  # outgrew the whole cache
-        self.move_cache_contents()
-        result = self.runner.execute([self._scheduled_sequence(r, n) for r, n in plan.scheduled])
-        self.scheduler.update_after_step(plan)
-        self.output_processor.release_prompt_sharers()
+        return stats
+
+    def _process(self, plan: SchedulerOutput, result: StepResult, stats: StepStats) -> list[RequestOutput]:
+        """A step's results to its requests (its tokens computed and counted by the scheduler)."""
         outputs = self.output_processor.process(plan, result, stats)
         self.speculator.update(plan, result, stats)
         self.runner.release_stopped()
@@ -387,6 +411,9 @@ class LLMEngine:
         for request_id in failed:
             self.abort_request(request_id)
         return StepFailed(failed, error)
+
+    def _scheduled_sequences(self, plan: SchedulerOutput) -> list[ScheduledSequence]:
+        return [self._scheduled_sequence(r, n) for r, n in plan.scheduled]
 
     def _scheduled_sequence(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         state = self.output_processor.sequences[request.request_id]

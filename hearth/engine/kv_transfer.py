@@ -25,6 +25,7 @@ def export_kv(engine: LLMEngine, token_ids: list[int]) -> dict[str, torch.Tensor
     for a hybrid model up to the last block with a state checkpoint, and that checkpoint's states
     (runner.state_tensors' names, each [*shape]; none without blocks)."""
     _check_kv_local(engine)
+    engine.wait_for_pass()
     blocks, checkpoints = engine.block_manager.lookup(token_ids), engine.block_manager.checkpoints
     if engine.model_config.is_hybrid:
         engine.move_cache_contents()  # the checkpoints the last step took, copied in
@@ -48,6 +49,7 @@ def import_kv(engine: LLMEngine, token_ids: list[int], tensors: dict[str, torch.
         raise RequestError(f"KV of shape {None if kv is None else tuple(kv.shape)} does not fit this engine's cache "
                            f"({len(caches)} attention layers, blocks of {block_size}, {tuple(caches[0][0].shape[1:])})")
     states = _checked_states(engine, tensors) if kv.shape[2] else {}
+    engine.wait_for_pass()
     covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
     entered = engine.block_manager.import_prefix(covered)
     engine.move_cache_contents()  # the blocks it evicted, before their K/V are written over; steps' state copies

@@ -117,9 +117,14 @@ class OutputProcessor:
     def process(self, plan: SchedulerOutput, result: StepResult, stats: StepStats) -> list[RequestOutput]:
         """Apply one step's results; returns the (cumulative) output of every group that progressed."""
         now = time.monotonic()
+        # a request that ended before its results came (asynchronous scheduling: a stop found in the
+        # step before, an abort) keeps none of them: its extra draw is dropped
         for request, entries in result.prompt_logprobs.items():
-            self.groups[self.group_id(request.request_id)].prompt_logprobs.extend(entries)
+            if not request.is_finished:
+                self.groups[self.group_id(request.request_id)].prompt_logprobs.extend(entries)
         for request, tokens in result.sampled.items():
+            if request.is_finished:
+                continue
             num_appended = self._append_tokens(self.sequences[request.request_id], tokens, now, stats)
             self.scheduler.accept_spec_tokens(request, num_appended - 1)
         progressed: dict[str, RequestGroup] = {}  # by group id: each group's output is built once

@@ -98,6 +98,9 @@ class Request:
     # The prompt's images, in order (none for a text prompt): their embeddings enter in place of their
     # placeholder tokens, and their content hashes are part of the prefix cache's keys of their blocks.
     images: list[ImageSpan] = field(default_factory=list)
+    # Drawn tokens not appended yet: with asynchronous scheduling (overlap.py) the step after the one
+    # that drew them runs before the host reads them, its input the draw still on the device (0 or 1).
+    num_pending_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -18,9 +18,6 @@ states (perplexity, kernels' benchmarks, tests).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +27,9 @@ import numpy as np
 import torch
 
 from hearth.backend import StepInputs
+from hearth.backend.transfer import HostCopy, to_device, to_host
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import Q8_BLOCK, Fp8Cache, KVCache, Q8Cache, move_rows
+from hearth.kv_format import KVCache, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, step_embeddings
 from hearth.engine.request import Request, RequestStatus
@@ -99,6 +97,33 @@ class SampledTokens:
 class StepResult:
     sampled: dict[Request, SampledTokens]  # the requests that reached the end of their tokens
     prompt_logprobs: dict[Request, list[dict[int, float]]]  # per scored prompt token: {id: logprob}
+
+
+@dataclass
+class StagedStep:
+    """A step's host side (ModelRunner.stage): read from its requests on the engine's thread."""
+
+    sequences: list[ScheduledSequence]
+    entries: list[BatchEntry]
+    sampled: list[ScheduledSequence]  # those that reach the end of their tokens
+    sample_rows: list[int]  # their rows (each guess's and the one after)
+    scored: list[tuple[Request, int, int, int]]  # prompt scoring: (request, first row, start, count)
+    inputs: StepInputs
+    # per pending token, its row here and its row among the step before's draws (int64 on the host)
+    feeds: tuple[torch.Tensor, torch.Tensor] | None
+    draw_rows: dict[Request, int]  # each sampling request's draw: its row of the sampler's sampled_token_ids
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model pass and draws are started (ModelRunner.launch); `collect` reads them."""
+
+    sampled: list[ScheduledSequence]
+    out: SamplerOutput | None
+    rewinds: dict[Request, torch.Tensor]  # seeded generators' states before the step's draws
+    scoring: list[tuple[Request, list[int]]]
+    host: HostCopy
+    draw_rows: dict[Request, int]
 
 
 class ModelRunner:
@@ -225,10 +250,14 @@ class ModelRunner:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]
         (step: the entries already prepared)."""
         step = self.prepare(entries) if step is None else step
+        hidden = self._pass(step, entries)
+        return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+
+    def _pass(self, step: StepInputs, entries: list[BatchEntry]) -> torch.Tensor:
+        """The model pass of the entries' prepared step: hidden states [T, hidden]."""
         if self.lora is not None:  # each row's adapter
             self.lora[0].activate(np.repeat([e.lora_slot for e in entries], step.query_lens))
-        hidden = self.model_pass(self.model, step, self.kv_caches)
-        return hidden, torch.from_numpy(step.last_rows).to(hidden.device)
+        return self.model_pass(self.model, step, self.kv_caches)
 
     def last_logits(self, entries: list[BatchEntry]) -> torch.Tensor:
         """The model pass and the logits of each entry's last token [B, V]."""
@@ -325,13 +354,7 @@ class ModelRunner:
         graphs hold their addresses): on a CPU each cache buffer is an anonymous shared map (`zeroed`),
         whose pages are removed and read as zeros again, as unused slots must, costing nothing until
         written. Returns the bytes released: 0 off a CPU, where the memory stays."""
-        if self.device.type != "cpu":
-            return 0
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._cache_tensors()}
-        for address, nbytes in storages.items():
-            if _libc().madvise(address, nbytes, mmap.MADV_REMOVE) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE) failed on the KV cache")
-        return sum(storages.values())
+        return 0 if self.device.type != "cpu" else release_pages(self._cache_tensors())
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -341,23 +364,50 @@ class ModelRunner:
         """Run one engine step: forward, logits, sampling and verification, prompt scoring."""
         if not sequences:
             return StepResult({}, {})
-        entries, sampled, sample_rows, scored = self._lay_out(sequences)
-        step = self.prepare(entries)
-        if len(sampled) == len(sequences) and step.decode_only:
-            drawn = self._draws_in_step(sampled, step)
-            if drawn is not None:
-                return drawn
+        return self.collect(self.launch(self.stage(sequences)))
+
+    def stage(self, sequences: list[ScheduledSequence], drawn_before: dict[Request, int] | None = None
+              ) -> StagedStep:
+        """A step's host side, read from its requests now: the batch laid out, its StepInputs. A request
+        whose last token is still pending (Request.num_pending_tokens) is fed its draw in the step
+        before, at its row drawn_before[request] of that step's draws (StagedStep.draw_rows)."""
+        entries, sampled, sample_rows, scored, fed = self._lay_out(sequences)
+        feeds = None
+        if fed:
+            if drawn_before is None or any(r not in drawn_before for _, r in fed):
+                raise RuntimeError("a pending token is fed from the step before's draws, which do not hold it")
+            feeds = (torch.tensor([row for row, _ in fed]), torch.tensor([drawn_before[r] for _, r in fed]))
+        draw_rows, row = {}, 0
+        for seq in sampled:
+            draw_rows[seq.request] = row
+            row += len(seq.request.spec_token_ids) + 1
+        return StagedStep(sequences, entries, sampled, sample_rows, scored, self.prepare(entries), feeds, draw_rows)
+
+    def launch(self, staged: StagedStep, draws_before: torch.Tensor | None = None) -> LaunchedStep:
+        """The step's tensor work: the model pass, logits, the draws, and their copy to the host started;
+        draws_before: the step before's sampled token ids, which feed its pending tokens. Reads no
+        request field that the engine's output processing writes (asynchronous scheduling runs it
+        beside that, on a worker thread: engine/overlap.py)."""
+        sampled, step = staged.sampled, staged.inputs
+        if staged.feeds is not None:  # tokens drawn by the step before, never read by the host
+            rows, sources = staged.feeds
+            step.input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
+            step.input_ids[to_device(rows, self.device)] = draws_before[to_device(sources, draws_before.device)]
+        drawn = self._draws_in_step(staged)
+        if drawn is not None:
+            return LaunchedStep(sampled, drawn, {}, [], HostCopy([drawn.sampled_token_ids, drawn.logprobs]),
+                                staged.draw_rows)
         amateur_logits = self._amateur_logits(sampled)
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
-        hidden, _ = self.forward(entries, step)
-        self._keep_hidden_states(sequences, hidden)
+        hidden = self._pass(step, staged.entries)
+        self._keep_hidden_states(staged.sequences, hidden)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
         out = None
         if sampled:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            logits = self.model.compute_logits(hidden[to_device(torch.tensor(staged.sample_rows), hidden.device)])
             constrained = [seq for seq in sampled if seq.matcher is not None]
             # The grammar masks are filled on another thread from here until the sampler applies them,
             # after drawing its noise: on a CPU the model's threads fill every core until now, and a mask
@@ -373,7 +423,7 @@ class ModelRunner:
             device_results += [] if out.accepted is None else [out.accepted]
             device_results += [] if out.top_logprobs is None else list(out.top_logprobs)
         scoring = []
-        for request, first_row, start, count in scored:
+        for request, first_row, start, count in staged.scored:
             count = min(count, request.num_prompt_tokens - 1 - start)
             if count > 0:  # the rows predicting prompt tokens start+1 .. start+count
                 targets = request.prompt_token_ids[start + 1 : start + 1 + count]
@@ -381,12 +431,15 @@ class ModelRunner:
                 scoring.append((request, targets))
                 device_results += prompt_logprobs(logits, torch.tensor(targets, device=logits.device),
                                                   request.sampling_params.prompt_logprobs)
-        host = iter(to_host(device_results))
+        return LaunchedStep(sampled, out, rewinds, scoring, HostCopy(device_results), staged.draw_rows)
 
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """The launched step's results on the host (waiting for its copy): the kept tokens, the prompt logprobs."""
+        host = iter(launched.host.wait())
         result = StepResult({}, {})
-        if out is not None:
-            result.sampled = self._kept_tokens(sampled, out, host, rewinds)
-        for request, targets in scoring:
+        if launched.out is not None:
+            result.sampled = self._kept_tokens(launched.sampled, launched.out, host, launched.rewinds)
+        for request, targets in launched.scoring:
             chosen, top_ids, top_lps = next(host).tolist(), next(host).tolist(), next(host).tolist()
             entries = [{t: lp} for t, lp in zip(targets, chosen)]
             for entry, ids, lps in zip(entries, top_ids, top_lps):
@@ -394,32 +447,35 @@ class ModelRunner:
             result.prompt_logprobs[request] = entries
         return result
 
-    def _draws_in_step(self, sampled: list[ScheduledSequence], step: StepInputs) -> StepResult | None:
+    def _draws_in_step(self, staged: StagedStep) -> SamplerOutput | None:
         """A step of plain decodes, each drawing its next token as step_sampling.py's head can: the
         backend runs the model, the LM head and the draws in one go (the gpu backend: one CUDA graph
-        replay), and the host reads the tokens and their logprobs. None: not such a step, or the
-        backend has no such path (then the step takes the eager way)."""
-        if not self.own_pass or self.lora is not None or any(
-                s.request.spec_token_ids or s.matcher is not None or s.generator is not None or s.forced
-                or not drawn_in_step(s.request.sampling_params, len(s.request.output_token_ids)) for s in sampled):
+        replay; its outputs hold until that graph's next replay, after the next step's inputs took
+        them). None: not such a step, or the backend has no such path (then the step takes the eager way)."""
+        sampled, step = staged.sampled, staged.inputs
+        if (len(sampled) != len(staged.sequences) or not step.decode_only or not self.own_pass
+                or self.lora is not None or any(
+                    s.request.spec_token_ids or s.matcher is not None or s.generator is not None or s.forced
+                    or not drawn_in_step(s.request.sampling_params, len(s.request.output_token_ids))
+                    for s in sampled)):
             return None
         sampling = decode_sampling([s.request.sampling_params for s in sampled], self.model.config.vocab_size,
                                    self.backend)
         out = self.backend.decode_and_sample(self.model, step, self.kv_caches, sampling)
-        if out is None:
-            return None
-        token_ids, logprobs = (t.tolist() for t in to_host(list(out)))
-        return StepResult({s.request: SampledTokens([t], [lp], None, 0, 0, [t])
-                           for s, t, lp in zip(sampled, token_ids, logprobs)}, {})
+        return None if out is None else SamplerOutput(*out, top_logprobs=None)
 
     def _lay_out(self, sequences: list[ScheduledSequence]):
         """The step's BatchEntry list, the sequences that sample and their rows (each guess's and
-        the one after), and the prompt-scoring (request, first row, start, count) of each."""
-        entries, sampled, sample_rows, scored = [], [], [], []
+        the one after), the prompt-scoring (request, first row, start, count) of each, and the
+        (row, request) of each pending token (a placeholder 0 in its entry)."""
+        entries, sampled, sample_rows, scored, fed = [], [], [], [], []
         row = 0
         for seq in sequences:
             request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
             tokens = request.all_token_ids[start : start + count]
+            if request.num_pending_tokens and len(tokens) < count:  # its last draw, still on the device
+                fed.append((row + len(tokens), request))
+                tokens.append(0)
             tokens += request.spec_token_ids[: count - len(tokens)]
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
             entries.append(BatchEntry(tokens, start, request.block_table,
@@ -431,12 +487,12 @@ class ModelRunner:
                                           self.encoder_cache, self.model.vision.encode)))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
-            if start + count == request.num_tokens + len(request.spec_token_ids):
+            if start + count == request.num_tokens + request.num_pending_tokens + len(request.spec_token_ids):
                 num_rows = len(request.spec_token_ids) + 1
                 sample_rows.extend(range(row + count - num_rows, row + count))
                 sampled.append(seq)
             row += count
-        return entries, sampled, sample_rows, scored
+        return entries, sampled, sample_rows, scored, fed
 
     def _kept_tokens(self, sampled: list[ScheduledSequence], out: SamplerOutput, host,
                      rewinds: dict[Request, torch.Tensor]) -> dict[Request, SampledTokens]:
@@ -595,62 +651,3 @@ class ModelRunner:
                                for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy the tensors to the host in one transfer (one synchronisation); each keeps its shape.
-    They travel as float64, which holds token ids and float32 values exactly."""
-    if not tensors:
-        return []
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
-    parts = flat.split([t.numel() for t in tensors])
-    return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors)]
-
-
-def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
-                       device: torch.device) -> KVCaches:
-    """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype` (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
-    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
-    latent width] (ModelConfig.kv_cache_layout)."""
-    tensors, heads, width = config.kv_cache_layout()
-    shape = (tensors * num_layers, num_slots, heads, width)
-    if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
-        codes = zeroed(shape, torch.int8, device)
-        scales = zeroed((*shape[:-1], width // Q8_BLOCK), torch.float16, device)
-        caches = [Q8Cache(c, s) for c, s in zip(codes, scales)]
-    elif kv_cache_dtype == "fp8_e4m3":
-        caches = [Fp8Cache(values, 1.0) for values in zeroed(shape, torch.float8_e4m3fn, device)]
-    else:
-        caches = list(zeroed(shape, torch.float16 if kv_cache_dtype == "float16" else dtype, device))
-    return [tuple(caches[tensors * i : tensors * (i + 1)]) for i in range(num_layers)]
-
-
-def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.dtype,
-                      device: torch.device) -> KVCaches:
-    """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
-    layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
-    convolution's window in `dtype`, a delta rule's state in float32)."""
-    attention = iter(kv_caches)
-    return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
-                  for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
-            for layer in range(config.num_layers)]
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor whose pages are not touched up front. On a CPU: an anonymous memory map,
-    which the OS fills with zeros page by page on first use, so a KV cache sized for a long context
-    costs nothing until tokens are written (torch.zeros would write every page at start-up). On a
-    GPU: torch.zeros (a device memset, milliseconds). Unused slots read as zeros either way, so a
-    masked attention weight of 0 never meets a NaN left in memory."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.backend.base import Backend
+from hearth.backend.transfer import to_device
 from hearth.sampling_params import SamplingParams, SamplingType
 from hearth.watermark import green_mask
 
@@ -147,9 +148,8 @@ class SamplingBatch:
         for p, g in zip(params, generators):
             if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
                 raise ValueError(f"request with seed={p.seed} has no generator; create it once with make_generator")
-
-        def vec(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def vec(values, dtype):  # (from pinned memory: never waits for the device's queue)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         def per_row(values, disabled, dtype):
             return vec(values, dtype) if any(v != disabled for v in values) else None

@@ -14,6 +14,10 @@ One step, as the engine drives it:
         scheduler.accept_spec_tokens(request, number of its guesses accepted)
     ... and report out.finished (requests the scheduler ended for lack of room).
 
+With asynchronous scheduling (engine/overlap.py) the next step is scheduled before the host has read
+the tokens the step in flight draws: a request's pending token (Request.num_pending_tokens) counts
+as one to compute, its input taken on the device from the draw.
+
 Speculative decoding is the same mechanism: a request caught up with its tokens and
 carrying k guesses (request.spec_token_ids) is scheduled for 1 + k tokens; the guesses'
 K/V count as computed only once accept_spec_tokens says how many were right, and the
@@ -207,7 +211,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             self._free_behind_window(request)
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             if num_new != 1:  # guesses follow only the last real token
                 request.spec_token_ids.clear()
             num_new = self._fit_encoder(request, request.num_computed_tokens,
@@ -217,6 +221,9 @@ class Scheduler:
                 continue
             slots = num_new + self._scratch(request, request.num_computed_tokens + num_new)
             if bm.blocks_needed(request.num_computed_tokens + slots) > bm.num_blocks:
+                if request.num_pending_tokens:  # ends once its drawn token is appended, as without them
+                    i += 1
+                    continue
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue

@@ -118,7 +118,7 @@ def _end(processes: list[subprocess.Popen], tell: bool) -> None:
 def _worker_main(kind: str, address: str, rank: int, world_size: int, model_path: str, dtype: torch.dtype,
                  max_positions: int | None, backend: str, threads: int, device_type: str) -> None:
     from hearth.backend import choose_backend
-    from hearth.engine.runner import allocate_kv_caches
+    from hearth.kv_format import allocate_kv_caches
     from hearth.loading.loader import load_model
 
     torch.set_num_threads(threads)

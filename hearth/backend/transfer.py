@@ -1,0 +1,49 @@
+"""Copies between the host and the backend's device that do not wait for the work queued there.
+
+With asynchronous scheduling (hearth/engine/overlap.py) the host lays out the next step while the
+device still computes the one before: a host-to-device copy that synchronised (torch's default from
+pageable memory) would wait for that step, and a device-to-host copy is started with the step and
+waited for only when its results are processed. On a CPU both are the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the work queued there (from pinned memory, non-blocking)."""
+    device = torch.device(device)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Tensors on their way to the host in one transfer, each to keep its shape and dtype; they travel
+    as float64, which holds token ids and float32 values exactly. From a GPU the copy goes into pinned
+    memory behind the work queued so far, and only `wait` synchronises (on its event)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.layout = [(t.shape, t.dtype) for t in tensors]
+        self.event = None
+        if not tensors:
+            self.flat = torch.empty(0, dtype=torch.float64)
+            return
+        flat = torch.cat([t.reshape(-1).double() for t in tensors])
+        if flat.is_cuda:
+            self.flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.flat.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flat = flat
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        parts = self.flat.split([shape.numel() for shape, _ in self.layout])
+        return [part.view(shape).to(dtype) for part, (shape, dtype) in zip(parts, self.layout)]
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy the tensors to the host in one transfer (one synchronisation); each keeps its shape."""
+    return HostCopy(tensors).wait()
