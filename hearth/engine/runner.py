@@ -234,17 +234,8 @@ class ModelRunner:
             tree_start=tree_start,
             tree_masks=tree_masks,
             state_slots=state_slots,
-            embeds=self._image_rows(entries, query_start_loc),
+            embeds=image_rows(entries, query_start_loc),
         )
-
-    @staticmethod
-    def _image_rows(entries: list[BatchEntry], query_start_loc: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
-        """The step's rows that take image embeddings (in the flattened batch) and their values."""
-        given = [(i, e.embeds) for i, e in enumerate(entries) if e.embeds is not None]
-        if not given:
-            return None
-        return (np.concatenate([rows + query_start_loc[i] for i, (rows, _) in given]),
-                torch.cat([v for _, (_, values) in given for v in values]))
 
     def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The model pass alone: hidden states of every new token [T, hidden] and each entry's last row [B]
@@ -651,3 +642,12 @@ class ModelRunner:
                                for spec, q in guess_probs]).to(self.device)
         return batch, Guesses(torch.tensor(guess_rows, device=self.device), torch.tensor(guess_ids, device=self.device),
                               probs, guess_generators, siblings if any(siblings) else None)
+
+
+def image_rows(entries: list[BatchEntry], query_start_loc: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
+    """The step's rows that take image embeddings (in the flattened batch) and their values."""
+    given = [(i, e.embeds) for i, e in enumerate(entries) if e.embeds is not None]
+    if not given:
+        return None
+    return (np.concatenate([rows + query_start_loc[i] for i, (rows, _) in given]),
+            torch.cat([v for _, (_, values) in given for v in values]))
