@@ -71,6 +71,7 @@ class Fp8Cache(NamedTuple):
 
 
 KVCache = torch.Tensor | Q8Cache | Fp8Cache  # one layer's K or V: [num_slots, kv_heads, head_dim] of values, or quantized
+KVCaches = list[tuple[KVCache, ...]]  # per layer (K, V), each [slots, kv_heads, head_dim]; or (latent,)
 
 
 def kv_cache_dtype_name(kv_cache_dtype: str) -> str:

@@ -32,11 +32,10 @@ from hearth.backend.base import Backend, StepInputs
 from hearth.config import ModelConfig
 from hearth.distributed.collectives import announce_pass, isend, recv, wait
 from hearth.errors import ModelLoadError
+from hearth.kv_format import KVCaches
 
 LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")
 FIRST_STAGE_ONLY = ("model.embed_tokens.", "lm_head.")  # rank 0 embeds and computes logits
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,8 @@ from hearth.backend import StepInputs
 from hearth.backend.cpu import CpuBackend
 from hearth.config import EngineConfig
 from hearth.engine.request import Request, RequestStatus
-from hearth.engine.runner import BatchEntry, ModelRunner, to_host
+from hearth.backend.transfer import to_host
+from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.engine.sampler import SamplingBatch, apply_penalties_and_bias, draw, exponential_noise, final_distribution
 from hearth.engine.second_model import SecondModel, load_second_runner
 from hearth.tokenizer import Tokenizer

@@ -25,7 +25,8 @@ from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.overlap import one_step_ahead
 from hearth.engine.request import Request
-from hearth.engine.runner import ModelRunner, ScheduledSequence, StepResult
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import ScheduledSequence, StepResult
 from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft

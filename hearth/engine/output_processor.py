@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hearth.engine.request import ImageSpan, Request, RequestStatus
-from hearth.engine.runner import Alternatives, SampledTokens, StepResult
+from hearth.engine.step_records import Alternatives, SampledTokens, StepResult
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.stopping import check_token_stop, find_stop_string, stream_safe_length
 from hearth.engine.structured_output import advance

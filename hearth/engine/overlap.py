@@ -39,7 +39,7 @@ import torch
 
 from hearth.engine.output_processor import SequenceState, StepStats
 from hearth.engine.request import Request, RequestStatus
-from hearth.engine.runner import LaunchedStep, StagedStep
+from hearth.engine.step_records import LaunchedStep, StagedStep
 from hearth.engine.scheduler import SchedulerOutput
 from hearth.outputs import RequestOutput
 

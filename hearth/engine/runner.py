@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hearth.backend import StepInputs
-from hearth.backend.transfer import HostCopy, to_device, to_host
+from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import KVCache, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
+from hearth.kv_format import KVCaches, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, step_embeddings
 from hearth.engine.request import Request, RequestStatus
+from hearth.engine.step_records import (LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
+                                        StepResult)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.step_sampling import decode_sampling, drawn_in_step
@@ -46,8 +48,6 @@ if TYPE_CHECKING:  # (they run ModelRunners of their own)
     from hearth.engine.draft_runner import DraftRunner
     from hearth.engine.second_model import SecondModel
 
-Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
-KVCaches = list[tuple[KVCache, ...]]  # per layer (K, V), each [slots, kv_heads, head_dim]; or (latent,)
 
 
 @dataclass
@@ -62,68 +62,6 @@ class BatchEntry:
     lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
     # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
     embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
-
-
-@dataclass
-class ScheduledSequence:
-    """One request's share of a step, as the engine hands it to the runner (no tensors)."""
-
-    request: Request
-    num_new_tokens: int  # from num_computed_tokens on; its guesses (spec_token_ids) are the last ones
-    generator: torch.Generator | None = None  # a seeded request's own
-    matcher: object | None = None  # the llguidance.LLMatcher of a structured-output request
-    score_prompt: bool = False  # return the logprobs of the prompt tokens this step computes
-    spec_generator: torch.Generator | None = None  # a seeded request's randomness for verifying guesses
-    # the tokens its next positions must be, whatever the model says (a thinking budget's close marker):
-    # the row at depth d of its guesses draws forced[d]
-    forced: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SampledTokens:
-    """What one request keeps from a step: its verified guesses that were right, then one draw."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # of each token under the raw distribution
-    top_logprobs: list[Alternatives] | None  # per token, when the request asked for logprobs
-    num_guesses: int  # guesses verified this step; len(token_ids) - 1 of them were accepted
-    depth: int  # their longest path (a chain's: num_guesses; a token tree's: fewer)
-    # the draw of every verified row (the last token's, then each guess's): past the first
-    # rejected guess, what the model gave after a wrong one (lookahead's Jacobi iteration)
-    row_token_ids: list[int]
-
-
-@dataclass
-class StepResult:
-    sampled: dict[Request, SampledTokens]  # the requests that reached the end of their tokens
-    prompt_logprobs: dict[Request, list[dict[int, float]]]  # per scored prompt token: {id: logprob}
-
-
-@dataclass
-class StagedStep:
-    """A step's host side (ModelRunner.stage): read from its requests on the engine's thread."""
-
-    sequences: list[ScheduledSequence]
-    entries: list[BatchEntry]
-    sampled: list[ScheduledSequence]  # those that reach the end of their tokens
-    sample_rows: list[int]  # their rows (each guess's and the one after)
-    scored: list[tuple[Request, int, int, int]]  # prompt scoring: (request, first row, start, count)
-    inputs: StepInputs
-    # per pending token, its row here and its row among the step before's draws (int64 on the host)
-    feeds: tuple[torch.Tensor, torch.Tensor] | None
-    draw_rows: dict[Request, int]  # each sampling request's draw: its row of the sampler's sampled_token_ids
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose model pass and draws are started (ModelRunner.launch); `collect` reads them."""
-
-    sampled: list[ScheduledSequence]
-    out: SamplerOutput | None
-    rewinds: dict[Request, torch.Tensor]  # seeded generators' states before the step's draws
-    scoring: list[tuple[Request, list[int]]]
-    host: HostCopy
-    draw_rows: dict[Request, int]
 
 
 class ModelRunner:

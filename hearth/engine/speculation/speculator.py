@@ -28,7 +28,7 @@ from hearth.config import SpeculativeConfig
 from hearth.engine.draft_runner import DraftRunner
 from hearth.engine.output_processor import SequenceState, StepStats
 from hearth.engine.request import Request, RequestStatus
-from hearth.engine.runner import SampledTokens, StepResult
+from hearth.engine.step_records import SampledTokens, StepResult
 from hearth.engine.scheduler import SchedulerOutput
 from hearth.engine.speculation.draft import DraftProposer
 from hearth.engine.speculation.guess_count import AcceptanceRate, num_guesses
