@@ -145,3 +145,7 @@ def test_bad_values_get_clear_errors(thresholds_file, tmp_path, capsys):
     assert draft_shape["model"]["num_layers"] != load_model("builtin-draft", progress=False).config.num_layers
     assert main(["perplexity", "builtin", "--text", "hello there", "--activation-sparsity", "2"]) == 1
     assert "activation_sparsity must be in [0, 1)" in capsys.readouterr().err
+    from hearth.backend.gpu import GpuBackend  # (its sparse_linear needs no GPU to refuse)
+
+    with pytest.raises(ValueError, match="not implemented on the gpu backend"):
+        GpuBackend.sparse_linear(None, None, 0.1)
