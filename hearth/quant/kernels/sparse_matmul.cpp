@@ -37,27 +37,45 @@ inline __m256 weight_lanes(const uint8_t* p) {
 }
 #endif
 
-// acc[m, 0:width) += sum over kept columns j of values[m, j] * wt[kept[j], n0 : n0 + width)
+// acc[m, 0:width) += sum over kept columns j of values[m, j] * wt[kept[j], n0 : n0 + width), GROUP kept
+// columns at a time: one load and store of the accumulators per GROUP weights (L1 traffic, not the
+// multiplies, bounds the loop otherwise)
+constexpr int GROUP = 4;
+
 template <int QT>
 void accumulate_columns(const uint8_t* wt, int64_t N, int64_t n0, int64_t width, const int64_t* kept,
                         int64_t count, const float* values, int64_t M, float* acc) {
   constexpr int64_t E = QT == F32 ? 4 : 2;  // bytes per weight
-  for (int64_t j = 0; j < count; j++) {
-    const uint8_t* w = wt + (kept[j] * N + n0) * E;
-    if (j + SPARSE_PREFETCH < count)
+  for (int64_t j = 0; j < count; j += GROUP) {
+    const int g = (int)std::min<int64_t>(GROUP, count - j);
+    const uint8_t* w[GROUP];
+    for (int i = 0; i < GROUP; i++) w[i] = wt + (kept[j + std::min(i, g - 1)] * N + n0) * E;
+    for (int i = 0; i < g && j + GROUP * SPARSE_PREFETCH + i < count; i++)
       for (int64_t b = 0; b < width * E; b += 64)
-        __builtin_prefetch(wt + (kept[j + SPARSE_PREFETCH] * N + n0) * E + b);
+        __builtin_prefetch(wt + (kept[j + GROUP * SPARSE_PREFETCH + i] * N + n0) * E + b);
     for (int64_t m = 0; m < M; m++) {
-      const float v = values[m * count + j];
-      if (v == 0.f) continue;  // this row's value was under the threshold (another row kept the column)
+      float v[GROUP];
+      bool any = false;
+      for (int i = 0; i < GROUP; i++) {  // a value under its row's threshold is 0 (another row kept the column)
+        v[i] = i < g ? values[m * count + j + i] : 0.f;
+        any = any || v[i] != 0.f;
+      }
+      if (!any) continue;
       float* a = acc + m * width;
       int64_t n = 0;
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-      const __m256 vv = _mm256_set1_ps(v);
-      for (; n + 8 <= width; n += 8)
-        _mm256_storeu_ps(a + n, _mm256_fmadd_ps(vv, weight_lanes<QT>(w + n * E), _mm256_loadu_ps(a + n)));
+      const __m256 v0 = _mm256_set1_ps(v[0]), v1 = _mm256_set1_ps(v[1]), v2 = _mm256_set1_ps(v[2]),
+                   v3 = _mm256_set1_ps(v[3]);
+      for (; n + 8 <= width; n += 8) {
+        __m256 s = _mm256_loadu_ps(a + n);
+        s = _mm256_fmadd_ps(v0, weight_lanes<QT>(w[0] + n * E), s);
+        s = _mm256_fmadd_ps(v1, weight_lanes<QT>(w[1] + n * E), s);
+        s = _mm256_fmadd_ps(v2, weight_lanes<QT>(w[2] + n * E), s);
+        _mm256_storeu_ps(a + n, _mm256_fmadd_ps(v3, weight_lanes<QT>(w[3] + n * E), s));
+      }
 #endif
-      for (; n < width; n++) a[n] += v * weight_value<QT>(w + n * E);
+      for (; n < width; n++)
+        for (int i = 0; i < GROUP; i++) a[n] += v[i] * weight_value<QT>(w[i] + n * E);
     }
   }
 }
