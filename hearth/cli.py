@@ -298,12 +298,12 @@ def cmd_sparsify(args) -> None:
     from hearth.loading.loader import load_model
     from hearth.sparsify import calibrate
 
+    if args.ctx < 2:
+        raise HearthError(f"--ctx must be at least 2 tokens (got {args.ctx})")
     text = _read_text(args)
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     loaded = load_model(args.model, dtype, device, progress=False, backend=choose_backend(device, dtype, args.backend))
-    if args.ctx < 2:
-        raise HearthError(f"--ctx must be at least 2 tokens (got {args.ctx})")
     thresholds = calibrate(loaded.model, loaded.tokenizer.encode(text), args.ctx, device, loaded.path.name)
     out = write_thresholds(args.output, thresholds)
     print(f"wrote {out}: thresholds of {len(thresholds.thresholds)} inputs from {thresholds.tokens} tokens")

@@ -149,3 +149,13 @@ def test_bad_values_get_clear_errors(thresholds_file, tmp_path, capsys):
 
     with pytest.raises(ValueError, match="not implemented on the gpu backend"):
         GpuBackend.sparse_linear(None, None, 0.1)
+
+
+def test_cli_sparsify_writes_a_file_the_engine_reads(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["sparsify", "builtin", "--text", CALIBRATION[:1500], "--ctx", "128", "-o", str(out)]) == 0
+    assert "thresholds of 24 inputs" in capsys.readouterr().out
+    config = load_model("builtin", progress=False).config
+    read_thresholds(out).check(config, out)  # the built-in model's shape: accepted
+    assert main(["sparsify", "builtin", "--text", "hi", "--ctx", "1", "-o", str(out)]) == 1
+    assert "--ctx must be at least 2" in capsys.readouterr().err
