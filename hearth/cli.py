@@ -273,6 +273,7 @@ def cmd_inspect(args) -> None:
 
 def cmd_perplexity(args) -> None:
     from hearth.backend import choose_backend
+    from hearth.config import SparsityConfig
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity
@@ -280,8 +281,9 @@ def cmd_perplexity(args) -> None:
     text = _read_text(args)
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
+    sparsity = SparsityConfig(args.activation_sparsity, args.activation_thresholds)
     loaded = load_model(args.model, dtype, device, progress=not args.json,
-                        backend=choose_backend(device, dtype, args.backend))
+                        backend=choose_backend(device, dtype, args.backend), sparsity=sparsity)
     context = min(args.context or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
     ids = loaded.tokenizer.encode(text)
     result = perplexity(loaded.model, ids, context, device, kv_cache_dtype=args.kv_cache_dtype)
@@ -323,6 +325,24 @@ def cmd_imatrix(args) -> None:
     sums.datasets = [args.text_file or "(--text)"]
     out = write_imatrix(args.output, sums)
     print(f"wrote {out}: {len(sums.sums)} weights, {sums.chunks} chunks of {sums.chunk_size} tokens")
+
+
+def cmd_sparsify(args) -> None:
+    from hearth.backend import choose_backend
+    from hearth.engine.memory import choose_device, choose_dtype
+    from hearth.loading.activation_thresholds import write_thresholds
+    from hearth.loading.loader import load_model
+    from hearth.sparsify import calibrate
+
+    if args.ctx < 2:
+        raise HearthError(f"--ctx must be at least 2 tokens (got {args.ctx})")
+    text = _read_text(args)
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    loaded = load_model(args.model, dtype, device, progress=False, backend=choose_backend(device, dtype, args.backend))
+    thresholds = calibrate(loaded.model, loaded.tokenizer.encode(text), args.ctx, device, loaded.path.name)
+    out = write_thresholds(args.output, thresholds)
+    print(f"wrote {out}: thresholds of {len(thresholds.thresholds)} inputs from {thresholds.tokens} tokens")
 
 
 def cmd_convert(args) -> None:
@@ -471,7 +491,7 @@ def _add_inspect_perplexity_convert(sub) -> None:
     src.add_argument("--text-file")
     src.add_argument("--text")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: the model's)")
-    for keyword in ("dtype", "device", "backend", "kv_cache_dtype"):
+    for keyword in ("dtype", "device", "backend", "kv_cache_dtype", "activation_sparsity", "activation_thresholds"):
         add_option(p, keyword)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_perplexity)
@@ -494,17 +514,31 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
     p.set_defaults(func=cmd_quantize)
 
-    p = sub.add_parser("imatrix", help="an importance matrix for hearth quantize --imatrix (llama-imatrix's GGUF format)")
+    p = _calibration_command(sub, "imatrix", "an importance matrix for hearth quantize --imatrix (llama-imatrix's GGUF "
+                             "format)", "the imatrix file to write (GGUF)", "tokens per chunk (default %(default)s, "
+                             "llama-imatrix's)")
+    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: the whole text)")
+    p.set_defaults(func=cmd_imatrix)
+
+
+def _calibration_command(sub, name: str, help: str, output: str, ctx: str) -> argparse.ArgumentParser:
+    """A command that runs a model over a calibration text and writes what it measured to --output."""
+    p = sub.add_parser(name, help=help)
     add_model_argument(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text-file", help="the calibration text")
     src.add_argument("--text")
-    p.add_argument("-o", "--output", required=True, help="the imatrix file to write (GGUF)")
-    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: the whole text)")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default %(default)s, llama-imatrix's)")
+    p.add_argument("-o", "--output", required=True, help=output)
+    p.add_argument("--ctx", type=int, default=512, help=ctx)
     for keyword in ("dtype", "device", "backend"):
         add_option(p, keyword)
-    p.set_defaults(func=cmd_imatrix)
+    return p
+
+
+def _add_sparsify(sub) -> None:
+    p = _calibration_command(sub, "sparsify", "calibrate activation sparsity's thresholds on a text (docs/sparsity.md)",
+                             "the thresholds file to write (JSON)", "tokens per window (default %(default)s)")
+    p.set_defaults(func=cmd_sparsify)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_tokenize_and_watermark(sub)
     _add_inspect_perplexity_convert(sub)
+    _add_sparsify(sub)
     add_bench_parsers(sub)  # bench latency / throughput / serve / make-model, and roofline
     return parser
 

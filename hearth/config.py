@@ -558,6 +558,19 @@ class LoRAConfig:
 
 
 @dataclass
+class SparsityConfig:
+    """Activation sparsity (TEAL / CATS): projection inputs under a calibrated magnitude zeroed (docs/sparsity.md)."""
+
+    activation_sparsity: float = option(0.0, help="the share of each projection's input zeroed (0: dense)")
+    activation_thresholds: str | None = option(None, metavar="FILE", help="the thresholds file of `hearth sparsify`")
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.activation_sparsity < 1, f"activation_sparsity must be in [0, 1), got {self.activation_sparsity}")
+        _need(not self.activation_sparsity or self.activation_thresholds is not None,
+              "activation_sparsity needs activation_thresholds: a file written by `hearth sparsify MODEL --text-file F`")
+
+
+@dataclass
 class EngineConfig:
     """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
     come from here); every field validated loudly."""
@@ -578,6 +591,7 @@ class EngineConfig:
         None, metavar="FILE", help="the chat template to use instead of the model's: a Jinja file, or the template "
                                    "itself")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
+    sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -603,6 +617,8 @@ class EngineConfig:
               "speculative_method early-exit runs the model's first layers in one process: not with tensor or "
               "pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
+        _need(not self.sparsity.activation_sparsity or not (self.parallel.split or self.lora.enable_lora),
+              "activation_sparsity with tensor or pipeline parallelism or LoRA adapters is not implemented")
         if self.lora.enable_lora:
             _need(not self.parallel.split, "LoRA adapters with tensor or pipeline parallelism are not implemented")
             _need(self.speculative.method is None, "speculative decoding with LoRA adapters is not implemented: give "

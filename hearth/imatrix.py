@@ -72,7 +72,7 @@ def compute_imatrix(model: Transformer, token_ids: list[int], context: int, devi
 
         hooks.append(module.register_forward_pre_hook(add))
     try:
-        _run_chunks(model, chunks, device, max_batch_tokens, on_chunks)
+        run_windows(model, chunks, device, max_batch_tokens, on_chunks)
     finally:
         for hook in hooks:
             hook.remove()
@@ -85,9 +85,11 @@ def compute_imatrix(model: Transformer, token_ids: list[int], context: int, devi
     return result
 
 
-def _run_chunks(model: Transformer, chunks: list[list[int]], device: torch.device, max_batch_tokens: int,
-                on_chunks: Callable[[int], None] | None) -> None:
-    context = len(chunks[0])
+def run_windows(model: Transformer, chunks: list[list[int]], device: torch.device, max_batch_tokens: int,
+                on_chunks: Callable[[int], None] | None = None) -> None:
+    """Every chunk of tokens through the model's prefill (as many per pass as fit max_batch_tokens),
+    for what forward hooks see; on_chunks(n) after each pass of n chunks."""
+    context = max(map(len, chunks))
     per_step = max(1, min(len(chunks), max_batch_tokens // context))
     blocks = -(-context // BLOCK_SIZE)
     runner = ModelRunner(model, per_step * blocks, BLOCK_SIZE, device, model.dtype)

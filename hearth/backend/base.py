@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.backend import state_ops
+from hearth.backend.sparse_linear import ThresholdedLinear
 from hearth.backend.state_ops import StateMetadata
 from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
 from hearth.config import MAX_DECODE_QUERY_LEN
@@ -367,6 +368,11 @@ class Backend:
         if self.device.type == "cpu" or half:
             return None
         return DequantLinear(weight, module.bias)
+
+    def sparse_linear(self, module: nn.Module, threshold: float) -> nn.Module:
+        """The projection `module` with activation sparsity: its input's activations with |x| < threshold
+        zeroed first (docs/sparsity.md); here the masked input through the module itself."""
+        return ThresholdedLinear(module, threshold)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,

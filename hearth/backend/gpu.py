@@ -135,6 +135,10 @@ class GpuBackend(Backend):
 
     # ---- weights -----------------------------------------------------------------------
 
+    def sparse_linear(self, module, threshold):
+        raise ValueError("activation sparsity is not implemented on the gpu backend (no Triton kernel skips the "
+                         "masked columns yet): use --backend cpu, or --backend reference for its quality alone")
+
     def stored_module(self, module, weight, dtype) -> nn.Module | None:
         """GGUF matrices in Q8_0, Q4_0, Q4_K, Q5_K, Q6_K stay in their blocks on the device, multiplied
         by Triton kernels; other GGUF types take the reference's tile-by-tile torch path; F16/BF16 become dense."""

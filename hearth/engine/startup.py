@@ -53,7 +53,7 @@ def load_target(model: str | Path | None, config: EngineConfig, backend: Backend
                                      backend.name, device)
     try:
         loaded = load_model(model, dtype, device, max_positions=config.scheduler.max_model_len,
-                            progress=progress, backend=backend, shard=shard)
+                            progress=progress, backend=backend, shard=shard, sparsity=config.sparsity)
     except BaseException:
         if workers is not None:
             workers.kill()

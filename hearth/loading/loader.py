@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hearth.backend import Backend, choose_backend
-from hearth.config import ModelConfig
+from hearth.config import ModelConfig, SparsityConfig
 from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor
+from hearth.loading.activation_thresholds import sparsify_model
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 
@@ -57,8 +58,10 @@ def load_model(
     progress: bool = True,
     backend: Backend | None = None,
     shard: TensorShard | PipelineShard | None = None,
+    sparsity: SparsityConfig | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
+    sparsity: activation sparsity (hearth/loading/activation_thresholds.py; None: dense).
     shard: this process's part of a model split over processes (hearth/engine/workers.py):
     a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers)."""
     path = resolve_model(path)
@@ -76,6 +79,7 @@ def load_model(
         shard.select(model)
     model.load_weights(weights, dtype)
     backend.prepare(model, dtype)  # weights kept in their storage format: the backend's modules
+    sparsify_model(model, config, sparsity)
     if shard is not None:
         shard.wrap(model)
     model.to(device)

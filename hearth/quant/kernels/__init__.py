@@ -48,6 +48,22 @@ class Kernels:
                                 x.dtype == torch.bfloat16, portable, torch.get_num_threads())
         return y
 
+    def sparse_matmul(self, x: torch.Tensor, wt: torch.Tensor, threshold: float) -> torch.Tensor:
+        """mask(x) [M, K] @ wt [K, N] -> float32 [M, N], mask(x) = x where |x| >= threshold else 0;
+        wt: W transposed, float32, float16 or bfloat16, contiguous. Reads only wt's rows (W's
+        columns) that some row of mask(x) needs."""
+        qtypes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError("x: float32 CPU tensor [M, K] expected")
+        if (wt.dtype not in qtypes or wt.dim() != 2 or wt.shape[0] != x.shape[1] or not wt.is_contiguous()
+                or wt.device.type != "cpu"):
+            raise ValueError(f"wt: contiguous float32/float16/bfloat16 CPU tensor [{x.shape[1]}, N] expected")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], wt.shape[1], dtype=torch.float32)
+        self.module.sparse_matmul(x.data_ptr(), wt.data_ptr(), y.data_ptr(), x.shape[0], wt.shape[1], x.shape[1],
+                                  qtypes[wt.dtype], float(threshold), torch.get_num_threads())
+        return y
+
     def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, path: str | None = None) -> torch.Tensor:
         """x [M, K] W^T with W's blocks read in place and x rounded to int8 per block of the format
         (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only.

@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("half_matmul", &half_matmul, "y = x W^T, F16 / BF16 weights, fp32 or bf16 activations", nogil);
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
+  m.def("sparse_matmul", &sparse_matmul, "y = mask(x) W^T, W transposed, only the kept columns read", nogil);
   m.def("repack", &repack, "blocks -> packed tiles (codes, terms)", nogil);
   m.def("packed_bytes", [](int qtype, int64_t k) { const auto [c, t] = packed_bytes(qtype, k); return py::make_tuple(c, t); },
         "bytes of one tile's codes and terms");
