@@ -42,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from hearth.config import SparsityConfig
+    from hearth.engine_config import SparsityConfig
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity
 

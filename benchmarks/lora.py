@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from common import machine, machine_markdown, set_threads, table, write_results
 from hearth import LoRARequest, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.engine import LLMEngine
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "smollm2-135m-instruct"

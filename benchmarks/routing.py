@@ -34,7 +34,7 @@ def documents(count: int, words: int) -> list[str]:
 
 def cache_bytes(model: str, prefixes: list[str], fraction: float) -> int:
     """KV cache bytes that hold `fraction` of the prefixes (whole blocks each)."""
-    from hearth.config import EngineConfig
+    from hearth.engine_config import EngineConfig
     from hearth.engine.engine import LLMEngine
 
     probe = LLMEngine(model, EngineConfig(), progress=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hearth import SamplingParams, StructuredOutputsParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.engine import LLMEngine
 from hearth.engine.sampler import GrammarBitmask
 

@@ -273,7 +273,7 @@ def cmd_inspect(args) -> None:
 
 def cmd_perplexity(args) -> None:
     from hearth.backend import choose_backend
-    from hearth.config import SparsityConfig
+    from hearth.engine_config import SparsityConfig
     from hearth.engine.memory import choose_device, choose_dtype
     from hearth.loading.loader import load_model
     from hearth.perplexity import perplexity

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.errors import HearthError
 from hearth.options import Option, declared_options
 

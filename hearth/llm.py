@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
@@ -36,7 +36,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_options: Any):
         """engine_options: the engine's options by their flat names, as vLLM's (max_num_seqs=8,
         kv_cache_memory=1 << 30, speculative_method="ngram", ...), declared once in EngineConfig
-        (hearth/config.py) with their defaults and help; `hearth generate --help` lists them as flags.
+        (hearth/engine_config.py) with their defaults and help; `hearth generate --help` lists them as flags.
         TypeError for a name that is not one."""
         self.engine = LLMEngine(model, build(EngineConfig, engine_options, "LLM()"), progress)
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.default_model import resolve_model
 from hearth.engine.memory import (choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes,
                                   state_bytes_per_slot, state_slot_count)

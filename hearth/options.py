@@ -1,6 +1,6 @@
 """Options declared once: a dataclass field carries its help, and where they differ its keyword and flag.
 
-EngineConfig (hearth/config.py) declares the engine's options with `option(...)` fields, grouped
+EngineConfig (hearth/engine_config.py) declares the engine's options with `option(...)` fields, grouped
 in nested dataclasses as vLLM groups them (cache, scheduler, parallel, speculative). Everything
 else is read from that declaration: LLM's flat keywords (`LLM(model, max_num_seqs=8)` goes to
 `config.scheduler.max_num_seqs`: `build`), the CLI's flags and their help (hearth/engine_args.py),

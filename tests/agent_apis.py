@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from hearth.config import CacheConfig, EngineConfig
+from hearth.engine_config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.server.app import build_app

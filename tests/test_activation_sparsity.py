@@ -15,7 +15,7 @@ from hearth import LLM, SamplingParams
 from hearth.backend.base import Backend
 from hearth.backend.sparse_linear import SPARSE_MAX_ROWS, SparseColumnsLinear
 from hearth.cli import main
-from hearth.config import SparsityConfig
+from hearth.engine_config import SparsityConfig
 from hearth.errors import HearthError
 from hearth.loading.activation_thresholds import read_thresholds, write_thresholds
 from hearth.loading.loader import load_model

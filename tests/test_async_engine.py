@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hearth import LLM, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine, EngineStopped, QueueFull
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError

@@ -35,7 +35,7 @@ from PyQt6.QtWebEngineCore import QWebEnginePage, QWebEngineProfile, QWebEngineS
 from PyQt6.QtWebEngineWidgets import QWebEngineView
 from PyQt6.QtWidgets import QApplication
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.errors import NO_IMAGES

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from hearth import LLM, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.engine.kv_cache import BlockManager

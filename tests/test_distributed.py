@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearth import LLM, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.fleet.router import Router, build_router_app, prompt_key

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.server.app import build_app

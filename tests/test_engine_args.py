@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hearth.cli import build_parser
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine_args import engine_argv, engine_options, flags_table
 from hearth.llm import LLM
 from hearth.options import build, declared_options, option, section

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner

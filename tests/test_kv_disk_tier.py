@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
-from hearth.config import CacheConfig, EngineConfig
+from hearth.engine_config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.embedding import embed
 from hearth.engine.kv_cache import BlockManager, chain_hash

@@ -219,7 +219,7 @@ def test_a_budget_holds_twice_the_tokens_of_a_16_bit_cache(dtype):
 
 def test_fp8_is_refused_where_it_cannot_run():
     from hearth.backend.gpu import GpuBackend
-    from hearth.config import EngineConfig
+    from hearth.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="gpu backend.*q8_0"):
         LLM("builtin", device="cpu", backend="cpu", kv_cache_dtype="fp8", progress=False)

@@ -16,7 +16,7 @@ import torch
 
 from hearth import LLM, SamplingParams
 from hearth.backend.base import AttentionMetadata, Backend, StepInputs, apply_rope
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.kv_format import Q8Cache, dequantize_q8_0, quantize_q8_0
 from hearth.loading.loader import load_model
 from hearth.perplexity import perplexity

@@ -12,7 +12,7 @@ import pytest
 
 from hearth import LLM, SamplingParams
 from hearth.chat_template import render_chat_template
-from hearth.config import EngineConfig, ReasoningConfig
+from hearth.engine_config import EngineConfig, ReasoningConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.reasoning import FORMATS

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hearth import LLM, SamplingParams
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.server.app import build_app
 from hearth.server.connections import uvicorn_config
 from hearth.server.limits import ServerLimits

@@ -34,7 +34,7 @@ import transformers
 from hypothesis import strategies as st
 from PIL import Image
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.errors import NO_IMAGES, RequestError

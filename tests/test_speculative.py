@@ -15,7 +15,7 @@ import torch
 from scipy import stats
 
 from hearth import LLM, SamplingParams
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.sampler import Guesses, Sampler
 from models import VOCAB_SIZE, load_hf_reference, make_draft_model, make_hf_model
 from test_sampler import build

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from hearth.chat_template import render_chat_template
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.server.app import build_app

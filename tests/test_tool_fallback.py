@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.engine import LLMEngine
 from hearth.server import tool_fallback

@@ -19,7 +19,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.cpu import CpuBackend
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine.request import Request, RequestStatus
 from hearth.backend.transfer import to_host
 from hearth.engine.runner import BatchEntry, ModelRunner

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.config import EngineConfig
+from hearth.engine_config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.images import PromptWithImages, expand_prompt

@@ -12,7 +12,8 @@ import torch
 
 from hearth.backend import Backend, choose_backend
 from hearth.kv_format import check_kv_cache_dtype, kv_bytes_per_element
-from hearth.config import EngineConfig, ModelConfig
+from hearth.config import ModelConfig
+from hearth.engine_config import EngineConfig
 from hearth.default_model import resolve_model
 from hearth.errors import HearthError
 from hearth.engine.kv_disk_tier import DiskTier

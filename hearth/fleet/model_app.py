@@ -240,7 +240,7 @@ def model_builder(args: argparse.Namespace, limits):
 def models_from_args(args: argparse.Namespace, limits, **keywords) -> ModelRegistry:
     """The registry of `hearth serve`'s --model / --model-dir models, --lora's adapters the first model's;
     keywords: the registry's own (slot_wait)."""
-    from hearth.config import LoRAConfig
+    from hearth.engine_config import LoRAConfig
 
     paths = model_paths(args.models, args.model_dir)
     try:

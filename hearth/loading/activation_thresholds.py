@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hearth.config import ModelConfig, SparsityConfig
+from hearth.config import ModelConfig
+from hearth.engine_config import SparsityConfig
 from hearth.errors import HearthError
 from hearth.model.activation_sparsity import SITES, apply_activation_sparsity
 from hearth.model.transformer import Transformer

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hearth.backend import Backend, choose_backend
-from hearth.config import ModelConfig, SparsityConfig
+from hearth.config import ModelConfig
+from hearth.engine_config import SparsityConfig
 from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor

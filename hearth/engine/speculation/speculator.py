@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from hearth.config import SpeculativeConfig
+from hearth.engine_config import SpeculativeConfig
 from hearth.engine.draft_runner import DraftRunner
 from hearth.engine.output_processor import SequenceState, StepStats
 from hearth.engine.request import Request, RequestStatus
