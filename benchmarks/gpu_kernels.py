@@ -51,10 +51,11 @@ CLASS_SHAPES = {"square": [(2048, 2048), (3072, 2048), (4096, 4096), (6144, 4096
                 "vocab": [(128256, 2048)]}
 
 
-def gemv_sweep(data: dict) -> str:
-    """Every launch of GEMV_CANDIDATES at M = 1, per shape class and format: the fastest by time
-    summed over the class's matrices, against the launch GEMV_CONFIGS gives today; then the table
-    to paste into hearth/triton_kernels/quant_matmul.py."""
+def gemv_sweep(data: dict, formats: list[str] | None = None) -> str:
+    """Every launch of GEMV_CANDIDATES at M = 1, per shape class and format (of `formats`, by GGML
+    name; None: every supported one): the fastest by time summed over the class's matrices, against
+    the launch GEMV_CONFIGS gives today, each printed as it is found; then the table to paste into
+    hearth/triton_kernels/quant_matmul.py."""
     import itertools
 
     import torch
@@ -68,7 +69,7 @@ def gemv_sweep(data: dict) -> str:
     launches = [qm.GemvConfig(*c) for c in itertools.product(*qm.GEMV_CANDIDATES.values())]
     rows, best = [], {}
     for cls, shapes in CLASS_SHAPES.items():
-        for qtype in qm.SUPPORTED_QTYPES:
+        for qtype in [q for q in qm.SUPPORTED_QTYPES if formats is None or q.name in formats]:
             weights = [qm.TritonQuantWeight.from_blocks(random_blocks(qtype, n, k), qtype, (n, k), "cuda")
                        for n, k in shapes]
             xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in shapes]
@@ -85,6 +86,7 @@ def gemv_sweep(data: dict) -> str:
                     print(f"{cls} {qtype.name} {config}: {type(e).__name__}", file=sys.stderr)
             config = min(times, key=times.get)
             best[(cls, qtype.name)] = (config, times[config], today)
+            print(f"{cls} {qtype.name}: {config!r} {times[config] * 1e6:.1f} us (today {today * 1e6:.1f})", flush=True)
             rows.append([cls, qtype.name, config.block_n, config.block_k, config.warps, config.programs_per_sm,
                          times[config] * 1e6, today * 1e6, today / times[config]])
             data.setdefault("gemv_sweep", []).append(
@@ -160,6 +162,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--sections", default="quant,attention")
+    ap.add_argument("--formats", default=None, help="the GEMV sweep's formats, e.g. Q4_K,Q6_K (default: all)")
     args = ap.parse_args()
     import torch
 
@@ -172,7 +175,8 @@ def main() -> None:
     quant_table = quant_section(list(map(int, args.rows.split(","))) if "quant" in sections else [], data)
     attn_rows = attention_section(((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else (),
                                   data)
-    sweep_table = gemv_sweep(data) if "gemv-sweep" in sections else ""
+    formats = None if args.formats is None else args.formats.split(",")
+    sweep_table = gemv_sweep(data, formats) if "gemv-sweep" in sections else ""
     markdown = "\n".join([
         f"### Triton kernels on {torch.cuda.get_device_name()} (device copy {copy_gb_s:,.0f} GB/s read + written)",
         "", "Quantized matmul, x bf16 [M, K]: weight bytes / time", "", quant_table, "",

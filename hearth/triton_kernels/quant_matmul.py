@@ -101,7 +101,15 @@ def shape_class(n: int, k: int) -> str:
 
 # (shape class, format name or "*" for any) -> launch; the sweep prints this table (best per cell) to paste
 # in. Until a sweep on a GPU fills it, every class takes the one launch tuned before classes existed.
-GEMV_CONFIGS: dict[tuple[str, str], GemvConfig] = {(c, "*"): GemvConfig() for c in SHAPE_CLASSES}
+# From benchmarks/gpu_kernels.py --sections gemv-sweep --formats Q4_K on an H100 (2026-11-26,
+# benchmarks/results/gpu/sweep-q4k.md): us summed over the class's matrices at M = 1.
+GEMV_CONFIGS: dict[tuple[str, str], GemvConfig] = {
+    ("square", "Q4_K"): GemvConfig(block_n=4, block_k=512, warps=4, programs_per_sm=2),  # 56.7 us (was 107.4)
+    ("long_rows", "Q4_K"): GemvConfig(block_n=4, block_k=1024, warps=8, programs_per_sm=4),  # 57.2 us (was 78.2)
+    ("wide", "Q4_K"): GemvConfig(block_n=8, block_k=512, warps=8, programs_per_sm=4),  # 92.9 us (was 124.5)
+    ("vocab", "Q4_K"): GemvConfig(block_n=16, block_k=256, warps=4, programs_per_sm=2),  # 137.5 us (was 148.6)
+    **{(c, "*"): GemvConfig() for c in SHAPE_CLASSES},
+}
 
 
 def gemv_config(qtype: GGMLQuantizationType, n: int, k: int) -> GemvConfig:
