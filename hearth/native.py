@@ -23,6 +23,7 @@ imports each extension once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -36,6 +37,11 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,18 @@ def build(name: str, sources: list[Path], what: str, seconds: int, without: str,
         _built[full_name] = _import_built(full_name, _kernels_dir() / full_name) or _compile(
             full_name, sources, what, seconds, without, [*_FLAGS, *flags])
     return _built[full_name]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive flock on `path` (where there is no fcntl, as on Windows: no lock). The kernel
+    releases it when its holder dies, however it dies; torch's own lock (a file named `lock` that its
+    loader creates and deletes) stays behind when a build is killed (a tensor-parallel worker ended
+    mid-build, a test run stopped), and every later build of those sources would wait on it forever."""
+    with open(path, "a") as file:
+        if fcntl is not None:
+            fcntl.flock(file, fcntl.LOCK_EX)
+        yield
 
 
 def _unavailable() -> str | None:
@@ -87,15 +105,20 @@ def _compile(full_name: str, sources: list[Path], what: str, seconds: int, witho
     torch_log.setLevel(logging.ERROR)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with _Progress(what, sources, folder, seconds):
-            return cpp_extension.load(
-                name=full_name,
-                sources=[str(source) for source in sources],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                verbose=False,
-            )
+        with _locked(folder / "build.lock"):
+            (folder / "lock").unlink(missing_ok=True)  # under the flock: a killed build's (see _locked)
+            built = _import_built(full_name, folder)  # another process built it while this one waited
+            if built is not None:
+                return built
+            with _Progress(what, sources, folder, seconds):
+                return cpp_extension.load(
+                    name=full_name,
+                    sources=[str(source) for source in sources],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
+                    verbose=False,
+                )
     except Exception as e:  # no compiler, no headers, an unknown -march: the torch path still works
         log.warning("hearth: %s kernels could not be built (%s); %s", what, _first_error(e), without)
         return None
@@ -196,7 +219,7 @@ def _kernels_dir() -> Path:
 
 def _import_built(full_name: str, folder: Path) -> ModuleType | None:
     """The module cpp_extension.load built in `folder` before, or None (not built, or unreadable:
-    a build another process is still writing; then cpp_extension.load waits on its lock)."""
+    a build another process is still writing; then _compile waits for the build's flock)."""
     library = folder / f"{full_name}.so"
     if not library.exists() or (folder / "lock").exists():
         return None

@@ -1,4 +1,12 @@
-"""Test-wide settings."""
+"""Test-wide settings.
+
+The suite runs on two pytest-xdist workers (`python -m pytest -n 2`; --dist worksteal in
+pyproject.toml), two processes that each collect every file and take tests from one queue; a
+file's tests may be split between them. So a test: binds port 0 (never a fixed port) and asks
+the socket which it got; writes under tmp_path, never a fixed path; holds no state another test
+relies on; and, where it starts processes, ends them itself. A module-scoped fixture may be built
+once per worker.
+"""
 
 import os
 

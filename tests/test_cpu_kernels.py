@@ -6,6 +6,7 @@ and why it says the kernels are missing."""
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -390,3 +391,36 @@ def test_a_build_says_what_it_compiles_and_reads_every_included_file(tmp_path, m
     (tmp_path / "shared" / "base.h").write_text("int base(int);\n")
     assert native.build("hearth_test", sources, "a test", seconds=7, without="none") != first
     assert len(loads) == 2
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    """A process killed while building leaves torch's lock file (`lock`, created and deleted by its
+    loader) in the build's folder; torch's loader waits while it exists, forever. The next build
+    (under hearth's flock, which dies with its holder) goes ahead: the loader is stubbed as torch's
+    waits (its FileBaton, given up after 5 s here), the stale file is left by a killed child."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    source = tmp_path / "a.cpp"
+    source.write_text("int a();\n")
+    monkeypatch.setenv("HEARTH_KERNELS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("HEARTH_KERNELS", raising=False)
+    folder = tmp_path / "kernels" / f"hearth_stale_{native._key([source])}"
+    folder.mkdir(parents=True)
+    child = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)"
+                              "; print(flush=True); time.sleep(60)", str(folder / "lock")], stdout=subprocess.PIPE)
+    child.stdout.readline()
+    child.kill()  # SIGKILL mid-"build": its lock file stays
+    child.wait()
+
+    def load(name, build_directory, **_):
+        baton = FileBaton(str(Path(build_directory) / "lock"))
+        deadline = time.monotonic() + 5
+        while not baton.try_acquire():
+            assert time.monotonic() < deadline, "waited on a dead build's lock"
+            time.sleep(0.1)
+        baton.release()
+        return name
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert native.build("hearth_stale", [source], "a test", seconds=1, without="none") == folder.name

@@ -89,15 +89,15 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     eagerly): the graph runner's padded static buffers give the eager path's tokens."""
     folder = make_hf_model(tmp_path / "llama", "llama")
     graphs, eager = _llm(folder), _llm(folder)
-    graphs.engine.runner.backend.max_graph_batch = 8  # buckets 1, 2, 4, 8
+    graphs.engine.runner.backend.max_graph_batch = 4  # buckets 1, 2, 4 (8 ran 2.5x the sequences under the interpreter)
     eager.engine.runner.backend.max_graph_batch = 0  # never a graph
-    for size in (1, 3, 8, 9):  # a bucket, between buckets (padded), the largest bucket, past it (slow under the interpreter)
+    for size in (1, 3, 4, 5):  # a bucket, between buckets (padded), the largest bucket, past it
         prompts = _prompts(size, seed=size, longest=20)
         assert _greedy(graphs, prompts, 5) == _greedy(eager, prompts, 5), f"batch of {size}"
     runner = graphs.engine.model.backend_state["decode_graphs"]
     assert runner.capture == (DEVICE == "cuda")
     if runner.capture:
-        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4, 8)}
+        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4)}
     assert "decode_graphs" not in eager.engine.model.backend_state
     # greedy rows beside random ones (the random heads captured, on a GPU): the greedy rows' tokens
     mixed = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, top_k=5, max_tokens=5),
