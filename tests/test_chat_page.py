@@ -478,11 +478,10 @@ def test_attached_images_show_as_thumbnails_and_go_to_the_server_as_data_urls(se
     assert browser.js("document.querySelectorAll('.message.user .images img.thumb').length") == 2
 
     seen = []
-    add_request = llm_engine.add_request
+    expand = llm_engine.prompt_with_images  # where the engine takes a prompt's images
     monkeypatch.setattr(engine, "accepts_images", True)
-    monkeypatch.setattr(llm_engine, "add_request", lambda *a, **kw: (seen.append(kw), add_request(*a, **kw))[1])
+    monkeypatch.setattr(llm_engine, "prompt_with_images", lambda prompt, data: (seen.append(data), expand(prompt, data))[1])
     press(browser, ".message.user", "Regenerate")  # the unanswered message is sent again
     browser.until("document.getElementById('error').textContent.includes('multi_modal_data')")
-    assert [np.asarray(im).tolist() for im in seen[0]["multi_modal_data"]["image"]] == [arrays[0].tolist(),
-                                                                                       arrays[2].tolist()]
+    assert [np.asarray(im).tolist() for im in seen[0]["image"]] == [arrays[0].tolist(), arrays[2].tolist()]
     assert browser.page.errors == []

@@ -31,15 +31,15 @@ class EngineDied(BaseException):
 
 
 def poison_runner(engine: LLMEngine, error: BaseException) -> None:
-    """Make the forward pass raise `error` when a batch holds the POISON token."""
-    forward = engine.runner.forward
+    """Make the model pass raise `error` when a batch holds the POISON token."""
+    model_pass = engine.runner._pass
 
-    def faulty(entries, *args, **kwargs):
+    def faulty(step, entries):
         if any(POISON in entry.token_ids for entry in entries):
             raise error
-        return forward(entries, *args, **kwargs)
+        return model_pass(step, entries)
 
-    engine.runner.forward = faulty
+    engine.runner._pass = faulty
 
 
 def greedy(max_tokens: int = 12) -> SamplingParams:
@@ -141,14 +141,14 @@ def assert_poison_ends_every_request(engine: AsyncEngine, message: str) -> None:
 def test_a_step_that_hangs_is_caught_by_the_watchdog_health_503_every_request_ended(folder):  # noqa: F811
     llm_engine = LLMEngine(folder, EngineConfig.from_options(max_num_seqs=4), progress=False)
     release = threading.Event()
-    forward = llm_engine.runner.forward
+    model_pass = llm_engine.runner._pass
 
-    def hanging(entries, *args, **kwargs):  # a kernel that deadlocks on the POISON token, until released
+    def hanging(step, entries):  # a kernel that deadlocks on the POISON token, until released
         if any(POISON in entry.token_ids for entry in entries):
             release.wait()
-        return forward(entries, *args, **kwargs)
+        return model_pass(step, entries)
 
-    llm_engine.runner.forward = hanging
+    llm_engine.runner._pass = hanging
     engine = AsyncEngine(llm_engine, step_timeout=1.0)
     try:
         assert_poison_ends_every_request(engine, "stalled")  # the poisoned step never returns

@@ -74,6 +74,16 @@ class StepStats:
     prefix_cache_hits: int = 0
     finished_reasons: list[str] = field(default_factory=list)
 
+    def then(self, later: StepStats) -> StepStats:
+        """This step's numbers and a later one's as one step's (asynchronous scheduling processes the
+        step in flight and runs another in one LLMEngine.step): counts summed, the state the later's."""
+        return StepStats(later.batch_size, self.num_tokens + later.num_tokens,
+                         self.num_generated + later.num_generated, later.kv_usage,
+                         self.num_preempted + later.num_preempted,
+                         self.prefix_cache_queries + later.prefix_cache_queries,
+                         self.prefix_cache_hits + later.prefix_cache_hits,
+                         self.finished_reasons + later.finished_reasons)
+
 
 class OutputProcessor:
     """Owns the engine's groups and sequences; turns each step's results into RequestOutputs."""

@@ -84,7 +84,11 @@ class OneStepAhead:
                                           for r, _ in plan.scheduled):
                 return self._run_ahead(plan)
             outputs = self.finish()
-            return _latest(outputs + engine._run_plan(plan))
+            processed = engine.last_step if in_flight is not None else None
+            outputs = _latest(outputs + engine._run_plan(plan))
+            if processed is not None:  # the step's numbers: the one in flight's and this one's
+                engine.last_step = processed.then(engine.last_step)
+            return outputs
         except Exception as e:
             requests = [r for r, _ in plan.scheduled] + plan.finished
             requests += [] if in_flight is None else [r for r, _ in in_flight.plan.scheduled]
@@ -111,6 +115,8 @@ class OneStepAhead:
         engine.move_cache_contents()
         draws = None if launched_before is None or launched_before.out is None else launched_before.out.sampled_token_ids
         self.in_flight = InFlight(plan, staged, self._start(lambda: runner.launch(staged, draws)), stats)
+        if before is None:  # nothing read this step: its numbers are none (not the step before's)
+            engine.last_step = StepStats()
         outputs = [] if before is None else self._process(before, launched_before)
         engine.scheduler.update_after_step(plan)
         engine.output_processor.release_prompt_sharers()

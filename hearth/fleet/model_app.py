@@ -263,7 +263,7 @@ def run_models_server(args: argparse.Namespace) -> None:
         raise HearthError(str(e)) from None
     models = models_from_args(args, limits)
     batch_dir = args.batch_dir or default_batch_dir()
-    app = build_models_app(models, 2 * args.max_num_seqs, args.api_key, limits, batch_dir)
+    app = build_models_app(models, args.max_num_seqs, args.api_key, limits, batch_dir)
     for entry in models.entries.values():
         print(f"model      {entry.name}: {entry.path}")
     limit = f"at most {args.max_loaded_models} at once" if args.max_loaded_models else "no limit to how many at once"

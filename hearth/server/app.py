@@ -61,7 +61,7 @@ def api_app(lease: Lease, batch_window: int, batch_dir: Path | None = None,
     fleet's over several) and without the middleware (install_middleware, after the caller's own). lease:
     the model a batch line names (served.py); batch_window: 2x that many lines run at once.
     lifespan_hook: entered while the app runs (the fleet's models)."""
-    runner = BatchRunner(lease, batch_window, batch_dir)
+    runner = BatchRunner(lease, 2 * batch_window, batch_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
