@@ -304,6 +304,14 @@ class SamplingParams:
         return self.penalty_alpha > 0
 
     @property
+    def reads_earlier_tokens(self) -> bool:
+        """Whether the next token's draw reads the tokens drawn before it on the host: penalties (the
+        output so far), the watermark (the last token's green list), contrastive decoding and search
+        (a second model's or the candidates' pass after the last token)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.watermark is not None or self.contrastive_weight > 0 or self.contrastive_search)
+
+    @property
     def sampling_type(self) -> SamplingType:
         if self.temperature < SAMPLING_EPS or self.contrastive_search:  # contrastive search draws nothing
             return SamplingType.GREEDY

@@ -51,8 +51,7 @@ def needs_host(state: SequenceState) -> bool:
     """Whether the sequence's next step needs its last token on the host before it is laid out."""
     p = state.request.sampling_params
     return (state.matcher is not None or state.thinking is not None or p.max_tokens == 0 or p.min_tokens > 0
-            or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or p.watermark is not None or p.contrastive_search or p.contrastive_weight > 0)
+            or p.reads_earlier_tokens)
 
 
 @dataclass

@@ -34,10 +34,8 @@ GREEDY, PLAIN, FILTERED = "greedy", "temperature", "filtered"  # the heads (one 
 def drawn_in_step(params: SamplingParams, num_outputs: int) -> bool:
     """Whether a request's next token can be drawn by the step's head (module docstring);
     num_outputs: the tokens it generated so far (min_tokens bans EOS until there are enough)."""
-    return (params.sampling_type != SamplingType.RANDOM_SEED and not params.logprobs
-            and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
-            and not params.logit_bias and num_outputs >= params.min_tokens and params.watermark is None
-            and not params.contrastive_weight and not params.contrastive_search)
+    return (params.sampling_type != SamplingType.RANDOM_SEED and not params.logprobs and not params.logit_bias
+            and num_outputs >= params.min_tokens and not params.reads_earlier_tokens)
 
 
 def decode_sampling(params: list[SamplingParams], vocab_size: int, backend: Backend) -> DecodeSampling:
