@@ -110,6 +110,10 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
+    # M-RoPE (qwen3_vl, interleaved): a token has three positions (time, height, width; a text token's are
+    # equal, an image's patch has its row's and column's) and frequency j turns by the one mrope_axes
+    # picks; the counts of frequencies per axis. None: one position per token
+    mrope_section: tuple[int, int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     vision: VisionConfig | None = None  # an image-text model's encoder and projector (hearth/vision_config.py)
 

@@ -16,7 +16,7 @@ this one) is not encoded again. It is only a cache: a miss encodes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,3 +141,22 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
             rows.append(local + (image.start - start))
             values.append(cache.embeddings(image, encode)[index[local]])
     return (np.concatenate(rows), values) if rows else None
+
+
+def mrope_positions(positions: np.ndarray, images: Sequence[ImageSpan]) -> np.ndarray:
+    """M-RoPE's positions int64 [3, n] (time, height, width) of a sequence's rows at token indices
+    `positions` [n] (transformers' Qwen3-VL get_rope_index): an image's k-th token at (p, p + k // cols,
+    p + k % cols), p its first token's own position; every token after an image shifted by the grid's
+    longer side less its token count (the rope delta: a decode after an image, a chunk after one)."""
+    out = np.broadcast_to(positions, (3, len(positions))).copy()
+    shift = 0
+    for image in sorted(images, key=lambda i: i.start):
+        rows, cols = image.grid
+        inside = (positions >= image.start) & (positions < image.end)
+        k = positions[inside] - image.start
+        first = image.start + shift
+        out[0, inside], out[1, inside], out[2, inside] = first, first + k // cols, first + k % cols
+        delta = max(rows, cols) - image.num_embeds
+        out[:, positions >= image.end] += delta
+        shift += delta
+    return out
