@@ -236,8 +236,7 @@ def cmd_inspect(args) -> None:
               f"{a['per_head_kv_values_per_token_per_layer']:,})")
     if "vision" in info:
         v = info["vision"]
-        print(f"vision           {v['family']}: SigLIP {v['layers']} layers x {v['hidden_size']}, tiles of {v['tile']} px "
-              f"(patches of {v['patch']}), {v['tokens_per_tile']} tokens a tile (docs/vision.md)")
+        print(f"vision           {v['family']}: {v['summary']} (docs/vision.md)")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")

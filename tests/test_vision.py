@@ -67,7 +67,8 @@ def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> t
     for start, end in ((0, cut), (cut, len(ids))) if cut else ((0, len(ids)),):
         embeds = step_embeddings(request, start, end - start, vision.image_token_id, engine.runner.encoder_cache,
                                  engine.model.vision.encode)
-        hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds)])
+        hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds,
+                                                      images=request.images)])
         pieces.append(engine.model.compute_logits(hidden))
     engine.block_manager.free(request)
     return ids, torch.cat(pieces)

@@ -212,6 +212,7 @@ class Backend:
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
+    mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)

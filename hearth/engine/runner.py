@@ -166,7 +166,7 @@ class ModelRunner:
                                  "sequence of a step needs a state slot")
             state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
         return StepInputs(
-            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(positions)),
+            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,

@@ -60,7 +60,7 @@ _HF_ALIASES = (
     (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
 )
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names)
-_VISION_PREFIXES = ("model.vision_model.", "model.connector.")
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.")  # (and qwen3_vl's)
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
 # multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}

@@ -280,8 +280,13 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
         # M-RoPE (qwen3_vl): which of a token's positions (0 time, 1 height, 2 width) each frequency turns by
-        self.mrope_axes = None if config.mrope_section is None else mrope_axes(config.mrope_section,
-                                                                               len(self.inv_freq))
+        self.mrope_axes = None
+        if config.mrope_section is not None:
+            if not ops.mrope:
+                raise ModelLoadError(f"the {ops.name} backend has no M-RoPE (3-D positions) yet: run a "
+                                     f"{config.vision.family if config.vision else 'M-RoPE'} model with --backend "
+                                     "cpu or reference")
+            self.mrope_axes = mrope_axes(config.mrope_section, len(self.inv_freq))
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:
         """llama.cpp's rope_freqs tensor: divisors of the base frequencies."""

@@ -24,6 +24,7 @@ from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors,
                                  partial_rotary_order)
 from hearth.model.state_layers import GatedDeltaNet, ShortConv
+from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
@@ -150,8 +151,12 @@ class Transformer(nn.Module):
         if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
             zeros = torch.zeros_like(self.rope.inv_freq)
             self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
-        # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*)
-        self.vision = None if config.vision is None else VisionTower(config.vision, config.hidden_size)
+        # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*;
+        # Qwen3-VL's model.visual.*)
+        self.vision = None
+        if config.vision is not None:
+            tower = QwenVisionTower if config.vision.family == "qwen3_vl" else VisionTower
+            self.vision = tower(config.vision, config.hidden_size)
 
     @torch.inference_mode()
     def forward(
@@ -345,7 +350,7 @@ class Transformer(nn.Module):
 
 def _checkpoint_module_name(name: str) -> str:
     """The checkpoint's name of a module: the text model's under model., the vision tower's parts
-    (vision.vision_model, vision.connector) under model. as well."""
+    (vision.vision_model, vision.connector; vision.visual) under model. as well."""
     if name.startswith("lm_head"):
         return name
     return "model." + name.removeprefix("vision.")
