@@ -312,7 +312,7 @@ class ModelConfig:
             if getattr(vision, "out_hidden_size", text.hidden_size) != text.hidden_size:
                 raise ModelLoadError(f"vision_config.out_hidden_size = {vision.out_hidden_size}: the text model's "
                                      f"hidden_size is {text.hidden_size}")
-            return dataclasses.replace(text, vision=vision, mrope_section=mrope_section_of(hf, text.head_dim))
+            return dataclasses.replace(text, vision=vision, mrope_section=mrope_section_of(hf))
         except (ModelLoadError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{where}: {e}") from None
 

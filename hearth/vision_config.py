@@ -17,10 +17,13 @@ VISION_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",  # transformers' smolvlm: idefics3's model under new names
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
 }
-_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl"}
+_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5"}
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
-_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"}}
+_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
+                "qwen3_5": {"qwen3_5_text": "qwen3_5"}}
+_MROPE_SECTIONS = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10]}  # (transformers' defaults)
 
 # bounds on the encoder's sizes, as ModelConfig has for the text model's: a damaged config must not
 # make hearth allocate without limit
@@ -94,7 +97,7 @@ class QwenVisionConfig:
     table of num_position_embeddings (a square grid, resampled to each image's); deepstack_layers: the
     encoder layers whose outputs, merged, are added to the first text layers' outputs at the image's rows."""
 
-    family: str  # "qwen3_vl"
+    family: str  # "qwen3_vl", "qwen3_5"
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -132,13 +135,13 @@ class QwenVisionConfig:
 
 
 def vision_family(hf: dict[str, Any]) -> str | None:
-    """The vision family hearth runs this config.json's images with (None: not one of them)."""
+    """The vision family hearth runs this config.json's images with (None: not one of them; a Qwen3.5
+    config without vision_config: its text model alone)."""
     archs = hf.get("architectures") or []
-    for arch in archs if isinstance(archs, list) else []:
-        if arch in VISION_ARCHITECTURES:
-            return VISION_ARCHITECTURES[arch]
     model_type = hf.get("model_type")
-    return _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    family = next((VISION_ARCHITECTURES[a] for a in (archs if isinstance(archs, list) else [])
+                   if a in VISION_ARCHITECTURES), _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None)
+    return None if family == "qwen3_5" and hf.get("vision_config") is None else family
 
 
 def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
@@ -157,19 +160,19 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
-def mrope_section_of(hf: dict[str, Any], head_dim: int) -> tuple[int, int, int] | None:
-    """An image-text model's M-RoPE sections (text_config's rope parameters; Qwen3-VL's are interleaved)."""
-    if vision_family(hf) != "qwen3_vl":
+def mrope_section_of(hf: dict[str, Any]) -> tuple[int, int, int] | None:
+    """An image-text model's M-RoPE sections (text_config's rope parameters; Qwen3-VL's and Qwen3.5's are
+    interleaved: layers.mrope_axes, which takes sections of any sum as transformers does)."""
+    family = vision_family(hf)
+    if family not in _MROPE_SECTIONS:
         return None
     text = hf["text_config"]
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    section = rope.get("mrope_section", [24, 20, 20])  # (transformers' default)
+    section = rope.get("mrope_section", _MROPE_SECTIONS[family])
     if not rope.get("mrope_interleaved", True):
         raise ModelLoadError("text_config's mrope_interleaved = false: hearth implements Qwen3-VL's interleaved M-RoPE")
-    if (not isinstance(section, list) or len(section) != 3 or any(not isinstance(n, int) or n < 0 for n in section)
-            or sum(section) != head_dim // 2):
-        raise ModelLoadError(f"text_config's mrope_section = {section!r}: expected three counts that add up to "
-                             f"head_dim / 2 = {head_dim // 2}")
+    if not isinstance(section, list) or len(section) != 3 or any(not isinstance(n, int) or n < 0 for n in section):
+        raise ModelLoadError(f"text_config's mrope_section = {section!r}: expected three counts of frequencies")
     return tuple(section)
 
 
@@ -181,8 +184,9 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | Q
     image_token_id = hf.get("image_token_id")
     if not isinstance(image_token_id, int) or not 0 <= image_token_id < text_vocab_size:
         raise ModelLoadError(f"image_token_id = {image_token_id!r}: expected a token id below {text_vocab_size}")
-    if vision_family(hf) == "qwen3_vl":
-        return _qwen_vision_from_hf(vision, image_token_id)
+    family = vision_family(hf)
+    if family in _MROPE_SECTIONS:
+        return _qwen_vision_from_hf(vision, image_token_id, family)
     return VisionConfig(
         family="idefics3",
         hidden_size=vision.get("hidden_size", 1152),
@@ -199,12 +203,12 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | Q
     )
 
 
-def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int) -> QwenVisionConfig:
+def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: str) -> QwenVisionConfig:
     rope = vision.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ModelLoadError(f"vision_config's rope_type = {rope.get('rope_type')!r}: Qwen3-VL's is axial")
     return QwenVisionConfig(
-        family="qwen3_vl",
+        family=family,
         hidden_size=vision.get("hidden_size", 1152),
         intermediate_size=vision.get("intermediate_size", 4304),
         num_layers=vision.get("depth", 27),
@@ -214,7 +218,7 @@ def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int) -> QwenVis
         merge=vision.get("spatial_merge_size", 2),
         out_hidden_size=vision.get("out_hidden_size", 3584),
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
-        deepstack_layers=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        deepstack_layers=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24) if family == "qwen3_vl" else ())),
         image_token_id=image_token_id,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),

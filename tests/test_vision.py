@@ -68,7 +68,8 @@ def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> t
         embeds = step_embeddings(request, start, end - start, vision.image_token_id, engine.runner.encoder_cache,
                                  engine.model.vision.encode)
         hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds,
-                                                      images=request.images)])
+                                                      images=request.images,  # (a hybrid's state: slot 0)
+                                                      state_slot=0 if engine.model_config.is_hybrid else None)])
         pieces.append(engine.model.compute_logits(hidden))
     engine.block_manager.free(request)
     return ids, torch.cat(pieces)

@@ -111,7 +111,7 @@ def test_what_is_refused(qwen):
     with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no M-RoPE"):
         Transformer(model_config, backend=GpuBackend("cpu"))
     rope = config["text_config"]["rope_parameters"]
-    for change, message in (({"mrope_section": [4, 4, 4]}, "add up to head_dim / 2 = 8"),
+    for change, message in (({"mrope_section": [4, 4]}, "expected three counts"),
                             ({"mrope_interleaved": False}, "interleaved")):
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "rope_parameters": {**rope, **change}}})
@@ -119,3 +119,30 @@ def test_what_is_refused(qwen):
         ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
     with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):
         qwen[3].engine.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [_image(0, 30, 40)]})
+
+
+def test_qwen3_5_with_its_vision_tower(tmp_path):
+    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
+    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
+    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
+    first image, and greedy tokens, against transformers."""
+    import transformers
+
+    from hearth import LLM
+
+    folder = make_qwen_vl(tmp_path, family="qwen3_5")
+    processor = qwen_vl_processor(folder)
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), progress=False)
+    assert llm.engine.model_config.vision.deepstack_layers == ()
+    images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), TWO, images)
+    expanded = llm.engine.prompt_with_images(TWO, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    positions, _ = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                  inputs["image_grid_thw"])
+    assert np.array_equal(mrope_positions(np.arange(len(expanded.token_ids)), expanded.images), positions[:, 0].numpy())
+    cut = expanded.images[0].start + 9
+    torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens

@@ -18,6 +18,7 @@ from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading.activation_thresholds import sparsify_model
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
+from hearth.vision_config import QwenVisionConfig
 
 if TYPE_CHECKING:
     from hearth.distributed.pipeline_parallel import PipelineShard
@@ -89,6 +90,6 @@ def load_model(
     # are freed once the model holds its own tensors (peak memory while serving).
     image_processor = None
     if config.vision is not None:
-        family = QwenImageProcessor if config.vision.family == "qwen3_vl" else ImageProcessor
+        family = QwenImageProcessor if isinstance(config.vision, QwenVisionConfig) else ImageProcessor
         image_processor = family.from_hf_dir(path, config.vision)
     return LoadedModel(model.eval(), tokenizer, config, path, image_processor)

@@ -28,6 +28,7 @@ from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
+from hearth.vision_config import QwenVisionConfig
 
 
 class Attention(nn.Module):
@@ -155,7 +156,7 @@ class Transformer(nn.Module):
         # Qwen3-VL's model.visual.*)
         self.vision = None
         if config.vision is not None:
-            tower = QwenVisionTower if config.vision.family == "qwen3_vl" else VisionTower
+            tower = QwenVisionTower if isinstance(config.vision, QwenVisionConfig) else VisionTower
             self.vision = tower(config.vision, config.hidden_size)
 
     @torch.inference_mode()
