@@ -65,6 +65,9 @@ def test_pixels_grids_token_ids_and_positions_are_transformers(qwen):
     assert np.array_equal(ours, positions[:, 0].numpy())
     after = len(expanded.token_ids) + 5  # a decode after the prompt
     assert mrope_positions(np.array([after]), expanded.images).ravel().tolist() == [after + int(delta)] * 3
+    from hearth.model_info import model_info
+
+    assert model_info(qwen[0])["vision"]["deepstack_layers"] == [0, 2]  # hearth inspect's line
 
 
 @pytest.mark.parametrize("text, which", [(ONE, (0,)), (TWO, (1, 0))], ids=["one-image", "two-images"])
@@ -119,6 +122,9 @@ def test_what_is_refused(qwen):
         ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
     with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):
         qwen[3].engine.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [_image(0, 30, 40)]})
+    with pytest.raises(RequestError, match="differ by more than 200 times"):  # (transformers' limit too)
+        qwen[3].engine.add_request(None, ONE, GREEDY, multi_modal_data={"image": [_image(0, 1, 201)]})
+    assert not qwen[3].engine.has_unfinished_requests()
 
 
 def test_qwen3_5_with_its_vision_tower(tmp_path):
