@@ -116,7 +116,8 @@ class ModelConfig:
     # picks; the counts of frequencies per axis. None: one position per token
     mrope_section: tuple[int, int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    vision: VisionConfig | QwenVisionConfig | None = None  # an image-text model's encoder and projector (hearth/vision_config.py)
+    # an image-text model's encoder and projector (hearth/vision_config.py)
+    vision: VisionConfig | QwenVisionConfig | None = None
 
     @property
     def accepts_images(self) -> bool:

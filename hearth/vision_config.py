@@ -139,8 +139,9 @@ def vision_family(hf: dict[str, Any]) -> str | None:
     config without vision_config: its text model alone)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    by_type = _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     family = next((VISION_ARCHITECTURES[a] for a in (archs if isinstance(archs, list) else [])
-                   if a in VISION_ARCHITECTURES), _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None)
+                   if a in VISION_ARCHITECTURES), by_type)
     return None if family == "qwen3_5" and hf.get("vision_config") is None else family
 
 

@@ -287,8 +287,8 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if family == "qwen3_5":
-        text = {**_COMMON, **_hybrid_configs(transformers)["qwen3_5"][1], "head_dim": 32, "max_position_embeddings": 4096,
-                "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
+        text = {**_COMMON, **_hybrid_configs(transformers)["qwen3_5"][1], "head_dim": 32,
+                "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
         model = transformers.Qwen3_5ForConditionalGeneration(
             transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens))
     else:

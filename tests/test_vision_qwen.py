@@ -117,7 +117,8 @@ def test_what_is_refused(qwen):
     for change, message in (({"mrope_section": [4, 4]}, "expected three counts"),
                             ({"mrope_interleaved": False}, "interleaved")):
         with pytest.raises(ModelLoadError, match=message):
-            ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "rope_parameters": {**rope, **change}}})
+            ModelConfig.from_hf({**config, "text_config": {**config["text_config"],
+                                                           "rope_parameters": {**rope, **change}}})
     with pytest.raises(ModelLoadError, match="qwen3 text model"):
         ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
     with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):

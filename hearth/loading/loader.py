@@ -31,7 +31,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
-    image_processor: ImageProcessor | QwenImageProcessor | None = None  # an image-text model's (hearth/image_processor*.py)
+    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py)
+    image_processor: ImageProcessor | QwenImageProcessor | None = None
 
 
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
