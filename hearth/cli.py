@@ -75,21 +75,23 @@ def _read_images(paths: list[str]) -> list:
     return images
 
 
-def _generate_prompt(args):
-    """--prompt, or with --image the prompt dict with its images (a marker <image> per image put
-    before the text when the text names none)."""
-    if not args.image:
-        return args.prompt
+def _generate_prompt(text: str, images: list | None, processor=None):
+    """--prompt, or with --image the prompt dict with its images (the model's image part, as its chat
+    template writes one, put before the text once per image when the text names none; processor: the
+    model's image processor, None for a model without: its images are refused by the engine)."""
+    if not images:
+        return text
     from hearth.image_processor import IMAGE_MARKER
 
-    text = args.prompt if IMAGE_MARKER in args.prompt else IMAGE_MARKER * len(args.image) + args.prompt
-    return {"prompt": text, "multi_modal_data": {"image": _read_images(args.image)}}
+    marker, part = (IMAGE_MARKER, IMAGE_MARKER) if processor is None else (processor.marker, processor.template_part)
+    return {"prompt": text if marker in text else part * len(images) + text, "multi_modal_data": {"image": images}}
 
 
 def cmd_generate(args) -> None:
-    params = _sampling(args)  # a bad option fails before the model loads
-    prompt = _generate_prompt(args)
+    params = _sampling(args)  # a bad option or image fails before the model loads
+    images = _read_images(args.image) if args.image else None
     llm = build_llm(args)
+    prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None))
     if args.json:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
@@ -236,8 +238,7 @@ def cmd_inspect(args) -> None:
               f"{a['per_head_kv_values_per_token_per_layer']:,})")
     if "vision" in info:
         v = info["vision"]
-        print(f"vision           {v['family']}: SigLIP {v['layers']} layers x {v['hidden_size']}, tiles of {v['tile']} px "
-              f"(patches of {v['patch']}), {v['tokens_per_tile']} tokens a tile (docs/vision.md)")
+        print(f"vision           {v['family']}: {v['summary']} (docs/vision.md)")
     for kind, v in info["weight_types"].items():
         print(f"  {kind:<14} {v['parameters']:>14,} params {v['bytes'] / 2**20:>10.1f} MiB")
     print(f"weights          {info['weight_bytes'] / 2**20:.1f} MiB")

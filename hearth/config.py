@@ -22,7 +22,8 @@ from hearth.hf_config import (
     rope_scaling_from_hf,
     sliding_layers_from_hf,
 )
-from hearth.vision_config import VisionConfig, text_config_of, vision_family, vision_from_hf
+from hearth.vision_config import (QwenVisionConfig, VisionConfig, mrope_section_of, text_config_of, vision_family,
+                                  vision_from_hf)
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -110,8 +111,13 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
+    # M-RoPE (qwen3_vl, interleaved): a token has three positions (time, height, width; a text token's are
+    # equal, an image's patch has its row's and column's) and frequency j turns by the one mrope_axes
+    # picks; the counts of frequencies per axis. None: one position per token
+    mrope_section: tuple[int, int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    vision: VisionConfig | None = None  # an image-text model's encoder and projector (hearth/vision_config.py)
+    # an image-text model's encoder and projector (hearth/vision_config.py)
+    vision: VisionConfig | QwenVisionConfig | None = None
 
     @property
     def accepts_images(self) -> bool:
@@ -303,7 +309,11 @@ class ModelConfig:
         """An image-text model's: its text model's config, with the vision config beside (vision_config.py)."""
         text = cls.from_hf(text_config_of(hf), where)
         try:
-            return dataclasses.replace(text, vision=vision_from_hf(hf, text.vocab_size))
+            vision = vision_from_hf(hf, text.vocab_size)
+            if getattr(vision, "out_hidden_size", text.hidden_size) != text.hidden_size:
+                raise ModelLoadError(f"vision_config.out_hidden_size = {vision.out_hidden_size}: the text model's "
+                                     f"hidden_size is {text.hidden_size}")
+            return dataclasses.replace(text, vision=vision, mrope_section=mrope_section_of(hf))
         except (ModelLoadError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{where}: {e}") from None
 

@@ -249,11 +249,8 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
             f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "
             "convert the original checkpoint to GGUF with llama.cpp (convert_hf_to_gguf.py, then llama-quantize) "
             "or `hearth convert`, or load the unquantized bf16/fp16 checkpoint")
-    # Qwen3.5 is published only as an image-text model: its text model runs (the vision tower's tensors
-    # are left unloaded, with a log line; images are refused by the server)
-    # SmolVLM / Idefics3 run whole, images included (hearth/vision_config.py)
-    runs_text_model = hf.get("architectures") == ["Qwen3_5ForConditionalGeneration"]
-    if hf.get("vision_config") is not None and not runs_text_model and vision_family(hf) is None:
+    # SmolVLM / Idefics3, Qwen3-VL and Qwen3.5 run whole, images included (hearth/vision_config.py)
+    if hf.get("vision_config") is not None and vision_family(hf) is None:
         raise ModelLoadError(
             f"{where}: a model with an image encoder (vision_config) of a family hearth does not implement "
             f"(hearth runs the images of {', '.join(sorted(VISION_ARCHITECTURES))}); load the text model's own "
@@ -279,7 +276,7 @@ HF_ARCHITECTURES = {
     # hybrids: attention layers between layers that keep a state per sequence (hearth/model/state_layers.py)
     "Lfm2ForCausalLM": "lfm2",  # short convolutions
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (text_config, model.language_model.*; images: vision_config.py)
 }
 
 

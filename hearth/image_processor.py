@@ -31,13 +31,31 @@ _LANCZOS = 1  # PIL.Image.Resampling.LANCZOS
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    pixel_values: np.ndarray  # float32 [tiles, 3, tile, tile]: the row-major tiles, then the global image
-    rows: int  # tiles down and across (0, 0: the image is one tile, no global image)
+    # what the vision encoder reads: here float32 [tiles, 3, tile, tile], the row-major tiles, then the
+    # global image (Qwen3-VL's: hearth/image_processor_qwen.py)
+    pixel_values: np.ndarray
+    rows: int  # tiles down and across (0, 0: the image is one tile, no global image); Qwen3-VL's: its token grid
     cols: int
     content_hash: bytes  # the image's own pixels and size (not the processed ones): the caches' key
+    num_embeds: int  # the text-model rows the encoder makes of it
+    grid: tuple[int, int] | None = None  # M-RoPE's grid of those rows (ImageSpan.grid); None: no M-RoPE
+
+
+def content_hash(rgb) -> bytes:
+    """16 bytes of an RGB PIL image's pixels and size."""
+    return hashlib.blake2b(f"{rgb.size}".encode() + rgb.tobytes(), digest_size=16).digest()
+
+
+def normalise(pixels: np.ndarray, rescale_factor: float, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """uint8 [3, H, W] -> float32, rescaled then normalised per channel (transformers' numpy arithmetic)."""
+    scaled = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    return ((scaled.T - mean) / std).T
 
 
 class ImageProcessor:
+    marker = IMAGE_MARKER  # an image's place in a prompt
+    template_part = IMAGE_MARKER  # what the chat template writes for an image part
+
     def __init__(self, vision: VisionConfig, longest_edge: int, tile: int, image_seq_len: int,
                  mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float = 1 / 255,
                  do_image_splitting: bool = True, resample: int = _LANCZOS):
@@ -51,8 +69,8 @@ class ImageProcessor:
         """preprocessor_config.json's settings, or processor_config.json's image_processor (as
         transformers 5 saves them), transformers' defaults where a field or both are missing;
         image_seq_len from processor_config.json, else the one the vision config implies."""
-        processor = _read_optional(folder / "processor_config.json")
-        config = _read_optional(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        processor = read_optional(folder / "processor_config.json")
+        config = read_optional(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
         try:
             tile = int((config.get("max_image_size") or {}).get("longest_edge", vision.image_size))
             longest = int((config.get("size") or {}).get("longest_edge", 4 * tile))
@@ -75,8 +93,8 @@ class ImageProcessor:
 
         if not isinstance(image, Image.Image):
             raise RequestError(f"an image is a PIL.Image.Image, not {type(image).__name__}")
-        rgb = _to_rgb(image)
-        digest = hashlib.blake2b(f"{rgb.size}".encode() + rgb.tobytes(), digest_size=16).digest()
+        rgb = to_rgb(image)
+        digest = content_hash(rgb)
         width, height = rgb.size
         if self.do_image_splitting:
             height, width = _longest_edge_to(height, width, self.longest_edge)
@@ -94,14 +112,12 @@ class ImageProcessor:
             tiles = [pixels[:, r * self.tile:(r + 1) * self.tile, c * self.tile:(c + 1) * self.tile]
                      for r in range(rows) for c in range(cols)]
             tiles.append(np.moveaxis(np.array(rgb.resize((self.tile, self.tile), self.resample)), -1, 0))
-        return ProcessedImage(np.stack([self._normalise(t) for t in tiles]), rows, cols, digest)
+        pixel_values = np.stack([normalise(t, self.rescale_factor, self.mean, self.std) for t in tiles])
+        return ProcessedImage(pixel_values, rows, cols, digest, len(tiles) * self.image_seq_len)
 
-    def _normalise(self, tile: np.ndarray) -> np.ndarray:
-        scaled = (tile.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        return ((scaled.T - self.mean) / self.std).T
-
-    def placeholder_text(self, rows: int, cols: int) -> str:
+    def placeholder_text(self, image: ProcessedImage) -> str:
         """The text an image's marker becomes (Idefics3Processor's, token for token)."""
+        rows, cols = image.rows, image.cols
         tokens = IMAGE_MARKER * self.image_seq_len
         whole = f"<fake_token_around_image><global-img>{tokens}<fake_token_around_image>"
         if rows == 0 and cols == 0:
@@ -111,7 +127,7 @@ class ImageProcessor:
         return grid + "\n" + whole
 
 
-def _to_rgb(image):
+def to_rgb(image):
     """RGB, with any transparency composited onto white (transformers' convert_to_rgb)."""
     from PIL import Image
 
@@ -152,7 +168,7 @@ def _multiples_of(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-def _read_optional(path: Path) -> dict[str, Any]:
+def read_optional(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:

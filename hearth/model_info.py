@@ -65,9 +65,7 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
     if config.kv_lora_rank:
         info["latent_attention"] = _latent_attention(config)
     if config.vision is not None:  # the image side of an image-text model (its weights are counted above)
-        v = config.vision
-        info["vision"] = {"family": v.family, "layers": v.num_layers, "hidden_size": v.hidden_size,
-                          "tile": v.image_size, "patch": v.patch_size, "tokens_per_tile": v.tokens_per_tile}
+        info["vision"] = config.vision.describe()
     state_bytes = 0
     if config.is_hybrid:  # the state cache's share: convolution windows in the compute dtype, delta rules in float32
         state_bytes = config.state_bytes_per_sequence(kv_element_size or choose_dtype("auto", choose_device("auto")).itemsize)

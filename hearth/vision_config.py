@@ -1,6 +1,8 @@
 """The image side of a vision-language model's config.json (ModelConfig.vision): its vision encoder
 and projector, and the token its images take the place of. hearth implements SmolVLM / Idefics3
-(a SigLIP encoder, a pixel-shuffle connector and a linear projector before a llama text model)."""
+(a SigLIP encoder, a pixel-shuffle connector and a linear projector before a llama text model) and
+Qwen3-VL (a ViT with 2-D rotary positions over dynamic-resolution patches, merged 2 x 2 into tokens,
+deepstack features for the first text layers, a qwen3 text model with M-RoPE)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,31 @@ from hearth.errors import ModelLoadError
 VISION_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",  # transformers' smolvlm: idefics3's model under new names
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
 }
-_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
+_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5"}
+# each family's text model: config.json's text_config.model_type -> hearth's architecture
+_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
+                "qwen3_5": {"qwen3_5_text": "qwen3_5"}}
+_MROPE_SECTIONS = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10]}  # (transformers' defaults)
 
 # bounds on the encoder's sizes, as ModelConfig has for the text model's: a damaged config must not
 # make hearth allocate without limit
 _LIMITS = {"hidden_size": 1 << 14, "intermediate_size": 1 << 16, "num_layers": 1 << 8, "num_heads": 1 << 8,
            "image_size": 1 << 13, "patch_size": 1 << 8, "scale_factor": 1 << 4}
+
+_QWEN_LIMITS = {**{name: _LIMITS[name] for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                    "patch_size")},
+                "temporal_patch_size": 1 << 4, "merge": 1 << 4, "out_hidden_size": 1 << 16,
+                "num_position_embeddings": 1 << 16}
+
+
+def _check_sizes(config: Any, limits: dict[str, int]) -> None:
+    for name, most in limits.items():
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+            raise ModelLoadError(f"vision_config.{name} = {value!r}: expected a whole number from 1 to {most:,}")
 
 
 @dataclass(frozen=True)
@@ -39,10 +59,7 @@ class VisionConfig:
     num_channels: int = 3
 
     def __post_init__(self) -> None:
-        for name, most in _LIMITS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
-                raise ModelLoadError(f"vision_config.{name} = {value!r}: expected a whole number from 1 to {most:,}")
+        _check_sizes(self, _LIMITS)
         if self.hidden_size % self.num_heads:
             raise ModelLoadError(f"vision_config: hidden_size {self.hidden_size} is not a multiple of "
                                  f"num_attention_heads {self.num_heads}")
@@ -65,15 +82,67 @@ class VisionConfig:
         """The text-model rows one tile of image_size x image_size pixels becomes."""
         return (self.patches_per_side // self.scale_factor) ** 2
 
+    def describe(self) -> dict[str, Any]:
+        """hearth inspect's lines (model_info's "vision")."""
+        return {"family": self.family, "layers": self.num_layers, "hidden_size": self.hidden_size,
+                "tile": self.image_size, "patch": self.patch_size, "tokens_per_tile": self.tokens_per_tile,
+                "summary": f"SigLIP {self.num_layers} layers x {self.hidden_size}, tiles of {self.image_size} px "
+                           f"(patches of {self.patch_size}), {self.tokens_per_tile} tokens a tile"}
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen3-VL's vision_config: patches of patch_size x patch_size pixels x temporal_patch_size frames (an
+    image is its frame twice), merge x merge neighbouring patches one text token; a learned position
+    table of num_position_embeddings (a square grid, resampled to each image's); deepstack_layers: the
+    encoder layers whose outputs, merged, are added to the first text layers' outputs at the image's rows."""
+
+    family: str  # "qwen3_vl", "qwen3_5"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    merge: int  # spatial_merge_size
+    out_hidden_size: int  # the text model's width
+    num_position_embeddings: int
+    deepstack_layers: tuple[int, ...]
+    image_token_id: int
+    rope_theta: float = 10000.0
+    hidden_act: str = "gelu_pytorch_tanh"
+    num_channels: int = 3
+
+    def __post_init__(self) -> None:
+        _check_sizes(self, _QWEN_LIMITS)
+        side = math.isqrt(self.num_position_embeddings)
+        if self.hidden_size % (4 * self.num_heads) or side * side != self.num_position_embeddings:
+            raise ModelLoadError(f"vision_config: hidden_size {self.hidden_size} over num_heads {self.num_heads} is no "
+                                 f"multiple of 4, or num_position_embeddings {self.num_position_embeddings} no square")
+        if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.deepstack_layers):
+            raise ModelLoadError(f"vision_config.deepstack_visual_indexes = {list(self.deepstack_layers)}: expected "
+                                 f"layers below depth {self.num_layers}")
+        if self.hidden_act not in ("gelu_pytorch_tanh", "gelu") or self.num_channels != 3:
+            raise ModelLoadError(f"vision_config: hidden_act {self.hidden_act!r}, in_channels {self.num_channels!r}: "
+                                 "hearth implements gelu / gelu_pytorch_tanh over RGB")
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "layers": self.num_layers, "hidden_size": self.hidden_size,
+                "patch": self.patch_size, "merge": self.merge, "deepstack_layers": list(self.deepstack_layers),
+                "summary": f"ViT {self.num_layers} layers x {self.hidden_size}, patches of {self.patch_size} px "
+                           f"merged {self.merge} x {self.merge} into a token, dynamic resolution, deepstack into "
+                           f"{len(self.deepstack_layers)} text layers"}
+
 
 def vision_family(hf: dict[str, Any]) -> str | None:
-    """The vision family hearth runs this config.json's images with (None: not one of them)."""
+    """The vision family hearth runs this config.json's images with (None: not one of them; a Qwen3.5
+    config without vision_config: its text model alone)."""
     archs = hf.get("architectures") or []
-    for arch in archs if isinstance(archs, list) else []:
-        if arch in VISION_ARCHITECTURES:
-            return VISION_ARCHITECTURES[arch]
     model_type = hf.get("model_type")
-    return _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    by_type = _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    family = next((VISION_ARCHITECTURES[a] for a in (archs if isinstance(archs, list) else [])
+                   if a in VISION_ARCHITECTURES), by_type)
+    return None if family == "qwen3_5" and hf.get("vision_config") is None else family
 
 
 def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
@@ -82,21 +151,43 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError(f"text_config = {text!r}: expected an object")
-    if text.get("model_type", "llama") != "llama":
-        raise ModelLoadError(f"text_config.model_type = {text.get('model_type')!r}: hearth runs {vision_family(hf)} "
-                             "with a llama text model")
-    return {**text, "model_type": "llama", "architectures": None,
+    family = vision_family(hf)
+    models = _TEXT_MODELS[family]
+    model_type = text.get("model_type", next(iter(models)))
+    if model_type not in models:
+        raise ModelLoadError(f"text_config.model_type = {model_type!r}: hearth runs {family} with a "
+                             f"{' or '.join(models.values())} text model")
+    return {**text, "model_type": models[model_type], "architectures": None,
             "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
-def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig:
-    """config.json's vision_config, scale_factor and image_token_id (Idefics3's / SmolVLM's fields)."""
+def mrope_section_of(hf: dict[str, Any]) -> tuple[int, int, int] | None:
+    """An image-text model's M-RoPE sections (text_config's rope parameters; Qwen3-VL's and Qwen3.5's are
+    interleaved: layers.mrope_axes, which takes sections of any sum as transformers does)."""
+    family = vision_family(hf)
+    if family not in _MROPE_SECTIONS:
+        return None
+    text = hf["text_config"]
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section", _MROPE_SECTIONS[family])
+    if not rope.get("mrope_interleaved", True):
+        raise ModelLoadError("text_config's mrope_interleaved = false: hearth implements Qwen3-VL's interleaved M-RoPE")
+    if not isinstance(section, list) or len(section) != 3 or any(not isinstance(n, int) or n < 0 for n in section):
+        raise ModelLoadError(f"text_config's mrope_section = {section!r}: expected three counts of frequencies")
+    return tuple(section)
+
+
+def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | QwenVisionConfig:
+    """config.json's vision_config, image_token_id and (Idefics3's / SmolVLM's) scale_factor."""
     vision = hf.get("vision_config")
     if not isinstance(vision, dict):
         raise ModelLoadError(f"vision_config = {vision!r}: expected an object")
     image_token_id = hf.get("image_token_id")
     if not isinstance(image_token_id, int) or not 0 <= image_token_id < text_vocab_size:
         raise ModelLoadError(f"image_token_id = {image_token_id!r}: expected a token id below {text_vocab_size}")
+    family = vision_family(hf)
+    if family in _MROPE_SECTIONS:
+        return _qwen_vision_from_hf(vision, image_token_id, family)
     return VisionConfig(
         family="idefics3",
         hidden_size=vision.get("hidden_size", 1152),
@@ -110,4 +201,27 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig:
         layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
         num_channels=vision.get("num_channels", 3),
+    )
+
+
+def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: str) -> QwenVisionConfig:
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ModelLoadError(f"vision_config's rope_type = {rope.get('rope_type')!r}: Qwen3-VL's is axial")
+    return QwenVisionConfig(
+        family=family,
+        hidden_size=vision.get("hidden_size", 1152),
+        intermediate_size=vision.get("intermediate_size", 4304),
+        num_layers=vision.get("depth", 27),
+        num_heads=vision.get("num_heads", 16),
+        patch_size=vision.get("patch_size", 16),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        merge=vision.get("spatial_merge_size", 2),
+        out_hidden_size=vision.get("out_hidden_size", 3584),
+        num_position_embeddings=vision.get("num_position_embeddings", 2304),
+        deepstack_layers=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24) if family == "qwen3_vl" else ())),
+        image_token_id=image_token_id,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+        num_channels=vision.get("in_channels", 3),
     )

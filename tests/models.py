@@ -259,3 +259,63 @@ def make_vlm(folder: Path, seed: int = 0, text: dict | None = None, vision: dict
     processor = transformers.Idefics3Processor(image_processor, tokenizer, image_seq_len=64)
     processor.save_pretrained(folder)
     return folder
+
+
+QWEN_VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, family: str = "qwen3_vl") -> Path:
+    """A random Qwen3-VL (transformers' Qwen3VLForConditionalGeneration: a ViT of 3 blocks with deepstack
+    from two of them, a qwen3 text model with interleaved M-RoPE) in real image shapes (patches of 16,
+    merged 2 x 2) with tiny widths, its tokenizer (the vision tokens added) and its image processor's
+    settings (Qwen2VLImageProcessor's; at most max_pixels an image: quick tests). family "qwen3_5":
+    Qwen3_5ForConditionalGeneration (the encoder without deepstack; the hybrid text model of
+    hf_config("qwen3_5") with half its head rotated). Weights spread wider than transformers' init
+    (logits far from uniform)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    make_tokenizer(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
+    tokenizer.save_pretrained(folder)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VL_SPECIAL}
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 16,
+              "out_hidden_size": _COMMON["hidden_size"], "num_position_embeddings": 64}
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if family == "qwen3_5":
+        text = {**_COMMON, **_hybrid_configs(transformers)["qwen3_5"][1], "head_dim": 32,
+                "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens))
+    else:
+        text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope}
+        model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+            text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0, 2]}, **tokens))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # Gated DeltaNet's decays: a state that remembers a few tokens
+                p.normal_(-2.0, 0.5)
+            else:
+                p.normal_(1.0 if p.dim() == 1 and "norm" in name else 0.0, 0.2 if p.dim() == 1 else 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    Qwen2VLImageProcessorPil(patch_size=16, size={"shortest_edge": 32 * 32, "longest_edge": max_pixels},
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
+def qwen_vl_processor(folder: Path):
+    """transformers' Qwen3VLProcessor of the folder, made without its video processor (which needs
+    torchvision; images never reach it)."""
+    from unittest import mock
+
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return transformers.Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+                                             tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
+                                             video_processor=None)

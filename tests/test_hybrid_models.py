@@ -361,8 +361,8 @@ def test_lfm2_gguf_round_trip(tmp_path):
 
 def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
     """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: the text model under
-    text_config and model.language_model, a vision tower beside it): hearth loads the text model,
-    leaves the vision tower out with a log line, and gives transformers' logits for a text prompt."""
+    text_config and model.language_model, a vision tower beside it): hearth loads both (nothing left
+    out; images: tests/test_vision_qwen.py) and gives transformers' logits for a text prompt."""
     import transformers
 
     from models import hf_config, make_tokenizer
@@ -371,12 +371,13 @@ def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
                   num_position_embeddings=16)
     torch.manual_seed(0)
     reference = transformers.Qwen3_5ForConditionalGeneration(
-        transformers.Qwen3_5Config(text_config=hf_config("qwen3_5").to_dict(), vision_config=vision)).eval()
+        transformers.Qwen3_5Config(text_config=hf_config("qwen3_5").to_dict(), vision_config=vision,
+                                   image_token_id=300)).eval()  # (a token of the tiny vocabulary)
     reference.save_pretrained(tmp_path)
     make_tokenizer(tmp_path)
     with caplog.at_level(logging.INFO, logger="hearth"):
         model = load_model(tmp_path, progress=False).model
-    assert "tensors not loaded" in caplog.text and "model\\.visual" in caplog.text
+    assert "tensors not loaded" not in caplog.text and model.vision is not None
     runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
     hidden, _ = runner.forward([BatchEntry(PROMPTS[0], 0, [0, 1, 2, 3], state_slot=0)])
     with torch.no_grad():

@@ -67,7 +67,9 @@ def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> t
     for start, end in ((0, cut), (cut, len(ids))) if cut else ((0, len(ids)),):
         embeds = step_embeddings(request, start, end - start, vision.image_token_id, engine.runner.encoder_cache,
                                  engine.model.vision.encode)
-        hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds)])
+        hidden, _ = engine.runner.forward([BatchEntry(ids[start:end], start, request.block_table, embeds=embeds,
+                                                      images=request.images,  # (a hybrid's state: slot 0)
+                                                      state_slot=0 if engine.model_config.is_hybrid else None)])
         pieces.append(engine.model.compute_logits(hidden))
     engine.block_manager.free(request)
     return ids, torch.cat(pieces)
@@ -256,16 +258,17 @@ def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
 def test_generate_reads_image_files(tmp_path):
     """hearth generate --image: files read as PIL images (markers put first when the prompt has none);
     a file that is no image is a HearthError naming it."""
-    import argparse
-
-    from hearth.cli import _generate_prompt
+    from hearth.cli import _generate_prompt, _read_images
     from hearth.errors import HearthError
+    from hearth.image_processor_qwen import QwenImageProcessor
 
     _image(0, 30, 40).save(tmp_path / "a.png")
     (tmp_path / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    prompt = _generate_prompt(argparse.Namespace(prompt="Compare.", image=[str(tmp_path / "a.png")] * 2))
+    images = _read_images([str(tmp_path / "a.png")] * 2)
+    prompt = _generate_prompt("Compare.", images)
     assert prompt["prompt"] == "<image><image>Compare." and prompt["multi_modal_data"]["image"][1].size == (40, 30)
-    kept = _generate_prompt(argparse.Namespace(prompt="x <image> y", image=[str(tmp_path / "a.png")]))
-    assert kept["prompt"] == "x <image> y"
+    assert _generate_prompt("x <image> y", images[:1])["prompt"] == "x <image> y"
+    qwen = _generate_prompt("Compare.", images[:1], QwenImageProcessor.__new__(QwenImageProcessor))
+    assert qwen["prompt"] == "<|vision_start|><|image_pad|><|vision_end|>Compare."  # (Qwen3-VL's template's)
     with pytest.raises(HearthError, match="b.png"):
-        _generate_prompt(argparse.Namespace(prompt="x", image=[str(tmp_path / "b.png")]))
+        _read_images([str(tmp_path / "b.png")])

@@ -42,7 +42,7 @@ class StepInputs:
     # int64 [T]; or a tensor on the backend's device: tokens a pass before drew and the host has not
     # read (a draft model's passes, draft_runner.DraftRunner.propose)
     input_ids: np.ndarray | torch.Tensor
-    positions: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]; an M-RoPE model's [3, T] (time, height, width: ModelConfig.mrope_section)
     slot_mapping: np.ndarray  # int64 [T] cache slot of each new token's K/V
     query_start_loc: np.ndarray  # int32 [S + 1] sequence s owns rows [start[s], start[s + 1])
     seq_lens: np.ndarray  # int32 [S] tokens in the cache after this step (new ones included)
@@ -81,7 +81,7 @@ class StepInputs:
         """The step of sequences first..end-1 alone (their rows, in order)."""
         start, stop = int(self.query_start_loc[first]), int(self.query_start_loc[end])
         trees = self.tree_masks is not None
-        return StepInputs(self.input_ids[start:stop], self.positions[start:stop], self.slot_mapping[start:stop],
+        return StepInputs(self.input_ids[start:stop], self.positions[..., start:stop], self.slot_mapping[start:stop],
                           self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
                           self.block_tables[first:end], self.block_size,
                           self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None,
@@ -212,6 +212,7 @@ class Backend:
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
+    mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)

@@ -133,11 +133,11 @@ class CpuDecodePath:
             return None
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         threads = torch.get_num_threads()
-        positions = first.positions if later is None else np.concatenate((first.positions, later.positions))
+        positions = first.positions if later is None else np.concatenate((first.positions, later.positions), axis=-1)
         cos, sin = (t.contiguous() for t in rope(torch.from_numpy(positions), torch.float32))
         half = cos.shape[-1]
 
-        tokens = len(first.positions)
+        tokens = first.positions.shape[-1]
         # a pass's row of cpu_kernels/'s pass table (PassField): pointers, then counts
         rows = [(first.slot_mapping.ctypes.data, first.block_tables.ctypes.data, first.seq_lens.ctypes.data,
                  first.query_start_loc.ctypes.data, cos.data_ptr(), sin.data_ptr(), 0, first.num_seqs, tokens,

@@ -45,6 +45,7 @@ class GpuBackend(Backend):
     latent_attention = False  # its Triton kernels read whole K and V caches of one width
     token_trees = False  # its Triton attention kernels are causal only (no tree masks)
     state_layers = False  # no Triton kernels for convolutions and delta rules yet
+    mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)

@@ -2,9 +2,10 @@
 image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and a step's rows of
 image embeddings for the runner.
 
-A prompt names each image with the model's marker (`<image>`, as its chat template writes an image
-content part), once per image of multi_modal_data["image"], in order. Each marker becomes the text
-the model's processor makes of it (hearth/image_processor.py) before the prompt is tokenized, so the
+A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`: as its chat
+template writes an image content part), once per image of multi_modal_data["image"], in order. Each
+marker becomes the text the model's processor makes of it (hearth/image_processor.py,
+hearth/image_processor_qwen.py) before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
 num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
 
@@ -16,7 +17,7 @@ this one) is not encoded again. It is only a cache: a miss encodes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,12 @@ import numpy as np
 
 from hearth.engine.request import ImageSpan, Request
 from hearth.errors import RequestError
-from hearth.image_processor import IMAGE_MARKER, ImageProcessor
 
 if TYPE_CHECKING:
     import torch
+
+    from hearth.image_processor import ImageProcessor
+    from hearth.image_processor_qwen import QwenImageProcessor
 
     from hearth.tokenizer import Tokenizer
 
@@ -58,7 +61,7 @@ class PromptWithImages:
     images: list[ImageSpan]
 
 
-def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: ImageProcessor | None,
+def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: ImageProcessor | QwenImageProcessor | None,
                   tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
     """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
     engine's own encoding (processor None: a text model, which the engine lets no images reach).
@@ -67,28 +70,28 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any, processor: Ima
     if processor is None:
         return None
     images = images_of(multi_modal_data)
+    marker = processor.marker
     if not isinstance(prompt, str):
         if images or image_token_id in prompt:
-            raise RequestError(f"images go with a text prompt that names each with {IMAGE_MARKER}, not token ids")
+            raise RequestError(f"images go with a text prompt that names each with {marker}, not token ids")
         return None
-    markers = prompt.count(IMAGE_MARKER)
+    markers = prompt.count(marker)
     if markers != len(images):
-        raise RequestError(f"the prompt names {markers} image(s) with {IMAGE_MARKER} and {len(images)} image(s) "
-                           f"were given: each image needs its {IMAGE_MARKER} in the text, in order")
+        raise RequestError(f"the prompt names {markers} image(s) with {marker} and {len(images)} image(s) "
+                           f"were given: each image needs its {marker} in the text, in order")
     if not images:
         return None
     processed = [processor.process(image) for image in images]
-    parts = prompt.split(IMAGE_MARKER)
-    text = parts[0] + "".join(processor.placeholder_text(p.rows, p.cols) + after
-                              for p, after in zip(processed, parts[1:]))
+    parts = prompt.split(marker)
+    text = parts[0] + "".join(processor.placeholder_text(p) + after for p, after in zip(processed, parts[1:]))
     ids = tokenizer.encode(text)
     positions = np.flatnonzero(np.asarray(ids) == image_token_id)
     spans, used = [], 0
     for image in processed:
-        count = len(image.pixel_values) * processor.image_seq_len
-        mine = positions[used:used + count]
-        used += count
-        spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values, count))
+        mine = positions[used:used + image.num_embeds]
+        used += image.num_embeds
+        spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values,
+                               image.num_embeds, image.grid))
     if used != len(positions):  # (the marker's own text tokenized as placeholders: the tokenizer disagrees)
         raise RequestError(f"the prompt holds {len(positions) - used} placeholder tokens of no image")
     return PromptWithImages(prompt, ids, spans)
@@ -106,7 +109,8 @@ class EncoderCache:
     def __contains__(self, content_hash: bytes) -> bool:
         return content_hash in self.entries
 
-    def embeddings(self, image: ImageSpan, encode: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+    def embeddings(self, image: ImageSpan,
+                   encode: Callable[[np.ndarray, tuple[int, int] | None], torch.Tensor]) -> torch.Tensor:
         """The image's embeddings, from the cache or encoded now (and kept)."""
         found = self.entries.get(image.content_hash)
         if found is not None:
@@ -114,7 +118,7 @@ class EncoderCache:
             self.entries.move_to_end(image.content_hash)
             return found
         self.misses += 1
-        found = encode(image.pixel_values)
+        found = encode(image.pixel_values, image.grid)
         self.entries[image.content_hash] = found
         self.rows += len(found)
         while self.rows > self.max_rows and len(self.entries) > 1:
@@ -124,7 +128,8 @@ class EncoderCache:
 
 
 def step_embeddings(request: Request, start: int, count: int, image_token_id: int, cache: EncoderCache,
-                    encode: Callable[[np.ndarray], torch.Tensor]) -> tuple[np.ndarray, list[torch.Tensor]] | None:
+                    encode: Callable[[np.ndarray, tuple[int, int] | None], torch.Tensor]
+                    ) -> tuple[np.ndarray, list[torch.Tensor]] | None:
     """The rows among a step's tokens start..start+count-1 of `request` that hold image embeddings
     (indices from the step's first token, int64 [k]) and their values (one tensor per image, in order);
     None when no image token is among them. A chunk may begin or end inside an image."""
@@ -141,3 +146,22 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
             rows.append(local + (image.start - start))
             values.append(cache.embeddings(image, encode)[index[local]])
     return (np.concatenate(rows), values) if rows else None
+
+
+def mrope_positions(positions: np.ndarray, images: Sequence[ImageSpan]) -> np.ndarray:
+    """M-RoPE's positions int64 [3, n] (time, height, width) of a sequence's rows at token indices
+    `positions` [n] (transformers' Qwen3-VL get_rope_index): an image's k-th token at (p, p + k // cols,
+    p + k % cols), p its first token's own position; every token after an image shifted by the grid's
+    longer side less its token count (the rope delta: a decode after an image, a chunk after one)."""
+    out = np.broadcast_to(positions, (3, len(positions))).copy()
+    shift = 0
+    for image in sorted(images, key=lambda i: i.start):
+        rows, cols = image.grid
+        inside = (positions >= image.start) & (positions < image.end)
+        k = positions[inside] - image.start
+        first = image.start + shift
+        out[0, inside], out[1, inside], out[2, inside] = first, first + k // cols, first + k % cols
+        delta = max(rows, cols) - image.num_embeds
+        out[:, positions >= image.end] += delta
+        shift += delta
+    return out

@@ -54,8 +54,11 @@ class ImageSpan:
     start: int
     end: int
     content_hash: bytes  # 16 bytes of the image's pixels and size: the encoder cache's and prefix cache's key
-    pixel_values: Any  # the processor's numpy array [tiles, 3, tile, tile]: what the encoder reads
+    pixel_values: Any  # the processor's numpy array (its layout the family's): what the encoder reads
     num_embeds: int
+    # M-RoPE (ModelConfig.mrope_section): the image's tokens as a grid of rows x columns, each at its row's
+    # and column's positions, the text after it one past the grid's longer side; None: one position a token
+    grid: tuple[int, int] | None = None
 
     @property
     def key(self) -> tuple[int, int]:

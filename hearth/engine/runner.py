@@ -31,8 +31,8 @@ from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCaches, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
 from hearth.engine import contrastive_search
-from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, step_embeddings
-from hearth.engine.request import Request, RequestStatus
+from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, mrope_positions, step_embeddings
+from hearth.engine.request import ImageSpan, Request, RequestStatus
 from hearth.engine.step_records import (LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
                                         StepResult)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
@@ -62,6 +62,7 @@ class BatchEntry:
     lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
     # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
     embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
+    images: Sequence[ImageSpan] = ()  # the request's images (an M-RoPE model's positions: images.mrope_positions)
 
 
 class ModelRunner:
@@ -147,6 +148,9 @@ class ModelRunner:
                     rows = slice(query_start_loc[i], query_start_loc[i + 1])
                     tree_start[i], tree_masks[rows] = entry.tree[0], entry.tree[1]
                     positions[rows] = [entry.tree[0] + mask.bit_count() - 1 for mask in entry.tree[1]]
+        if self.model.config.mrope_section is not None:  # [3, T]: each row's time, height and width positions
+            positions = np.concatenate([mrope_positions(positions[query_start_loc[i]:query_start_loc[i + 1]], e.images)
+                                        for i, e in enumerate(entries)], axis=1)
         used_blocks = -(-ends // self.block_size)
         block_tables = np.zeros((len(entries), int(used_blocks.max())), dtype=np.int32)
         for i, (entry, used) in enumerate(zip(entries, used_blocks)):
@@ -162,7 +166,7 @@ class ModelRunner:
                                  "sequence of a step needs a state slot")
             state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
         return StepInputs(
-            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(positions)),
+            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
@@ -413,7 +417,8 @@ class ModelRunner:
                                       self.lora[1].get(request.lora_id, -1) if self.lora else -1,
                                       None if not request.images else step_embeddings(
                                           request, start, count, self.model.config.vision.image_token_id,
-                                          self.encoder_cache, self.model.vision.encode)))
+                                          self.encoder_cache, self.model.vision.encode),
+                                      request.images))
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + request.num_pending_tokens + len(request.spec_token_ids):

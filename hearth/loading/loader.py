@@ -14,9 +14,11 @@ from hearth.engine_config import SparsityConfig
 from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor
+from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading.activation_thresholds import sparsify_model
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
+from hearth.vision_config import QwenVisionConfig
 
 if TYPE_CHECKING:
     from hearth.distributed.pipeline_parallel import PipelineShard
@@ -29,7 +31,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
-    image_processor: ImageProcessor | None = None  # an image-text model's (hearth/image_processor.py)
+    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py)
+    image_processor: ImageProcessor | QwenImageProcessor | None = None
 
 
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
@@ -86,5 +89,8 @@ def load_model(
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
-    image_processor = None if config.vision is None else ImageProcessor.from_hf_dir(path, config.vision)
+    image_processor = None
+    if config.vision is not None:
+        family = QwenImageProcessor if isinstance(config.vision, QwenVisionConfig) else ImageProcessor
+        image_processor = family.from_hf_dir(path, config.vision)
     return LoadedModel(model.eval(), tokenizer, config, path, image_processor)

@@ -60,10 +60,12 @@ _HF_ALIASES = (
     (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
 )
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names)
-_VISION_PREFIXES = ("model.vision_model.", "model.connector.")
-# the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
-# multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.")  # (and qwen3_vl's)
+# the parts of a checkpoint hearth does not load, by family: Qwen3.5's multi-token-prediction layers, and
+# its vision tower where the config has no vision_config (hearth runs the text model, as transformers'
+# Qwen3_5ForCausalLM does)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
+NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

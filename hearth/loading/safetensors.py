@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import NOT_LOADED, canonical_hf_name
+from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, canonical_hf_name
 
 logger = logging.getLogger("hearth")
 
@@ -63,7 +63,7 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
     config = ModelConfig.from_hf(read_json(config_path), str(config_path))
     weights: dict[str, torch.Tensor] = {}
     files = weight_files(folder)
-    not_loaded, skipped = NOT_LOADED.get(config.architecture), 0
+    not_loaded, skipped = (NOT_LOADED_WITH_VISION if config.vision else NOT_LOADED).get(config.architecture), 0
     with tqdm(total=len(files), desc="loading", unit="file", disable=not progress, leave=False) as bar:
         for file in files:
             try:

@@ -279,6 +279,14 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = rope_attention_factor(config) if inv_freq is None else 1.0
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
+        # M-RoPE (qwen3_vl): which of a token's positions (0 time, 1 height, 2 width) each frequency turns by
+        self.mrope_axes = None
+        if config.mrope_section is not None:
+            if not ops.mrope:
+                raise ModelLoadError(f"the {ops.name} backend has no M-RoPE (3-D positions) yet: run a "
+                                     f"{config.vision.family if config.vision else 'M-RoPE'} model with --backend "
+                                     "cpu or reference")
+            self.mrope_axes = mrope_axes(config.mrope_section, len(self.inv_freq))
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:
         """llama.cpp's rope_freqs tensor: divisors of the base frequencies."""
@@ -291,6 +299,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * self.attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """What the backend's rope_and_store_kv needs of positions [T]: looked up once per step,
-        used by every layer."""
-        return self.ops.rotary(self.cos, self.sin, positions, dtype)
+        """What the backend's rope_and_store_kv needs of positions [T] (M-RoPE: [3, T], each token's time,
+        height and width positions): looked up once per step, used by every layer."""
+        if self.mrope_axes is None:
+            return self.ops.rotary(self.cos, self.sin, positions, dtype)
+        # each frequency's angle at the position of its axis: the step's own table [T, head_dim / 2],
+        # which the backend reads at rows 0..T-1
+        rows = positions[self.mrope_axes.to(positions.device)].T
+        columns = torch.arange(rows.shape[1], device=rows.device)
+        table = (self.cos[rows, columns], self.sin[rows, columns])
+        return self.ops.rotary(*table, torch.arange(len(rows), device=rows.device), dtype)
+
+
+def mrope_axes(section: tuple[int, int, int], half: int) -> torch.Tensor:
+    """Interleaved M-RoPE's axis of each of the half head's frequencies (transformers' Qwen3-VL): frequency
+    j turns by the height position where j % 3 == 1 and j < 3 * section[1], by the width position where
+    j % 3 == 2 and j < 3 * section[2], else by the time position."""
+    j = torch.arange(half, device="cpu")
+    axes = torch.zeros(half, dtype=torch.int64, device="cpu")
+    for axis in (1, 2):
+        axes[(j % 3 == axis) & (j < 3 * section[axis])] = axis
+    return axes

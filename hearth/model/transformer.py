@@ -24,9 +24,11 @@ from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors,
                                  partial_rotary_order)
 from hearth.model.state_layers import GatedDeltaNet, ShortConv
+from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
+from hearth.vision_config import QwenVisionConfig
 
 
 class Attention(nn.Module):
@@ -150,8 +152,12 @@ class Transformer(nn.Module):
         if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
             zeros = torch.zeros_like(self.rope.inv_freq)
             self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
-        # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*)
-        self.vision = None if config.vision is None else VisionTower(config.vision, config.hidden_size)
+        # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*;
+        # Qwen3-VL's model.visual.*)
+        self.vision = None
+        if config.vision is not None:
+            tower = QwenVisionTower if isinstance(config.vision, QwenVisionConfig) else VisionTower
+            self.vision = tower(config.vision, config.hidden_size)
 
     @torch.inference_mode()
     def forward(
@@ -163,10 +169,16 @@ class Transformer(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta,  # the backend's attention metadata
         # rows [k] whose input is given (an image's embeddings in place of its placeholder tokens) and
-        # their values [k, hidden]; None: every row's is its token's embedding
+        # their values [k, hidden]; None: every row's is its token's embedding. Values [k, (1 + D) *
+        # hidden]: the input, then what the first D layers' outputs add at those rows (Qwen3-VL's deepstack)
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        return self.norm(*self.run_layers(self.embed(input_ids, embeds), None, positions, kv_caches, meta))[0]
+        width = self.config.hidden_size
+        added = None
+        if embeds is not None and embeds[1].shape[1] > width:
+            added = (embeds[0], embeds[1][:, width:].unflatten(1, (-1, width)))  # [k, D, hidden]
+        x = self.embed(input_ids, embeds)
+        return self.norm(*self.run_layers(x, None, positions, kv_caches, meta, added))[0]
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -176,23 +188,28 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if embeds is not None:
             rows, values = embeds
-            x[rows] = values.to(x.dtype)
+            x[rows] = values[:, :x.shape[1]].to(x.dtype)
         return x
 
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
+                   added: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer of self.layers (a pipeline stage's: its own) on x [T, hidden], what the layer
-        before adds to the residual stream (None: x is the stream). Returns the same pair after the last."""
+        before adds to the residual stream (None: x is the stream). Returns the same pair after the last.
+        added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
         # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
         adapters = self.lora_rows is not None and self.lora_rows.active
-        if not adapters and (out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
+        if not adapters and added is None and (
+                out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rotaries, kv_cache, meta)
+            if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
+                x = x.index_add(0, added[0], added[1][:, index].to(x.dtype))
         return x, residual
 
     def first_layers(self, num_layers: int) -> Transformer:
@@ -334,7 +351,7 @@ class Transformer(nn.Module):
 
 def _checkpoint_module_name(name: str) -> str:
     """The checkpoint's name of a module: the text model's under model., the vision tower's parts
-    (vision.vision_model, vision.connector) under model. as well."""
+    (vision.vision_model, vision.connector; vision.visual) under model. as well."""
     if name.startswith("lm_head"):
         return name
     return "model." + name.removeprefix("vision.")

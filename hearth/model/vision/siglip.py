@@ -144,6 +144,7 @@ class VisionTower(nn.Module):
         out = self.connector(self.vision_model(pixels.to(weight.device, weight.dtype)))
         return out.reshape(-1, out.shape[-1])
 
-    def encode(self, pixel_values: np.ndarray) -> torch.Tensor:
-        """The processor's tiles (float32 [tiles, 3, H, W], hearth/image_processor.py) -> their embeddings."""
+    def encode(self, pixel_values: np.ndarray, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """The processor's tiles (float32 [tiles, 3, H, W], hearth/image_processor.py) -> their embeddings
+        (grid: a Qwen3-VL image's, QwenVisionTower.encode; the tiles' layout is their shape)."""
         return self(torch.from_numpy(pixel_values))

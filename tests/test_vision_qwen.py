@@ -1,0 +1,155 @@
+"""Images in: Qwen3-VL (transformers' Qwen3VLForConditionalGeneration with random weights in real image
+shapes) against transformers' own processor and model, fp32: pixels, grids, token ids, M-RoPE positions,
+logits and greedy tokens with one and two images of odd sizes, whole and in chunks that cut through an
+image, on the cpu and reference backends; what the gpu backend and bad configs refuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.engine.images import mrope_positions
+from hearth.errors import ModelLoadError, RequestError
+from hearth.sampling_params import SamplingParams
+from models import make_qwen_vl, qwen_vl_processor
+from test_vision import _hearth_logits, _image
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes an image part
+ONE = f"<|im_start|>user\nWhat is in {IMAGE}?<|im_end|>\n<|im_start|>assistant\n"
+TWO = f"<|im_start|>user\nCompare {IMAGE} with{IMAGE} please<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# odd sizes: a landscape RGB, a tall RGBA, a tiny grey one (upscaled to min_pixels), one past max_pixels
+IMAGES = ((0, 77, 131, "RGB"), (1, 250, 97, "RGBA"), (2, 13, 21, "L"), (3, 517, 403, "RGB"))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    import transformers
+
+    from hearth import LLM
+
+    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_vl"))
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
+
+
+def _reference(qwen, text: str, images: list):
+    _, processor, reference, _ = qwen
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        logits = reference(**inputs).logits[0]
+        out = reference.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    return inputs, logits, out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_pixels_grids_token_ids_and_positions_are_transformers(qwen):
+    """Every image's patches bit for bit and its grid (Qwen2VLImageProcessor's PIL path: smart_resize
+    up and down, RGBA on white, greyscale), the expanded prompt's token ids (Qwen3VLProcessor's), and the
+    M-RoPE positions of every token with the rope delta after the images (Qwen3VLModel.get_rope_index)."""
+    _, processor, reference, llm = qwen
+    engine = llm.engine
+    images = [_image(*spec) for spec in IMAGES]
+    text = f"a{IMAGE}b{IMAGE}{IMAGE} c{IMAGE}."
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    mine = [engine.image_processor.process(image) for image in images]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    assert [[1, 2 * m.grid[0], 2 * m.grid[1]] for m in mine] == inputs["image_grid_thw"].tolist()
+    expanded = engine.prompt_with_images(text, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    positions, delta = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                      inputs["image_grid_thw"])
+    ours = mrope_positions(np.arange(len(expanded.token_ids)), expanded.images)
+    assert np.array_equal(ours, positions[:, 0].numpy())
+    after = len(expanded.token_ids) + 5  # a decode after the prompt
+    assert mrope_positions(np.array([after]), expanded.images).ravel().tolist() == [after + int(delta)] * 3
+    from hearth.model_info import model_info
+
+    assert model_info(qwen[0])["vision"]["deepstack_layers"] == [0, 2]  # hearth inspect's line
+
+
+@pytest.mark.parametrize("text, which", [(ONE, (0,)), (TWO, (1, 0))], ids=["one-image", "two-images"])
+def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
+    """fp32 logits of every position within 1e-4, whole and in two chunks cut inside the first image
+    (the cpu backend); greedy tokens (decodes after the images: the rope delta) through LLM.generate."""
+    images = [_image(*IMAGES[i]) for i in which]
+    inputs, ref_logits, ref_tokens = _reference(qwen, text, images)
+    llm = qwen[3]
+    assert llm.engine.model.backend.name == "cpu"
+    ids, logits = _hearth_logits(llm.engine, text, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    cut = ids.index(llm.engine.model_config.vision.image_token_id) + 7  # inside a row of the first image
+    torch.testing.assert_close(_hearth_logits(llm.engine, text, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_chunked_prefill_through_images_on_the_reference_backend(qwen):
+    """The reference backend, chunks of 16 tokens through both images (each encoded once), then decodes:
+    transformers' greedy tokens; the same prompt again hits the prefix cache and still gives them."""
+    from hearth import LLM
+
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    ref_tokens = _reference(qwen, TWO, images)[2]
+    llm = LLM(str(qwen[0]), progress=False, backend="reference", max_num_batched_tokens=16)
+    for _ in range(2):
+        out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref_tokens
+    assert llm.engine.runner.encoder_cache.misses == 2
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+
+
+def test_what_is_refused(qwen):
+    """The gpu backend (no M-RoPE), M-RoPE sections that do not fit the head, contiguous (not interleaved)
+    sections, a text model of another family, and a prompt that names its images with another marker."""
+    from hearth.backend.gpu import GpuBackend
+    from hearth.config import ModelConfig
+    from hearth.model.transformer import Transformer
+
+    config = json.loads((qwen[0] / "config.json").read_text())
+    model_config = ModelConfig.from_hf(config)
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no M-RoPE"):
+        Transformer(model_config, backend=GpuBackend("cpu"))
+    rope = config["text_config"]["rope_parameters"]
+    for change, message in (({"mrope_section": [4, 4]}, "expected three counts"),
+                            ({"mrope_interleaved": False}, "interleaved")):
+        with pytest.raises(ModelLoadError, match=message):
+            ModelConfig.from_hf({**config, "text_config": {**config["text_config"],
+                                                           "rope_parameters": {**rope, **change}}})
+    with pytest.raises(ModelLoadError, match="qwen3 text model"):
+        ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
+    with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):
+        qwen[3].engine.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [_image(0, 30, 40)]})
+    with pytest.raises(RequestError, match="differ by more than 200 times"):  # (transformers' limit too)
+        qwen[3].engine.add_request(None, ONE, GREEDY, multi_modal_data={"image": [_image(0, 1, 201)]})
+    assert not qwen[3].engine.has_unfinished_requests()
+
+
+def test_qwen3_5_with_its_vision_tower(tmp_path):
+    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
+    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
+    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
+    first image, and greedy tokens, against transformers."""
+    import transformers
+
+    from hearth import LLM
+
+    folder = make_qwen_vl(tmp_path, family="qwen3_5")
+    processor = qwen_vl_processor(folder)
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), progress=False)
+    assert llm.engine.model_config.vision.deepstack_layers == ()
+    images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), TWO, images)
+    expanded = llm.engine.prompt_with_images(TWO, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    positions, _ = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                  inputs["image_grid_thw"])
+    assert np.array_equal(mrope_positions(np.arange(len(expanded.token_ids)), expanded.images), positions[:, 0].numpy())
+    cut = expanded.images[0].start + 9
+    torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
