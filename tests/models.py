@@ -128,6 +128,18 @@ def _hybrid_configs(transformers) -> dict:
         "qwen3_5": (transformers.Qwen3_5TextConfig, {
             "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4}),
+        # Granite 4.0-H's pattern, small: Mamba2 (4 heads of 32 in 2 groups, state 8), attention without
+        # RoPE, Mamba2, each followed by 4 experts (2 chosen) and a shared MLP; its four multipliers
+        "granitemoehybrid": (transformers.GraniteMoeHybridConfig, {
+            "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4,
+            "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+            "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 3.0}),
+        # Nemotron-H's blocks of one mixer each: Mamba2 (4 heads of 16 in 2 groups, state 8), a relu2 MLP,
+        # attention without RoPE, an MLP, Mamba2
+        "nemotron_h": (transformers.NemotronHConfig, {
+            "layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba"], "head_dim": 16, "mamba_num_heads": 4,
+            "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5}),
     }
 
 

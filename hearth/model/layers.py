@@ -85,6 +85,20 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.ops.act_and_mul(gate, up, self.activation))
 
 
+class MLP(nn.Module):
+    """down(act(up(x))), ungated: nemotron_h's, with relu2 (ReLU squared)."""
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__()
+        if config.hidden_act != "relu2":
+            raise ModelLoadError(f"unsupported activation {config.hidden_act!r} of an ungated MLP")
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
 class SparseMoE(nn.Module):
     """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
     router's softmax over all experts (renormalised over the k when norm_topk_prob; times
