@@ -101,7 +101,11 @@ PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
                       "mapping yet",
            "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
-                          "names in hearth's GGUF mapping"}
+                          "names in hearth's GGUF mapping",
+           "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
+                               "...) have no names in hearth's GGUF mapping yet",
+           "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have no "
+                         "names in hearth's GGUF mapping yet"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
