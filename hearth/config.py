@@ -90,6 +90,8 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
     shared_expert_gated: bool = True  # qwen2_moe's shared expert is scaled by its gate; deepseek_v2's is not
     routed_scaling_factor: float = 1.0  # deepseek_v2: the chosen experts' weights times this
+    # nemotron_h: the router's scores are sigmoids, chosen by score + a learned correction (DeepSeek-V3's noaux_tc)
+    router_sigmoid: bool = False
     # deepseek_v2's group_limited_greedy: the experts in expert_groups groups, of which a token chooses
     # only among those of the topk_groups groups with the highest best scores; 0: no groups
     expert_groups: int = 0

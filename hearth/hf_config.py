@@ -96,6 +96,8 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
     if arch == "deepseek_v2":
         return _deepseek_experts_from_hf(hf)
+    if arch == "nemotron_h":
+        return _nemotron_h_experts_from_hf(hf)
     if arch == "granitemoehybrid":  # softmax over the top k's logits (= over all, renormalised); an ungated shared MLP
         experts = int(hf.get("num_local_experts") or 0)
         return {} if not experts else dict(
@@ -116,6 +118,25 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
+    )
+
+
+def _nemotron_h_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """nemotron_h's experts (its blocks of kind moe; the mlp blocks are dense): the top num_experts_per_tok
+    of n_routed_experts by sigmoid score plus e_score_correction_bias, weighted by their scores
+    (renormalised with norm_topk_prob) times routed_scaling_factor; ungated relu2 experts and a shared
+    one beside them, unscaled."""
+    kinds = _nemotron_h_layers(hf)
+    if "moe" not in kinds:
+        return {}
+    if int(hf.get("n_group") or 1) != 1:
+        raise ModelLoadError(f"n_group={hf['n_group']!r} is not implemented by hearth for nemotron_h")
+    return dict(
+        num_experts=int(hf["n_routed_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(hf["moe_shared_expert_intermediate_size"]), shared_expert_gated=False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), router_sigmoid=True,
+        dense_mlp_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
     )
 
 
@@ -246,7 +267,7 @@ def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[
 
 # Mamba2 families' layer kinds (transformers' names and the older ones its configs still carry) -> ModelConfig's
 _MAMBA2_LAYER_KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention",
-                       "attention": "attention", "mlp": "mlp"}
+                       "attention": "attention", "mlp": "mlp", "moe": "mlp"}
 
 
 def _mamba2_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -257,7 +278,7 @@ def _mamba2_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     kinds = hf.get("layer_types") if granite else _nemotron_h_layers(hf)
     if kinds is None:  # transformers' default: Mamba2 everywhere, which hearth refuses below
         kinds = ["mamba"] * int(hf["num_hidden_layers"])
-    allowed = ("mamba", "attention") if granite else ("mamba", "attention", "mlp")
+    allowed = ("mamba", "attention") if granite else ("mamba", "attention", "mlp", "moe")
     if not isinstance(kinds, list) or any(_MAMBA2_LAYER_KINDS.get(kind, kind) not in
                                           {_MAMBA2_LAYER_KINDS[a] for a in allowed} for kind in kinds):
         raise ModelLoadError(f"layer_types = {kinds!r}: expected {', '.join(allowed)} for each layer (hearth "

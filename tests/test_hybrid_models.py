@@ -1,7 +1,7 @@
 """Hybrid models, layers that keep a state per sequence between attention layers: lfm2 (short
 convolutions), qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), granitemoehybrid (Mamba2,
-attention without RoPE, experts and a shared MLP, multipliers) and nemotron_h (blocks of Mamba2, attention
-or a relu2 MLP), against transformers
+attention without RoPE, experts and a shared MLP, multipliers) and nemotron_h (blocks of Mamba2, attention,
+a relu2 MLP or experts routed by sigmoid), against transformers
 on tiny random models in the real layer structure (tests/models.py): greedy tokens and top-5
 logprobs at batch 1 and in a mixed batch with chunked prefill and forced preemption, a second
 request sharing a prefix, the state cache's sizes and bookkeeping, and what is refused by name."""
@@ -308,8 +308,9 @@ REFUSED = {  # per family: config.json fields hearth does not implement, and wha
     "granitemoehybrid": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for granitemoehybrid"),
                          ({"layer_types": ["mamba"] * 3}, "models with an attention layer"),
                          ({"mamba_n_groups": 3}, "mamba_num_heads \\(4\\) is not a multiple of the 3 groups")],
-    "nemotron_h": [({"layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba"]},
+    "nemotron_h": [({"layers_block_type": ["mamba", "mlp", "attention", "moe", "linear"]},
                     "does not implement nemotron_h's other kinds"),
+                   ({"n_group": 2, "topk_group": 1}, "n_group=2 is not implemented"),
                    ({"mamba_hidden_act": "relu"}, "mamba_hidden_act='relu' is not implemented"),
                    ({"moe_latent_size": 16}, "moe_latent_size=16 is not implemented")],
 }

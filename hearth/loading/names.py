@@ -54,6 +54,10 @@ _NEMOTRON_H_ALIASES = (
     (re.compile(r"^backbone\.layers\.(\d+)\.norm\."), r"model.layers.\1.input_layernorm."),
     (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.([qkvo]_proj)\."), r"model.\1.self_attn.\2."),
     (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.(up_proj|down_proj)\."), r"model.\1.mlp.\2."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.gate\.e_score_correction_bias$"),
+     r"model.\1.mlp.e_score_correction_bias"),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.(gate|experts)\."), r"model.\1.mlp.\2."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.shared_experts\."), r"model.\1.mlp.shared_expert."),
     (re.compile(r"^backbone\.(layers\.\d+)\.mixer\."), r"model.\1.mamba."),
 )
 # mixtral's checkpoint names -> the (qwen-style) names of hearth's modules
