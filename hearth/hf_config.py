@@ -197,13 +197,19 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         return hybrid_fields_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings",
                                                                             text.get("tie_word_embeddings", False))}, arch)
     elif arch == "nemotron_h":  # its layers' kinds give their number; its MLP's activation is mlp_hidden_act
-        hf = {**hf, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "hidden_act": hf.get("mlp_hidden_act", "relu2"),
-              "num_hidden_layers": len(_nemotron_h_layers(hf))}
+        legacy = {name: hf[old] for name, old in _NEMOTRON_H_LEGACY.items() if old in hf and name not in hf}
+        hf = {**hf, **legacy, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "head_dim": hf.get("head_dim") or 128,
+              "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf))}
     elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
     if arch in ("qwen3_5", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":  # the convolution's too
         raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for {arch}")
     return hf
+
+
+# nemotron_h's fields under the older names its configs may carry (transformers reads both)
+_NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_min": "mamba_dt_min",
+                      "use_conv_bias": "mamba_conv_bias"}
 
 
 def _nemotron_h_layers(hf: dict[str, Any]) -> list[str]:

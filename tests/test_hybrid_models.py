@@ -401,6 +401,36 @@ def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
+def test_granite_dense_with_rope_and_nemotron_h_older_config(tmp_path):
+    """Granite 4.0-H's other shapes: no experts (the shared MLP is the layer's MLP) and RoPE on (position_embedding_type
+    rope): transformers' logits over a prompt and a decode. A nemotron_h config.json in its older names
+    (hybrid_override_pattern, mamba_n_groups, mamba_d_conv) reads as transformers reads it."""
+    import transformers
+
+    from hearth.config import ModelConfig
+
+    folder = make_hf_model(tmp_path / "g", "granitemoehybrid", num_local_experts=0, position_embedding_type="rope")
+    model = load_model(folder, progress=False).model
+    assert model.config.no_rope_layers == () and model.config.num_experts == 0
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    prompt = PROMPTS[0]
+    hidden = torch.cat([runner.forward([BatchEntry(prompt[:-1], 0, [0, 1, 2, 3], state_slot=0)])[0],
+                        runner.forward([BatchEntry(prompt[-1:], len(prompt) - 1, [0, 1, 2, 3], state_slot=0)])[0]])
+    with torch.no_grad():
+        want = load_hf_reference(folder)(torch.tensor([prompt])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    older = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": VOCAB_SIZE,
+             "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+             "hybrid_override_pattern": "M-M*-", "mamba_n_groups": 2, "mamba_d_conv": 3}
+    theirs = transformers.NemotronHConfig(**older)
+    ours = ModelConfig.from_hf(older)
+    assert [{"mamba2": "linear_attention", "attention": "full_attention"}.get(kind, kind) for kind in ours.layer_types] \
+        == theirs.layers_block_type
+    assert (ours.mamba_groups, ours.conv_kernel_size) == (theirs.n_groups, theirs.conv_kernel) == (2, 3)
+
+
 def test_cpu_kernels_match_the_torch_steps():
     """cpu_kernels/state_ops.cpp's decode steps (convolution, delta rule, Mamba2's scan) against the reference
     backend's torch ones, in a step of three decodes (one starting fresh, its slot holding another
