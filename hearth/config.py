@@ -372,5 +372,6 @@ _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_
 _QUERY_RANK_LIMIT = 1 << 16
 _DELTA_NET_LIMITS = {"linear_num_key_heads": 1 << 12, "linear_num_value_heads": 1 << 12, "linear_key_head_dim": 1 << 12,
                      "linear_value_head_dim": 1 << 12}
-_MAMBA2_LIMITS = {"mamba_num_heads": 1 << 12, "mamba_head_dim": 1 << 12, "ssm_state_size": 1 << 12, "mamba_groups": 1 << 12}
+_MAMBA2_LIMITS = {"mamba_num_heads": 1 << 12, "mamba_head_dim": 1 << 12, "ssm_state_size": 1 << 12,
+                  "mamba_groups": 1 << 12}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}

@@ -294,11 +294,10 @@ def _mamba2_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     head_dim = hf.get("mamba_d_head" if granite else "mamba_head_dim") or "auto"
     head_dim = int(hf.get("mamba_expand", 2) * hidden // heads if head_dim == "auto" else head_dim)
     limit = [_json_float(bound) for bound in hf.get("time_step_limit") or (0.0, math.inf)]
-    if not granite:  # transformers' nemotron_h clamps dt from time_step_min up
+    if not granite:  # transformers' nemotron_h clamps dt from time_step_min up (in its prompts; hearth in decodes too)
         limit = (float(hf.get("time_step_min", 0.001)), math.inf)
-    for name in ("moe_latent_size",) if not granite else ():
-        if hf.get(name) is not None:
-            raise ModelLoadError(f"{name}={hf[name]!r} is not implemented by hearth for {arch}")
+    if not granite and hf.get("moe_latent_size") is not None:
+        raise ModelLoadError(f"moe_latent_size={hf['moe_latent_size']!r} is not implemented by hearth for {arch}")
     act = hf.get("hidden_act" if granite else "mamba_hidden_act") or "silu"
     if act != "silu":
         raise ModelLoadError(f"mamba_hidden_act={act!r} is not implemented by hearth for {arch}")

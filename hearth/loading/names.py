@@ -108,8 +108,8 @@ NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ss
                           "names in hearth's GGUF mapping",
            "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
                                "...) have no names in hearth's GGUF mapping yet",
-           "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have no "
-                         "names in hearth's GGUF mapping yet"}
+           "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have "
+                         "no names in hearth's GGUF mapping yet"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")

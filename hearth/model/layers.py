@@ -127,7 +127,8 @@ class SparseMoE(nn.Module):
         if config.router_sigmoid:
             self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)
         expert = GatedMLP if config.gated_mlp else MLP
-        self.experts = nn.ModuleList(expert(config, ops, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(expert(config, ops, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = expert(config, ops, config.shared_expert_intermediate_size)

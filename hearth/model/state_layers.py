@@ -1,7 +1,7 @@
 """The layers of hybrid models that keep a fixed-size state per sequence instead of K/V per token:
-LFM2's short convolution, Qwen3.5's Gated DeltaNet and Mamba2 (Granite 4.0-H, Nemotron-H). They take an attention layer's place in a
-DecoderLayer (hearth/model/transformer.py) and its call: (x, rotary (unused), the layer's cache,
-meta); their cache is the layer's state in the state cache (the runner allocates it,
+LFM2's short convolution, Qwen3.5's Gated DeltaNet and Mamba2 (Granite 4.0-H, Nemotron-H). They take
+an attention layer's place in a DecoderLayer (hearth/model/transformer.py) and its call: (x, rotary
+(unused), the layer's cache, meta); their cache is the layer's state in the state cache (the runner allocates it,
 ModelConfig.state_shapes), and meta.state says each sequence's slot in it. The backend computes the
 convolution, the delta rule and Mamba2's scan (hearth/backend/state_ops.py).
 """
@@ -113,7 +113,8 @@ class Mamba2(nn.Module):
         self.split = [inner, conv, self.heads]
         self.in_proj = Linear(config.hidden_size, inner + conv + self.heads, config.mamba_proj_bias)
         self.conv1d = ConvWeight(conv, config.conv_kernel_size, config.conv_bias)
-        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(self.heads), requires_grad=False) for _ in range(3))
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(self.heads), requires_grad=False)
+                                            for _ in range(3))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
         self.out_proj = Linear(inner, config.hidden_size, config.mamba_proj_bias)

@@ -52,8 +52,8 @@
 // row it reads into a D-float buffer in L1 before using it.
 //
 // conv1d_step, delta_rule_step, ssm_step (hearth/backend/cpu.py, hybrid models' state layers): a decode step
-// of a causal depthwise convolution, of the gated delta rule and of Mamba2's scan, each sequence's state updated in place in
-// its slot of the state cache (torch gathers the states by slot and scatters them back).
+// of a causal depthwise convolution, of the gated delta rule and of Mamba2's scan, each sequence's state
+// updated in place in its slot of the state cache (torch gathers the states by slot and scatters them back).
 //
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
 // attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
