@@ -199,7 +199,8 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     elif arch == "nemotron_h":  # its layers' kinds give their number; its MLP's activation is mlp_hidden_act
         legacy = {name: hf[old] for name, old in _NEMOTRON_H_LEGACY.items() if old in hf and name not in hf}
         hf = {**hf, **legacy, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "head_dim": hf.get("head_dim") or 128,
-              "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf))}
+              "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf)),
+              "sliding_window": None}  # (its attention never reads the window its configs carry)
     elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
     if arch in ("qwen3_5", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":  # the convolution's too

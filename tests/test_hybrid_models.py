@@ -404,7 +404,8 @@ def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
 def test_granite_dense_with_rope_and_nemotron_h_older_config(tmp_path):
     """Granite 4.0-H's other shapes: no experts (the shared MLP is the layer's MLP) and RoPE on (position_embedding_type
     rope): transformers' logits over a prompt and a decode. A nemotron_h config.json in its older names
-    (hybrid_override_pattern, mamba_n_groups, mamba_d_conv) reads as transformers reads it."""
+    (hybrid_override_pattern, mamba_n_groups, mamba_d_conv) reads as transformers reads it, its
+    sliding_window unused as there."""
     import transformers
 
     from hearth.config import ModelConfig
@@ -423,12 +424,13 @@ def test_granite_dense_with_rope_and_nemotron_h_older_config(tmp_path):
     older = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": VOCAB_SIZE,
              "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
-             "hybrid_override_pattern": "M-M*-", "mamba_n_groups": 2, "mamba_d_conv": 3}
+             "hybrid_override_pattern": "M-M*-", "mamba_n_groups": 2, "mamba_d_conv": 3, "sliding_window": 8}
     theirs = transformers.NemotronHConfig(**older)
     ours = ModelConfig.from_hf(older)
     assert [{"mamba2": "linear_attention", "attention": "full_attention"}.get(kind, kind) for kind in ours.layer_types] \
         == theirs.layers_block_type
     assert (ours.mamba_groups, ours.conv_kernel_size) == (theirs.n_groups, theirs.conv_kernel) == (2, 3)
+    assert ours.sliding_window is None  # (transformers' nemotron_h attends to the whole context whatever it says)
 
 
 def test_cpu_kernels_match_the_torch_steps():

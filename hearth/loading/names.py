@@ -75,8 +75,9 @@ _HF_ALIASES = (
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names)
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.")
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower and its
-# multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does)
-NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
+# multi-token-prediction layers (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does), and
+# Nemotron-H's multi-token-prediction layers (as transformers' NemotronHForCausalLM)
+NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "nemotron_h": re.compile(r"^mtp\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

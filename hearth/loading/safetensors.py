@@ -80,6 +80,6 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
     if skipped:
-        logger.warning("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
+        logger.warning("%s: %d tensors not loaded (%s): parts of a %s checkpoint hearth does not run", folder, skipped,
                     not_loaded.pattern, config.architecture)
     return config, weights
