@@ -32,12 +32,15 @@ MAX_DECODE_QUERY_LEN = 16
 
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
-                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5")
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5",
+                           "granitemoehybrid", "nemotron_h")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
-# cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py)
-ATTENTION, SHORT_CONV, GATED_DELTA_NET = "attention", "short_conv", "gated_delta_net"
+# cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py), but
+# MLP: nemotron_h's blocks of an MLP alone, which keep nothing
+ATTENTION, SHORT_CONV, GATED_DELTA_NET, MAMBA2, MLP = "attention", "short_conv", "gated_delta_net", "mamba2", "mlp"
+LAYER_KINDS = (ATTENTION, SHORT_CONV, GATED_DELTA_NET, MAMBA2, MLP)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (qwen's mlp_only_layers)
     shared_expert_gated: bool = True  # qwen2_moe's shared expert is scaled by its gate; deepseek_v2's is not
     routed_scaling_factor: float = 1.0  # deepseek_v2: the chosen experts' weights times this
+    # nemotron_h: the router's scores are sigmoids, chosen by score + a learned correction (DeepSeek-V3's noaux_tc)
+    router_sigmoid: bool = False
     # deepseek_v2's group_limited_greedy: the experts in expert_groups groups, of which a token chooses
     # only among those of the topk_groups groups with the highest best scores; 0: no groups
     expert_groups: int = 0
@@ -100,15 +105,30 @@ class ModelConfig:
     q_lora_rank: int = 0  # q made through a norm between two projections of this rank (0: by q_proj)
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    # Hybrid models (lfm2, qwen3_5): each layer's kind (ATTENTION, SHORT_CONV, GATED_DELTA_NET); (): all attention
+    # Hybrid models (lfm2, qwen3_5, granitemoehybrid, nemotron_h): each layer's kind (LAYER_KINDS); (): all attention
     layer_types: tuple[str, ...] = ()
     conv_kernel_size: int = 0  # the causal depthwise convolution's width (lfm2's conv_L_cache, qwen3_5's conv)
-    conv_bias: bool = False  # lfm2: biases on the convolution and its projections
+    conv_bias: bool = False  # lfm2: biases on the convolution and its projections; Mamba2: on the convolution
     # Gated DeltaNet (qwen3_5): q and k heads of linear_key_head_dim, v heads of linear_value_head_dim
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Mamba2 (granitemoehybrid, nemotron_h): mamba_num_heads heads of mamba_head_dim, their B and C in
+    # mamba_groups groups of ssm_state_size; dt clamped to time_step_limit; biases on in_proj and out_proj
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_groups: int = 0
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # granitemoehybrid: each layer's additions to the residual stream times residual_multiplier, the logits
+    # divided by logits_divisor (its logits_scaling)
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    # nemotron_h: a layer is one norm and one of attention, Mamba2 or an MLP (no MLP after the mixer)
+    single_mixer_blocks: bool = False
+    gated_mlp: bool = True  # False: the MLP is down(act(up(x))) (nemotron_h's, with relu2)
     attention_output_gate: bool = False  # qwen3_5: attention's output times sigmoid(a gate q_proj makes beside q)
     partial_rotary_factor: float = 1.0  # the share of q's and k's head dimensions RoPE rotates (the first ones)
     # M-RoPE (qwen3_vl, interleaved): a token has three positions (time, height, width; a text token's are
@@ -137,7 +157,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim = {self.head_dim}: rotary embeddings need an even head size")
-        for name in ("rms_norm_eps", "rope_theta", "embedding_scale", "routed_scaling_factor"):
+        for name in ("rms_norm_eps", "rope_theta", "embedding_scale", "routed_scaling_factor", "residual_multiplier",
+                     "logits_divisor"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ModelLoadError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -185,9 +206,9 @@ class ModelConfig:
                                  f"{self.num_layers}")
 
     def _check_state_layers(self) -> None:
-        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {ATTENTION, SHORT_CONV, GATED_DELTA_NET}:
-            raise ModelLoadError(f"layer_types = {list(self.layer_types)!r}: expected one of {ATTENTION}, {SHORT_CONV}, "
-                                 f"{GATED_DELTA_NET} for each of the {self.num_layers} layers")
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_KINDS):
+            raise ModelLoadError(f"layer_types = {list(self.layer_types)!r}: expected one of {', '.join(LAYER_KINDS)} "
+                                 f"for each of the {self.num_layers} layers")
         self._check_sizes({"conv_kernel_size": 1 << 8})
         if self.conv_kernel_size < 2 or ATTENTION not in self.layer_types:
             raise ModelLoadError(f"conv_kernel_size = {self.conv_kernel_size}, layer_types = {list(self.layer_types)}: "
@@ -197,6 +218,14 @@ class ModelConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ModelLoadError(f"linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
                                      f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if MAMBA2 in self.layer_types:
+            self._check_sizes(_MAMBA2_LIMITS)
+            if self.mamba_num_heads % self.mamba_groups:
+                raise ModelLoadError(f"mamba_num_heads ({self.mamba_num_heads}) is not a multiple of the "
+                                     f"{self.mamba_groups} groups")
+            low, high = self.time_step_limit
+            if not 0 <= low < high:
+                raise ModelLoadError(f"time_step_limit = {list(self.time_step_limit)}: expected 0 <= low < high")
         if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ModelLoadError(f"partial_rotary_factor = {self.partial_rotary_factor!r}: expected a share of "
                                  f"head_dim ({self.head_dim}) that is a positive even number of dimensions")
@@ -214,9 +243,10 @@ class ModelConfig:
         return sum(self.layer_type(layer) == ATTENTION for layer in range(self.num_layers))
 
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
-        """The state a layer keeps per sequence: () for attention; a short convolution's window (the last
-        conv_kernel_size - 1 inputs of each channel, [channels, kernel - 1]); a Gated DeltaNet's
-        convolution window over q, k and v and its delta-rule state [value heads, key dim, value dim]."""
+        """The state a layer keeps per sequence: () for attention and an MLP; a short convolution's window
+        (the last conv_kernel_size - 1 inputs of each channel, [channels, kernel - 1]); a Gated DeltaNet's
+        convolution window over q, k and v and its delta-rule state [value heads, key dim, value dim]; a
+        Mamba2's convolution window over x, B and C and its SSM state [heads, state size, head dim]."""
         kind, window = self.layer_type(layer), self.conv_kernel_size - 1
         if kind == SHORT_CONV:
             return ((self.hidden_size, window),)
@@ -225,11 +255,14 @@ class ModelConfig:
                 self.linear_num_value_heads * self.linear_value_head_dim
             return ((2 * keys + values, window),
                     (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim))
+        if kind == MAMBA2:
+            inner, groups = self.mamba_num_heads * self.mamba_head_dim, self.mamba_groups * self.ssm_state_size
+            return ((inner + 2 * groups, window), (self.mamba_num_heads, self.ssm_state_size, self.mamba_head_dim))
         return ()
 
     def state_bytes_per_sequence(self, bytes_per_element: int) -> int:
         """Every layer's state of one sequence: convolution windows in the compute dtype (bytes_per_element),
-        delta-rule states in float32 (they sum over the whole sequence)."""
+        delta-rule and SSM states in float32 (they sum over the whole sequence)."""
         total = 0
         for layer in range(self.num_layers):
             for i, shape in enumerate(self.state_shapes(layer)):
@@ -268,7 +301,8 @@ class ModelConfig:
             window = hf.get("sliding_window")
             if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
                 window = None  # their configs carry a window that is switched off
-            return cls(
+            # (a hybrid family's fields last: they override what the other families' rules give)
+            return cls(**dict(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
@@ -295,8 +329,7 @@ class ModelConfig:
                 **gemma2_from_hf(hf, arch, local_rope),
                 **experts_from_hf(hf, arch),
                 **latent_attention_from_hf(hf, arch, heads, kv_heads),
-                **hybrid_from_hf(hf, arch, rope),
-            )
+            ) | hybrid_from_hf(hf, arch, rope))
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
         except ModelLoadError as e:
@@ -349,4 +382,6 @@ _LATENT_LIMITS = {"kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "v_head_
 _QUERY_RANK_LIMIT = 1 << 16
 _DELTA_NET_LIMITS = {"linear_num_key_heads": 1 << 12, "linear_num_value_heads": 1 << 12, "linear_key_head_dim": 1 << 12,
                      "linear_value_head_dim": 1 << 12}
+_MAMBA2_LIMITS = {"mamba_num_heads": 1 << 12, "mamba_head_dim": 1 << 12, "ssm_state_size": 1 << 12,
+                  "mamba_groups": 1 << 12}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}

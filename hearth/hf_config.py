@@ -96,6 +96,14 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
     if arch == "deepseek_v2":
         return _deepseek_experts_from_hf(hf)
+    if arch == "nemotron_h":
+        return _nemotron_h_experts_from_hf(hf)
+    if arch == "granitemoehybrid":  # softmax over the top k's logits (= over all, renormalised); an ungated shared MLP
+        experts = int(hf.get("num_local_experts") or 0)
+        return {} if not experts else dict(
+            num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+            shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)), shared_expert_gated=False)
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -110,6 +118,25 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
+    )
+
+
+def _nemotron_h_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """nemotron_h's experts (its blocks of kind moe; the mlp blocks are dense): the top num_experts_per_tok
+    of n_routed_experts by sigmoid score plus e_score_correction_bias, weighted by their scores
+    (renormalised with norm_topk_prob) times routed_scaling_factor; ungated relu2 experts and a shared
+    one beside them, unscaled."""
+    kinds = _nemotron_h_layers(hf)
+    if "moe" not in kinds:
+        return {}
+    if int(hf.get("n_group") or 1) != 1:
+        raise ModelLoadError(f"n_group={hf['n_group']!r} is not implemented by hearth for nemotron_h")
+    return dict(
+        num_experts=int(hf["n_routed_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(hf["moe_shared_expert_intermediate_size"]), shared_expert_gated=False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), router_sigmoid=True,
+        dense_mlp_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
     )
 
 
@@ -169,9 +196,36 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             raise ModelLoadError(f"text_config = {text!r}: expected an object")
         return hybrid_fields_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings",
                                                                             text.get("tie_word_embeddings", False))}, arch)
-    if arch == "qwen3_5" and (hf.get("hidden_act") or "silu") != "silu":  # its convolution's activation too
-        raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for qwen3_5")
+    elif arch == "nemotron_h":  # its layers' kinds give their number; its MLP's activation is mlp_hidden_act
+        legacy = {name: hf[old] for name, old in _NEMOTRON_H_LEGACY.items() if old in hf and name not in hf}
+        hf = {**hf, **legacy, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "head_dim": hf.get("head_dim") or 128,
+              "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf)),
+              "sliding_window": None}  # (its attention never reads the window its configs carry)
+    elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
+        hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
+    if arch in ("qwen3_5", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":  # the convolution's too
+        raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for {arch}")
     return hf
+
+
+# nemotron_h's fields under the older names its configs may carry (transformers reads both)
+_NEMOTRON_H_LEGACY = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_min": "mamba_dt_min",
+                      "use_conv_bias": "mamba_conv_bias"}
+
+
+def _nemotron_h_layers(hf: dict[str, Any]) -> list[str]:
+    """nemotron_h's layers_block_type, or its older hybrid_override_pattern (M: Mamba2, *: attention, -: MLP,
+    E: experts), as transformers reads them."""
+    kinds = hf.get("layers_block_type")
+    if kinds is None:
+        pattern = hf.get("hybrid_override_pattern")
+        if not isinstance(pattern, str):
+            raise ModelLoadError("nemotron_h without layers_block_type or hybrid_override_pattern")
+        letters = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+        kinds = [letters.get(letter, letter) for letter in pattern]
+    if not isinstance(kinds, list):
+        raise ModelLoadError(f"layers_block_type = {kinds!r}: expected a list")
+    return kinds
 
 
 def _lfm2_mlp_width(hf: dict[str, Any]) -> int:
@@ -186,7 +240,9 @@ def _lfm2_mlp_width(hf: dict[str, Any]) -> int:
 
 def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5: Gated DeltaNet
-    and gated attention); none for other families."""
+    and gated attention; granitemoehybrid and nemotron_h: Mamba2); none for other families."""
+    if arch in ("granitemoehybrid", "nemotron_h"):
+        return _mamba2_from_hf(hf, arch)
     if arch not in ("lfm2", "qwen3_5"):
         return {}
     layers = int(hf["num_hidden_layers"])
@@ -214,6 +270,60 @@ def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[
         attention_output_gate=True,
         partial_rotary_factor=float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
     )
+
+
+# Mamba2 families' layer kinds (transformers' names and the older ones its configs still carry) -> ModelConfig's
+_MAMBA2_LAYER_KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention",
+                       "attention": "attention", "mlp": "mlp", "moe": "mlp"}
+
+
+def _mamba2_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """granitemoehybrid's (Granite 4.0-H: Mamba2 and attention layers, each followed by an MLP or experts with
+    a shared MLP; its multipliers; RoPE only with position_embedding_type rope) and nemotron_h's (Mamba2,
+    attention and MLP blocks of one mixer each, attention without RoPE) fields, as transformers reads them."""
+    granite = arch == "granitemoehybrid"
+    kinds = hf.get("layer_types") if granite else _nemotron_h_layers(hf)
+    if kinds is None:  # transformers' default: Mamba2 everywhere, which hearth refuses below
+        kinds = ["mamba"] * int(hf["num_hidden_layers"])
+    allowed = ("mamba", "attention") if granite else ("mamba", "attention", "mlp", "moe")
+    if not isinstance(kinds, list) or any(_MAMBA2_LAYER_KINDS.get(kind, kind) not in
+                                          {_MAMBA2_LAYER_KINDS[a] for a in allowed} for kind in kinds):
+        raise ModelLoadError(f"layer_types = {kinds!r}: expected {', '.join(allowed)} for each layer (hearth "
+                             f"does not implement {arch}'s other kinds)")
+    hidden = int(hf["hidden_size"])
+    heads = int(hf.get("mamba_n_heads" if granite else "mamba_num_heads") or 128)
+    head_dim = hf.get("mamba_d_head" if granite else "mamba_head_dim") or "auto"
+    head_dim = int(hf.get("mamba_expand", 2) * hidden // heads if head_dim == "auto" else head_dim)
+    limit = [_json_float(bound) for bound in hf.get("time_step_limit") or (0.0, math.inf)]
+    if not granite:  # transformers' nemotron_h clamps dt from time_step_min up (in its prompts; hearth in decodes too)
+        limit = (float(hf.get("time_step_min", 0.001)), math.inf)
+    if not granite and hf.get("moe_latent_size") is not None:
+        raise ModelLoadError(f"moe_latent_size={hf['moe_latent_size']!r} is not implemented by hearth for {arch}")
+    act = hf.get("hidden_act" if granite else "mamba_hidden_act") or "silu"
+    if act != "silu":
+        raise ModelLoadError(f"mamba_hidden_act={act!r} is not implemented by hearth for {arch}")
+    layers = tuple(_MAMBA2_LAYER_KINDS[kind] for kind in kinds)
+    rope = granite and hf.get("position_embedding_type") == "rope"
+    return dict(
+        layer_types=layers, no_rope_layers=() if rope else tuple(i for i, k in enumerate(layers) if k == "attention"),
+        conv_kernel_size=int(hf.get("mamba_d_conv" if granite else "conv_kernel", 4)),
+        conv_bias=bool(hf.get("mamba_conv_bias" if granite else "use_conv_bias", True)),
+        mamba_num_heads=heads, mamba_head_dim=head_dim,
+        ssm_state_size=int(hf.get("mamba_d_state" if granite else "ssm_state_size") or 128),
+        mamba_groups=int(hf.get("mamba_n_groups" if granite else "n_groups") or 1),
+        mamba_proj_bias=bool(hf.get("mamba_proj_bias", False) if granite else hf.get("use_bias", False)),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        embedding_scale=float(hf.get("embedding_multiplier") or 1.0) if granite else 1.0,
+        residual_multiplier=float(hf.get("residual_multiplier") or 1.0) if granite else 1.0,
+        logits_divisor=float(hf.get("logits_scaling") or 1.0) if granite else 1.0,
+        query_pre_attn_scalar=float(hf.get("attention_multiplier") or 1.0) ** -2 if granite else None,
+        single_mixer_blocks=not granite, gated_mlp=granite,
+    )
+
+
+def _json_float(value: Any) -> float:
+    """A number of config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 # config.json fields of features hearth does not implement, with the values that switch them off:
@@ -277,6 +387,8 @@ HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",  # short convolutions
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (text_config, model.language_model.*; images: vision_config.py)
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0-H: Mamba2
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba2
 }
 
 

@@ -204,10 +204,11 @@ def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.
                       device: torch.device) -> KVCaches:
     """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
     layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
-    convolution's window in `dtype`, a delta rule's state in float32)."""
+    convolution's window in `dtype`, a delta rule's or a scan's state in float32; an MLP layer's: none)."""
     attention = iter(kv_caches)
-    return [tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
-                  for i, shape in enumerate(config.state_shapes(layer))) or next(attention)
+    return [next(attention) if config.layer_type(layer) == "attention" else  # (config.ATTENTION: config is above)
+            tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
+                  for i, shape in enumerate(config.state_shapes(layer)))
             for layer in range(config.num_layers)]
 
 

@@ -128,6 +128,21 @@ def _hybrid_configs(transformers) -> dict:
         "qwen3_5": (transformers.Qwen3_5TextConfig, {
             "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4}),
+        # Granite 4.0-H's pattern, small: Mamba2 (4 heads of 32 in 2 groups, state 8), attention without
+        # RoPE, Mamba2, each followed by 4 experts (2 chosen) and a shared MLP; its four multipliers
+        "granitemoehybrid": (transformers.GraniteMoeHybridConfig, {
+            "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4,
+            "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+            "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 3.0}),
+        # Nemotron-H's blocks of one mixer each: Mamba2 (4 heads of 16 in 2 groups, state 8), a relu2 MLP,
+        # attention without RoPE, Nemotron 3's experts (8 ungated relu2 ones, 2 chosen by sigmoid score plus a
+        # correction, scaled, and a shared one), Mamba2
+        "nemotron_h": (transformers.NemotronHConfig, {
+            "layers_block_type": ["mamba", "mlp", "attention", "moe", "mamba"], "head_dim": 16, "mamba_num_heads": 4,
+            "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8, "conv_kernel": 4, "layer_norm_epsilon": 1e-5,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5}),
     }
 
 
@@ -146,6 +161,9 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # nemotron_h's router correction: a choice other than by score alone
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     make_tokenizer(folder)

@@ -1,5 +1,7 @@
 """Hybrid models, layers that keep a state per sequence between attention layers: lfm2 (short
-convolutions) and qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), against transformers
+convolutions), qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), granitemoehybrid (Mamba2,
+attention without RoPE, experts and a shared MLP, multipliers) and nemotron_h (blocks of Mamba2, attention,
+a relu2 MLP or experts routed by sigmoid), against transformers
 on tiny random models in the real layer structure (tests/models.py): greedy tokens and top-5
 logprobs at batch 1 and in a mixed batch with chunked prefill and forced preemption, a second
 request sharing a prefix, the state cache's sizes and bookkeeping, and what is refused by name."""
@@ -36,12 +38,16 @@ PROMPTS = [*random_prompts(3, seed=5, shortest=6, longest=45), SHARED + [3, 4, 5
 # per family: (state layers' bytes per sequence in float32, attention layers' K/V bytes per token in float32),
 # from the shapes in tests/models.py: lfm2's two convolutions keep 64 channels x (3 - 1) inputs; qwen3_5's
 # three Gated DeltaNet layers keep (2 x 2 x 8 + 4 x 12) channels x (4 - 1) inputs and 4 heads of 8 x 12;
+# the two Mamba2 layers of granitemoehybrid and nemotron_h keep (x + B + C of 2 groups x 8) channels x (4 - 1)
+# inputs, x of 4 heads of 32 and 16, and 4 heads of 8 x 32 and 8 x 16;
 # each family's one attention layer keeps 2 x 2 KV heads x 16 per token
 SIZES = {"lfm2": (2 * 64 * 2 * 4, 2 * 2 * 16 * 4),
-         "qwen3_5": (3 * ((2 * 2 * 8 + 4 * 12) * 3 + 4 * 8 * 12) * 4, 2 * 2 * 16 * 4)}
+         "qwen3_5": (3 * ((2 * 2 * 8 + 4 * 12) * 3 + 4 * 8 * 12) * 4, 2 * 2 * 16 * 4),
+         "granitemoehybrid": (2 * ((4 * 32 + 2 * 2 * 8) * 3 + 4 * 8 * 32) * 4, 2 * 2 * 16 * 4),
+         "nemotron_h": (2 * ((4 * 16 + 2 * 2 * 8) * 3 + 4 * 8 * 16) * 4, 2 * 2 * 16 * 4)}
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "granitemoehybrid", "nemotron_h"])
 def family(request, tmp_path_factory):
     """(architecture, folder, transformers' greedy tokens and per token its top-5 {id: logprob} for PROMPTS)."""
     arch = request.param
@@ -194,13 +200,14 @@ def test_states_hold_what_transformers_cache_holds(family):
         cache = load_hf_reference(folder)(torch.tensor([prompt]), use_cache=True).past_key_values
     window = model.config.conv_kernel_size - 1
     for layer, states in enumerate(runner.kv_caches):
-        if model.config.layer_type(layer) == "attention":
+        if model.config.layer_type(layer) in ("attention", "mlp"):
             continue
         conv = cache.get_conv_state(layer, state_idx=0)[0, :, -window:]
         torch.testing.assert_close(states[0][1], conv, rtol=1e-5, atol=1e-5)
-        if len(states) > 1:
-            torch.testing.assert_close(states[1][1], cache.get_recurrent_state(layer, state_idx=0)[0], rtol=1e-5,
-                                       atol=1e-5)
+        if len(states) > 1:  # (transformers keeps Mamba2's as [heads, head dim, state size])
+            theirs = cache.get_recurrent_state(layer, state_idx=0)[0]
+            ours = states[1][1].transpose(-1, -2) if model.config.layer_type(layer) == "mamba2" else states[1][1]
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_inspect_gives_state_and_kv_sizes(family):
@@ -298,6 +305,14 @@ REFUSED = {  # per family: config.json fields hearth does not implement, and wha
                 ({"layer_types": ["linear_attention"] * 4}, "models with an attention layer")],
     "lfm2": [({"layer_types": ["conv", "sliding_attention", "conv"]}, "expected full_attention or conv"),
              ({"conv_L_cache": 1}, "convolutions of 2 taps or more")],
+    "granitemoehybrid": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for granitemoehybrid"),
+                         ({"layer_types": ["mamba"] * 3}, "models with an attention layer"),
+                         ({"mamba_n_groups": 3}, "mamba_num_heads \\(4\\) is not a multiple of the 3 groups")],
+    "nemotron_h": [({"layers_block_type": ["mamba", "mlp", "attention", "moe", "linear"]},
+                    "does not implement nemotron_h's other kinds"),
+                   ({"n_group": 2, "topk_group": 1}, "n_group=2 is not implemented"),
+                   ({"mamba_hidden_act": "relu"}, "mamba_hidden_act='relu' is not implemented"),
+                   ({"moe_latent_size": 16}, "moe_latent_size=16 is not implemented")],
 }
 
 
@@ -316,19 +331,20 @@ def test_unimplemented_fields_refused_by_name(family, tmp_path):
 
 
 def test_gpu_backend_and_gguf_refused_by_name(family, tmp_path):
-    """The gpu backend (no kernels for the state layers yet); GGUF of qwen3_5 either way, and of an lfm2
-    with convolution biases (llama.cpp's lfm2 has no tensors for them)."""
+    """The gpu backend (no kernels for the state layers yet); GGUF of qwen3_5 and the Mamba2 families either
+    way, and of an lfm2 with convolution biases (llama.cpp's lfm2 has no tensors for them)."""
     pytest.importorskip("triton")
     from hearth.backend.gpu import GpuBackend
 
     arch, folder, _ = family
     with pytest.raises(ModelLoadError, match="no state layers .* yet: run .* with --backend cpu or reference"):
         load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
-    message = {"lfm2": "lfm2 with conv_bias", "qwen3_5": "does not convert qwen3_5"}[arch]
+    message = {"lfm2": "lfm2 with conv_bias"}.get(arch, f"does not convert {arch}")
     with pytest.raises(ModelLoadError, match=message):
         convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
-    with pytest.raises(ModelLoadError, match="'qwen35' are not read"):
-        config_from_metadata({"general.architecture": "qwen35"}, "m.gguf")
+    for gguf_arch in ("qwen35", "granitehybrid", "nemotron_h"):
+        with pytest.raises(ModelLoadError, match=f"'{gguf_arch}' are not read"):
+            config_from_metadata({"general.architecture": gguf_arch}, "m.gguf")
 
 
 def test_lfm2_gguf_round_trip(tmp_path):
@@ -386,9 +402,42 @@ def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
+def test_granite_dense_with_rope_and_nemotron_h_older_config(tmp_path):
+    """Granite 4.0-H's other shapes: no experts (the shared MLP is the layer's MLP) and RoPE on (position_embedding_type
+    rope): transformers' logits over a prompt and a decode. A nemotron_h config.json in its older names
+    (hybrid_override_pattern, mamba_n_groups, mamba_d_conv) reads as transformers reads it, its
+    sliding_window unused as there."""
+    import transformers
+
+    from hearth.config import ModelConfig
+
+    folder = make_hf_model(tmp_path / "g", "granitemoehybrid", num_local_experts=0, position_embedding_type="rope")
+    model = load_model(folder, progress=False).model
+    assert model.config.no_rope_layers == () and model.config.num_experts == 0
+    runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+    prompt = PROMPTS[0]
+    hidden = torch.cat([runner.forward([BatchEntry(prompt[:-1], 0, [0, 1, 2, 3], state_slot=0)])[0],
+                        runner.forward([BatchEntry(prompt[-1:], len(prompt) - 1, [0, 1, 2, 3], state_slot=0)])[0]])
+    with torch.no_grad():
+        want = load_hf_reference(folder)(torch.tensor([prompt])).logits[0]
+    got = model.compute_logits(hidden)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    older = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": VOCAB_SIZE,
+             "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+             "hybrid_override_pattern": "M-M*-", "mamba_n_groups": 2, "mamba_d_conv": 3, "sliding_window": 8}
+    theirs = transformers.NemotronHConfig(**older)
+    ours = ModelConfig.from_hf(older)
+    assert [{"mamba2": "linear_attention", "attention": "full_attention"}.get(kind, kind) for kind in ours.layer_types] \
+        == theirs.layers_block_type
+    assert (ours.mamba_groups, ours.conv_kernel_size) == (theirs.n_groups, theirs.conv_kernel) == (2, 3)
+    assert ours.sliding_window is None  # (transformers' nemotron_h attends to the whole context whatever it says)
+
+
 def test_cpu_kernels_match_the_torch_steps():
-    """cpu_kernels/state_ops.cpp's decode steps against the reference backend's torch ones, in a step of
-    three decodes (one starting fresh, its slot holding another sequence's old state) and a chunk."""
+    """cpu_kernels/state_ops.cpp's decode steps (convolution, delta rule, Mamba2's scan) against the reference
+    backend's torch ones, in a step of three decodes (one starting fresh, its slot holding another
+    sequence's old state) and a chunk."""
     from hearth.backend.base import Backend
     from hearth.backend.cpu import CpuBackend
     from hearth.backend.state_ops import StateMetadata
@@ -407,8 +456,9 @@ def test_cpu_kernels_match_the_torch_steps():
         randn(6, heads, dk, dv)
     results = []
     for backend in (Backend(), CpuBackend()):
-        conv_states, delta_states = windows.clone(), states.clone()
+        conv_states, delta_states, ssm_states = windows.clone(), states.clone(), states.clone()
         results.append([backend.causal_conv1d(x, conv_states, weight, b, meta, "silu") for b in (bias, None)]
-                       + [conv_states, backend.gated_delta_rule(q, k, v, g, beta, delta_states, meta), delta_states])
+                       + [conv_states, backend.gated_delta_rule(q, k, v, g, beta, delta_states, meta), delta_states,
+                          backend.ssm_scan(q, k, v, g, ssm_states, meta), ssm_states])
     for theirs, ours in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

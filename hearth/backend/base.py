@@ -318,8 +318,12 @@ class Backend:
     def gated_delta_rule(self, q, k, v, g, beta, state, meta: StateMetadata):
         return state_ops.gated_delta_rule(q, k, v, g, beta, state, meta, step=self.delta_rule_step)
 
+    def ssm_scan(self, q, k, v, g, state, meta: StateMetadata):
+        return state_ops.ssm_scan(q, k, v, g, state, meta, step=self.ssm_step)
+
     conv1d_step = staticmethod(state_ops.conv1d_step)
     delta_rule_step = staticmethod(state_ops.delta_rule_step)
+    ssm_step = staticmethod(state_ops.ssm_step)
 
     @staticmethod
     def argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,6 +143,17 @@ class CpuBackend(Backend):
                                      torch.get_num_threads())
         return out
 
+    def ssm_step(self, q, k, v, g, state, meta):
+        """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
+        q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        if not _float32_contiguous(q, k, v, g, state):
+            return super().ssm_step(q, k, v, g, state, meta)
+        out = torch.empty_like(v)
+        self.kernels.ssm_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), state.data_ptr(),
+                              meta.single_slots.data_ptr(), meta.single_fresh.data_ptr(), out.data_ptr(), v.shape[0],
+                              v.shape[1], q.shape[-1], v.shape[-1], torch.get_num_threads())
+        return out
+
     def argmax_and_logsumexp(self, logits):
         """As the reference, both in one kernel call (a row's second pass reads it from the caches)."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.shape[1]:

@@ -40,7 +40,7 @@ class GroupedExperts:
 
     @classmethod
     def bind(cls, experts: nn.ModuleList) -> GroupedExperts | None:
-        """The grouped path for these experts (GatedMLPs), or None where it does not apply: each
+        """The grouped path for these experts (GatedMLPs), or None where it does not apply (ungated MLPs): each
         projection must be one Int8Linear, without bias, all of one shape."""
         qmatmul = quant_kernels.extension()
         if qmatmul is None:
@@ -48,6 +48,8 @@ class GroupedExperts:
 
         shapes = set()
         for expert in experts:
+            if not hasattr(expert, "gate_up_proj"):  # an ungated MLP (nemotron_h's)
+                return None
             parts = expert.gate_up_proj.parts
             if len(parts) != 1 or not (on_int8_kernel(parts[0]) and on_int8_kernel(expert.down_proj)):
                 return None

@@ -16,6 +16,10 @@ so the chunk's d's come from one unit-lower-triangular solve, and then
     o_i = e^{G_i} S_0^T q_i + sum_{j <= i} e^{G_i - G_j} (q_i . k_j) d_j,
     S_m = e^{G_m} S_0 + sum_j e^{G_m - G_j} k_j d_j^T:
 matrix products over the chunk instead of m dependent steps.
+
+Mamba2's selective scan (its SSD, Dao and Gu 2024) is the same recurrence without the delta: per head,
+with q = C, k = B, v = dt x and g = dt A, S_t = a_t S_{t-1} + k_t v_t^T and o_t = S_t^T q_t, so that
+within a chunk D = V and no solve is needed (ssm_scan, chunked_ssm).
 """
 
 from __future__ import annotations
@@ -161,4 +165,52 @@ def chunked_delta_rule(q, k, v, g, beta, S, chunk: int = DELTA_RULE_CHUNK):
         outputs.append((qc * decay.exp()[..., None]) @ S + (qc @ kc.transpose(-1, -2) * pairwise) @ deltas)
         last = decay[:, -1:]  # [H, 1]
         S = S * last.exp()[..., None] + (kc * (last - decay).exp()[..., None]).transpose(-1, -2) @ deltas
+    return torch.cat(outputs, dim=1).transpose(0, 1), S
+
+
+def ssm_scan(
+    q: torch.Tensor,  # [T, H, n] float32 (Mamba2's C, per head)
+    k: torch.Tensor,  # [T, H, n] float32 (B)
+    v: torch.Tensor,  # [T, H, p] float32 (dt x)
+    g: torch.Tensor,  # [T, H] float32: log of each row's decay (dt A, <= 0)
+    state: torch.Tensor,  # [slots, H, n, p] float32
+    meta: StateMetadata,
+    step=None,  # the single-row sequences' step (a backend's kernel); None: ssm_step
+) -> torch.Tensor:  # [T, H, p] float32
+    """Mamba2's selective scan over the step's rows (the module's docstring): one recurrent step for the
+    sequences with one new row, the chunked form for the others."""
+    out = torch.empty_like(v)
+    if meta.single_rows.numel():
+        rows = meta.single_rows
+        out[rows] = (step or ssm_step)(q[rows], k[rows], v[rows], g[rows], state, meta)
+    for start, end, slot, fresh in meta.several_rows():
+        initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
+        out[start:end], state[slot] = chunked_ssm(q[start:end], k[start:end], v[start:end], g[start:end], initial)
+    return out
+
+
+def ssm_step(q, k, v, g, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """The single-row sequences' step (q, k [D, H, n], v [D, H, p], g [D, H]): their states gathered by
+    slot, S = e^g S + k v^T and o = S^T q, put back -> [D, H, p]."""
+    S = _previous(state, meta) * g.exp()[..., None, None] + k[..., None] * v[..., None, :]
+    state[meta.single_slots] = S
+    return torch.einsum("bhn,bhnp->bhp", q, S)
+
+
+def chunked_ssm(q, k, v, g, S, chunk: int = DELTA_RULE_CHUNK):
+    """One sequence's rows: q, k [n_rows, H, n], v [n_rows, H, p], g [n_rows, H], S [H, n, p] -> (o [n_rows,
+    H, p], the state after the last row)."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, rows, d]
+    g = g.t()  # [H, rows]
+    outputs = []
+    for first in range(0, q.shape[1], chunk):
+        rows = slice(first, first + chunk)
+        qc, kc, vc = q[:, rows], k[:, rows], v[:, rows]
+        decay = g[:, rows].cumsum(-1)  # [H, m]: G_i
+        m = decay.shape[1]
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        pairwise = (decay[:, :, None] - decay[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # e^{G_i - G_j}
+        outputs.append((qc * decay.exp()[..., None]) @ S + (qc @ kc.transpose(-1, -2) * pairwise) @ vc)
+        last = decay[:, -1:]  # [H, 1]
+        S = S * last.exp()[..., None] + (kc * (last - decay).exp()[..., None]).transpose(-1, -2) @ vc
     return torch.cat(outputs, dim=1).transpose(0, 1), S

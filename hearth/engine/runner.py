@@ -28,7 +28,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
-from hearth.config import MAX_DECODE_QUERY_LEN
+from hearth.config import ATTENTION, MAX_DECODE_QUERY_LEN
 from hearth.kv_format import KVCaches, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, mrope_positions, step_embeddings
@@ -229,9 +229,9 @@ class ModelRunner:
                 for i, t in enumerate(states)}
 
     def attention_caches(self) -> KVCaches:
-        """The attention layers' (K, V) caches: every layer's but a hybrid model's state layers'."""
+        """The attention layers' (K, V) caches: every layer's but a hybrid model's state and MLP layers'."""
         config = self.model.config
-        return [cache for layer, cache in enumerate(self.kv_caches) if not config.state_shapes(layer)]
+        return [cache for layer, cache in enumerate(self.kv_caches) if config.layer_type(layer) == ATTENTION]
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [attention layers, 2, blocks x block_size, kv_heads,

@@ -48,6 +48,18 @@ _LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_atte
                ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
                "model.embedding_norm.": "model.norm."}
 _LFM2_ALIASES = tuple((re.compile(re.escape(theirs)), ours) for theirs, ours in _LFM2_NAMES.items())
+# nemotron_h's checkpoint names -> hearth's: a block's one mixer is self_attn, mamba or mlp by its tensors
+_NEMOTRON_H_ALIASES = (
+    (re.compile(r"^backbone\.embeddings\."), "model.embed_tokens."), (re.compile(r"^backbone\.norm_f\."), "model.norm."),
+    (re.compile(r"^backbone\.layers\.(\d+)\.norm\."), r"model.layers.\1.input_layernorm."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.([qkvo]_proj)\."), r"model.\1.self_attn.\2."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.(up_proj|down_proj)\."), r"model.\1.mlp.\2."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.gate\.e_score_correction_bias$"),
+     r"model.\1.mlp.e_score_correction_bias"),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.(gate|experts)\."), r"model.\1.mlp.\2."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\.shared_experts\."), r"model.\1.mlp.shared_expert."),
+    (re.compile(r"^backbone\.(layers\.\d+)\.mixer\."), r"model.\1.mamba."),
+)
 # mixtral's checkpoint names -> the (qwen-style) names of hearth's modules
 _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
@@ -56,6 +68,7 @@ _HF_ALIASES = (
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # deepseek_v2's
     *_LFM2_ALIASES,
+    *_NEMOTRON_H_ALIASES,
     (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
     (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
 )
@@ -63,8 +76,8 @@ _HF_ALIASES = (
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.")  # (and qwen3_vl's)
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's multi-token-prediction layers, and
 # its vision tower where the config has no vision_config (hearth runs the text model, as transformers'
-# Qwen3_5ForCausalLM does)
-NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)")}
+# Qwen3_5ForCausalLM does); Nemotron-H's multi-token-prediction layers (as transformers' NemotronHForCausalLM)
+NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "nemotron_h": re.compile(r"^mtp\.")}
 NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -94,7 +107,11 @@ PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
                       "mapping yet",
            "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
-                          "names in hearth's GGUF mapping"}
+                          "names in hearth's GGUF mapping",
+           "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
+                               "...) have no names in hearth's GGUF mapping yet",
+           "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have "
+                         "no names in hearth's GGUF mapping yet"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
@@ -125,6 +142,28 @@ def canonical_hf_name(name: str) -> str:
     for pattern, replacement in _HF_ALIASES:
         name = pattern.sub(replacement, name)
     return name
+
+
+# granitemoehybrid's MLPs: its shared MLP (gate and up in one matrix, input_linear) is the layer's MLP, or
+# a mixture of experts' shared expert; its experts are stacked, [experts, rows, cols] per projection
+_GRANITE_SHARED_MLP = re.compile(r"\.shared_mlp\.(input_linear|output_linear)\.weight$")
+_GRANITE_EXPERTS = re.compile(r"\.block_sparse_moe\.(input_linear|output_linear)\.weight$")
+_GRANITE_PROJECTIONS = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
+
+
+def checkpoint_tensors(architecture: str, has_experts: bool, name: str,
+                       tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as hearth's modules take it: (name, tensor) pairs, one but for granitemoehybrid's
+    stacks of experts (one per expert)."""
+    if architecture == "granitemoehybrid":
+        name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
+        if m := _GRANITE_SHARED_MLP.search(name):
+            mlp = ".mlp.shared_expert." if has_experts else ".mlp."
+            return [(name[:m.start()] + mlp + _GRANITE_PROJECTIONS[m.group(1)] + ".weight", tensor)]
+        if m := _GRANITE_EXPERTS.search(name):
+            projection = _GRANITE_PROJECTIONS[m.group(1)]
+            return [(f"{name[:m.start()]}.mlp.experts.{e}.{projection}.weight", t) for e, t in enumerate(tensor.unbind())]
+    return [(canonical_hf_name(name), tensor)]
 
 
 # hearth's names -> a family's own checkpoint names, where transformers reads only those

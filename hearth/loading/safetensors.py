@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, canonical_hf_name
+from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors
 
 logger = logging.getLogger("hearth")
 
@@ -72,13 +72,14 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
                         if not_loaded is not None and not_loaded.match(name):
                             skipped += 1
                             continue
-                        weights[canonical_hf_name(name)] = f.get_tensor(name)
+                        weights.update(checkpoint_tensors(config.architecture, config.num_experts > 0, name,
+                                                          f.get_tensor(name)))
             except ModelLoadError:
                 raise
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
     if skipped:
-        logger.warning("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
+        logger.warning("%s: %d tensors not loaded (%s): parts of a %s checkpoint hearth does not run", folder, skipped,
                     not_loaded.pattern, config.architecture)
     return config, weights

@@ -85,12 +85,30 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.ops.act_and_mul(gate, up, self.activation))
 
 
+class MLP(nn.Module):
+    """down(act(up(x))), ungated: nemotron_h's, with relu2 (ReLU squared)."""
+
+    def __init__(self, config: ModelConfig, ops: Backend, intermediate_size: int | None = None):
+        super().__init__()
+        if config.hidden_act != "relu2":
+            raise ModelLoadError(f"unsupported activation {config.hidden_act!r} of an ungated MLP")
+        size = intermediate_size or config.intermediate_size
+        self.up_proj = Linear(config.hidden_size, size, config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
 class SparseMoE(nn.Module):
     """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
     router's softmax over all experts (renormalised over the k when norm_topk_prob; times
     routed_scaling_factor; with expert groups, chosen only from the topk_groups groups whose best
     expert scores highest), plus a shared expert where the family has one: scaled by
-    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2).
+    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2). With router_sigmoid
+    (nemotron_h) the router scores each expert by sigmoid rather than softmax and chooses by the score
+    plus a learned correction (e_score_correction_bias), weighting by the score alone; its experts
+    and shared expert are ungated MLPs (gated_mlp False).
 
     The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
     its tokens: an expert's weights are read once per step, whatever the batch, and experts no token
@@ -105,22 +123,38 @@ class SparseMoE(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router
-        self.experts = nn.ModuleList(GatedMLP(config, ops, config.moe_intermediate_size)
+        self.e_score_correction_bias = None
+        if config.router_sigmoid:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)
+        expert = GatedMLP if config.gated_mlp else MLP
+        self.experts = nn.ModuleList(expert(config, ops, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(config, ops, config.shared_expert_intermediate_size)
+            self.shared_expert = expert(config, ops, config.shared_expert_intermediate_size)
             if config.shared_expert_gated:
                 self.shared_expert_gate = Linear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts], float32 as transformers
+        logits = self.gate(x).float()  # [T, experts], float32 as transformers
+        if self.e_score_correction_bias is not None:
+            return self._combine(x, *self._route_by_sigmoid(logits))
+        probs = torch.softmax(logits, dim=-1)
         if self.expert_groups:  # experts outside the best groups score 0
             groups = probs.view(x.shape[0], self.expert_groups, -1)  # [T, groups, experts per group]
             best = groups.amax(dim=-1).topk(self.topk_groups, dim=-1).indices
             kept = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
             probs = groups.masked_fill(~kept[..., None], 0.0).view_as(probs)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        return self._combine(x, *probs.topk(self.top_k, dim=-1))
+
+    def _route_by_sigmoid(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """nemotron_h's router: (weights, chosen experts) [T, k], chosen by sigmoid + correction."""
+        scores = logits.sigmoid()
+        chosen = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+        return scores.gather(1, chosen), chosen
+
+    def _combine(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' outputs (weights, chosen [T, k]) weighted and summed, and the shared expert's."""
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:

@@ -1,9 +1,9 @@
 """The layers of hybrid models that keep a fixed-size state per sequence instead of K/V per token:
-LFM2's short convolution and Qwen3.5's Gated DeltaNet. They take an attention layer's place in a
-DecoderLayer (hearth/model/transformer.py) and its call: (x, rotary (unused), the layer's cache,
-meta); their cache is the layer's state in the state cache (the runner allocates it,
+LFM2's short convolution, Qwen3.5's Gated DeltaNet and Mamba2 (Granite 4.0-H, Nemotron-H). They take
+an attention layer's place in a DecoderLayer (hearth/model/transformer.py) and its call: (x, rotary
+(unused), the layer's cache, meta); their cache is the layer's state in the state cache (the runner allocates it,
 ModelConfig.state_shapes), and meta.state says each sequence's slot in it. The backend computes the
-convolution and the delta rule (hearth/backend/state_ops.py).
+convolution, the delta rule and Mamba2's scan (hearth/backend/state_ops.py).
 """
 
 from __future__ import annotations
@@ -91,6 +91,47 @@ class GatedDeltaNet(nn.Module):
                                         b.float().sigmoid(), state[1], meta.state)
         out = self.norm(out.to(x.dtype)) * F.silu(z.float().view_as(out)).to(x.dtype)
         return self.out_proj(out.reshape(tokens, -1))
+
+
+class Mamba2(nn.Module):
+    """Mamba2's mixer: in_proj makes a gate z, the convolution's input (x, then B and C of each of `groups`
+    groups) and dt per head; x, B and C through a causal depthwise convolution (SiLU); per head, dt =
+    softplus(dt + dt_bias) clamped to time_step_limit, the selective scan with decay exp(dt A), A =
+    -exp(A_log), inputs dt x, keys B and queries C of the head's group, plus D x; then RMS-normed in
+    `groups` groups after the gate's SiLU (transformers' gated RMSNorm, norm_before_gate=False), and
+    out_proj. State: the convolution's window and the scan's [heads, state size, head dim]."""
+
+    rope_index = 0  # (Transformer.ropes: unused)
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__()
+        _check_backend(ops, config)
+        self.ops = ops
+        self.heads, self.head_dim, self.groups = config.mamba_num_heads, config.mamba_head_dim, config.mamba_groups
+        self.state_size, self.eps, self.dt_limit = config.ssm_state_size, config.rms_norm_eps, config.time_step_limit
+        inner, conv = self.heads * self.head_dim, self.heads * self.head_dim + 2 * self.groups * self.state_size
+        self.split = [inner, conv, self.heads]
+        self.in_proj = Linear(config.hidden_size, inner + conv + self.heads, config.mamba_proj_bias)
+        self.conv1d = ConvWeight(conv, config.conv_kernel_size, config.conv_bias)
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(self.heads), requires_grad=False)
+                                            for _ in range(3))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(inner), requires_grad=False)
+        self.out_proj = Linear(inner, config.hidden_size, config.mamba_proj_bias)
+
+    def forward(self, x: torch.Tensor, rotary, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        tokens, per_group = x.shape[0], self.heads // self.groups
+        z, xbc, dt = self.in_proj(x).split(self.split, dim=-1)
+        xbc = self.ops.causal_conv1d(xbc, state[0], self.conv1d.weight[:, 0], self.conv1d.bias, meta.state, "silu")
+        xs, b, c = xbc.float().split([self.split[0], *[self.groups * self.state_size] * 2], dim=-1)
+        b, c = (t.reshape(tokens, self.groups, self.state_size).repeat_interleave(per_group, dim=1) for t in (b, c))
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, heads]
+        xs = xs.reshape(tokens, self.heads, self.head_dim)
+        y = self.ops.ssm_scan(c, b, xs * dt[..., None], dt * -self.A_log.float().exp(), state[1], meta.state)
+        y = (y + xs * self.D.float()[:, None]).reshape(tokens, -1) * F.silu(z.float())
+        y = y.view(tokens, self.groups, -1)
+        y = (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)).view(tokens, -1)
+        return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
 
 
 def _l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from hearth.backend.base import Backend
-from hearth.config import ATTENTION, GATED_DELTA_NET, SHORT_CONV, ModelConfig
+from hearth.config import ATTENTION, GATED_DELTA_NET, MAMBA2, MLP, SHORT_CONV, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.latent_attention import LatentAttention
-from hearth.model.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE, longrope_factors,
-                                 partial_rotary_order)
-from hearth.model.state_layers import GatedDeltaNet, ShortConv
+from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
+                                 longrope_factors, partial_rotary_order)
+from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
@@ -92,7 +92,9 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP; with sandwich_norms (gemma2/3) their outputs are normed too, and the
-    MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm norms attention's output)."""
+    MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm norms attention's output).
+    With single_mixer_blocks (nemotron_h) a layer is its input norm and one module: attention, a state
+    layer or (kind MLP) the MLP. Each addition to the residual stream times residual_multiplier (granite)."""
 
     def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
@@ -101,20 +103,27 @@ class DecoderLayer(nn.Module):
             return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
 
         self.input_layernorm = norm()
+        self.residual_multiplier = config.residual_multiplier
         # what mixes the tokens, under its checkpoint name: attention, or a hybrid model's state layer
         kind = config.layer_type(index)
-        self.mixer_name = {ATTENTION: "self_attn", SHORT_CONV: "conv", GATED_DELTA_NET: "linear_attn"}[kind]
+        self.mixer_name = _MIXER_NAMES[kind]
         if kind == ATTENTION:
             mixer = (LatentAttention if config.kv_lora_rank else Attention)(config, ops, index)
-        else:
-            mixer = (ShortConv if kind == SHORT_CONV else GatedDeltaNet)(config, ops)
-        setattr(self, self.mixer_name, mixer)
+        elif kind != MLP:
+            mixer = {SHORT_CONV: ShortConv, GATED_DELTA_NET: GatedDeltaNet, MAMBA2: Mamba2}[kind](config, ops)
+        self.mlp = None
+        if kind == MLP or not config.single_mixer_blocks:
+            self.mlp = (SparseMoE(config, ops) if config.is_moe_layer(index)
+                        else GatedMLP(config, ops) if config.gated_mlp else UngatedMLP(config, ops))
+        if kind != MLP:
+            setattr(self, self.mixer_name, mixer)
+        if config.single_mixer_blocks:
+            return
         self.post_attention_layernorm = norm()
         self.sandwich_norms = config.sandwich_norms
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = SparseMoE(config, ops) if config.is_moe_layer(index) else GatedMLP(config, ops)
 
     def forward(self, x, residual, rotaries, kv_cache, meta):
         """x: what the previous layer adds to the residual stream (None before the first layer:
@@ -125,12 +134,23 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         mixer = getattr(self, self.mixer_name)
-        h = mixer(h, rotaries[mixer.rope_index], kv_cache, meta)
+        if mixer is self.mlp:  # nemotron_h's MLP block
+            return mixer(h), residual
+        h = self._scaled(mixer(h, rotaries[mixer.rope_index], kv_cache, meta))
+        if self.mlp is None:  # nemotron_h's attention and Mamba2 blocks
+            return h, residual
         if not self.sandwich_norms:
             h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
+            return self._scaled(self.mlp(h)), residual
         h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def _scaled(self, addition: torch.Tensor) -> torch.Tensor:
+        return addition if self.residual_multiplier == 1.0 else addition * self.residual_multiplier
+
+
+# a layer's mixer under its checkpoint name, by kind (ModelConfig.layer_types); MLP: nemotron_h's block of an MLP alone
+_MIXER_NAMES = {ATTENTION: "self_attn", SHORT_CONV: "conv", GATED_DELTA_NET: "linear_attn", MAMBA2: "mamba", MLP: "mlp"}
 
 
 class Transformer(nn.Module):
@@ -234,6 +254,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         logits = self.lm_head(hidden).float()
+        if self.config.logits_divisor != 1.0:  # granite's logits_scaling
+            logits = logits / self.config.logits_divisor
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -51,14 +51,14 @@
 // away from zero; float16: rounded to nearest even, as torch's cast), decode_attention widens each
 // row it reads into a D-float buffer in L1 before using it.
 //
-// conv1d_step, delta_rule_step (hearth/backend/cpu.py, hybrid models' state layers): a decode step of
-// a causal depthwise convolution and of the gated delta rule, each sequence's state updated in place in
-// its slot of the state cache (torch gathers the states by slot and scatters them back).
+// conv1d_step, delta_rule_step, ssm_step (hearth/backend/cpu.py, hybrid models' state layers): a decode step
+// of a causal depthwise convolution, of the gated delta rule and of Mamba2's scan, each sequence's state
+// updated in place in its slot of the state cache (torch gathers the states by slot and scatters them back).
 //
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
 // attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
 // logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
-// greedy_passes), state_ops.cpp (conv1d_step, delta_rule_step), bindings.cpp (the Python module).
+// greedy_passes), state_ops.cpp (conv1d_step, delta_rule_step, ssm_step), bindings.cpp (the Python module).
 #pragma once
 
 #include <cstdint>
@@ -98,6 +98,8 @@ void conv1d_step(uintptr_t x_, uintptr_t state_, uintptr_t slots_, uintptr_t fre
 void delta_rule_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t beta_, uintptr_t state_,
                      uintptr_t slots_, uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t dk,
                      int64_t dv, int threads);
+void ssm_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t state_, uintptr_t slots_,
+              uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t n, int64_t p, int threads);
 
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,

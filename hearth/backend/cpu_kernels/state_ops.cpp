@@ -92,4 +92,43 @@ void delta_rule_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uin
   }
 }
 
+// Mamba2's selective scan, a step: q, k [D, H, n] (its C and B per head); v, out [D, H, p] (dt x); g [D, H]
+// (dt A); state [slots, H, n, p]; slots int64 [D]; fresh uint8 [D]. Per (sequence, head), with a = exp(g):
+// S = a S + k v^T; out = S^T q, in one pass over S.
+void ssm_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t state_, uintptr_t slots_,
+              uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t n, int64_t p, int threads) {
+  const float* q = reinterpret_cast<const float*>(q_);
+  const float* k = reinterpret_cast<const float*>(k_);
+  const float* v = reinterpret_cast<const float*>(v_);
+  const float* g = reinterpret_cast<const float*>(g_);
+  float* state = reinterpret_cast<float*>(state_);
+  const int64_t* slots = reinterpret_cast<const int64_t*>(slots_);
+  const uint8_t* fresh = reinterpret_cast<const uint8_t*>(fresh_);
+  float* out = reinterpret_cast<float*>(out_);
+  threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * heads * n * p / 16384));
+#pragma omp parallel for num_threads(threads) collapse(2)
+  for (int64_t d = 0; d < rows; ++d) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = d * heads + h;
+      float* S = state + (slots[d] * heads + h) * n * p;
+      const float* qr = q + row * n;
+      const float* kr = k + row * n;
+      const float* vr = v + row * p;
+      float* o = out + row * p;
+      if (fresh[d]) std::fill(S, S + n * p, 0.f);
+      const float decay = std::exp(g[row]);
+      std::fill(o, o + p, 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        float* Si = S + i * p;
+        const float ki = kr[i], qi = qr[i];
+#pragma omp simd
+        for (int64_t j = 0; j < p; ++j) {
+          Si[j] = decay * Si[j] + ki * vr[j];
+          o[j] += qi * Si[j];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace hearth
