@@ -42,7 +42,7 @@ def add_option(g, keyword: str, default: Any = None) -> None:
         g.add_argument(o.flag, dest=o.keyword, action="append", type=o.parse or o.kind, default=None,
                        metavar=o.metavar, help=o.help)
         return
-    g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
+    g.add_argument(o.flag, *o.aliases, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
                    metavar=o.metavar, help=o.help)
 
 
@@ -115,7 +115,7 @@ def flags_table() -> str:
     """The README's table of engine flags: flag, default, help, as `hearth serve --help` has them."""
     rows = ["| flag | default | what it does |", "|---|---|---|"]
     for action in _engine_actions():
-        flag = action.option_strings[0]
+        flag = "`, `".join(action.option_strings)  # (with its aliases)
         if action.choices:
             flag += " " + "\\|".join(map(str, action.choices))
         default = "off" if action.nargs == 0 else ("-" if action.default is None else action.default)
