@@ -29,8 +29,8 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import (Q8_BLOCK, KVCaches, Q8Cache, allocate_kv_caches, move_rows, pack_rows, packed_width,
-                              release_pages, unpack_rows, with_state_caches)
+from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows, packed_width, release_pages,
+                              stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, step_embeddings
 from hearth.engine.request import Request, RequestStatus
@@ -49,9 +49,6 @@ if TYPE_CHECKING:  # (they run ModelRunners of their own)
     from hearth.engine.draft_runner import DraftRunner
     from hearth.engine.second_model import SecondModel
 
-
-
-Q8_PACKABLE = (torch.float16, torch.bfloat16, torch.float32)  # caches the KV tiers may store as q8_0
 
 
 @dataclass
@@ -280,14 +277,7 @@ class ModelRunner:
                    for t, packable in self._cache_tensors())
 
     def _cache_tensors(self) -> list[tuple[torch.Tensor, bool]]:
-        """Every tensor of the KV cache, each [slots, ...]: per layer its K and V (or latent); a
-        quantized cache's codes and scales. With each, whether block_bytes may store it as q8_0: a
-        cache of 16- or 32-bit values whose block holds whole q8_0 blocks."""
-        return [(t, isinstance(cache, torch.Tensor) and t.dtype in Q8_PACKABLE
-                 and t[0].numel() * self.block_size % Q8_BLOCK == 0)
-                for layer in self.kv_caches for cache in layer
-                for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
-                          else (cache.values,))]
+        return stored_tensors(self.kv_caches, self.block_size)
 
     def release_kv_memory(self) -> int:
         """Give the KV cache's memory back to the OS, its tensors kept where they are (kernels and CUDA
