@@ -217,7 +217,15 @@ def test_ram_tier_returns_the_logits_of_blocks_never_evicted(llama):
     assert ram.counts.hits == 4 and ram.counts.bytes_read == 4 * block_bytes and ram.counts.read_seconds > 0
     # loading them evicted prompt 2's blocks: into RAM, whose least recently used went (it holds 5 at most)
     assert ram.counts.blocks_written > 5 and ram.total_bytes == 5 * block_bytes
-    assert llm.engine.kv_ram_totals == ram.counts
+    engine = AsyncEngine(llm.engine)  # the counts reach /metrics, as the server reads them
+    try:
+        asyncio.run(served(engine, prompts[1]))
+        registry = ServerMetrics(engine, "m").registry
+        assert engine.stats().kv_ram_tier == ram.counts
+        for name, value in (("hits", ram.counts.hits), ("written_bytes", ram.counts.bytes_written)):
+            assert registry.get_sample_value(f"hearth:kv_ram_tier_{name}_total", {"model_name": "m"}) == value
+    finally:
+        engine.shutdown()
 
 
 def test_ram_tier_on_the_gpu_backend(llama):
