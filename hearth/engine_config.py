@@ -54,8 +54,9 @@ class CacheConfig:
     kv_cache_tier_dtype: str = option(
         "auto", choices=["auto", "q8_0"],
         help="how the RAM and disk tiers store a block: auto (the cache's own bytes, exact) or q8_0 (a 16- or "
-             "32-bit cache's values as q8_0 blocks: 2x fewer bytes than float16, 3.8x than float32; logits move "
-             "by a few 1e-3, docs/architecture.md; a q8_0 or fp8 cache is stored as it is)")
+             "32-bit cache's values as q8_0 blocks: 1.9x fewer bytes than float16, 3.8x than float32; the "
+             "next tokens' logprobs move by up to about 0.1, docs/architecture.md; a q8_0 or fp8 cache is stored "
+             "as it is)")
 
     def __post_init__(self) -> None:
         from hearth.kv_format import kv_cache_dtype_name  # imports torch: not for --help
