@@ -152,7 +152,7 @@ def test_sleep_and_wake_keep_greedy_output(server, client, expected):
     assert httpx.post(url + "/sleep", params={"model": "tiny", "level": 1}).status_code == 200
     assert httpx.get(url + "/is_sleeping", params={"model": "tiny"}).json() == {"is_sleeping": True}
     assert states(url)["tiny"] == "sleeping"
-    assert all(not t.any() for t in runner._cache_tensors())  # its pages given back: they read as zeros
+    assert all(not t.any() for t, _ in runner._cache_tensors())  # its pages given back: they read as zeros
     assert httpx.post(url + "/wake_up", params={"model": "tiny"}).status_code == 200
     assert httpx.get(url + "/is_sleeping", params={"model": "tiny"}).json() == {"is_sleeping": False}
     assert complete(client, "tiny") == expected["tiny"]
