@@ -16,7 +16,7 @@ from typing import Any
 
 from hearth.engine_config import EngineConfig
 from hearth.errors import HearthError
-from hearth.options import Option, declared_options
+from hearth.options import Option, declared_options, parse_size, parse_size_mib
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -107,8 +107,8 @@ def engine_argv(**values: Any) -> list[str]:
             argv += [flag] if value != actions[dest].default else []
         elif isinstance(value, (list, tuple)):  # a repeatable flag
             argv += [part for item in value for part in (flag, str(item))]
-        elif value is not None:
-            argv += [flag, str(value)]
+        elif value is not None:  # (a size in bytes as such: a bare number may read as MiB, parse_size_mib)
+            argv += [flag, f"{value}B" if actions[dest].type in (parse_size, parse_size_mib) else str(value)]
     return argv
 
 

@@ -16,7 +16,7 @@ import torch
 
 from hearth import LLM, SamplingParams
 from hearth.cli import build_parser
-from hearth.engine_args import engine_options
+from hearth.engine_args import engine_argv, engine_options
 from hearth.engine_config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.embedding import embed
@@ -274,5 +274,6 @@ def test_ram_tier_flags():
     parser = build_parser()
     assert engine_options(parser.parse_args(["serve", "--cache-ram", "8192"]))["kv_cache_ram"] == 8 << 30
     assert engine_options(parser.parse_args(["serve", "--kv-cache-ram", "512MiB"]))["kv_cache_ram"] == 512 << 20
+    assert engine_options(parser.parse_args(["serve", *engine_argv(kv_cache_ram=3 << 20)]))["kv_cache_ram"] == 3 << 20
     with pytest.raises(ValueError, match="kv_cache_ram"):
         CacheConfig(kv_cache_ram=-1)
