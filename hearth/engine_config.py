@@ -55,8 +55,8 @@ class CacheConfig:
         "auto", choices=["auto", "q8_0"],
         help="how the RAM and disk tiers store a block: auto (the cache's own bytes, exact) or q8_0 (a 16- or "
              "32-bit cache's values as q8_0 blocks: 1.9x fewer bytes than float16, 3.8x than float32; the "
-             "next tokens' logprobs move by up to about 0.1, docs/architecture.md; a q8_0 or fp8 cache is stored "
-             "as it is)")
+             "next tokens' logprobs move by 0.02-0.3 on the models measured, and a near tie may flip, "
+             "docs/architecture.md; a q8_0 or fp8 cache is stored as it is)")
 
     def __post_init__(self) -> None:
         from hearth.kv_format import kv_cache_dtype_name  # imports torch: not for --help
