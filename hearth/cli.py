@@ -430,6 +430,10 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                    help="a model to serve as NAME, loaded on its first request (repeatable; instead of MODEL)")
     g.add_argument("--model-dir", type=Path, default=None,
                    help="serve every GGUF file (named without .gguf) and Hugging Face folder in DIR by its name")
+    g.add_argument("--models-preset", type=Path, default=None, metavar="FILE",
+                   help="per-model settings, an INI file as llama.cpp's router reads: [NAME] sections of engine flags "
+                        "without their dashes (kv-cache-dtype = q8_0), `model = PATH` for a model not given by --model, "
+                        "[*] for every model; a model's own section wins over [*], which wins over the command line")
     g.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
                    help="models loaded at once: past N, the least recently used idle one is unloaded (default: all)")
     g.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",

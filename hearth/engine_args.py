@@ -11,11 +11,12 @@ Only the standard library is imported here: `hearth --help` does not wait for to
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Any
 
 from hearth.engine_config import EngineConfig
 from hearth.errors import HearthError
-from hearth.options import Option, declared_options
+from hearth.options import Option, declared_options, parse_size, parse_size_mib
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_option(g, keyword: str, default: Any = None) -> None:
         g.add_argument(o.flag, dest=o.keyword, action="append", type=o.parse or o.kind, default=None,
                        metavar=o.metavar, help=o.help)
         return
-    g.add_argument(o.flag, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
+    g.add_argument(o.flag, *o.aliases, dest=o.keyword, type=o.parse or o.kind, default=default, choices=o.choices,
                    metavar=o.metavar, help=o.help)
 
 
@@ -106,16 +107,52 @@ def engine_argv(**values: Any) -> list[str]:
             argv += [flag] if value != actions[dest].default else []
         elif isinstance(value, (list, tuple)):  # a repeatable flag
             argv += [part for item in value for part in (flag, str(item))]
-        elif value is not None:
-            argv += [flag, str(value)]
+        elif value is not None:  # (a size in bytes as such: a bare number may read as MiB, parse_size_mib)
+            argv += [flag, f"{value}B" if actions[dest].type in (parse_size, parse_size_mib) else str(value)]
     return argv
+
+
+def flag_values(values: dict[str, str], where: str) -> dict[str, Any]:
+    """Engine arguments (by their parsed names) from `flag = text` pairs, each flag named without its
+    dashes as on the command line (`kv-cache-dtype = q8_0`, `no-prefix-caching = true`; a switch takes
+    true/false, a repeatable flag values parted by commas). `where` names their source in errors."""
+    actions = {flag.lstrip("-"): a for a in _engine_actions() for flag in a.option_strings}
+    parsed: dict[str, Any] = {}
+    for key, text in values.items():
+        action = actions.get(key)
+        if action is None or action.dest == "threads":
+            close = difflib.get_close_matches(key, actions, n=1)
+            why = "the process's own, not a model's" if key == "threads" else \
+                "not an engine flag" + (f" (did you mean {close[0]!r}?)" if close else "")
+            raise HearthError(f"{where}: {key}: {why}")
+        try:
+            parsed[action.dest] = _flag_value(action, key, text)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise HearthError(f"{where}: {key} = {text}: {e}") from None
+    return parsed
+
+
+def _flag_value(action: argparse.Action, key: str, text: str) -> Any:
+    if action.nargs == 0:  # a switch: --x / --no-x (BooleanOptionalAction), store_true or store_false
+        on = {"true": True, "1": True, "on": True, "false": False, "0": False, "off": False}.get(text.strip().lower())
+        if on is None:
+            raise ValueError("expected true or false")
+        given = not key.startswith("no-") if isinstance(action, argparse.BooleanOptionalAction) else action.const
+        return given if on else not given
+    convert = action.type or str
+    if isinstance(action, argparse._AppendAction):
+        return [convert(part.strip()) for part in text.split(",") if part.strip()]
+    value = convert(text.strip())
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def flags_table() -> str:
     """The README's table of engine flags: flag, default, help, as `hearth serve --help` has them."""
     rows = ["| flag | default | what it does |", "|---|---|---|"]
     for action in _engine_actions():
-        flag = action.option_strings[0]
+        flag = "`, `".join(action.option_strings)  # (with its aliases)
         if action.choices:
             flag += " " + "\\|".join(map(str, action.choices))
         default = "off" if action.nargs == 0 else ("-" if action.default is None else action.default)

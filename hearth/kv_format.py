@@ -127,6 +127,43 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+Q8_PACKABLE = (torch.float16, torch.bfloat16, torch.float32)  # caches the KV tiers may store as q8_0
+
+
+def stored_tensors(caches: KVCaches, block_size: int) -> list[tuple[torch.Tensor, bool]]:
+    """Every tensor of a KV cache, each [slots, ...]: per layer its K and V (or latent); a quantized
+    cache's codes and scales, fp8 bytes. With each, whether pack_rows may store a block of it as q8_0:
+    a cache of 16- or 32-bit values whose block holds whole q8_0 blocks."""
+    return [(t, isinstance(cache, torch.Tensor) and t.dtype in Q8_PACKABLE
+             and t[0].numel() * block_size % Q8_BLOCK == 0)
+            for layer in caches for cache in layer
+            for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
+                      else (cache.values,))]
+
+
+def pack_rows(rows: torch.Tensor, q8_0: bool) -> torch.Tensor:
+    """A cache tensor's rows [n, m] as bytes uint8 [n, packed_width(...)]: as stored, or (q8_0, a float
+    tensor with m a multiple of 32) as q8_0 blocks, the codes then the float16 scales (the KV tiers' payload)."""
+    if not q8_0:
+        return rows.view(torch.uint8)
+    codes, scales = quantize_q8_0(rows)
+    return torch.cat((codes.view(torch.uint8), scales.view(torch.uint8)), 1)
+
+
+def unpack_rows(data: torch.Tensor, dtype: torch.dtype, m: int, q8_0: bool) -> torch.Tensor:
+    """pack_rows' bytes uint8 [n, width] back to rows [n, m] of dtype (q8_0: dequantized)."""
+    if not q8_0:
+        return data.contiguous().view(dtype)
+    codes = data[:, :m].contiguous().view(torch.int8)
+    scales = data[:, m:].contiguous().view(torch.float16)
+    return dequantize_q8_0(codes, scales).to(dtype)
+
+
+def packed_width(m: int, itemsize: int, q8_0: bool) -> int:
+    """Bytes of one row of m values in pack_rows' payload."""
+    return m + m // Q8_BLOCK * 2 if q8_0 else m * itemsize
+
+
 class CacheOperands(NamedTuple):
     """What a kernel takes for one cache."""
 

@@ -35,9 +35,15 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_size_mib(text: str) -> int:
+    """parse_size, but a bare number counts MiB (llama.cpp's --cache-ram): '8192' -> 8 GiB."""
+    return int(float(text) * 2**20) if re.fullmatch(r"\s*[0-9.]+\s*", text) else parse_size(text)
+
+
 def option(default: Any = MISSING, *, help: str, keyword: str | None = None, flag: str | None = None,
            choices: Sequence[Any] | None = None, parse: Callable[[str], Any] | None = None,
-           metavar: str | None = None, group: str | None = None, cli: bool = True, negatable: bool = False) -> Any:
+           metavar: str | None = None, group: str | None = None, cli: bool = True, negatable: bool = False,
+           aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is one of the engine's options.
 
     help: what it does, for --help and the README (argparse's %(default)s may be used); keyword: the
@@ -45,10 +51,11 @@ def option(default: Any = MISSING, *, help: str, keyword: str | None = None, fla
     CLI flag (default: --keyword-with-dashes; a switch gives its flag, store_true or store_false
     following the default); parse: reads the flag's text (default: the declared type); group: the
     --help section (default: the nested config's); cli: False for an option with no flag; negatable: a
-    switch with both flags, --flag and --no-flag (vLLM's --async-scheduling / --no-async-scheduling).
+    switch with both flags, --flag and --no-flag (vLLM's --async-scheduling / --no-async-scheduling);
+    aliases: more flags for it (another project's name, such as llama.cpp's --cache-ram).
     """
     meta = {"help": help, "keyword": keyword, "flag": flag, "choices": choices, "parse": parse,
-            "metavar": metavar, "group": group, "cli": cli, "negatable": negatable}
+            "metavar": metavar, "group": group, "cli": cli, "negatable": negatable, "aliases": aliases}
     return field(default=default, metadata=meta)
 
 
@@ -74,6 +81,7 @@ class Option:
     metavar: str | None
     cli: bool
     negatable: bool = False
+    aliases: tuple[str, ...] = ()  # more flags for it
 
     @property
     def kind(self) -> type:
@@ -96,7 +104,8 @@ def declared_options(config: type, group: str = "engine", path: tuple[str, ...] 
         keyword = meta["keyword"] or spec.name
         found.append(Option((*path, spec.name), keyword, meta["flag"] or "--" + keyword.replace("_", "-"),
                             meta["group"] or group, hints[spec.name], spec.default, meta["help"], meta["choices"],
-                            meta["parse"], meta["metavar"], meta["cli"], meta.get("negatable", False)))
+                            meta["parse"], meta["metavar"], meta["cli"], meta.get("negatable", False),
+                            meta.get("aliases", ())))
     return found
 
 

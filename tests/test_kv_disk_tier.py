@@ -1,6 +1,7 @@
-"""The disk tier under the prefix cache (--kv-cache-dir): blocks the KV cache evicts are written to files
-and loaded back; the greedy tokens stay transformers' whether a prefix comes from the computation, the
-cache, the disk or the disk after a restart; bad files are skipped; the size bound holds."""
+"""The tiers under the prefix cache: the disk tier (--kv-cache-dir): blocks the KV cache evicts are written to
+files and loaded back; the greedy tokens stay transformers' whether a prefix comes from the computation, the
+cache, the disk or the disk after a restart; bad files are skipped; the size bound holds. The RAM tier
+(--kv-cache-ram) ahead of it, on the cpu and gpu backends, and both tiers' q8_0 blocks (--kv-cache-tier-dtype)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
+from hearth.cli import build_parser
+from hearth.engine_args import engine_argv, engine_options
 from hearth.engine_config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.embedding import embed
 from hearth.engine.kv_cache import BlockManager, chain_hash
 from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.kv_tiers import KVTiers
 from hearth.engine.request import Request
-from hearth.engine.startup import kv_disk_tier
+from hearth.engine.startup import kv_tiers
 from hearth.errors import HearthError
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
@@ -78,7 +82,7 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     assert tier.counts.blocks_written == 5 and tier.counts.hits == 0
     assert block_file(first, prompts[0], 3).exists()
     assert greedy_tokens(first, prompts[0]) == expected[0]  # its 4 blocks back from disk
-    assert tier.counts.hits == 4 and tier.counts.bytes_read > 4 * first.engine.runner.kv_block_bytes
+    assert tier.counts.hits == 4 and tier.counts.bytes_read > 4 * first.engine.runner.tier_block_bytes()
     # an embedding borrows all 8 blocks: prompt 2's, still cached, reach the disk before it writes over them
     embed(first.engine, [[rng.randrange(VOCAB_SIZE) for _ in range(8 * BLOCK)]])
     assert greedy_tokens(first, prompts[2]) == expected[2] and tier.counts.hits == 8
@@ -150,18 +154,18 @@ def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):
               "prefix caching is off")]
     for config, model_config, why in cases:
         with caplog.at_level(logging.INFO, logger="hearth"):
-            assert kv_disk_tier(config, model_config, tmp_path, "float32", 2, 1024, split=False) is None
+            assert kv_tiers(config, model_config, tmp_path, "float32", 2, 1024, split=False) is None
         assert why in caplog.text
-    assert kv_disk_tier(EngineConfig(), dense, tmp_path, "float32", 2, 1024, split=False) is None  # not asked for
+    assert kv_tiers(EngineConfig(), dense, tmp_path, "float32", 2, 1024, split=False) is None  # not asked for
     (tmp_path / "a-file").write_text("")
     with pytest.raises(HearthError, match="not a folder"):
-        kv_disk_tier(EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path / "a-file"))), dense, tmp_path,
+        kv_tiers(EngineConfig(cache=CacheConfig(kv_cache_dir=str(tmp_path / "a-file"))), dense, tmp_path,
                      "float32", 2, 1024, split=False)
 
 
 def test_block_manager_lists_evictions_by_hash_and_drops_a_load_evicted_before_it_ran(tmp_path):
     disk = DiskTier(tmp_path, 2**20, identity=b"i" * 32, payload_bytes=4)
-    bm = BlockManager(3, block_size=2, disk=disk)
+    bm = BlockManager(3, block_size=2, tiers=KVTiers(b"i" * 32, None, disk, q8_0=False))
     first = Request("a", [1, 2, 3, 4, 5])
     assert bm.allocate_slots(first, 5, bm.get_computed_blocks(first)[0])
     bm.cache_blocks(first, 5)  # blocks of (1, 2) and (3, 4)
@@ -180,3 +184,96 @@ def test_block_manager_lists_evictions_by_hash_and_drops_a_load_evicted_before_i
     assert hit == 4 and [bm.loads[b] for b in blocks] == [h[:4] for h in hashes]
     assert bm.allocate_slots(Request("d", [8] * 6), 6, [])  # evicts them before any step loaded them
     assert bm.take_tier_moves() == ([], {})  # nothing to load, nothing to save (the disk has them)
+
+
+def greedy_logprobs(llm: LLM, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each one's logprob (the log-softmax of its logits) with the 3 next best."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    return out.token_ids, [lp for step in out.logprobs for lp in step.values()]
+
+
+def ram_tiered_llm(folder, ram_bytes: int, **options) -> LLM:
+    # as tiered_llm: 8 blocks, a 70-token prompt takes 5
+    return LLM(folder, kv_cache_memory=8 * BLOCK * KV_BYTES_PER_TOKEN, kv_cache_ram=ram_bytes, progress=False,
+               **options)
+
+
+def test_ram_tier_returns_the_logits_of_blocks_never_evicted(llama):
+    """Evicted blocks come back from RAM with the logprobs of a prefix-cache hit never evicted, bit for bit;
+    the RAM tier's bound holds (least recently used out) and its counts reach the engine's stats."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(70)] for _ in range(3)]
+    expected = reference_greedy(llama, prompts[:1])[0]
+    llm = ram_tiered_llm(llama, 5 * BLOCK * KV_BYTES_PER_TOKEN)  # 5 blocks
+    ram, block_bytes = llm.engine.kv_tiers.ram, llm.engine.runner.tier_block_bytes()
+    assert llm.engine.kv_disk_tier is None and greedy_tokens(llm, prompts[0]) == expected  # cold
+    never_evicted = greedy_logprobs(llm, prompts[0])  # its 4 full blocks from the cache
+    assert llm.engine.block_manager.prefix_cache_hits == 4 * BLOCK and ram.counts.blocks_written == 0
+    for prompt in prompts[1:]:
+        greedy_tokens(llm, prompt)  # evict prompt 0's 4 blocks and one of prompt 1's
+    assert ram.counts.blocks_written == 5 and ram.total_bytes == 5 * block_bytes
+    assert greedy_logprobs(llm, prompts[0]) == never_evicted  # its 4 blocks from RAM: the same floats
+    assert ram.counts.hits == 4 and ram.counts.bytes_read == 4 * block_bytes and ram.counts.read_seconds > 0
+    # loading them evicted prompt 2's blocks: into RAM, whose least recently used went (it holds 5 at most)
+    assert ram.counts.blocks_written > 5 and ram.total_bytes == 5 * block_bytes
+    engine = AsyncEngine(llm.engine)  # the counts reach /metrics, as the server reads them
+    try:
+        asyncio.run(served(engine, prompts[1]))
+        registry = ServerMetrics(engine, "m").registry
+        assert engine.stats().kv_ram_tier == ram.counts
+        for name, value in (("hits", ram.counts.hits), ("written_bytes", ram.counts.bytes_written)):
+            assert registry.get_sample_value(f"hearth:kv_ram_tier_{name}_total", {"model_name": "m"}) == value
+    finally:
+        engine.shutdown()
+
+
+def test_ram_tier_on_the_gpu_backend(llama):
+    """The same on the gpu backend (its Triton kernels on CPU tensors, interpreted here: a step costs about
+    a second, so blocks of 4 tokens and 4 steps): a cache of 4 blocks, a 9-token prompt's 2 full blocks
+    evicted by a 13-token one come back from RAM, and the next token's logprobs are bit for bit those of
+    a hit never evicted."""
+    rng = random.Random(8)
+    first, second = [rng.randrange(VOCAB_SIZE) for _ in range(9)], [rng.randrange(VOCAB_SIZE) for _ in range(13)]
+    kv_bytes = 4 * 4 * KV_BYTES_PER_TOKEN  # 4 blocks of 4 tokens
+    llm = LLM(llama, kv_cache_memory=kv_bytes, kv_cache_ram=kv_bytes, block_size=4, backend="gpu", device="cpu",
+              dtype="float32", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=3)
+    run = lambda prompt: llm.generate([prompt], params)[0].outputs[0]  # noqa: E731
+    run(first)
+    never_evicted = run(first)  # its 2 full blocks from the cache
+    run(second)  # takes all 4 blocks
+    through_ram = run(first)
+    assert llm.engine.kv_ram_totals.hits == 2 and llm.engine.kv_ram_totals.blocks_written == 4
+    assert (through_ram.token_ids, through_ram.logprobs) == (never_evicted.token_ids, never_evicted.logprobs)
+
+
+def test_q8_0_tiers_move_logits_by_a_bounded_amount(llama, tmp_path):
+    """kv_cache_tier_dtype q8_0: a float32 cache's blocks stored as q8_0 (3.8x fewer bytes) in RAM and on disk;
+    through either, the greedy tokens stay transformers' and the logprobs within 0.02 of a hit never evicted."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(70)] for _ in range(3)]
+    expected = reference_greedy(llama, prompts)
+    q8_0_block = BLOCK * KV_BYTES_PER_TOKEN // 4 // 32 * 34  # float32 values: 34 bytes per 32 as q8_0
+    llm = ram_tiered_llm(llama, 3 * q8_0_block, kv_cache_dir=str(tmp_path), kv_cache_tier_dtype="q8_0")
+    runner, tiers = llm.engine.runner, llm.engine.kv_tiers
+    assert tiers.q8_0 and runner.tier_block_bytes(True) == q8_0_block and runner.tier_block_bytes() == 4 * 32 / 34 * q8_0_block
+    never_evicted = [greedy_logprobs(llm, p) for p in prompts[:1]][0]
+    for prompt, tokens in zip(prompts[1:], expected[1:]):
+        assert greedy_tokens(llm, prompt) == tokens
+    # prompt 0's blocks went 3, 2, 1, 0, then prompt 1's block 3: RAM kept the last 3, the disk all
+    tokens, logprobs = greedy_logprobs(llm, prompts[0])  # blocks 0-1 from RAM, 2-3 from disk
+    assert tiers.ram.counts.hits == 2 and tiers.disk.counts.hits == 2
+    assert tokens == never_evicted[0] == expected[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, never_evicted[1])) < 0.02
+    assert logprobs != never_evicted[1]  # (they did go through q8_0)
+
+
+def test_ram_tier_flags():
+    """--kv-cache-ram and llama.cpp's --cache-ram (a bare number: MiB, as llama.cpp reads it)."""
+    parser = build_parser()
+    assert engine_options(parser.parse_args(["serve", "--cache-ram", "8192"]))["kv_cache_ram"] == 8 << 30
+    assert engine_options(parser.parse_args(["serve", "--kv-cache-ram", "512MiB"]))["kv_cache_ram"] == 512 << 20
+    assert engine_options(parser.parse_args(["serve", *engine_argv(kv_cache_ram=3 << 20)]))["kv_cache_ram"] == 3 << 20
+    with pytest.raises(ValueError, match="kv_cache_ram"):
+        CacheConfig(kv_cache_ram=-1)

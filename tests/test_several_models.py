@@ -20,7 +20,10 @@ from hearth import LLM, SamplingParams
 from hearth.cli import build_parser, main
 from hearth.engine.async_engine import QueueFull
 from hearth.errors import HearthError
-from hearth.fleet.model_app import build_models_app, model_paths, models_from_args
+from hearth.engine_args import engine_options
+from hearth.engine_config import EngineConfig
+from hearth.fleet.model_app import build_models_app, model_args, model_paths, models_from_args
+from hearth.fleet.presets import ModelPresets
 from hearth.fleet.models import ModelRegistry
 from hearth.server.limits import ServerLimits
 from test_server import serving
@@ -149,7 +152,7 @@ def test_sleep_and_wake_keep_greedy_output(server, client, expected):
     assert httpx.post(url + "/sleep", params={"model": "tiny", "level": 1}).status_code == 200
     assert httpx.get(url + "/is_sleeping", params={"model": "tiny"}).json() == {"is_sleeping": True}
     assert states(url)["tiny"] == "sleeping"
-    assert all(not t.any() for t in runner._cache_tensors())  # its pages given back: they read as zeros
+    assert all(not t.any() for t, _ in runner._cache_tensors())  # its pages given back: they read as zeros
     assert httpx.post(url + "/wake_up", params={"model": "tiny"}).status_code == 200
     assert httpx.get(url + "/is_sleeping", params={"model": "tiny"}).json() == {"is_sleeping": False}
     assert complete(client, "tiny") == expected["tiny"]
@@ -246,3 +249,31 @@ class _Idle:
         @staticmethod
         def shutdown() -> None:
             pass
+
+
+def test_models_preset_gives_each_model_its_own_engine_flags(tmp_path):
+    """--models-preset (llama.cpp's INI presets): [*] for every model, [NAME] its own, `model = PATH` a model
+    the command line does not name; the own section wins over [*], which wins over the command line."""
+    preset = tmp_path / "models.ini"
+    preset.write_text("[*]\nmax-num-seqs = 3\nkv-cache-ram = 64MiB\n\n[tiny]\nkv-cache-dtype = q8_0\nmax-num-seqs = 2\n\n"
+                      "[other]\nmodel = builtin\nno-prefix-caching = true\nlora = a=/x, b=/y\n")
+    args = serve_args("--model", "tiny=builtin", "--models-preset", str(preset), "--kv-cache-dtype", "float16")
+    models = models_from_args(args, ServerLimits())
+    assert {n: e.path for n, e in models.entries.items()} == {"tiny": "builtin", "other": "builtin"}
+    assert models.entries["other"].adapters == {"a": "/x", "b": "/y"}
+    served = models.build("tiny", "builtin", {})  # an engine built with them
+    tiny = served.engine.engine.config
+    served.engine.shutdown()
+    own = ModelPresets(preset).check(["tiny", "other"])["other"]  # (the other's config, as its build reads it)
+    other = EngineConfig.from_options(**engine_options(model_args(args, "builtin", own)) | {"lora_modules": ()})
+    assert (tiny.cache.kv_cache_dtype, tiny.scheduler.max_num_seqs, tiny.cache.enable_prefix_caching) == ("q8_0", 2, True)
+    assert (other.cache.kv_cache_dtype, other.scheduler.max_num_seqs, other.cache.enable_prefix_caching) == (
+        "float16", 3, False)
+    assert tiny.cache.kv_cache_ram == other.cache.kv_cache_ram == 64 << 20
+    for text, error in (("[tiny]\nkv-cache-dtyp = q8_0\n", "did you mean 'kv-cache-dtype'"),
+                        ("[tiny]\nmax-num-seqs = many\n", "max-num-seqs = many"),
+                        ("[nobody]\nmax-num-seqs = 2\n", r"\[nobody\] is no model served"),
+                        ("[tiny]\nthreads = 2\n", "the process's own"), ("max-num-seqs = 2\n", "no section headers")):
+        preset.write_text(text)
+        with pytest.raises(HearthError, match=error):
+            models_from_args(args, ServerLimits())

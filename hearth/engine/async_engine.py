@@ -42,7 +42,7 @@ import torch
 
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
-from hearth.engine.kv_disk_tier import DiskTierCounts
+from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
 from hearth.lora_request import LoRARequest
@@ -77,7 +77,8 @@ class EngineStats:
     num_kv_blocks: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    kv_disk_tier: DiskTierCounts = field(default_factory=DiskTierCounts)  # the disk tier's (--kv-cache-dir) totals
+    kv_disk_tier: TierCounts = field(default_factory=TierCounts)  # the disk tier's (--kv-cache-dir) totals
+    kv_ram_tier: TierCounts = field(default_factory=TierCounts)  # the RAM tier's (--kv-cache-ram) totals
     num_preemptions: int = 0  # totals over the engine's life
     num_generation_tokens: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
@@ -423,6 +424,7 @@ class AsyncEngine:
                 prefix_cache_queries=blocks.prefix_cache_queries,
                 prefix_cache_hits=blocks.prefix_cache_hits,
                 kv_disk_tier=engine.kv_disk_totals,
+                kv_ram_tier=engine.kv_ram_totals,
                 num_preemptions=old.num_preemptions + num_preempted,
                 num_generation_tokens=old.num_generation_tokens + num_generated,
                 spec_decode=engine.spec_decode_totals.copy(),

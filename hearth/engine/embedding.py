@@ -73,7 +73,7 @@ def _borrowed(engine: LLMEngine, batch: list[list[int]]) -> Iterator[list[BatchE
             if not blocks.allocate_slots(request, len(request.prompt_token_ids)) or not (
                     states is None or states.allocate(request)):
                 raise CacheFull("the KV cache is full with running requests; retry the embedding later")
-        engine.move_cache_contents()  # the cached blocks it evicted go to the disk tier before they are written over
+        engine.move_cache_contents()  # the cached blocks it evicted go to the tiers before they are written over
         yield [BatchEntry(r.prompt_token_ids, 0, r.block_table, state_slot=None if states is None else r.state_slot)
                for r in borrowed]
     finally:

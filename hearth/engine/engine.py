@@ -19,7 +19,7 @@ from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.images import PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
-from hearth.engine.kv_disk_tier import DiskTierCounts
+from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
@@ -32,8 +32,7 @@ from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_disk_tier,
-                                   load_target)
+from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers, load_target
 from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
@@ -80,12 +79,12 @@ class LLMEngine:
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend),
                                   num_state_slots=self.num_state_slots + self.num_state_checkpoints)
-        self.kv_disk_tier = kv_disk_tier(config, self.model_config, self.model_path, self.kv_cache_dtype,
-                                         len(self.runner.kv_caches), self.runner.kv_block_bytes, shard is not None)
+        self.kv_tiers = self._start_tiers(config, shard is not None)
+        self.kv_disk_tier = None if self.kv_tiers is None else self.kv_tiers.disk
         checkpoints = StateCheckpoints(self.num_state_slots, self.num_state_checkpoints) \
             if self.num_state_checkpoints else None
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                          self.kv_disk_tier, checkpoints)
+                                          self.kv_tiers, checkpoints)
         scheduling = config.scheduler
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
@@ -118,11 +117,21 @@ class LLMEngine:
                                                              f"{self.state_cache_bytes / 2**20:.1f} MiB")
         if self.num_state_checkpoints:
             states += f" and as many prefix-cache state checkpoints {self.state_checkpoint_bytes / 2**20:.1f} MiB"
-        tier = "" if self.kv_disk_tier is None else (f"; disk tier {self.config.cache.kv_cache_dir} holds "
-                                                     f"{self.kv_disk_tier.total_bytes / 2**20:.1f} MiB")
+        tier = "" if self.kv_tiers is None or self.kv_tiers.ram is None else \
+            f"; RAM tier up to {self.config.cache.kv_cache_ram / 2**20:.0f} MiB"
+        if self.kv_disk_tier is not None:
+            tier += f"; disk tier {self.config.cache.kv_cache_dir} holds {self.kv_disk_tier.total_bytes / 2**20:.1f} MiB"
         print(f"hearth: {self.model_config.architecture} model on {self.device} ({str(self.dtype)[6:]}); "
               f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}) holds {self.kv_cache_tokens:,} "
               f"tokens ({self.num_blocks:,} blocks of {self.config.cache.block_size}){states}{tier}", file=sys.stderr)
+
+    def _start_tiers(self, config: EngineConfig, split: bool):
+        """The RAM and disk tiers under the prefix cache (startup.kv_tiers), q8_0 where asked and the
+        cache holds 16- or 32-bit values."""
+        runner = self.runner
+        q8_0 = config.cache.kv_cache_tier_dtype == "q8_0" and runner.tier_block_bytes(True) != runner.tier_block_bytes()
+        return kv_tiers(config, self.model_config, self.model_path, self.kv_cache_dtype, len(runner.kv_caches),
+                        runner.tier_block_bytes(q8_0), split, q8_0)
 
     def _start_lora(self, config: EngineConfig) -> LoraAdapters | None:
         """With enable_lora: the model's projections wrapped for adapters, and lora_modules loaded."""
@@ -149,9 +158,15 @@ class LLMEngine:
         return self.num_blocks * self.config.cache.block_size
 
     @property
-    def kv_disk_totals(self) -> DiskTierCounts:
+    def kv_disk_totals(self) -> TierCounts:
         """The disk tier's counts since the engine started (zeros without one)."""
-        return DiskTierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.counts.copy()
+        return TierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.counts.copy()
+
+    @property
+    def kv_ram_totals(self) -> TierCounts:
+        """The RAM tier's counts since the engine started (zeros without one)."""
+        ram = None if self.kv_tiers is None else self.kv_tiers.ram
+        return TierCounts() if ram is None else ram.counts.copy()
 
     @property
     def spec_decode_totals(self) -> SpecDecodeCounts:
@@ -394,16 +409,21 @@ class LLMEngine:
 
     def move_cache_contents(self) -> None:
         """Before a forward pass (anything that writes over the one or reads the other): copy the blocks
-        the KV cache evicted to the disk tier, then write the blocks found there into theirs (kv_cache.py);
+        the KV cache evicted to the tiers (those they do not hold already), then write the blocks found
+        there into theirs (kv_cache.py);
         a hybrid's state checkpoints to take and to restore (state_slots.py), in order."""
         if self.block_manager.checkpoints is not None:
             self.runner.copy_states(self.block_manager.checkpoints.take_moves())
+        tiers = self.kv_tiers
+        if tiers is None:
+            return
         evicted, loads = self.block_manager.take_tier_moves()
+        evicted = [(content_hash, block) for content_hash, block in evicted if not tiers.held_by_all(content_hash)]
         if evicted:
-            for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted])):
-                self.kv_disk_tier.write(content_hash, payload)
+            for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted], tiers.q8_0)):
+                tiers.write(content_hash, payload)
         if loads:
-            self.runner.write_block_bytes(loads)
+            self.runner.write_block_bytes(loads, tiers.q8_0)
 
     def _failed(self, requests: list[Request], error: Exception) -> StepFailed:
         """Abort the groups of the requests a failed step held; the StepFailed that names them."""

@@ -41,11 +41,12 @@ it, and no kernel reads a position outside the window). They were entered into t
 cache when computed, so they stay findable until evicted; the chain of content ids goes on
 from the request's last entered block, which is remembered rather than read from the table.
 
-A disk tier (kv_disk_tier.py, optional): every full cached block also carries a content hash, a
-chain over its prefix's token ids (hash(parent's hash, its tokens)) seeded with the tier's model
-identity, stable across processes. A cached block that is evicted is listed in `evicted` (hash,
-block id); a prefix lookup that runs out of cached blocks goes on through the hashes on disk, and
-enters each one found (its payload read and checked) into a free block, listed in `loads`. The
+Tiers under the cache (kv_tiers.py: host RAM, then the disk tier of kv_disk_tier.py; optional): every
+full cached block also carries a content hash, a chain over its prefix's token ids (hash(parent's
+hash, its tokens)) seeded with the tiers' model identity, stable across processes. A cached block
+that is evicted is listed in `evicted` (hash, block id); a prefix lookup that runs out of cached
+blocks goes on through the hashes the tiers hold, and enters each one found (its payload read, from
+RAM or checked from disk) into a free block, listed in `loads`. The
 engine hands both to the runner (take_tier_moves) before the step's forward pass: evicted blocks'
 K/V are copied out before anything overwrites them, then loaded blocks' K/V are written in.
 
@@ -61,7 +62,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.kv_tiers import KVTiers
 from hearth.engine.request import ImageSpan, Request
 from hearth.engine.state_slots import StateCheckpoints
 
@@ -99,7 +100,7 @@ def chain_hash(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 disk: DiskTier | None = None, checkpoints: StateCheckpoints | None = None):
+                 tiers: KVTiers | None = None, checkpoints: StateCheckpoints | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -112,11 +113,11 @@ class BlockManager:
         # Per request, how many of its leading blocks have passed through cache_blocks, and the
         # content id and hash of the last of them (the parent of the next).
         self._cached_chain: dict[Request, tuple[int, int, bytes]] = {}
-        self.disk = disk
+        self.tiers = tiers
         self.checkpoints = checkpoints  # a hybrid model's state checkpoints (with prefix caching)
-        self._root_hash = disk.identity if disk is not None else b""
-        self.evicted: list[tuple[bytes, int]] = []  # (content hash, block id): K/V to copy to disk
-        self.loads: dict[int, bytes] = {}  # block id -> payload read from disk: K/V to write in
+        self._root_hash = tiers.identity if tiers is not None else b""
+        self.evicted: list[tuple[bytes, int]] = []  # (content hash, block id): K/V to copy to the tiers
+        self.loads: dict[int, bytes] = {}  # block id -> payload read from a tier: K/V to write in
         # Per request, how many of its leading blocks free_outside_window has given back.
         self._num_window_freed: dict[Request, int] = {}
         # Metrics, in tokens, counted once per successful admission (see allocate_slots).
@@ -152,16 +153,16 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of request.all_token_ids: (block ids, tokens).
 
-        Never all of its tokens: at most (num_tokens - 1) // block_size blocks. Without a disk
-        tier a pure lookup; with one, the blocks found on disk past the cached ones are entered
+        Never all of its tokens: at most (num_tokens - 1) // block_size blocks. Without tiers
+        a pure lookup; with them, the blocks found in RAM or on disk past the cached ones are entered
         into free blocks (cached, free, most recently used; see `loads`), so that a failed
         admission asking again later finds them cached. A request with skip_prefix_cache gets no hit.
         """
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return [], 0
         hits = self.lookup(request.all_token_ids, -request.lora_id, request.images)
-        if self.disk is not None:  # (never with LoRA adapters: startup.kv_disk_tier; nor hybrids)
-            hits += self._enter_from_disk(request.all_token_ids, hits, request.images)
+        if self.tiers is not None:  # (never with LoRA adapters: startup.kv_tiers; nor hybrids)
+            hits += self._enter_from_tiers(request.all_token_ids, hits, request.images)
         if self.checkpoints is not None:
             hits = self._up_to_checkpoint(request, hits)
         return hits, len(hits) * self.block_size
@@ -187,8 +188,8 @@ class BlockManager:
             last = request.block_table[request.num_computed_tokens // self.block_size - 1]
             self.checkpoints.restore(self.blocks[last].content_id, request.state_slot)
 
-    def _enter_from_disk(self, tokens: list[int], hits: list[int], images: list[ImageSpan]) -> list[int]:
-        """Block ids of the blocks of `tokens` after the cached `hits` that the disk tier holds, each
+    def _enter_from_tiers(self, tokens: list[int], hits: list[int], images: list[ImageSpan]) -> list[int]:
+        """Block ids of the blocks of `tokens` after the cached `hits` that a tier holds, each
         entered into a free block (not one of hits) whose K/V the runner loads before the step."""
         bs, entered = self.block_size, []
         parent = self.blocks[hits[-1]] if hits else None
@@ -196,13 +197,13 @@ class BlockManager:
         for i in range(len(hits), (len(tokens) - 1) // bs):
             block_tokens = block_content(tokens, i, bs, images)
             content_hash = chain_hash(parent_hash, block_tokens)
-            if content_hash not in self.disk:
+            if content_hash not in self.tiers:
                 break
             block_id = self._least_recently_used_free(set(hits) | set(entered))
             if block_id is None:
                 break
-            payload = self.disk.read(content_hash)
-            if payload is None:  # unusable file (skipped with a warning)
+            payload = self.tiers.read(content_hash)
+            if payload is None:  # an unusable file (skipped with a warning)
                 break
             block = self.blocks[block_id]
             self._enter(block, (parent_id, block_tokens), content_hash)
@@ -216,7 +217,7 @@ class BlockManager:
         return next((b for b in self.free_blocks if b not in taken), None)
 
     def take_tier_moves(self) -> tuple[list[tuple[bytes, int]], dict[int, bytes]]:
-        """The blocks to copy to disk (content hash, block id) and to load from it (block id ->
+        """The blocks to copy to the tiers (content hash, block id) and to load from them (block id ->
         payload) since the last call; the runner does both, in that order, before the next step."""
         evicted, loads = self.evicted, self.loads
         self.evicted, self.loads = [], {}
@@ -267,13 +268,13 @@ class BlockManager:
         self.cached[key] = block.block_id
 
     def _evict(self, block: KVBlock) -> None:
-        """Forget the block's cached content; with a disk tier it is listed to be copied there
-        (unless its K/V were never loaded in: then the disk has them already)."""
+        """Forget the block's cached content; with tiers it is listed to be copied there
+        (unless its K/V were never loaded in: then a tier has them already)."""
         if block.key is not None:
             del self.cached[block.key]
             if self.checkpoints is not None:
                 self.checkpoints.drop(block.content_id)
-            if self.disk is not None and self.loads.pop(block.block_id, None) is None:
+            if self.tiers is not None and self.loads.pop(block.block_id, None) is None:
                 self.evicted.append((block.content_hash, block.block_id))
             block.key = None
         block.content_id, block.content_hash = 0, b""

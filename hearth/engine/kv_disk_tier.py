@@ -17,8 +17,9 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
 from pathlib import Path
+
+from hearth.engine.kv_tiers import TierCounts
 
 logger = logging.getLogger("hearth")
 
@@ -27,29 +28,13 @@ _HEADER = struct.Struct("<8s32sQ32s")  # magic, identity, payload bytes, SHA-256
 SUFFIX = ".kv"
 
 
-@dataclass(slots=True)
-class DiskTierCounts:
-    """The disk tier's totals since the engine started (engine stats, /metrics)."""
-
-    hits: int = 0  # blocks loaded back from disk
-    blocks_written: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    skipped: int = 0  # truncated, corrupted or foreign files
-
-    def copy(self) -> DiskTierCounts:
-        return replace(self)
-
-
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, identity: bytes, payload_bytes: int):
         """identity: 32 bytes naming the model and cache layout; payload_bytes: one block's K/V."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.identity, self.payload_bytes = max_bytes, identity, payload_bytes
-        self.counts = DiskTierCounts()
+        self.counts = TierCounts()
         self._files: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, least recently used first
         found = []
         for path in self.directory.glob("*" + SUFFIX):
@@ -92,10 +77,16 @@ class DiskTier:
         self.counts.read_seconds += time.perf_counter() - start
         return payload
 
+    def touch(self, block_hash: bytes) -> bool:
+        """Mark a block used; whether the tier holds it."""
+        if block_hash not in self._files:
+            return False
+        self._files.move_to_end(block_hash)
+        return True
+
     def write(self, block_hash: bytes, payload: bytes) -> None:
         """Store a block (a block already stored is only marked used), then keep under the bound."""
-        if block_hash in self._files:
-            self._files.move_to_end(block_hash)
+        if self.touch(block_hash):
             return
         start = time.perf_counter()
         header = _HEADER.pack(MAGIC, self.identity, len(payload), hashlib.sha256(payload).digest())

@@ -29,7 +29,8 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import ATTENTION, MAX_DECODE_QUERY_LEN
-from hearth.kv_format import KVCaches, Q8Cache, allocate_kv_caches, move_rows, release_pages, with_state_caches
+from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows, packed_width, release_pages,
+                              stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, mrope_positions, step_embeddings
 from hearth.engine.request import ImageSpan, Request, RequestStatus
@@ -252,42 +253,42 @@ class ModelRunner:
         rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
         self.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
 
-    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's K/V as bytes (the disk tier's payload): every layer's cache tensors' rows of
-        the block (a q8_0 cache's codes and scales), raw, in order."""
+    def block_bytes(self, block_ids: list[int], q8_0: bool = False) -> list[bytes]:
+        """Each block's K/V as bytes (the KV tiers' payload): every layer's cache tensors' rows of the
+        block (a q8_0 cache's codes and scales), raw, in order; with q8_0, a 16- or 32-bit cache's
+        values as q8_0 blocks (kv_format.pack_rows), quantized here, on the device, before the copy."""
         slots = self._slots(block_ids)
-        rows = torch.cat([t[slots].reshape(len(block_ids), -1).view(torch.uint8) for t in self._cache_tensors()], 1)
+        rows = torch.cat([pack_rows(t[slots].reshape(len(block_ids), -1), q8_0 and packable)
+                          for t, packable in self._cache_tensors()], 1)
         return [row.numpy().tobytes() for row in rows.cpu()]
 
-    def write_block_bytes(self, payloads: dict[int, bytes]) -> None:
-        """Write block_bytes' payloads back, per block id."""
+    def write_block_bytes(self, payloads: dict[int, bytes], q8_0: bool = False) -> None:
+        """Write block_bytes' payloads back, per block id (q8_0: as block_bytes(q8_0=True) packed them)."""
         block_ids = list(payloads)
         rows = torch.frombuffer(bytearray(b"".join(payloads.values())), dtype=torch.uint8)
         rows = rows.view(len(block_ids), -1).to(self.device)
         slots, start = self._slots(block_ids), 0
-        for t in self._cache_tensors():
-            width = t[0].numel() * t.element_size() * self.block_size
-            t[slots] = rows[:, start:start + width].contiguous().view(t.dtype).view(len(slots), *t.shape[1:])
+        for t, packable in self._cache_tensors():
+            m = t[0].numel() * self.block_size
+            width = packed_width(m, t.element_size(), q8_0 and packable)
+            values = unpack_rows(rows[:, start:start + width], t.dtype, m, q8_0 and packable)
+            t[slots] = values.view(len(slots), *t.shape[1:])
             start += width
 
-    @property
-    def kv_block_bytes(self) -> int:
+    def tier_block_bytes(self, q8_0: bool = False) -> int:
         """The bytes of one block's K/V in block_bytes' payload."""
-        return sum(t[0].numel() * t.element_size() for t in self._cache_tensors()) * self.block_size
+        return sum(packed_width(t[0].numel() * self.block_size, t.element_size(), q8_0 and packable)
+                   for t, packable in self._cache_tensors())
 
-    def _cache_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the KV cache, each [slots, ...]: per layer its K and V (or latent); a
-        quantized cache's codes and scales."""
-        return [t for layer in self.kv_caches for cache in layer
-                for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
-                          else (cache.values,))]
+    def _cache_tensors(self) -> list[tuple[torch.Tensor, bool]]:
+        return stored_tensors(self.kv_caches, self.block_size)
 
     def release_kv_memory(self) -> int:
         """Give the KV cache's memory back to the OS, its tensors kept where they are (kernels and CUDA
         graphs hold their addresses): on a CPU each cache buffer is an anonymous shared map (`zeroed`),
         whose pages are removed and read as zeros again, as unused slots must, costing nothing until
         written. Returns the bytes released: 0 off a CPU, where the memory stays."""
-        return 0 if self.device.type != "cpu" else release_pages(self._cache_tensors())
+        return 0 if self.device.type != "cpu" else release_pages([t for t, _ in self._cache_tensors()])
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -17,6 +17,7 @@ from hearth.engine_config import EngineConfig
 from hearth.default_model import resolve_model
 from hearth.errors import HearthError
 from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.kv_tiers import KVTiers, RamTier
 from hearth.engine.memory import (kv_cache_blocks, kv_cache_budget, model_bytes, state_bytes_per_slot,
                                   state_slot_count)
 from hearth.loading.loader import LoadedModel, load_model
@@ -102,26 +103,30 @@ def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
     return True
 
 
-def kv_disk_tier(config: EngineConfig, model_config: ModelConfig, model_path: Path, kv_cache_dtype: str,
-                 num_layers: int, block_bytes: int, split: bool) -> DiskTier | None:
-    """The disk tier under the prefix cache (kv_cache_dir), or None: not asked for, or off (with a
-    log line) where prefix caching is off or the cache is not all in this process. Its identity
-    hashes what a block's bytes depend on: the model (path, size, config), KV dtype, block size, layers."""
+def kv_tiers(config: EngineConfig, model_config: ModelConfig, model_path: Path, kv_cache_dtype: str,
+             num_layers: int, block_bytes: int, split: bool, q8_0: bool = False) -> KVTiers | None:
+    """The tiers under the prefix cache (kv_cache_ram, kv_cache_dir), or None: none asked for, or off
+    (with a log line) where prefix caching is off or the cache is not all in this process. block_bytes:
+    one block's payload (q8_0: compressed, ModelRunner.block_bytes). Their identity hashes what a block's
+    bytes depend on: the model (path, size, config), KV dtype, block size, layers, payload and format."""
     cache = config.cache
-    if cache.kv_cache_dir is None:
+    if cache.kv_cache_dir is None and not cache.kv_cache_ram:
         return None
     why = ("prefix caching is off" if not cache.enable_prefix_caching else
-           f"a hybrid model ({model_config.architecture}) keeps states the tier does not hold"
+           f"a hybrid model ({model_config.architecture}) keeps states the tiers do not hold"
            if model_config.is_hybrid else "the model is split over processes" if split else
-           "LoRA adapters are on (a block's K/V depends on the adapter, which the files do not name)"
+           "LoRA adapters are on (a block's K/V depends on the adapter, which the tiers do not name)"
            if config.lora.enable_lora else None)
     if why is not None:
-        logger.info("the KV disk tier (kv_cache_dir) is off: %s", why)
+        logger.info("the KV cache tiers (kv_cache_ram, kv_cache_dir) are off: %s", why)
         return None
     identity = json.dumps([str(Path(model_path).resolve()), model_bytes(model_path), repr(model_config),
-                           kv_cache_dtype, cache.block_size, num_layers, block_bytes])
+                           kv_cache_dtype, cache.block_size, num_layers, block_bytes] + (["q8_0"] if q8_0 else []))
+    identity = hashlib.sha256(identity.encode()).digest()
+    ram = RamTier(cache.kv_cache_ram) if cache.kv_cache_ram else None
+    if cache.kv_cache_dir is None:
+        return KVTiers(identity, ram, None, q8_0)
     try:
-        return DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, hashlib.sha256(identity.encode()).digest(),
-                        block_bytes)
+        return KVTiers(identity, ram, DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, identity, block_bytes), q8_0)
     except OSError as e:
         raise HearthError(f"kv_cache_dir {cache.kv_cache_dir}: not a folder hearth can use ({e})") from None

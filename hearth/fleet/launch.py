@@ -41,7 +41,7 @@ def serve(args) -> None:
         raise HearthError(f"--data-parallel-size must be at least 1 (got {args.data_parallel_size})")
     if args.prefill_workers < 1:
         raise HearthError(f"--prefill-workers must be at least 1 (got {args.prefill_workers})")
-    if args.models or args.model_dir is not None:
+    if args.models or args.model_dir is not None or args.models_preset is not None:
         run_models(args)
     elif args.data_parallel_size > 1 or args.ray or args.disaggregate:
         run_router(args)

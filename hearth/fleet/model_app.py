@@ -1,4 +1,4 @@
-"""One server for several models (`hearth serve --model NAME=PATH ...` or `--model-dir DIR`).
+"""One server for several models (`hearth serve --model NAME=PATH ...`, `--model-dir DIR`, `--models-preset FILE`).
 
 The app has every route of one engine's server (hearth/server/app.py's api_app); ModelRouting sends
 each request to the engine of the model its body's `model` names (a query's `model` for GET
@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Request
@@ -25,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from hearth.errors import HearthError
 from hearth.fleet.models import RETRY_AFTER, ModelEntry, ModelRegistry
+from hearth.fleet.presets import ModelPresets
 from hearth.server import info
 from hearth.server.app import api_app
 from hearth.server.errors import APIError, exception_body
@@ -38,9 +40,11 @@ MODEL_PATHS = frozenset({
 })
 
 
-def model_paths(specs: list[str] | None, model_dir: Path | None) -> dict[str, str]:
-    """The models to serve, by name: `--model NAME=PATH` (in order), then each GGUF file (named without
-    .gguf) and Hugging Face folder (with a config.json) in `--model-dir`, by name."""
+def model_paths(specs: list[str] | None, model_dir: Path | None, preset: dict[str, str] | None = None
+                ) -> dict[str, str]:
+    """The models to serve, by name: `--model NAME=PATH` (in order), then the `model = PATH` sections of
+    --models-preset (`preset`), then each GGUF file (named without .gguf) and Hugging Face folder (with a
+    config.json) in `--model-dir`, by name."""
     paths: dict[str, str] = {}
 
     def add(name: str, path: str) -> None:
@@ -52,6 +56,8 @@ def model_paths(specs: list[str] | None, model_dir: Path | None) -> dict[str, st
         name, _, path = spec.partition("=")
         if not name or not path:
             raise HearthError(f"--model {spec!r}: expected NAME=PATH (a GGUF file, a Hugging Face folder or 'builtin')")
+        add(name, path)
+    for name, path in (preset or {}).items():
         add(name, path)
     if model_dir is not None:
         if not model_dir.is_dir():
@@ -220,16 +226,21 @@ def build_models_app(models: ModelRegistry, batch_window: int, api_key: str | No
     return app
 
 
-def model_builder(args: argparse.Namespace, limits):
+def model_args(args: argparse.Namespace, path: str, own: dict[str, Any]) -> argparse.Namespace:
+    """A model's arguments: the serve command's, its own engine flags from --models-preset over them."""
+    return argparse.Namespace(**{**vars(args), **own, "model": path})
+
+
+def model_builder(args: argparse.Namespace, limits, presets: dict[str, dict] | None = None):
     """The registry's Build: a model's engine from the serve command's engine flags, as `hearth serve
-    PATH` would build it, with the model's own LoRA adapters."""
+    PATH` would build it, with its own from --models-preset (`presets`, by model) and its LoRA adapters."""
     def build(name: str, path: str, adapters: dict[str, str]):
         from hearth.engine.async_engine import AsyncEngine
         from hearth.engine_args import build_llm
         from hearth.server.served import ServedModel
 
         loras = tuple(f"{n}={p}" for n, p in adapters.items())
-        engine = build_llm(argparse.Namespace(**{**vars(args), "model": path}), lora_modules=loras).engine
+        engine = build_llm(model_args(args, path, (presets or {}).get(name, {})), lora_modules=loras).engine
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
         return ServedModel(async_engine, [name], limits, args.tool_call_parser, args.trust_request_chat_template,
                            tuple(args.allowed_media_domains or ()))
@@ -238,15 +249,21 @@ def model_builder(args: argparse.Namespace, limits):
 
 
 def models_from_args(args: argparse.Namespace, limits, **keywords) -> ModelRegistry:
-    """The registry of `hearth serve`'s --model / --model-dir models, --lora's adapters the first model's;
-    keywords: the registry's own (slot_wait)."""
+    """The registry of `hearth serve`'s --model / --model-dir / --models-preset models, --lora's adapters the
+    first model's (and each model's own `lora` in the preset file); keywords: the registry's own (slot_wait)."""
     from hearth.engine_config import LoRAConfig
 
-    paths = model_paths(args.models, args.model_dir)
+    presets = ModelPresets(args.models_preset)
+    paths = model_paths(args.models, args.model_dir, presets.model_paths())
+    own = presets.check(list(paths))
+    preset_loras = {name: tuple(values.pop("lora_modules", ())) for name, values in own.items()}  # (adapters)
     try:
         adapters = dict(LoRAConfig(lora_modules=tuple(args.lora_modules or ())).named_paths())
-        return ModelRegistry(paths, model_builder(args, limits), args.max_loaded_models, args.sleep_idle_seconds,
-                             default_adapters=adapters, **keywords)
+        models = ModelRegistry(paths, model_builder(args, limits, own), args.max_loaded_models,
+                               args.sleep_idle_seconds, default_adapters=adapters, **keywords)
+        for name, loras in preset_loras.items():
+            models.entries[name].adapters.update(LoRAConfig(lora_modules=loras).named_paths())
+        return models
     except ValueError as e:
         raise HearthError(str(e)) from None
 

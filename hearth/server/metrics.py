@@ -55,15 +55,15 @@ class _EngineCollector:
                     hits / queries if queries else 0.0)
         yield counter("hearth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("hearth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        disk = stats.kv_disk_tier  # the disk tier under it (--kv-cache-dir)
-        yield counter("hearth:kv_disk_tier_hits", "KV blocks loaded back from the disk tier.", disk.hits)
-        yield counter("hearth:kv_disk_tier_read_bytes", "Bytes read from the disk tier.", disk.bytes_read)
-        yield counter("hearth:kv_disk_tier_written_bytes", "Bytes written to the disk tier.", disk.bytes_written)
-        yield counter("hearth:kv_disk_tier_read_seconds", "Seconds spent reading the disk tier.", disk.read_seconds)
-        yield counter("hearth:kv_disk_tier_write_seconds", "Seconds spent writing the disk tier.",
-                      disk.write_seconds)
+        for tier, counts in (("disk", stats.kv_disk_tier), ("ram", stats.kv_ram_tier)):  # --kv-cache-dir, -ram
+            name, what = f"hearth:kv_{tier}_tier", f"the {tier.upper() if tier == 'ram' else tier} tier"
+            yield counter(f"{name}_hits", f"KV blocks loaded back from {what}.", counts.hits)
+            yield counter(f"{name}_read_bytes", f"Bytes read from {what}.", counts.bytes_read)
+            yield counter(f"{name}_written_bytes", f"Bytes written to {what}.", counts.bytes_written)
+            yield counter(f"{name}_read_seconds", f"Seconds spent reading {what}.", counts.read_seconds)
+            yield counter(f"{name}_write_seconds", f"Seconds spent writing {what}.", counts.write_seconds)
         yield counter("hearth:kv_disk_tier_skipped_files", "Disk tier files skipped: truncated, corrupted or "
-                      "foreign.", disk.skipped)
+                      "foreign.", stats.kv_disk_tier.skipped)
         yield counter("hearth:num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
                       stats.num_preemptions)
         yield counter("hearth:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
