@@ -27,6 +27,7 @@ def sliding_layers_from_hf(hf: dict[str, Any], arch: str) -> tuple[int, ...] | N
             "gemma3": lambda i: (i + 1) % pattern != 0,  # a global layer every `pattern`
             "qwen2": lambda i: i >= after, "qwen3": lambda i: i >= after,
             "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < after,
+            "gpt_oss": lambda i: i % 2 == 0,  # alternating, from a sliding layer
         }.get(arch)
         if local is None:
             return None
@@ -96,7 +97,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
     if arch == "deepseek_v2":
         return _deepseek_experts_from_hf(hf)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     layers = int(hf["num_hidden_layers"])
@@ -107,10 +108,24 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
         moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
-        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        # gpt_oss: a softmax over the chosen experts' logits, the same as renormalising over them
+        norm_topk_prob=True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
     )
+
+
+def gpt_oss_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """gpt_oss's fields (none for other families): attention sinks, a bias on the router (the experts'
+    and attention's: mlp_bias, attention_bias), the experts' clamped SwiGLU."""
+    if arch != "gpt_oss":
+        return {}
+    if (hf.get("hidden_act") or "silu") != "silu":
+        raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for gpt_oss")
+    alpha, limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
+    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+        raise ModelLoadError(f"swiglu_alpha = {alpha!r}, swiglu_limit = {limit!r}: expected finite numbers, a positive limit")
+    return dict(attention_sinks=True, router_bias=True, clamped_swiglu=(alpha, limit))
 
 
 def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +295,7 @@ HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",  # short convolutions
     "Qwen3_5ForCausalLM": "qwen3_5",  # Gated DeltaNet (the text model, model_type qwen3_5_text)
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (its text model: text_config, model.language_model.*)
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding and full layers, experts with a clamped SwiGLU
 }
 
 
