@@ -6,6 +6,7 @@ past the window with chunked prefill, and a GGUF laid out as llama.cpp's convert
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -165,3 +166,176 @@ def test_gguf_as_llama_cpp_writes_it_with_mxfp4_experts(tmp_path):
     assert _max_error(hearth_logits(config, weights, TOKENS, backend=Backend()), want) <= 1e-4
     if cpu_kernels() is not None:  # the int8 kernels round activations to 8 bits per block, as llama.cpp (0.2% here)
         assert _max_error(hearth_logits(config, weights, TOKENS, backend=CpuBackend()), want) <= 1e-2 * want.abs().max()
+
+
+# ---- harmony's tool calls: the commentary channel's messages to functions.NAME
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates" / "openai-gpt-oss-120b.jinja"
+THINKING, PREAMBLE, ARGUMENTS = "The user wants the weather in Paris.", "Let me look.", {"city": "Paris"}
+# what gpt-oss writes after its generation prompt (<|start|>assistant), as OpenAI's harmony format has it: the
+# analysis, a commentary preamble to the user, then the call with its recipient and content type in the
+# channel's header, ended by <|call|> (a stop token: the engine's text may end before it)
+CALL_REPLY = (f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant<|channel|>commentary<|message|>"
+              f"{PREAMBLE}<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+              f"<|message|>{json.dumps(ARGUMENTS)}<|call|>")
+# the served model's (shorter: each character is about a token of the tiny tokenizer), without the <|call|>
+# that ends generation
+SERVED_REPLY = ('<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary '
+                f'to=functions.get_weather <|constrain|>json<|message|>{json.dumps(ARGUMENTS)}')
+ANSWER_REPLY = "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
+
+
+def test_harmony_replies_split_into_reasoning_content_and_calls_whole_and_streamed():
+    from hearth.reasoning import FORMATS
+    from hearth.server.tools import ToolCallStream, tool_calling
+    from hearth.tool_calls import PARSERS
+    from test_tool_calls import TOOLS
+
+    for text in (CALL_REPLY, CALL_REPLY.removesuffix("<|call|>")):
+        reply = PARSERS["gpt_oss"](text, True)
+        assert reply.valid_calls and reply.content == PREAMBLE
+        assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("get_weather", ARGUMENTS)]
+        assert FORMATS["gpt_oss"].split(text)[0] == THINKING
+        stream, content, arguments = ToolCallStream(tool_calling(TOOLS, "auto", None, "gpt_oss")), "", ""
+        for end in [*range(0, len(text), 3), len(text)]:  # a few characters at a time: markers never leak
+            delta = stream.delta(text[:end], end == len(text))
+            content += delta.get("content", "")
+            for item in delta.get("tool_calls", []):
+                assert item["index"] == 0 and item.get("function", {}).get("name", "get_weather") == "get_weather"
+                arguments += item["function"]["arguments"]
+        assert (content, json.loads(arguments)) == (PREAMBLE, ARGUMENTS)
+    answer = PARSERS["gpt_oss"](ANSWER_REPLY, True)
+    assert (answer.content, answer.calls) == ("Sunny.", [])
+    cut = PARSERS["gpt_oss"](CALL_REPLY.removesuffix("<|call|>")[:-3], True)  # cut short: no call, its text is content
+    assert not cut.calls and cut.content == PREAMBLE + json.dumps(ARGUMENTS)[:-3]
+
+
+def _served_folder(folder: Path, root: Path) -> Path:
+    """The tiny gpt_oss with gpt-oss's own chat template."""
+    if not TEMPLATE.exists():
+        pytest.skip(f"real chat templates not found at {TEMPLATE.parent}")
+    served = root / "served"
+    served.mkdir()
+    for f in folder.iterdir():
+        (served / f.name).write_bytes(f.read_bytes())
+    (served / "chat_template.jinja").write_text(TEMPLATE.read_text())
+    return served
+
+
+def test_tool_calls_through_chat_responses_and_messages(folder, tmp_path, monkeypatch):
+    """The served random gpt_oss, its output forced (a regex on every request, hooked where the server
+    makes its sampling params) to SERVED_REPLY, then, once the tool's result is in the conversation, to
+    ANSWER_REPLY; `--reasoning-parser gpt_oss` and the tool parser the template implies. Each API gives
+    the call in its own shape, streamed or not (the six at once: one batch); the template renders the
+    tools and the tool's result."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine.engine import LLMEngine
+    from hearth.engine_config import EngineConfig, ReasoningConfig
+    from hearth.sampling_params import StructuredOutputsParams
+    from hearth.server.app import build_app
+    from hearth.server.served import ServedModel
+    from test_server import serving
+    from test_tool_calls import TOOLS, USER
+
+    forced = [SERVED_REPLY]
+    plain = ServedModel.reasoning_params
+    monkeypatch.setattr(ServedModel, "reasoning_params", lambda self, params: dataclasses.replace(
+        plain(self, params), structured_outputs=StructuredOutputsParams(regex=re.escape(forced[0]))))
+    config = EngineConfig(reasoning=ReasoningConfig(parser="gpt_oss"))
+    engine = AsyncEngine(LLMEngine(_served_folder(folder, tmp_path), config, progress=False))
+    try:
+        with serving(build_app(engine, "gpt-oss")) as url, ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(ask, url, TOOLS, USER) for ask in ASKS]
+            got = [call.result() for call in calls]
+            assert got == [("Hm.", "get_weather", ARGUMENTS)] * len(ASKS), got
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            call = {"id": "abcDEF123", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(ARGUMENTS)}}
+            messages = [USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny, 21 degrees"}]
+            forced[0] = ANSWER_REPLY
+            answer = client.chat.completions.create(model="gpt-oss", messages=messages, tools=TOOLS).choices[0]
+            assert (answer.message.reasoning_content, answer.message.content, answer.message.tool_calls,
+                    answer.finish_reason) == ("It is sunny.", "Sunny.", None, "stop")
+            tokens = httpx.post(url + "/tokenize", json={"model": "gpt-oss", "messages": messages, "tools": TOOLS}).json()
+            prompt = httpx.post(url + "/detokenize", json={"model": "gpt-oss", "tokens": tokens["tokens"]}).json()["prompt"]
+            assert "type get_weather = (_: {" in prompt  # the tools in harmony's TypeScript namespace
+            assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+                    f'{json.dumps(ARGUMENTS)}<|call|>') in prompt
+            assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny, 21 degrees"' in prompt
+    finally:
+        engine.shutdown()
+
+
+def _openai(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _claude(url: str, tools: list[dict]):
+    import anthropic
+
+    anthropic_tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                        "input_schema": t["function"]["parameters"]} for t in tools]
+    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0), anthropic_tools
+
+
+def _chat(url: str, tools: list[dict], user: dict) -> tuple:
+    res = _openai(url).chat.completions.create(model="gpt-oss", messages=[user], tools=tools)
+    message, finish = res.choices[0].message, res.choices[0].finish_reason
+    assert message.content is None and finish == "tool_calls" and len(message.tool_calls) == 1
+    return message.reasoning_content, message.tool_calls[0].function.name, json.loads(message.tool_calls[0].function.arguments)
+
+
+def _chat_streamed(url: str, tools: list[dict], user: dict) -> tuple:
+    reasoning, arguments, names, finish = "", "", [], None
+    for chunk in _openai(url).chat.completions.create(model="gpt-oss", messages=[user], tools=tools, stream=True):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+        for call in delta.tool_calls or []:
+            names += [call.function.name] if call.function.name else []
+            arguments += call.function.arguments or ""
+    assert finish == "tool_calls" and len(names) == 1
+    return reasoning, names[0], json.loads(arguments)
+
+
+def _responses(url: str, tools: list[dict], user: dict) -> tuple:
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    r = _openai(url).responses.create(model="gpt-oss", input=[user], tools=flat)
+    assert [item.type for item in r.output] == ["reasoning", "function_call"]
+    return r.output[0].content[0].text, r.output[1].name, json.loads(r.output[1].arguments)
+
+
+def _responses_streamed(url: str, tools: list[dict], user: dict) -> tuple:
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    with _openai(url).responses.stream(model="gpt-oss", input=[user], tools=flat) as stream:
+        done = [e.item for e in stream if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["reasoning", "function_call"]
+    return done[0].content[0].text, done[1].name, json.loads(done[1].arguments)
+
+
+def _messages(url: str, tools: list[dict], user: dict) -> tuple:
+    claude, anthropic_tools = _claude(url, tools)
+    m = claude.messages.create(model="gpt-oss", messages=[user], tools=anthropic_tools, max_tokens=300)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    return m.content[0].thinking, m.content[1].name, m.content[1].input
+
+
+def _messages_streamed(url: str, tools: list[dict], user: dict) -> tuple:
+    claude, anthropic_tools = _claude(url, tools)
+    with claude.messages.stream(model="gpt-oss", messages=[user], tools=anthropic_tools, max_tokens=300) as stream:
+        m = stream.get_final_message()
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    return m.content[0].thinking, m.content[1].name, m.content[1].input
+
+
+ASKS = (_chat, _chat_streamed, _responses, _responses_streamed, _messages, _messages_streamed)
