@@ -258,7 +258,10 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
     quantized by a library (quantization_config: AWQ, GPTQ, fp8, bitsandbytes, ...; their tensors
     are packed integers under other names) and models with an image encoder (vision_config)."""
     quantization = hf.get("quantization_config")
-    if quantization is not None:
+    # gpt-oss's released experts in MXFP4: kept in 4 bits as GGUF's MXFP4 blocks (hearth/loading/gpt_oss.py)
+    gpt_oss_mxfp4 = hf.get("model_type") == "gpt_oss" and isinstance(quantization, dict) and \
+        quantization.get("quant_method") == "mxfp4"
+    if quantization is not None and not gpt_oss_mxfp4:
         method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
         raise ModelLoadError(
             f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "

@@ -168,6 +168,49 @@ def test_gguf_as_llama_cpp_writes_it_with_mxfp4_experts(tmp_path):
         assert _max_error(hearth_logits(config, weights, TOKENS, backend=CpuBackend()), want) <= 1e-2 * want.abs().max()
 
 
+def _copy_folder(folder: Path, out: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
+    """`folder` with other tensors and config fields."""
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config}))
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_hf_folder_with_mxfp4_experts_as_openai_releases_them(folder, tmp_path):
+    """OpenAI's checkpoints: the experts' weights as `_blocks` (two 4-bit codes a byte) and `_scales` (a
+    power of two a block of 32) under quantization_config mxfp4, the rest unquantized. Read into GGUF's
+    MXFP4 blocks (kept in 4 bits): the logits of transformers on the weights its own mxfp4 integration
+    dequantizes (convert_moe_packed_tensors) from the same bytes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state, packed, dense = load_file(folder / "model.safetensors"), {}, {}
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in state.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = dense[name] = tensor
+            continue
+        experts, columns, rows = tensor.shape  # the fused layout: [experts, in, out]
+        blocks = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(120, 125, (experts, rows, columns // 32), dtype=torch.uint8, generator=generator)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                        "model.layers.*.mlp.router", "lm_head"]}
+    mxfp4 = _copy_folder(folder, tmp_path / "mxfp4", packed, quantization_config=quantization)
+    want = _logits_of(_copy_folder(folder, tmp_path / "dense", dense))
+    config, weights = load_hf_folder(mxfp4, progress=False)
+    assert weights["model.layers.1.mlp.experts.2.gate_proj.weight"].qtype == gguf.GGMLQuantizationType.MXFP4
+    assert _max_error(hearth_logits(config, weights, TOKENS, backend=Backend()), want) <= 1e-4 * want.abs().max()
+    if cpu_kernels() is not None:  # the int8 kernels round activations to 8 bits per block, as llama.cpp
+        assert _max_error(hearth_logits(config, weights, TOKENS, backend=CpuBackend()), want) <= 1e-2 * want.abs().max()
+    with pytest.raises(ModelLoadError, match="quantized by 'mxfp4'"):  # another family's mxfp4 is no gpt-oss
+        ModelConfig.from_hf({**json.loads((mxfp4 / "config.json").read_text()), "model_type": "llama",
+                             "architectures": ["LlamaForCausalLM"]})
+
+
 # ---- harmony's tool calls: the commentary channel's messages to functions.NAME
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates" / "openai-gpt-oss-120b.jinja"
