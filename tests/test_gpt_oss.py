@@ -221,8 +221,8 @@ THINKING, PREAMBLE, ARGUMENTS = "The user wants the weather in Paris.", "Let me 
 CALL_REPLY = (f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant<|channel|>commentary<|message|>"
               f"{PREAMBLE}<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
               f"<|message|>{json.dumps(ARGUMENTS)}<|call|>")
-# the served model's (shorter: each character is about a token of the tiny tokenizer), without the <|call|>
-# that ends generation
+# the served model's (shorter: each character of text is about a token of the tiny tokenizer), without the
+# <|call|> that ends generation
 SERVED_REPLY = ('<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary '
                 f'to=functions.get_weather <|constrain|>json<|message|>{json.dumps(ARGUMENTS)}')
 ANSWER_REPLY = "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
@@ -253,21 +253,32 @@ def test_harmony_replies_split_into_reasoning_content_and_calls_whole_and_stream
     assert not cut.calls and cut.content == PREAMBLE + json.dumps(ARGUMENTS)[:-3]
 
 
-def _served_folder(folder: Path, root: Path) -> Path:
-    """The tiny gpt_oss with gpt-oss's own chat template."""
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+def _served_folder(folder: Path, root: Path) -> tuple[Path, list[int]]:
+    """The tiny gpt_oss with gpt-oss's own chat template, and harmony's markers as tokens of their own
+    (added, not special: their text stays in the decoded reply, as gpt-oss's special tokens' does with
+    skip_special_tokens off); and the markers' ids."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
     if not TEMPLATE.exists():
         pytest.skip(f"real chat templates not found at {TEMPLATE.parent}")
     served = root / "served"
     served.mkdir()
     for f in folder.iterdir():
         (served / f.name).write_bytes(f.read_bytes())
-    (served / "chat_template.jinja").write_text(TEMPLATE.read_text())
-    return served
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(served)
+    tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in HARMONY_MARKERS])
+    tokenizer.chat_template = TEMPLATE.read_text()
+    tokenizer.save_pretrained(served)
+    return served, tokenizer.convert_tokens_to_ids(list(HARMONY_MARKERS))
 
 
 def test_tool_calls_through_chat_responses_and_messages(folder, tmp_path, monkeypatch):
     """The served random gpt_oss, its output forced (a regex on every request, hooked where the server
-    makes its sampling params) to SERVED_REPLY, then, once the tool's result is in the conversation, to
+    makes its sampling params) to SERVED_REPLY (each marker one token), then, once the tool's result is in the conversation, to
     ANSWER_REPLY; `--reasoning-parser gpt_oss` and the tool parser the template implies. Each API gives
     the call in its own shape, streamed or not (the six at once: one batch); the template renders the
     tools and the tool's result."""
@@ -286,12 +297,14 @@ def test_tool_calls_through_chat_responses_and_messages(folder, tmp_path, monkey
     from test_server import serving
     from test_tool_calls import TOOLS, USER
 
-    forced = [SERVED_REPLY]
-    plain = ServedModel.reasoning_params
+    served, markers = _served_folder(folder, tmp_path)
+    forced, plain = [SERVED_REPLY], ServedModel.reasoning_params
+    # (the markers' own tokens preferred wherever the regex allows them: a reply of about 40 tokens, not 110)
     monkeypatch.setattr(ServedModel, "reasoning_params", lambda self, params: dataclasses.replace(
-        plain(self, params), structured_outputs=StructuredOutputsParams(regex=re.escape(forced[0]))))
+        plain(self, params), structured_outputs=StructuredOutputsParams(regex=re.escape(forced[0])),
+        logit_bias=dict.fromkeys(markers, 100.0)))
     config = EngineConfig(reasoning=ReasoningConfig(parser="gpt_oss"))
-    engine = AsyncEngine(LLMEngine(_served_folder(folder, tmp_path), config, progress=False))
+    engine = AsyncEngine(LLMEngine(served, config, progress=False))
     try:
         with serving(build_app(engine, "gpt-oss")) as url, ThreadPoolExecutor(6) as pool:
             calls = [pool.submit(ask, url, TOOLS, USER) for ask in ASKS]
