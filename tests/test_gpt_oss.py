@@ -25,10 +25,12 @@ from hearth.loading.convert import add_tokenizer_metadata, convert_hf_to_gguf
 from hearth.loading.gguf import load_gguf
 from hearth.loading.safetensors import load_hf_folder
 from hearth.model.transformer import Transformer
+from hearth.tokenizer import Tokenizer
 from models import VOCAB_SIZE, hearth_logits, load_hf_reference, make_hf_model
 from test_engine import greedy, random_prompts, reference_greedy, token_ids
 
 TOKENS = torch.randint(0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(1)).tolist()  # 5 windows
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,7 @@ def _write_as_llama_cpp(folder: Path, out: Path) -> dict[str, torch.Tensor]:
 def test_gguf_as_llama_cpp_writes_it_with_mxfp4_experts(tmp_path):
     """(llama.cpp fixes the SwiGLU's limit at gpt-oss's 7: no key says otherwise, so the model here has that one)"""
     folder = make_hf_model(tmp_path / "hf", "gpt_oss", swiglu_limit=7.0)
+    start, end, *_, finish, call = _add_harmony_tokens(folder)
     path = tmp_path / "gpt-oss-mxfp4.gguf"
     reference = _write_as_llama_cpp(folder, path)
     dequantized = tmp_path / "dequantized"
@@ -159,8 +162,11 @@ def test_gguf_as_llama_cpp_writes_it_with_mxfp4_experts(tmp_path):
             (dequantized / f.name).write_bytes(f.read_bytes())
     save_file(reference, dequantized / "model.safetensors")
     want = _logits_of(dequantized)
-    config, weights, _ = load_gguf(path, progress=False)
+    config, weights, metadata = load_gguf(path, progress=False)
     assert config.architecture == "gpt_oss" and config.sliding_layers == (0,) and config.rope_scaling["factor"] == 8.0
+    # harmony's vocabulary: a reply ends at <|return|> or <|call|>, not at the <|end|> of its analysis message
+    stops = Tokenizer.from_gguf_metadata(metadata).eos_token_ids
+    assert finish in stops and call in stops and end not in stops and start not in stops
     assert weights["model.layers.0.mlp.experts.3.up_proj.weight"].qtype == gguf.GGMLQuantizationType.MXFP4
     # the reference backend: dequantize-then-matmul, exact up to fp32 rounding
     assert _max_error(hearth_logits(config, weights, TOKENS, backend=Backend()), want) <= 1e-4
@@ -253,27 +259,29 @@ def test_harmony_replies_split_into_reasoning_content_and_calls_whole_and_stream
     assert not cut.calls and cut.content == PREAMBLE + json.dumps(ARGUMENTS)[:-3]
 
 
-HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-
-
-def _served_folder(folder: Path, root: Path) -> tuple[Path, list[int]]:
-    """The tiny gpt_oss with gpt-oss's own chat template, and harmony's markers as tokens of their own
-    (added, not special: their text stays in the decoded reply, as gpt-oss's special tokens' does with
-    skip_special_tokens off); and the markers' ids."""
+def _add_harmony_tokens(folder: Path, chat_template: str | None = None) -> list[int]:
+    """harmony's markers as tokens of their own in `folder`'s tokenizer (added, not special: their text
+    stays in the decoded reply, as gpt-oss's special tokens' does with skip_special_tokens off), and
+    `chat_template`; returns the markers' ids."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in HARMONY_MARKERS])
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
+    tokenizer.save_pretrained(folder)
+    return tokenizer.convert_tokens_to_ids(list(HARMONY_MARKERS))
+
+
+def _served_folder(folder: Path, root: Path) -> tuple[Path, list[int]]:
+    """The tiny gpt_oss with harmony's markers and gpt-oss's own chat template; the markers' ids."""
     if not TEMPLATE.exists():
         pytest.skip(f"real chat templates not found at {TEMPLATE.parent}")
     served = root / "served"
     served.mkdir()
     for f in folder.iterdir():
         (served / f.name).write_bytes(f.read_bytes())
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(served)
-    tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in HARMONY_MARKERS])
-    tokenizer.chat_template = TEMPLATE.read_text()
-    tokenizer.save_pretrained(served)
-    return served, tokenizer.convert_tokens_to_ids(list(HARMONY_MARKERS))
+    return served, _add_harmony_tokens(served, TEMPLATE.read_text())
 
 
 def test_tool_calls_through_chat_responses_and_messages(folder, tmp_path, monkeypatch):
