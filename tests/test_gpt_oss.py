@@ -66,12 +66,13 @@ def test_greedy_batch_of_mixed_lengths_past_the_window(folder):
 
 
 def test_refused_by_name(folder, tmp_path):
-    """A backend without sinks (the gpu one's Triton kernels), writing gpt-oss GGUF, a SwiGLU limit that is no limit."""
+    """A backend without sinks (the gpu one's Triton kernels), writing a GGUF llama.cpp would misread, a
+    SwiGLU limit that is no limit."""
     config, _ = load_hf_folder(folder, progress=False)
     no_sinks = type("NoSinks", (Backend,), {"name": "gpu", "attention_sinks": False})()
     with pytest.raises(ModelLoadError, match="gpu backend has no attention sinks"), torch.device("meta"):
         Transformer(config, backend=no_sinks)
-    with pytest.raises(ModelLoadError, match="does not convert gpt_oss models to GGUF"):
+    with pytest.raises(ModelLoadError, match="llama.cpp's gpt-oss fixes"):  # (a limit of 1.5 here)
         convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
     hf = json.loads((folder / "config.json").read_text())
     with pytest.raises(ModelLoadError, match="swiglu_limit"):
@@ -172,6 +173,11 @@ def test_gguf_as_llama_cpp_writes_it_with_mxfp4_experts(tmp_path):
     assert _max_error(hearth_logits(config, weights, TOKENS, backend=Backend()), want) <= 1e-4
     if cpu_kernels() is not None:  # the int8 kernels round activations to 8 bits per block, as llama.cpp (0.2% here)
         assert _max_error(hearth_logits(config, weights, TOKENS, backend=CpuBackend()), want) <= 1e-2 * want.abs().max()
+    # hearth convert writes the same names (its experts in the type asked for), read back as the folder
+    ours = convert_hf_to_gguf(folder, tmp_path / "hearth.gguf", "f32", progress=False)
+    assert {t.name for t in gguf.GGUFReader(ours).tensors} == {t.name for t in gguf.GGUFReader(path).tensors}
+    config, weights, _ = load_gguf(ours, progress=False)
+    assert _max_error(hearth_logits(config, weights, TOKENS), _logits_of(folder)) <= 1e-4
 
 
 def _copy_folder(folder: Path, out: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
@@ -212,6 +218,8 @@ def test_hf_folder_with_mxfp4_experts_as_openai_releases_them(folder, tmp_path):
     assert _max_error(hearth_logits(config, weights, TOKENS, backend=Backend()), want) <= 1e-4 * want.abs().max()
     if cpu_kernels() is not None:  # the int8 kernels round activations to 8 bits per block, as llama.cpp
         assert _max_error(hearth_logits(config, weights, TOKENS, backend=CpuBackend()), want) <= 1e-2 * want.abs().max()
+    with pytest.raises(ModelLoadError, match="does not write MXFP4"):
+        convert_hf_to_gguf(mxfp4, tmp_path / "out.gguf", "f32", progress=False)
     with pytest.raises(ModelLoadError, match="quantized by 'mxfp4'"):  # another family's mxfp4 is no gpt-oss
         ModelConfig.from_hf({**json.loads((mxfp4 / "config.json").read_text()), "model_type": "llama",
                              "architectures": ["LlamaForCausalLM"]})

@@ -41,7 +41,7 @@ _LAYER_NAMES = {
 # (and gpt-oss's biases into one [experts, rows])
 _EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_EXPERT_STACK = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(weight|bias)")
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 # lfm2's checkpoint names -> hearth's (its attention's and MLP's are llama's under other names)
 _LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
                ".feed_forward.w1.": ".mlp.gate_proj.", ".feed_forward.w3.": ".mlp.up_proj.",
@@ -88,6 +88,7 @@ _GPT_OSS_LAYER_NAMES = {
     "ffn_gate_inp.bias": "mlp.gate.bias",
 }
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_GPT_OSS_LAYER = {v: k for k, v in _GPT_OSS_LAYER_NAMES.items()}
 _HF_LAYER["mlp.gate_up_proj.weight"] = "ffn_up.weight"  # phi3: llama.cpp's ffn_up holds gate and up
 _HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
@@ -96,11 +97,9 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 
-# architectures hearth does not write to GGUF (and, but for gpt_oss, does not read from it either), and why
+# architectures hearth runs from HF folders only (no GGUF either way), and why
 NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
                       "mapping yet",
-           "gpt_oss": "hearth reads llama.cpp's gpt-oss files but does not write them; convert with llama.cpp's "
-                      "convert_hf_to_gguf.py",
            "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping"}
 
@@ -154,27 +153,27 @@ def gguf_expert_stack(name: str) -> tuple[int, str, str] | None:
     return (int(m.group(1)), _EXPERT_STACKS[m.group(2)], m.group(3)) if m else None
 
 
-def hf_expert(name: str) -> tuple[int, int, str] | None:
-    """(layer, expert, projection) of one expert's weight in HF naming, else None."""
+def hf_expert(name: str) -> tuple[int, int, str, str] | None:
+    """(layer, expert, projection, weight or bias) of one expert's tensor in HF naming, else None."""
     m = _HF_EXPERT.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    return (int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)) if m else None
 
 
 def hf_expert_name(layer: int, expert: int, projection: str, attr: str = "weight") -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{attr}"
 
 
-def gguf_expert_stack_name(layer: int, projection: str) -> str:
+def gguf_expert_stack_name(layer: int, projection: str, attr: str = "weight") -> str:
     suffix = next(k for k, v in _EXPERT_STACKS.items() if v == projection)
-    return f"blk.{layer}.{suffix}.weight"
+    return f"blk.{layer}.{suffix}.{attr}"
 
 
-def hf_to_gguf(name: str, sandwich_norms: bool = False) -> str | None:
-    """The GGUF name of an HF tensor, or None when it has none."""
+def hf_to_gguf(name: str, sandwich_norms: bool = False, architecture: str = "") -> str | None:
+    """The GGUF name of an HF tensor, or None when it has none (gguf_to_hf's inverse)."""
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_LAYER
+    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_GPT_OSS_LAYER if architecture == "gpt_oss" else _HF_LAYER
     if m and m.group(2) in names:
         return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None
