@@ -29,6 +29,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hearth.reasoning import HARMONY_ENDS
+
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -177,14 +179,13 @@ def read_mistral(text: str, final: bool) -> Reply:
     return reply
 
 
-_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>", "<|channel|>")
 _HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 def _held_harmony(text: str, final: bool) -> str:
     """`text` less a tail that may become one of harmony's markers."""
-    return text if final else min((_held(text, marker, False) for marker in _HARMONY_ENDS), key=len)
+    return text if final else min((_held(text, marker, False) for marker in HARMONY_ENDS), key=len)
 
 
 def read_harmony(text: str, final: bool) -> Reply:
@@ -195,7 +196,7 @@ def read_harmony(text: str, final: bool) -> Reply:
     reply, pos = Reply(""), 0
     while (at := text.find("<|message|>", pos)) >= 0:
         header, start = text[pos:at], at + len("<|message|>")
-        ends = [i for i in (text.find(m, start) for m in _HARMONY_ENDS) if i >= 0]
+        ends = [i for i in (text.find(m, start) for m in HARMONY_ENDS) if i >= 0]
         end = min(ends, default=-1)
         body = text[start:end] if end >= 0 else _held_harmony(text[start:], final)
         recipient, channel = _HARMONY_RECIPIENT.search(header), _HARMONY_CHANNEL.search(header)
@@ -209,7 +210,7 @@ def read_harmony(text: str, final: bool) -> Reply:
             reply.content += body
         if end < 0:
             return reply
-        marker = next(m for m in _HARMONY_ENDS if text.startswith(m, end))
+        marker = next(m for m in HARMONY_ENDS if text.startswith(m, end))
         pos = end if marker in ("<|start|>", "<|channel|>") else end + len(marker)  # (those begin the next header)
     if final and not reply.calls and "<|channel|>" not in text[pos:]:  # a reply without messages: its text
         reply.content += text[pos:].replace("<|start|>", "").removeprefix("assistant")
