@@ -1,8 +1,11 @@
 """gpt-oss (transformers' gpt_oss) against transformers on a tiny random model in its real layout
 (tests/models.py: sliding and full layers, attention sinks, experts with biases and the clamped
 SwiGLU, YaRN): logits on the reference and cpu backends, greedy tokens in a batch mixing lengths
-past the window with chunked prefill, and a GGUF laid out as llama.cpp's converter writes gpt-oss
-(its tensor names, experts in MXFP4) against gguf's own dequantizer."""
+past the window with chunked prefill; a GGUF laid out as llama.cpp's converter writes gpt-oss (its
+tensor names, experts in MXFP4) against gguf's own dequantizer, and hearth convert's; an HF folder
+with MXFP4 experts as OpenAI releases them against transformers' own dequantization. Then harmony's
+tool calls: the parser on the text gpt-oss writes, and the served model through chat completions,
+Responses and Messages with gpt-oss's chat template."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
