@@ -13,6 +13,7 @@ from hearth.hf_config import (
     architecture_from_hf,
     experts_from_hf,
     gemma2_from_hf,
+    gpt_oss_from_hf,
     hybrid_fields_from_hf,
     hybrid_from_hf,
     latent_attention_from_hf,
@@ -33,7 +34,7 @@ MAX_DECODE_QUERY_LEN = 16
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5",
-                           "granitemoehybrid", "nemotron_h")
+                           "granitemoehybrid", "nemotron_h", "gpt_oss")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
@@ -97,6 +98,11 @@ class ModelConfig:
     # only among those of the topk_groups groups with the highest best scores; 0: no groups
     expert_groups: int = 0
     topk_groups: int = 0
+    router_bias: bool = False  # gpt_oss: the router's logits carry a bias
+    # gpt_oss's experts: (alpha, limit) of its clamped SwiGLU, gate clamped to at most limit and up to
+    # [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate); None: the plain activation
+    clamped_swiglu: tuple[float, float] | None = None
+    attention_sinks: bool = False  # gpt_oss: a learned logit per head joins each attention softmax
     # Multi-head latent attention (deepseek_v2): K and V of every head come from one latent per token,
     # kv_lora_rank wide, which the cache holds with the rotated key part shared by all heads (head_dim
     # wide); each head's q and k have qk_nope_head_dim unrotated dimensions before the rotated ones, its
@@ -318,7 +324,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
                 hidden_act=act,
                 attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
-                mlp_bias=bool(hf.get("mlp_bias", False)),
+                mlp_bias=bool(hf.get("mlp_bias", arch == "gpt_oss")),  # gpt_oss's experts carry biases
                 sliding_window=int(window) if window is not None else None,
                 sliding_layers=sliding_layers_from_hf(hf, arch) if window is not None else None,
                 no_rope_layers=no_rope_layers_from_hf(hf) if arch == "smollm3" else (),
@@ -327,7 +333,7 @@ class ModelConfig:
                 norm_weight_offset=1.0 if gemma or arch == "qwen3_5" else 0.0,  # norms of (1 + w)
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
                 **gemma2_from_hf(hf, arch, local_rope),
-                **experts_from_hf(hf, arch),
+                **experts_from_hf(hf, arch), **gpt_oss_from_hf(hf, arch),
                 **latent_attention_from_hf(hf, arch, heads, kv_heads),
             ) | hybrid_from_hf(hf, arch, rope))
         except KeyError as e:

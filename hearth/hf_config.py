@@ -27,6 +27,7 @@ def sliding_layers_from_hf(hf: dict[str, Any], arch: str) -> tuple[int, ...] | N
             "gemma3": lambda i: (i + 1) % pattern != 0,  # a global layer every `pattern`
             "qwen2": lambda i: i >= after, "qwen3": lambda i: i >= after,
             "qwen2_moe": lambda i: (i + 1) % 2 == 1 and i < after,
+            "gpt_oss": lambda i: i % 2 == 0,  # alternating, from a sliding layer
         }.get(arch)
         if local is None:
             return None
@@ -104,7 +105,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
             moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
             shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)), shared_expert_gated=False)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     layers = int(hf["num_hidden_layers"])
@@ -115,7 +116,8 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
         moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
-        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        # gpt_oss: a softmax over the chosen experts' logits, the same as renormalising over them
+        norm_topk_prob=True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
     )
@@ -138,6 +140,19 @@ def _nemotron_h_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), router_sigmoid=True,
         dense_mlp_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
     )
+
+
+def gpt_oss_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """gpt_oss's fields (none for other families): attention sinks, a bias on the router (the experts'
+    and attention's: mlp_bias, attention_bias), the experts' clamped SwiGLU."""
+    if arch != "gpt_oss":
+        return {}
+    if (hf.get("hidden_act") or "silu") != "silu":
+        raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for gpt_oss")
+    alpha, limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
+    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+        raise ModelLoadError(f"swiglu_alpha = {alpha!r}, swiglu_limit = {limit!r}: expected finite numbers, a positive limit")
+    return dict(attention_sinks=True, router_bias=True, clamped_swiglu=(alpha, limit))
 
 
 def _deepseek_experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +368,10 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
     quantized by a library (quantization_config: AWQ, GPTQ, fp8, bitsandbytes, ...; their tensors
     are packed integers under other names) and models with an image encoder (vision_config)."""
     quantization = hf.get("quantization_config")
-    if quantization is not None:
+    # gpt-oss's released experts in MXFP4: kept in 4 bits as GGUF's MXFP4 blocks (hearth/loading/gpt_oss.py)
+    gpt_oss_mxfp4 = hf.get("model_type") == "gpt_oss" and isinstance(quantization, dict) and \
+        quantization.get("quant_method") == "mxfp4"
+    if quantization is not None and not gpt_oss_mxfp4:
         method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
         raise ModelLoadError(
             f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "
@@ -389,6 +407,7 @@ HF_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (text_config, model.language_model.*; images: vision_config.py)
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0-H: Mamba2
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding and full layers, experts with a clamped SwiGLU
 }
 
 

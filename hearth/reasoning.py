@@ -98,7 +98,8 @@ class ThinkSplit(ReasoningSplit):
         self.reasoning += text if self.reasoning else text.lstrip()
 
 
-_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>", "<|channel|>")
+# what ends a harmony message's body (hearth/tool_calls.py reads the same messages)
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>", "<|channel|>")
 
 
 class HarmonySplit(ReasoningSplit):
@@ -126,9 +127,9 @@ class HarmonySplit(ReasoningSplit):
                 self.channel = (self.pending[:at].split() or [""])[0]
                 self.state, self.pending = "body", self.pending[at + len("<|message|>"):]
             else:
-                ends = [i for i in (self.pending.find(m) for m in _HARMONY_ENDS) if i >= 0]
+                ends = [i for i in (self.pending.find(m) for m in HARMONY_ENDS) if i >= 0]
                 at = min(ends, default=-1)
-                held = 0 if final else max(_partial_tail(self.pending, m) for m in _HARMONY_ENDS)
+                held = 0 if final else max(_partial_tail(self.pending, m) for m in HARMONY_ENDS)
                 cut = at if at >= 0 else len(self.pending) - held
                 self._body(self.pending[:cut])
                 self.pending = self.pending[cut:]

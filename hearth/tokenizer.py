@@ -145,10 +145,13 @@ class Tokenizer:
                                  f"entries for {len(tokens)} tokens")
         check_gguf_vocab(md, tokens, types)
         types = list(types)
-        end_of_turn = [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS]
-        for i in end_of_turn:  # as llama.cpp: these are control tokens, whatever the file says
+        controls = [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS]
+        for i in controls:  # as llama.cpp: these are control tokens, whatever the file says
             if types[i] == NORMAL:
                 types[i] = CONTROL
+        # harmony's (gpt-oss): <|end|> ends a message, not the reply (llama.cpp's rule for such vocabularies)
+        harmony = {"<|return|>", "<|call|>"} <= set(tokens)
+        end_of_turn = [i for i in controls if not (harmony and tokens[i] == "<|end|>")]
         backend = build_gguf_backend(md, tokens, types)
 
         def token_id(key: str) -> int | None:

@@ -10,6 +10,12 @@ The formats, as each family's chat template writes an assistant's tool calls:
   llama3_json  Llama 3.1-3.3:       {"name": ..., "parameters": {...}} (after an optional <|python_tag|>), ';' between calls
   mistral      Mistral Nemo:        [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
                Mistral Small 3.2:   [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, once per call
+  gpt_oss      gpt-oss (harmony):   <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json
+                                    <|message|>{...}<|call|> (the recipient in the channel's header or after
+                                    the role, as the template writes it); read from the whole reply, channels
+                                    and all (`reads_channels`): final and commentary messages without a
+                                    recipient are content, analysis messages reasoning (not content here:
+                                    hearth/reasoning.py's gpt_oss split gives them)
 
 A call's arguments are the reply's own JSON text (so a streamed call's argument deltas add up to
 the final arguments). While a text grows, a tail that may become a format's marker is held back
@@ -22,6 +28,8 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from hearth.reasoning import HARMONY_ENDS
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -171,12 +179,54 @@ def read_mistral(text: str, final: bool) -> Reply:
     return reply
 
 
-PARSERS: dict[str, Reader] = {"hermes": read_hermes, "llama3_json": read_llama3_json, "mistral": read_mistral}
+_HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def _held_harmony(text: str, final: bool) -> str:
+    """`text` less a tail that may become one of harmony's markers."""
+    return text if final else min((_held(text, marker, False) for marker in HARMONY_ENDS), key=len)
+
+
+def read_harmony(text: str, final: bool) -> Reply:
+    """gpt-oss's harmony reply, message by message (header, <|message|>, body, an end marker): a message
+    to functions.NAME is a call of NAME with its body for arguments (a call cut short or not a JSON
+    object is content once the reply is whole); final and commentary messages without a recipient are
+    content; analysis ones, and messages to tools other than the functions, are neither."""
+    reply, pos = Reply(""), 0
+    while (at := text.find("<|message|>", pos)) >= 0:
+        header, start = text[pos:at], at + len("<|message|>")
+        ends = [i for i in (text.find(m, start) for m in HARMONY_ENDS) if i >= 0]
+        end = min(ends, default=-1)
+        body = text[start:end] if end >= 0 else _held_harmony(text[start:], final)
+        recipient, channel = _HARMONY_RECIPIENT.search(header), _HARMONY_CHANNEL.search(header)
+        if recipient is not None:
+            call = CallText(recipient.group(1), body.strip(), end >= 0 or final)
+            if not call.complete or _is_object(call.arguments):
+                reply.calls.append(call)
+            else:
+                reply.content += body
+        elif (channel is None or channel.group(1) != "analysis") and "to=" not in header:
+            reply.content += body
+        if end < 0:
+            return reply
+        marker = next(m for m in HARMONY_ENDS if text.startswith(m, end))
+        pos = end if marker in ("<|start|>", "<|channel|>") else end + len(marker)  # (those begin the next header)
+    if final and not reply.calls and "<|channel|>" not in text[pos:]:  # a reply without messages: its text
+        reply.content += text[pos:].replace("<|start|>", "").removeprefix("assistant")
+    return reply
+
+
+PARSERS: dict[str, Reader] = {"hermes": read_hermes, "llama3_json": read_llama3_json, "mistral": read_mistral,
+                              "gpt_oss": read_harmony}
+# the formats read from the whole reply, channels and all, rather than from a reasoning parser's content
+READS_CHANNELS = ("gpt_oss",)
 
 
 def parser_for(template: str | None) -> str:
     """The format a chat template writes tool calls in; hermes (the most common) when it says none."""
-    for marker, name in (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ('"parameters"', "llama3_json")):
+    for marker, name in (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ("<|channel|>commentary", "gpt_oss"),
+                         ('"parameters"', "llama3_json")):
         if template and marker in template:
             return name
     return "hermes"

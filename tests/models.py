@@ -113,6 +113,15 @@ def _expert_configs(transformers) -> dict:
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                                 "mscale": 0.707, "mscale_all_dim": 1.0}}),
+        # gpt-oss's layout: sliding and full layers alternating (a window shorter than the tests' sequences),
+        # attention sinks, 4 experts with biases (2 chosen) as wide as an MXFP4 block, the clamped SwiGLU
+        # with a limit that bites, YaRN untruncated as gpt-oss's config has it
+        "gpt_oss": (transformers.GptOssConfig, {
+            "num_hidden_layers": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "intermediate_size": 32, "sliding_window": 8, "swiglu_limit": 1.5, "pad_token_id": None,
+            "max_position_embeddings": 2048,  # room for its chat template's system prompt and tools
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
     }
 
 

@@ -117,6 +117,30 @@ def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len
                                expected, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_kernel_with_attention_sinks():
+    """gpt-oss's sinks: a logit per query head in each row's softmax, with no value. The kernel (across
+    splits, several rows per sequence, a window) and the reference backend against the softmax over
+    [scores, sink] written out in float64."""
+    lens, rows, window, scale = [1, 17, 300], [1, 3, 2], 20, 0.125
+    q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, head_dim=32, rows=rows)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 3
+    expected, row = [], 0
+    for i, n in enumerate(lens):
+        for r in range(rows[i]):
+            end = n - rows[i] + 1 + r
+            slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(max(0, end - window), end)])
+            k, v = (c[slots].double().repeat_interleave(4, dim=1).transpose(0, 1) for c in (k_cache, v_cache))
+            scores = torch.cat([q[row].double()[:, None] @ k.transpose(1, 2) * scale, sinks.double()[:, None, None]], -1)
+            expected.append((scores.softmax(-1)[..., :-1] @ v)[:, 0])
+            row += 1
+    expected = torch.stack(expected)
+    for split_len in (7, DECODE_SPLIT_LEN):
+        out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, scale, split_len, window=window, sinks=sinks)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    reference = Backend().decode_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    torch.testing.assert_close(reference.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 100])
 def test_decode_kernel_row_bits_do_not_depend_on_the_step(heads, kv_heads, window):

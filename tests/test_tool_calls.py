@@ -48,6 +48,7 @@ FAMILIES = [
     ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3_json", 1),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral", 2),
     ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral", 2),
+    ("openai-gpt-oss-120b.jinja", "gpt_oss", 1),  # harmony: a message per call, to=functions.NAME in its header
 ]
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>")
 

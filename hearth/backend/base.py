@@ -210,6 +210,7 @@ class Backend:
 
     name = "reference"
     latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
+    attention_sinks = True  # attention takes a learned logit per head in each softmax's denominator (gpt-oss)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
     mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
@@ -272,29 +273,33 @@ class Backend:
         return apply_rope(q, rotary)
 
     def attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,
-                  scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+                  scale: float, softcap: float | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, heads, head_dim] rotated, this step's K/V already stored -> [T, heads, V's head_dim]
         (V may be narrower than K: multi-head latent attention's values are a view of its keys).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (gemma2).
-        window: a query sees only the last `window` positions, itself included (sliding window)."""
+        window: a query sees only the last `window` positions, itself included (sliding window).
+        sinks: float32 [heads], a logit per head that joins each row's softmax and takes its share of
+        the weight, with no value (gpt-oss's attention sinks)."""
         if not meta.prefills:  # decodes only (most steps): every row is a decode, in order
-            return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
+            return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window, sinks=sinks)
         out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for seq in meta.prefills:
             # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
             query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
             keys = read_rows(k_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
             values = read_rows(v_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            o = _attend(query, keys, values, seq.mask(window), scale, softcap)
+            head_sinks = None if sinks is None else sinks.view(-1, 1, 1)  # [heads, 1, 1]
+            o = _attend(query, keys, values, seq.mask(window), scale, softcap, head_sinks)
             out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
         if meta.num_decodes:
-            out[meta.decode_token_index] = self.decode_attention(q[meta.decode_token_index], k_cache, v_cache,
-                                                                 meta, scale, softcap=softcap, window=window)
+            out[meta.decode_token_index] = self.decode_attention(q[meta.decode_token_index], k_cache, v_cache, meta,
+                                                                 scale, softcap=softcap, window=window, sinks=sinks)
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The decodes' rows, q [R, heads, head_dim] (a sequence may have several: a verification's):
         one batched SDPA over padded gathers, a row at a time. The query heads that share a KV head
         are rows of one query (SDPA's own GQA copies K and V per query head: 7x the time for
@@ -304,7 +309,8 @@ class Backend:
         keys = read_rows(k_cache, slots, q.dtype).transpose(1, 2)
         values = read_rows(v_cache, slots, q.dtype).transpose(1, 2)
         grouped = q.reshape(q.shape[0], keys.shape[1], -1, q.shape[-1])
-        return _attend(grouped, keys, values, mask, scale, softcap).reshape(*q.shape[:2], -1)
+        group_sinks = None if sinks is None else sinks.view(keys.shape[1], -1, 1)  # [kv_heads, group, 1]
+        return _attend(grouped, keys, values, mask, scale, softcap, group_sinks).reshape(*q.shape[:2], -1)
 
     def act_and_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return _ACTIVATIONS[activation](gate) * up
@@ -381,17 +387,23 @@ class Backend:
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [B, heads, Q, D] over keys / values [B, kv_heads, K, D] where mask (True:
-    may attend) allows: SDPA, or with soft-capped scores the same written out (SDPA has no cap)."""
+    may attend) allows: SDPA, or with soft-capped scores or sinks (a logit per query row's head,
+    broadcast to [B, heads, Q, 1], in the softmax with no value) the same written out (SDPA has neither)."""
     gqa = query.shape[1] != keys.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.tanh(query @ keys.transpose(-1, -2) * scale / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(query.dtype) @ values
+    scores = query @ keys.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(query.dtype) @ values
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(query.dtype) @ values
 
 
 def apply_rope(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

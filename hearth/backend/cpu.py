@@ -90,10 +90,12 @@ class CpuBackend(Backend):
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          split_len: int = DECODE_SPLIT_LEN,
-                         softcap: float | None = None, window: int | None = None):
+                         softcap: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None):
         kv_format = whole_caches_format(k_cache, v_cache)
         if softcap is not None or kv_format is None:  # the kernel has no soft-capping
-            return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window)
+            return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window,
+                                            sinks=sinks)
+        sinks = None if sinks is None else sinks.float().contiguous()
         q = q.contiguous()
         heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[1]
@@ -103,7 +105,8 @@ class CpuBackend(Backend):
         (k_data, k_scales), (v_data, v_scales) = data_pointers(k_cache), data_pointers(v_cache)
         self.kernels.decode_attention(
             q.data_ptr(), k_data, v_data, k_scales, v_scales, kv_format, tables.data_ptr(), lens.data_ptr(),
-            meta.decode_query_start.data_ptr(), *tree_pointers(meta), out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
+            meta.decode_query_start.data_ptr(), *tree_pointers(meta), 0 if sinks is None else sinks.data_ptr(),
+            out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
             meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
         )
         return out

@@ -41,9 +41,9 @@ class GroupedExperts:
     @classmethod
     def bind(cls, experts: nn.ModuleList) -> GroupedExperts | None:
         """The grouped path for these experts (GatedMLPs), or None where it does not apply (ungated MLPs): each
-        projection must be one Int8Linear, without bias, all of one shape."""
+        projection must be one Int8Linear, without bias, all of one shape, the activation a plain one."""
         qmatmul = quant_kernels.extension()
-        if qmatmul is None:
+        if qmatmul is None or experts[0].clamped_swiglu is not None:
             return None
 
         shapes = set()

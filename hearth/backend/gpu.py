@@ -46,6 +46,7 @@ class GpuBackend(Backend):
     token_trees = False  # its Triton attention kernels are causal only (no tree masks)
     state_layers = False  # no Triton kernels for convolutions and delta rules yet
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
+    attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)
@@ -122,7 +123,9 @@ class GpuBackend(Backend):
         return rope.rope_and_store_kv(q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
 
     def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
-                  window: int | None = None):
+                  window: int | None = None, sinks=None):
+        if sinks is not None:
+            raise ValueError("the gpu backend's attention has no sinks")
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                               meta.block_size, num_splits=meta.num_splits, softcap=softcap,

@@ -26,7 +26,7 @@ from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name,
                                   hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
-from hearth.quant import quantize
+from hearth.quant import QuantTensor, quantize
 from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
@@ -53,7 +53,7 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                       "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                      "lfm2": "lfm2"}
+                      "lfm2": "lfm2", "gpt_oss": "gpt-oss"}
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -84,6 +84,8 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if config.conv_bias:
         raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
                              "and its projections' biases")
+    if config.architecture == "gpt_oss":
+        _check_gpt_oss(hf_dir, config, weights)
     plan = list(_plan_tensors(config, weights, weight_type))
     writer = GGUFWriter(None, GGUF_ARCHITECTURES[config.architecture])
     _add_model_metadata(writer, config, hf_dir.name, file_type)
@@ -151,34 +153,50 @@ def _plan_tensors(
             yield name, tuple(values.shape), Q.F32, lambda values=values: values
 
     tied = config.tie_word_embeddings or arch in GEMMA_ARCHITECTURES
-    stacks: set[tuple[int, str]] = set()  # (layer, projection) of the experts' weights
+    stacks: set[tuple[int, str, str]] = set()  # (layer, projection, weight or bias) of the experts' tensors
     for hf_name, tensor in weights.items():
         if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
             continue  # llama.cpp reads the output projection from token_embd when tied
         if (expert := hf_expert(hf_name)) is not None and config.num_experts:
-            stacks.add((expert[0], expert[2]))
+            stacks.add((expert[0], *expert[2:]))
             continue
-        name = hf_to_gguf(hf_name, config.sandwich_norms)
+        name = hf_to_gguf(hf_name, config.sandwich_norms, arch)
         if arch == "lfm2" and hf_name == "model.norm.weight":
             name = LFM2_FINAL_NORM
         if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
         yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
-    for layer, projection in sorted(stacks):
-        yield _expert_stack(config, weights, layer, projection, weight_type)
+    for layer, projection, attr in sorted(stacks):
+        yield _expert_stack(config, weights, layer, projection, attr, weight_type)
 
 
-def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str,
+def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str, attr: str,
                   weight_type: GGMLQuantizationType) -> PlannedTensor:
-    """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection`."""
-    names = [hf_expert_name(layer, e, projection) for e in range(config.num_experts)]
+    """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection` ([experts, rows]
+    for gpt-oss's biases)."""
+    names = [hf_expert_name(layer, e, projection, attr) for e in range(config.num_experts)]
     missing = [name for name in names if name not in weights]
     if missing:
         raise ModelLoadError(f"missing tensor {missing[0]}")
     shape = (len(names), *weights[names[0]].shape)
-    name = gguf_expert_stack_name(layer, projection)
+    name = gguf_expert_stack_name(layer, projection, attr)
     return name, shape, _tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
         [weights[n].float() for n in names])
+
+
+def _check_gpt_oss(hf_dir: Path, config: ModelConfig, weights: dict[str, torch.Tensor | QuantTensor]) -> None:
+    """A gpt-oss folder hearth writes: unquantized experts (not yet MXFP4 ones), and what llama.cpp's gpt-oss
+    fixes (no GGUF key says otherwise, and hearth's reader takes the same): the clamped SwiGLU's alpha
+    1.702 and limit 7, YaRN's betas 32 and 1 untruncated."""
+    if any(isinstance(w, QuantTensor) for w in weights.values()):
+        raise ModelLoadError(f"{hf_dir}: experts in MXFP4: hearth convert does not write MXFP4 yet; convert with "
+                             "llama.cpp's convert_hf_to_gguf.py (which keeps them in MXFP4), or run the folder itself")
+    scaling = config.rope_scaling or {}
+    if config.clamped_swiglu != (1.702, 7.0) or (scaling.get("rope_type") or scaling.get("type")) != "yarn" or \
+            float(scaling.get("beta_fast") or 32) != 32 or float(scaling.get("beta_slow") or 1) != 1 or \
+            scaling.get("truncate", True) is not False:
+        raise ModelLoadError(f"{hf_dir}: swiglu_alpha, swiglu_limit = {config.clamped_swiglu}, rope {scaling}: "
+                             "llama.cpp's gpt-oss fixes (1.702, 7.0) and YaRN with betas 32 and 1, untruncated")
 
 
 def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -264,7 +282,7 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
         local = [config.is_sliding_layer(i) for i in range(config.num_layers)]
-        period = SWA_PATTERNS.get(config.architecture)
+        period = SWA_PATTERNS.get(GGUF_ARCHITECTURES[config.architecture])  # (llama.cpp's names)
         if local != [period is None or i % period < period - 1 for i in range(config.num_layers)]:
             writer.add_sliding_window_pattern(local)  # where the layers depart from llama.cpp's default
     if config.architecture in ("gemma2", "gemma3"):
@@ -287,8 +305,13 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     elif kind == "longrope":  # the factors: tensors (_plan_tensors)
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
         writer.add_rope_scaling_attn_factors(scaling["attention_factor"])
+    elif kind == "yarn" and config.architecture == "gpt_oss":  # its betas and ramp: _check_gpt_oss
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
-        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, and "
+                             "gpt-oss's yarn)")
 
 
 def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:

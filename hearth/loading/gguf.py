@@ -36,9 +36,10 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
 
 # llama.cpp's general.architecture -> hearth's, where they differ (llama with experts is mixtral)
-_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
-_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# (gpt-oss: a softmax over the chosen experts' logits, the same)
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
 
 
 # llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
@@ -71,9 +72,10 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):  # llama3's scaling comes as the rope_freqs tensor instead
+    if scaling not in ("none", "linear") and not (scaling == "yarn" and arch == "gpt-oss"):
+        # llama3's scaling comes as the rope_freqs tensor instead
         raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented by "
-                             "hearth (it has: linear, and llama3's rope_freqs)")
+                             "hearth (it has: linear, llama3's rope_freqs, and gpt-oss's yarn)")
     window = md.get(f"{arch}.attention.sliding_window")
     experts = int(md.get(f"{arch}.expert_count") or 0)
     if experts and arch == "llama":
@@ -102,6 +104,8 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
         no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
         **hybrid,
+        # gpt-oss: what llama.cpp fixes for the architecture (its clamped SwiGLU's alpha and limit)
+        **(dict(attention_sinks=True, router_bias=True, clamped_swiglu=(1.702, 7.0)) if arch == "gpt-oss" else {}),
     )
 
 
@@ -126,7 +130,7 @@ def smollm3_no_rope_layers(layers: int) -> tuple[int, ...]:
 
 
 # llama.cpp's sliding-window pattern of the families that alternate local and global layers
-SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 
 def _sliding_layers(md: dict[str, Any], arch: str, layers: int) -> tuple[int, ...] | None:
@@ -197,8 +201,8 @@ def _tensor(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
 
 
 def _split_experts(stack: Weight, t: TensorInfo, config: ModelConfig, where: str) -> list[Weight]:
-    """One weight per expert out of llama.cpp's stack of them (views: nothing is copied)."""
-    experts = t.shape[2] if len(t.shape) == 3 else 0
+    """One weight (or bias) per expert out of llama.cpp's stack of them (views: nothing is copied)."""
+    experts = t.shape[-1] if len(t.shape) == (2 if t.name.endswith(".bias") else 3) else 0
     if experts != config.num_experts:
         raise ModelLoadError(f"{where}: tensor {t.name} has shape {tuple(reversed(t.shape))}, expected "
                              f"{config.num_experts} experts stacked")
@@ -223,6 +227,10 @@ def _rope_scaling_from_metadata(md: dict[str, Any], arch: str, scaling: str, get
     lists as the rope_factors_long / rope_factors_short tensors that the model loads)."""
     if scaling == "linear":
         return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if scaling == "yarn":  # gpt-oss's, as its config.json has it (OpenAI's and transformers' ramp, not truncated)
+        return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")), "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                "truncate": False}
     if md.get(f"{arch}.rope.scaling.attn_factor") is not None:
         return {"rope_type": "longrope", "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
                 "attention_factor": float(get("rope.scaling.attn_factor"))}
@@ -241,11 +249,10 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     for t in tqdm(file.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
         stack = gguf_expert_stack(t.name)
         if stack is not None and config.num_experts:
-            layer, projection = stack
             for e, weight in enumerate(_split_experts(_read(file, t, where), t, config, where)):
-                weights[hf_expert_name(layer, e, projection)] = weight
+                weights[hf_expert_name(stack[0], e, *stack[1:])] = weight
             continue
-        name = gguf_to_hf(t.name, config.sandwich_norms)
+        name = gguf_to_hf(t.name, config.sandwich_norms, config.architecture)
         if config.architecture == "lfm2" and t.name == LFM2_FINAL_NORM:
             name = "model.norm.weight"
         if name is None:
@@ -264,7 +271,7 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
         config.dense_mlp_layers = tuple(layer for layer in range(config.num_layers)
                                         if f"model.layers.{layer}.mlp.gate.weight" not in weights)
     config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
-    config.mlp_bias = "model.layers.0.mlp.gate_proj.bias" in weights
+    config.mlp_bias = any(f"model.layers.0.mlp.{part}gate_proj.bias" in weights for part in ("", "experts.0."))
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
     if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:

@@ -38,9 +38,10 @@ _LAYER_NAMES = {
     "shortconv.out_proj.weight": "conv.out_proj.weight",
 }
 # llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
-_EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                  "ffn_down_exps.weight": "down_proj"}
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# (and gpt-oss's biases into one [experts, rows])
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_EXPERT_STACK = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(weight|bias)")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 # lfm2's checkpoint names -> hearth's (its attention's and MLP's are llama's under other names)
 _LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
                ".feed_forward.w1.": ".mlp.gate_proj.", ".feed_forward.w3.": ".mlp.up_proj.",
@@ -94,7 +95,15 @@ _SANDWICH_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# gpt-oss: post_attention_norm is the MLP's input norm (there is no ffn_norm); its sinks and router bias
+_GPT_OSS_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_GPT_OSS_LAYER = {v: k for k, v in _GPT_OSS_LAYER_NAMES.items()}
 _HF_LAYER["mlp.gate_up_proj.weight"] = "ffn_up.weight"  # phi3: llama.cpp's ffn_up holds gate and up
 _HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
@@ -121,13 +130,14 @@ UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
 LFM2_FINAL_NORM = "token_embd_norm.weight"
 
 
-def gguf_to_hf(name: str, sandwich_norms: bool = False) -> str | None:
+def gguf_to_hf(name: str, sandwich_norms: bool = False, architecture: str = "") -> str | None:
     """The HF name of a GGUF tensor, or None when hearth does not know it. sandwich_norms: a
-    gemma2/3 layer's names."""
+    gemma2/3 layer's names; architecture gpt_oss: its layers' names."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _LAYER_NAMES
+    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _GPT_OSS_LAYER_NAMES if architecture == "gpt_oss" else \
+        _LAYER_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
@@ -178,35 +188,33 @@ def checkpoint_name(name: str, architecture: str) -> str:
     return name
 
 
-def gguf_expert_stack(name: str) -> tuple[int, str] | None:
-    """(layer, projection) of a GGUF stack of experts (blk.N.ffn_gate_exps.weight), else None."""
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _EXPERT_STACKS:
-        return int(m.group(1)), _EXPERT_STACKS[m.group(2)]
-    return None
+def gguf_expert_stack(name: str) -> tuple[int, str, str] | None:
+    """(layer, projection, weight or bias) of a GGUF stack of experts (blk.N.ffn_gate_exps.weight), else None."""
+    m = _GGUF_EXPERT_STACK.fullmatch(name)
+    return (int(m.group(1)), _EXPERT_STACKS[m.group(2)], m.group(3)) if m else None
 
 
-def hf_expert(name: str) -> tuple[int, int, str] | None:
-    """(layer, expert, projection) of one expert's weight in HF naming, else None."""
+def hf_expert(name: str) -> tuple[int, int, str, str] | None:
+    """(layer, expert, projection, weight or bias) of one expert's tensor in HF naming, else None."""
     m = _HF_EXPERT.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    return (int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)) if m else None
 
 
-def hf_expert_name(layer: int, expert: int, projection: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+def hf_expert_name(layer: int, expert: int, projection: str, attr: str = "weight") -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{attr}"
 
 
-def gguf_expert_stack_name(layer: int, projection: str) -> str:
+def gguf_expert_stack_name(layer: int, projection: str, attr: str = "weight") -> str:
     suffix = next(k for k, v in _EXPERT_STACKS.items() if v == projection)
-    return f"blk.{layer}.{suffix}"
+    return f"blk.{layer}.{suffix}.{attr}"
 
 
-def hf_to_gguf(name: str, sandwich_norms: bool = False) -> str | None:
-    """The GGUF name of an HF tensor, or None when it has none."""
+def hf_to_gguf(name: str, sandwich_norms: bool = False, architecture: str = "") -> str | None:
+    """The GGUF name of an HF tensor, or None when it has none (gguf_to_hf's inverse)."""
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_LAYER
+    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_GPT_OSS_LAYER if architecture == "gpt_oss" else _HF_LAYER
     if m and m.group(2) in names:
         return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.gpt_oss import split_fused_experts
 from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors
 
 logger = logging.getLogger("hearth")
@@ -79,6 +80,8 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
+    if config.architecture == "gpt_oss":
+        weights = split_fused_experts(weights)
     if skipped:
         logger.warning("%s: %d tensors not loaded (%s): parts of a %s checkpoint hearth does not run", folder, skipped,
                     not_loaded.pattern, config.architecture)

@@ -68,7 +68,8 @@ class MergedLinear(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma)."""
+    """down(act(gate(x)) * up(x)): SwiGLU (llama, qwen) or GeGLU (gemma); gpt_oss's clamped SwiGLU
+    (clamped_swiglu)."""
 
     def __init__(self, config: ModelConfig, ops: Backend, intermediate_size: int | None = None):
         super().__init__()
@@ -79,9 +80,12 @@ class GatedMLP(nn.Module):
         self.activation = _ACTIVATIONS.get(config.hidden_act)
         if self.activation is None:
             raise ModelLoadError(f"unsupported activation {config.hidden_act!r}")
+        self.clamped_swiglu = config.clamped_swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if self.clamped_swiglu is not None:
+            return self.down_proj(clamped_swiglu(gate, up, *self.clamped_swiglu))
         return self.down_proj(self.ops.act_and_mul(gate, up, self.activation))
 
 
@@ -98,6 +102,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: gate clamped to at most limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 class SparseMoE(nn.Module):
@@ -122,7 +133,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
-        self.gate = Linear(config.hidden_size, config.num_experts)  # the router
+        self.gate = Linear(config.hidden_size, config.num_experts, config.router_bias)  # the router
         self.e_score_correction_bias = None
         if config.router_sigmoid:
             self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)

@@ -1,5 +1,5 @@
 """One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, the
-mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe, and deepseek_v2 (experts and multi-head
+mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe and gpt_oss (attention sinks), and deepseek_v2 (experts and multi-head
 latent attention, hearth/model/latent_attention.py).
 
 The model sees a flattened batch of tokens (every request's new tokens, end to end) and its
@@ -56,6 +56,12 @@ class Attention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.sliding_window if config.is_sliding_layer(index) else None
+        self.sinks = None  # gpt_oss: [heads], a logit per head in each softmax's denominator
+        if config.attention_sinks:
+            if not ops.attention_sinks:
+                raise ModelLoadError(f"the {ops.name} backend has no attention sinks yet: run {config.architecture} "
+                                     "with --backend cpu or reference")
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
         # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)
         if index in config.no_rope_layers:
@@ -85,7 +91,7 @@ class Attention(nn.Module):
         if self.rope_order is not None:
             q, k = q[..., self.rope_order], k[..., self.rope_order]
         q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window, self.sinks)
         out = out.reshape(tokens, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
 

@@ -47,7 +47,8 @@ class ChatFormat:
         if self.calling is None:
             return {**delta, "content": text} if text else delta
         stream = self.tool_streams.setdefault(c.index, ToolCallStream(self.calling))
-        return {**delta, **stream.delta(c.text if self.reasoning is None else split.content, final)}
+        whole = self.reasoning is None or self.calling.reads_channels
+        return {**delta, **stream.delta(c.text if whole else split.content, final)}
 
     def called(self, index: int) -> bool:
         """Whether choice `index` has streamed a tool call."""
@@ -76,7 +77,10 @@ class ChatFormat:
 
     def response_choice(self, c: CompletionOutput) -> dict:
         reasoning, text = (None, c.text) if self.reasoning is None else self.reasoning.split(c.text, self.thinking)
-        message = {"role": "assistant", "content": text} if self.calling is None else self.calling.message(text)
+        if self.calling is None:
+            message = {"role": "assistant", "content": text}
+        else:
+            message = self.calling.message(c.text if self.calling.reads_channels else text)
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning or None
         return {

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from hearth.errors import RequestError
 from hearth.sampling_params import SamplingParams, StructuredOutputsParams
-from hearth.tool_calls import PARSERS, Reader, Reply, arguments_reader, read_call_list
+from hearth.tool_calls import PARSERS, READS_CHANNELS, Reader, Reply, arguments_reader, read_call_list
 
 _ID_CHARS = string.ascii_letters + string.digits
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -102,6 +102,9 @@ class ToolCalling:
     read: Reader
     constraint: StructuredOutputsParams | None  # "required" and named choices
     parallel: bool
+    # the format is read from the whole reply, channels and all (gpt-oss's harmony: a call's recipient is
+    # in its message's header), not from what a reasoning parser leaves as content
+    reads_channels: bool = False
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         if self.constraint is None:  # "auto": a format's markers may be special tokens ([TOOL_CALLS])
@@ -121,7 +124,7 @@ class ToolCalling:
         """The non-streamed reply: tool calls when it holds whole calls, else its text."""
         reply = self.reply(text, True)
         if not reply.valid_calls:  # (a call cut short is no call: the reply reads as its text)
-            return {"role": "assistant", "content": text if reply.calls else reply.content}
+            return {"role": "assistant", "content": text if reply.calls and not self.reads_channels else reply.content}
         calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in reply.calls]
         return {"role": "assistant", "content": reply.content if reply.content.strip() else None, "tool_calls": calls}
@@ -139,7 +142,7 @@ def tool_calling(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool
     if choice == "none":
         return None
     if choice in (None, "auto"):
-        return ToolCalling(PARSERS[parser], None, parallel)
+        return ToolCalling(PARSERS[parser], None, parallel, parser in READS_CHANNELS)
     functions = {t.function.name: t.function.parameters or EMPTY_PARAMETERS for t in checked}
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},

@@ -118,6 +118,7 @@ struct Attention {
   KVRows k_cache, v_cache;
   const int32_t *tables, *lens, *query_start, *tree_start;
   const uint64_t* tree_masks;
+  const float* sinks;  // [num_heads] or null
   int64_t num_heads, num_kv_heads, group, D, block_size, max_blocks, window;
   float scale;
 
@@ -327,14 +328,14 @@ void value_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
 }
 
 // out [D] of query row `row`, head h: its splits merged in order; a split the row saw nothing of
-// weighs exp(-inf) = 0
+// weighs exp(-inf) = 0; the head's sink, if any, joins the sum with no value
 void merge_splits(const Attention& a, const Splits& p, const Parts& parts, int64_t row, int64_t h, float* out) {
   const int64_t D = a.D, num_heads = a.num_heads;
   const int64_t s = p.row_seq[row], rows = a.rows(s), r = row - a.query_start[s];
   const int64_t n_splits = p.first_split[s + 1] - p.first_split[s];
-  float m = NEG_INF;
+  float m = a.sinks ? a.sinks[h] : NEG_INF;
   for (int64_t i = 0; i < n_splits; ++i) m = std::max(m, parts.max[(p.first_part[s] + i * rows + r) * num_heads + h]);
-  float l = 0.f;
+  float l = a.sinks ? std::exp(a.sinks[h] - m) : 0.f;
   float* o = out + (row * num_heads + h) * D;
   std::fill_n(o, D, 0.f);
   for (int64_t i = 0; i < n_splits; ++i) {
@@ -362,10 +363,12 @@ void merge_splits(const Attention& a, const Splits& p, const Parts& parts, int64
 // where sequence s's tree region begins; tree_masks int64 [R], bit j set = the row sees position
 // tree_start + j (its ancestors and itself); it sees every position before the region, and its own
 // position is tree_start + its bits set - 1 (its depth: the window counts from there).
+// sinks float [H] (0: none): a logit per query head that joins each row's softmax with no value
+// (gpt-oss's attention sinks).
 // A work item reads each K/V row once for every query row and head of its group.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
                       int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
-                      uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
+                      uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
   const Attention a{reinterpret_cast<const float*>(q_),
@@ -373,7 +376,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                     {reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim, kv_format},
                     reinterpret_cast<const int32_t*>(tables_), reinterpret_cast<const int32_t*>(lens_),
                     reinterpret_cast<const int32_t*>(query_start_), reinterpret_cast<const int32_t*>(tree_start_),
-                    reinterpret_cast<const uint64_t*>(tree_masks_), num_heads, num_kv_heads, num_heads / num_kv_heads,
+                    reinterpret_cast<const uint64_t*>(tree_masks_), reinterpret_cast<const float*>(sinks_), num_heads, num_kv_heads, num_heads / num_kv_heads,
                     head_dim, block_size, max_blocks, window, (float)scale};
   float* out = reinterpret_cast<float*>(out_);
   const int64_t num_rows = a.query_start[num_seqs];

@@ -68,7 +68,7 @@ namespace hearth {
 // The entries, each defined in the source of its job (the comments there say what they compute).
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
                       int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
-                      uintptr_t tree_masks_, uintptr_t out_, int64_t num_seqs,
+                      uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
 void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,

@@ -62,7 +62,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int k
                       qkv_size, qkv_size, qkv_size, cos_, sin_, slots_, ptr(q), cache[0], cache[1], cache[2], cache[3],
                       kv_format, tokens, num_heads, num_kv_heads, head_dim, threads);
     decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], kv_format, block_tables_, lens_, query_start_, tree_start_,
-                     tree_masks_, ptr(attn),
+                     tree_masks_, 0, ptr(attn),
                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, split_len, window,
                      threads);
     project(layer, O, ptr(attn), delta, hidden, q_size);
