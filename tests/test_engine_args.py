@@ -30,7 +30,7 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--speculative-tree-width", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
          "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--contrastive-model", "--kv-cache-dir",
          "--kv-cache-dir-size", "--async-scheduling", "--no-async-scheduling", "--activation-sparsity",
-         "--activation-thresholds"]
+         "--activation-thresholds", "--cascade", "--defer-threshold"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:

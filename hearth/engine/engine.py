@@ -55,6 +55,8 @@ class StepFailed(Exception):
 
 
 class LLMEngine:
+    cascade_totals = None  # a cascade's counts (hearth/engine/cascade.py's CascadeEngine has them); one engine: none
+
     def __init__(self, model: str | Path | None, config: EngineConfig | None = None, progress: bool = True):
         self.config = config = config or EngineConfig()
         self.device = choose_device(config.device)
@@ -345,7 +347,7 @@ class LLMEngine:
     export_kv = kv_transfer.export_kv
     import_kv = kv_transfer.import_kv
 
-    # ---- a request moved between engines (a cascade's move from its small model to its large one) -------------
+    # ---- a request moved between engines (a cascade: hearth/engine/cascade.py) -------------
 
     def take_request(self, request_id: str) -> RequestGroup:
         """Take an unfinished request out whole: its KV blocks freed here, its tokens, text, stop state and

@@ -183,7 +183,7 @@ class Scheduler:
 
     def release_request(self, request: Request) -> None:
         """Take an unfinished request out of this scheduler, its blocks freed, to be computed again from its
-        tokens by another engine's (a cascade's move to its large model)."""
+        tokens by another engine's (a cascade's move to its large model: hearth/engine/cascade.py)."""
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         self.requests.pop(request.request_id, None)
         self._let_go(request)

@@ -42,6 +42,9 @@ def run_server(args, extend_app: Callable | None = None) -> None:
     print(f"batches    {batch_dir}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.cache.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")
+    if engine.cascade_totals is not None:
+        print(f"cascade    starts on {engine.small.model_path}, moves to {engine.large.model_path} after a token "
+              f"drawn with p < {engine.defer_threshold:g}")
     sys.stdout.flush()
     run_uvicorn(app, args, limits, on_stop=async_engine.shutdown)
 
