@@ -49,13 +49,17 @@ def alone(pair) -> tuple[LLM, LLM]:
     return LLM(pair[0], progress=False), LLM(pair[1], progress=False)
 
 
-@pytest.fixture(scope="module")
-def small_reference(alone) -> list[tuple[list[int], list[int], list[float]]]:
+def reference(small: LLM, prompts: list, n: int = N) -> list[tuple[list[int], list[int], list[float]]]:
     """Each prompt's ids, the small model's greedy tokens and each token's probability (from its logprobs)."""
-    outputs = alone[0].generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, logprobs=0),
-                                use_tqdm=False)
+    outputs = small.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0),
+                             use_tqdm=False)
     return [(o.prompt_token_ids, o.outputs[0].token_ids,
              [math.exp(entry[t]) for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def small_reference(alone) -> list[tuple[list[int], list[int], list[float]]]:
+    return reference(alone[0], PROMPTS)
 
 
 def expected(alone, small_reference, threshold: float) -> list[tuple[list[int], int | None]]:
@@ -67,7 +71,7 @@ def expected(alone, small_reference, threshold: float) -> list[tuple[list[int], 
         if moved is None:
             result.append((tokens, None))
             continue
-        rest = SamplingParams(temperature=0.0, max_tokens=N - moved, ignore_eos=True)
+        rest = SamplingParams(temperature=0.0, max_tokens=len(tokens) - moved, ignore_eos=True)
         continuation = alone[1].generate([prompt_ids + tokens[:moved]], rest, use_tqdm=False)[0].outputs[0].token_ids
         result.append((tokens[:moved] + continuation, moved))
     return result
@@ -95,6 +99,22 @@ def test_a_request_moves_after_its_first_unsure_token(pair, alone, small_referen
     # T = 0: the small model's output whole; T = 1: the large model's continuation of its first token
     assert [t for t, moved in expected(alone, small_reference, 0.0)] == [s for _, s, _ in small_reference]
     assert all(moved == 1 for _, moved in expected(alone, small_reference, 1.0))
+
+
+def test_a_speculative_step_is_cut_at_the_unsure_token(pair, alone):
+    """Prompt lookup guesses a repeated pattern right; the unsure token lies inside an accepted run of guesses."""
+    repeat = [[201, 5] * 8]
+    ref = reference(alone[0], repeat, 16)
+    probabilities = ref[0][2]
+    threshold = (probabilities[6] + probabilities[8]) / 2  # under the 7th token's, over the 9th's (about 0.51)
+    (tokens, moved), = expected(alone, ref, threshold)
+    cascade = LLM(cascade=pair, defer_threshold=threshold, speculative_method="ngram", progress=False)
+    output = cascade.generate(repeat, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                              use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == tokens
+    assert output.cascade.deferred_at == moved == next(i + 1 for i, p in enumerate(probabilities) if p < threshold)
+    # more guesses were accepted than tokens kept on the small model: a step's tokens after the unsure one went
+    assert cascade.engine.small.spec_decode_totals.num_accepted_tokens > moved
 
 
 def test_served_cascade_streams_across_the_move_and_counts_it(pair, alone, small_reference):

@@ -357,6 +357,7 @@ class LLMEngine:
         for state in group.sequences:
             if not state.request.is_finished and state.request not in group.waiting_for_prompt:
                 self.scheduler.release_request(state.request)
+            self.speculator.forget(state.request)
         self.runner.release_stopped()
         return group
 
