@@ -53,6 +53,8 @@ class CascadeCounts:
 
 
 class CascadeEngine:
+    accepts_images = False  # the large model may not read them: the server refuses images with a 400
+
     def __init__(self, small: LLMEngine, large: LLMEngine, defer_threshold: float,
                  config: EngineConfig | None = None) -> None:
         """Two built engines of one vocabulary; config: the cascade's own (the engines' have no cascade)."""
