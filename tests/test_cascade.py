@@ -10,6 +10,7 @@ up to there is the rest of the output.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -77,12 +78,15 @@ def expected(alone, small_reference, threshold: float) -> list[tuple[list[int], 
     return result
 
 
-def test_a_request_moves_after_its_first_unsure_token(pair, alone, small_reference):
+def test_a_request_moves_after_its_first_unsure_token(pair, alone, small_reference, caplog):
     probabilities = sorted(min(p[:-1]) for _, _, p in small_reference)
     between = (probabilities[2] + probabilities[3]) / 2  # half of the prompts have a token under it
     for threshold in (0.0, between, 1.0):
         cascade = LLM(cascade=pair, defer_threshold=threshold, progress=False)
-        outputs = cascade.generate(PROMPTS, GREEDY, use_tqdm=False)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hearth"):
+            outputs = cascade.generate(PROMPTS, GREEDY, use_tqdm=False)
+        moves = [r.getMessage() for r in caplog.records if "moved to the large model" in r.getMessage()]
         for output, (tokens, moved), (_, _, p) in zip(outputs, expected(alone, small_reference, threshold),
                                                       small_reference):
             assert output.outputs[0].token_ids == tokens, threshold
@@ -91,7 +95,7 @@ def test_a_request_moves_after_its_first_unsure_token(pair, alone, small_referen
             if moved is not None:
                 assert output.cascade.confidence == pytest.approx(p[moved - 1], rel=1e-4)
         deferred = [o.cascade.deferred for o in outputs]
-        assert sum(deferred) == {0.0: 0, between: 3, 1.0: 6}[threshold]
+        assert sum(deferred) == {0.0: 0, between: 3, 1.0: 6}[threshold] == len(moves)
         counts = cascade.engine.cascade_totals
         assert (counts.num_requests, counts.num_deferred) == (6, sum(deferred))
         assert counts.num_small_tokens + counts.num_large_tokens == 6 * N
