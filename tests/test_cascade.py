@@ -22,6 +22,7 @@ from hearth import LLM, SamplingParams
 from hearth.cli import build_parser
 from hearth.engine.async_engine import AsyncEngine
 from hearth.errors import HearthError
+from hearth.fleet.launch import serve
 from hearth.server.app import build_app
 from test_server import serving
 
@@ -163,6 +164,9 @@ def test_bad_cascades_are_clear_errors(pair):
             LLM(progress=False, **options)
     with pytest.raises(HearthError, match="either as MODEL"):
         LLM(pair[0], cascade=pair, defer_threshold=0.5, progress=False)
+    with pytest.raises(HearthError, match="not with --model"):
+        serve(build_parser().parse_args(["serve", "--model", f"a={pair[0]}", "--cascade", ",".join(pair),
+                                         "--defer-threshold", "0.5"]))
 
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason=f"reference data not found: {SMOLLM2}")
