@@ -102,6 +102,7 @@ def cmd_generate(args) -> None:
             "finish_reason": completion.finish_reason,
             "prompt_tokens": len(out.prompt_token_ids),
             "completion_tokens": len(completion.token_ids),
+            **({} if out.cascade is None else {"cascade": out.cascade.summary(len(completion.token_ids))}),
         }))
         return
     sys.stdout.write(args.prompt)

@@ -252,6 +252,37 @@ class SparsityConfig:
               "activation_sparsity needs activation_thresholds: a file written by `hearth sparsify MODEL --text-file F`")
 
 
+def _model_pair(text: str) -> tuple[str, ...]:
+    """'small.gguf,large.gguf' -> its two paths (checked by CascadeConfig)."""
+    return tuple(part.strip() for part in text.split(","))
+
+
+@dataclass
+class CascadeConfig:
+    """A cascade (hearth/engine/cascade.py, docs/cascade.md): requests start on a small model and move to a large
+    one (the same vocabulary) where the small model draws a token with a probability under defer_threshold."""
+
+    models: tuple[str, ...] | None = option(
+        None, keyword="cascade", metavar="SMALL,LARGE", parse=_model_pair,
+        help="run two models (GGUF files, HF folders or builtin names, one vocabulary) as a cascade in place of MODEL: "
+             "each request starts on SMALL and moves to LARGE, its tokens so far computed there, after a token SMALL "
+             "drew with a probability under --defer-threshold")
+    defer_threshold: float | None = option(
+        None, metavar="T", help="with --cascade: the probability (0 to 1) under which a token SMALL drew moves its "
+                                "request to LARGE (0: never, 1: after the first token)")
+
+    def __post_init__(self) -> None:
+        if self.models is None:
+            _need(self.defer_threshold is None, "defer_threshold is for a cascade: give cascade (--cascade SMALL,LARGE) too")
+            return
+        self.models = _model_pair(self.models) if isinstance(self.models, str) else tuple(map(str, self.models))
+        _need(len(self.models) == 2 and all(self.models),
+              f"cascade takes two models, SMALL,LARGE (the small one first), got {','.join(self.models)!r}")
+        _need(self.defer_threshold is not None, "a cascade needs defer_threshold: the probability (0 to 1) under "
+                                                "which a token of the small model moves its request to the large one")
+        _need(0 <= self.defer_threshold <= 1, f"defer_threshold is a probability, in [0, 1]; got {self.defer_threshold}")
+
+
 @dataclass
 class EngineConfig:
     """The engine's options, each declared once (hearth/options.py: LLM's keywords and the CLI's flags
@@ -274,6 +305,7 @@ class EngineConfig:
                                    "itself")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
+    cascade: CascadeConfig = section(CascadeConfig, "cascade")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -301,6 +333,11 @@ class EngineConfig:
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
         _need(not self.sparsity.activation_sparsity or not (self.parallel.split or self.lora.enable_lora),
               "activation_sparsity with tensor or pipeline parallelism or LoRA adapters is not implemented")
+        _need(self.cascade.models is None or not self.lora.enable_lora,
+              "a cascade with LoRA adapters is not implemented: give cascade or enable_lora, not both")
+        _need(self.cascade.models is None or not self.scheduler.async_scheduling,
+              "a cascade schedules its small model synchronously (a request moves between its steps): not with "
+              "async_scheduling")
         if self.lora.enable_lora:
             _need(not self.parallel.split, "LoRA adapters with tensor or pipeline parallelism are not implemented")
             _need(self.speculative.method is None, "speculative decoding with LoRA adapters is not implemented: give "

@@ -8,6 +8,7 @@ from typing import Any
 
 from hearth.engine_config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
+from hearth.engine.cascade import CascadeEngine
 from hearth.engine.engine import LLMEngine
 from hearth.errors import RequestError
 from hearth.lora_request import LoRARequest
@@ -38,7 +39,9 @@ class LLM:
         kv_cache_memory=1 << 30, speculative_method="ngram", ...), declared once in EngineConfig
         (hearth/engine_config.py) with their defaults and help; `hearth generate --help` lists them as flags.
         TypeError for a name that is not one."""
-        self.engine = LLMEngine(model, build(EngineConfig, engine_options, "LLM()"), progress)
+        config = build(EngineConfig, engine_options, "LLM()")
+        self.engine = LLMEngine(model, config, progress) if config.cascade.models is None else \
+            CascadeEngine.build(model, config, progress)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -40,6 +40,25 @@ class RequestMetrics:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class CascadeRecord:
+    """A request's way through a cascade (hearth/engine/cascade.py): whether, and after which of its tokens,
+    it moved from the small model to the large one."""
+
+    deferred_at: int | None = None  # output tokens the small model drew (the last one under the threshold); None: stayed
+    confidence: float | None = None  # that last token's probability under the small model
+
+    @property
+    def deferred(self) -> bool:
+        return self.deferred_at is not None
+
+    def summary(self, num_tokens: int) -> dict:
+        """The record as the API shows it, for an output of num_tokens tokens."""
+        small = num_tokens if self.deferred_at is None else self.deferred_at
+        return {"deferred": self.deferred, "deferred_at_token": self.deferred_at, "confidence": self.confidence,
+                "small_model_tokens": small, "large_model_tokens": num_tokens - small}
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -51,3 +70,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    cascade: CascadeRecord | None = None  # a cascade's request (hearth/engine/cascade.py): where it moved

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from hearth.engine.cascade import CascadeCounts
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
 from hearth.engine.kv_tiers import TierCounts
@@ -82,6 +83,7 @@ class EngineStats:
     num_preemptions: int = 0  # totals over the engine's life
     num_generation_tokens: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    cascade: CascadeCounts | None = None  # a cascade's (hearth/engine/cascade.py); None: one model
 
 
 def call_in(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -428,6 +430,7 @@ class AsyncEngine:
                 num_preemptions=old.num_preemptions + num_preempted,
                 num_generation_tokens=old.num_generation_tokens + num_generated,
                 spec_decode=engine.spec_decode_totals.copy(),
+                cascade=None if engine.cascade_totals is None else engine.cascade_totals.copy(),
             )
             self._pending_adds += pending_adds
 

@@ -54,6 +54,8 @@ class StepFailed(Exception):
 
 
 class LLMEngine:
+    cascade_totals = None  # a cascade's counts (hearth/engine/cascade.py's CascadeEngine has them); one engine: none
+
     def __init__(self, model: str | Path | None, config: EngineConfig | None = None, progress: bool = True):
         self.config = config = config or EngineConfig()
         self.device = choose_device(config.device)
@@ -359,6 +361,33 @@ class LLMEngine:
 
     export_kv = kv_transfer.export_kv
     import_kv = kv_transfer.import_kv
+
+    # ---- a request moved between engines (a cascade: hearth/engine/cascade.py) -------------
+
+    def take_request(self, request_id: str) -> RequestGroup:
+        """Take an unfinished request out whole: its KV blocks freed here, its tokens, text, stop state and
+        generators kept, for another engine (of the same vocabulary) to go on with in adopt_request."""
+        self.wait_for_pass()
+        group = self.output_processor.remove_group(request_id)
+        for state in group.sequences:
+            if not state.request.is_finished and state.request not in group.waiting_for_prompt:
+                self.scheduler.release_request(state.request)
+            self.speculator.forget(state.request)
+        self.runner.release_stopped()
+        return group
+
+    def adopt_request(self, group: RequestGroup) -> None:
+        """Go on with a request another engine's take_request gave: its tokens so far (prompt and output)
+        are computed here first, as a preempted request's are; RequestError where it does not fit."""
+        if group.request_id in self.output_processor.groups:
+            raise RequestError(f"request id {group.request_id!r} is already in use")
+        running = [s.request for s in group.sequences
+                   if not s.request.is_finished and s.request not in group.waiting_for_prompt]
+        for request in running:
+            self._check_fits(request.all_token_ids)
+        for request in running:
+            self.scheduler.add_request(request)
+        self.output_processor.add_group(group)
 
     # ---- one iteration ----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ RequestOutput. No tensors here: the runner's results are plain host values.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -95,6 +96,11 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}  # by the scheduler's request id
         self.groups_sharing_prompt: list[RequestGroup] = []  # groups with samples waiting for the first's prompt
+        # a cascade's small model (hearth/engine/cascade.py): a sample stops taking tokens after one drawn with
+        # a log-probability below the floor, and its group waits in below_floor (the token's probability) for
+        # the cascade to move it to the large model
+        self.floor_logprob = -math.inf
+        self.below_floor: dict[str, float] = {}
 
     def add_group(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -162,6 +168,9 @@ class OutputProcessor:
                 return i + 1
             if state.thinking is not None and state.thinking.append(token_id, state.request.output_token_ids):
                 return i + 1  # the budget ran out: what this step sampled after it is not kept
+            if tokens.logprobs[i] < self.floor_logprob:
+                self.below_floor[self.group_id(state.request.request_id)] = math.exp(tokens.logprobs[i])
+                return i + 1  # the large model goes on from this token: what this step sampled after it is not kept
         return len(tokens.token_ids)
 
     def _append_token(self, state: SequenceState, token_id: int, logprob: float,

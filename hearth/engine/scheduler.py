@@ -181,6 +181,13 @@ class Scheduler:
         request.status = status
         request.finish_time = self.clock()
 
+    def release_request(self, request: Request) -> None:
+        """Take an unfinished request out of this scheduler, its blocks freed, to be computed again from its
+        tokens by another engine's (a cascade's move to its large model: hearth/engine/cascade.py)."""
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        self.requests.pop(request.request_id, None)
+        self._let_go(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a request wherever it is; None if no unfinished request has that id."""
         request = self.requests.get(request_id)
@@ -388,12 +395,16 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._let_go(request)
+        request.num_preemptions += 1
+        _enqueue(self.waiting, request)
+
+    def _let_go(self, request: Request) -> None:
+        """Free the request's blocks; it is to be computed again from its tokens (prompt and output)."""
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
-        request.num_preemptions += 1
-        _enqueue(self.waiting, request)
 
 
 def _queue_key(request: Request) -> tuple[int, int]:

@@ -64,6 +64,8 @@ def run_models(args) -> None:
                           "--ray, --disaggregate or --role")
     if args.served_model_name is not None:
         raise HearthError("--served-model-name names the one MODEL: with --model, give the name as NAME=PATH")
+    if args.cascade is not None:
+        raise HearthError("--cascade serves its two models as one: not with --model/--model-dir")
     run_models_server(args)
 
 

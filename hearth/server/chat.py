@@ -15,7 +15,7 @@ from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.reasoning import ReasoningSplit
 from hearth.server.errors import APIError
-from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
+from hearth.server.protocol import ChatCompletionRequest, chat_logprobs, hearth_fields, prompt_logprobs_json, usage
 from hearth.server.served import ServedModel, served
 from hearth.server.streaming import Delta, Started, StreamHeader, respond
 from hearth.server.tool_fallback import generic_calling, generic_messages, template_drops_tools
@@ -194,7 +194,8 @@ async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str
 
     def reply(final: list[RequestOutput]) -> dict:
         data = {"id": request_id, "object": "chat.completion", "created": created, "model": run.model,
-                "choices": [run.fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final)}
+                "choices": [run.fmt.response_choice(c) for c in final[0].outputs], "usage": usage(final),
+                **hearth_fields(final)}
         if body.prompt_logprobs is not None:
             data["prompt_logprobs"] = prompt_logprobs_json(s.piece, final[0])
         return data

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from hearth.errors import RequestError
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from hearth.server.protocol import CompletionRequest, completion_logprobs, prompt_logprobs_json, usage
+from hearth.server.protocol import CompletionRequest, completion_logprobs, hearth_fields, prompt_logprobs_json, usage
 from hearth.server.served import ServedModel, served
 from hearth.server.streaming import Delta, Started, StreamHeader, respond
 
@@ -102,7 +102,8 @@ async def start(body: CompletionRequest, s: ServedModel, prefill_source: str | N
 
     def reply(final: list[RequestOutput]) -> dict:
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": fmt.response_choices(final, body.prompt_logprobs is not None), "usage": usage(final)}
+                "choices": fmt.response_choices(final, body.prompt_logprobs is not None), "usage": usage(final),
+                **hearth_fields(final)}
 
     header = StreamHeader(request_id, created, model, body.include_usage, body.continuous_usage)
     return Started(streams, header, fmt, reply)

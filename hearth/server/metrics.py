@@ -77,6 +77,15 @@ class _EngineCollector:
         for position, count in enumerate(spec.accepted_per_position):
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
+        cascade = stats.cascade  # a cascade's (--cascade SMALL,LARGE): finished requests
+        if cascade is not None:
+            yield counter("hearth:cascade_requests", "Finished requests of the cascade.", cascade.num_requests)
+            yield counter("hearth:cascade_deferred_requests", "Finished requests that moved to the large model.",
+                          cascade.num_deferred)
+            yield counter("hearth:cascade_small_model_tokens", "Output tokens the small model drew.",
+                          cascade.num_small_tokens)
+            yield counter("hearth:cascade_large_model_tokens", "Output tokens the large model drew.",
+                          cascade.num_large_tokens)
 
 
 class ServerMetrics:

@@ -244,6 +244,14 @@ def usage(outputs: list[RequestOutput | None]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def hearth_fields(outputs: list[RequestOutput | None]) -> dict:
+    """hearth's own extension of a response: {"hearth": {"cascade": [each prompt's record]}} where a cascade
+    (--cascade) served it (hearth/engine/cascade.py), else nothing."""
+    records = [o.cascade.summary(max((len(c.token_ids) for c in o.outputs), default=0))
+               for o in outputs if o is not None and o.cascade is not None]
+    return {"hearth": {"cascade": records}} if records else {}
+
+
 def _lp(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 

@@ -11,6 +11,7 @@ the engine thread (or the replicas) is stopped and the command exits with status
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -42,8 +43,22 @@ def run_server(args, extend_app: Callable | None = None) -> None:
     print(f"batches    {batch_dir}")
     print(f"KV cache   {engine.kv_cache_tokens:,} tokens ({engine.num_blocks:,} blocks of {engine.config.cache.block_size}, "
           f"{engine.kv_cache_bytes / 2**20:.1f} MiB of {engine.kv_cache_dtype}); context {engine.max_model_len:,} tokens")
+    if engine.cascade_totals is not None:
+        print(f"cascade    starts on {engine.small.model_path}, moves to {engine.large.model_path} after a token "
+              f"drawn with p < {engine.defer_threshold:g}")
     sys.stdout.flush()
     run_uvicorn(app, args, limits, on_stop=async_engine.shutdown)
+
+
+def log_hearth(level: str) -> None:
+    """hearth's own log lines (a cascade's moves, models loaded) on stderr at --log-level, beside uvicorn's
+    (without a handler only warnings and errors would show)."""
+    log = logging.getLogger("hearth")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     hearth: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
 
 
 def run_uvicorn(app, args, limits, on_stop) -> None:
@@ -59,6 +74,7 @@ def run_uvicorn(app, args, limits, on_stop) -> None:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"listening  http://{host}:{port}/v1  (metrics at /metrics)", flush=True)
 
+    log_hearth(args.log_level)
     config = uvicorn_config(
         app, limits, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,

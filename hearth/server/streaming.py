@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hearth.server.errors import exception_body
-from hearth.server.protocol import usage
+from hearth.server.protocol import hearth_fields, usage
 from hearth.server.served import PREFILL_HEADER, ServedModel
 
 
@@ -134,12 +134,12 @@ async def final_json(served: ServedModel, started: Started) -> dict:
 
 def stream_response(served: ServedModel, streams: list[RequestStream], fmt: ChunkFormat,
                     header: StreamHeader) -> SSEResponse:
-    def chunk(choices: list[dict], usage_value: dict | None) -> str:
+    def chunk(choices: list[dict], usage_value: dict | None, extension: dict | None = None) -> str:
         data = {"id": header.request_id, "object": fmt.object, "created": header.created, "model": header.model,
                 "choices": choices}
         if header.include_usage:
             data["usage"] = usage_value
-        return sse(data)
+        return sse(data | (extension or {}))
 
     async def events() -> AsyncIterator[str]:
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, choice) -> characters, tokens sent
@@ -159,8 +159,9 @@ def stream_response(served: ServedModel, streams: list[RequestStream], fmt: Chun
                     sent[key] = (len(c.text), len(c.token_ids))
                     for item in items:
                         yield chunk([item], usage([output]) if header.continuous_usage else None)
-            if header.include_usage:
-                yield chunk([], usage(final))
+            extension = hearth_fields(final)  # a cascade's records: in the last chunk, as usage is
+            if header.include_usage or extension:
+                yield chunk([], usage(final), extension)
         except Exception as e:  # the headers are sent: the error is the stream's last event
             yield sse(exception_body(e)[1])
         yield "data: [DONE]\n\n"

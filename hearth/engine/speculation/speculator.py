@@ -90,6 +90,11 @@ class Speculator:
                 wanted[request], generators[request] = k, self.sequences[request.request_id].spec_generator
         self.proposer.guess(wanted, generators, verified_rows)
 
+    def forget(self, request: Request) -> None:
+        """The request left this engine (LLMEngine.take_request): no guesses for it in the next step."""
+        if self._last is not None:
+            self._last.pop(request, None)
+
     def _count(self, request: Request, num_running: int) -> int:
         """How many guesses the request makes: the guess count's (adaptive), never past max_tokens
         (the last guess is followed by one more token) or the context."""
