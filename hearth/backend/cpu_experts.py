@@ -43,13 +43,11 @@ class GroupedExperts:
         """The grouped path for these experts (GatedMLPs), or None where it does not apply (ungated MLPs): each
         projection must be one Int8Linear, without bias, all of one shape, the activation a plain one."""
         qmatmul = quant_kernels.extension()
-        if qmatmul is None or experts[0].clamped_swiglu is not None:
-            return None
+        if qmatmul is None or not hasattr(experts[0], "gate_up_proj") or experts[0].clamped_swiglu is not None:
+            return None  # (no gate_up_proj: an ungated MLP, nemotron_h's)
 
         shapes = set()
         for expert in experts:
-            if not hasattr(expert, "gate_up_proj"):  # an ungated MLP (nemotron_h's)
-                return None
             parts = expert.gate_up_proj.parts
             if len(parts) != 1 or not (on_int8_kernel(parts[0]) and on_int8_kernel(expert.down_proj)):
                 return None
