@@ -104,7 +104,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
             moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
             shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)), shared_expert_gated=False)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_next"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     layers = int(hf["num_hidden_layers"])
@@ -115,7 +115,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
         moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
-        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", arch == "qwen3_next")),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
     )
@@ -203,7 +203,8 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
               "sliding_window": None}  # (its attention never reads the window its configs carry)
     elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
-    if arch in ("qwen3_5", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":  # the convolution's too
+    # (the convolution's activation too)
+    if arch in ("qwen3_5", "qwen3_next", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":
         raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for {arch}")
     return hf
 
@@ -239,11 +240,11 @@ def _lfm2_mlp_width(hf: dict[str, Any]) -> int:
 
 
 def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5: Gated DeltaNet
-    and gated attention; granitemoehybrid and nemotron_h: Mamba2); none for other families."""
+    """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5 and qwen3_next: Gated
+    DeltaNet and gated attention; granitemoehybrid and nemotron_h: Mamba2); none for other families."""
     if arch in ("granitemoehybrid", "nemotron_h"):
         return _mamba2_from_hf(hf, arch)
-    if arch not in ("lfm2", "qwen3_5"):
+    if arch not in ("lfm2", "qwen3_5", "qwen3_next"):
         return {}
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types")
@@ -337,7 +338,7 @@ _INACTIVE_FIELDS = {
 }
 # of those, the ones some families implement
 _IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3"),
-                   "partial_rotary_factor": ("qwen3_5",)}
+                   "partial_rotary_factor": ("qwen3_5", "qwen3_next")}
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
