@@ -201,6 +201,8 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         hf = {**hf, **legacy, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "head_dim": hf.get("head_dim") or 128,
               "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf)),
               "sliding_window": None}  # (its attention never reads the window its configs carry)
+    elif arch == "qwen3_next":  # (its attention never reads a window, as transformers' deletes it)
+        hf = {**hf, "sliding_window": None}
     elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
     # (the convolution's activation too)
