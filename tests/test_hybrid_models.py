@@ -467,3 +467,19 @@ def test_cpu_kernels_match_the_torch_steps():
                           backend.ssm_scan(q, k, v, g, ssm_states, meta), ssm_states])
     for theirs, ours in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_next_experts_where_transformers_puts_them():
+    """qwen3_next's experts in the layers transformers builds them in: every decoder_sparse_step-th layer but
+    those of mlp_only_layers (a dense MLP of intermediate_size there)."""
+    import transformers
+
+    from hearth.config import ModelConfig
+    from models import hf_config
+
+    theirs = hf_config("qwen3_next", num_hidden_layers=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    with torch.device("meta"):
+        layers = transformers.Qwen3NextForCausalLM(theirs).model.layers
+    ours = ModelConfig.from_hf(theirs.to_dict())
+    assert [ours.is_moe_layer(i) for i in range(8)] == [hasattr(layer.mlp, "experts") for layer in layers] \
+        == [False, True, False, False, False, True, False, True]
