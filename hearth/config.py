@@ -34,8 +34,10 @@ MAX_DECODE_QUERY_LEN = 16
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5",
-                           "granitemoehybrid", "nemotron_h", "gpt_oss")
+                           "qwen3_next", "granitemoehybrid", "nemotron_h", "gpt_oss")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# Gated DeltaNet and gated attention: Qwen3.5 and Qwen3-Next (its experts those of qwen2_moe)
+QWEN_DELTA_NET = ("qwen3_5", "qwen3_next")
 
 # What a layer of a hybrid model is (ModelConfig.layer_types): attention keeps K/V per token in the paged
 # cache; the others keep a fixed-size state per sequence (the state cache, hearth/engine/state_slots.py), but
@@ -329,8 +331,8 @@ class ModelConfig:
                 sliding_layers=sliding_layers_from_hf(hf, arch) if window is not None else None,
                 no_rope_layers=no_rope_layers_from_hf(hf) if arch == "smollm3" else (),
                 qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "all", "lfm2": "head",
-                         "qwen3_5": "head"}.get(arch),
-                norm_weight_offset=1.0 if gemma or arch == "qwen3_5" else 0.0,  # norms of (1 + w)
+                         "qwen3_5": "head", "qwen3_next": "head"}.get(arch),
+                norm_weight_offset=1.0 if gemma or arch in QWEN_DELTA_NET else 0.0,  # norms of (1 + w)
                 embedding_scale=math.sqrt(hidden) if gemma else 1.0,
                 **gemma2_from_hf(hf, arch, local_rope),
                 **experts_from_hf(hf, arch), **gpt_oss_from_hf(hf, arch),

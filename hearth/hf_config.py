@@ -105,7 +105,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
             moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
             shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)), shared_expert_gated=False)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next"):
         return {}
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     layers = int(hf["num_hidden_layers"])
@@ -117,7 +117,7 @@ def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         # mixtral's and olmoe's experts are intermediate_size wide; qwen's have their own size
         moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
         # gpt_oss: a softmax over the chosen experts' logits, the same as renormalising over them
-        norm_topk_prob=True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", arch == "qwen3_next")),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         dense_mlp_layers=tuple(sorted(dense)) if experts else (),
     )
@@ -216,9 +216,12 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         hf = {**hf, **legacy, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5), "head_dim": hf.get("head_dim") or 128,
               "hidden_act": hf.get("mlp_hidden_act", "relu2"), "num_hidden_layers": len(_nemotron_h_layers(hf)),
               "sliding_window": None}  # (its attention never reads the window its configs carry)
+    elif arch == "qwen3_next":  # (its attention never reads a window, as transformers' deletes it)
+        hf = {**hf, "sliding_window": None}
     elif arch == "granitemoehybrid" and not hf.get("num_local_experts"):  # dense: the shared MLP is the MLP
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
-    if arch in ("qwen3_5", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":  # the convolution's too
+    # (the convolution's activation too)
+    if arch in ("qwen3_5", "qwen3_next", "granitemoehybrid") and (hf.get("hidden_act") or "silu") != "silu":
         raise ModelLoadError(f"hidden_act={hf['hidden_act']!r} is not implemented by hearth for {arch}")
     return hf
 
@@ -254,11 +257,11 @@ def _lfm2_mlp_width(hf: dict[str, Any]) -> int:
 
 
 def hybrid_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5: Gated DeltaNet
-    and gated attention; granitemoehybrid and nemotron_h: Mamba2); none for other families."""
+    """The ModelConfig fields of a hybrid family (lfm2: short convolutions; qwen3_5 and qwen3_next: Gated
+    DeltaNet and gated attention; granitemoehybrid and nemotron_h: Mamba2); none for other families."""
     if arch in ("granitemoehybrid", "nemotron_h"):
         return _mamba2_from_hf(hf, arch)
-    if arch not in ("lfm2", "qwen3_5"):
+    if arch not in ("lfm2", "qwen3_5", "qwen3_next"):
         return {}
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types")
@@ -352,7 +355,7 @@ _INACTIVE_FIELDS = {
 }
 # of those, the ones some families implement
 _IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3"),
-                   "partial_rotary_factor": ("qwen3_5",)}
+                   "partial_rotary_factor": ("qwen3_5", "qwen3_next")}
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:

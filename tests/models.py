@@ -137,6 +137,13 @@ def _hybrid_configs(transformers) -> dict:
         "qwen3_5": (transformers.Qwen3_5TextConfig, {
             "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4}),
+        # Qwen3-Next's: Qwen3.5's layers (its projections fused per key head) with 8 experts (2 chosen, renormalised)
+        # and a shared expert behind a sigmoid gate, but in layer 1 (mlp_only_layers), a dense MLP
+        "qwen3_next": (transformers.Qwen3NextConfig, {
+            "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": True, "mlp_only_layers": [1]}),
         # Granite 4.0-H's pattern, small: Mamba2 (4 heads of 32 in 2 groups, state 8), attention without
         # RoPE, Mamba2, each followed by 4 experts (2 chosen) and a shared MLP; its four multipliers
         "granitemoehybrid": (transformers.GraniteMoeHybridConfig, {

@@ -1,5 +1,6 @@
 """Hybrid models, layers that keep a state per sequence between attention layers: lfm2 (short
-convolutions), qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), granitemoehybrid (Mamba2,
+convolutions), qwen3_5 (Gated DeltaNet, gated attention with partial RoPE), qwen3_next (the same layers,
+projections fused per key head, experts with a gated shared expert), granitemoehybrid (Mamba2,
 attention without RoPE, experts and a shared MLP, multipliers) and nemotron_h (blocks of Mamba2, attention,
 a relu2 MLP or experts routed by sigmoid), against transformers
 on tiny random models in the real layer structure (tests/models.py): greedy tokens and top-5
@@ -37,17 +38,19 @@ SHARED = random_prompts(1, seed=11, shortest=40, longest=40)[0]  # a prefix of t
 PROMPTS = [*random_prompts(3, seed=5, shortest=6, longest=45), SHARED + [3, 4, 5], SHARED + [7, 8]]
 # per family: (state layers' bytes per sequence in float32, attention layers' K/V bytes per token in float32),
 # from the shapes in tests/models.py: lfm2's two convolutions keep 64 channels x (3 - 1) inputs; qwen3_5's
-# three Gated DeltaNet layers keep (2 x 2 x 8 + 4 x 12) channels x (4 - 1) inputs and 4 heads of 8 x 12;
+# (and qwen3_next's) three Gated DeltaNet layers keep (2 x 2 x 8 + 4 x 12) channels x (4 - 1) inputs and 4 heads
+# of 8 x 12;
 # the two Mamba2 layers of granitemoehybrid and nemotron_h keep (x + B + C of 2 groups x 8) channels x (4 - 1)
 # inputs, x of 4 heads of 32 and 16, and 4 heads of 8 x 32 and 8 x 16;
 # each family's one attention layer keeps 2 x 2 KV heads x 16 per token
 SIZES = {"lfm2": (2 * 64 * 2 * 4, 2 * 2 * 16 * 4),
          "qwen3_5": (3 * ((2 * 2 * 8 + 4 * 12) * 3 + 4 * 8 * 12) * 4, 2 * 2 * 16 * 4),
+         "qwen3_next": (3 * ((2 * 2 * 8 + 4 * 12) * 3 + 4 * 8 * 12) * 4, 2 * 2 * 16 * 4),
          "granitemoehybrid": (2 * ((4 * 32 + 2 * 2 * 8) * 3 + 4 * 8 * 32) * 4, 2 * 2 * 16 * 4),
          "nemotron_h": (2 * ((4 * 16 + 2 * 2 * 8) * 3 + 4 * 8 * 16) * 4, 2 * 2 * 16 * 4)}
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "granitemoehybrid", "nemotron_h"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h"])
 def family(request, tmp_path_factory):
     """(architecture, folder, transformers' greedy tokens and per token its top-5 {id: logprob} for PROMPTS)."""
     arch = request.param
@@ -303,6 +306,8 @@ REFUSED = {  # per family: config.json fields hearth does not implement, and wha
                 ({"text_config": "none"}, "text_config = 'none': expected an object"),
                 ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
                 ({"layer_types": ["linear_attention"] * 4}, "models with an attention layer")],
+    "qwen3_next": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for qwen3_next"),
+                   ({"linear_value_head_dim": 16}, "in_proj_qkvz.weight: shape \\(128, 64\\), expected 160 rows")],
     "lfm2": [({"layer_types": ["conv", "sliding_attention", "conv"]}, "expected full_attention or conv"),
              ({"conv_L_cache": 1}, "convolutions of 2 taps or more")],
     "granitemoehybrid": [({"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented by hearth for granitemoehybrid"),
@@ -342,7 +347,7 @@ def test_gpu_backend_and_gguf_refused_by_name(family, tmp_path):
     message = {"lfm2": "lfm2 with conv_bias"}.get(arch, f"does not convert {arch}")
     with pytest.raises(ModelLoadError, match=message):
         convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
-    for gguf_arch in ("qwen35", "granitehybrid", "nemotron_h"):
+    for gguf_arch in ("qwen35", "qwen3next", "granitehybrid", "nemotron_h"):
         with pytest.raises(ModelLoadError, match=f"'{gguf_arch}' are not read"):
             config_from_metadata({"general.architecture": gguf_arch}, "m.gguf")
 
@@ -462,3 +467,19 @@ def test_cpu_kernels_match_the_torch_steps():
                           backend.ssm_scan(q, k, v, g, ssm_states, meta), ssm_states])
     for theirs, ours in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_next_experts_where_transformers_puts_them():
+    """qwen3_next's experts in the layers transformers builds them in: every decoder_sparse_step-th layer but
+    those of mlp_only_layers (a dense MLP of intermediate_size there)."""
+    import transformers
+
+    from hearth.config import ModelConfig
+    from models import hf_config
+
+    theirs = hf_config("qwen3_next", num_hidden_layers=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    with torch.device("meta"):
+        layers = transformers.Qwen3NextForCausalLM(theirs).model.layers
+    ours = ModelConfig.from_hf(theirs.to_dict())
+    assert [ours.is_moe_layer(i) for i in range(8)] == [hasattr(layer.mlp, "experts") for layer in layers] \
+        == [False, True, False, False, False, True, False, True]

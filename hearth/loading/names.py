@@ -6,6 +6,9 @@ import re
 
 import torch
 
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+
 # GGUF per-layer suffix -> HF per-layer suffix
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -77,8 +80,10 @@ _HF_ALIASES = (
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.")  # (and qwen3_vl's)
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's multi-token-prediction layers, and
 # its vision tower where the config has no vision_config (hearth runs the text model, as transformers'
-# Qwen3_5ForCausalLM does); Nemotron-H's multi-token-prediction layers (as transformers' NemotronHForCausalLM)
-NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "nemotron_h": re.compile(r"^mtp\.")}
+# Qwen3_5ForCausalLM does); Qwen3-Next's and Nemotron-H's multi-token-prediction layers (as transformers'
+# Qwen3NextForCausalLM and NemotronHForCausalLM)
+NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "qwen3_next": re.compile(r"^mtp\."),
+              "nemotron_h": re.compile(r"^mtp\.")}
 NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -115,6 +120,8 @@ PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
 # architectures hearth runs from HF folders only (no GGUF either way), and why
 NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
                       "mapping yet",
+           "qwen3_next": "llama.cpp's qwen3next Gated DeltaNet tensors (ssm_in, ssm_conv1d, ssm_a, ssm_dt, ...) have "
+                         "no names in hearth's GGUF mapping yet",
            "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping",
            "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
@@ -161,10 +168,12 @@ _GRANITE_EXPERTS = re.compile(r"\.block_sparse_moe\.(input_linear|output_linear)
 _GRANITE_PROJECTIONS = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
 
 
-def checkpoint_tensors(architecture: str, has_experts: bool, name: str,
-                       tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor as hearth's modules take it: (name, tensor) pairs, one but for granitemoehybrid's
-    stacks of experts (one per expert)."""
+    stacks of experts (one per expert) and qwen3_next's fused projections (two each)."""
+    architecture, has_experts = config.architecture, config.num_experts > 0
+    if architecture == "qwen3_next" and (m := _QWEN3_NEXT_FUSED.search(name)):
+        return _qwen3_next_projections(config, name[:m.start()], m.group(1), tensor)
     if architecture == "granitemoehybrid":
         name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
         if m := _GRANITE_SHARED_MLP.search(name):
@@ -174,6 +183,28 @@ def checkpoint_tensors(architecture: str, has_experts: bool, name: str,
             projection = _GRANITE_PROJECTIONS[m.group(1)]
             return [(f"{name[:m.start()]}.mlp.experts.{e}.{projection}.weight", t) for e, t in enumerate(tensor.unbind())]
     return [(canonical_hf_name(name), tensor)]
+
+
+# qwen3_next's Gated DeltaNet projections, each fused and grouped by key head
+_QWEN3_NEXT_FUSED = re.compile(r"\.(in_proj_qkvz|in_proj_ba)\.weight$")
+
+
+def _qwen3_next_projections(config: ModelConfig, prefix: str, fused: str,
+                            tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """qwen3_next's in_proj_qkvz (per key head: its q, its k, then its run of value heads' v and z) and
+    in_proj_ba (per key head: its value heads' b, then a) as Qwen3.5's in_proj_qkv (every head's q, then
+    k, then v), in_proj_z, in_proj_b and in_proj_a, the rows transformers' fix_query_key_value_ordering
+    takes."""
+    groups, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    per_group = config.linear_num_value_heads // groups
+    sizes = [dk, dk, per_group * dv, per_group * dv] if fused == "in_proj_qkvz" else [per_group, per_group]
+    if tensor.dim() != 2 or tensor.shape[0] != groups * sum(sizes):
+        raise ModelLoadError(f"{prefix}.{fused}.weight: shape {tuple(tensor.shape)}, expected {groups * sum(sizes)} "
+                             "rows")
+    parts = [part.reshape(-1, tensor.shape[1]) for part in tensor.view(groups, sum(sizes), -1).split(sizes, dim=1)]
+    pieces = ({"in_proj_qkv": torch.cat(parts[:3]), "in_proj_z": parts[3]} if fused == "in_proj_qkvz"
+              else {"in_proj_b": parts[0], "in_proj_a": parts[1]})
+    return [(f"{prefix}.{piece}.weight", weight) for piece, weight in pieces.items()]
 
 
 # hearth's names -> a family's own checkpoint names, where transformers reads only those

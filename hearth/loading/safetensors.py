@@ -73,8 +73,7 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
                         if not_loaded is not None and not_loaded.match(name):
                             skipped += 1
                             continue
-                        weights.update(checkpoint_tensors(config.architecture, config.num_experts > 0, name,
-                                                          f.get_tensor(name)))
+                        weights.update(checkpoint_tensors(config, name, f.get_tensor(name)))
             except ModelLoadError:
                 raise
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files
