@@ -269,3 +269,70 @@ def test_generate_reads_image_files(tmp_path):
     assert kept["prompt"] == "x <image> y"
     with pytest.raises(HearthError, match="b.png"):
         _generate_prompt(argparse.Namespace(prompt="x", image=[str(tmp_path / "b.png")]))
+
+
+# llama.cpp's mmproj tensor names for an idefics3 projector (tools/mtmd/clip-impl.h's TN_* formats)
+def _llama_cpp_mmproj_names(layers: int) -> set[str]:
+    per_layer = [f"v.blk.{i}.{part}.{kind}" for i in range(layers) for part in
+                 ("attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down")
+                 for kind in ("weight", "bias")]
+    return {"v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.post_ln.weight",
+            "v.post_ln.bias", "mm.model.fc.weight", *per_layer}
+
+
+def test_mmproj_gguf_equals_transformers(vlm, tmp_path, capsys):
+    """`hearth convert --mmproj` of the SmolVLM folder (F32): a llama text GGUF and llama.cpp's mmproj
+    file (read back by gguf-py's own reader: clip, idefics3, clip-impl.h's tensor names); the text GGUF
+    with mmproj= gives transformers' fp32 logits within 1e-4 on a two-image prompt, and `hearth generate
+    --mmproj --image` its greedy tokens."""
+    import json
+
+    import gguf
+
+    from hearth import LLM
+    from hearth.cli import main
+
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(vlm[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    reader = gguf.GGUFReader(mmproj)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert (field("general.architecture"), field("general.type"), field("clip.projector_type")) == \
+        ("clip", "mmproj", "idefics3")
+    assert (field("clip.vision.projector.scale_factor"), field("clip.vision.preproc_image_size")) == (4, 1024)
+    assert {t.name for t in reader.tensors} == _llama_cpp_mmproj_names(2)
+    assert gguf.GGUFReader(text).fields["general.architecture"].contents() == "llama"
+
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    inputs, ref_logits, ref_tokens = _reference(vlm, TWO, images)
+    engine = LLM(str(text), mmproj=str(mmproj), progress=False).engine
+    ids, logits = _hearth_logits(engine, TWO, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    for name, image in zip("ab", images):
+        image.save(tmp_path / f"{name}.png")
+    capsys.readouterr()
+    assert main(["generate", str(text), "--mmproj", str(mmproj), "--image", str(tmp_path / "a.png"), "--image",
+                 str(tmp_path / "b.png"), "--prompt", TWO, "--max-tokens", "6", "--temperature", "0", "--json"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["token_ids"]  # (the CLI stops at an end of text)
+    assert tokens and tokens == ref_tokens[:len(tokens)]
+
+
+def test_bad_mmproj_files_are_refused(vlm, tmp_path):
+    """Another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without
+    the image tokens, a folder with its own vision tower: each a ModelLoadError that says so."""
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.loading.loader import load_model
+    from hearth.loading.mmproj import write_mmproj
+
+    text = convert_hf_to_gguf(vlm[0], tmp_path / "text.gguf", "f32", progress=False)
+    good = write_mmproj(vlm[0], tmp_path / "mmproj.gguf", "f16", progress=False).read_bytes()
+    (tmp_path / "internvl.gguf").write_bytes(good.replace(b"idefics3", b"internvl"))
+    (tmp_path / "no-fc.gguf").write_bytes(good.replace(b"mm.model.fc.weight", b"mm.model.xx.weight"))
+    cases = [(text, "internvl.gguf", "projector type 'internvl'"),
+             (text, "no-fc.gguf", "missing tensor mm.model.fc.weight"),
+             (text, text.name, "not an mmproj file"),
+             ("builtin", "mmproj.gguf", "no <image> token"),
+             (vlm[0], "mmproj.gguf", "has its own vision tower")]
+    for model, mmproj, message in cases:
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(model, progress=False, mmproj=tmp_path / mmproj)
