@@ -271,6 +271,34 @@ def test_generate_reads_image_files(tmp_path):
         _generate_prompt(argparse.Namespace(prompt="x", image=[str(tmp_path / "b.png")]))
 
 
+# transformers' convention for image parts, as SmolVLM's template renders them: TWO is this template's
+# rendering of [text "Compare ", image, text " with", image, text " please"]
+IMAGE_PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def two_images(vlm):
+    """Two images of odd sizes and transformers' processor ids, logits and greedy tokens for TWO with them."""
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    return images, *_reference(vlm, TWO, images)
+
+
+@pytest.fixture(scope="module")
+def gguf_vlm(vlm, tmp_path_factory):
+    """The SmolVLM folder through `hearth convert --mmproj` (F32), and an LLM of the two files (its chat
+    template renders image parts)."""
+    from hearth import LLM
+    from hearth.cli import main
+
+    folder = tmp_path_factory.mktemp("gguf-vlm")
+    text, mmproj = folder / "text.gguf", folder / "mmproj.gguf"
+    assert main(["convert", str(vlm[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    return text, mmproj, LLM(str(text), mmproj=str(mmproj), chat_template=IMAGE_PARTS_TEMPLATE, progress=False)
+
+
 # llama.cpp's mmproj tensor names for an idefics3 projector (tools/mtmd/clip-impl.h's TN_* formats)
 def _llama_cpp_mmproj_names(layers: int) -> set[str]:
     per_layer = [f"v.blk.{i}.{part}.{kind}" for i in range(layers) for part in
@@ -280,20 +308,17 @@ def _llama_cpp_mmproj_names(layers: int) -> set[str]:
             "v.post_ln.bias", "mm.model.fc.weight", *per_layer}
 
 
-def test_mmproj_gguf_equals_transformers(vlm, tmp_path, capsys):
-    """`hearth convert --mmproj` of the SmolVLM folder (F32): a llama text GGUF and llama.cpp's mmproj
-    file (read back by gguf-py's own reader: clip, idefics3, clip-impl.h's tensor names); the text GGUF
-    with mmproj= gives transformers' fp32 logits within 1e-4 on a two-image prompt, and `hearth generate
-    --mmproj --image` its greedy tokens."""
+def test_mmproj_gguf_equals_transformers(vlm, gguf_vlm, two_images, tmp_path, capsys):
+    """`hearth convert --mmproj` writes a llama text GGUF and llama.cpp's mmproj file (read back by gguf-py's
+    own reader: clip, idefics3, clip-impl.h's tensor names); the text GGUF with mmproj= gives transformers'
+    fp32 logits within 1e-4 on a two-image prompt, and `hearth generate --mmproj --image` its greedy tokens."""
     import json
 
     import gguf
 
-    from hearth import LLM
     from hearth.cli import main
 
-    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
-    assert main(["convert", str(vlm[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    text, mmproj, llm = gguf_vlm
     reader = gguf.GGUFReader(mmproj)
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     assert (field("general.architecture"), field("general.type"), field("clip.projector_type")) == \
@@ -302,10 +327,8 @@ def test_mmproj_gguf_equals_transformers(vlm, tmp_path, capsys):
     assert {t.name for t in reader.tensors} == _llama_cpp_mmproj_names(2)
     assert gguf.GGUFReader(text).fields["general.architecture"].contents() == "llama"
 
-    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
-    inputs, ref_logits, ref_tokens = _reference(vlm, TWO, images)
-    engine = LLM(str(text), mmproj=str(mmproj), progress=False).engine
-    ids, logits = _hearth_logits(engine, TWO, images)
+    images, inputs, ref_logits, ref_tokens = two_images
+    ids, logits = _hearth_logits(llm.engine, TWO, images)
     assert ids == inputs["input_ids"][0].tolist()
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     for name, image in zip("ab", images):
@@ -317,22 +340,91 @@ def test_mmproj_gguf_equals_transformers(vlm, tmp_path, capsys):
     assert tokens and tokens == ref_tokens[:len(tokens)]
 
 
-def test_bad_mmproj_files_are_refused(vlm, tmp_path):
+def test_bad_mmproj_files_are_refused(vlm, gguf_vlm, tmp_path):
     """Another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without
     the image tokens, a folder with its own vision tower: each a ModelLoadError that says so."""
-    from hearth.loading.convert import convert_hf_to_gguf
     from hearth.loading.loader import load_model
-    from hearth.loading.mmproj import write_mmproj
 
-    text = convert_hf_to_gguf(vlm[0], tmp_path / "text.gguf", "f32", progress=False)
-    good = write_mmproj(vlm[0], tmp_path / "mmproj.gguf", "f16", progress=False).read_bytes()
+    text, mmproj, _ = gguf_vlm
+    good = mmproj.read_bytes()
     (tmp_path / "internvl.gguf").write_bytes(good.replace(b"idefics3", b"internvl"))
     (tmp_path / "no-fc.gguf").write_bytes(good.replace(b"mm.model.fc.weight", b"mm.model.xx.weight"))
-    cases = [(text, "internvl.gguf", "projector type 'internvl'"),
-             (text, "no-fc.gguf", "missing tensor mm.model.fc.weight"),
-             (text, text.name, "not an mmproj file"),
-             ("builtin", "mmproj.gguf", "no <image> token"),
-             (vlm[0], "mmproj.gguf", "has its own vision tower")]
-    for model, mmproj, message in cases:
+    cases = [(text, tmp_path / "internvl.gguf", "projector type 'internvl'"),
+             (text, tmp_path / "no-fc.gguf", "missing tensor mm.model.fc.weight"),
+             (text, text, "not an mmproj file"),
+             ("builtin", mmproj, "no <image> token"),
+             (vlm[0], mmproj, "has its own vision tower")]
+    for model, file, message in cases:
         with pytest.raises(ModelLoadError, match=message):
-            load_model(model, progress=False, mmproj=tmp_path / mmproj)
+            load_model(model, progress=False, mmproj=file)
+
+
+def test_chat_with_image_parts(gguf_vlm, two_images, tmp_path):
+    """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
+    the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
+    tokens; a part of another kind and a remote URL are refused."""
+    import base64
+    import io
+
+    images, inputs, _, ref_tokens = two_images
+    llm = gguf_vlm[2]
+    png = io.BytesIO()
+    images[0].save(png, "PNG")
+    images[1].save(tmp_path / "b.png")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    for second in ({"type": "image_pil", "image_pil": images[1]}, {"type": "image", "image": str(tmp_path / "b.png")}):
+        content = [{"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": url}},
+                   {"type": "text", "text": " with"}, second, {"type": "text", "text": " please"}]
+        out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == ref_tokens
+    for part, message in (({"type": "input_audio", "input_audio": {}}, "text or an image"),
+                          ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "fetches nothing"),
+                          ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
+        with pytest.raises(RequestError, match=message):
+            llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
+
+
+def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
+    """Served (`hearth serve MODEL --mmproj`'s engine), a conversation with two images counts the tokens its
+    processor makes of them: usage.prompt_tokens (OpenAI's SDK) and /v1/messages/count_tokens (Anthropic's)
+    equal the processor's input ids, and the reply is transformers' greedy tokens."""
+    import base64
+    import io
+
+    import anthropic
+    import openai
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.app import build_app
+    from test_server import serving
+
+    images, inputs, _, ref_tokens = two_images
+    expected = len(inputs["input_ids"][0])
+    data = []
+    for image in images:
+        png = io.BytesIO()
+        image.save(png, "PNG")
+        data.append(base64.b64encode(png.getvalue()).decode())
+    engine = AsyncEngine(gguf_vlm[2].engine)
+    try:
+        with serving(build_app(engine, "smolvlm")) as url:
+            chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+                model="smolvlm", max_tokens=len(ref_tokens), temperature=0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[0]}"}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[1]}"}},
+                    {"type": "text", "text": " please"}]}])
+            counted = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.count_tokens(
+                model="smolvlm", messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data[0]}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data[1]}},
+                    {"type": "text", "text": " please"}]}])
+    finally:
+        engine.shutdown()
+    assert chat.usage.prompt_tokens == counted.input_tokens == expected
+    assert chat.choices[0].message.content == gguf_vlm[2].get_tokenizer().decode(ref_tokens)
