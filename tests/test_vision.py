@@ -340,12 +340,23 @@ def test_mmproj_gguf_equals_transformers(vlm, gguf_vlm, two_images, tmp_path, ca
     assert tokens and tokens == ref_tokens[:len(tokens)]
 
 
-def test_bad_mmproj_files_are_refused(vlm, gguf_vlm, tmp_path):
-    """Another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without
-    the image tokens, a folder with its own vision tower: each a ModelLoadError that says so."""
+def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
+    """A Q8_0 mmproj file loads with gguf-py's dequantized values. Refused with a message that says so:
+    another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without the
+    image tokens, a folder with its own vision tower, one mmproj for several served models."""
+    import gguf
+
+    from hearth.cli import main
     from hearth.loading.loader import load_model
+    from hearth.loading.mmproj import write_mmproj
 
     text, mmproj, _ = gguf_vlm
+    q8 = write_mmproj(vlm[0], tmp_path / "q8.gguf", "q8_0", progress=False)
+    fc = next(t for t in gguf.GGUFReader(q8).tensors if t.name == "mm.model.fc.weight")
+    assert fc.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    tower = load_model(text, progress=False, mmproj=q8).model.vision
+    torch.testing.assert_close(tower.connector.modality_projection.proj.weight,
+                               torch.from_numpy(gguf.quants.dequantize(fc.data, fc.tensor_type)), atol=0, rtol=0)
     good = mmproj.read_bytes()
     (tmp_path / "internvl.gguf").write_bytes(good.replace(b"idefics3", b"internvl"))
     (tmp_path / "no-fc.gguf").write_bytes(good.replace(b"mm.model.fc.weight", b"mm.model.xx.weight"))
@@ -357,6 +368,9 @@ def test_bad_mmproj_files_are_refused(vlm, gguf_vlm, tmp_path):
     for model, file, message in cases:
         with pytest.raises(ModelLoadError, match=message):
             load_model(model, progress=False, mmproj=file)
+    capsys.readouterr()
+    assert main(["serve", "--model", f"a={text}", "--model", f"b={text}", "--mmproj", str(mmproj)]) == 1
+    assert "not for several models" in capsys.readouterr().err
 
 
 def test_chat_with_image_parts(gguf_vlm, two_images, tmp_path):

@@ -243,6 +243,8 @@ def models_from_args(args: argparse.Namespace, limits, **keywords) -> ModelRegis
     from hearth.engine_config import LoRAConfig
 
     paths = model_paths(args.models, args.model_dir)
+    if getattr(args, "mmproj", None) is not None and len(paths) > 1:
+        raise HearthError("--mmproj is one text model's vision projector: not for several models at once")
     try:
         adapters = dict(LoRAConfig(lora_modules=tuple(args.lora_modules or ())).named_paths())
         return ModelRegistry(paths, model_builder(args, limits), args.max_loaded_models, args.sleep_idle_seconds,
