@@ -111,15 +111,23 @@ CHAT_COMMANDS = """commands (not sent to the model):
   /help          this list
   /reset         forget the conversation (the system message stays)
   /system TEXT   the system message from now on (/system alone: none)
+  /image FILE    an image for your next message (an image-text model's; --mmproj for a GGUF)
   /exit          leave (as does end of input)"""
 
 
-def _chat_command(line: str, history: list[dict]) -> bool:
-    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr."""
+def _chat_command(line: str, history: list[dict], images: list) -> bool:
+    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr. /image's
+    images wait in `images` for the next message."""
     name, _, text = line.partition(" ")
     if name in ("/exit", "/quit"):
         return False
-    if name == "/help":
+    if name == "/image":
+        try:
+            images += _read_images([text.strip()])
+            print(f"(image {len(images)} attached to your next message)", file=sys.stderr)
+        except HearthError as e:
+            print(e, file=sys.stderr)
+    elif name == "/help":
         print(CHAT_COMMANDS, file=sys.stderr)
     elif name == "/reset":
         del history[1 if history and history[0]["role"] == "system" else 0:]
@@ -138,7 +146,7 @@ def _chat_command(line: str, history: list[dict]) -> bool:
 def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
     """Generate the next reply (streamed to the terminal, or one JSON line); the answer to keep in the
     history (with a reasoning parser: without the thinking)."""
-    prompt = llm.render_chat(history)
+    prompt = llm.chat_prompt(history)  # token ids, or with images the text and its images
     reasoning = llm.engine.reasoning
     if as_json:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -149,7 +157,8 @@ def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
         sys.stdout.write("\n")
     thinking, content = None, text
     if reasoning is not None:
-        opened = reasoning.opened_by(llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
+        opened = reasoning.opened_by(prompt["prompt"] if isinstance(prompt, dict) else
+                                     llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
         thinking, content = reasoning.split(text, opened)
     if as_json:
         record = {"role": "assistant", "content": content, "finish_reason": completion.finish_reason,
@@ -163,6 +172,7 @@ def cmd_chat(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
     llm = build_llm(args)
     history: list[dict] = []
+    images: list = []  # /image's, for the next message
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
@@ -177,12 +187,14 @@ def cmd_chat(args) -> None:
             break
         line = line.rstrip("\n")
         if line.startswith("/"):
-            if not _chat_command(line.strip(), history):
+            if not _chat_command(line.strip(), history, images):
                 break
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
+        parts = [{"type": "image_pil", "image_pil": image} for image in images] + [{"type": "text", "text": line}]
+        history.append({"role": "user", "content": parts if images else line})
+        images.clear()
         history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})
 
 

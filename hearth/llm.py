@@ -113,12 +113,13 @@ class LLM:
         for an image-text model, as vLLM's LLM.chat takes them (hearth/chat_images.py: `image_url` parts
         with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _chat_prompt(self, conversation: Conversation, add_generation_prompt: bool,
-                     chat_template_kwargs: dict[str, Any] | None) -> Prompt:
-        """A conversation's prompt: its token ids, or with images the text with their markers and the images."""
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+        """A conversation's prompt for generate: its token ids through the chat template, or with images
+        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images."""
         messages, images = conversation_images(conversation)
         if not images:
             return self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)

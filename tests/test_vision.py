@@ -4,6 +4,8 @@ the encoder and prefix caches; chunks through an image; the encoder budget; bad 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,13 @@ def _reference(vlm, text: str, images: list):
     return inputs, logits, out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+@pytest.fixture(scope="module")
+def two_images(vlm):
+    """Two images of odd sizes and transformers' processor ids, logits and greedy tokens for TWO with them."""
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    return images, *_reference(vlm, TWO, images)
+
+
 def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
     """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
     vision = engine.model_config.vision
@@ -88,11 +97,13 @@ def test_pixels_and_token_ids_are_the_processors(vlm):
 
 
 @pytest.mark.parametrize("text, which", [(PROMPT, (0,)), (TWO, (0, 1))], ids=["one-image", "two-images"])
-def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which):
+def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which, request):
     """fp32 logits of every position within 1e-4, whole and in two chunks that cut through the first
     image's tokens; greedy tokens through LLM.generate with vLLM's prompt dict."""
     images = [_image(*IMAGES[i]) for i in which]
-    inputs, ref_logits, ref_tokens = _reference(vlm, text, images)
+    # (TWO's reference is the two_images fixture's, computed once for the tests that share it)
+    inputs, ref_logits, ref_tokens = request.getfixturevalue("two_images")[1:] if text == TWO else \
+        _reference(vlm, text, images)
     engine = vlm[3].engine
     ids, logits = _hearth_logits(engine, text, images)
     assert ids == inputs["input_ids"][0].tolist()
@@ -280,13 +291,6 @@ IMAGE_PARTS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def two_images(vlm):
-    """Two images of odd sizes and transformers' processor ids, logits and greedy tokens for TWO with them."""
-    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
-    return images, *_reference(vlm, TWO, images)
-
-
-@pytest.fixture(scope="module")
 def gguf_vlm(vlm, tmp_path_factory):
     """The SmolVLM folder through `hearth convert --mmproj` (F32), and an LLM of the two files (its chat
     template renders image parts)."""
@@ -373,12 +377,16 @@ def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
     assert "not for several models" in capsys.readouterr().err
 
 
-def test_chat_with_image_parts(gguf_vlm, two_images, tmp_path):
+def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
     """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
     the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
-    tokens; a part of another kind and a remote URL are refused."""
+    tokens; a part of another kind and a remote URL are refused. `hearth chat --mmproj` with /image: the
+    processor's count of prompt tokens, and LLM.chat's reply."""
     import base64
     import io
+    import json
+
+    from hearth.cli import main
 
     images, inputs, _, ref_tokens = two_images
     llm = gguf_vlm[2]
@@ -397,6 +405,19 @@ def test_chat_with_image_parts(gguf_vlm, two_images, tmp_path):
                           ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
         with pytest.raises(RequestError, match=message):
             llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
+
+    images[0].save(tmp_path / "a.png")
+    (tmp_path / "parts.jinja").write_text(IMAGE_PARTS_TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"/image {tmp_path / 'a.png'}\n/image {tmp_path / 'b.png'}\nCompare\n"))
+    capsys.readouterr()
+    assert main(["chat", str(gguf_vlm[0]), "--mmproj", str(gguf_vlm[1]), "--chat-template", str(tmp_path / "parts.jinja"),
+                 "--temperature", "0", "--max-tokens", "4", "--json"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    rendered = "<|im_start|>user\n<image><image>Compare<|im_end|>\n<|im_start|>assistant\n"
+    assert reply["prompt_tokens"] == len(vlm[1](text=[rendered], images=[images])["input_ids"][0])
+    history = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},
+                                            {"type": "image_pil", "image_pil": images[1]}, {"type": "text", "text": "Compare"}]}]
+    assert reply["content"] == llm.chat(history, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
 def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
