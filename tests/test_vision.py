@@ -347,7 +347,8 @@ def test_mmproj_gguf_equals_transformers(vlm, gguf_vlm, two_images, tmp_path, ca
 def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
     """A Q8_0 mmproj file loads with gguf-py's dequantized values. Refused with a message that says so:
     another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without the
-    image tokens, a folder with its own vision tower, one mmproj for several served models."""
+    image tokens, a folder with its own vision tower, one mmproj for several served models, `hearth
+    quantize` of an image-text folder."""
     import gguf
 
     from hearth.cli import main
@@ -375,6 +376,8 @@ def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
     capsys.readouterr()
     assert main(["serve", "--model", f"a={text}", "--model", f"b={text}", "--mmproj", str(mmproj)]) == 1
     assert "not for several models" in capsys.readouterr().err
+    assert main(["quantize", str(vlm[0]), str(tmp_path / "q.gguf"), "--type", "q8_0"]) == 1
+    assert "`hearth convert` it first" in capsys.readouterr().err
 
 
 def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
