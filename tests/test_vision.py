@@ -425,12 +425,13 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
 
 def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
     """Served (`hearth serve MODEL --mmproj`'s engine), a conversation with two images counts the tokens its
-    processor makes of them: usage.prompt_tokens (OpenAI's SDK) and /v1/messages/count_tokens (Anthropic's)
-    equal the processor's input ids, and the reply is transformers' greedy tokens."""
+    processor makes of them: usage.prompt_tokens (OpenAI's SDK), /v1/messages/count_tokens (Anthropic's) and
+    /tokenize equal the processor's input ids, and the reply is transformers' greedy tokens."""
     import base64
     import io
 
     import anthropic
+    import httpx
     import openai
 
     from hearth.engine.async_engine import AsyncEngine
@@ -455,6 +456,13 @@ def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
                     {"type": "text", "text": " with"},
                     {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[1]}"}},
                     {"type": "text", "text": " please"}]}])
+            tokenized = httpx.post(url + "/tokenize", json={"model": "smolvlm", "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[0]}"}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[1]}"}},
+                    {"type": "text", "text": " please"}]}]}, timeout=60).json()
             counted = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.count_tokens(
                 model="smolvlm", messages=[{"role": "user", "content": [
                     {"type": "text", "text": "Compare "},
@@ -465,4 +473,5 @@ def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
     finally:
         engine.shutdown()
     assert chat.usage.prompt_tokens == counted.input_tokens == expected
+    assert tokenized["tokens"] == inputs["input_ids"][0].tolist()
     assert chat.choices[0].message.content == gguf_vlm[2].get_tokenizer().decode(ref_tokens)
