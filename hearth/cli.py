@@ -517,8 +517,8 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("out")
     p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"],
                    help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
-    p.add_argument("--mmproj", metavar="OUT", help="an image-text model's vision tower, written as llama.cpp's mmproj "
-                                                   "file (OUT holds the text model)")
+    p.add_argument("--mmproj", metavar="FILE", help="an image-text model: its vision tower written to FILE as "
+                                                    "llama.cpp's mmproj GGUF (OUT gets its text model)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("quantize", help="quantize an HF folder or an F32/F16/BF16 GGUF as llama-quantize does")
