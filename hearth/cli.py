@@ -60,21 +60,6 @@ def _stream(llm, prompt, params) -> str:
     return shown if output is None else output.outputs[0].text
 
 
-def _read_images(paths: list[str]) -> list:
-    """--image's files as PIL images (HearthError for one that cannot be read as an image)."""
-    from PIL import Image
-
-    images = []
-    for path in paths:
-        try:
-            image = Image.open(path)
-            image.load()
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise HearthError(f"{path}: not an image hearth can read ({e})") from None
-        images.append(image)
-    return images
-
-
 def _generate_prompt(text: str, images: list | None, processor=None):
     """--prompt, or with --image the prompt dict with its images (the model's image part, as its chat
     template writes one, put before the text once per image when the text names none; processor: the
@@ -89,7 +74,9 @@ def _generate_prompt(text: str, images: list | None, processor=None):
 
 def cmd_generate(args) -> None:
     params = _sampling(args)  # a bad option or image fails before the model loads
-    images = _read_images(args.image) if args.image else None
+    from hearth.images import read_image_file
+
+    images = [read_image_file(Path(p), "--image") for p in args.image] if args.image else None
     llm = build_llm(args)
     prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None))
     if args.json:
@@ -114,15 +101,25 @@ CHAT_COMMANDS = """commands (not sent to the model):
   /help          this list
   /reset         forget the conversation (the system message stays)
   /system TEXT   the system message from now on (/system alone: none)
+  /image FILE    an image for your next message (an image-text model's; --mmproj for a GGUF)
   /exit          leave (as does end of input)"""
 
 
-def _chat_command(line: str, history: list[dict]) -> bool:
-    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr."""
+def _chat_command(line: str, history: list[dict], images: list) -> bool:
+    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr. /image's
+    images wait in `images` for the next message."""
     name, _, text = line.partition(" ")
     if name in ("/exit", "/quit"):
         return False
-    if name == "/help":
+    if name == "/image":
+        try:
+            from hearth.images import read_image_file
+
+            images.append(read_image_file(Path(text.strip()), "/image"))
+            print(f"(image {len(images)} attached to your next message)", file=sys.stderr)
+        except HearthError as e:
+            print(e, file=sys.stderr)
+    elif name == "/help":
         print(CHAT_COMMANDS, file=sys.stderr)
     elif name == "/reset":
         del history[1 if history and history[0]["role"] == "system" else 0:]
@@ -141,7 +138,7 @@ def _chat_command(line: str, history: list[dict]) -> bool:
 def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
     """Generate the next reply (streamed to the terminal, or one JSON line); the answer to keep in the
     history (with a reasoning parser: without the thinking)."""
-    prompt = llm.render_chat(history)
+    prompt = llm.chat_prompt(history)  # token ids, or with images the text and its images
     reasoning = llm.engine.reasoning
     if as_json:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -152,7 +149,8 @@ def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
         sys.stdout.write("\n")
     thinking, content = None, text
     if reasoning is not None:
-        opened = reasoning.opened_by(llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
+        opened = reasoning.opened_by(prompt["prompt"] if isinstance(prompt, dict) else
+                                     llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
         thinking, content = reasoning.split(text, opened)
     if as_json:
         record = {"role": "assistant", "content": content, "finish_reason": completion.finish_reason,
@@ -166,6 +164,7 @@ def cmd_chat(args) -> None:
     params = _sampling(args)  # a bad option fails before the model loads
     llm = build_llm(args)
     history: list[dict] = []
+    images: list = []  # /image's, for the next message
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
@@ -180,12 +179,14 @@ def cmd_chat(args) -> None:
             break
         line = line.rstrip("\n")
         if line.startswith("/"):
-            if not _chat_command(line.strip(), history):
+            if not _chat_command(line.strip(), history, images):
                 break
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
+        parts = [{"type": "image_pil", "image_pil": image} for image in images] + [{"type": "text", "text": line}]
+        history.append({"role": "user", "content": parts if images else line})
+        images.clear()
         history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})
 
 
@@ -352,6 +353,10 @@ def cmd_convert(args) -> None:
 
     out = convert_hf_to_gguf(Path(args.hf_dir), Path(args.out), args.type)
     print(f"wrote {out}")
+    if args.mmproj is not None:
+        from hearth.loading.mmproj import write_mmproj
+
+        print(f"wrote {write_mmproj(Path(args.hf_dir), Path(args.mmproj), args.type)}")
 
 
 def cmd_quantize(args) -> None:
@@ -507,6 +512,8 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("out")
     p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0"],
                    help="tq1_0 / tq2_0: ternary, for models trained with weights in {-1, 0, 1}")
+    p.add_argument("--mmproj", metavar="FILE", help="an image-text model: its vision tower written to FILE as "
+                                                    "llama.cpp's mmproj GGUF (OUT gets its text model)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("quantize", help="quantize an HF folder or an F32/F16/BF16 GGUF as llama-quantize does")

@@ -303,6 +303,9 @@ class EngineConfig:
     chat_template: str | None = option(
         None, metavar="FILE", help="the chat template to use instead of the model's: a Jinja file, or the template "
                                    "itself")
+    mmproj: str | None = option(
+        None, metavar="FILE", help="llama.cpp's mmproj GGUF: the vision projector of a GGUF text model (SmolVLM / "
+                                   "Idefics3), as llama-server's --mmproj")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     cascade: CascadeConfig = section(CascadeConfig, "cascade")
@@ -331,6 +334,7 @@ class EngineConfig:
               "speculative_method early-exit runs the model's first layers in one process: not with tensor or "
               "pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
+        self.mmproj = None if self.mmproj is None else str(self.mmproj)
         _need(not self.sparsity.activation_sparsity or not (self.parallel.split or self.lora.enable_lora),
               "activation_sparsity with tensor or pipeline parallelism or LoRA adapters is not implemented")
         _need(self.cascade.models is None or not self.lora.enable_lora,

@@ -80,12 +80,18 @@ class ImageProcessor:
                        bool(config.get("do_image_splitting", True)), int(config.get("resample", _LANCZOS)))
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelLoadError(f"{folder}: malformed image processor settings: {e}") from None
-        if seq_len != vision.tokens_per_tile or tile % vision.patch_size or not 0 < tile <= longest \
-                or len(made.mean) != 3 or len(made.std) != 3:
-            raise ModelLoadError(f"{folder}: image processor settings (tiles of {tile}, image_seq_len {seq_len}, "
-                                 f"longest edge {longest}) do not fit the vision encoder (patches of "
-                                 f"{vision.patch_size}, {vision.tokens_per_tile} tokens a tile)")
-        return made
+        return made.checked(folder)
+
+    def checked(self, where: object) -> ImageProcessor:
+        """Itself, or ModelLoadError (naming `where`) where its settings do not fit its vision encoder."""
+        vision, tile, longest = self.vision, self.tile, self.longest_edge
+        if self.image_seq_len != vision.tokens_per_tile or tile % vision.patch_size or not 0 < tile <= longest \
+                or self.mean.shape != (3,) or self.std.shape != (3,) or not np.all(self.std > 0):
+            raise ModelLoadError(f"{where}: image processor settings (tiles of {tile}, image_seq_len "
+                                 f"{self.image_seq_len}, longest edge {longest}, mean {self.mean.tolist()}, std "
+                                 f"{self.std.tolist()}) do not fit the vision encoder (patches of {vision.patch_size}, "
+                                 f"{vision.tokens_per_tile} tokens a tile)")
+        return self
 
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its tiles' pixel values and layout; RequestError for anything else."""

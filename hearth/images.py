@@ -4,18 +4,24 @@ An image is read only where its format is one of FORMATS, its size (from the hea
 pixel is decoded) within `max_pixels`, and its file whole: `verify()` checks what the format can
 check without decoding (a PNG's chunk CRCs), then `load()` decodes every pixel, so a truncated file
 fails here and not later in a vision encoder. Pillow's decompression-bomb guard stays on behind the
-pixel limit. The server (hearth/server/images.py) and the CLI read images through `decode_image`.
+pixel limit. The server (hearth/server/images.py), LLM.chat (hearth/chat_images.py) and the CLI read
+images through `decode_image`; a data URL's bytes come out of it through `data_url_bytes`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import re
+from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
 from hearth.errors import RequestError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what clients send; Pillow reads many more (TIFF, PSD, ICO...)
+_DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),", re.IGNORECASE)
 
 
 class ImageError(RequestError):
@@ -57,3 +63,33 @@ def _open(data: bytes, what: str) -> Image.Image:
     if image.format not in FORMATS:
         raise ImageError(f"{what} is {image.format}, a format this server does not take ({', '.join(FORMATS)})")
     return image
+
+
+def data_url_bytes(url: str, max_bytes: int, what: str) -> bytes:
+    """The bytes a `data:image/...;base64,` URL holds; ImageError for another shape or past max_bytes
+    (judged from the text's length, before decoding)."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError(f"{what}: a data URL is data:image/TYPE;base64,DATA (got {url[:40]!r}...)")
+    media_type, params = match.group(1).lower(), match.group(2).lower().split(";")
+    if not media_type.startswith("image/"):
+        raise ImageError(f"{what}: the data URL's media type is {media_type or 'missing'!r}, not an image's")
+    if "base64" not in params:
+        raise ImageError(f"{what}: the data URL is not base64 (data:{media_type};base64,...)")
+    payload = url[match.end():]
+    if len(payload) // 4 * 3 > max_bytes:
+        raise ImageError(f"{what} is about {len(payload) // 4 * 3:,} bytes; this server's limit is {max_bytes:,} "
+                         "(--max-image-size)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"{what}: the data URL's base64 is broken: {e}") from None
+
+
+def read_image_file(path: Path, what: str) -> Image.Image:
+    """An image file, read and decoded as decode_image does (no pixel limit but Pillow's bomb guard)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"{what}: cannot read {path}: {e.strerror}") from None
+    return decode_image(data, Image.MAX_IMAGE_PIXELS, f"{what} ({path})")

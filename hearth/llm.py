@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hearth.chat_images import conversation_images
 from hearth.engine_config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.cascade import CascadeEngine
@@ -111,10 +112,23 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (and the
-        LoRA adapter of lora_request: see generate)."""
+        LoRA adapter of lora_request: see generate). A message's content may hold images among its parts
+        for an image-text model, as vLLM's LLM.chat takes them (hearth/chat_images.py: `image_url` parts
+        with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+        """A conversation's prompt for generate: its token ids through the chat template, or with images
+        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images."""
+        messages, images = conversation_images(conversation)
+        if not images:
+            return self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.chat_text(messages, add_generation_prompt, **(chat_template_kwargs or {}))
+        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}}
 
     def render_chat(
         self,

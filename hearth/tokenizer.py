@@ -310,6 +310,12 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def chat_prompt_text(self, text: str) -> str:
+        """A rendered conversation as encode() takes it (a text prompt with images is encoded so): the BOS
+        the template wrote left out where encode adds one, so that it comes once."""
+        bos = self._template_tokens.get("bos_token")
+        return text[len(bos):] if self.add_bos and bos and text.startswith(bos) else text
+
     def encode_chat(
         self,
         messages: list[dict],

@@ -4,6 +4,8 @@ the encoder and prefix caches; chunks through an image; the encoder budget; bad 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,13 @@ def _reference(vlm, text: str, images: list):
     return inputs, logits, out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+@pytest.fixture(scope="module")
+def two_images(vlm):
+    """Two images of odd sizes and transformers' processor ids, logits and greedy tokens for TWO with them."""
+    images = [_image(*IMAGES[0]), _image(*IMAGES[1])]
+    return images, *_reference(vlm, TWO, images)
+
+
 def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
     """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
     vision = engine.model_config.vision
@@ -90,11 +99,13 @@ def test_pixels_and_token_ids_are_the_processors(vlm):
 
 
 @pytest.mark.parametrize("text, which", [(PROMPT, (0,)), (TWO, (0, 1))], ids=["one-image", "two-images"])
-def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which):
+def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which, request):
     """fp32 logits of every position within 1e-4, whole and in two chunks that cut through the first
     image's tokens; greedy tokens through LLM.generate with vLLM's prompt dict."""
     images = [_image(*IMAGES[i]) for i in which]
-    inputs, ref_logits, ref_tokens = _reference(vlm, text, images)
+    # (TWO's reference is the two_images fixture's, computed once for the tests that share it)
+    inputs, ref_logits, ref_tokens = request.getfixturevalue("two_images")[1:] if text == TWO else \
+        _reference(vlm, text, images)
     engine = vlm[3].engine
     ids, logits = _hearth_logits(engine, text, images)
     assert ids == inputs["input_ids"][0].tolist()
@@ -258,17 +269,213 @@ def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
 def test_generate_reads_image_files(tmp_path):
     """hearth generate --image: files read as PIL images (markers put first when the prompt has none);
     a file that is no image is a HearthError naming it."""
-    from hearth.cli import _generate_prompt, _read_images
+    from hearth.cli import _generate_prompt
+    from hearth.images import read_image_file
     from hearth.errors import HearthError
     from hearth.image_processor_qwen import QwenImageProcessor
 
     _image(0, 30, 40).save(tmp_path / "a.png")
     (tmp_path / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    images = _read_images([str(tmp_path / "a.png")] * 2)
+    images = [read_image_file(tmp_path / "a.png", "--image")] * 2
     prompt = _generate_prompt("Compare.", images)
     assert prompt["prompt"] == "<image><image>Compare." and prompt["multi_modal_data"]["image"][1].size == (40, 30)
     assert _generate_prompt("x <image> y", images[:1])["prompt"] == "x <image> y"
     qwen = _generate_prompt("Compare.", images[:1], QwenImageProcessor.__new__(QwenImageProcessor))
     assert qwen["prompt"] == "<|vision_start|><|image_pad|><|vision_end|>Compare."  # (Qwen3-VL's template's)
     with pytest.raises(HearthError, match="b.png"):
-        _read_images([str(tmp_path / "b.png")])
+        read_image_file(tmp_path / "b.png", "--image")
+
+
+# transformers' convention for image parts, as SmolVLM's template renders them: TWO is this template's
+# rendering of [text "Compare ", image, text " with", image, text " please"]
+IMAGE_PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def gguf_vlm(vlm, tmp_path_factory):
+    """The SmolVLM folder through `hearth convert --mmproj` (F32), and an LLM of the two files (its chat
+    template renders image parts)."""
+    from hearth import LLM
+    from hearth.cli import main
+
+    folder = tmp_path_factory.mktemp("gguf-vlm")
+    text, mmproj = folder / "text.gguf", folder / "mmproj.gguf"
+    assert main(["convert", str(vlm[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    return text, mmproj, LLM(str(text), mmproj=str(mmproj), chat_template=IMAGE_PARTS_TEMPLATE, progress=False)
+
+
+# llama.cpp's mmproj tensor names for an idefics3 projector (tools/mtmd/clip-impl.h's TN_* formats)
+def _llama_cpp_mmproj_names(layers: int) -> set[str]:
+    per_layer = [f"v.blk.{i}.{part}.{kind}" for i in range(layers) for part in
+                 ("attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down")
+                 for kind in ("weight", "bias")]
+    return {"v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.post_ln.weight",
+            "v.post_ln.bias", "mm.model.fc.weight", *per_layer}
+
+
+def test_mmproj_gguf_equals_transformers(vlm, gguf_vlm, two_images, tmp_path, capsys):
+    """`hearth convert --mmproj` writes a llama text GGUF and llama.cpp's mmproj file (read back by gguf-py's
+    own reader: clip, idefics3, clip-impl.h's tensor names); the text GGUF with mmproj= gives transformers'
+    fp32 logits within 1e-4 on a two-image prompt, and `hearth generate --mmproj --image` its greedy tokens."""
+    import json
+
+    import gguf
+
+    from hearth.cli import main
+
+    text, mmproj, llm = gguf_vlm
+    reader = gguf.GGUFReader(mmproj)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert (field("general.architecture"), field("general.type"), field("clip.projector_type")) == \
+        ("clip", "mmproj", "idefics3")
+    assert (field("clip.vision.projector.scale_factor"), field("clip.vision.preproc_image_size")) == (4, 1024)
+    assert {t.name for t in reader.tensors} == _llama_cpp_mmproj_names(2)
+    assert gguf.GGUFReader(text).fields["general.architecture"].contents() == "llama"
+
+    images, inputs, ref_logits, ref_tokens = two_images
+    ids, logits = _hearth_logits(llm.engine, TWO, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    for name, image in zip("ab", images):
+        image.save(tmp_path / f"{name}.png")
+    capsys.readouterr()
+    assert main(["generate", str(text), "--mmproj", str(mmproj), "--image", str(tmp_path / "a.png"), "--image",
+                 str(tmp_path / "b.png"), "--prompt", TWO, "--max-tokens", "6", "--temperature", "0", "--json"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["token_ids"]  # (the CLI stops at an end of text)
+    assert tokens and tokens == ref_tokens[:len(tokens)]
+
+
+def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
+    """A Q8_0 mmproj file loads with gguf-py's dequantized values. Refused with a message that says so:
+    another projector type, a missing tensor, a text model's GGUF as the mmproj, a text model without the
+    image tokens, a folder with its own vision tower, one mmproj for several served models, `hearth
+    quantize` of an image-text folder."""
+    import gguf
+
+    from hearth.cli import main
+    from hearth.loading.loader import load_model
+    from hearth.loading.mmproj import write_mmproj
+
+    text, mmproj, _ = gguf_vlm
+    q8 = write_mmproj(vlm[0], tmp_path / "q8.gguf", "q8_0", progress=False)
+    fc = next(t for t in gguf.GGUFReader(q8).tensors if t.name == "mm.model.fc.weight")
+    assert fc.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    tower = load_model(text, progress=False, mmproj=q8).model.vision
+    torch.testing.assert_close(tower.connector.modality_projection.proj.weight,
+                               torch.from_numpy(gguf.quants.dequantize(fc.data, fc.tensor_type)), atol=0, rtol=0)
+    good = mmproj.read_bytes()
+    (tmp_path / "internvl.gguf").write_bytes(good.replace(b"idefics3", b"internvl"))
+    (tmp_path / "no-fc.gguf").write_bytes(good.replace(b"mm.model.fc.weight", b"mm.model.xx.weight"))
+    cases = [(text, tmp_path / "internvl.gguf", "projector type 'internvl'"),
+             (text, tmp_path / "no-fc.gguf", "missing tensor mm.model.fc.weight"),
+             (text, text, "not an mmproj file"),
+             ("builtin", mmproj, "no <image> token"),
+             (vlm[0], mmproj, "has its own vision tower")]
+    for model, file, message in cases:
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(model, progress=False, mmproj=file)
+    capsys.readouterr()
+    assert main(["serve", "--model", f"a={text}", "--model", f"b={text}", "--mmproj", str(mmproj)]) == 1
+    assert "not for several models" in capsys.readouterr().err
+    assert main(["quantize", str(vlm[0]), str(tmp_path / "q.gguf"), "--type", "q8_0"]) == 1
+    assert "`hearth convert` it first" in capsys.readouterr().err
+
+
+def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
+    """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
+    the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
+    tokens; a part of another kind and a remote URL are refused. `hearth chat --mmproj` with /image: the
+    processor's count of prompt tokens, and LLM.chat's reply."""
+    import base64
+    import io
+    import json
+
+    from hearth.cli import main
+
+    images, inputs, _, ref_tokens = two_images
+    llm = gguf_vlm[2]
+    png = io.BytesIO()
+    images[0].save(png, "PNG")
+    images[1].save(tmp_path / "b.png")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    for second in ({"type": "image_pil", "image_pil": images[1]}, {"type": "image", "image": str(tmp_path / "b.png")}):
+        content = [{"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": url}},
+                   {"type": "text", "text": " with"}, second, {"type": "text", "text": " please"}]
+        out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == ref_tokens
+    for part, message in (({"type": "input_audio", "input_audio": {}}, "text or an image"),
+                          ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "fetches nothing"),
+                          ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
+        with pytest.raises(RequestError, match=message):
+            llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
+
+    images[0].save(tmp_path / "a.png")
+    (tmp_path / "parts.jinja").write_text(IMAGE_PARTS_TEMPLATE)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"/image {tmp_path / 'a.png'}\n/image {tmp_path / 'b.png'}\nCompare\n"))
+    capsys.readouterr()
+    assert main(["chat", str(gguf_vlm[0]), "--mmproj", str(gguf_vlm[1]), "--chat-template", str(tmp_path / "parts.jinja"),
+                 "--temperature", "0", "--max-tokens", "4", "--json"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    rendered = "<|im_start|>user\n<image><image>Compare<|im_end|>\n<|im_start|>assistant\n"
+    assert reply["prompt_tokens"] == len(vlm[1](text=[rendered], images=[images])["input_ids"][0])
+    history = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]},
+                                            {"type": "image_pil", "image_pil": images[1]}, {"type": "text", "text": "Compare"}]}]
+    assert reply["content"] == llm.chat(history, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
+    """Served (`hearth serve MODEL --mmproj`'s engine), a conversation with two images counts the tokens its
+    processor makes of them: usage.prompt_tokens (OpenAI's SDK), /v1/messages/count_tokens (Anthropic's) and
+    /tokenize equal the processor's input ids, and the reply is transformers' greedy tokens."""
+    import base64
+    import io
+
+    import anthropic
+    import httpx
+    import openai
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.app import build_app
+    from test_server import serving
+
+    images, inputs, _, ref_tokens = two_images
+    expected = len(inputs["input_ids"][0])
+    data = []
+    for image in images:
+        png = io.BytesIO()
+        image.save(png, "PNG")
+        data.append(base64.b64encode(png.getvalue()).decode())
+    engine = AsyncEngine(gguf_vlm[2].engine)
+    try:
+        with serving(build_app(engine, "smolvlm")) as url:
+            chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+                model="smolvlm", max_tokens=len(ref_tokens), temperature=0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[0]}"}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[1]}"}},
+                    {"type": "text", "text": " please"}]}])
+            tokenized = httpx.post(url + "/tokenize", json={"model": "smolvlm", "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[0]}"}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data[1]}"}},
+                    {"type": "text", "text": " please"}]}]}, timeout=60).json()
+            counted = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.count_tokens(
+                model="smolvlm", messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data[0]}},
+                    {"type": "text", "text": " with"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data[1]}},
+                    {"type": "text", "text": " please"}]}])
+    finally:
+        engine.shutdown()
+    assert chat.usage.prompt_tokens == counted.input_tokens == expected
+    assert tokenized["tokens"] == inputs["input_ids"][0].tolist()
+    assert chat.choices[0].message.content == gguf_vlm[2].get_tokenizer().decode(ref_tokens)

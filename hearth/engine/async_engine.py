@@ -43,6 +43,7 @@ import torch
 from hearth.engine.cascade import CascadeCounts
 from hearth.engine.embedding import embed
 from hearth.engine.engine import LLMEngine, StepFailed
+from hearth.engine.images import PromptWithImages
 from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.errors import HearthError
@@ -206,7 +207,7 @@ class AsyncEngine:
     # ---- requests
 
     async def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        self, prompt: str | list[int] | PromptWithImages, params: SamplingParams, request_id: str | None = None, priority: int = 0,
         lora_request: LoRARequest | None = None, multi_modal_data: dict[str, list] | None = None,
     ) -> RequestStream:
         """Queue a request (through the LoRA adapter of lora_request, if any; with images in
@@ -219,8 +220,8 @@ class AsyncEngine:
             )
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
-        if multi_modal_data is not None:  # images resized and the prompt tokenized beside the steps, not between them
-            expanded = await asyncio.to_thread(self.engine.prompt_with_images, prompt, multi_modal_data)
+        if multi_modal_data is not None:
+            expanded = await self.prompt_with_images(prompt, multi_modal_data)
             if expanded is not None:
                 prompt, multi_modal_data = expanded, None
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
@@ -234,6 +235,13 @@ class AsyncEngine:
             stream.finished = True
             raise
         return stream
+
+    async def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict[str, list] | None
+                                 ) -> PromptWithImages | None:
+        """The prompt with each image's placeholder tokens as the engine runs it (LLMEngine.prompt_with_images),
+        made beside the steps, not between them (images resized, the prompt tokenized); add_request takes it
+        as the prompt. RequestError as add_request."""
+        return await asyncio.to_thread(self.engine.prompt_with_images, prompt, multi_modal_data)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,

@@ -55,7 +55,8 @@ def load_target(model: str | Path | None, config: EngineConfig, backend: Backend
                                      backend.name, device)
     try:
         loaded = load_model(model, dtype, device, max_positions=config.scheduler.max_model_len,
-                            progress=progress, backend=backend, shard=shard, sparsity=config.sparsity)
+                            progress=progress, backend=backend, shard=shard, sparsity=config.sparsity,
+                            mmproj=config.mmproj)
     except BaseException:
         if workers is not None:
             workers.kill()

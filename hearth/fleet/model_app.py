@@ -257,6 +257,8 @@ def models_from_args(args: argparse.Namespace, limits, **keywords) -> ModelRegis
     paths = model_paths(args.models, args.model_dir, presets.model_paths())
     own = presets.check(list(paths))
     preset_loras = {name: tuple(values.pop("lora_modules", ())) for name, values in own.items()}  # (adapters)
+    if getattr(args, "mmproj", None) is not None and len(paths) > 1:
+        raise HearthError("--mmproj is one text model's vision projector: not for several models at once")
     try:
         adapters = dict(LoRAConfig(lora_modules=tuple(args.lora_modules or ())).named_paths())
         models = ModelRegistry(paths, model_builder(args, limits, own), args.max_loaded_models,

@@ -24,7 +24,7 @@ from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name,
-                                  hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
+                                  hf_expert, hf_expert_name, hf_to_gguf, is_vision_tensor, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import QuantTensor, quantize
 from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
@@ -59,25 +59,35 @@ _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 
 def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
-    """Write the HF model folder `hf_dir` as one GGUF file at `out_path` (returned)."""
-    if out_type not in OUT_TYPES:
-        raise ModelLoadError(f"unknown output type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
-    file_type, weight_type = OUT_TYPES[out_type]
-    writer, _, plan = open_hf_folder(hf_dir, file_type, weight_type, progress)
+    """Write the HF model folder `hf_dir` as one GGUF file at `out_path` (returned); an image-text
+    model's text model only, as llama.cpp's converter does (its vision tower: mmproj.write_mmproj)."""
+    file_type, weight_type = out_types(out_type)
+    writer, _, plan = open_hf_folder(hf_dir, file_type, weight_type, progress, text_of_image_text=True)
     return write_gguf(writer, plan, out_path, f"converting to {out_type}", progress)
 
 
+def out_types(out_type: str) -> tuple[LlamaFileType, GGMLQuantizationType]:
+    """--type's general.file_type and the type of the 2-D weights."""
+    if out_type not in OUT_TYPES:
+        raise ModelLoadError(f"unknown output type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
+    return OUT_TYPES[out_type]
+
+
 def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GGMLQuantizationType,
-                   progress: bool) -> tuple[GGUFWriter, ModelConfig, list[PlannedTensor]]:
+                   progress: bool, text_of_image_text: bool = False
+                   ) -> tuple[GGUFWriter, ModelConfig, list[PlannedTensor]]:
     """A writer holding the folder's model and tokenizer metadata, its config, and every tensor to
-    write with its GGUF name and type (the 2-D weights in `weight_type` where llama.cpp would)."""
+    write with its GGUF name and type (the 2-D weights in `weight_type` where llama.cpp would).
+    text_of_image_text: an image-text model's text model alone (else such a folder is refused)."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
     if config.vision is not None:
-        raise ModelLoadError(f"{hf_dir}: an image-text model: hearth does not write its vision tower (llama.cpp's "
-                             "mmproj file) to GGUF; run the folder itself")
+        if not text_of_image_text:
+            raise ModelLoadError(f"{hf_dir}: an image-text model: `hearth convert` it first (its text model, and "
+                                 "with --mmproj its vision tower), then quantize the text model's GGUF")
+        weights = {name: w for name, w in weights.items() if not is_vision_tensor(name)}
     if config.architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
                              f"({NO_GGUF[config.architecture]}); run the folder itself")
@@ -165,7 +175,7 @@ def _plan_tensors(
             name = LFM2_FINAL_NORM
         if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
-        yield name, tuple(tensor.shape), _tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+        yield name, tuple(tensor.shape), tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
     for layer, projection, attr in sorted(stacks):
         yield _expert_stack(config, weights, layer, projection, attr, weight_type)
 
@@ -180,7 +190,7 @@ def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: 
         raise ModelLoadError(f"missing tensor {missing[0]}")
     shape = (len(names), *weights[names[0]].shape)
     name = gguf_expert_stack_name(layer, projection, attr)
-    return name, shape, _tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
+    return name, shape, tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
         [weights[n].float() for n in names])
 
 
@@ -199,7 +209,7 @@ def _check_gpt_oss(hf_dir: Path, config: ModelConfig, weights: dict[str, torch.T
                              "llama.cpp's gpt-oss fixes (1.702, 7.0) and YaRN with betas 32 and 1, untruncated")
 
 
-def _tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
+def tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
     """llama.cpp's choice: norms, 1-D tensors and MoE routers F32; weights (token_embd and output
     included, except with ternary types: the embeddings of ternary models are not ternary) in the
     requested type, F16 where a row is not a whole number of blocks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor
 from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading.activation_thresholds import sparsify_model
+from hearth.loading.mmproj import read_mmproj
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 from hearth.vision_config import QwenVisionConfig
@@ -63,15 +65,25 @@ def load_model(
     backend: Backend | None = None,
     shard: TensorShard | PipelineShard | None = None,
     sparsity: SparsityConfig | None = None,
+    mmproj: str | Path | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
     sparsity: activation sparsity (hearth/loading/activation_thresholds.py; None: dense).
     shard: this process's part of a model split over processes (hearth/engine/workers.py):
-    a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers)."""
+    a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers).
+    mmproj: llama.cpp's mmproj file, the vision tower of a text model (hearth/loading/mmproj.py)."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
     config, weights, tokenizer = read_model(path, progress)
+    image_processor = None
+    if config.vision is not None:
+        family = QwenImageProcessor if isinstance(config.vision, QwenVisionConfig) else ImageProcessor
+        image_processor = family.from_hf_dir(path, config.vision)
+    if mmproj is not None:
+        projector = read_mmproj(mmproj, config, tokenizer)
+        config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor
+        weights = weights | projector.weights
     if shard is not None and config.vision is not None:
         raise ModelLoadError(f"{path}: an image-text model split over processes is not implemented by hearth: run it "
                              "with tensor_parallel_size and pipeline_parallel_size 1")
@@ -89,8 +101,4 @@ def load_model(
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
-    image_processor = None
-    if config.vision is not None:
-        family = QwenImageProcessor if isinstance(config.vision, QwenVisionConfig) else ImageProcessor
-        image_processor = family.from_hf_dir(path, config.vision)
     return LoadedModel(model.eval(), tokenizer, config, path, image_processor)

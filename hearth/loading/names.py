@@ -150,11 +150,16 @@ def gguf_to_hf(name: str, sandwich_norms: bool = False, architecture: str = "") 
     return None
 
 
+def is_vision_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor (by hearth's name) is an image-text model's vision tower's."""
+    return name.startswith(_VISION_PREFIXES)
+
+
 def canonical_hf_name(name: str) -> str:
     """A checkpoint's tensor name as hearth's modules name it (mixtral's block_sparse_moe.experts.N.w1
     is mlp.experts.N.gate_proj, deepseek_v2's mlp.shared_experts is mlp.shared_expert). An image-text
     model's vision tower keeps its own names (its out_proj is no lfm2 attention's)."""
-    if name.startswith(_VISION_PREFIXES):
+    if is_vision_tensor(name):
         return name
     for pattern, replacement in _HF_ALIASES:
         name = pattern.sub(replacement, name)

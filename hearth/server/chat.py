@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from PIL import Image
 
 from hearth.engine.async_engine import RequestStream
+from hearth.engine.images import PromptWithImages
 from hearth.outputs import CompletionOutput, RequestOutput
 from hearth.reasoning import ReasoningSplit
 from hearth.server.errors import APIError
@@ -123,19 +125,28 @@ def chat_text(s: ServedModel, messages: list[dict], tools: list | None, tool_cho
 class ChatPrompt:
     """A conversation ready for the engine."""
 
-    ids: list[int]  # its token ids: what the server counts and checks, and gives the engine without images
+    ids: list[int]  # its token ids: what the server counts and checks (with_image_tokens: each image's tokens)
     text: str  # what the engine gets with images, and expands their markers in (each image part's, in order)
     images: list[Image.Image]  # decoded, in the order of the conversation's image parts
     calling: ToolCalling | None
+    expanded: PromptWithImages | None = None  # with images, after with_image_tokens: what the engine runs
 
     def with_images(self, s: ServedModel) -> tuple[str, dict[str, list]] | None:
         """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images (None: without)."""
         if not self.images:
             return None
-        text, bos = self.text, s.tokenizer.special_token_texts.get("bos_token")
-        if s.tokenizer.add_bos and bos and text.startswith(bos):  # the engine's encoding adds it again
-            text = text[len(bos):]
-        return text, {"image": self.images}
+        return s.tokenizer.chat_prompt_text(self.text), {"image": self.images}
+
+
+async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
+    """A prompt with images as the engine expands it (its processor's placeholder tokens for each image,
+    hearth/engine/images.py): its ids those the engine runs, which the server counts (count_tokens,
+    usage, the context length); a prompt without images as it is."""
+    request = prompt.with_images(s)
+    if request is None:
+        return prompt
+    expanded = await s.engine.prompt_with_images(*request)
+    return dataclasses.replace(prompt, ids=expanded.token_ids, expanded=expanded)
 
 
 async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt:
@@ -173,7 +184,7 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
                      prefill_source: str | None = None) -> ChatRun:
     """Render the conversation and add it to the engine."""
     model = s.check_model(body.model)
-    prompt = await chat_prompt(s, body)
+    prompt = await with_image_tokens(s, await chat_prompt(s, body))
     ids, calling = prompt.ids, prompt.calling
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = s.check_length(len(ids), max_tokens)
@@ -183,7 +194,7 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
         params = calling.sampling_params(params)
     params = s.reasoning_params(params)
     streams = await s.add_all([ids], params, request_id, prefill_source, body.priority, model,
-                              prompt.with_images(s))
+                              prompt.expanded)
     return ChatRun(model, request_id, len(ids), streams, ChatFormat(s, k, calling, s.thinking_opened(ids)))
 
 

@@ -12,39 +12,13 @@ the route's own API shape, raised before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import re
 from urllib.parse import urlsplit
 
 import httpx
 from PIL import Image
 
-from hearth.images import ImageError, decode_image
+from hearth.images import ImageError, data_url_bytes, decode_image
 from hearth.server.limits import ServerLimits
-
-_DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),", re.IGNORECASE)
-
-
-def data_url_bytes(url: str, max_bytes: int, what: str) -> bytes:
-    """The bytes a `data:image/...;base64,` URL holds; ImageError for another shape or past max_bytes
-    (judged from the text's length, before decoding)."""
-    match = _DATA_URL.match(url)
-    if match is None:
-        raise ImageError(f"{what}: a data URL is data:image/TYPE;base64,DATA (got {url[:40]!r}...)")
-    media_type, params = match.group(1).lower(), match.group(2).lower().split(";")
-    if not media_type.startswith("image/"):
-        raise ImageError(f"{what}: the data URL's media type is {media_type or 'missing'!r}, not an image's")
-    if "base64" not in params:
-        raise ImageError(f"{what}: the data URL is not base64 (data:{media_type};base64,...)")
-    payload = url[match.end():]
-    if len(payload) // 4 * 3 > max_bytes:
-        raise ImageError(f"{what} is about {len(payload) // 4 * 3:,} bytes; this server's limit is {max_bytes:,} "
-                         "(--max-image-size)")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ImageError(f"{what}: the data URL's base64 is broken: {e}") from None
 
 
 class ImageSources:

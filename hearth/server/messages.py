@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from hearth.errors import RequestError
-from hearth.server.chat import ChatRun, chat_prompt, start_chat
+from hearth.server.chat import ChatRun, chat_prompt, start_chat, with_image_tokens
 from hearth.server.errors import exception_body
 from hearth.server.protocol import ChatCompletionRequest, OpenAIModel, chat_content
 from hearth.server.served import PREFILL_HEADER, ServedModel, served
@@ -255,4 +255,4 @@ async def create_message(body: MessagesRequest, request: Request, s: Served):
 async def count_tokens(body: CountTokensRequest, s: Served):
     chat = body.chat_request()
     s.check_model(chat.model)
-    return {"input_tokens": len((await chat_prompt(s, chat)).ids)}
+    return {"input_tokens": len((await with_image_tokens(s, await chat_prompt(s, chat))).ids)}

@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from fastapi import Request
 
 from hearth.engine.async_engine import AsyncEngine, RequestStream
+from hearth.engine.images import PromptWithImages
 from hearth.errors import NO_IMAGES, RequestError
 from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
@@ -146,12 +147,12 @@ class ServedModel:
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                       prefill_source: str | None = None, priority: int = 0, model: str | None = None,
-                      with_images: tuple[str, dict[str, list]] | None = None) -> list[RequestStream]:
+                      with_images: PromptWithImages | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`, at `priority`), through the LoRA adapter
         `model` names if it names one; all or none are added. On a decode worker, given a prefill worker
         (its URL or its Ray actor), each prompt's KV is pulled from it first. with_images: a one-prompt
-        request's text and multi_modal_data, given to the engine in place of its ids (the engine expands
-        the image markers in the text)."""
+        request's prompt with its images, as the engine expanded it (chat.py's with_image_tokens), given
+        to the engine in place of its ids."""
         self.check_sequences(len(prompts), params)
         if with_images is not None and prefill_source is not None:
             raise APIError(400, "images are not taken by disaggregated prefill and decode workers", "messages")
@@ -161,9 +162,8 @@ class ServedModel:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                prompt, data = with_images or (ids, None)
-                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}", priority,
-                                                             self.lora_of(model) if model else None, data))
+                streams.append(await self.engine.add_request(with_images or ids, params, f"{request_id}-{i}",
+                                                             priority, self.lora_of(model) if model else None))
         except BaseException:
             for s in streams:
                 s.close()

@@ -21,7 +21,9 @@ class VisionEmbeddings(nn.Module):
         super().__init__()
         self.config = config
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, config.patch_size)
-        self.position_embedding = nn.Embedding(config.patches_per_side ** 2, config.hidden_size)
+        # from an empty weight: nn.Embedding's random init on the meta device imports torch._dynamo (seconds)
+        self.position_embedding = nn.Embedding.from_pretrained(torch.empty(config.patches_per_side ** 2,
+                                                                       config.hidden_size))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [tiles, 3, H, W] -> [tiles, patches, hidden]
         patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)

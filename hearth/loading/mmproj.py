@@ -1,0 +1,222 @@
+"""llama.cpp's mmproj GGUF files: an image-text model's vision tower beside its text model's GGUF
+(`llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`), read and written for the projector type hearth
+implements: clip.cpp's "idefics3" (SmolVLM / Idefics3: SigLIP, pixel shuffle, a linear projector).
+
+The layout is gguf-py's (llama.cpp's own package), as convert_hf_to_gguf.py's SmolVLMModel writes it:
+general.architecture "clip" and general.type "mmproj"; the keys of gguf.Keys.Clip / Keys.ClipVision
+(clip.vision.image_size, .patch_size, .projector.scale_factor, .image_mean, ...,
+.preproc_image_size: the processor's longest edge); the tensors named by gguf-py's MMPROJ tensor
+map (v.patch_embd, v.position_embd, v.blk.N.attn_q / ln1 / ffn_up ..., v.post_ln, mm.model.fc). The
+file holds no token ids: the image placeholder is the text model's `<image>` token, found by its text
+as llama.cpp's mtmd finds the tokens around images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFType, GGUFWriter, Keys,
+                  VisionProjectorType, get_tensor_name_map)
+from gguf.quants import dequantize
+
+from hearth.config import ModelConfig
+from hearth.errors import ModelLoadError
+from hearth.image_processor import IMAGE_MARKER, ImageProcessor
+from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
+from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
+from hearth.loading.safetensors import load_hf_folder
+from hearth.model.vision.siglip import VisionTower
+from hearth.tokenizer import Tokenizer
+from hearth.vision_config import VisionConfig
+
+Q = GGMLQuantizationType
+CLIP = MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ]  # "clip": every mmproj file's general.architecture
+_V = Keys.ClipVision
+# the tokens Idefics3's placeholder text is made of (image_processor.placeholder_text), each one token of the
+# text model's vocabulary; without them the prompt would tokenize other than the processor's
+_IMAGE_TOKENS = (IMAGE_MARKER, "<fake_token_around_image>", "<global-img>", "<row_1_col_1>")
+_DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
+@dataclass
+class Mmproj:
+    """An mmproj file read for a text model: the vision config, the tower's weights by hearth's
+    checkpoint names (model.vision_model.*, model.connector.*) and the images' processor."""
+
+    vision: VisionConfig
+    weights: dict[str, torch.Tensor]
+    image_processor: ImageProcessor
+
+
+def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mmproj:
+    """The mmproj file at `path` for the text model `text` (with `tokenizer`); ModelLoadError that says
+    what does not fit: not an mmproj, another projector type, a missing or misshapen tensor, a
+    projector for another width, a text model without the image tokens."""
+    where = str(path)
+    if text.vision is not None:
+        raise ModelLoadError(f"{where}: the model has its own vision tower; an mmproj file goes with a text model")
+    file = read_gguf(path)
+    md = file.metadata
+    _check_kind(md, where)
+    try:
+        vision = _vision_config(md, _image_token(tokenizer, where))
+        processor = _image_processor(md, vision).checked(where)
+    except ModelLoadError as e:
+        raise ModelLoadError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ModelLoadError(f"{where}: malformed metadata: {e}") from None
+    width = md.get(_V.PROJECTION_DIM)
+    if width != text.hidden_size:
+        raise ModelLoadError(f"{where}: the projector makes embeddings of {width} ({_V.PROJECTION_DIM}), the text "
+                             f"model's are {text.hidden_size}: this mmproj file is another model's")
+    return Mmproj(vision, _read_tensors(file, vision, text.hidden_size, where), processor)
+
+
+def _check_kind(md: dict[str, Any], where: str) -> None:
+    arch = md.get(Keys.General.ARCHITECTURE)
+    if arch != CLIP:
+        raise ModelLoadError(f"{where}: not an mmproj file (general.architecture is {arch!r}, not {CLIP!r}): "
+                             "--mmproj takes the vision projector file that goes beside the text model's GGUF")
+    if not md.get(Keys.Clip.HAS_VISION_ENCODER):
+        raise ModelLoadError(f"{where}: the mmproj file has no vision encoder ({Keys.Clip.HAS_VISION_ENCODER})")
+    kind = md.get(Keys.Clip.PROJECTOR_TYPE, md.get(_V.PROJECTOR_TYPE))
+    if kind != VisionProjectorType.IDEFICS3:
+        raise ModelLoadError(f"{where}: projector type {kind!r} ({Keys.Clip.PROJECTOR_TYPE}) is not implemented by "
+                             f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3)")
+
+
+def _image_token(tokenizer: Tokenizer, where: str) -> int:
+    """The id of the text model's <image> token; ModelLoadError where the placeholder text's tokens
+    are not single special tokens of its vocabulary."""
+    for text in _IMAGE_TOKENS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1 or not tokenizer.is_special(ids[0]):
+            raise ModelLoadError(f"{where}: the text model has no {text} token (it tokenizes as {ids}): an idefics3 "
+                                 "projector goes with a SmolVLM / Idefics3 text model, whose vocabulary has the image "
+                                 "tokens")
+    return tokenizer.encode(IMAGE_MARKER, add_special_tokens=False)[0]
+
+
+def _vision_config(md: dict[str, Any], image_token_id: int) -> VisionConfig:
+    def get(key: str) -> Any:
+        if key not in md:
+            raise ModelLoadError(f"missing metadata key {key}")
+        return md[key]
+
+    if md.get(Keys.ClipVision.USE_GELU) is not True:
+        raise ModelLoadError(f"{Keys.ClipVision.USE_GELU} is not true: hearth's idefics3 encoder runs GELU")
+    return VisionConfig(
+        family="idefics3", hidden_size=get(_V.EMBEDDING_LENGTH), intermediate_size=get(_V.FEED_FORWARD_LENGTH),
+        num_layers=get(_V.BLOCK_COUNT), num_heads=get(_V.Attention.HEAD_COUNT), image_size=get(_V.IMAGE_SIZE),
+        patch_size=get(_V.PATCH_SIZE), scale_factor=md.get(_V.Projector.SCALE_FACTOR, 2),
+        image_token_id=image_token_id, layer_norm_eps=float(md.get(_V.Attention.LAYERNORM_EPS, 1e-6)))
+
+
+def _image_processor(md: dict[str, Any], vision: VisionConfig) -> ImageProcessor:
+    """Idefics3's processor with the file's settings: tiles of the encoder's image_size, the longest
+    edge clip.vision.preproc_image_size (without it, as llama.cpp: the image resized to one tile)."""
+    longest = md.get(_V.PREPROC_IMAGE_SIZE)
+    return ImageProcessor(vision, int(longest or vision.image_size), vision.image_size, vision.tokens_per_tile,
+                          tuple(md.get(_V.IMAGE_MEAN, (0.5, 0.5, 0.5))), tuple(md.get(_V.IMAGE_STD, (0.5, 0.5, 0.5))),
+                          do_image_splitting=longest is not None)
+
+
+def tower_tensors(vision: VisionConfig, text_hidden_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """llama.cpp's name (gguf-py's MMPROJ map) -> (hearth's checkpoint name, shape) of every tensor of
+    the vision tower."""
+    with torch.device("meta"):
+        tower = VisionTower(vision, text_hidden_size)
+    names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vision.num_layers)
+    tensors = {}
+    for name, param in tower.named_parameters():
+        checkpoint = f"model.{name}"
+        gguf_name = names.get_name(checkpoint, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ModelLoadError(f"tensor {checkpoint}: gguf-py has no mmproj name for it")
+        tensors[gguf_name] = (checkpoint, tuple(param.shape))
+    return tensors
+
+
+def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, where: str) -> dict[str, torch.Tensor]:
+    """Every tower tensor of the file by hearth's name, float32; ModelLoadError for one missing, one
+    of another shape, or one the tower has no place for."""
+    expected = tower_tensors(vision, text_hidden_size)
+    found = {t.name: t for t in file.tensors}
+    for name, (_, shape) in expected.items():
+        if name not in found:
+            raise ModelLoadError(f"{where}: missing tensor {name}")
+        if tuple(reversed(found[name].shape)) != shape:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(reversed(found[name].shape))}, expected "
+                                 f"{shape} from the file's metadata")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the idefics3 projector hearth implements")
+    return {checkpoint: _float32(file, found[name], where) for name, (checkpoint, _) in expected.items()}
+
+
+def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
+    """A tensor's values (dequantized by gguf-py where the file quantized them)."""
+    shape = tuple(reversed(t.shape))
+    data = file.tensor_bytes(t)
+    try:
+        if t.qtype in _DENSE:
+            return torch.from_numpy(data.copy()).view(_DENSE[t.qtype]).reshape(shape).float()
+        return torch.from_numpy(dequantize(data.reshape(-1, data.size // shape[0] if shape else 1), t.qtype)
+                                .reshape(shape).copy())
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        raise ModelLoadError(f"{where}: tensor {t.name} ({t.qtype.name}) cannot be read: {e}") from None
+
+
+def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
+    """Write the vision tower of the image-text folder `hf_dir` as llama.cpp's mmproj file at
+    `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel writes it, the
+    embeddings and 1-D tensors F32, the other weights in `out_type` (F16 where a row is not whole blocks)."""
+    file_type, weight_type = out_types(out_type)
+    config, weights = load_hf_folder(hf_dir, progress=progress)
+    vision = config.vision
+    if vision is None:
+        raise ModelLoadError(f"{hf_dir}: a text model has no vision tower to write as an mmproj file")
+    if vision.hidden_act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{hf_dir}: vision_config.hidden_act {vision.hidden_act!r}: llama.cpp's idefics3 "
+                             "projector runs the tanh GELU (gelu_pytorch_tanh) only")
+    processor = ImageProcessor.from_hf_dir(Path(hf_dir), vision)
+    writer = GGUFWriter(None, CLIP)
+    writer.add_type(GGUFType.MMPROJ)
+    writer.add_file_type(int(file_type))
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(VisionProjectorType.IDEFICS3)
+    writer.add_vision_projection_dim(config.hidden_size)
+    for add, value in ((writer.add_vision_image_size, vision.image_size),
+                       (writer.add_vision_patch_size, vision.patch_size),
+                       (writer.add_vision_embedding_length, vision.hidden_size),
+                       (writer.add_vision_feed_forward_length, vision.intermediate_size),
+                       (writer.add_vision_block_count, vision.num_layers),
+                       (writer.add_vision_head_count, vision.num_heads),
+                       (writer.add_vision_projector_scale_factor, vision.scale_factor)):
+        add(value)
+    writer.add_vision_image_mean(processor.mean.tolist())
+    writer.add_vision_image_std(processor.std.tolist())
+    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    writer.add_vision_use_gelu(True)
+    if processor.do_image_splitting:
+        writer.add_vision_preproc_image_size(processor.longest_edge)
+    plan = _plan(tower_tensors(vision, config.hidden_size), weights, weight_type)
+    return write_gguf(writer, plan, out_path, f"writing the mmproj file in {out_type}", progress)
+
+
+def _plan(tensors: dict[str, tuple[str, tuple[int, ...]]], weights: dict[str, torch.Tensor],
+          weight_type: GGMLQuantizationType) -> list[PlannedTensor]:
+    """The tower's tensors under llama.cpp's names, in their types (SmolVLMModel's: embeddings F32)."""
+    missing = [checkpoint for checkpoint, _ in tensors.values() if checkpoint not in weights]
+    if missing:
+        raise ModelLoadError(f"missing tensor {missing[0]}")
+    plan = []
+    for name, (checkpoint, shape) in tensors.items():
+        tensor = weights[checkpoint]
+        qtype = Q.F32 if ".embeddings." in checkpoint else tensor_type(name, tensor, weight_type)
+        plan.append((name, shape, qtype, lambda tensor=tensor: tensor.float()))
+    return plan
