@@ -387,7 +387,8 @@ def test_adaptive_engine_guesses_alone_and_not_when_busy(folder, unlike_draft, m
 
 def test_the_shipped_pair_keeps_greedy_outputs():
     """The built-in model with its draft (`builtin-draft`): greedy outputs equal plain decoding's
-    on Python prompts, alone and together, and the draft's guesses are mostly right."""
+    on Python prompts, alone and together, and the draft's guesses are mostly right; so do
+    lookahead's as published."""
     prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM("builtin", progress=False).generate(prompts, params, use_tqdm=False)
@@ -400,6 +401,10 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert llm.engine.spec_decode_totals.acceptance_rate > 0.4
     assert llm.engine.runner.draft.block_manager.check_all_free()
+    # and lookahead as published: its window's rows and pool n-grams in one token tree a step
+    lookahead = LLM("builtin", progress=False, **speculation("lookahead full", None, None))
+    assert [o.outputs[0].token_ids for o in lookahead.generate(prompts, params, use_tqdm=False)] == expected
+    assert lookahead.engine.spec_decode_totals.num_accepted_tokens > 0
 
 
 def one_call_pair(pair: str, tmp_path) -> tuple[str, str, list]:
