@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Decode tokens/s with and without speculation (--methods: ngram, lookahead, draft, early-exit), side by side in one run.
+"""Decode tokens/s with and without speculation (--methods: ngram, lookahead, lookahead-full, draft, early-exit), side
+by side in one run (lookahead-full: lookahead as published, --lookahead-mode full).
 
 Three tasks. `repeat` is input-grounded: the model is asked to repeat a code block with one name
 changed, so its output is mostly a copy of its prompt. `write`: the model writes code from a
@@ -86,7 +87,8 @@ def prompts(llm, task: str, count: int, lines: int) -> list[list[int]]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, lookahead, draft, early-exit")
+    ap.add_argument("--methods", default="ngram",
+                    help="comma-separated: ngram, lookahead, lookahead-full, draft, early-exit")
     ap.add_argument("--exit-layers", default="15,20,25", help="early-exit: comma-separated exit layers, an engine each")
     ap.add_argument("--model", default=None, help="default: builtin with draft, else SmolLM2")
     ap.add_argument("--speculative-model", default="builtin-draft", help="draft: the draft model")
@@ -129,7 +131,9 @@ def build_engines(args: argparse.Namespace, methods: list[str]) -> tuple[dict, l
     for method in methods:
         base, _, exit_layer = method.partition(" ")  # "early-exit N"
         draft = (dict(speculative_model=args.speculative_model) if base == "draft" else
-                 dict(exit_layer=int(exit_layer)) if base == "early-exit" else {})
+                 dict(exit_layer=int(exit_layer)) if base == "early-exit" else
+                 dict(lookahead_mode="full") if base == "lookahead-full" else {})
+        base = base.removesuffix("-full")  # lookahead-full: lookahead as published (a token tree a step)
         for width in widths:
             name = method if width == 1 else f"{method} tree"
             engines[name] = LLM(args.model, speculative_method=base, num_speculative_tokens=args.num_speculative_tokens,

@@ -119,6 +119,7 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit")
+LOOKAHEAD_MODES = ("chain", "full")
 
 
 @dataclass
@@ -165,6 +166,18 @@ class SpeculativeConfig:
         help="ngram, draft, early-exit: verify up to W branches of guesses at once through a token-tree mask "
              "(ngram: W different earlier matches; draft: its top W first guesses, each followed by its own); W x "
              "--num-speculative-tokens below 16; 1: one chain")
+    # lookahead (hearth/engine/speculation/lookahead.py): "chain" guesses one chain, a pool n-gram then the
+    # Jacobi window's guesses; "full" is Fu et al.'s step, one token tree: a 2-D window of W positions x
+    # N - 1 levels iterated through its own rows, and up to G pool n-grams beside it (lookahead_window.py)
+    lookahead_mode: str = option(
+        "chain", choices=list(LOOKAHEAD_MODES),
+        help="lookahead: chain (one chain of guesses: a pool n-gram, then the Jacobi window's) or full (the "
+             "paper's step: the 2-D window's W x (N - 1) rows and G pool n-grams verified in one token tree)")
+    lookahead_window: int = option(
+        3, metavar="W", help="lookahead full: the Jacobi window's positions (the rows' tree: (W + G) x (N - 1) "
+                             "below 16)")
+    lookahead_ngram: int = option(4, metavar="N", help="lookahead: the n-grams' length (the window's levels: N - 1)")
+    lookahead_guesses: int = option(2, metavar="G", help="lookahead full: the most pool n-grams verified a step")
 
     def __post_init__(self) -> None:
         _need(self.method is None or self.method in SPECULATIVE_METHODS,
@@ -176,6 +189,12 @@ class SpeculativeConfig:
         _need((self.method == "early-exit") == (self.exit_layer is not None),
               "speculative_method early-exit needs an exit_layer, and an exit_layer needs speculative_method early-exit")
         _need(self.exit_layer is None or self.exit_layer >= 1, f"exit_layer must be at least 1, got {self.exit_layer}")
+        _need(self.lookahead_mode in LOOKAHEAD_MODES, f"lookahead_mode must be one of {', '.join(LOOKAHEAD_MODES)}, "
+                                                      f"got {self.lookahead_mode!r}")
+        _need(self.lookahead_ngram >= 3 and self.lookahead_window >= 1 and self.lookahead_guesses >= 0,
+              "need lookahead_ngram >= 3, lookahead_window >= 1 and lookahead_guesses >= 0")
+        if self.num_speculative_tokens is None and self.lookahead_full:
+            self.num_speculative_tokens = (self.lookahead_window + self.lookahead_guesses) * (self.lookahead_ngram - 1)
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = min(DEFAULT_SPECULATIVE_TOKENS,
                                               (MAX_DECODE_QUERY_LEN - 1) // max(1, self.tree_width))
@@ -185,12 +204,27 @@ class SpeculativeConfig:
         _need(self.disable_by_batch_size >= 1, "speculative_disable_by_batch_size must be at least 1")
         _need(self.tree_width >= 1, "speculative_tree_width must be at least 1")
         _need(self.tree_width == 1 or self.method in ("ngram", "draft", "early-exit"),
-              "speculative_tree_width > 1 needs speculative_method ngram, draft or early-exit (lookahead's guesses "
-              "are one chain)")
+              "speculative_tree_width > 1 needs speculative_method ngram, draft or early-exit (lookahead makes "
+              "trees of its own: lookahead_mode full)")
+        _need(not self.lookahead_full or self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
+              f"lookahead full: (lookahead_window + lookahead_guesses) x (lookahead_ngram - 1) rows must be below "
+              f"{MAX_DECODE_QUERY_LEN} (the tree's rows, its root included, go through the decode kernels), got "
+              f"{self.num_speculative_tokens}")
         _need(self.tree_width * self.num_speculative_tokens < MAX_DECODE_QUERY_LEN,
               f"speculative_tree_width x num_speculative_tokens must be below {MAX_DECODE_QUERY_LEN} (a tree's "
               f"rows, its root included, go through the decode kernels), got {self.tree_width} x "
               f"{self.num_speculative_tokens}")
+
+
+    @property
+    def lookahead_full(self) -> bool:
+        """Lookahead decoding as published: its guesses are a token tree."""
+        return self.method == "lookahead" and self.lookahead_mode == "full"
+
+    @property
+    def token_trees(self) -> bool:
+        """Whether its guesses may form token trees (attention through tree masks)."""
+        return self.tree_width > 1 or self.lookahead_full
 
 
 @dataclass

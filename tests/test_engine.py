@@ -54,8 +54,9 @@ def token_ids(outputs) -> list[list[int]]:
 # prompts; the draft is the target with noise on its weights (most guesses right, some wrong); and
 # every request guesses (no adapting), so that 32 requests at once still guess. "... tree": token
 # trees of three branches (several matches; the draft's first guess and its two next best tokens).
-# "early-exit": the model's first layer drafts (on the target's own KV cache).
-SPECULATION = ("plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree", "early-exit")
+# "early-exit": the model's first layer drafts (on the target's own KV cache). "lookahead full": lookahead
+# as published (its 2-D window's rows and pool n-grams in one token tree).
+SPECULATION = ("plain", "ngram", "lookahead", "draft", "ngram tree", "draft tree", "early-exit", "lookahead full")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,9 @@ def speculation(model_folders, tmp_path_factory):
             return {}
         if spec == "ngram":
             return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
-        if spec == "lookahead":
-            return dict(speculative_method="lookahead", speculative_adaptive=False)
+        if spec.startswith("lookahead"):  # "lookahead full": as published, a token tree
+            return dict(speculative_method="lookahead", speculative_adaptive=False,
+                        lookahead_mode=spec.removeprefix("lookahead").strip() or "chain")
         if spec == "early-exit":
             return dict(speculative_method="early-exit", exit_layer=1, speculative_adaptive=False)
         if arch not in drafts:
@@ -100,8 +102,9 @@ TREE_ARCHITECTURES = ("llama", "gemma2")
 
 @pytest.mark.parametrize("arch,spec", [(arch, spec) for arch in ARCHITECTURES for spec in SPECULATION
                                        if spec in ("plain", "ngram", "lookahead")
-                                       or arch in (TREE_ARCHITECTURES if spec.endswith((" tree", "early-exit"))
-                                                   else DRAFT_ARCHITECTURES)])
+                                       or (arch == "llama" if spec == "lookahead full"
+                                           else arch in (TREE_ARCHITECTURES if spec.endswith((" tree", "early-exit"))
+                                                         else DRAFT_ARCHITECTURES))])
 def test_greedy_alone_and_32_at_once_match_transformers(model_folders, speculation, arch, spec):
     prompts = random_prompts(32, seed=ARCHITECTURES.index(arch))
     expected = reference_greedy(model_folders[arch], prompts)

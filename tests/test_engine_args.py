@@ -27,7 +27,8 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--no-chunked-prefill", "--threads", "--tensor-parallel-size", "--pipeline-parallel-size",
          "--speculative-method", "--speculative-model", "--num-speculative-tokens", "--prompt-lookup-min",
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
-         "--speculative-tree-width", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
+         "--speculative-tree-width", "--lookahead-mode", "--lookahead-window", "--lookahead-ngram",
+         "--lookahead-guesses", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
          "--mmproj", "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--contrastive-model", "--kv-cache-dir",
          "--kv-cache-dir-size", "--kv-cache-ram", "--kv-cache-tier-dtype", "--async-scheduling", "--no-async-scheduling",
          "--activation-sparsity", "--activation-thresholds", "--cascade", "--defer-threshold"]

@@ -129,8 +129,9 @@ def speculation(method: str, folder, unlike_draft) -> dict:
         return speculation(method.removesuffix(" tree"), folder, unlike_draft) | dict(speculative_tree_width=3)
     if method == "ngram":
         return dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False)
-    if method == "lookahead":
-        return dict(speculative_method="lookahead", speculative_adaptive=False)
+    if method.startswith("lookahead"):  # "lookahead full": as published, a token tree
+        return dict(speculative_method="lookahead", speculative_adaptive=False,
+                    lookahead_mode=method.removeprefix("lookahead").strip() or "chain")
     if method == "early-exit":  # the first of the model's two layers drafts
         return dict(speculative_method="early-exit", exit_layer=1, speculative_adaptive=False)
     draft = unlike_draft if method == "draft unlike" else folder
@@ -138,7 +139,7 @@ def speculation(method: str, folder, unlike_draft) -> dict:
 
 
 METHODS = ["ngram", "draft unlike", "draft identical", "ngram tree", "draft unlike tree", "draft identical tree",
-           "early-exit", "early-exit tree"]
+           "early-exit", "early-exit tree", "lookahead full"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -307,8 +308,16 @@ def test_unimplemented_methods_and_missing_drafts_are_refused():
         EngineConfig.from_options(speculative_method="draft", speculative_model="builtin-draft", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig.from_options(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
-    with pytest.raises(ValueError, match="lookahead's guesses are one chain"):
+    with pytest.raises(ValueError, match="lookahead makes trees of its own"):
         EngineConfig.from_options(speculative_method="lookahead", speculative_tree_width=2)
+    full = EngineConfig.from_options(speculative_method="lookahead", lookahead_mode="full").speculative
+    assert full.num_speculative_tokens == (3 + 2) * (4 - 1) and full.token_trees  # W x (N - 1) + G x (N - 1) rows
+    with pytest.raises(ValueError, match="rows must be below 16"):
+        EngineConfig.from_options(speculative_method="lookahead", lookahead_mode="full", lookahead_window=4)
+    with pytest.raises(ValueError, match="lookahead_mode must be one of chain, full"):
+        EngineConfig.from_options(speculative_method="lookahead", lookahead_mode="tree")
+    with pytest.raises(ValueError, match="lookahead_ngram >= 3"):
+        EngineConfig.from_options(speculative_method="lookahead", lookahead_ngram=2)
     with pytest.raises(ValueError, match="must be below 16"):
         EngineConfig.from_options(speculative_method="ngram", speculative_tree_width=4, num_speculative_tokens=4)
     for width in (1, 3, 4, 15):  # with no count given, a tree gets as many guesses as its rows fit
@@ -353,10 +362,14 @@ def test_early_exit_where_the_last_layer_adds_nothing_has_every_guess_accepted(f
 
 
 def test_the_gpu_backend_refuses_token_trees(folder):
-    """Its Triton attention kernels are causal only: a tree width above 1 is refused by name."""
+    """Its Triton attention kernels are causal only: a tree width above 1, and lookahead as published
+    (a token tree a step), are refused by name."""
     with pytest.raises(ValueError, match="speculative_tree_width > 1 .* not implemented on the gpu backend"):
         LLM(folder, progress=False, backend="gpu", dtype="float32", speculative_method="ngram",
             speculative_tree_width=2)
+    with pytest.raises(ValueError, match="lookahead_mode full .* not implemented on the gpu backend"):
+        LLM(folder, progress=False, backend="gpu", dtype="float32", speculative_method="lookahead",
+            lookahead_mode="full")
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft identical"])
@@ -374,7 +387,8 @@ def test_adaptive_engine_guesses_alone_and_not_when_busy(folder, unlike_draft, m
 
 def test_the_shipped_pair_keeps_greedy_outputs():
     """The built-in model with its draft (`builtin-draft`): greedy outputs equal plain decoding's
-    on Python prompts, alone and together, and the draft's guesses are mostly right."""
+    on Python prompts, alone and together, and the draft's guesses are mostly right; so do
+    lookahead's as published."""
     prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM("builtin", progress=False).generate(prompts, params, use_tqdm=False)
@@ -387,6 +401,10 @@ def test_the_shipped_pair_keeps_greedy_outputs():
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert llm.engine.spec_decode_totals.acceptance_rate > 0.4
     assert llm.engine.runner.draft.block_manager.check_all_free()
+    # and lookahead as published: its window's rows and pool n-grams in one token tree a step
+    lookahead = LLM("builtin", progress=False, **speculation("lookahead full", None, None))
+    assert [o.outputs[0].token_ids for o in lookahead.generate(prompts, params, use_tqdm=False)] == expected
+    assert lookahead.engine.spec_decode_totals.num_accepted_tokens > 0
 
 
 def one_call_pair(pair: str, tmp_path) -> tuple[str, str, list]:

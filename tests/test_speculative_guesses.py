@@ -12,6 +12,7 @@ import pytest
 from hearth.engine.request import Request
 from hearth.engine.speculation.guess_count import PRIOR_RATE, ROW_COST, AcceptanceRate, num_guesses
 from hearth.engine.speculation.lookahead import LookaheadProposer
+from hearth.engine.speculation.lookahead_window import JacobiWindow, lookahead_tree
 from hearth.engine.speculation.ngram import NgramProposer
 from hearth.engine.speculation.speed_gate import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, SpeedGate
 from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, tree_of
@@ -138,6 +139,69 @@ def test_lookahead_guesses_converge_and_keep_the_greedy_text():
         steps += 1
     assert request.all_token_ids[: len(expected)] == expected
     assert steps <= 100, steps
+
+
+def test_lookahead_window_rows_attend_as_the_papers_mask_and_iterate():
+    """As published: row (level l, column i) of a W x (N - 1) window sees the last token, level 0's
+    columns 0..i and column i's levels 1..l (its trajectory), at position l + i + 1 (Fu et al.'s
+    figure 2 mask); the pool's candidate n-grams are branches from the last token beside it
+    (sharing their first node). After a step the levels move down, the top level takes the top
+    rows' draws, each column with its draw is an n-gram, and kept tokens beyond one move the window."""
+    width, n = 4, 4
+    levels = [[100 + 10 * l + i for i in range(width)] for l in range(n - 1)]
+    candidates = [[1, 2, 3], [1, 5, 6]]
+    tokens, parents, tops = lookahead_tree(JacobiWindow([list(level) for level in levels]), candidates, 99)
+    masks = ancestor_masks(parents)
+    assert len(tokens) == 5 + width * (n - 1)
+    for l in range(n - 1):
+        for i in range(width):
+            node = tokens.index(levels[l][i])
+            seen = {tokens[j - 1] for j in range(1, len(masks)) if masks[node + 1] >> j & 1}
+            assert seen == {levels[0][j] for j in range(i + 1)} | {levels[m][i] for m in range(1, l + 1)}
+            assert masks[node + 1].bit_count() - 1 == l + i + 1  # its position past the last token
+    assert [tokens[t] for t in tops] == levels[-1]
+    assert [_branch_of(tokens, parents, tokens.index(c[-1])) for c in candidates] == candidates
+    cut = lookahead_tree(JacobiWindow([list(level) for level in levels]), candidates, 9)
+    assert len(cut[0]) == 9 and cut[2] == [tops[0], None, None, None]
+
+    window = JacobiWindow([list(level) for level in levels])
+    draws = [7, None, 8, 9]
+    trajectories = window.advance(draws, 1, fill=[50, 51, 52, 53])
+    assert trajectories == [[levels[0][i], levels[1][i], levels[2][i], draws[i]] for i in (0, 2, 3)]
+    assert window.levels == [levels[1], levels[2], [7, 51, 8, 9]]  # an unverified column: from the text
+    window.advance([1, 2, 3, 4], 3, fill=[60, 61, 62, 63])  # three tokens kept: two columns leave
+    assert window.levels == [levels[2][2:] + [62, 63], [8, 9, 62, 63], [3, 4, 62, 63]]
+
+
+def run_lookahead_tree(proposer: LookaheadProposer, expected: list[int]) -> int:
+    """Verification of the published step simulated with greedy_rule as the model: each row draws
+    the rule's token after its branch; the longest path of guesses equal to their parent's draw is
+    kept, then one more draw. Returns the steps that made `expected` (checked)."""
+    request = Request("r", expected[:2])
+    row_tokens = [greedy_rule(request.all_token_ids)]
+    request.append_output_token(row_tokens[0])
+    steps = 1
+    while request.num_tokens < len(expected):
+        guesses, parents = proposer.propose_tree(request, 15, row_tokens)
+        context = list(request.all_token_ids)
+        row_tokens = [greedy_rule(context)] + [greedy_rule(context + _branch_of(guesses, parents, node))
+                                               for node in range(len(guesses))]
+        path = accepted_path(parents, [g == row_tokens[p + 1] for g, p in zip(guesses, parents)])
+        for row in [0] + [node + 1 for node in path]:
+            request.append_output_token(row_tokens[row])
+        steps += 1
+    assert request.all_token_ids[: len(expected)] == expected
+    return steps
+
+
+def test_lookahead_as_published_keeps_the_greedy_text_in_fewer_steps():
+    """The published step (3 x 3 window rows, two pool n-grams: 15 guesses) keeps the rule's
+    greedy text, in fewer steps than 200 tokens at least by a third."""
+    expected = [1, 2]
+    while len(expected) < 202:
+        expected.append(greedy_rule(expected))
+    steps = run_lookahead_tree(LookaheadProposer(4, window=3, guesses=2), expected)
+    assert steps <= 133, steps
 
 
 def test_guess_count_follows_acceptance_and_batch_size():

@@ -34,10 +34,10 @@ def engine_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     backend = choose_backend(device, dtype, config.backend, config.enforce_eager or split or config.lora.enable_lora)
     if split and backend.name == "gpu" and device.type == "cuda" and not config.enforce_eager:
         logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
-    if config.speculative.tree_width > 1 and not backend.token_trees:
-        raise ValueError(f"speculative_tree_width > 1 (token-tree verification) is not implemented on the "
-                         f"{backend.name} backend (its attention kernels take no tree masks): use the cpu or "
-                         f"reference backend, or speculative_tree_width 1")
+    if config.speculative.token_trees and not backend.token_trees:
+        raise ValueError(f"speculative_tree_width > 1 and lookahead_mode full (token-tree verification) are not "
+                         f"implemented on the {backend.name} backend (its attention kernels take no tree masks): use "
+                         f"the cpu or reference backend, or speculative_tree_width 1 and lookahead_mode chain")
     return backend
 
 

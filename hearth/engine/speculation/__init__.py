@@ -7,7 +7,8 @@ target's distribution; greedy verification keeps plain decoding's tokens).
     speculator.py   the engine's handle: plan (a step's guesses) and update (a step's result),
                     built once from the engine's SpeculativeConfig
     ngram.py        prompt lookup: the continuation of an earlier match of the last tokens
-    lookahead.py    lookahead decoding: a Jacobi window and an n-gram pool
+    lookahead.py    lookahead decoding: a Jacobi window and an n-gram pool, in one chain or as published
+    lookahead_window.py  as published: the 2-D window and a step's token tree (the window's rows, pool n-grams)
     draft.py        a draft model's guesses: the passes planned here, run by the draft runner
                     (hearth/engine/draft_runner.py, beside the target's runner)
     early_exit.py   the model's own first layers as the draft (self-speculation), on its KV cache

@@ -1,32 +1,36 @@
-"""Lookahead decoding's guesses. Host lists only, no tensors.
+"""Lookahead decoding's guesses (Fu et al., 2024), in one chain or as published. Host lists only, no tensors.
 
-Lookahead decoding (Fu et al., 2024) guesses from the model's own parallel guesses, in one
-chain of rows (the verification path that prompt lookup uses; no tree mask): a request keeps a
-Jacobi window, its current guesses for the next positions, and a pool of N-grams. Every
+Both keep, per request, a pool of N-grams: the text's, the prompt's from the start (the reference
+implementation's POOL_FROM_PROMPT) and what was kept, and the model's own Jacobi trajectories.
+
+As published (lookahead_mode full, lookahead_window.py): every step is one token tree, a 2-D
+Jacobi window of W x (N - 1) rows beside up to G pool n-grams that follow the last token.
+
+In one chain (lookahead_mode chain: the verification path that prompt lookup uses, no tree mask):
+a request keeps a 1-D Jacobi window, its current guesses for the next positions. Every
 verification step is also a Jacobi iteration: the row after a wrong guess gives the model's token
 for the next position under that guess, which becomes the window's new guess there. Each row's
 trajectory joins the pool: the tokens the N - 2 steps before had one, two... positions before
 the row, its own token and its draw, each one the model's next token after the one before it
-(the window's guesses are); so does the text, the prompt's from the start (the reference
-implementation's POOL_FROM_PROMPT) and what was kept. A step's guesses are the pool's most
-frequent continuation of the request's last two tokens (text n-grams are also kept under the
-two tokens before their continuation: one token, say a space or a bracket, is followed by too
-many things to guess well from), else of its last token, chained while the pool goes on, then
-the window's tokens for the positions after them. What the paper does beside that: its window
-keeps N - 1 iterations side by side, iterated every step through a mask of its own, and it
-verifies several pool n-grams at once.
+(the window's guesses are). A step's guesses are the pool's most frequent continuation of the
+request's last two tokens (text n-grams are also kept under the two tokens before their
+continuation: one token, say a space or a bracket, is followed by too many things to guess well
+from), else of its last token, chained while the pool goes on, then the window's tokens for the
+positions after them.
 """
 
 from __future__ import annotations
 
+import random
 import weakref
 from dataclasses import dataclass, field
 
 from hearth.engine.request import Request
+from hearth.engine.speculation.lookahead_window import JacobiWindow, lookahead_tree
+from hearth.engine.speculation.ngram import branch_width
+from hearth.engine.speculation.token_tree import accepted_path
 
-# Lookahead: the n-grams' length N (the paper's 5 and 4 do alike; shorter ones match more often),
-# and the most continuations the pool keeps for one first token (the most recent).
-LOOKAHEAD_NGRAM = 4
+# The most continuations the pool keeps for one first token (the most recent).
 LOOKAHEAD_POOL_PER_TOKEN = 8
 
 
@@ -34,6 +38,7 @@ LOOKAHEAD_POOL_PER_TOKEN = 8
 class LookaheadState:
     """One request's lookahead: its Jacobi window and n-gram pool."""
 
+    n: int  # the n-grams' length
     window: list[int] = field(default_factory=list)  # guesses for positions window_start, window_start + 1, ...
     window_start: int = 0
     # the token(s) before -> the N - 1 tokens that followed -> times seen (the latest last): keyed by
@@ -42,6 +47,11 @@ class LookaheadState:
     pool: dict[tuple[int, ...], dict[tuple[int, ...], int]] = field(default_factory=dict)
     guesses: list[int] = field(default_factory=list)  # the last step's, as proposed
     history: list[dict[int, int]] = field(default_factory=list)  # the last N - 2 steps' rows: position -> token
+    # as published: the 2-D window, the last step's tree (guesses: its tokens) and its columns' top nodes
+    jacobi: JacobiWindow | None = None
+    parents: list[int] = field(default_factory=list)
+    tops: list[int | None] = field(default_factory=list)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # tokens that enter the window
 
     def add_ngram(self, ngram: list[int], context: int = 1) -> None:
         continuations = self.pool.setdefault(tuple(ngram[:context]), {})
@@ -53,7 +63,7 @@ class LookaheadState:
     def add_text(self, tokens: list[int], end: int) -> None:
         """The text's n-gram ending at `end` (exclusive), under its first token and under the two
         tokens before its continuation."""
-        n = LOOKAHEAD_NGRAM
+        n = self.n
         if end >= n:
             self.add_ngram(tokens[end - n : end])
         if end >= n + 1:
@@ -62,35 +72,81 @@ class LookaheadState:
     def best_continuation(self, tokens: list[int]) -> tuple[int, ...]:
         """The continuation seen most often (of those the latest) after the text's last two tokens,
         else after its last token; () for none."""
+        return next(iter(self.continuations(tokens, 1)), ())
+
+    def continuations(self, tokens: list[int], count: int) -> list[tuple[int, ...]]:
+        """Up to `count` different continuations: those of the text's last two tokens, then of its
+        last token, each the most often seen first (of those the latest)."""
+        found: list[tuple[int, ...]] = []
         for context in (2, 1):
-            continuations = self.pool.get(tuple(tokens[-context:])) if len(tokens) >= context else None
-            if continuations:
-                return max(reversed(continuations.items()), key=lambda item: item[1])[0]
-        return ()
+            seen = self.pool.get(tuple(tokens[-context:])) if len(tokens) >= context else None
+            for continuation, _ in sorted(reversed((seen or {}).items()), key=lambda item: -item[1]):
+                if len(found) < count and continuation not in found:
+                    found.append(continuation)
+        return found
 
 
 class LookaheadProposer:
-    """Lookahead decoding's guesses (module docstring): a pool n-gram, then the Jacobi window."""
+    """Lookahead decoding's guesses (module docstring): as published, or in one chain."""
 
-    def __init__(self) -> None:
+    def __init__(self, ngram: int = 4, window: int = 0, guesses: int = 0) -> None:
+        """ngram: the n-grams' length N; window: W > 0 for the published step (a token tree of the
+        2-D window's W x (N - 1) rows and up to `guesses` pool n-grams), 0 for one chain."""
+        self.n, self.width, self.num_candidates = ngram, window, guesses
         self.states: weakref.WeakKeyDictionary[Request, LookaheadState] = weakref.WeakKeyDictionary()
 
     def guess(self, wanted: dict[Request, int], generators: dict, verified_rows: dict[Request, list[int]]) -> None:
-        """Learn from every request's verified rows; set the guesses of those in `wanted`."""
+        """Learn from every request's verified rows; set the guesses of those in `wanted` (a
+        structured-output request's in one chain: its grammar masks follow one)."""
         for request, rows in verified_rows.items():
-            request.set_guesses(self.propose(request, wanted.get(request, 0), rows))
+            k = wanted.get(request, 0)
+            if self.width and branch_width(request, 2) > 1:
+                request.set_guesses(*self.propose_tree(request, k, rows))
+            else:
+                request.set_guesses(self.propose(request, k, rows))
 
-
-
-    def propose(self, request: Request, k: int, row_token_ids: list[int]) -> list[int]:
-        """Up to k guesses to follow `request`'s tokens, after learning from the step just verified:
-        row_token_ids, the model's token at each of its rows (the last token, then each guess)."""
+    def _state(self, request: Request) -> LookaheadState:
         state = self.states.get(request)
         if state is None:  # the pool starts with the prompt's n-grams (the reference implementation's
-            state = self.states[request] = LookaheadState()  # POOL_FROM_PROMPT): text it may repeat
+            state = self.states[request] = LookaheadState(self.n)  # POOL_FROM_PROMPT): text it may repeat
             prompt = request.prompt_token_ids
-            for end in range(LOOKAHEAD_NGRAM, len(prompt) + 1):
+            for end in range(self.n, len(prompt) + 1):
                 state.add_text(prompt, end)
+        return state
+
+    def propose_tree(self, request: Request, k: int, row_token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """As published: up to k guesses in a token tree (tokens, parents), the pool's candidate
+        n-grams and the 2-D window's rows, after learning from the step just verified."""
+        state = self._state(request)
+        tokens = request.all_token_ids
+        if state.jacobi is None:
+            state.jacobi = JacobiWindow.from_text(tokens, self.width, self.n, state.rng)
+        else:
+            self._learn_tree(state, tokens, row_token_ids)
+        state.guesses, state.parents, state.tops = [], [], []
+        if k > 0:
+            candidates = [list(c) for c in state.continuations(tokens, self.num_candidates)]
+            state.guesses, state.parents, state.tops = lookahead_tree(state.jacobi, candidates, k)
+        return state.guesses, state.parents
+
+    def _learn_tree(self, state: LookaheadState, tokens: list[int], row_token_ids: list[int]) -> None:
+        """The step that gave row_token_ids (a draw per row: the last token's, then each guess's)
+        verified the first of state.guesses; tokens: the request's, those it kept appended."""
+        verified = len(row_token_ids) - 1
+        parents = state.parents[:verified]
+        accepted = [state.guesses[i] == row_token_ids[parent + 1] for i, parent in enumerate(parents)]
+        kept = len(accepted_path(parents, accepted)) + 1
+        for i in range(kept):  # the text kept
+            state.add_text(tokens, len(tokens) - kept + 1 + i)
+        tops = [None if node is None or node >= verified else row_token_ids[node + 1] for node in state.tops]
+        fill = [state.rng.choice(tokens) for _ in range(self.width)]
+        for ngram in state.jacobi.advance(tops or [None] * self.width, kept, fill):
+            state.add_ngram(ngram)
+
+    def propose(self, request: Request, k: int, row_token_ids: list[int]) -> list[int]:
+        """In one chain: up to k guesses to follow `request`'s tokens, after learning from the step
+        just verified: row_token_ids, the model's token at each of its rows (the last token, then each guess)."""
+        state = self._state(request)
         tokens = request.all_token_ids
         self._learn(state, tokens, row_token_ids)
         if k <= 0:
@@ -116,7 +172,7 @@ class LookaheadProposer:
         while kept <= len(guesses) and guesses[kept - 1] == row_token_ids[kept - 1]:
             kept += 1
         c = len(tokens) - kept - 1
-        n = LOOKAHEAD_NGRAM
+        n = state.n
         inputs = {c + i: t for i, t in enumerate([tokens[c], *guesses])}  # this step's rows by position
         for i, given in enumerate(row_token_ids):
             # a trajectory: the token each earlier step had one position before, each one the

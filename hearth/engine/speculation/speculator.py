@@ -130,7 +130,8 @@ def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_m
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.tree_width)
     elif config.method == "lookahead":
-        proposer = LookaheadProposer()
+        proposer = LookaheadProposer(config.lookahead_ngram, config.lookahead_window if config.lookahead_full else 0,
+                                     config.lookahead_guesses)
     elif config.method in ("draft", "early-exit"):
         proposer = DraftProposer(draft, config.tree_width)
     return Speculator(config, proposer, max_model_len, sequences)

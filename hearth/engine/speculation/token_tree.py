@@ -19,17 +19,25 @@ from __future__ import annotations
 def tree_of(branches: list[list[int]]) -> tuple[list[int], list[int]]:
     """The tree holding each branch (a token sequence from the root) with shared prefixes merged:
     (tokens, parents), the first branch's nodes first (trimming from the end keeps the best)."""
-    tokens, parents = [], []
+    tokens, parents, _ = tree_paths(branches)
+    return tokens, parents
+
+
+def tree_paths(branches: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """tree_of's (tokens, parents), and each branch's nodes in order (where its tokens went)."""
+    tokens, parents, paths = [], [], []
     children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for branch in branches:
-        node = -1
+        node, path = -1, []
         for token in branch:
             if (node, token) not in children:
                 children[node, token] = len(tokens)
                 tokens.append(token)
                 parents.append(node)
             node = children[node, token]
-    return tokens, parents
+            path.append(node)
+        paths.append(path)
+    return tokens, parents, paths
 
 
 def chain(num_guesses: int) -> list[int]:
