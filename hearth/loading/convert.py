@@ -26,7 +26,7 @@ from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name,
                                   hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
-from hearth.quant import quantize
+from hearth.quant import QuantTensor, quantize
 from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
@@ -75,6 +75,8 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
+    # a GPTQ / AWQ checkpoint's weights (GGUF blocks as read) written from their exact dense values
+    weights = {name: w.dequantize() if isinstance(w, QuantTensor) else w for name, w in weights.items()}
     if config.vision is not None:
         raise ModelLoadError(f"{hf_dir}: an image-text model: hearth does not write its vision tower (llama.cpp's "
                              "mmproj file) to GGUF; run the folder itself")

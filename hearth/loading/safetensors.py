@@ -13,6 +13,7 @@ from safetensors import safe_open
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.names import NOT_LOADED, canonical_hf_name
+from hearth.quant.tensor import QuantTensor
 
 logger = logging.getLogger("hearth")
 
@@ -53,14 +54,16 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no weights (model.safetensors or model.safetensors.index.json)")
 
 
-def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_folder(folder: str | Path, progress: bool = True
+                   ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantTensor]]:
     from tqdm import tqdm
 
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{folder}: no config.json")
-    config = ModelConfig.from_hf(read_json(config_path), str(config_path))
+    hf = read_json(config_path)
+    config = ModelConfig.from_hf(hf, str(config_path))
     weights: dict[str, torch.Tensor] = {}
     files = weight_files(folder)
     not_loaded, skipped = NOT_LOADED.get(config.architecture), 0
@@ -81,4 +84,8 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
     if skipped:
         logger.warning("%s: %d tensors not loaded (%s): hearth runs the %s text model", folder, skipped,
                     not_loaded.pattern, config.architecture)
+    if hf.get("quantization_config") is not None:  # a library's packed weights (refused by from_hf if unread)
+        from hearth.loading.library_quant import read_library_weights
+
+        weights = read_library_weights(weights, hf["quantization_config"], str(config_path))
     return config, weights
