@@ -118,7 +118,7 @@ def write_gguf(writer: GGUFWriter, plan: list[PlannedTensor], out_path: str | Pa
         writer.write_ti_data_to_file()
         bar = tqdm(plan, desc=description, unit="tensor", disable=not progress, leave=False)
         for name, _, qtype, source in bar:
-            writer.write_tensor_data(_encode(source(), qtype, importance.get(name)))
+            writer.write_tensor_data(encode_tensor(source(), qtype, importance.get(name)))
         writer.close()
         os.replace(partial, out_path)
     except BaseException:
@@ -224,7 +224,7 @@ def _nbytes(byte_shape: tuple[int, ...]) -> int:
     return int(np.prod(byte_shape))
 
 
-def _encode(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.ndarray | None = None) -> np.ndarray:
+def encode_tensor(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.ndarray | None = None) -> np.ndarray:
     """The tensor's bytes in `qtype`: K-quants, and the formats an importance matrix weighs when
     there is one, by hearth's C++ quantizer (llama.cpp's searches), the others by gguf."""
     values = values.detach().to("cpu", torch.float32).contiguous()

@@ -141,6 +141,13 @@ def quantize_model(source: str | Path, out_path: str | Path, mix: str, imatrix: 
                    progress: bool = True) -> Path:
     """Write the model at `source` (an HF folder, or an F32/F16/BF16 GGUF file) quantized to `mix`
     at `out_path` (returned). imatrix: llama.cpp's importance matrix by tensor name (imatrix.py)."""
+    writer, plan = plan_quantization(source, mix, imatrix, progress)
+    return write_gguf(writer, plan, out_path, f"quantizing to {mix}", progress, importance=imatrix)
+
+
+def plan_quantization(source: str | Path, mix: str, imatrix: dict[str, np.ndarray] | None = None,
+                      progress: bool = True) -> tuple[GGUFWriter, list[PlannedTensor]]:
+    """The writer (the file's metadata) and every tensor of `source` with the type `mix` gives it."""
     if mix not in MIXES:
         raise ModelLoadError(f"unknown quantization type {mix!r}; choose one of {', '.join(MIXES)}")
     file_type = MIXES[mix][0]
@@ -154,8 +161,7 @@ def quantize_model(source: str | Path, out_path: str | Path, mix: str, imatrix: 
     else:
         raise ModelLoadError(f"{source}: no such model file or folder")
     types = tensor_types([(name, shape) for name, shape, _, _ in plan], mix, model, has_imatrix=bool(imatrix))
-    plan = [(name, shape, types.get(name, qtype), values) for name, shape, qtype, values in plan]
-    return write_gguf(writer, plan, out_path, f"quantizing to {mix}", progress, importance=imatrix)
+    return writer, [(name, shape, types.get(name, qtype), values) for name, shape, qtype, values in plan]
 
 
 def _open_gguf(path: Path, file_type: LlamaFileType) -> tuple[GGUFWriter, ModelShape, list[PlannedTensor]]:
