@@ -27,7 +27,7 @@ from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITEC
                                   hf_expert, hf_expert_name, hf_to_gguf, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import QuantTensor, quantize
-from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
+from hearth.quant.quantizer import SEARCHED, WEIGHTED, quantize_rows
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
 Q = GGMLQuantizationType
@@ -233,7 +233,7 @@ def encode_tensor(values: torch.Tensor, qtype: GGMLQuantizationType, importance:
     if qtype == Q.F16:
         return values.to(torch.float16).numpy()
     byte_shape = _byte_shape(tuple(values.shape), qtype)
-    if qtype in K_QUANTS or (importance is not None and qtype in WEIGHTED):
+    if qtype in SEARCHED or (importance is not None and qtype in WEIGHTED):
         return quantize_rows(values, qtype, importance).reshape(byte_shape)
     return quantize(values, qtype).numpy().reshape(byte_shape)
 
