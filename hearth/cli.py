@@ -367,7 +367,12 @@ def cmd_quantize(args) -> None:
         from hearth.loading.imatrix_file import read_imatrix
 
         imatrix = read_imatrix(args.imatrix)
-    out = quantize_model(Path(args.source), Path(args.out), args.type.lower(), imatrix=imatrix)
+    if args.awq is None:
+        out = quantize_model(Path(args.source), Path(args.out), args.type.lower(), imatrix=imatrix)
+    else:
+        from hearth.awq import awq_quantize
+
+        out = awq_quantize(Path(args.source), Path(args.out), args.type.lower(), Path(args.awq), args.awq_ctx, imatrix)
     print(f"wrote {out}")
 
 
@@ -521,10 +526,14 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("out")
     p.add_argument("--type", required=True, type=str.lower, metavar="TYPE",
                    choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
-                            "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k"],
-                   help="q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k (any case): "
+                            "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs"],
+                   help="q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k, iq4_nl, iq4_xs (any case): "
                         "llama.cpp's mixes, the same type for each tensor as llama-quantize")
     p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
+    p.add_argument("--awq", default=None, metavar="TEXT_FILE",
+                   help="search AWQ's per-channel scales on this calibration text and fold them into the weights "
+                        "before quantizing (docs/quantize.md)")
+    p.add_argument("--awq-ctx", type=int, default=512, help="tokens per calibration chunk of --awq (default %(default)s)")
     p.set_defaults(func=cmd_quantize)
 
     p = _calibration_command(sub, "imatrix", "an importance matrix for hearth quantize --imatrix (llama-imatrix's GGUF "

@@ -366,20 +366,26 @@ def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 
+# quantization_config's quant_method values whose weights hearth reads (hearth/loading/library_quant.py)
+LIBRARY_QUANTIZATIONS = ("gptq", "awq", "fp8")
+
+
 def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
     """A checkpoint hearth would misread refused by name, before any tensor is looked for: weights
-    quantized by a library (quantization_config: AWQ, GPTQ, fp8, bitsandbytes, ...; their tensors
-    are packed integers under other names) and models with an image encoder (vision_config)."""
+    quantized by a library other than LIBRARY_QUANTIZATIONS (bitsandbytes, ...; their tensors are
+    packed integers under other names) and models with an image encoder (vision_config)."""
     quantization = hf.get("quantization_config")
     # gpt-oss's released experts in MXFP4: kept in 4 bits as GGUF's MXFP4 blocks (hearth/loading/gpt_oss.py)
     gpt_oss_mxfp4 = hf.get("model_type") == "gpt_oss" and isinstance(quantization, dict) and \
         quantization.get("quant_method") == "mxfp4"
     if quantization is not None and not gpt_oss_mxfp4:
         method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
-        raise ModelLoadError(
-            f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read; "
-            "convert the original checkpoint to GGUF with llama.cpp (convert_hf_to_gguf.py, then llama-quantize) "
-            "or `hearth convert`, or load the unquantized bf16/fp16 checkpoint")
+        if method not in LIBRARY_QUANTIZATIONS:
+            raise ModelLoadError(
+                f"{where}: the weights are quantized by {method!r} (quantization_config), which hearth does not read "
+                f"(it reads {', '.join(LIBRARY_QUANTIZATIONS)}); convert the original checkpoint to GGUF with "
+                "llama.cpp (convert_hf_to_gguf.py, then llama-quantize) or `hearth convert` / `hearth quantize`, "
+                "or load the unquantized bf16/fp16 checkpoint")
     # SmolVLM / Idefics3, Qwen3-VL and Qwen3.5 run whole, images included (hearth/vision_config.py)
     if hf.get("vision_config") is not None and vision_family(hf) is None:
         raise ModelLoadError(

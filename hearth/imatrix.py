@@ -28,7 +28,7 @@ BLOCK_SIZE = 16
 _SINGLE = (".o_proj", ".down_proj")  # the projections that are not parts of a MergedLinear
 
 
-def _hooked_modules(model: Transformer) -> list[tuple[torch.nn.Module, list[str]]]:
+def hooked_projections(model: Transformer) -> list[tuple[torch.nn.Module, list[str]]]:
     """(module, the GGUF names of the weights that read its input) for every projection in the layers."""
     found = []
     for name, module in model.named_modules():
@@ -64,7 +64,7 @@ def compute_imatrix(model: Transformer, token_ids: list[int], context: int, devi
             chunk[0] = bos_token_id
     sums: dict[int, torch.Tensor] = {}
     hooks = []
-    modules = _hooked_modules(model)
+    modules = hooked_projections(model)
     for index, (module, _) in enumerate(modules):
         def add(_, args, index=index):
             x = args[0].reshape(-1, args[0].shape[-1]).double()

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fleet", ("hearth.fleet", "hearth.cli")),
     ("server", ("hearth.server", "hearth.bench")),
     ("engine_args", ("hearth.engine_args",)),
-    ("llm", ("hearth", "hearth.llm", "hearth.chat_images", "hearth.perplexity", "hearth.imatrix",
+    ("llm", ("hearth", "hearth.llm", "hearth.chat_images", "hearth.perplexity", "hearth.imatrix", "hearth.awq",
              "hearth.sparsify")),
     ("engine", ("hearth.engine", "hearth.model_info")),
     ("loading", ("hearth.loading",)),

@@ -269,9 +269,11 @@ def test_unimplemented_features_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}, "'awq'.*GGUF"),
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}, "'gptq'.*GGUF"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "'fp8'.*bf16"),
+    # read by hearth (tests/test_library_quant.py), but these folders hold none of their packed tensors
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}, "'awq'.*qweight"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}},
+     "'gptq'.*qweight"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "'fp8'.*weight_scale_inv"),
     ({"quantization_config": {"load_in_4bit": True}}, "'unnamed'.*GGUF"),
     ({"vision_config": {"hidden_size": 32}}, "image encoder"),
 ], ids=["awq", "gptq", "fp8", "bitsandbytes", "vision"])

@@ -38,8 +38,23 @@ def swap_stored_weights(model: nn.Module, make: Callable[[nn.Module, QuantTensor
             del module.weight
             module.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
             continue
+        if weight.column_order is not None:
+            replacement = ReorderedInput(replacement, weight.column_order, weight.shape[0])
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, replacement)
+
+
+class ReorderedInput(nn.Module):
+    """A projection whose weight's columns are stored in `order` (QuantTensor.column_order): its
+    input's columns taken in that order, then multiplied by the stored matrix."""
+
+    def __init__(self, inner: nn.Module, order: torch.Tensor, out_features: int) -> None:
+        super().__init__()
+        self.inner, self.in_features, self.out_features = inner, len(order), out_features  # (read by LoRA's wrapper)
+        self.register_buffer("order", order, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.order))
 
 
 def tiled_linear(x: torch.Tensor, out_features: int, rows_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:

@@ -208,7 +208,7 @@ class VocabParallelHead(nn.Module):
 def _rows(tensor, start: int, size: int):
     """Rows start..start+size-1 of a weight (a view: a QuantTensor's rows are whole blocks)."""
     if isinstance(tensor, QuantTensor):
-        return QuantTensor(tensor.matrix()[start : start + size], tensor.qtype, (size, tensor.shape[1]))
+        return tensor.row_range(start, size)
     return tensor[start : start + size]
 
 

@@ -27,7 +27,7 @@ from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITEC
                                   hf_expert, hf_expert_name, hf_to_gguf, is_vision_tensor, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
 from hearth.quant import QuantTensor, quantize
-from hearth.quant.quantizer import K_QUANTS, WEIGHTED, quantize_rows
+from hearth.quant.quantizer import SEARCHED, WEIGHTED, quantize_rows
 from hearth.tokenizer_gguf import LLAMA3_REGEX, QWEN2_REGEX
 
 Q = GGMLQuantizationType
@@ -83,6 +83,8 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
+    # a GPTQ / AWQ checkpoint's weights (GGUF blocks as read) written from their exact dense values
+    weights = {name: w.dequantize() if isinstance(w, QuantTensor) else w for name, w in weights.items()}
     if config.vision is not None:
         if not text_of_image_text:
             raise ModelLoadError(f"{hf_dir}: an image-text model: `hearth convert` it first (its text model, and "
@@ -128,7 +130,7 @@ def write_gguf(writer: GGUFWriter, plan: list[PlannedTensor], out_path: str | Pa
         writer.write_ti_data_to_file()
         bar = tqdm(plan, desc=description, unit="tensor", disable=not progress, leave=False)
         for name, _, qtype, source in bar:
-            writer.write_tensor_data(_encode(source(), qtype, importance.get(name)))
+            writer.write_tensor_data(encode_tensor(source(), qtype, importance.get(name)))
         writer.close()
         os.replace(partial, out_path)
     except BaseException:
@@ -250,7 +252,7 @@ def _nbytes(byte_shape: tuple[int, ...]) -> int:
     return int(np.prod(byte_shape))
 
 
-def _encode(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.ndarray | None = None) -> np.ndarray:
+def encode_tensor(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.ndarray | None = None) -> np.ndarray:
     """The tensor's bytes in `qtype`: K-quants, and the formats an importance matrix weighs when
     there is one, by hearth's C++ quantizer (llama.cpp's searches), the others by gguf."""
     values = values.detach().to("cpu", torch.float32).contiguous()
@@ -259,7 +261,7 @@ def _encode(values: torch.Tensor, qtype: GGMLQuantizationType, importance: np.nd
     if qtype == Q.F16:
         return values.to(torch.float16).numpy()
     byte_shape = _byte_shape(tuple(values.shape), qtype)
-    if qtype in K_QUANTS or (importance is not None and qtype in WEIGHTED):
+    if qtype in SEARCHED or (importance is not None and qtype in WEIGHTED):
         return quantize_rows(values, qtype, importance).reshape(byte_shape)
     return quantize(values, qtype).numpy().reshape(byte_shape)
 

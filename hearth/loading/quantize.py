@@ -28,9 +28,11 @@ MIXES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q3_k_s": (F.MOSTLY_Q3_K_S, Q.Q3_K), "q3_k_m": (F.MOSTLY_Q3_K_M, Q.Q3_K), "q3_k_l": (F.MOSTLY_Q3_K_L, Q.Q3_K),
     "q4_k_s": (F.MOSTLY_Q4_K_S, Q.Q4_K), "q4_k_m": (F.MOSTLY_Q4_K_M, Q.Q4_K),
     "q5_k_s": (F.MOSTLY_Q5_K_S, Q.Q5_K), "q5_k_m": (F.MOSTLY_Q5_K_M, Q.Q5_K), "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
+    "iq4_nl": (F.MOSTLY_IQ4_NL, Q.IQ4_NL), "iq4_xs": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
 }
+_IQ4 = ("iq4_nl", "iq4_xs")
 # llama.cpp's fallback where a row is not a whole number of the type's blocks
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight")
 
 
@@ -97,7 +99,7 @@ def tensor_types(tensors: list[tuple[str, tuple[int, ...]]], mix: str, model: Mo
 
 def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, tied: bool, model: ModelShape,
               layer: int, i_attn_v: int, n_attn_v: int, has_imatrix: bool) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the mixes above (no i-quants, no Falcon)."""
+    """llama_tensor_get_type_impl for the mixes above (of the i-quants IQ4_NL and IQ4_XS; no Falcon)."""
     n = model.layers
     gqa = model.heads // max(1, model.kv_heads)
     if category == "output" or (tied and category == "token_embd"):
@@ -107,7 +109,9 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
     if category == "attn_v":
         qtype = {"q2_k": Q.Q4_K if gqa >= 4 else Q.Q3_K, "q3_k_m": Q.Q5_K if i_attn_v < 2 else Q.Q4_K,
                  "q3_k_l": Q.Q5_K}.get(mix, qtype)
-        if mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_attn_v, n_attn_v):
+        if mix in _IQ4 and gqa >= 4:
+            qtype = Q.Q5_K
+        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_attn_v, n_attn_v):
             qtype = Q.Q6_K
         elif mix == "q4_k_s" and i_attn_v < 4:
             qtype = Q.Q5_K
@@ -125,6 +129,8 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
             return Q.Q5_K
         if mix in ("q4_k_m", "q5_k_m"):
             return Q.Q6_K if _use_more_bits(layer, n) else qtype
+        if mix in _IQ4 and not has_imatrix and layer < n // 8:
+            return Q.Q5_K
         if mix == "q4_k_s" and layer < n // 8:
             return Q.Q5_K
         if mix in ("q4_0", "q5_0") and has_imatrix and layer < n // 8:
@@ -132,7 +138,7 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
         return qtype
     if category == "attn_output":
         if model.experts == 8:
-            return Q.Q5_K if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m") else qtype
+            return Q.Q5_K if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m", *_IQ4) else qtype
         return {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K}.get(mix, qtype)
     return qtype
 
@@ -141,6 +147,13 @@ def quantize_model(source: str | Path, out_path: str | Path, mix: str, imatrix: 
                    progress: bool = True) -> Path:
     """Write the model at `source` (an HF folder, or an F32/F16/BF16 GGUF file) quantized to `mix`
     at `out_path` (returned). imatrix: llama.cpp's importance matrix by tensor name (imatrix.py)."""
+    writer, plan = plan_quantization(source, mix, imatrix, progress)
+    return write_gguf(writer, plan, out_path, f"quantizing to {mix}", progress, importance=imatrix)
+
+
+def plan_quantization(source: str | Path, mix: str, imatrix: dict[str, np.ndarray] | None = None,
+                      progress: bool = True) -> tuple[GGUFWriter, list[PlannedTensor]]:
+    """The writer (the file's metadata) and every tensor of `source` with the type `mix` gives it."""
     if mix not in MIXES:
         raise ModelLoadError(f"unknown quantization type {mix!r}; choose one of {', '.join(MIXES)}")
     file_type = MIXES[mix][0]
@@ -154,8 +167,7 @@ def quantize_model(source: str | Path, out_path: str | Path, mix: str, imatrix: 
     else:
         raise ModelLoadError(f"{source}: no such model file or folder")
     types = tensor_types([(name, shape) for name, shape, _, _ in plan], mix, model, has_imatrix=bool(imatrix))
-    plan = [(name, shape, types.get(name, qtype), values) for name, shape, qtype, values in plan]
-    return write_gguf(writer, plan, out_path, f"quantizing to {mix}", progress, importance=imatrix)
+    return writer, [(name, shape, types.get(name, qtype), values) for name, shape, qtype, values in plan]
 
 
 def _open_gguf(path: Path, file_type: LlamaFileType) -> tuple[GGUFWriter, ModelShape, list[PlannedTensor]]:

@@ -14,6 +14,7 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gpt_oss import split_fused_experts
 from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors
+from hearth.quant.tensor import QuantTensor
 
 logger = logging.getLogger("hearth")
 
@@ -54,14 +55,16 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no weights (model.safetensors or model.safetensors.index.json)")
 
 
-def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_folder(folder: str | Path, progress: bool = True
+                   ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantTensor]]:
     from tqdm import tqdm
 
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelLoadError(f"{folder}: no config.json")
-    config = ModelConfig.from_hf(read_json(config_path), str(config_path))
+    hf = read_json(config_path)
+    config = ModelConfig.from_hf(hf, str(config_path))
     weights: dict[str, torch.Tensor] = {}
     files = weight_files(folder)
     not_loaded, skipped = (NOT_LOADED_WITH_VISION if config.vision else NOT_LOADED).get(config.architecture), 0
@@ -79,9 +82,13 @@ def load_hf_folder(folder: str | Path, progress: bool = True) -> tuple[ModelConf
             except Exception as e:  # safetensors raises its own SafetensorError on damaged files
                 raise ModelLoadError(f"{file}: damaged safetensors file ({e})") from None
             bar.update()
-    if config.architecture == "gpt_oss":
-        weights = split_fused_experts(weights)
     if skipped:
         logger.warning("%s: %d tensors not loaded (%s): parts of a %s checkpoint hearth does not run", folder, skipped,
                     not_loaded.pattern, config.architecture)
+    if config.architecture == "gpt_oss":  # (its quantization_config: MXFP4 experts, read here)
+        weights = split_fused_experts(weights)
+    elif hf.get("quantization_config") is not None:  # a library's packed weights (refused by from_hf if unread)
+        from hearth.loading.library_quant import read_library_weights
+
+        weights = read_library_weights(weights, hf["quantization_config"], str(config_path))
     return config, weights

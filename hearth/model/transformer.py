@@ -396,7 +396,11 @@ _UNUSED_CHECKPOINT = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def _storage_format(weight: torch.Tensor | QuantTensor) -> tuple:
-    return (weight.qtype,) if isinstance(weight, QuantTensor) else (weight.dtype,)
+    """Weights that can share one matrix: of one format and, where columns are stored reordered, one order."""
+    if not isinstance(weight, QuantTensor):
+        return (weight.dtype,)
+    order = weight.column_order
+    return (weight.qtype,) if order is None else (weight.qtype, order.numpy().tobytes())
 
 
 def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor:
@@ -406,7 +410,7 @@ def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | Quant
         return parts[0]
     if isinstance(parts[0], QuantTensor):
         data = stack_rows([p.matrix() for p in parts])
-        joined = QuantTensor(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+        joined = QuantTensor(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]), parts[0].column_order)
     else:
         joined = stack_rows(parts)
     for part in parts:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,11 +21,15 @@ class QuantTensor:
 
     data: uint8 of shape (rows, bytes_per_row); a row holds cols / block_size blocks,
     so rows can be permuted or sliced without touching the blocks.
+    column_order: None, or int64 [cols]: the blocks hold the columns in this order (stored column j is
+    the weight's column column_order[j]; GPTQ's act-order, hearth/loading/library_quant.py), so a
+    matmul takes its input's columns in that order first.
     """
 
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+    column_order: torch.Tensor | None = None
 
     @classmethod
     def of_half(cls, matrix: torch.Tensor) -> QuantTensor:
@@ -46,16 +50,26 @@ class QuantTensor:
         return self.data.reshape(self.shape[0], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense matrix in `dtype` (an F16/BF16 matrix of that dtype: its own bytes, no copy)."""
+        """The dense matrix in `dtype`, its columns in the weight's order (an F16/BF16 matrix of that
+        dtype: its own bytes, no copy)."""
         if self.qtype in HALF_DTYPES:
             return self.matrix().view(HALF_DTYPES[self.qtype]).to(dtype)
-        return dequantize(self.data, self.qtype, self.shape).to(dtype)
+        stored = dequantize(self.data, self.qtype, self.shape).to(dtype)
+        if self.column_order is None:
+            return stored
+        dense = torch.empty_like(stored)
+        dense[:, self.column_order] = stored
+        return dense
+
+    def row_range(self, start: int, size: int) -> QuantTensor:
+        """Rows start..start+size-1, still quantized (a view: rows are whole blocks)."""
+        return replace(self, data=self.matrix()[start:start + size], shape=(size, self.shape[1]))
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
         """The rows at `index`, still quantized. Gathered by numpy: torch's index kernel forks its
         threads for a copy of a few hundred kilobytes, tens of milliseconds a call on a busy machine."""
         data = torch.from_numpy(self.matrix().numpy()[index.numpy()]) if self.data.is_cpu else self.matrix()[index]
-        return QuantTensor(data, self.qtype, (len(index), self.shape[1]))
+        return replace(self, data=data, shape=(len(index), self.shape[1]))
 
 
 def dequantize_rows(data: torch.Tensor, qtype: GGMLQuantizationType, cols: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""llama.cpp's quantizer searches in C++ (kquants.cpp, searches.h): float rows -> K-quant blocks
-(Q2_K .. Q6_K), and the 32-value formats Q4_0 .. Q5_1 when an importance matrix weighs the columns.
+"""llama.cpp's quantizer searches in C++ (kquants.cpp, searches.h, iq4.h): float rows -> K-quant blocks
+(Q2_K .. Q6_K), IQ4_NL and IQ4_XS, and the 32-value formats Q4_0 .. Q5_1 when an importance matrix
+weighs the columns.
 The blocks equal llama.cpp's byte for byte (kquants.cpp says how). Built on first use (hearth.native)."""
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from hearth.native import build
 
 Q = GGMLQuantizationType
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SEARCHED = (*K_QUANTS, Q.IQ4_NL, Q.IQ4_XS)  # the formats hearth's quantizer writes with or without an importance matrix
 # the formats whose search an importance matrix changes (Q8_0's has no weighted search)
-WEIGHTED = (*K_QUANTS, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+WEIGHTED = (*SEARCHED, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 
 @functools.cache
@@ -37,7 +39,7 @@ def quantize_rows(values: torch.Tensor, qtype: GGMLQuantizationType, importance:
     cols = array.shape[-1]
     rows = array.reshape(-1, cols)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if qtype not in WEIGHTED or (qtype not in K_QUANTS and importance is None):
+    if qtype not in WEIGHTED or (qtype not in SEARCHED and importance is None):
         raise ModelLoadError(f"hearth's quantizer has no {qtype.name} search{'' if importance is None else ' with an importance matrix'}")
     if cols % block_size:
         raise ModelLoadError(f"cannot quantize to {qtype.name}: row length {cols} is not a multiple of {block_size}")

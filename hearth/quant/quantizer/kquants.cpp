@@ -1,5 +1,5 @@
-// Float rows -> GGUF blocks: the K-quants (Q2_K .. Q6_K) and, with an importance matrix, the 32-value
-// formats (Q4_0 .. Q5_1), by the searches llama.cpp's quantizer runs (ggml-quants.c). Every block's
+// Float rows -> GGUF blocks: the K-quants (Q2_K .. Q6_K), IQ4_NL and IQ4_XS (iq4.h) and, with an importance
+// matrix, the 32-value formats (Q4_0 .. Q5_1), by the searches llama.cpp's quantizer runs (ggml-quants.c). Every block's
 // arithmetic is float32 in the order ggml's reference C code does it, and this source is compiled
 // with -ffp-contract=off (no fused multiply-adds), so that the bytes equal llama.cpp's
 // `llama_model_quantize` output (ggml-base is built for plain x86-64, which has no FMA either).
@@ -8,12 +8,14 @@
 // Block layouts: hearth/quant/formats.py.
 #include <pybind11/pybind11.h>
 
+#include "iq4.h"
 #include "searches.h"
 
 namespace hearth {
 namespace {
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+       IQ4_XS = 23 };
 
 // four 2-bit codes of L (values l, l+32, l+64, l+96 of each 128) per byte
 void pack_crumbs(const uint8_t* L, uint8_t* qs) {
@@ -276,6 +278,8 @@ int block_bytes(int qtype) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -287,10 +291,11 @@ void quantize_rows(uintptr_t x_ptr, uintptr_t y_ptr, int64_t rows, int64_t cols,
   uint8_t* y = reinterpret_cast<uint8_t*>(y_ptr);
   const float* qw = reinterpret_cast<const float*>(importance);
   const bool legacy = qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1;
-  if (legacy ? !qw || cols % 32 : !block_bytes(qtype) || cols % QK)
+  const int block = legacy || qtype == IQ4_NL ? 32 : QK;  // values a block
+  if (legacy ? !qw || cols % 32 : !block_bytes(qtype) || cols % block)
     throw std::invalid_argument("unsupported type, row length or missing importance for this quantizer");
   const int64_t row_bytes = legacy ? cols / 32 * ((qtype == Q4_0 ? 18 : qtype == Q5_1 ? 24 : qtype == Q4_1 ? 20 : 22))
-                                   : cols / QK * block_bytes(qtype);
+                                   : cols / block * block_bytes(qtype);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
@@ -299,10 +304,11 @@ void quantize_rows(uintptr_t x_ptr, uintptr_t y_ptr, int64_t rows, int64_t cols,
       legacy_weighted(xr, yr, cols, qw, qtype);
       continue;
     }
-    for (int64_t b = 0; b < cols / QK; ++b) {
-      const float *xb = xr + b * QK, *w = qw ? qw + b * QK : nullptr;
+    for (int64_t b = 0; b < cols / block; ++b) {
+      const float *xb = xr + b * block, *w = qw ? qw + b * block : nullptr;
       uint8_t* yb = yr + b * block_bytes(qtype);
       switch (qtype) {
+        case IQ4_NL: case IQ4_XS: iq4(xb, yb, w, block); break;
         case Q2_K: q2_k(xb, yb, w); break;
         case Q3_K: q3_k(xb, yb, w); break;
         case Q4_K: q45_k(xb, yb, w, 15); break;
