@@ -541,13 +541,22 @@ def _add_sparsify(sub) -> None:
     p.set_defaults(func=cmd_sparsify)
 
 
+class _VersionAction(argparse._VersionAction):
+    """--version, the package's version looked up only when asked (importlib.metadata: ~0.1 s a start)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from hearth import __version__
+
+        self.version = f"hearth {__version__}"
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building it (and --help, --version) imports no torch."""
-    from hearth import __version__
     from hearth.bench.cli import add_bench_parsers
 
     parser = argparse.ArgumentParser(prog="hearth", description="An LLM inference engine.")
-    parser.add_argument("--version", action="version", version=f"hearth {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     # no abbreviated flags: `chat --json` once read as --json-schema, a prefix of it
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
