@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 def _interpreter_patches_known_builtins() -> None:
     """Triton's interpreter (3.x) patches triton.language's builtins at each kernel launch and at each
     call of a @triton.jit helper inside a kernel (once per program): each time inspect.getmembers over
-    tl, tl.core, tl.tensor, tl.math (~1 ms), a third of the gpu backend's tests' CPU. The same patching
+    tl, tl.core, tl.tensor, tl.math (~1 ms), over a quarter of a gpu backend test's CPU. The same patching
     here visits only the names that are builtins in the untouched package (read once, now, before any
     launch), which are every name the full scan can find a builtin under."""
     import inspect
