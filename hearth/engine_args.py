@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 from typing import Any
 
 from hearth.engine_config import EngineConfig
@@ -28,12 +29,17 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cli_options() -> list[Option]:
-    return [o for o in declared_options(EngineConfig) if o.cli]
+    return list(_cli_options_by_keyword().values())
+
+
+@functools.cache
+def _cli_options_by_keyword() -> dict[str, Option]:
+    return {o.keyword: o for o in declared_options(EngineConfig) if o.cli}
 
 
 def add_option(g, keyword: str, default: Any = None) -> None:
     """The flag of one declared option on a parser or group (`default`: this command's own, if any)."""
-    o = next(o for o in _cli_options() if o.keyword == keyword)
+    o = _cli_options_by_keyword()[keyword]
     default = o.default if default is None else default
     if isinstance(o.default, bool) or o.negatable:  # (a negatable switch's default may be None: auto)
         action = argparse.BooleanOptionalAction if o.negatable else "store_false" if o.default else "store_true"

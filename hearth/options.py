@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import inspect
 import re
 import typing
@@ -89,10 +90,11 @@ class Option:
         return next(t for t in typing.get_args(self.hint) or (self.hint,) if t is not type(None))
 
 
-def declared_options(config: type, group: str = "engine", path: tuple[str, ...] = ()) -> list[Option]:
+@functools.cache  # a declaration does not change, and reading its type hints is slow (~2 ms a config)
+def declared_options(config: type, group: str = "engine", path: tuple[str, ...] = ()) -> tuple[Option, ...]:
     """Every option of `config`, nested configs' included, in declaration order; TypeError for a field
     declared without option(...)."""
-    found = []
+    found: list[Option] = []
     hints = typing.get_type_hints(config)
     for spec in fields(config):
         if is_dataclass(spec.default_factory):
@@ -106,7 +108,7 @@ def declared_options(config: type, group: str = "engine", path: tuple[str, ...] 
                             meta["group"] or group, hints[spec.name], spec.default, meta["help"], meta["choices"],
                             meta["parse"], meta["metavar"], meta["cli"], meta.get("negatable", False),
                             meta.get("aliases", ())))
-    return found
+    return tuple(found)
 
 
 def keywords_of(config: type) -> Callable[[Callable], Callable]:

@@ -28,6 +28,37 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_patches_known_builtins() -> None:
+    """Triton's interpreter (3.x) patches triton.language's builtins at each kernel launch and at each
+    call of a @triton.jit helper inside a kernel (once per program): each time inspect.getmembers over
+    tl, tl.core, tl.tensor, tl.math (~1 ms), over a quarter of a gpu backend test's CPU. The same patching
+    here visits only the names that are builtins in the untouched package (read once, now, before any
+    launch), which are every name the full scan can find a builtin under."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    packages = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    builtins = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+                for pkg in packages}
+    full_scan = interpreter._patch_builtin
+
+    def patch_builtin(pkg, builder, scope) -> None:
+        if id(pkg) not in builtins:
+            return full_scan(pkg, builder, scope)
+        for name in builtins[id(pkg)]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_patches_known_builtins()
+
+
 @pytest.fixture
 def interpreter_bf16_dot(monkeypatch):
     """Under the interpreter, tl.dot on bfloat16 operands widened to float32 first: numpy has no

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "hearth"
 # top to bottom: (layer, the modules and packages in it); a package stands for every module under it,
 # but "hearth" for its own __init__.py only (the public API: LLM, SamplingParams, the outputs)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("fleet", ("hearth.fleet", "hearth.cli")),
+    ("fleet", ("hearth.fleet", "hearth.cli", "hearth.cli_generation")),
     ("server", ("hearth.server", "hearth.bench")),
     ("engine_args", ("hearth.engine_args",)),
     ("llm", ("hearth", "hearth.llm", "hearth.chat_images", "hearth.perplexity", "hearth.imatrix", "hearth.awq",

@@ -269,7 +269,7 @@ def test_one_tile_images_on_the_gpu_backend(vlm, tmp_path):
 def test_generate_reads_image_files(tmp_path):
     """hearth generate --image: files read as PIL images (markers put first when the prompt has none);
     a file that is no image is a HearthError naming it."""
-    from hearth.cli import _generate_prompt
+    from hearth.cli_generation import _generate_prompt
     from hearth.images import read_image_file
     from hearth.errors import HearthError
     from hearth.image_processor_qwen import QwenImageProcessor

@@ -1,0 +1,213 @@
+"""`hearth generate` and `hearth chat`: their sampling flags, streaming to the terminal, --image's
+prompts, and the chat loop with its commands (/help, /reset, /system, /image, /exit)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hearth.engine_args import add_engine_arguments, add_model_argument, build_llm
+from hearth.errors import HearthError
+
+
+def add_generate_and_chat(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
+    add_model_argument(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for an image-text model (repeatable); the prompt names each with <image>, "
+                        "in order (without any, the images go before the text)")
+    p.add_argument("--json", action="store_true")
+    _add_sampling(p, max_tokens=128)
+    # one sequence at a time: the KV cache holds one context, not a share of memory
+    add_engine_arguments(p, max_num_seqs=1)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="talk with the model through its chat template (/help: its commands)")
+    add_model_argument(p)
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--json", action="store_true", help="each reply as one JSON line (content, finish_reason, "
+                                                       "token counts; reasoning_content with --reasoning-parser)")
+    _add_sampling(p, max_tokens=512)
+    add_engine_arguments(p, max_num_seqs=1)
+    p.set_defaults(func=cmd_chat)
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """generate's and chat's sampling flags, each named after its SamplingParams field (SamplingParams.from_cli)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g = p.add_argument_group("structured output").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid against this schema")
+    g.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the output follows this grammar (Lark syntax or llama.cpp's GBNF)")
+    g = p.add_argument_group("watermark")
+    g.add_argument("--watermark-key", type=int, default=None, help="watermark the output with this key (0 to 2**32-1)")
+    g.add_argument("--watermark-delta", type=float, default=2.0, help="the bias on green tokens")
+    g = p.add_argument_group("contrastive decoding (with --contrastive-model)")
+    g.add_argument("--contrastive-weight", type=float, default=0.0,
+                   help="scores log p_model - WEIGHT * log p_amateur (0: off; Li et al. use 1)")
+    g.add_argument("--contrastive-alpha", type=float, default=0.1,
+                   help="only tokens with p_model >= ALPHA * max p_model are candidates")
+    p.add_argument_group("contrastive search").add_argument(
+        "--penalty-alpha", type=float, default=0.0, metavar="ALPHA",
+        help="contrastive search (Su et al.): of the --top-k (2 to 16) likeliest tokens, the one of most "
+             "(1 - ALPHA) p - ALPHA x its hidden state's greatest cosine with the text's (0: off; Su et al. use 0.6)")
+
+
+def _sampling(args):
+    from hearth.sampling_params import SamplingParams
+
+    return SamplingParams.from_cli(args)
+
+
+def _stream(llm, prompt, params) -> str:
+    """Print the reply as it grows; return its full text."""
+    shown = ""
+    output = None
+    for output in llm.stream(prompt, params):
+        text = output.outputs[0].text
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
+    return shown if output is None else output.outputs[0].text
+
+
+def _generate_prompt(text: str, images: list | None, processor=None):
+    """--prompt, or with --image the prompt dict with its images (the model's image part, as its chat
+    template writes one, put before the text once per image when the text names none; processor: the
+    model's image processor, None for a model without: its images are refused by the engine)."""
+    if not images:
+        return text
+    from hearth.image_processor import IMAGE_MARKER
+
+    marker, part = (IMAGE_MARKER, IMAGE_MARKER) if processor is None else (processor.marker, processor.template_part)
+    return {"prompt": text if marker in text else part * len(images) + text, "multi_modal_data": {"image": images}}
+
+
+def cmd_generate(args) -> None:
+    params = _sampling(args)  # a bad option or image fails before the model loads
+    from hearth.images import read_image_file
+
+    images = [read_image_file(Path(p), "--image") for p in args.image] if args.image else None
+    llm = build_llm(args)
+    prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None))
+    if args.json:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        print(json.dumps({
+            "prompt": args.prompt,
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(completion.token_ids),
+            **({} if out.cascade is None else {"cascade": out.cascade.summary(len(completion.token_ids))}),
+        }))
+        return
+    sys.stdout.write(args.prompt)
+    _stream(llm, prompt, params)
+    sys.stdout.write("\n")
+
+
+CHAT_COMMANDS = """commands (not sent to the model):
+  /help          this list
+  /reset         forget the conversation (the system message stays)
+  /system TEXT   the system message from now on (/system alone: none)
+  /image FILE    an image for your next message (an image-text model's; --mmproj for a GGUF)
+  /exit          leave (as does end of input)"""
+
+
+def _chat_command(line: str, history: list[dict], images: list) -> bool:
+    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr. /image's
+    images wait in `images` for the next message."""
+    name, _, text = line.partition(" ")
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/image":
+        try:
+            from hearth.images import read_image_file
+
+            images.append(read_image_file(Path(text.strip()), "/image"))
+            print(f"(image {len(images)} attached to your next message)", file=sys.stderr)
+        except HearthError as e:
+            print(e, file=sys.stderr)
+    elif name == "/help":
+        print(CHAT_COMMANDS, file=sys.stderr)
+    elif name == "/reset":
+        del history[1 if history and history[0]["role"] == "system" else 0:]
+        print("(conversation cleared)", file=sys.stderr)
+    elif name == "/system":
+        if history and history[0]["role"] == "system":
+            del history[0]
+        if text.strip():
+            history.insert(0, {"role": "system", "content": text.strip()})
+        print("(system message set)" if text.strip() else "(no system message)", file=sys.stderr)
+    else:
+        print(f"unknown command {name}: /help lists them", file=sys.stderr)
+    return True
+
+
+def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
+    """Generate the next reply (streamed to the terminal, or one JSON line); the answer to keep in the
+    history (with a reasoning parser: without the thinking)."""
+    prompt = llm.chat_prompt(history)  # token ids, or with images the text and its images
+    reasoning = llm.engine.reasoning
+    if as_json:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        text = completion.text
+    else:
+        text = _stream(llm, prompt, params)
+        sys.stdout.write("\n")
+    thinking, content = None, text
+    if reasoning is not None:
+        opened = reasoning.opened_by(prompt["prompt"] if isinstance(prompt, dict) else
+                                     llm.get_tokenizer().decode(prompt[-32:], skip_special_tokens=False))
+        thinking, content = reasoning.split(text, opened)
+    if as_json:
+        record = {"role": "assistant", "content": content, "finish_reason": completion.finish_reason,
+                  "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(completion.token_ids)}
+        print(json.dumps(record | ({} if reasoning is None else {"reasoning_content": thinking}),
+                         ensure_ascii=False), flush=True)
+    return content
+
+
+def cmd_chat(args) -> None:
+    params = _sampling(args)  # a bad option fails before the model loads
+    llm = build_llm(args)
+    history: list[dict] = []
+    images: list = []  # /image's, for the next message
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("/help lists the commands", file=sys.stderr)
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.startswith("/"):
+            if not _chat_command(line.strip(), history, images):
+                break
+            continue
+        if not line.strip():
+            continue
+        parts = [{"type": "image_pil", "image_pil": image} for image in images] + [{"type": "text", "text": line}]
+        history.append({"role": "user", "content": parts if images else line})
+        images.clear()
+        history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})
