@@ -83,6 +83,8 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if not hf_dir.is_dir():
         raise ModelLoadError(f"{hf_dir}: no such model folder")
     config, weights = load_hf_folder(hf_dir, progress=progress)
+    if config.architecture == "gpt_oss":  # (before GPTQ / AWQ blocks are made dense: MXFP4 experts are refused)
+        _check_gpt_oss(hf_dir, config, weights)
     # a GPTQ / AWQ checkpoint's weights (GGUF blocks as read) written from their exact dense values
     weights = {name: w.dequantize() if isinstance(w, QuantTensor) else w for name, w in weights.items()}
     if config.vision is not None:
@@ -96,8 +98,6 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if config.conv_bias:
         raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
                              "and its projections' biases")
-    if config.architecture == "gpt_oss":
-        _check_gpt_oss(hf_dir, config, weights)
     plan = list(_plan_tensors(config, weights, weight_type))
     writer = GGUFWriter(None, GGUF_ARCHITECTURES[config.architecture])
     _add_model_metadata(writer, config, hf_dir.name, file_type)
