@@ -123,6 +123,32 @@ def test_two_replicas_give_one_engines_greedy_outputs(folder):
             assert all(e.engine.block_manager.check_all_free() for e in engines)
 
 
+def test_requests_naming_a_stored_response_find_the_replica_that_holds_it(folder):
+    """A stored response lives on the replica that made it: follow-ups by previous_response_id, GET and
+    DELETE (through the openai SDK) reach it behind a router that sends them anywhere (random), and
+    each gets the answer one engine gives; a response no replica holds is a 404."""
+    with replica_servers(folder, 2) as (urls, engines):
+        router = Router(FixedReplicas(urls), policy="random")
+        router.routing._random.seed(1)
+        with serving(build_router_app(router)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            first = client.responses.create(model=NAME, input="Once upon a time", max_output_tokens=4,
+                                            temperature=0)
+            held = [httpx.get(f"{u}/v1/responses/{first.id}", timeout=30).status_code == 200 for u in urls]
+            assert sorted(held) == [False, True]  # stored by the replica that made it, only there
+            direct = openai.OpenAI(base_url=urls[held.index(True)] + "/v1", api_key="none", max_retries=0)
+            expected = direct.responses.create(model=NAME, input="and then", previous_response_id=first.id,
+                                               max_output_tokens=4, temperature=0).output_text
+            replies = {client.responses.create(model=NAME, input="and then", previous_response_id=first.id,
+                                               max_output_tokens=4, temperature=0).output_text for _ in range(6)}
+            assert replies == {expected}  # the holder's own reply, whichever replica each was sent to first
+            assert client.responses.retrieve(first.id).id == first.id
+            client.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(first.id)
+            assert metric_samples(url, "hearth:router_retries_total")[""] > 0  # some went elsewhere first
+
+
 def complete_all(url: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy completions of the prompts through the openai client, all sent at once, every other one streamed."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -3,7 +3,10 @@
 Every request is forwarded unchanged to one replica, chosen by routing.PrefixRouter from its
 prompt (completions) or messages (chat). A request is retried on another replica while nothing
 of its answer has reached the client: when the replica cannot be reached, drops the connection,
-or answers 503 (its queue is full). A non-streaming answer is read whole before it is passed on,
+or answers 503 (its queue is full). What a replica stores (stored responses, files, batches) is
+that replica's own: a request that names one (a path under /v1/responses/, /v1/files/ or /v1/batches/,
+a `previous_response_id` or an `input_file_id`) and gets a 404 is tried on the other replicas in turn,
+and gets the 404 only when none holds it. A non-streaming answer is read whole before it is passed on,
 so it is always retryable; a stream that breaks after its first bytes ends with an error event.
 A health loop polls each replica and starts dead ones again (or, under Ray, waits for Ray to).
 
@@ -37,6 +40,16 @@ HEALTH_INTERVAL = 0.5  # seconds between polls of each replica's /health
 # not passed on from clients (a client must not make a decode worker fetch from a URL of its choosing)
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "authorization",
                PREFILL_HEADER}
+
+
+# where a replica's stored objects are named: a request naming one goes on past a replica's 404
+STORED_PATHS = ("/v1/responses/", "/v1/files/", "/v1/batches/")
+STORED_FIELDS = (b'"previous_response_id"', b'"input_file_id"')
+
+
+def names_stored_object(path: str, body: bytes) -> bool:
+    """The request names something one replica stored (its 404 may be another replica's 200)."""
+    return path.startswith(STORED_PATHS) or any(field in body for field in STORED_FIELDS)
 
 
 def prompt_key(path: str, body: bytes) -> str:
@@ -138,12 +151,13 @@ class Router:
         if self.prefill_replicas and path in GENERATION_PATHS and (prefill := self._prefill_source()):
             headers[PREFILL_HEADER] = prefill
         tried: set[int] = set()
-        busy: Response | None = None
+        stored = names_stored_object(path, body)
+        refused: Response | None = None  # the last 503 (queue full) or, for a stored object, 404
         while True:
             try:
                 route = self.routing.choose(key, exclude=frozenset(tried) | self.prefill_replicas)
             except LookupError:
-                return busy or error_response(503, "no replica is available")
+                return refused or error_response(503, "no replica is available")
             index = route.replica
             tried.add(index)
             self.prefix_bytes.inc(route.total_chunks * self.routing.chunk_bytes)
@@ -163,17 +177,18 @@ class Router:
             upstream, handed_over = None, False
             try:
                 upstream = await self.client.send(upstream_request, stream=True)
-                if upstream.status_code == 503:  # this replica's queue is full: another may have room
-                    busy = Response(await upstream.aread(), status_code=503,
-                                    media_type=upstream.headers.get("content-type"))
-                    raise _Busy
+                # this replica's queue is full (another may have room), or it does not hold the object named
+                if upstream.status_code == 503 or (stored and upstream.status_code == 404):
+                    refused = Response(await upstream.aread(), status_code=upstream.status_code,
+                                       media_type=upstream.headers.get("content-type"))
+                    raise _Refused
                 if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     content = await upstream.aread()  # whole, so a failure here is still retryable
                     return Response(content, status_code=upstream.status_code,
                                     media_type=upstream.headers.get("content-type"))
                 handed_over = True  # _relay closes and releases it
                 return StreamingResponse(self._relay(upstream, index), status_code=200, media_type="text/event-stream")
-            except _Busy:
+            except _Refused:
                 pass
             except httpx.TransportError as e:
                 logger.warning("replica %d failed before answering (%s); trying another", index, e)
@@ -244,8 +259,9 @@ class Router:
         await self.client.aclose()
 
 
-class _Busy(Exception):
-    """A replica answered 503: try the next one, answer 503 if none has room."""
+class _Refused(Exception):
+    """A replica answered 503, or 404 to a request naming a stored object: try the next one, and answer
+    with the last refusal if none takes it."""
 
 
 def build_router_app(router: Router, api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
@@ -281,7 +297,7 @@ def build_router_app(router: Router, api_key: str | None = None, limits: ServerL
             for i, load in enumerate(router.routing.replicas)
         ], "policy": router.routing.policy}
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(request: Request):
         return await router.forward(request)
 
