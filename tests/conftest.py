@@ -108,10 +108,3 @@ def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip_for_missing_module(outcome.get_result())
 
-
-def pytest_collection_modifyitems(config, items):
-    """The modules holding slow or soak tests first, each module's tests kept together and in order (its
-    module fixtures are made once): the two xdist workers start on the long work, and what is left to share
-    at the end is short (the longest-first rule for spreading jobs over workers)."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") or item.get_closest_marker("soak")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)  # (sort is stable)
