@@ -237,6 +237,45 @@ def test_adapters_in_a_server_of_several_models(llm, base_and_adapters):
         assert text("mlp") == offline["mlp"] and text("attn") == offline["attn"]
 
 
+def test_adapter_loads_reach_every_replica_behind_the_router(llm, base_and_adapters):
+    """Behind `--data-parallel-size`'s router (random routing), a load and an unload reach both replicas:
+    each lists the adapter and serves it with the offline engine's greedy text; after the unload, neither."""
+    import httpx
+    import openai
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.fleet.router import Router, build_router_app
+    from hearth.server.app import build_app
+    from test_distributed import FixedReplicas
+    from test_server import serving
+
+    base, adapters = base_and_adapters
+    prompt = [5, 9, 17, 33, 65, 129, 200]
+    offline = llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=LoRARequest("mlp"))[0].outputs[0].text
+    engines = [AsyncEngine(LLM(str(base), enable_lora=True, max_loras=4, kv_cache_memory=1 << 24, progress=False).engine)
+               for _ in range(2)]
+    try:
+        with serving(build_app(engines[0], "base")) as a, serving(build_app(engines[1], "base")) as b:
+            router = Router(FixedReplicas([a, b]), policy="random")
+            with serving(build_router_app(router)) as url:
+                body = {"lora_name": "mlp", "lora_path": str(adapters["mlp"])}
+                assert httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+                for replica in (a, b):
+                    assert "mlp" in {m["id"] for m in httpx.get(replica + "/v1/models").json()["data"]}
+                client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+                texts = {client.completions.create(model="mlp", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                   extra_body={"ignore_eos": True}).choices[0].text for _ in range(4)}
+                assert texts == {offline}
+                again = httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60)
+                assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+                assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+                for replica in (a, b):
+                    assert "mlp" not in {m["id"] for m in httpx.get(replica + "/v1/models").json()["data"]}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
 def test_load_and_unload_endpoints_and_model_names(llm, base_and_adapters):
     """Last in this file: the module's engine is then the server's. Through httpx and the openai SDK."""
     import httpx

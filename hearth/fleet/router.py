@@ -6,7 +6,8 @@ of its answer has reached the client: when the replica cannot be reached, drops 
 or answers 503 (its queue is full). What a replica stores (stored responses, files, batches) is
 that replica's own: a request that names one (a path under /v1/responses/, /v1/files/ or /v1/batches/,
 a `previous_response_id` or an `input_file_id`) and gets a 404 is tried on the other replicas in turn,
-and gets the 404 only when none holds it. A non-streaming answer is read whole before it is passed on,
+and gets the 404 only when none holds it. LoRA adapter loads and unloads go to every replica (each
+serves every adapter), answered with the first refusal if any replica refuses. A non-streaming answer is read whole before it is passed on,
 so it is always retryable; a stream that breaks after its first bytes ends with an error event.
 A health loop polls each replica and starts dead ones again (or, under Ray, waits for Ray to).
 
@@ -45,6 +46,7 @@ HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"
 # where a replica's stored objects are named: a request naming one goes on past a replica's 404
 STORED_PATHS = ("/v1/responses/", "/v1/files/", "/v1/batches/")
 STORED_FIELDS = (b'"previous_response_id"', b'"input_file_id"')
+EVERY_REPLICA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # sent to each replica
 
 
 def names_stored_object(path: str, body: bytes) -> bool:
@@ -147,6 +149,8 @@ class Router:
         path = request.url.path
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         headers.update(self.replica_headers)
+        if path in EVERY_REPLICA_PATHS:
+            return await self._to_every_replica(request, body, headers)
         key = prompt_key(path, body)
         if self.prefill_replicas and path in GENERATION_PATHS and (prefill := self._prefill_source()):
             headers[PREFILL_HEADER] = prefill
@@ -198,6 +202,26 @@ class Router:
                     if upstream is not None:
                         await upstream.aclose()
                     self._release(index)
+
+    async def _to_every_replica(self, request: Request, body: bytes, headers: dict[str, str]) -> Response:
+        """The request sent to every healthy replica at once: the first refusal (or failure) if any, else
+        the first answer."""
+        urls = [url for i, load in enumerate(self.routing.replicas)
+                if load.healthy and i not in self.prefill_replicas and (url := self.replicas.url(i)) is not None]
+        if not urls:
+            return error_response(503, "no replica is available")
+
+        async def send(url: str) -> Response:
+            try:
+                upstream = await self.client.request(request.method, f"{url}{request.url.path}", headers=headers,
+                                                     content=body)
+            except httpx.TransportError as e:
+                return error_response(503, f"a replica could not be reached ({e}); the others took the request")
+            return Response(upstream.content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type"))
+
+        answers = await asyncio.gather(*(send(url) for url in urls))
+        return next((a for a in answers if a.status_code != 200), answers[0])
 
     def _prefill_source(self) -> str | None:
         """The healthy prefill replicas in turn, as a decode replica reaches them: a URL, or a Ray
