@@ -7,7 +7,7 @@ import pytest
 
 from hearth.cli import main
 from hearth.loading.quantize import quantize_model
-from test_quantize import CPU, DATA, _kld, _load, _logits
+from test_quantize import DATA, _kld, _load, _logits
 
 
 def test_awq_lowers_kld_at_q4_0_on_held_out_text(tmp_path, capsys):
