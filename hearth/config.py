@@ -152,6 +152,12 @@ class ModelConfig:
         """Whether the model reads images: it has a vision encoder (hearth/vision_config.py)."""
         return self.vision is not None
 
+    @property
+    def bidirectional_images(self) -> bool:
+        """Whether an image's tokens attend to each other both ways in prefill, every one seeing the whole
+        image (Gemma 3's; the rest of the sequence stays causal)."""
+        return self.vision is not None and self.vision.family == "gemma3"
+
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(

@@ -60,6 +60,9 @@ class StepInputs:
     # rows whose input is given rather than looked up (an image's embeddings in place of its placeholder
     # tokens): their indices int64 [k] and values [k, hidden] on the backend's device; None: none
     embeds: tuple[np.ndarray, torch.Tensor] | None = None
+    # images whose tokens attend to each other both ways (Gemma 3's; ModelConfig.bidirectional_images), those
+    # among the step's new rows: int64 [N, 3] (sequence, first position, end position); None: all causal
+    image_blocks: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -109,15 +112,17 @@ class PrefillSequence:
     token_start: int  # first of its rows in the flattened batch
     token_end: int
     context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
-    causal_mask: torch.Tensor  # [query_len, context_len] bool, True = may attend
+    # [query_len, context_len] bool, True = may attend: causal, and both ways within an image (StepInputs.image_blocks)
+    sees: torch.Tensor
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """The causal mask, and with a sliding window only the last `window` positions of each row."""
+        """The mask, and with a sliding window only the positions after each row's last `window` (an image's
+        later tokens included: transformers' sliding mask, Gemma 3's too)."""
         if window is None:
-            return self.causal_mask
-        new, context = self.causal_mask.shape
-        rows = torch.arange(context - new, context, device=self.causal_mask.device)[:, None]  # query positions
-        return self.causal_mask & (torch.arange(context, device=rows.device)[None, :] > rows - window)
+            return self.sees
+        new, context = self.sees.shape
+        rows = torch.arange(context - new, context, device=self.sees.device)[:, None]  # query positions
+        return self.sees & (torch.arange(context, device=rows.device)[None, :] > rows - window)
 
 
 @dataclass
@@ -145,17 +150,19 @@ class AttentionMetadata:
     @classmethod
     def from_step(cls, step: StepInputs, device: torch.device) -> AttentionMetadata:
         prefills, decode_rows, decode_seqs = [], [], []
+        both_ways = () if step.image_blocks is None else set(step.image_blocks[:, 0].tolist())
         for s, (start, end) in enumerate(zip(step.query_start_loc[:-1], step.query_start_loc[1:])):
             start, end = int(start), int(end)
-            if end - start <= MAX_DECODE_QUERY_LEN:  # a decode reads its context through the block table
+            # a decode reads its context through the block table, causally (rows of an image: a prefill's mask)
+            if end - start <= MAX_DECODE_QUERY_LEN and s not in both_ways:
                 decode_rows.extend(range(start, end))
                 decode_seqs.append(s)
                 continue
             seq_len = int(step.seq_lens[s])
             blocks = step.block_tables[s, : -(-seq_len // step.block_size)].astype(np.int64)
             context = (blocks[:, None] * step.block_size + np.arange(step.block_size)).reshape(-1)[:seq_len]
-            first = seq_len - (end - start)  # position of the first new token
-            mask = np.arange(seq_len)[None, :] <= np.arange(first, seq_len)[:, None]  # [new, context] causal
+            mask = _prefill_mask(seq_len, end - start, None if s not in both_ways else
+                                 step.image_blocks[step.image_blocks[:, 0] == s, 1:])
             prefills.append(PrefillSequence(start, end, torch.from_numpy(context).to(device),
                                             torch.from_numpy(mask).to(device)))
         lens = step.seq_lens[decode_seqs]
@@ -205,6 +212,18 @@ class AttentionMetadata:
         return slots, mask[:, None, None, :]
 
 
+def _prefill_mask(seq_len: int, query_len: int, images: np.ndarray | None) -> np.ndarray:
+    """bool [query_len, seq_len] of a sequence's last query_len positions: causal, and where `images`
+    (int64 [N, 2], each one's first and end position) gives them, every row of an image seeing the whole
+    image (those of its tokens the cache holds by this step's end)."""
+    first = seq_len - query_len  # position of the first new token
+    rows, columns = np.arange(first, seq_len)[:, None], np.arange(seq_len)[None, :]
+    mask = columns <= rows
+    for low, high in () if images is None else images.tolist():
+        mask |= (rows >= low) & (rows < high) & (columns >= low) & (columns < high)
+    return mask
+
+
 class Backend:
     """The reference path: torch's operations, any device, any dtype."""
 
@@ -214,6 +233,7 @@ class Backend:
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
     mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
+    bidirectional_images = True  # prefill masks see both ways within an image (StepInputs.image_blocks)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)

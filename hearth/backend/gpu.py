@@ -46,6 +46,7 @@ class GpuBackend(Backend):
     token_trees = False  # its Triton attention kernels are causal only (no tree masks)
     state_layers = False  # no Triton kernels for convolutions and delta rules yet
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
+    bidirectional_images = False  # its Triton prefill attention is causal only
     attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):

@@ -93,7 +93,8 @@ class LLMEngine:
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
                                    kv_window=self.model_config.kv_window,
                                    state_slots=StateSlots(self.num_state_slots) if hybrid else None,
-                                   encoder_cache=self.runner.encoder_cache or ())
+                                   encoder_cache=self.runner.encoder_cache or (),
+                                   whole_images=self.model_config.bidirectional_images)
         self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         state_bytes = self.model_config.state_bytes_per_sequence(self.dtype.itemsize)

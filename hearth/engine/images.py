@@ -148,6 +148,15 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
     return (np.concatenate(rows), values) if rows else None
 
 
+def image_blocks(images: Sequence[Sequence[ImageSpan]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+    """The images whose tokens attend to each other both ways (StepInputs.image_blocks) among a step's
+    sequences (images[s]: sequence s's, whose new rows are its positions starts[s]..ends[s]-1): int64
+    [N, 3] (sequence, first position, end position) of each that has rows among them; None: none has."""
+    found = [(s, image.start, image.end) for s, spans in enumerate(images) for image in spans
+             if image.start < ends[s] and image.end > starts[s]]
+    return np.array(found, dtype=np.int64) if found else None
+
+
 def mrope_positions(positions: np.ndarray, images: Sequence[ImageSpan]) -> np.ndarray:
     """M-RoPE's positions int64 [3, n] (time, height, width) of a sequence's rows at token indices
     `positions` [n] (transformers' Qwen3-VL get_rope_index): an image's k-th token at (p, p + k // cols,

@@ -32,7 +32,7 @@ from hearth.config import ATTENTION, MAX_DECODE_QUERY_LEN
 from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows, packed_width, release_pages,
                               stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
-from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, mrope_positions, step_embeddings
+from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import ImageSpan, Request, RequestStatus
 from hearth.engine.step_records import (LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
                                         StepResult)
@@ -178,6 +178,8 @@ class ModelRunner:
             tree_masks=tree_masks,
             state_slots=state_slots,
             embeds=image_rows(entries, query_start_loc),
+            image_blocks=image_blocks([e.images for e in entries], starts, ends)
+            if self.model.config.bidirectional_images else None,
         )
 
     def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:

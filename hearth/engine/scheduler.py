@@ -60,7 +60,12 @@ Decisions:
     encoded whole (hearth/engine/images.py). The encoder work a step takes (the images its chunks
     reach that the encoder cache lacks, in embeddings) is held to max_num_encoder_tokens: a chunk
     ends before the first image past that budget, unless that image would be the step's first
-    encoder work (so that an image larger than the budget is still encoded, alone).
+    encoder work (so that an image larger than the budget is still encoded, alone). Where an image's
+    tokens attend to each other both ways (whole_images: Gemma 3), a chunk never ends inside one: its
+    first rows need the K/V of its last, which a later chunk would make too late. A chunk that would
+    is cut before the image, or, where it starts at or inside the image (the part before from the
+    prefix cache, made with the whole image in view), runs to the image's end, over the token budget
+    if need be (as a prompt longer than the budget does unchunked), so that it always moves on.
   * A sequence that cannot fit even in the whole cache (blocks_needed > num_blocks) is
     finished with FINISHED_LENGTH ("length": no room left for it) and listed in
     SchedulerOutput.finished; add_request refuses prompts that cannot fit at all. So a
@@ -114,11 +119,12 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  clock: Callable[[], float] = time.monotonic, kv_window: int | None = None,
                  state_slots: StateSlots | None = None, encoder_cache: Container[bytes] = (),
-                 max_num_encoder_tokens: int | None = None):
+                 max_num_encoder_tokens: int | None = None, whole_images: bool = False):
         """kv_window: the window every layer of the model attends through (None: some layer sees all).
         state_slots: a hybrid model's state cache (None: the model keeps no state per sequence).
         encoder_cache: the content hashes of the images whose embeddings are cached (images.py);
-        max_num_encoder_tokens: the image embeddings a step may encode (None: max_num_batched_tokens)."""
+        max_num_encoder_tokens: the image embeddings a step may encode (None: max_num_batched_tokens);
+        whole_images: no chunk ends inside an image (ModelConfig.bidirectional_images)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -133,6 +139,7 @@ class Scheduler:
         self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         self._step_images: set[bytes] = set()  # the images this step's chunks encode
         self._encoder_budget = 0
+        self.whole_images = whole_images
         self.waiting: list[Request] = []  # both in queue order (_queue_key)
         self.running: list[Request] = []
         self._arrivals = itertools.count()
@@ -221,8 +228,9 @@ class Scheduler:
             num_new = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             if num_new != 1:  # guesses follow only the last real token
                 request.spec_token_ids.clear()
-            num_new = self._fit_encoder(request, request.num_computed_tokens,
-                                        self._fit(self._to_checkpoint(request, request.num_computed_tokens, num_new), budget, out))
+            start = request.num_computed_tokens
+            num_new = self._fit_encoder(request, start, self._whole_images(
+                request, start, self._fit(self._to_checkpoint(request, start, num_new), budget, out)))
             if num_new <= 0:  # does not fit the budget unchunked (or nothing to compute)
                 i += 1
                 continue
@@ -263,8 +271,8 @@ class Scheduler:
                 out.finished.append(request)
                 continue
             computed, num_hit = bm.get_computed_blocks(request)
-            num_new = self._fit_encoder(request, num_hit,
-                                        self._fit(self._to_checkpoint(request, num_hit, request.num_tokens - num_hit), budget, out))
+            num_new = self._fit_encoder(request, num_hit, self._whole_images(
+                request, num_hit, self._fit(self._to_checkpoint(request, num_hit, request.num_tokens - num_hit), budget, out)))
             if num_new <= 0 or (self.state_slots is not None and not self.state_slots.num_free):
                 break
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
@@ -379,6 +387,15 @@ class Scheduler:
                 return max(image.start, start) - start if self.enable_chunked_prefill else 0
             self._step_images.add(image.content_hash)
             self._encoder_budget -= image.num_embeds
+        return num_new
+
+    def _whole_images(self, request: Request, start: int, num_new: int) -> int:
+        """With whole_images: the chunk start..start+num_new-1 cut before an image it would end inside, or
+        run on to that image's end where it starts at or inside it."""
+        end = start + num_new
+        for image in request.images if self.whole_images else ():
+            if image.start < end < image.end:
+                return image.end - start if image.start <= start else image.start - start
         return num_new
 
     def _free_behind_window(self, request: Request) -> None:
