@@ -55,6 +55,7 @@ def normalise(pixels: np.ndarray, rescale_factor: float, mean: np.ndarray, std: 
 class ImageProcessor:
     marker = IMAGE_MARKER  # an image's place in a prompt
     template_part = IMAGE_MARKER  # what the chat template writes for an image part
+    image_token = IMAGE_MARKER  # the placeholder each image row replaces
 
     def __init__(self, vision: VisionConfig, longest_edge: int, tile: int, image_seq_len: int,
                  mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float = 1 / 255,

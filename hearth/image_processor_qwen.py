@@ -29,6 +29,7 @@ _MAX_ASPECT = 200  # transformers refuses an image longer than this many times i
 class QwenImageProcessor:
     marker = "<|image_pad|>"  # an image's place in a prompt (Qwen3VLProcessor's image_token)
     template_part = "<|vision_start|><|image_pad|><|vision_end|>"  # what the chat template writes for an image part
+    image_token = marker  # the placeholder each image row replaces
 
     def __init__(self, vision: QwenVisionConfig, min_pixels: int, max_pixels: int, mean: tuple[float, ...],
                  std: tuple[float, ...], rescale_factor: float = 1 / 255, resample: int = _BICUBIC):

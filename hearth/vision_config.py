@@ -1,8 +1,10 @@
 """The image side of a vision-language model's config.json (ModelConfig.vision): its vision encoder
 and projector, and the token its images take the place of. hearth implements SmolVLM / Idefics3
-(a SigLIP encoder, a pixel-shuffle connector and a linear projector before a llama text model) and
-Qwen3-VL (a ViT with 2-D rotary positions over dynamic-resolution patches, merged 2 x 2 into tokens,
-deepstack features for the first text layers, a qwen3 text model with M-RoPE)."""
+(a SigLIP encoder, a pixel-shuffle connector and a linear projector before a llama text model),
+Gemma 3 (a SigLIP encoder, an average pool to mm_tokens_per_image, an RMSNorm and a linear projector
+before a gemma3 text model, whose image tokens attend to each other both ways) and Qwen3-VL (a ViT
+with 2-D rotary positions over dynamic-resolution patches, merged 2 x 2 into tokens, deepstack
+features for the first text layers, a qwen3 text model with M-RoPE)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,20 @@ VISION_ARCHITECTURES = {
     "SmolVLMForConditionalGeneration": "idefics3",  # transformers' smolvlm: idefics3's model under new names
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
+    "Gemma3ForConditionalGeneration": "gemma3",  # SigLIP, pooled to mm_tokens_per_image; images attend both ways
 }
-_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5"}
+_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5",
+                       "gemma3": "gemma3"}
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
 _TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
-                "qwen3_5": {"qwen3_5_text": "qwen3_5"}}
+                "qwen3_5": {"qwen3_5_text": "qwen3_5"},
+                "gemma3": {"gemma3_text": "gemma3_text"}}  # (gemma3_text: model_type gemma3 is the image-text model's)
+# Gemma3TextConfig's defaults, which the published image-text configs leave out of text_config
+# (google/gemma-3-4b-it's names its widths and depth only); rope_theta only where no rope_parameters say it
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                         "sliding_window": 4096}
 _MROPE_SECTIONS = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10]}  # (transformers' defaults)
 
 # bounds on the encoder's sizes, as ModelConfig has for the text model's: a damaged config must not
@@ -45,14 +56,18 @@ def _check_sizes(config: Any, limits: dict[str, int]) -> None:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" (SmolVLM too)
+    """A SigLIP encoder over tiles of image_size pixels (SmolVLM's, Idefics3's, Gemma 3's), and how its
+    patches become text-model rows: scale_factor x scale_factor neighbouring patches one row, side by
+    side (Idefics3's pixel shuffle) or averaged (Gemma 3's pool to mm_tokens_per_image)."""
+
+    family: str  # "idefics3" (SmolVLM too), "gemma3"
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
     image_size: int  # the tile the encoder was trained on, in pixels a side
     patch_size: int
-    scale_factor: int  # the connector's pixel shuffle: scale_factor^2 patches -> one token
+    scale_factor: int  # the connector's pixel shuffle, or Gemma 3's average pool: scale_factor^2 patches -> one token
     image_token_id: int  # the placeholder token each image row replaces
     layer_norm_eps: float = 1e-6
     hidden_act: str = "gelu_pytorch_tanh"
@@ -84,10 +99,12 @@ class VisionConfig:
 
     def describe(self) -> dict[str, Any]:
         """hearth inspect's lines (model_info's "vision")."""
+        tiles = (f"images resized to {self.image_size} px" if self.family == "gemma3"
+                 else f"tiles of {self.image_size} px")
         return {"family": self.family, "layers": self.num_layers, "hidden_size": self.hidden_size,
                 "tile": self.image_size, "patch": self.patch_size, "tokens_per_tile": self.tokens_per_tile,
-                "summary": f"SigLIP {self.num_layers} layers x {self.hidden_size}, tiles of {self.image_size} px "
-                           f"(patches of {self.patch_size}), {self.tokens_per_tile} tokens a tile"}
+                "summary": f"SigLIP {self.num_layers} layers x {self.hidden_size}, {tiles} (patches of "
+                           f"{self.patch_size}), {self.tokens_per_tile} tokens a tile"}
 
 
 @dataclass(frozen=True)
@@ -157,8 +174,11 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     if model_type not in models:
         raise ModelLoadError(f"text_config.model_type = {model_type!r}: hearth runs {family} with a "
                              f"{' or '.join(models.values())} text model")
+    if family == "gemma3":
+        theta = {} if "rope_parameters" in text or "rope_theta" in text else {"rope_theta": 1_000_000.0}
+        text = {**_GEMMA3_TEXT_DEFAULTS, **theta, **text}
     return {**text, "model_type": models[model_type], "architectures": None,
-            "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+            "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", family == "gemma3"))}
 
 
 def mrope_section_of(hf: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -182,26 +202,41 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | Q
     vision = hf.get("vision_config")
     if not isinstance(vision, dict):
         raise ModelLoadError(f"vision_config = {vision!r}: expected an object")
-    image_token_id = hf.get("image_token_id")
+    image_token_id = hf.get("image_token_id", hf.get("image_token_index"))  # (gemma3's name: image_token_index)
     if not isinstance(image_token_id, int) or not 0 <= image_token_id < text_vocab_size:
         raise ModelLoadError(f"image_token_id = {image_token_id!r}: expected a token id below {text_vocab_size}")
     family = vision_family(hf)
     if family in _MROPE_SECTIONS:
         return _qwen_vision_from_hf(vision, image_token_id, family)
+    gemma = family == "gemma3"  # (SigLIP's own defaults; Idefics3's tower has other ones)
+    image_size, patch_size = vision.get("image_size", 224), vision.get("patch_size", 16 if gemma else 32)
     return VisionConfig(
-        family="idefics3",
-        hidden_size=vision.get("hidden_size", 1152),
+        family=family,
+        hidden_size=vision.get("hidden_size", 768 if gemma else 1152),
         intermediate_size=vision.get("intermediate_size", 3072),
         num_layers=vision.get("num_hidden_layers", 12),
-        num_heads=vision.get("num_attention_heads", 16),
-        image_size=vision.get("image_size", 224),
-        patch_size=vision.get("patch_size", 32),
-        scale_factor=hf.get("scale_factor", 2),
+        num_heads=vision.get("num_attention_heads", 12 if gemma else 16),
+        image_size=image_size,
+        patch_size=patch_size,
+        scale_factor=_gemma3_pool(hf, image_size, patch_size) if gemma else hf.get("scale_factor", 2),
         image_token_id=image_token_id,
         layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
         num_channels=vision.get("num_channels", 3),
     )
+
+
+def _gemma3_pool(hf: dict[str, Any], image_size: Any, patch_size: Any) -> int:
+    """Gemma 3's average pool: the side of the square of patches that becomes one of mm_tokens_per_image."""
+    tokens = hf.get("mm_tokens_per_image", 256)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1 << 16 for n in (tokens, image_size, patch_size)):
+        raise ModelLoadError(f"mm_tokens_per_image {tokens!r}, image_size {image_size!r}, patch_size {patch_size!r}: "
+                             "expected positive whole numbers")
+    side, patches = math.isqrt(tokens), image_size // patch_size
+    if side * side != tokens or patches % side:
+        raise ModelLoadError(f"mm_tokens_per_image = {tokens}: expected a square whose side divides the {patches} "
+                             "patches a side of the image")
+    return patches // side
 
 
 def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: str) -> QwenVisionConfig:

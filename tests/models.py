@@ -353,3 +353,38 @@ def qwen_vl_processor(folder: Path):
         return transformers.Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
                                              tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
                                              video_processor=None)
+
+
+GEMMA3_VL_SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def make_gemma3_vl(folder: Path, seed: int = 0, image_size: int = 224) -> Path:
+    """A random Gemma 3 (transformers' Gemma3ForConditionalGeneration: SigLIP, the pooling projector, a gemma3 text
+    model) in real image shapes (patches of 14, 8 x 8 pooled tokens of 2 x 2 patches) with tiny widths: its
+    config as the published ones (no pooling head), a text model of a sliding and a global layer whose window (48)
+    is shorter than a prompt with an image, its tokenizer (the image tokens added) and its processor
+    (Gemma3Processor, the PIL image processor). Weights spread wider than transformers' init."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    make_tokenizer(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA3_VL_SPECIAL)
+    torch.manual_seed(seed)
+    text = {**_COMMON, **_dense_configs(transformers)["gemma3"][1], "vocab_size": 384, "sliding_window": 48,
+            "max_position_embeddings": 4096}
+    config = transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=64,
+        vision_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": image_size, "patch_size": 14, "vision_use_head": False},
+        boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # (Gemma's RMSNorms store w - 1; SigLIP's LayerNorms w)
+            layer_norm = ("layer_norm" in name or "post_layernorm" in name) and name.endswith("weight")
+            p.normal_(1.0 if layer_norm else 0.0, 0.2 if p.dim() == 1 else 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size},
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    transformers.Gemma3Processor(image_processor, tokenizer, image_seq_length=64).save_pretrained(folder)
+    return folder

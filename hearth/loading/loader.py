@@ -15,12 +15,12 @@ from hearth.engine_config import SparsityConfig
 from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor
+from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading.activation_thresholds import sparsify_model
 from hearth.loading.mmproj import read_mmproj
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
-from hearth.vision_config import QwenVisionConfig
 
 if TYPE_CHECKING:
     from hearth.distributed.pipeline_parallel import PipelineShard
@@ -33,8 +33,23 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
-    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py)
-    image_processor: ImageProcessor | QwenImageProcessor | None = None
+    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py)
+    image_processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | None = None
+
+
+# each image-text family's image processor (the rest: SmolVLM's / Idefics3's)
+_IMAGE_PROCESSORS = {"qwen3_vl": QwenImageProcessor, "qwen3_5": QwenImageProcessor, "gemma3": GemmaImageProcessor}
+
+
+def _image_processor(path: Path, config: ModelConfig, tokenizer: Tokenizer
+                     ) -> ImageProcessor | QwenImageProcessor | GemmaImageProcessor:
+    """The folder's image processor, its placeholder checked to be the one token config.json names."""
+    processor = _IMAGE_PROCESSORS.get(config.vision.family, ImageProcessor).from_hf_dir(path, config.vision)
+    ids = tokenizer.encode(processor.image_token, add_special_tokens=False)
+    if ids != [config.vision.image_token_id]:
+        raise ModelLoadError(f"{path}: the tokenizer reads the image placeholder {processor.image_token} as {ids}, "
+                             f"not the image token {config.vision.image_token_id} of config.json")
+    return processor
 
 
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
@@ -78,8 +93,7 @@ def load_model(
     config, weights, tokenizer = read_model(path, progress)
     image_processor = None
     if config.vision is not None:
-        family = QwenImageProcessor if isinstance(config.vision, QwenVisionConfig) else ImageProcessor
-        image_processor = family.from_hf_dir(path, config.vision)
+        image_processor = _image_processor(path, config, tokenizer)
     if mmproj is not None:
         projector = read_mmproj(mmproj, config, tokenizer)
         config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor

@@ -76,15 +76,27 @@ _HF_ALIASES = (
     (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
     (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
 )
-# idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names)
-_VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.")  # (and qwen3_vl's)
+# idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names), qwen3_vl's
+# and gemma3's
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+# gemma3's checkpoints (language_model.model.*, vision_tower.vision_model.* as published; transformers 5
+# saves vision_tower.*) -> the names of transformers 5's modules, hearth's
+_GEMMA3_VL_ALIASES = (
+    (re.compile(r"^language_model\.model\."), "model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?"), "model.vision_tower."),
+    (re.compile(r"^multi_modal_projector\."), "model.multi_modal_projector."),
+)
 # the parts of a checkpoint hearth does not load, by family: Qwen3.5's multi-token-prediction layers, and
 # its vision tower where the config has no vision_config (hearth runs the text model, as transformers'
 # Qwen3_5ForCausalLM does); Qwen3-Next's and Nemotron-H's multi-token-prediction layers (as transformers'
 # Qwen3NextForCausalLM and NemotronHForCausalLM)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "qwen3_next": re.compile(r"^mtp\."),
               "nemotron_h": re.compile(r"^mtp\.")}
-NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\.")}
+# (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true)
+NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\."),
+                          "gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -159,6 +171,8 @@ def canonical_hf_name(name: str) -> str:
     """A checkpoint's tensor name as hearth's modules name it (mixtral's block_sparse_moe.experts.N.w1
     is mlp.experts.N.gate_proj, deepseek_v2's mlp.shared_experts is mlp.shared_expert). An image-text
     model's vision tower keeps its own names (its out_proj is no lfm2 attention's)."""
+    for pattern, replacement in _GEMMA3_VL_ALIASES:
+        name = pattern.sub(replacement, name)
     if is_vision_tensor(name):
         return name
     for pattern, replacement in _HF_ALIASES:

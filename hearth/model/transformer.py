@@ -24,11 +24,11 @@ from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
                                  longrope_factors, partial_rotary_order)
 from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
+from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
-from hearth.vision_config import QwenVisionConfig
 
 
 class Attention(nn.Module):
@@ -155,6 +155,8 @@ class DecoderLayer(nn.Module):
         return addition if self.residual_multiplier == 1.0 else addition * self.residual_multiplier
 
 
+# each image-text family's vision tower (the rest: SmolVLM's / Idefics3's, siglip.py)
+_VISION_TOWERS = {"qwen3_vl": QwenVisionTower, "qwen3_5": QwenVisionTower, "gemma3": GemmaVisionTower}
 # a layer's mixer under its checkpoint name, by kind (ModelConfig.layer_types); MLP: nemotron_h's block of an MLP alone
 _MIXER_NAMES = {ATTENTION: "self_attn", SHORT_CONV: "conv", GATED_DELTA_NET: "linear_attn", MAMBA2: "mamba", MLP: "mlp"}
 
@@ -179,11 +181,13 @@ class Transformer(nn.Module):
             zeros = torch.zeros_like(self.rope.inv_freq)
             self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
         # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*;
-        # Qwen3-VL's model.visual.*)
+        # Qwen3-VL's model.visual.*; Gemma 3's model.vision_tower.*, model.multi_modal_projector.*)
         self.vision = None
         if config.vision is not None:
-            tower = QwenVisionTower if isinstance(config.vision, QwenVisionConfig) else VisionTower
-            self.vision = tower(config.vision, config.hidden_size)
+            if config.bidirectional_images and not ops.bidirectional_images:
+                raise ModelLoadError(f"the {ops.name} backend has no attention both ways within an image (Gemma 3's "
+                                     f"image tokens) yet: run {config.vision.family} with --backend cpu or reference")
+            self.vision = _VISION_TOWERS.get(config.vision.family, VisionTower)(config.vision, config.hidden_size)
 
     @torch.inference_mode()
     def forward(
@@ -379,7 +383,8 @@ class Transformer(nn.Module):
 
 def _checkpoint_module_name(name: str) -> str:
     """The checkpoint's name of a module: the text model's under model., the vision tower's parts
-    (vision.vision_model, vision.connector; vision.visual) under model. as well."""
+    (vision.vision_model, vision.connector; vision.visual; vision.vision_tower, vision.multi_modal_projector)
+    under model. as well."""
     if name.startswith("lm_head"):
         return name
     return "model." + name.removeprefix("vision.")

@@ -1,4 +1,5 @@
-"""SmolVLM's / Idefics3's vision tower: a SigLIP encoder over each tile's patches, then the connector
+"""SmolVLM's / Idefics3's vision tower: a SigLIP encoder over each tile's patches (Gemma 3's too:
+hearth/model/vision/gemma3.py), then the connector
 (pixel shuffle: scale_factor^2 neighbouring patches side by side in one row, then a linear projection
 to the text model's width). Plain torch operations on every backend: it runs once per image.
 
@@ -31,8 +32,11 @@ class VisionEmbeddings(nn.Module):
         return patches + self.position_embedding(self.position_ids(rows, cols, pixels.device))
 
     def position_ids(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        """The trained grid's position of each patch of a rows x cols tile (NaViT's fractional
-        coordinates, bucketed as transformers does; a tile of the trained size: 0, 1, 2, ...)."""
+        """The trained grid's position of each patch of a rows x cols tile: SigLIP's own (Gemma 3's images,
+        always of the trained size) 0, 1, 2, ...; Idefics3's NaViT fractional coordinates, bucketed as
+        transformers does (float rounding moves some buckets even at the trained size: 19 patches a side)."""
+        if self.config.family == "gemma3":
+            return torch.arange(rows * cols, device=device)
         side = self.config.patches_per_side
         boundaries = torch.arange(1 / side, 1.0, 1 / side, device=device)
 

@@ -1,0 +1,83 @@
+"""Images as Gemma 3's processor makes them (transformers' Gemma3ImageProcessorPil, step for step in numpy and
+PIL so that the pixels are the same to the bit), and the text each image's marker becomes (Gemma3Processor's).
+
+An image: RGB (transparency composited onto white); resized to size.height x size.width (the encoder's
+image_size a side, the aspect not kept; BILINEAR); rescaled by 1/255 and normalised. One image is one
+tile: mm_tokens_per_image text-model rows. Pan and scan (crops of a long image beside the whole one) is
+off in transformers unless asked for; a folder whose settings switch it on is refused. No torch here:
+the engine's runner makes tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hearth.errors import ModelLoadError, RequestError
+from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, to_rgb
+from hearth.vision_config import VisionConfig
+
+_BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
+_STEPS = ("do_resize", "do_rescale", "do_normalize")  # (None in a config: transformers' default, on)
+
+
+class GemmaImageProcessor:
+    # an image's place in a prompt: what Gemma 3's chat template writes for an image part (its boi token)
+    marker = "<start_of_image>"
+    template_part = marker
+    image_token = "<image_soft_token>"  # the placeholder each image row replaces (config.json's image_token_index)
+    end_token = "<end_of_image>"
+
+    def __init__(self, vision: VisionConfig, size: tuple[int, int], image_seq_length: int, mean: tuple[float, ...],
+                 std: tuple[float, ...], rescale_factor: float = 1 / 255, resample: int = _BILINEAR):
+        self.size, self.image_seq_length = size, image_seq_length
+        self.mean, self.std = np.array(mean, dtype=np.float32), np.array(std, dtype=np.float32)
+        self.rescale_factor, self.resample = rescale_factor, resample
+        side = vision.image_size
+        if size != (side, side) or image_seq_length != vision.tokens_per_tile or self.mean.shape != (3,) \
+                or self.std.shape != (3,) or not np.all(self.std > 0):
+            raise ModelLoadError(f"image processor settings (size {size[0]} x {size[1]}, image_seq_length "
+                                 f"{image_seq_length}, mean {self.mean.tolist()}, std {self.std.tolist()}) do not fit "
+                                 f"the vision encoder (images of {side} x {side}, {vision.tokens_per_tile} tokens each)")
+
+    @classmethod
+    def from_hf_dir(cls, folder: Path, vision: VisionConfig) -> GemmaImageProcessor:
+        """preprocessor_config.json's settings, or processor_config.json's image_processor (as transformers 5
+        saves them); transformers' defaults where one is missing; image_seq_length from processor_config.json
+        or preprocessor_config.json, else mm_tokens_per_image."""
+        processor = read_optional(folder / "processor_config.json")
+        config = read_optional(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
+        off = [name for name in _STEPS if config.get(name) is False]
+        if config.get("do_pan_and_scan") or off:
+            raise ModelLoadError(f"{folder}: image processor settings {off or ['do_pan_and_scan']} are not implemented "
+                                 "by hearth (it resizes, rescales and normalises each image whole, as transformers does "
+                                 "by default)")
+        try:
+            size = config.get("size") or {}
+            seq_len = processor.get("image_seq_length", config.get("image_seq_length", vision.tokens_per_tile))
+            return cls(vision, (int(size.get("height", vision.image_size)), int(size.get("width", vision.image_size))),
+                       int(seq_len), tuple(config.get("image_mean", (0.5, 0.5, 0.5))),
+                       tuple(config.get("image_std", (0.5, 0.5, 0.5))), float(config.get("rescale_factor", 1 / 255)),
+                       int(config.get("resample", _BILINEAR)))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{folder}: malformed image processor settings: {e}") from None
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{folder}: {e}") from None
+
+    def process(self, image: Any) -> ProcessedImage:
+        """One PIL image -> its pixel values float32 [1, 3, height, width]; RequestError for anything else."""
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise RequestError(f"an image is a PIL.Image.Image, not {type(image).__name__}")
+        rgb = to_rgb(image)
+        height, width = self.size
+        pixels = np.moveaxis(np.array(rgb.resize((width, height), self.resample)), -1, 0)  # CHW uint8
+        return ProcessedImage(normalise(pixels, self.rescale_factor, self.mean, self.std)[None], 0, 0, content_hash(rgb),
+                              self.image_seq_length)
+
+    def placeholder_text(self, image: ProcessedImage) -> str:
+        """The text an image's marker becomes (Gemma3Processor's full_image_sequence)."""
+        return f"\n\n{self.marker}{self.image_token * image.num_embeds}{self.end_token}\n\n"

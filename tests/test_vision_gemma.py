@@ -1,0 +1,192 @@
+"""Images in: Gemma 3 (transformers' Gemma3ForConditionalGeneration with random weights in real image shapes)
+against transformers' own processor (Gemma3ImageProcessorPil: torchvision does not load here) and model, fp32:
+pixels, token ids and image blocks, logits and greedy tokens with one and two images of odd sizes (the image
+tokens attending to each other both ways, a sliding window shorter than the prompt), chunks that never cut an
+image, the encoder and prefix caches; the published checkpoints' sparse config; what is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.engine.kv_cache import BlockManager
+from hearth.engine.request import ImageSpan, Request
+from hearth.engine.scheduler import Scheduler
+from hearth.errors import ModelLoadError
+from models import make_gemma3_vl
+from test_vision import GREEDY, _hearth_logits, _image, _reference
+
+ONE = "user: What is in <start_of_image>? model:"  # as Gemma 3's chat template writes an image part
+TWO = "user: Compare <start_of_image> with<start_of_image> please model:"
+# odd sizes: a landscape RGB, a tall RGBA, a tiny grey one (upscaled), one larger than the encoder's 224
+IMAGES = ((0, 77, 131, "RGB"), (1, 250, 97, "RGBA"), (2, 13, 21, "L"), (3, 517, 403, "RGB"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    import transformers
+
+    from hearth import LLM
+
+    folder = make_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl"))
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, transformers.AutoProcessor.from_pretrained(folder), reference, LLM(str(folder), progress=False)
+
+
+@pytest.fixture(scope="module")
+def two_images(gemma):
+    images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
+    return images, *_reference(gemma, TWO, images)
+
+
+def test_pixels_token_ids_and_image_blocks_are_transformers(gemma):
+    """Every image's pixels bit for bit (Gemma3ImageProcessorPil: resized to 224 x 224 whatever its aspect,
+    RGBA on white, greyscale), the expanded prompt's ids (Gemma3Processor's boi, 64 soft tokens, eoi), and
+    each image's span: the run of tokens transformers' token_type_ids mark, one bidirectional block each."""
+    _, processor, _, llm = gemma
+    engine = llm.engine
+    images = [_image(*spec) for spec in IMAGES]
+    text = "a<start_of_image>b<start_of_image><start_of_image> c<start_of_image>."
+    inputs = processor(text=[text], images=[images], return_tensors="pt")
+    mine = [engine.image_processor.process(image) for image in images]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    expanded = engine.prompt_with_images(text, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    marked = np.flatnonzero(inputs["token_type_ids"][0].numpy() == 1)
+    assert [(s.start, s.end) for s in expanded.images] == [(int(run[0]), int(run[-1]) + 1)
+                                                            for run in np.split(marked, np.flatnonzero(np.diff(marked) > 1) + 1)]
+    from hearth.model_info import model_info
+
+    assert model_info(gemma[0])["vision"]["tokens_per_tile"] == 64  # hearth inspect's line
+
+
+@pytest.mark.parametrize("which", [(0,), (1, 0)], ids=["one-image", "two-images"])
+def test_logits_and_greedy_tokens_equal_transformers(gemma, which, request):
+    """fp32 logits of every position within 1e-4, whole and in two chunks cut at the first image's start (the
+    cpu backend); cut inside the image instead, the first rows miss the later ones they attend to (far from
+    transformers: what the scheduler never lets happen); greedy tokens through LLM.generate."""
+    text = ONE if len(which) == 1 else TWO
+    images = [_image(*IMAGES[i]) for i in which]
+    inputs, ref_logits, ref_tokens = request.getfixturevalue("two_images")[1:] if len(which) == 2 else \
+        _reference(gemma, text, images)
+    llm = gemma[3]
+    assert llm.engine.model.backend.name == "cpu"
+    ids, logits = _hearth_logits(llm.engine, text, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    start = ids.index(llm.engine.model_config.vision.image_token_id)
+    torch.testing.assert_close(_hearth_logits(llm.engine, text, images, start)[1], ref_logits, atol=1e-4, rtol=0)
+    inside = _hearth_logits(llm.engine, text, images, start + 20)[1]
+    assert (inside[start:start + 20] - ref_logits[start:start + 20]).abs().max() > 1e-2
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
+    """The reference backend, chunks of 16 tokens: no chunk ends inside an image (the one that reaches an image
+    runs to its end), each image encoded once, transformers' greedy tokens; the same prompt again: the prefix
+    cache and the encoder cache hit, the same tokens; an image repeated in one prompt: encoded once."""
+    from hearth import LLM
+
+    images, _, _, ref_tokens = two_images
+    llm = LLM(str(gemma[0]), progress=False, backend="reference", max_num_batched_tokens=16)
+    engine = llm.engine
+    chunks, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend((r.num_computed_tokens, r.num_computed_tokens + n, r.images) for r, n in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = recording
+    for _ in range(2):
+        out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref_tokens
+    assert not [c for c in chunks for i in c[2] if i.start < c[1] < i.end]
+    assert any(end - start > 16 for start, end, _ in chunks)  # (an image's 64 tokens in one chunk)
+    cache = engine.runner.encoder_cache
+    assert (cache.misses, engine.block_manager.prefix_cache_hits > 0) == (2, True)
+    hits, twice = cache.hits, [_image(*IMAGES[2])] * 2
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": twice}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _reference(gemma, TWO, twice)[2]
+    assert (cache.misses, cache.hits - hits) == (3, 1)
+
+
+def test_scheduler_keeps_images_whole():
+    """whole_images: a chunk that would end inside an image ends before it; one that starts at (or, after a
+    prefix-cache hit, inside) an image runs to its end over the budget; without it chunks cut anywhere."""
+    def request() -> Request:
+        return Request("r", list(range(120)), images=[ImageSpan(10, 74, b"i" * 16, None, 64)])
+
+    def chunks(whole: bool) -> list[int]:
+        scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=2, max_num_batched_tokens=16, whole_images=whole)
+        scheduler.add_request(request())
+        sizes = []
+        while scheduler.has_unfinished_requests() and sum(sizes) < 120:
+            out = scheduler.schedule()
+            sizes += [n for _, n in out.scheduled]
+            scheduler.update_after_step(out)
+        return sizes
+
+    assert chunks(True)[:4] == [10, 64, 16, 16]
+    assert chunks(False)[:3] == [16, 16, 16]
+    assert Scheduler(BlockManager(64, 16), 2, 16, whole_images=True)._whole_images(request(), 30, 16) == 44
+
+
+def test_published_config_reads_as_transformers_fills_it(gemma):
+    """google/gemma-3-4b-it's config.json names few text fields (transformers fills Gemma3TextConfig's
+    defaults): hearth reads it as the whole config transformers makes of it; its checkpoint names
+    (language_model.model.*, vision_tower.vision_model.*) are the ones hearth's modules take."""
+    import transformers
+
+    from hearth.config import ModelConfig
+    from hearth.loading.names import canonical_hf_name
+
+    published = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+                 "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
+                 "model_type": "gemma3",
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024},
+                 "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                   "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                   "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    full = transformers.Gemma3Config(**{k: v for k, v in published.items() if k != "model_type"}).to_dict()
+    config, whole = ModelConfig.from_hf(published), ModelConfig.from_hf(full)
+    assert dataclasses.replace(config, rope_scaling=None) == dataclasses.replace(whole, rope_scaling=None)
+    assert config.rope_scaling.items() <= whole.rope_scaling.items()  # (transformers' adds rope_theta)
+    assert (config.num_heads, config.head_dim, config.vocab_size, config.rope_theta) == (8, 256, 262208, 1e6)
+    assert (config.vision.scale_factor, config.vision.tokens_per_tile) == (4, 256)
+    assert [canonical_hf_name(n) for n in ("language_model.model.layers.0.mlp.up_proj.weight",
+                                           "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+                                           "multi_modal_projector.mm_input_projection_weight")] == [
+        "model.layers.0.mlp.up_proj.weight", "model.vision_tower.encoder.layers.0.mlp.fc1.weight",
+        "model.multi_modal_projector.mm_input_projection_weight"]
+
+
+def test_what_is_refused(gemma, tmp_path):
+    """The gpu backend (its prefill attention is causal only), pan and scan, an image token count that is no
+    square dividing the patches, an image size the processor does not resize to."""
+    from hearth.backend.gpu import GpuBackend
+    from hearth.config import ModelConfig
+    from hearth.image_processor_gemma import GemmaImageProcessor
+    from hearth.model.transformer import Transformer
+
+    config = json.loads((gemma[0] / "config.json").read_text())
+    model_config = ModelConfig.from_hf(config)
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no attention both ways"):
+        Transformer(model_config, backend=GpuBackend("cpu"))
+    for tokens in (60, 49):
+        with pytest.raises(ModelLoadError, match=f"mm_tokens_per_image = {tokens}: expected a square"):
+            ModelConfig.from_hf({**config, "mm_tokens_per_image": tokens})
+    processor = json.loads((gemma[0] / "processor_config.json").read_text())
+    for change, message in (({"do_pan_and_scan": True}, "do_pan_and_scan"), ({"do_normalize": False}, "do_normalize"),
+                            ({"size": {"height": 448, "width": 448}}, "size 448 x 448")):
+        (tmp_path / "processor_config.json").write_text(json.dumps(
+            {**processor, "image_processor": {**processor["image_processor"], **change}}))
+        with pytest.raises(ModelLoadError, match=message):
+            GemmaImageProcessor.from_hf_dir(tmp_path, model_config.vision)
