@@ -383,6 +383,8 @@ def make_gemma3_vl(folder: Path, seed: int = 0, image_size: int = 224) -> Path:
         for name, p in model.named_parameters():  # (Gemma's RMSNorms store w - 1; SigLIP's LayerNorms w)
             layer_norm = ("layer_norm" in name or "post_layernorm" in name) and name.endswith("weight")
             p.normal_(1.0 if layer_norm else 0.0, 0.2 if p.dim() == 1 else 0.08)
+        projection = model.model.multi_modal_projector.mm_input_projection_weight  # (F16 in an mmproj file:
+        projection.copy_(projection.half().float())  # values it holds exactly, so that both paths are one model)
     model.save_pretrained(folder, safe_serialization=True)
     image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size},
                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)

@@ -190,3 +190,39 @@ def test_what_is_refused(gemma, tmp_path):
             {**processor, "image_processor": {**processor["image_processor"], **change}}))
         with pytest.raises(ModelLoadError, match=message):
             GemmaImageProcessor.from_hf_dir(tmp_path, model_config.vision)
+
+
+def test_mmproj_gguf_equals_transformers(gemma, two_images, tmp_path):
+    """`hearth convert --mmproj` (F32) writes a gemma3 text GGUF and llama.cpp's gemma3 mmproj file (read back by
+    gguf-py's reader: clip-impl.h's tensor names, the input projection F16 and the soft-embedding norm's whole
+    weight, Gemma3VisionModel's); the two files give transformers' logits within 1e-4 with two images, and
+    its greedy tokens."""
+    import gguf
+
+    from hearth import LLM
+    from hearth.cli import main
+
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(gemma[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    reader = gguf.GGUFReader(mmproj)
+    assert (reader.fields["clip.projector_type"].contents(), gguf.GGUFReader(text).fields[
+        "general.architecture"].contents()) == ("gemma3", "gemma3")
+    tensors = {t.name: t for t in reader.tensors}
+    per_layer = {f"v.blk.{i}.{part}.{kind}" for i in range(2) for kind in ("weight", "bias") for part in
+                 ("attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down")}
+    assert set(tensors) == {"v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.post_ln.weight",
+                            "v.post_ln.bias", "mm.input_projection.weight", "mm.soft_emb_norm.weight", *per_layer}
+    assert tensors["mm.input_projection.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    norm = gemma[2].model.multi_modal_projector.mm_soft_emb_norm.weight
+    assert np.array_equal(tensors["mm.soft_emb_norm.weight"].data, (norm.detach() + 1).numpy())
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    images, inputs, ref_logits, ref_tokens = two_images
+    ids, logits = _hearth_logits(llm.engine, TWO, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+    from hearth.loading.loader import load_model
+
+    with pytest.raises(ModelLoadError, match="no <image_soft_token> token"):  # (a text model of another family)
+        load_model("builtin", progress=False, mmproj=mmproj)

@@ -1,18 +1,22 @@
 """llama.cpp's mmproj GGUF files: an image-text model's vision tower beside its text model's GGUF
-(`llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`), read and written for the projector type hearth
-implements: clip.cpp's "idefics3" (SmolVLM / Idefics3: SigLIP, pixel shuffle, a linear projector).
+(`llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`), read and written for the projector types hearth
+implements: clip.cpp's "idefics3" (SmolVLM / Idefics3: SigLIP, pixel shuffle, a linear projector) and
+"gemma3" (Gemma 3: SigLIP, an average pool, the soft-embedding norm and a linear projector).
 
-The layout is gguf-py's (llama.cpp's own package), as convert_hf_to_gguf.py's SmolVLMModel writes it:
-general.architecture "clip" and general.type "mmproj"; the keys of gguf.Keys.Clip / Keys.ClipVision
-(clip.vision.image_size, .patch_size, .projector.scale_factor, .image_mean, ...,
-.preproc_image_size: the processor's longest edge); the tensors named by gguf-py's MMPROJ tensor
-map (v.patch_embd, v.position_embd, v.blk.N.attn_q / ln1 / ffn_up ..., v.post_ln, mm.model.fc). The
-file holds no token ids: the image placeholder is the text model's `<image>` token, found by its text
-as llama.cpp's mtmd finds the tokens around images.
+The layout is gguf-py's (llama.cpp's own package), as convert_hf_to_gguf.py's SmolVLMModel and
+Gemma3VisionModel write it: general.architecture "clip" and general.type "mmproj"; the keys of
+gguf.Keys.Clip / Keys.ClipVision (clip.vision.image_size, .patch_size, .projector.scale_factor (clip.cpp's
+default where absent: 2 for idefics3, 4 for gemma3), .image_mean, ..., .preproc_image_size: Idefics3's
+longest edge); the tensors named by gguf-py's MMPROJ tensor map (v.patch_embd, v.position_embd, v.blk.N.attn_q
+/ ln1 / ffn_up ..., v.post_ln, mm.model.fc; gemma3's mm.input_projection, F16 as its converter forces it,
+and mm.soft_emb_norm, stored as the norm's whole weight: the checkpoint's w - 1 plus 1). The file holds no
+token ids: the image placeholder is the text model's `<image>` (`<image_soft_token>`) token, found by its
+text as llama.cpp's mtmd finds the tokens around images.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +29,11 @@ from gguf.quants import dequantize
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.image_processor import IMAGE_MARKER, ImageProcessor
+from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.safetensors import load_hf_folder
+from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.tokenizer import Tokenizer
 from hearth.vision_config import VisionConfig
@@ -35,9 +41,17 @@ from hearth.vision_config import VisionConfig
 Q = GGMLQuantizationType
 CLIP = MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ]  # "clip": every mmproj file's general.architecture
 _V = Keys.ClipVision
-# the tokens Idefics3's placeholder text is made of (image_processor.placeholder_text), each one token of the
-# text model's vocabulary; without them the prompt would tokenize other than the processor's
-_IMAGE_TOKENS = (IMAGE_MARKER, "<fake_token_around_image>", "<global-img>", "<row_1_col_1>")
+# the projector types hearth reads and writes -> the vision family (vision_config.py)
+_FAMILIES = {VisionProjectorType.IDEFICS3: "idefics3", VisionProjectorType.GEMMA3: "gemma3"}
+_SCALE_FACTORS = {"idefics3": 2, "gemma3": 4}  # clip.cpp's where the file names none
+# the tokens each family's placeholder text is made of (its processor's placeholder_text), each one token of the
+# text model's vocabulary (the first: the placeholder); without them the prompt would tokenize other than the
+# processor's
+_IMAGE_TOKENS = {"idefics3": (IMAGE_MARKER, "<fake_token_around_image>", "<global-img>", "<row_1_col_1>"),
+                 "gemma3": (GemmaImageProcessor.image_token, GemmaImageProcessor.marker, GemmaImageProcessor.end_token)}
+# tensors the file stores shifted from the checkpoint: gemma3's soft-embedding norm, its weight w - 1 in the
+# checkpoint (Gemma's RMSNorm multiplies by 1 + w), whole in the file (clip.cpp's norm multiplies by it)
+_FILE_OFFSETS = {"mm.soft_emb_norm.weight": 1.0}
 _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -48,7 +62,7 @@ class Mmproj:
 
     vision: VisionConfig
     weights: dict[str, torch.Tensor]
-    image_processor: ImageProcessor
+    image_processor: ImageProcessor | GemmaImageProcessor
 
 
 def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mmproj:
@@ -60,10 +74,10 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
         raise ModelLoadError(f"{where}: the model has its own vision tower; an mmproj file goes with a text model")
     file = read_gguf(path)
     md = file.metadata
-    _check_kind(md, where)
+    family = _family(md, where)
     try:
-        vision = _vision_config(md, _image_token(tokenizer, where))
-        processor = _image_processor(md, vision).checked(where)
+        vision = _vision_config(md, family, _image_token(tokenizer, family, where))
+        processor = _image_processor(md, vision, where)
     except ModelLoadError as e:
         raise ModelLoadError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     except (TypeError, ValueError, OverflowError) as e:
@@ -75,7 +89,9 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
     return Mmproj(vision, _read_tensors(file, vision, text.hidden_size, where), processor)
 
 
-def _check_kind(md: dict[str, Any], where: str) -> None:
+def _family(md: dict[str, Any], where: str) -> str:
+    """The vision family of an mmproj file's projector; ModelLoadError for a file that is none, or one of
+    another projector type."""
     arch = md.get(Keys.General.ARCHITECTURE)
     if arch != CLIP:
         raise ModelLoadError(f"{where}: not an mmproj file (general.architecture is {arch!r}, not {CLIP!r}): "
@@ -83,61 +99,74 @@ def _check_kind(md: dict[str, Any], where: str) -> None:
     if not md.get(Keys.Clip.HAS_VISION_ENCODER):
         raise ModelLoadError(f"{where}: the mmproj file has no vision encoder ({Keys.Clip.HAS_VISION_ENCODER})")
     kind = md.get(Keys.Clip.PROJECTOR_TYPE, md.get(_V.PROJECTOR_TYPE))
-    if kind != VisionProjectorType.IDEFICS3:
+    if kind not in _FAMILIES:
         raise ModelLoadError(f"{where}: projector type {kind!r} ({Keys.Clip.PROJECTOR_TYPE}) is not implemented by "
-                             f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3)")
+                             f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3) and "
+                             f"{VisionProjectorType.GEMMA3!r} ones (Gemma 3)")
+    return _FAMILIES[kind]
 
 
-def _image_token(tokenizer: Tokenizer, where: str) -> int:
-    """The id of the text model's <image> token; ModelLoadError where the placeholder text's tokens
-    are not single special tokens of its vocabulary."""
-    for text in _IMAGE_TOKENS:
+def _image_token(tokenizer: Tokenizer, family: str, where: str) -> int:
+    """The id of the text model's image placeholder token; ModelLoadError where the placeholder text's
+    tokens are not single special tokens of its vocabulary."""
+    for text in _IMAGE_TOKENS[family]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) != 1 or not tokenizer.is_special(ids[0]):
-            raise ModelLoadError(f"{where}: the text model has no {text} token (it tokenizes as {ids}): an idefics3 "
-                                 "projector goes with a SmolVLM / Idefics3 text model, whose vocabulary has the image "
-                                 "tokens")
-    return tokenizer.encode(IMAGE_MARKER, add_special_tokens=False)[0]
+            raise ModelLoadError(f"{where}: the text model has no {text} token (it tokenizes as {ids}): a {family} "
+                                 f"projector goes with a {family} text model, whose vocabulary has the image tokens")
+    return tokenizer.encode(_IMAGE_TOKENS[family][0], add_special_tokens=False)[0]
 
 
-def _vision_config(md: dict[str, Any], image_token_id: int) -> VisionConfig:
+def _vision_config(md: dict[str, Any], family: str, image_token_id: int) -> VisionConfig:
     def get(key: str) -> Any:
         if key not in md:
             raise ModelLoadError(f"missing metadata key {key}")
         return md[key]
 
     if md.get(Keys.ClipVision.USE_GELU) is not True:
-        raise ModelLoadError(f"{Keys.ClipVision.USE_GELU} is not true: hearth's idefics3 encoder runs GELU")
+        raise ModelLoadError(f"{Keys.ClipVision.USE_GELU} is not true: hearth's {family} encoder runs GELU")
     return VisionConfig(
-        family="idefics3", hidden_size=get(_V.EMBEDDING_LENGTH), intermediate_size=get(_V.FEED_FORWARD_LENGTH),
+        family=family, hidden_size=get(_V.EMBEDDING_LENGTH), intermediate_size=get(_V.FEED_FORWARD_LENGTH),
         num_layers=get(_V.BLOCK_COUNT), num_heads=get(_V.Attention.HEAD_COUNT), image_size=get(_V.IMAGE_SIZE),
-        patch_size=get(_V.PATCH_SIZE), scale_factor=md.get(_V.Projector.SCALE_FACTOR, 2),
+        patch_size=get(_V.PATCH_SIZE), scale_factor=md.get(_V.Projector.SCALE_FACTOR, _SCALE_FACTORS[family]),
         image_token_id=image_token_id, layer_norm_eps=float(md.get(_V.Attention.LAYERNORM_EPS, 1e-6)))
 
 
-def _image_processor(md: dict[str, Any], vision: VisionConfig) -> ImageProcessor:
-    """Idefics3's processor with the file's settings: tiles of the encoder's image_size, the longest
-    edge clip.vision.preproc_image_size (without it, as llama.cpp: the image resized to one tile)."""
+def _image_processor(md: dict[str, Any], vision: VisionConfig, where: str) -> ImageProcessor | GemmaImageProcessor:
+    """The family's processor with the file's settings: Gemma 3's images resized to the encoder's image_size;
+    Idefics3's tiles of it, the longest edge clip.vision.preproc_image_size (without it, as llama.cpp: the
+    image resized to one tile)."""
+    mean, std = tuple(md.get(_V.IMAGE_MEAN, (0.5, 0.5, 0.5))), tuple(md.get(_V.IMAGE_STD, (0.5, 0.5, 0.5)))
+    if vision.family == "gemma3":
+        return GemmaImageProcessor(vision, (vision.image_size,) * 2, vision.tokens_per_tile, mean, std)
     longest = md.get(_V.PREPROC_IMAGE_SIZE)
     return ImageProcessor(vision, int(longest or vision.image_size), vision.image_size, vision.tokens_per_tile,
-                          tuple(md.get(_V.IMAGE_MEAN, (0.5, 0.5, 0.5))), tuple(md.get(_V.IMAGE_STD, (0.5, 0.5, 0.5))),
-                          do_image_splitting=longest is not None)
+                          mean, std, do_image_splitting=longest is not None).checked(where)
 
 
 def tower_tensors(vision: VisionConfig, text_hidden_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """llama.cpp's name (gguf-py's MMPROJ map) -> (hearth's checkpoint name, shape) of every tensor of
     the vision tower."""
     with torch.device("meta"):
-        tower = VisionTower(vision, text_hidden_size)
+        tower = (GemmaVisionTower if vision.family == "gemma3" else VisionTower)(vision, text_hidden_size)
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vision.num_layers)
     tensors = {}
     for name, param in tower.named_parameters():
         checkpoint = f"model.{name}"
-        gguf_name = names.get_name(checkpoint, try_suffixes=(".weight", ".bias"))
+        gguf_name = names.get_name(_published_name(checkpoint), try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelLoadError(f"tensor {checkpoint}: gguf-py has no mmproj name for it")
         tensors[gguf_name] = (checkpoint, tuple(param.shape))
     return tensors
+
+
+def _published_name(checkpoint: str) -> str:
+    """A tower tensor's name as gguf-py's map knows it: SmolVLM's as hearth names it, Gemma 3's as its published
+    checkpoints do (vision_tower.vision_model.*, multi_modal_projector.mm_input_projection.weight)."""
+    if not checkpoint.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        return checkpoint
+    name = re.sub(r"^model\.vision_tower\.", "vision_tower.vision_model.", checkpoint).removeprefix("model.")
+    return name.replace("_projection_weight", "_projection.weight")
 
 
 def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, where: str) -> dict[str, torch.Tensor]:
@@ -154,7 +183,8 @@ def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, w
     extra = sorted(set(found) - set(expected))
     if extra:
         raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the idefics3 projector hearth implements")
-    return {checkpoint: _float32(file, found[name], where) for name, (checkpoint, _) in expected.items()}
+    return {checkpoint: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0)
+            for name, (checkpoint, _) in expected.items()}
 
 
 def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
@@ -172,22 +202,25 @@ def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
 
 def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
     """Write the vision tower of the image-text folder `hf_dir` as llama.cpp's mmproj file at
-    `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel writes it, the
-    embeddings and 1-D tensors F32, the other weights in `out_type` (F16 where a row is not whole blocks)."""
+    `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel (Gemma3VisionModel) writes
+    it, the embeddings and 1-D tensors F32 (gemma3's input projection F16), the other weights in `out_type`
+    (F16 where a row is not whole blocks)."""
     file_type, weight_type = out_types(out_type)
     config, weights = load_hf_folder(hf_dir, progress=progress)
     vision = config.vision
     if vision is None:
         raise ModelLoadError(f"{hf_dir}: a text model has no vision tower to write as an mmproj file")
-    if vision.hidden_act != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{hf_dir}: vision_config.hidden_act {vision.hidden_act!r}: llama.cpp's idefics3 "
-                             "projector runs the tanh GELU (gelu_pytorch_tanh) only")
-    processor = ImageProcessor.from_hf_dir(Path(hf_dir), vision)
+    if vision.family not in _FAMILIES.values() or vision.hidden_act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{hf_dir}: a {vision.family} vision tower with vision_config.hidden_act "
+                             f"{vision.hidden_act!r}: hearth writes llama.cpp's idefics3 and gemma3 projectors, which "
+                             "run the tanh GELU (gelu_pytorch_tanh)")
+    gemma = vision.family == "gemma3"
+    processor = (GemmaImageProcessor if gemma else ImageProcessor).from_hf_dir(Path(hf_dir), vision)
     writer = GGUFWriter(None, CLIP)
     writer.add_type(GGUFType.MMPROJ)
     writer.add_file_type(int(file_type))
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(VisionProjectorType.IDEFICS3)
+    writer.add_clip_projector_type(VisionProjectorType.GEMMA3 if gemma else VisionProjectorType.IDEFICS3)
     writer.add_vision_projection_dim(config.hidden_size)
     for add, value in ((writer.add_vision_image_size, vision.image_size),
                        (writer.add_vision_patch_size, vision.patch_size),
@@ -201,7 +234,7 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
     writer.add_vision_image_std(processor.std.tolist())
     writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
     writer.add_vision_use_gelu(True)
-    if processor.do_image_splitting:
+    if not gemma and processor.do_image_splitting:
         writer.add_vision_preproc_image_size(processor.longest_edge)
     plan = _plan(tower_tensors(vision, config.hidden_size), weights, weight_type)
     return write_gguf(writer, plan, out_path, f"writing the mmproj file in {out_type}", progress)
@@ -209,13 +242,16 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
 
 def _plan(tensors: dict[str, tuple[str, tuple[int, ...]]], weights: dict[str, torch.Tensor],
           weight_type: GGMLQuantizationType) -> list[PlannedTensor]:
-    """The tower's tensors under llama.cpp's names, in their types (SmolVLMModel's: embeddings F32)."""
+    """The tower's tensors under llama.cpp's names, in their types (SmolVLMModel's: embeddings F32;
+    Gemma3VisionModel's: its input projection F16 too, llama.cpp issue 13025), values as the file stores them."""
     missing = [checkpoint for checkpoint, _ in tensors.values() if checkpoint not in weights]
     if missing:
         raise ModelLoadError(f"missing tensor {missing[0]}")
     plan = []
     for name, (checkpoint, shape) in tensors.items():
         tensor = weights[checkpoint]
-        qtype = Q.F32 if ".embeddings." in checkpoint else tensor_type(name, tensor, weight_type)
-        plan.append((name, shape, qtype, lambda tensor=tensor: tensor.float()))
+        qtype = Q.F32 if ".embeddings." in checkpoint else Q.F16 if name == "mm.input_projection.weight" else \
+            tensor_type(name, tensor, weight_type)
+        offset = _FILE_OFFSETS.get(name, 0.0)
+        plan.append((name, shape, qtype, lambda tensor=tensor, offset=offset: tensor.float() + offset))
     return plan
