@@ -89,7 +89,8 @@ def test_logits_and_greedy_tokens_equal_transformers(gemma, which, request):
 def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
     """The reference backend, chunks of 16 tokens: no chunk ends inside an image (the one that reaches an image
     runs to its end), each image encoded once, transformers' greedy tokens; the same prompt again: the prefix
-    cache and the encoder cache hit, the same tokens; an image repeated in one prompt: encoded once."""
+    cache and the encoder cache hit, the same tokens; an image repeated in one prompt: encoded once; a prefix hit
+    that ends inside an image (its blocks made with the whole image in view): the rest of it, the same tokens."""
     from hearth import LLM
 
     images, _, _, ref_tokens = two_images
@@ -114,6 +115,15 @@ def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": twice}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == _reference(gemma, TWO, twice)[2]
     assert (cache.misses, cache.hits - hits) == (3, 1)
+    # a prompt whose last cached block ends inside its image: run again, the rest of the image from there
+    short, image, chunks[:] = "a<start_of_image>", [_image(*IMAGES[3])], []
+    expected = _reference(gemma, short, image)[2]
+    for _ in range(2):
+        out = llm.generate({"prompt": short, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected
+    span = chunks[0][2][0]  # (64: the prefix hit; the chunk from it ends past the image, as every chunk does)
+    assert [start for start, _, _ in chunks if span.start < start < span.end] == [64]
+    assert not [c for c in chunks for i in c[2] if i.start < c[1] < i.end]
 
 
 def test_scheduler_keeps_images_whole():
