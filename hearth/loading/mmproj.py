@@ -58,7 +58,8 @@ _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 @dataclass
 class Mmproj:
     """An mmproj file read for a text model: the vision config, the tower's weights by hearth's
-    checkpoint names (model.vision_model.*, model.connector.*) and the images' processor."""
+    checkpoint names (model.vision_model.*, model.connector.*; Gemma 3's model.vision_tower.*,
+    model.multi_modal_projector.*) and the images' processor."""
 
     vision: VisionConfig
     weights: dict[str, torch.Tensor]
@@ -182,7 +183,8 @@ def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, w
                                  f"{shape} from the file's metadata")
     extra = sorted(set(found) - set(expected))
     if extra:
-        raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the idefics3 projector hearth implements")
+        raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the {vision.family} projector hearth "
+                             "implements")
     return {checkpoint: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0)
             for name, (checkpoint, _) in expected.items()}
 
