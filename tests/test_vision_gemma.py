@@ -16,7 +16,7 @@ import torch
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import ImageSpan, Request
 from hearth.engine.scheduler import Scheduler
-from hearth.errors import ModelLoadError
+from hearth.errors import ModelLoadError, RequestError
 from models import make_gemma3_vl
 from test_vision import GREEDY, _hearth_logits, _image, _reference
 
@@ -180,7 +180,8 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
 
 def test_what_is_refused(gemma, tmp_path):
     """The gpu backend (its prefill attention is causal only), pan and scan, an image token count that is no
-    square dividing the patches, an image size the processor does not resize to."""
+    square dividing the patches, an image size the processor does not resize to; a prompt that holds image
+    placeholder tokens of its own."""
     from hearth.backend.gpu import GpuBackend
     from hearth.config import ModelConfig
     from hearth.image_processor_gemma import GemmaImageProcessor
@@ -200,6 +201,10 @@ def test_what_is_refused(gemma, tmp_path):
             {**processor, "image_processor": {**processor["image_processor"], **change}}))
         with pytest.raises(ModelLoadError, match=message):
             GemmaImageProcessor.from_hf_dir(tmp_path, model_config.vision)
+    with pytest.raises(RequestError, match="holds 65 image placeholder tokens .* where its images take 64"):
+        gemma[3].engine.add_request(None, "a<image_soft_token>b<start_of_image>", GREEDY,
+                                    multi_modal_data={"image": [_image(0, 30, 40)]})
+    assert not gemma[3].engine.has_unfinished_requests()
 
 
 def test_mmproj_gguf_equals_transformers(gemma, two_images, tmp_path):

@@ -88,14 +88,17 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
     text = parts[0] + "".join(processor.placeholder_text(p) + after for p, after in zip(processed, parts[1:]))
     ids = tokenizer.encode(text)
     positions = np.flatnonzero(np.asarray(ids) == image_token_id)
+    needed = sum(image.num_embeds for image in processed)
+    if len(positions) != needed:  # (the text's own placeholders, or a tokenizer that reads them otherwise)
+        raise RequestError(f"the prompt holds {len(positions)} image placeholder tokens ({image_token_id}) where its "
+                           f"images take {needed}: the text has placeholders of its own, or the tokenizer does not "
+                           f"read {processor.image_token} as that token")
     spans, used = [], 0
     for image in processed:
         mine = positions[used:used + image.num_embeds]
         used += image.num_embeds
         spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values,
                                image.num_embeds, image.grid))
-    if used != len(positions):  # (the marker's own text tokenized as placeholders: the tokenizer disagrees)
-        raise RequestError(f"the prompt holds {len(positions) - used} placeholder tokens of no image")
     return PromptWithImages(prompt, ids, spans)
 
 

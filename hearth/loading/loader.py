@@ -41,17 +41,6 @@ class LoadedModel:
 _IMAGE_PROCESSORS = {"qwen3_vl": QwenImageProcessor, "qwen3_5": QwenImageProcessor, "gemma3": GemmaImageProcessor}
 
 
-def _image_processor(path: Path, config: ModelConfig, tokenizer: Tokenizer
-                     ) -> ImageProcessor | QwenImageProcessor | GemmaImageProcessor:
-    """The folder's image processor, its placeholder checked to be the one token config.json names."""
-    processor = _IMAGE_PROCESSORS.get(config.vision.family, ImageProcessor).from_hf_dir(path, config.vision)
-    ids = tokenizer.encode(processor.image_token, add_special_tokens=False)
-    if ids != [config.vision.image_token_id]:
-        raise ModelLoadError(f"{path}: the tokenizer reads the image placeholder {processor.image_token} as {ids}, "
-                             f"not the image token {config.vision.image_token_id} of config.json")
-    return processor
-
-
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:
     """Config, weights by HF name (memory-mapped, maybe quantized) and tokenizer. path: see resolve_model
     (None: the default model)."""
@@ -93,7 +82,7 @@ def load_model(
     config, weights, tokenizer = read_model(path, progress)
     image_processor = None
     if config.vision is not None:
-        image_processor = _image_processor(path, config, tokenizer)
+        image_processor = _IMAGE_PROCESSORS.get(config.vision.family, ImageProcessor).from_hf_dir(path, config.vision)
     if mmproj is not None:
         projector = read_mmproj(mmproj, config, tokenizer)
         config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor
