@@ -1,6 +1,7 @@
 """Images in a request: the prompt's markers expanded into the model's placeholder tokens, where each
-image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and a step's rows of
-image embeddings for the runner.
+image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and for the runner a step's
+rows of image embeddings, its M-RoPE positions (Qwen3-VL) and the images whose tokens attend both ways
+(Gemma 3: image_blocks).
 
 A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`: as its chat
 template writes an image content part), once per image of multi_modal_data["image"], in order. Each
