@@ -35,7 +35,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
         self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.kv_heads_of(index), config.head_dim_of(index)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # qwen3_5: q_proj makes each head's query and then its output gate
         self.output_gate = config.attention_output_gate
@@ -232,6 +232,8 @@ class Transformer(nn.Module):
                 out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
+        if self.config.kv_sources:  # a layer that shares K/V attends over its source layer's cache
+            kv_caches = [kv_caches[self.config.kv_source(layer)] for layer in range(len(kv_caches))]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rotaries, kv_cache, meta)
             if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
