@@ -20,80 +20,16 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ATTENTION, GATED_DELTA_NET, MAMBA2, MLP, SHORT_CONV, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.model.attention import Attention
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
-                                 longrope_factors, partial_rotary_order)
+                                 longrope_factors)
 from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
 from hearth.vision_config import QwenVisionConfig
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend, index: int):
-        super().__init__()
-        self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.kv_heads_of(index), config.head_dim_of(index)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # qwen3_5: q_proj makes each head's query and then its output gate
-        self.output_gate = config.attention_output_gate
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size * (1 + self.output_gate), "k_proj": kv_size,
-                                                          "v_proj": kv_size}, config.attention_bias)
-        # partial RoPE: q's and k's dimensions reordered so that the backends' rotate-half over the whole
-        # head rotates the right pairs (RotaryEmbedding's frequencies are 0 past the rotated share)
-        self.register_buffer("rope_order", partial_rotary_order(config), persistent=False)
-        # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
-        o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
-        self.qk_norm = config.qk_norm
-        if self.qk_norm:  # over each head, or over the whole projection
-            per_head = self.qk_norm == "head"
-            offset = config.norm_weight_offset
-            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops, offset)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops, offset)
-        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        self.softcap = config.attn_logit_softcapping
-        self.window = config.sliding_window if config.is_sliding_layer(index) else None
-        self.sinks = None  # gpt_oss: [heads], a logit per head in each softmax's denominator
-        if config.attention_sinks:
-            if not ops.attention_sinks:
-                raise ModelLoadError(f"the {ops.name} backend has no attention sinks yet: run {config.architecture} "
-                                     "with --backend cpu or reference")
-            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
-        # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)
-        if index in config.no_rope_layers:
-            self.rope_index = 2
-        else:
-            self.rope_index = int(config.local_rope_theta is not None and config.is_sliding_layer(index))
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rotary,  # RotaryEmbedding's output for the tokens' positions
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_slots, kv_heads, head_dim]
-        meta,  # the backend's attention metadata
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        if self.output_gate:
-            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q = q.reshape(tokens, -1)
-        if self.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_order is not None:
-            q, k = q[..., self.rope_order], k[..., self.rope_order]
-        q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window, self.sinks)
-        out = out.reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
 
 
 class DecoderLayer(nn.Module):
