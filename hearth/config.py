@@ -13,6 +13,7 @@ from hearth.hf_config import (
     architecture_from_hf,
     experts_from_hf,
     gemma2_from_hf,
+    gemma4_from_hf,
     gpt_oss_from_hf,
     hybrid_fields_from_hf,
     hybrid_from_hf,
@@ -34,7 +35,7 @@ MAX_DECODE_QUERY_LEN = 16
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5",
-                           "qwen3_next", "granitemoehybrid", "nemotron_h", "gpt_oss")
+                           "qwen3_next", "granitemoehybrid", "nemotron_h", "gpt_oss", "gemma4")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Gated DeltaNet and gated attention: Qwen3.5 and Qwen3-Next (its experts those of qwen2_moe)
 QWEN_DELTA_NET = ("qwen3_5", "qwen3_next")
@@ -150,6 +151,15 @@ class ModelConfig:
     # KV sharing (gemma4's last num_kv_shared_layers): per layer, the earlier layer whose cached K/V it attends
     # over, itself where it keeps its own; (): every attention layer keeps its own
     kv_sources: tuple[int, ...] = ()
+    # gemma4: v RMS-normed over each head without a weight; the layers whose v is their k projection's output
+    # (attention_k_eq_v's full layers: no v_proj)
+    value_norm: bool = False
+    k_eq_v_layers: tuple[int, ...] = ()
+    # gemma4's per-layer embeddings: each token gets a vector of per_layer_input_size for every layer, from a
+    # table of per_layer_vocab_size tokens and a projection of its embedding, gated into the layer's output
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    double_wide_mlp_layers: tuple[int, ...] = ()  # gemma4: layers whose MLP is 2 x intermediate_size wide
     extra: dict[str, Any] = field(default_factory=dict)
     # an image-text model's encoder and projector (hearth/vision_config.py)
     vision: VisionConfig | QwenVisionConfig | None = None
@@ -381,7 +391,7 @@ class ModelConfig:
                 **gemma2_from_hf(hf, arch, local_rope),
                 **experts_from_hf(hf, arch), **gpt_oss_from_hf(hf, arch),
                 **latent_attention_from_hf(hf, arch, heads, kv_heads),
-            ) | hybrid_from_hf(hf, arch, rope))
+            ) | hybrid_from_hf(hf, arch, rope) | gemma4_from_hf(hf, arch, rope, local_rope))
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
         except ModelLoadError as e:

@@ -28,6 +28,13 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, self.weight_offset, residual)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (gemma4's v and router norms): x / sqrt(mean(x^2) + eps) over the last
+    dimension, in float32."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). The weight is a plain tensor; quantized holders replace this module."""
 
@@ -266,6 +273,10 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "proportional":  # gemma4's full layers: the head's first frequencies, the others 0 (not turned)
+        turned = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / float(scaling.get("factor", 1.0))
     if kind == "longrope":
         factors = scaling.get(longrope_factors(config, max_positions or config.max_position_embeddings))
         return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
@@ -281,7 +292,8 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn, longrope)")
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn, longrope, "
+                         "proportional)")
 
 
 def _yarn_factor(config: ModelConfig) -> float:

@@ -21,6 +21,7 @@ from hearth.backend.base import Backend
 from hearth.config import ATTENTION, GATED_DELTA_NET, MAMBA2, MLP, SHORT_CONV, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.model.attention import Attention
+from hearth.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
                                  longrope_factors)
@@ -103,13 +104,22 @@ class Transformer(nn.Module):
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         self.lora_rows = None  # with LoRA adapters: the step's adapters (hearth/model/lora.py's LoraRows)
         self.embed_tokens, lm_head = vocabulary_modules(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
+        if not (config.uniform_kv_cache or ops.mixed_kv_layers):
+            raise ModelLoadError(f"the {ops.name} backend has no layers of other K/V shapes or shared K/V yet: run "
+                                 f"{config.architecture} with --backend cpu or reference")
+        layer = Gemma4DecoderLayer if config.architecture == "gemma4" else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = lm_head
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
+        # gemma4: per token and layer an input of its own (hearth/model/gemma4.py), made from the embeddings
+        self.per_layer_inputs = PerLayerInputs(config, ops) if config.per_layer_input_size else None
+        # each table as wide as the heads of the layers it turns (gemma4's full layers: their own head_dim)
+        self.rope = RotaryEmbedding(_heads_of(config, sliding=False), max_positions or config.max_position_embeddings,
+                                    ops)
         self.local_rope = self.no_rope = None
         if config.local_rope_theta is not None:  # gemma3's sliding layers: their own base, unscaled
-            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            local = dataclasses.replace(_heads_of(config, sliding=True), rope_theta=config.local_rope_theta,
+                                        rope_scaling=None)
             self.local_rope = RotaryEmbedding(local, self.rope.max_positions, ops)
         if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
             zeros = torch.zeros_like(self.rope.inv_freq)
@@ -140,7 +150,9 @@ class Transformer(nn.Module):
         if embeds is not None and embeds[1].shape[1] > width:
             added = (embeds[0], embeds[1][:, width:].unflatten(1, (-1, width)))  # [k, D, hidden]
         x = self.embed(input_ids, embeds)
-        return self.norm(*self.run_layers(x, None, positions, kv_caches, meta, added))[0]
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, x)
+        x, residual = self.run_layers(x, None, positions, kv_caches, meta, added, per_layer)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]  # (gemma4's layers: x is the stream)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -156,10 +168,12 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
-                   added: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   added: tuple[torch.Tensor, torch.Tensor] | None = None, per_layer: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every layer of self.layers (a pipeline stage's: its own) on x [T, hidden], what the layer
         before adds to the residual stream (None: x is the stream). Returns the same pair after the last.
-        added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d."""
+        added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d.
+        per_layer: gemma4's per-layer inputs [T, layers, width] (PerLayerInputs), the d-th to layer d."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
         # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
@@ -171,7 +185,7 @@ class Transformer(nn.Module):
         if self.config.kv_sources:  # a layer that shares K/V attends over its source layer's cache
             kv_caches = [kv_caches[self.config.kv_source(layer)] for layer in range(len(kv_caches))]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rotaries, kv_cache, meta)
+            x, residual = layer(x, residual, rotaries, kv_cache, meta, *(() if per_layer is None else (per_layer[:, index],)))
             if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
                 x = x.index_add(0, added[0], added[1][:, index].to(x.dtype))
         return x, residual
@@ -256,7 +270,8 @@ class Transformer(nn.Module):
                     raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
                 _check_shape(f"{hf_name}.{attr}", found[attr], param.shape)
             _take(module, found, dtype)
-        unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name))
+        unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name)
+                        and name not in _shared_kv_projections(self.config))
         if unused:  # parts of the checkpoint hearth's model has no place for: refused, never dropped
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
             raise ModelLoadError(f"tensor {unused[0]}{more} is not part of the {self.config.architecture} model "
@@ -321,6 +336,20 @@ def _checkpoint_module_name(name: str) -> str:
     if name.startswith("lm_head"):
         return name
     return "model." + name.removeprefix("vision.")
+
+
+def _heads_of(config: ModelConfig, sliding: bool) -> ModelConfig:
+    """config with the head_dim of its first sliding (or full) layer: the width of that kind's rotary table."""
+    layers = [layer for layer in range(config.num_layers) if config.is_sliding_layer(layer) == sliding]
+    width = config.head_dim_of(layers[0]) if layers else config.head_dim
+    return config if width == config.head_dim else dataclasses.replace(config, head_dim=width)
+
+
+def _shared_kv_projections(config: ModelConfig) -> set[str]:
+    """The k/v projections and norms some checkpoints keep for layers that share an earlier layer's K/V
+    (gemma4's), which nothing computes with (transformers ignores them too)."""
+    return {f"model.layers.{layer}.self_attn.{part}.weight" for layer in range(config.num_layers)
+            if config.kv_source(layer) != layer for part in ("k_proj", "v_proj", "k_norm", "v_norm")}
 
 
 def vocabulary_modules(rows: int, hidden_size: int) -> tuple[nn.Embedding, Linear]:
