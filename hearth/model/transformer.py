@@ -1,4 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, the
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gemma4 (its own decoder layer,
+hearth/model/gemma4.py), smollm3, phi3, the
 mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe and gpt_oss (attention sinks), and deepseek_v2 (experts and multi-head
 latent attention, hearth/model/latent_attention.py).
 
