@@ -1,7 +1,7 @@
 """Gemma 4 (transformers' gemma4) against transformers on tiny random models in its real layout
 (tests/models.py: sliding and full layers, the full ones wider with one KV head and v from k's projection,
 two layers sharing an earlier layer's K/V with a double-wide MLP, per-layer embeddings, layer scalars,
-proportional RoPE; and with experts beside the MLP): logits on the reference and cpu backends, greedy
+proportional RoPE; and with experts beside the MLP, without per-layer embeddings): logits on the reference and cpu backends, greedy
 tokens in a mixed batch with chunked prefill and forced preemption, a prefix-cache hit against a cold
 run, the KV cache's per-layer shapes and bytes per token, the text model of a Gemma4ForConditionalGeneration
 checkpoint, and what is refused by name."""
@@ -28,10 +28,14 @@ from models import VOCAB_SIZE, hearth_logits, load_hf_reference, make_hf_model
 from test_engine import greedy, random_prompts, reference_greedy, token_ids
 
 TOKENS = torch.randint(0, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(1)).tolist()  # 5 windows
-EXPERTS = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+# the variant with experts, as the larger Gemma 4 models: no per-layer embeddings, no KV sharing (transformers
+# cannot run sharing without per-layer embeddings); an output layer of its own
+EXPERTS = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+               hidden_size_per_layer_input=0, num_kv_shared_layers=0, tie_word_embeddings=False)
 # K/V bytes per token in float32, from tests/models.py's shapes: K and V of the sliding layers 0 and 2 (2 KV
-# heads of 16) and of the full layer 1 (1 KV head of 32); layers 3 and 4 read layer 2's and layer 1's
-KV_BYTES = 2 * (2 * 2 * 16 + 1 * 32) * 4
+# heads of 16) and of the full layer 1 (1 KV head of 32); layers 3 and 4 read layer 2's and layer 1's (with
+# experts, no sharing: sliding layers 0, 2, 3 and full layers 1, 4 keep their own)
+KV_BYTES = {"dense": 2 * (2 * 2 * 16 + 1 * 32) * 4, "experts": 2 * (3 * 2 * 16 + 2 * 32) * 4}
 
 
 @pytest.fixture(scope="module", params=["dense", "experts"])
@@ -48,10 +52,12 @@ def test_logits_match_transformers_on_both_backends(family):
     kind, folder, want = family
     config, weights = load_hf_folder(folder, progress=False)
     assert config.sliding_layers == (0, 2, 3) and config.layer_head_dims == (16, 32, 16, 16, 32)
-    assert config.layer_kv_heads == (2, 1, 2, 2, 1) and config.kv_sources == (0, 1, 2, 2, 1)
-    assert config.k_eq_v_layers == (1, 4) and config.double_wide_mlp_layers == (3, 4) and config.value_norm
-    assert config.rope_scaling["rope_type"] == "proportional" and config.per_layer_input_size == 8
-    assert config.num_experts == (4 if kind == "experts" else 0)
+    assert config.layer_kv_heads == (2, 1, 2, 2, 1) and config.k_eq_v_layers == (1, 4) and config.value_norm
+    sharing = kind == "dense"
+    assert config.kv_sources == ((0, 1, 2, 2, 1) if sharing else ())
+    assert config.double_wide_mlp_layers == ((3, 4) if sharing else ())
+    assert config.rope_scaling["rope_type"] == "proportional"
+    assert (config.num_experts, config.per_layer_input_size) == ((4, 0) if kind == "experts" else (0, 8))
     backends = [Backend()] + ([CpuBackend()] if cpu_kernels() is not None else [])
     for backend in backends:
         got = hearth_logits(config, weights, TOKENS, backend=backend)
@@ -63,7 +69,7 @@ def test_mixed_batch_chunked_prefill_and_preemption(family):
     13-token steps (chunks beside decodes) and a cache of 6 blocks, fewer than the batch needs (preemption)."""
     kind, folder, _ = family
     prompts = random_prompts(5, seed=7, shortest=3, longest=40)
-    llm = LLM(folder, max_num_batched_tokens=13, kv_cache_memory=6 * 16 * KV_BYTES, progress=False)
+    llm = LLM(folder, max_num_batched_tokens=13, kv_cache_memory=6 * 16 * KV_BYTES[kind], progress=False)
     assert llm.engine.num_blocks == 6
     outputs = llm.generate(prompts, greedy(8), use_tqdm=False)
     assert token_ids(outputs) == reference_greedy(folder, prompts, 8)
@@ -95,11 +101,11 @@ def test_kv_cache_per_layer_shapes_and_bytes(family, tmp_path):
     kind, folder, _ = family
     if kind == "experts":
         pytest.skip("the experts do not change the cache")
-    info = model_info(folder, kv_budget_bytes=100 * KV_BYTES, kv_element_size=4)
-    assert info["kv_cache_bytes_per_token"] == KV_BYTES and info["kv_budget_tokens"] == 100
+    info = model_info(folder, kv_budget_bytes=100 * KV_BYTES[kind], kv_element_size=4)
+    assert info["kv_cache_bytes_per_token"] == KV_BYTES[kind] and info["kv_budget_tokens"] == 100
     assert info["kv_layers"] == {"shapes": [{"layers": [0, 2], "kv_heads": 2, "head_dim": 16},
                                             {"layers": [1], "kv_heads": 1, "head_dim": 32}], "shared": {3: 2, 4: 1}}
-    llm = LLM(folder, kv_cache_memory=10 * 16 * KV_BYTES, progress=False)
+    llm = LLM(folder, kv_cache_memory=10 * 16 * KV_BYTES[kind], progress=False)
     caches = llm.engine.runner.kv_caches
     assert [tuple(tuple(t.shape) for t in layer) for layer in caches] == [
         ((160, 2, 16),) * 2, ((160, 1, 32),) * 2, ((160, 2, 16),) * 2, (), ()]
