@@ -204,6 +204,11 @@ class ModelConfig:
             self._check_state_layers()
         if self.layer_head_dims or self.layer_kv_heads or self.kv_sources:
             self._check_attention_layers()
+        if any(not 0 <= layer < self.num_layers for layer in self.k_eq_v_layers + self.double_wide_mlp_layers):
+            raise ModelLoadError(f"k_eq_v_layers {list(self.k_eq_v_layers)}, double-wide MLP layers "
+                                 f"{list(self.double_wide_mlp_layers)}: expected layer numbers below {self.num_layers}")
+        if self.per_layer_input_size:
+            self._check_sizes(_PER_LAYER_INPUT_LIMITS)
         if self.kv_lora_rank or self.architecture == "deepseek_v2":  # never run as ordinary attention
             self._check_sizes(_LATENT_LIMITS)
             if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
@@ -447,4 +452,5 @@ _DELTA_NET_LIMITS = {"linear_num_key_heads": 1 << 12, "linear_num_value_heads": 
                      "linear_value_head_dim": 1 << 12}
 _MAMBA2_LIMITS = {"mamba_num_heads": 1 << 12, "mamba_head_dim": 1 << 12, "ssm_state_size": 1 << 12,
                   "mamba_groups": 1 << 12}
+_PER_LAYER_INPUT_LIMITS = {"per_layer_input_size": 1 << 14, "per_layer_vocab_size": 1 << 22}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}

@@ -157,6 +157,7 @@ def test_refused_by_name(family, tmp_path):
     for fields, message in (({"per_layer_config": {"1": {"intermediate_size": 8}}}, "intermediate_size is not "),
                             ({"num_kv_shared_layers": 4}, "layer 1 .full_attention. has no earlier layer"),
                             ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
-                            ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input = 100")):
+                            ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input = 100"),
+                            ({"hidden_size_per_layer_input": 10**9}, "per_layer_input_size = 1000000000")):
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf({**hf, **fields})

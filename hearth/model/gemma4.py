@@ -47,6 +47,8 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
+    """One Gemma 4 layer (the module's docstring), under transformers' checkpoint names."""
+
     def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
         self.ops = ops
