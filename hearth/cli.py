@@ -79,6 +79,11 @@ def cmd_inspect(args) -> None:
         print(f"soft-capping     {', '.join(caps)}")
     print(f"KV cache         {info['kv_cache_bytes_per_token']:,} bytes/token in {info['kv_cache_dtype']} "
           f"({info['kv_bytes_per_element']:g} bytes/element)")
+    if "kv_layers" in info:
+        shapes = "; ".join(f"layers {', '.join(map(str, s['layers']))}: {s['kv_heads']} KV heads of {s['head_dim']}"
+                           for s in info["kv_layers"]["shapes"])
+        shared = ", ".join(f"{layer} -> {source}" for layer, source in info["kv_layers"]["shared"].items())
+        print(f"KV layers        {shapes}" + (f"; reading an earlier layer's: {shared}" if shared else ""))
     if info["kv_window"] is not None:
         print(f"KV blocks        freed once older than every layer's window ({info['kv_window']} tokens)")
     which = " (hearth serve's default)" if info["kv_budget_default"] else ""

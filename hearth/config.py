@@ -13,6 +13,7 @@ from hearth.hf_config import (
     architecture_from_hf,
     experts_from_hf,
     gemma2_from_hf,
+    gemma4_from_hf,
     gpt_oss_from_hf,
     hybrid_fields_from_hf,
     hybrid_from_hf,
@@ -34,7 +35,7 @@ MAX_DECODE_QUERY_LEN = 16
 # Architectures the one decoder covers, and what sets them apart.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "phi3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "lfm2", "qwen3_5",
-                           "qwen3_next", "granitemoehybrid", "nemotron_h", "gpt_oss")
+                           "qwen3_next", "granitemoehybrid", "nemotron_h", "gpt_oss", "gemma4")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # Gated DeltaNet and gated attention: Qwen3.5 and Qwen3-Next (its experts those of qwen2_moe)
 QWEN_DELTA_NET = ("qwen3_5", "qwen3_next")
@@ -143,6 +144,22 @@ class ModelConfig:
     # equal, an image's patch has its row's and column's) and frequency j turns by the one mrope_axes
     # picks; the counts of frequencies per axis. None: one position per token
     mrope_section: tuple[int, int, int] | None = None
+    # Attention layers of other shapes (gemma4's full layers: wider heads, fewer KV heads): per layer its
+    # head_dim and KV heads; (): head_dim and num_kv_heads in every layer
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    # KV sharing (gemma4's last num_kv_shared_layers): per layer, the earlier layer whose cached K/V it attends
+    # over, itself where it keeps its own; (): every attention layer keeps its own
+    kv_sources: tuple[int, ...] = ()
+    # gemma4: v RMS-normed over each head without a weight; the layers whose v is their k projection's output
+    # (attention_k_eq_v's full layers: no v_proj)
+    value_norm: bool = False
+    k_eq_v_layers: tuple[int, ...] = ()
+    # gemma4's per-layer embeddings: each token gets a vector of per_layer_input_size for every layer, from a
+    # table of per_layer_vocab_size tokens and a projection of its embedding, gated into the layer's output
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    double_wide_mlp_layers: tuple[int, ...] = ()  # gemma4: layers whose MLP is 2 x intermediate_size wide
     extra: dict[str, Any] = field(default_factory=dict)
     # an image-text model's encoder and projector (hearth/vision_config.py)
     vision: VisionConfig | QwenVisionConfig | None = None
@@ -191,6 +208,13 @@ class ModelConfig:
             self._check_experts()
         if self.layer_types:
             self._check_state_layers()
+        if self.layer_head_dims or self.layer_kv_heads or self.kv_sources:
+            self._check_attention_layers()
+        if any(not 0 <= layer < self.num_layers for layer in self.k_eq_v_layers + self.double_wide_mlp_layers):
+            raise ModelLoadError(f"k_eq_v_layers {list(self.k_eq_v_layers)}, double-wide MLP layers "
+                                 f"{list(self.double_wide_mlp_layers)}: expected layer numbers below {self.num_layers}")
+        if self.per_layer_input_size:
+            self._check_sizes(_PER_LAYER_INPUT_LIMITS)
         if self.kv_lora_rank or self.architecture == "deepseek_v2":  # never run as ordinary attention
             self._check_sizes(_LATENT_LIMITS)
             if not 0 <= self.q_lora_rank <= _QUERY_RANK_LIMIT:
@@ -244,6 +268,45 @@ class ModelConfig:
             raise ModelLoadError(f"partial_rotary_factor = {self.partial_rotary_factor!r}: expected a share of "
                                  f"head_dim ({self.head_dim}) that is a positive even number of dimensions")
 
+    def _check_attention_layers(self) -> None:
+        for name in ("layer_head_dims", "layer_kv_heads", "kv_sources"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_layers:
+                raise ModelLoadError(f"{name} = {list(values)}: expected one for each of the {self.num_layers} layers")
+        for layer in range(self.num_layers):
+            dim, heads = self.head_dim_of(layer), self.kv_heads_of(layer)
+            if not 2 <= dim <= _SIZE_LIMITS["head_dim"] or dim % 2:
+                raise ModelLoadError(f"layer {layer}: head_dim = {dim}: expected an even number up to "
+                                     f"{_SIZE_LIMITS['head_dim']:,}")
+            if not 1 <= heads <= self.num_heads or self.num_heads % heads:
+                raise ModelLoadError(f"layer {layer}: {heads} KV heads do not divide the {self.num_heads} heads")
+            source = self.kv_source(layer)
+            if not 0 <= source <= layer or (source != layer and (
+                    self.kv_source(source) != source or self.layer_type(source) != ATTENTION
+                    or self.is_sliding_layer(source) != self.is_sliding_layer(layer))):
+                raise ModelLoadError(f"layer {layer} reads the K/V of layer {source}: expected an earlier attention "
+                                     "layer of the same kind (sliding or full) that keeps its own")
+
+    def head_dim_of(self, layer: int) -> int:
+        """The head size of a layer's q, k and v."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V `layer` attends over: itself, or with KV sharing an earlier one."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def keeps_kv_cache(self, layer: int) -> bool:
+        """An attention layer that writes K/V of its own (not a state layer, not one that reads another's)."""
+        return self.layer_type(layer) == ATTENTION and self.kv_source(layer) == layer
+
+    @property
+    def uniform_kv_cache(self) -> bool:
+        """Every attention layer keeps its own K/V, all of one shape (pipeline and tensor parallelism's rule)."""
+        return not (self.layer_head_dims or self.layer_kv_heads or self.kv_sources)
+
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else ATTENTION
 
@@ -251,10 +314,6 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         """Some layer keeps a state per sequence rather than K/V per token."""
         return any(kind != ATTENTION for kind in self.layer_types)
-
-    @property
-    def num_attention_layers(self) -> int:
-        return sum(self.layer_type(layer) == ATTENTION for layer in range(self.num_layers))
 
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """The state a layer keeps per sequence: () for attention and an MLP; a short convolution's window
@@ -343,7 +402,7 @@ class ModelConfig:
                 **gemma2_from_hf(hf, arch, local_rope),
                 **experts_from_hf(hf, arch), **gpt_oss_from_hf(hf, arch),
                 **latent_attention_from_hf(hf, arch, heads, kv_heads),
-            ) | hybrid_from_hf(hf, arch, rope))
+            ) | hybrid_from_hf(hf, arch, rope) | gemma4_from_hf(hf, arch, rope, local_rope))
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from None
         except ModelLoadError as e:
@@ -364,18 +423,19 @@ class ModelConfig:
         except (ModelLoadError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{where}: {e}") from None
 
-    def kv_cache_layout(self) -> tuple[int, int, int]:
-        """Each layer's cache as (tensors, heads, values per head) per token: K and V of num_kv_heads x
+    def kv_cache_layout(self, layer: int) -> tuple[int, int, int]:
+        """A layer's cache as (tensors, heads, values per head) per token: K and V of its KV heads x its
         head_dim, or with multi-head latent attention one tensor of one latent, kv_lora_rank +
         head_dim wide (the rotated key part after the latent)."""
         if self.kv_lora_rank:
             return 1, 1, self.kv_lora_rank + self.head_dim
-        return 2, self.num_kv_heads, self.head_dim
+        return 2, self.kv_heads_of(layer), self.head_dim_of(layer)
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
-        """The cache of every layer: tensors x layers x heads x values x bytes (q8_0: 34 / 32 bytes)."""
-        tensors, heads, width = self.kv_cache_layout()
-        return round(tensors * self.num_attention_layers * heads * width * bytes_per_element)
+        """The cache of every layer that keeps one: the sum of tensors x heads x values, times bytes (q8_0: 34 / 32)."""
+        values = sum(math.prod(self.kv_cache_layout(layer)) for layer in range(self.num_layers)
+                     if self.keeps_kv_cache(layer))
+        return round(values * bytes_per_element)
 
     @property
     def kv_window(self) -> int | None:
@@ -398,4 +458,5 @@ _DELTA_NET_LIMITS = {"linear_num_key_heads": 1 << 12, "linear_num_value_heads": 
                      "linear_value_head_dim": 1 << 12}
 _MAMBA2_LIMITS = {"mamba_num_heads": 1 << 12, "mamba_head_dim": 1 << 12, "ssm_state_size": 1 << 12,
                   "mamba_groups": 1 << 12}
+_PER_LAYER_INPUT_LIMITS = {"per_layer_input_size": 1 << 14, "per_layer_vocab_size": 1 << 22}
 _EXPERT_LIMITS = {"num_experts": 1 << 12, "num_experts_per_tok": 1 << 12, "moe_intermediate_size": 1 << 20}

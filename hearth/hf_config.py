@@ -93,6 +93,92 @@ def gemma2_from_hf(hf: dict[str, Any], arch: str, local_rope: dict[str, Any] | N
     )
 
 
+# transformers' defaults for a gemma4 config without rope_parameters
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+_GEMMA4_LAYER_FIELDS = {"head_dim", "num_key_value_heads"}  # what per_layer_config may set, as transformers' gemma4 does
+
+
+def gemma4_from_hf(hf: dict[str, Any], arch: str, rope: dict[str, Any], local_rope: dict[str, Any] | None
+                   ) -> dict[str, Any]:
+    """gemma4's fields (none for other families), as transformers' Gemma4TextConfig derives them: sliding and
+    full layers (the last one full), the full layers' own head_dim and KV heads (per_layer_config, or
+    global_head_dim / num_global_key_value_heads), KV sharing in the last num_kv_shared_layers (each reads the
+    last earlier layer of its kind that keeps its own), per-layer embeddings, the experts beside the MLP."""
+    if arch != "gemma4":
+        return {}
+    if hf.get("use_bidirectional_attention") == "all":  # ("vision": images only; hearth's text stays causal)
+        raise ModelLoadError("use_bidirectional_attention='all' is not implemented by hearth")
+    layers = int(hf["num_hidden_layers"])
+    kinds = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(layers)])
+    kinds[-1:] = ["full_attention"]  # transformers forces the last layer full
+    sliding = sliding_layers_from_hf({**hf, "layer_types": kinds}, arch)
+    full = [i for i in range(layers) if i not in sliding]
+    if not hf.get("rope_parameters"):
+        rope, local_rope = _GEMMA4_ROPE["full_attention"], _GEMMA4_ROPE["sliding_attention"]
+    if (local_rope or {}).get("rope_type", "default") != "default":
+        raise ModelLoadError(f"RoPE scaling {local_rope.get('rope_type')!r} of the sliding layers is not implemented "
+                             "by hearth")
+    head_dims, kv_heads = _gemma4_layer_shapes(hf, layers, full)
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    sources = _gemma4_kv_sources(kinds, layers - shared)
+    width, experts = int(hf.get("hidden_size_per_layer_input", 256) or 0), bool(hf.get("enable_moe_block"))
+    if width and int(hf.get("vocab_size_per_layer_input", 262_144)) < int(hf["vocab_size"]):
+        raise ModelLoadError(f"vocab_size_per_layer_input = {hf['vocab_size_per_layer_input']}: fewer than the "
+                             f"{hf['vocab_size']} tokens (transformers' gemma4 cannot look the others up either)")
+    return dict(
+        hidden_act=hf.get("hidden_activation") or "gelu_pytorch_tanh", tie_word_embeddings=bool(
+            hf.get("tie_word_embeddings", True)), sliding_layers=sliding, qk_norm="head", value_norm=True,
+        embedding_scale=math.sqrt(int(hf["hidden_size"])), query_pre_attn_scalar=1.0,  # attention scores unscaled
+        final_logit_softcapping=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+        sandwich_norms=True, rope_theta=float(rope["rope_theta"]),
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        local_rope_theta=float(local_rope["rope_theta"]), layer_head_dims=head_dims, layer_kv_heads=kv_heads,
+        kv_sources=sources if shared else (), k_eq_v_layers=tuple(full) if hf.get("attention_k_eq_v") else (),
+        double_wide_mlp_layers=tuple(range(layers - shared, layers)) if hf.get("use_double_wide_mlp") else (),
+        per_layer_input_size=width, per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262_144)) if width
+        else 0, num_experts=int(hf["num_experts"]) if experts else 0,
+        num_experts_per_tok=int(hf["top_k_experts"]) if experts else 0,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]) if experts else 0, norm_topk_prob=experts,
+    )
+
+
+def _gemma4_layer_shapes(hf: dict[str, Any], layers: int, full: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's head_dim and KV heads: config.json's per_layer_config, else global_head_dim (512) on the full
+    layers and, with attention_k_eq_v, num_global_key_value_heads there."""
+    overrides = hf.get("per_layer_config")
+    if overrides is None:
+        wide = {"head_dim": int(hf.get("global_head_dim", 512))}
+        if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
+            wide["num_key_value_heads"] = int(hf["num_global_key_value_heads"])
+        overrides = {layer: wide for layer in full}
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise ModelLoadError(f"per_layer_config = {overrides!r}: expected an object of layer -> fields")
+    overrides = {int(layer): fields for layer, fields in overrides.items()}
+    unknown = sorted({name for fields in overrides.values() for name in fields} - _GEMMA4_LAYER_FIELDS)
+    if unknown or not all(0 <= layer < layers for layer in overrides):
+        raise ModelLoadError(f"per_layer_config: {unknown[0] if unknown else 'a layer number past the layers'} is not "
+                             f"implemented by hearth (it reads {', '.join(sorted(_GEMMA4_LAYER_FIELDS))} per layer)")
+    base = {"head_dim": int(hf.get("head_dim") or 256),
+            "num_key_value_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"])}
+    shapes = [{**base, **overrides.get(layer, {})} for layer in range(layers)]
+    return tuple(int(s["head_dim"]) for s in shapes), tuple(int(s["num_key_value_heads"]) for s in shapes)
+
+
+def _gemma4_kv_sources(kinds: list[str], first_shared: int) -> tuple[int, ...]:
+    """Per layer the layer whose K/V it attends over: itself before first_shared, after it the last layer
+    before first_shared of the same kind (transformers' kv_sharing_modes' "store" layer)."""
+    sources = list(range(first_shared))
+    for layer in range(max(first_shared, 0), len(kinds)):
+        same = [i for i in range(first_shared) if kinds[i] == kinds[layer]]
+        if not same:
+            raise ModelLoadError(f"num_kv_shared_layers = {len(kinds) - first_shared}: layer {layer} "
+                                 f"({kinds[layer]}) has no earlier layer of its kind to share K/V with")
+        sources.append(same[-1])
+    return tuple(sources)
+
+
 def experts_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """The ModelConfig fields of an MoE family's config.json (none for a dense one)."""
     if arch == "deepseek_v2":
@@ -205,7 +291,7 @@ def hybrid_fields_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     if arch == "lfm2":
         hf = {**hf, "rms_norm_eps": hf.get("norm_eps", 1e-5), "intermediate_size": _lfm2_mlp_width(hf),
               "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True))}
-    elif arch == "qwen3_5" and "text_config" in hf:  # the image-text model: hearth runs its text model
+    elif arch in ("qwen3_5", "gemma4") and "text_config" in hf:  # the image-text model: hearth runs its text model
         text = hf["text_config"]
         if not isinstance(text, dict):
             raise ModelLoadError(f"text_config = {text!r}: expected an object")
@@ -354,8 +440,9 @@ _INACTIVE_FIELDS = {
     "use_bidirectional_attention": (None, False),  # gemma3's encoder use
 }
 # of those, the ones some families implement
-_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"), "final_logit_softcapping": ("gemma2", "gemma3"),
-                   "partial_rotary_factor": ("qwen3_5", "qwen3_next")}
+_IMPLEMENTED_BY = {"attn_logit_softcapping": ("gemma2", "gemma3"),
+                   "final_logit_softcapping": ("gemma2", "gemma3", "gemma4"),
+                   "partial_rotary_factor": ("qwen3_5", "qwen3_next"), "use_bidirectional_attention": ("gemma4",)}
 
 
 def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
@@ -366,6 +453,9 @@ def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 
+# image-text (and audio) checkpoints whose text model hearth runs alone, their towers not loaded
+# (loading/names.py's NOT_LOADED): no image or audio input reaches it (ModelConfig.accepts_images is False)
+TEXT_MODEL_ONLY = ("gemma4",)
 # quantization_config's quant_method values whose weights hearth reads (hearth/loading/library_quant.py)
 LIBRARY_QUANTIZATIONS = ("gptq", "awq", "fp8")
 
@@ -387,7 +477,7 @@ def refuse_quantized_or_multimodal(hf: dict[str, Any], where: str) -> None:
                 "llama.cpp (convert_hf_to_gguf.py, then llama-quantize) or `hearth convert` / `hearth quantize`, "
                 "or load the unquantized bf16/fp16 checkpoint")
     # SmolVLM / Idefics3, Qwen3-VL and Qwen3.5 run whole, images included (hearth/vision_config.py)
-    if hf.get("vision_config") is not None and vision_family(hf) is None:
+    if hf.get("vision_config") is not None and vision_family(hf) is None and hf.get("model_type") not in TEXT_MODEL_ONLY:
         raise ModelLoadError(
             f"{where}: a model with an image encoder (vision_config) of a family hearth does not implement "
             f"(hearth runs the images of {', '.join(sorted(VISION_ARCHITECTURES))}); load the text model's own "
@@ -417,6 +507,8 @@ HF_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0-H: Mamba2
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding and full layers, experts with a clamped SwiGLU
+    "Gemma4ForCausalLM": "gemma4",  # the text model (model_type gemma4_text; hearth/model/gemma4.py)
+    "Gemma4ForConditionalGeneration": "gemma4",  # (text_config, model.language_model.*; its towers not loaded)
 }
 
 
@@ -429,7 +521,7 @@ def architecture_from_hf(hf: dict[str, Any], where: str, supported: tuple[str, .
     if arch is None:
         arch = hf.get("model_type")
         if isinstance(arch, str):  # (another type is no architecture: refused below)
-            arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(arch, arch)
+            arch = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "gemma4_text": "gemma4"}.get(arch, arch)
     if arch not in supported:
         raise ModelLoadError(
             f"{where}: unsupported architecture {archs or hf.get('model_type')!r}; "

@@ -90,9 +90,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str, config, backend) -> None:
     if name != "auto" and config.kv_lora_rank:
         raise ValueError(f"kv_cache_dtype {name} is not implemented for multi-head latent attention (its keys and "
                          "values are views of one latent cache)")
-    if name == "q8_0" and config.head_dim % Q8_BLOCK:
+    odd = [config.head_dim_of(layer) for layer in range(config.num_layers) if config.head_dim_of(layer) % Q8_BLOCK]
+    if name == "q8_0" and odd:
         raise ValueError(f"kv_cache_dtype q8_0 needs a head_dim that is a multiple of {Q8_BLOCK} (q8_0 blocks); "
-                         f"this model's is {config.head_dim}")
+                         f"this model's is {odd[0]}")
     backend.check_kv_cache_dtype(name)
 
 
@@ -220,11 +221,24 @@ def move_rows(cache: KVCache, sources: torch.Tensor, targets: torch.Tensor) -> N
 
 def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: str, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
-    """Per layer (of num_layers: a pipeline stage holds its own), (K, V), each [num_slots, kv_heads,
-    head_dim] in `dtype` (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint hearth
-    loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
-    latent width] (ModelConfig.kv_cache_layout)."""
-    tensors, heads, width = config.kv_cache_layout()
+    """Per layer of the first num_layers (a pipeline stage holds its own), the cache of a layer that keeps
+    K/V (ModelConfig.keeps_kv_cache): (K, V), each [num_slots, its kv_heads, its head_dim] in `dtype`
+    (float16 for kv_cache_dtype float16), q8_0 codes and scales, or fp8 with its scale (1.0: no checkpoint
+    hearth loads carries calibrated ones); with multi-head latent attention (one latent), [num_slots, 1,
+    latent width] (ModelConfig.kv_cache_layout). () for a layer that keeps none: a hybrid model's state
+    layer (with_state_caches adds its states), a layer that reads another's K/V (ModelConfig.kv_sources)."""
+    keeping = [layer for layer in range(num_layers) if config.keeps_kv_cache(layer)]
+    caches = {}
+    for layout in dict.fromkeys(config.kv_cache_layout(layer) for layer in keeping):  # one allocation per shape
+        layers = [layer for layer in keeping if config.kv_cache_layout(layer) == layout]
+        caches.update(zip(layers, _caches_of_layout(layout, len(layers), num_slots, kv_cache_dtype, dtype, device)))
+    return [caches.get(layer, ()) for layer in range(num_layers)]
+
+
+def _caches_of_layout(layout: tuple[int, int, int], num_layers: int, num_slots: int, kv_cache_dtype: str,
+                      dtype: torch.dtype, device: torch.device) -> KVCaches:
+    """The caches of num_layers layers of one layout (tensors, heads, width), in one allocation."""
+    tensors, heads, width = layout
     shape = (tensors * num_layers, num_slots, heads, width)
     if kv_cache_dtype == "q8_0":  # (not with a latent: check_kv_cache_dtype)
         codes = zeroed(shape, torch.int8, device)
@@ -239,14 +253,13 @@ def allocate_kv_caches(config, num_layers: int, num_slots: int, kv_cache_dtype: 
 
 def with_state_caches(config, kv_caches: KVCaches, num_slots: int, dtype: torch.dtype,
                       device: torch.device) -> KVCaches:
-    """A hybrid model's caches, per layer: an attention layer's (K, V) from kv_caches (one per attention
-    layer, in order), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a
-    convolution's window in `dtype`, a delta rule's or a scan's state in float32; an MLP layer's: none)."""
-    attention = iter(kv_caches)
-    return [next(attention) if config.layer_type(layer) == "attention" else  # (config.ATTENTION: config is above)
+    """A hybrid model's caches, per layer: an attention layer's from kv_caches (allocate_kv_caches' of every
+    layer), a state layer's states of num_slots sequences (ModelConfig.state_shapes: a convolution's window
+    in `dtype`, a delta rule's or a scan's state in float32; an MLP layer's: none)."""
+    return [cache if config.layer_type(layer) == "attention" else  # (config.ATTENTION: config is above)
             tuple(zeroed((num_slots, *shape), dtype if i == 0 else torch.float32, device)
                   for i, shape in enumerate(config.state_shapes(layer)))
-            for layer in range(config.num_layers)]
+            for layer, cache in enumerate(kv_caches)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -64,6 +64,8 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         info["experts"] = _experts(config, params)
     if config.kv_lora_rank:
         info["latent_attention"] = _latent_attention(config)
+    if not config.uniform_kv_cache:  # gemma4's: full layers of other K/V shapes, layers reading an earlier one's
+        info["kv_layers"] = _kv_layers(config)
     if config.vision is not None:  # the image side of an image-text model (its weights are counted above)
         info["vision"] = config.vision.describe()
     state_bytes = 0
@@ -118,6 +120,17 @@ def _experts(config, params: int) -> dict:
             "intermediate_size": config.moe_intermediate_size,
             "shared_intermediate_size": config.shared_expert_intermediate_size,
             "normalised": config.norm_topk_prob, "active_parameters": params - unused}
+
+
+def _kv_layers(config) -> dict:
+    """The shapes of the layers' caches (the layers of each) and the layers that keep none, reading another's."""
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for layer in range(config.num_layers):
+        if config.keeps_kv_cache(layer):
+            shapes.setdefault((config.kv_heads_of(layer), config.head_dim_of(layer)), []).append(layer)
+    return {"shapes": [{"layers": layers, "kv_heads": heads, "head_dim": dim} for (heads, dim), layers in shapes.items()],
+            "shared": {layer: config.kv_source(layer) for layer in range(config.num_layers)
+                       if config.kv_source(layer) != layer}}
 
 
 def _latent_attention(config) -> dict:

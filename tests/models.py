@@ -79,6 +79,17 @@ def _dense_configs(transformers) -> dict:
             "layer_types": ["sliding_attention", "full_attention"],
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+        # Gemma 4's layout, small: sliding and full layers (the full ones with their own head_dim and one KV head,
+        # v from k's projection), the last two reading the K/V of the last earlier layer of their kind (with an
+        # MLP twice as wide), per-layer embeddings, a window shorter than the tests' sequences, proportional RoPE
+        # on a quarter of the full layers' heads (transformers' default rope_parameters)
+        "gemma4": (transformers.Gemma4TextConfig, {
+            "num_hidden_layers": 5, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                            "full_attention"],
+            "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB_SIZE, "sliding_window": 8,
+            "final_logit_softcapping": 30.0, "pad_token_id": 0}),
         # a NoPE layer every 4, the layout llama.cpp's smollm3 assumes
         "smollm3": (transformers.SmolLM3Config, {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
                                                  "tie_word_embeddings": False, "pad_token_id": None}),
@@ -173,13 +184,15 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decays: a state that remembers a few tokens
                 p.normal_(-2.0, 0.5)
-            elif p.dim() == 1:
-                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
+            elif p.dim() == 1:  # (gemma to gemma3 store their norms' weights as w - 1)
+                p.normal_(0.0 if arch in ("gemma", "gemma2", "gemma3") else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)
         for name, b in model.named_buffers():  # nemotron_h's router correction: a choice other than by score alone
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)
+            elif name.endswith("layer_scalar"):  # gemma4's scale of each layer's output
+                b.normal_(1.0, 0.2)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     make_tokenizer(folder)

@@ -80,7 +80,7 @@ def test_cache_holds_the_normed_latent_and_rotated_key(folder, reference):
     cache entries (the latent after kv_a_layernorm, k_pe after RoPE; hearth keeps k_pe's even
     dimensions before its odd ones)."""
     model = load_model(folder, progress=False).model
-    assert model.config.kv_cache_layout() == (1, 1, RANK + ROPE)
+    assert model.config.kv_cache_layout(0) == (1, 1, RANK + ROPE)
     assert model.config.kv_bytes_per_token(4) == KV_BYTES_PER_TOKEN
     runner = ModelRunner(model, num_blocks=4, block_size=16, device=torch.device("cpu"), kv_dtype=torch.float32)
     assert [tuple(t.shape) for cache in runner.kv_caches for t in cache] == [(64, 1, RANK + ROPE)] * LAYERS
@@ -169,7 +169,7 @@ def test_bench_shape_of_deepseek_v2_lite(tmp_path):
         bench_models.make_model(small, tmp_path, ["f16"], progress=False)
     folder = Path(bench_models.make_model(small, tmp_path, [], progress=False)["files"]["hf"])
     llm = LLM(folder, kv_cache_memory=1 << 20, progress=False)
-    assert llm.engine.model_config.kv_cache_layout() == (1, 1, 40)
+    assert llm.engine.model.config.kv_cache_layout(0) == (1, 1, 40)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == reference_greedy(folder, prompts, 6)
 

@@ -234,6 +234,9 @@ class Backend:
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
     mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
     bidirectional_images = True  # prefill masks see both ways within an image (StepInputs.image_blocks)
+    # runs layers whose K/V differ in shape (their own head_dim, KV heads) or that attend over an earlier layer's
+    # cache (gemma4: ModelConfig.kv_sources), through one rotary table per width
+    mixed_kv_layers = True
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -290,6 +293,10 @@ class Backend:
         k_cache, v_cache = kv_cache
         write_rows(k_cache, slot_mapping, apply_rope(k, rotary))
         write_rows(v_cache, slot_mapping, v)
+        return apply_rope(q, rotary)
+
+    def rope(self, q: torch.Tensor, rotary) -> torch.Tensor:
+        """RoPE on q [T, heads, head_dim] alone (a layer that attends over another layer's cached K/V)."""
         return apply_rope(q, rotary)
 
     def attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttentionMetadata,

@@ -64,7 +64,8 @@ class CpuDecodePath:
         if (qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
                 or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
                 or config.norm_weight_offset or config.head_dim % 2 or config.num_experts or config.sandwich_norms
-                or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank or config.is_hybrid):
+                or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank or config.is_hybrid
+                or not config.uniform_kv_cache):
             return None
         rows = []
         for layer in model.layers:

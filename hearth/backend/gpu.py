@@ -48,6 +48,7 @@ class GpuBackend(Backend):
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
     bidirectional_images = False  # its Triton prefill attention is causal only
     attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
+    mixed_kv_layers = False  # its decode graphs and split counts assume one K/V shape, every layer its own cache
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)

@@ -53,6 +53,9 @@ class PipelineShard:
         """The whole model's config: a stage's layers keep their places in it (windows, experts)."""
         if config.is_hybrid:
             raise ModelLoadError(f"pipeline parallelism does not split hybrid models ({config.architecture}) yet")
+        if not config.uniform_kv_cache:
+            raise ModelLoadError(f"pipeline parallelism does not split models whose layers' K/V differ in shape or are "
+                                 f"shared ({config.architecture}) yet")
         self.layers(config.num_layers)
         return config
 

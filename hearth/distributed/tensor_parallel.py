@@ -62,6 +62,9 @@ class TensorShard:
             raise ModelLoadError("tensor parallelism does not split mixture-of-experts models yet")
         if config.is_hybrid:
             raise ModelLoadError(f"tensor parallelism does not split hybrid models ({config.architecture}) yet")
+        if not config.uniform_kv_cache:
+            raise ModelLoadError(f"tensor parallelism does not split models whose layers' K/V differ in shape or are "
+                                 f"shared ({config.architecture}) yet")
         for name, value in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
             if value % world:
                 raise ModelLoadError(f"{name} = {value} does not split over {world} ranks")

@@ -79,6 +79,9 @@ def _check_kv_local(engine: LLMEngine) -> None:
     if engine.config.cache.kv_cache_dtype != "auto" or engine.model_config.kv_lora_rank:
         raise RequestError("KV transfer between engines is not implemented for a KV cache in another dtype than the "
                            "compute dtype (float16, q8_0, fp8) or a latent one")
+    if not engine.model_config.uniform_kv_cache:
+        raise RequestError(f"KV transfer between engines is not implemented for a model whose layers' K/V differ in "
+                           f"shape or are shared between layers ({engine.model_config.architecture})")
     if engine.model_config.is_hybrid and engine.block_manager.checkpoints is None:
         raise RequestError(f"KV transfer between engines needs prefix caching on a hybrid model "
                            f"({engine.model_config.architecture}): its states travel as a prefix's state checkpoint")

@@ -28,7 +28,7 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
-from hearth.config import ATTENTION, MAX_DECODE_QUERY_LEN
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows, packed_width, release_pages,
                               stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
@@ -101,9 +101,8 @@ class ModelRunner:
         if kv_caches is not None:
             self.kv_caches = kv_caches
         else:
-            self.kv_caches = allocate_kv_caches(
-                config, config.num_attention_layers if config.is_hybrid else len(model.layers),
-                num_blocks * block_size, kv_cache_dtype, kv_dtype, device)
+            self.kv_caches = allocate_kv_caches(config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
+                                                kv_dtype, device)
             if config.is_hybrid:
                 self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots, kv_dtype, device)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
@@ -232,9 +231,10 @@ class ModelRunner:
                 for i, t in enumerate(states)}
 
     def attention_caches(self) -> KVCaches:
-        """The attention layers' (K, V) caches: every layer's but a hybrid model's state and MLP layers'."""
+        """The (K, V) caches of the attention layers that keep their own (not a hybrid model's state and MLP
+        layers, nor layers that read another's K/V)."""
         config = self.model.config
-        return [cache for layer, cache in enumerate(self.kv_caches) if config.layer_type(layer) == ATTENTION]
+        return [cache for layer, cache in enumerate(self.kv_caches) if config.keeps_kv_cache(layer)]
 
     def read_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of the blocks, in order, on the host: [attention layers, 2, blocks x block_size, kv_heads,

@@ -44,7 +44,7 @@ _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": 
 
 # llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
 _NOT_READ = {"deepseek2": "deepseek_v2", "qwen35": "qwen3_5", "qwen3next": "qwen3_next",
-             "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h"}
+             "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "gemma4": "gemma4"}
 
 
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:

@@ -75,6 +75,9 @@ _HF_ALIASES = (
     *_NEMOTRON_H_ALIASES,
     (re.compile(r"^model\.language_model\."), "model."),  # an image-text model's text model (qwen3_5)
     (re.compile(r"^model\.text_model\."), "model."),  # idefics3's and smolvlm's
+    # gemma4's per-layer embeddings (hearth/model/gemma4.py's PerLayerInputs)
+    (re.compile(r"^model\.(embed_tokens_per_layer|per_layer_model_projection|per_layer_projection_norm)\."),
+     r"model.per_layer_inputs.\1."),
 )
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names), qwen3_vl's
 # and gemma3's
@@ -93,7 +96,9 @@ _GEMMA3_VL_ALIASES = (
 # Qwen3_5ForCausalLM does); Qwen3-Next's and Nemotron-H's multi-token-prediction layers (as transformers'
 # Qwen3NextForCausalLM and NemotronHForCausalLM)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "qwen3_next": re.compile(r"^mtp\."),
-              "nemotron_h": re.compile(r"^mtp\.")}
+              "nemotron_h": re.compile(r"^mtp\."),
+              # Gemma4ForConditionalGeneration's image and audio towers (hearth runs its text model)
+              "gemma4": re.compile(r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")}
 # (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true)
 NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\."),
                           "gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
@@ -139,7 +144,9 @@ NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ss
            "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
                                "...) have no names in hearth's GGUF mapping yet",
            "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have "
-                         "no names in hearth's GGUF mapping yet"}
+                         "no names in hearth's GGUF mapping yet",
+           "gemma4": "llama.cpp's gemma4 tensors (per-layer embeddings, per-layer KV shapes and sharing, experts "
+                     "beside the MLP) have no names in hearth's GGUF mapping yet"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
@@ -193,6 +200,8 @@ def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> 
     architecture, has_experts = config.architecture, config.num_experts > 0
     if architecture == "qwen3_next" and (m := _QWEN3_NEXT_FUSED.search(name)):
         return _qwen3_next_projections(config, name[:m.start()], m.group(1), tensor)
+    if architecture == "gemma4" and (m := _GEMMA4_EXPERTS.search(name)):
+        return _gemma4_experts(name[:m.start()], m.group(1), tensor)
     if architecture == "granitemoehybrid":
         name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
         if m := _GRANITE_SHARED_MLP.search(name):
@@ -202,6 +211,20 @@ def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> 
             projection = _GRANITE_PROJECTIONS[m.group(1)]
             return [(f"{name[:m.start()]}.mlp.experts.{e}.{projection}.weight", t) for e, t in enumerate(tensor.unbind())]
     return [(canonical_hf_name(name), tensor)]
+
+
+# gemma4's experts beside the MLP, stacked: gate_up_proj [experts, 2 x width, hidden] (gate's rows, then up's),
+# down_proj [experts, hidden, width]
+_GEMMA4_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _gemma4_experts(prefix: str, stack: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A gemma4 stack of experts as hearth's ExpertMixture takes it: each expert's projections."""
+    if tensor.dim() != 3 or (stack == "gate_up_proj" and tensor.shape[1] % 2):
+        raise ModelLoadError(f"{prefix}.experts.{stack}: shape {tuple(tensor.shape)}, expected [experts, rows, columns]")
+    names = ("gate_proj", "up_proj") if stack == "gate_up_proj" else ("down_proj",)
+    return [(f"{prefix}.experts.experts.{e}.{name}.weight", part) for e, expert in enumerate(tensor.unbind())
+            for name, part in zip(names, expert.chunk(len(names)))]
 
 
 # qwen3_next's Gated DeltaNet projections, each fused and grouped by key head

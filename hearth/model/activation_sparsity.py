@@ -20,8 +20,9 @@ from __future__ import annotations
 from torch import nn
 
 from hearth.errors import HearthError
+from hearth.model.attention import Attention
 from hearth.model.layers import GatedMLP, MergedLinear
-from hearth.model.transformer import Attention, Transformer
+from hearth.model.transformer import Transformer
 
 SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -28,6 +28,13 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, self.weight_offset, residual)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (gemma4's v and router norms): x / sqrt(mean(x^2) + eps) over the last
+    dimension, in float32."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). The weight is a plain tensor; quantized holders replace this module."""
 
@@ -111,15 +118,10 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
-class SparseMoE(nn.Module):
-    """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
-    router's softmax over all experts (renormalised over the k when norm_topk_prob; times
-    routed_scaling_factor; with expert groups, chosen only from the topk_groups groups whose best
-    expert scores highest), plus a shared expert where the family has one: scaled by
-    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2). With router_sigmoid
-    (nemotron_h) the router scores each expert by sigmoid rather than softmax and chooses by the score
-    plus a learned correction (e_score_correction_bias), weighting by the score alone; its experts
-    and shared expert are ungated MLPs (gated_mlp False).
+class ExpertMixture(nn.Module):
+    """`num_experts` experts (GatedMLPs of moe_intermediate_size, or ungated MLPs where gated_mlp is False)
+    and the sum of each token's chosen experts' outputs, weighted: what a mixture of experts computes once
+    its router has chosen (SparseMoE's; gemma4's layers route on their own, hearth/model/gemma4.py).
 
     The step's (token, choice) pairs are grouped by expert and each chosen expert runs once on all
     its tokens: an expert's weights are read once per step, whatever the batch, and experts no token
@@ -130,18 +132,62 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.ops = ops
         self.backend_state: dict = {}  # what the backend derives from the experts' weights (emptied when they move)
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.top_k = config.num_experts_per_tok
+        expert = GatedMLP if config.gated_mlp else MLP
+        self.experts = nn.ModuleList(expert(config, ops, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] through each token's chosen experts (chosen [T, k]), weighted (weights [T, k]) and summed."""
+        weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
+        pairs_by_expert = chosen.argsort(stable=True)  # [P = T * k]
+        counts = torch.bincount(chosen, minlength=len(self.experts))  # int64 [experts]
+        tokens = pairs_by_expert // self.top_k
+        routed = self.run_experts(x[tokens], counts)  # [P, hidden], pairs in expert order
+        return torch.zeros_like(x).index_add_(0, tokens, routed * weights[pairs_by_expert, None])
+
+    def _apply(self, fn, recurse=True):
+        self.backend_state.clear()  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [P, hidden]: rows grouped by expert, counts[e] rows for expert e in expert order ->
+        each row through its expert [P, hidden]: in one go where the backend has kernels for it,
+        else expert by expert."""
+        grouped = self.ops.run_experts(self, x, counts)
+        if grouped is not None:
+            return grouped.to(x.dtype)
+        out = torch.empty_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts.tolist()):  # one host sync per layer
+            if count:
+                out[start : start + count] = expert(x[start : start + count])
+                start += count
+        return out
+
+
+class SparseMoE(ExpertMixture):
+    """Mixture of experts: each token takes the top-k of `num_experts` gated MLPs, weighted by the
+    router's softmax over all experts (renormalised over the k when norm_topk_prob; times
+    routed_scaling_factor; with expert groups, chosen only from the topk_groups groups whose best
+    expert scores highest), plus a shared expert where the family has one: scaled by
+    sigmoid(shared_expert_gate(x)) (qwen2_moe) or added as it is (deepseek_v2). With router_sigmoid
+    (nemotron_h) the router scores each expert by sigmoid rather than softmax and chooses by the score
+    plus a learned correction (e_score_correction_bias), weighting by the score alone; its experts
+    and shared expert are ungated MLPs (gated_mlp False)."""
+
+    def __init__(self, config: ModelConfig, ops: Backend):
+        super().__init__(config, ops)
+        self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
         self.gate = Linear(config.hidden_size, config.num_experts, config.router_bias)  # the router
         self.e_score_correction_bias = None
         if config.router_sigmoid:
             self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)
-        expert = GatedMLP if config.gated_mlp else MLP
-        self.experts = nn.ModuleList(expert(config, ops, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
+            expert = GatedMLP if config.gated_mlp else MLP
             self.shared_expert = expert(config, ops, config.shared_expert_intermediate_size)
             if config.shared_expert_gated:
                 self.shared_expert_gate = Linear(config.hidden_size, 1)
@@ -170,34 +216,10 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
-        weights, chosen = weights.to(x.dtype).reshape(-1), chosen.reshape(-1)  # [T * k], pair p is token p // k
-        pairs_by_expert = chosen.argsort(stable=True)  # [P = T * k]
-        counts = torch.bincount(chosen, minlength=len(self.experts))  # int64 [experts]
-        tokens = pairs_by_expert // self.top_k
-        routed = self.run_experts(x[tokens], counts)  # [P, hidden], pairs in expert order
-        out = torch.zeros_like(x).index_add_(0, tokens, routed * weights[pairs_by_expert, None])
+        out = self.mix(x, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out += shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
-
-    def _apply(self, fn, recurse=True):
-        self.backend_state.clear()  # weight pointers change when tensors move
-        return super()._apply(fn, recurse)
-
-    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [P, hidden]: rows grouped by expert, counts[e] rows for expert e in expert order ->
-        each row through its expert [P, hidden]: in one go where the backend has kernels for it,
-        else expert by expert."""
-        grouped = self.ops.run_experts(self, x, counts)
-        if grouped is not None:
-            return grouped.to(x.dtype)
-        out = torch.empty_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts.tolist()):  # one host sync per layer
-            if count:
-                out[start : start + count] = expert(x[start : start + count])
-                start += count
         return out
 
 
@@ -251,6 +273,10 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "proportional":  # gemma4's full layers: the head's first frequencies, the others 0 (not turned)
+        turned = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv_freq[turned:] = 0.0
+        return inv_freq / float(scaling.get("factor", 1.0))
     if kind == "longrope":
         factors = scaling.get(longrope_factors(config, max_positions or config.max_position_embeddings))
         return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
@@ -266,7 +292,8 @@ def rope_inv_freq(config: ModelConfig, max_positions: int | None = None) -> torc
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn, longrope)")
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, yarn, longrope, "
+                         "proportional)")
 
 
 def _yarn_factor(config: ModelConfig) -> float:

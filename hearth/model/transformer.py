@@ -1,4 +1,5 @@
-"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, smollm3, phi3, the
+"""One config-driven decoder: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gemma4 (its own decoder layer,
+hearth/model/gemma4.py), smollm3, phi3, the
 mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe and gpt_oss (attention sinks), and deepseek_v2 (experts and multi-head
 latent attention, hearth/model/latent_attention.py).
 
@@ -20,80 +21,17 @@ from torch import nn
 from hearth.backend.base import Backend
 from hearth.config import ATTENTION, GATED_DELTA_NET, MAMBA2, MLP, SHORT_CONV, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.model.attention import Attention
+from hearth.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
-                                 longrope_factors, partial_rotary_order)
+                                 longrope_factors)
 from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
 from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Backend, index: int):
-        super().__init__()
-        self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # qwen3_5: q_proj makes each head's query and then its output gate
-        self.output_gate = config.attention_output_gate
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q_size * (1 + self.output_gate), "k_proj": kv_size,
-                                                          "v_proj": kv_size}, config.attention_bias)
-        # partial RoPE: q's and k's dimensions reordered so that the backends' rotate-half over the whole
-        # head rotates the right pairs (RotaryEmbedding's frequencies are 0 past the rotated share)
-        self.register_buffer("rope_order", partial_rotary_order(config), persistent=False)
-        # attention_bias puts a bias on o_proj too, except in qwen2 (transformers' definitions)
-        o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
-        self.qk_norm = config.qk_norm
-        if self.qk_norm:  # over each head, or over the whole projection
-            per_head = self.qk_norm == "head"
-            offset = config.norm_weight_offset
-            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps, ops, offset)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps, ops, offset)
-        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        self.softcap = config.attn_logit_softcapping
-        self.window = config.sliding_window if config.is_sliding_layer(index) else None
-        self.sinks = None  # gpt_oss: [heads], a logit per head in each softmax's denominator
-        if config.attention_sinks:
-            if not ops.attention_sinks:
-                raise ModelLoadError(f"the {ops.name} backend has no attention sinks yet: run {config.architecture} "
-                                     "with --backend cpu or reference")
-            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
-        # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)
-        if index in config.no_rope_layers:
-            self.rope_index = 2
-        else:
-            self.rope_index = int(config.local_rope_theta is not None and config.is_sliding_layer(index))
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rotary,  # RotaryEmbedding's output for the tokens' positions
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_slots, kv_heads, head_dim]
-        meta,  # the backend's attention metadata
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        if self.output_gate:
-            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q = q.reshape(tokens, -1)
-        if self.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_order is not None:
-            q, k = q[..., self.rope_order], k[..., self.rope_order]
-        q = self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window, self.sinks)
-        out = out.reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
 
 
 class DecoderLayer(nn.Module):
@@ -169,13 +107,22 @@ class Transformer(nn.Module):
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         self.lora_rows = None  # with LoRA adapters: the step's adapters (hearth/model/lora.py's LoraRows)
         self.embed_tokens, lm_head = vocabulary_modules(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
+        if not (config.uniform_kv_cache or ops.mixed_kv_layers):
+            raise ModelLoadError(f"the {ops.name} backend has no layers of other K/V shapes or shared K/V yet: run "
+                                 f"{config.architecture} with --backend cpu or reference")
+        layer = Gemma4DecoderLayer if config.architecture == "gemma4" else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = lm_head
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, ops)
+        # gemma4: per token and layer an input of its own (hearth/model/gemma4.py), made from the embeddings
+        self.per_layer_inputs = PerLayerInputs(config, ops) if config.per_layer_input_size else None
+        # each table as wide as the heads of the layers it turns (gemma4's full layers: their own head_dim)
+        self.rope = RotaryEmbedding(_heads_of(config, sliding=False), max_positions or config.max_position_embeddings,
+                                    ops)
         self.local_rope = self.no_rope = None
         if config.local_rope_theta is not None:  # gemma3's sliding layers: their own base, unscaled
-            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            local = dataclasses.replace(_heads_of(config, sliding=True), rope_theta=config.local_rope_theta,
+                                        rope_scaling=None)
             self.local_rope = RotaryEmbedding(local, self.rope.max_positions, ops)
         if config.no_rope_layers:  # smollm3: frequencies 0, cos 1 and sin 0 at every position
             zeros = torch.zeros_like(self.rope.inv_freq)
@@ -208,7 +155,9 @@ class Transformer(nn.Module):
         if embeds is not None and embeds[1].shape[1] > width:
             added = (embeds[0], embeds[1][:, width:].unflatten(1, (-1, width)))  # [k, D, hidden]
         x = self.embed(input_ids, embeds)
-        return self.norm(*self.run_layers(x, None, positions, kv_caches, meta, added))[0]
+        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, x)
+        x, residual = self.run_layers(x, None, positions, kv_caches, meta, added, per_layer)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]  # (gemma4's layers: x is the stream)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -224,10 +173,12 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
-                   added: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   added: tuple[torch.Tensor, torch.Tensor] | None = None, per_layer: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every layer of self.layers (a pipeline stage's: its own) on x [T, hidden], what the layer
         before adds to the residual stream (None: x is the stream). Returns the same pair after the last.
-        added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d."""
+        added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d.
+        per_layer: gemma4's per-layer inputs [T, layers, width] (PerLayerInputs), the d-th to layer d."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
         # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
@@ -236,8 +187,10 @@ class Transformer(nn.Module):
                 out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
+        if self.config.kv_sources:  # a layer that shares K/V attends over its source layer's cache
+            kv_caches = [kv_caches[self.config.kv_source(layer)] for layer in range(len(kv_caches))]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rotaries, kv_cache, meta)
+            x, residual = layer(x, residual, rotaries, kv_cache, meta, *(() if per_layer is None else (per_layer[:, index],)))
             if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
                 x = x.index_add(0, added[0], added[1][:, index].to(x.dtype))
         return x, residual
@@ -322,7 +275,8 @@ class Transformer(nn.Module):
                     raise ModelLoadError(f"missing tensor {hf_name}.{attr}")
                 _check_shape(f"{hf_name}.{attr}", found[attr], param.shape)
             _take(module, found, dtype)
-        unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name))
+        unused = sorted(name for name in weights if name not in used and not _UNUSED_CHECKPOINT.search(name)
+                        and name not in _shared_kv_projections(self.config))
         if unused:  # parts of the checkpoint hearth's model has no place for: refused, never dropped
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
             raise ModelLoadError(f"tensor {unused[0]}{more} is not part of the {self.config.architecture} model "
@@ -388,6 +342,20 @@ def _checkpoint_module_name(name: str) -> str:
     if name.startswith("lm_head"):
         return name
     return "model." + name.removeprefix("vision.")
+
+
+def _heads_of(config: ModelConfig, sliding: bool) -> ModelConfig:
+    """config with the head_dim of its first sliding (or full) layer: the width of that kind's rotary table."""
+    layers = [layer for layer in range(config.num_layers) if config.is_sliding_layer(layer) == sliding]
+    width = config.head_dim_of(layers[0]) if layers else config.head_dim
+    return config if width == config.head_dim else dataclasses.replace(config, head_dim=width)
+
+
+def _shared_kv_projections(config: ModelConfig) -> set[str]:
+    """The k/v projections and norms some checkpoints keep for layers that share an earlier layer's K/V
+    (gemma4's), which nothing computes with (transformers ignores them too)."""
+    return {f"model.layers.{layer}.self_attn.{part}.weight" for layer in range(config.num_layers)
+            if config.kv_source(layer) != layer for part in ("k_proj", "v_proj", "k_norm", "v_norm")}
 
 
 def vocabulary_modules(rows: int, hidden_size: int) -> tuple[nn.Embedding, Linear]:
