@@ -184,7 +184,9 @@ def _plan_tensors(
             name = LFM2_FINAL_NORM
         if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
-        yield name, tuple(tensor.shape), tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+        # the shape as stored (a convolution's [channels, taps], Mamba2's [heads, 1]): the values' on the meta device
+        stored = _transform(config, hf_name, torch.empty(tensor.shape, device="meta"))()
+        yield name, tuple(stored.shape), tensor_type(name, stored, weight_type), _transform(config, hf_name, tensor)
     for layer, projection, attr in sorted(stacks):
         yield _expert_stack(config, weights, layer, projection, attr, weight_type)
 

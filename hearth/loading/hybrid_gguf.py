@@ -15,7 +15,8 @@ their ModelConfig, read and written, and the tensor values llama.cpp stores othe
 - granitehybrid: gate and up (its input_linear) as two matrices; Q and K of both Mamba2 families in llama's
   interleaved row order (names.PERMUTED_QK_ARCHITECTURES).
 
-What llama.cpp's layout cannot hold is refused by name when converting: Qwen3-Next's dense MLP layers,
+What llama.cpp's layout cannot hold is refused by name when converting: key and value heads of two sizes
+in a Gated DeltaNet, Qwen3-Next's dense MLP layers,
 Nemotron-H with both MLP and expert blocks, biases on Mamba2's projections, a clamped Granite dt. llama.cpp's
 nemotron_h does not clamp dt from time_step_min (its files have no key for it): hearth runs such a file as
 llama.cpp does.
@@ -39,9 +40,6 @@ Weight = torch.Tensor | QuantTensor
 GGUF_HYBRIDS = {"qwen35": "qwen3_5", "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid",
                 "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h"}
 MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h")
-# Qwen3.5's M-RoPE sections as llama.cpp's converter writes them where the config has none (text positions
-# turn every section alike)
-_QWEN35_SECTIONS = [11, 11, 10, 0]
 
 
 def gguf_architecture(config: ModelConfig) -> str:
@@ -169,6 +167,10 @@ def check_convertible(config: ModelConfig) -> None:
             config.layer_type(i) == MLP and not config.is_moe_layer(i) for i in range(config.num_layers)):
         raise ModelLoadError("nemotron_h with both MLP and expert blocks: llama.cpp's nemotron_h_moe runs every MLP "
                              "block as experts")
+    if arch in QWEN_DELTA_NET and config.linear_key_head_dim != config.linear_value_head_dim:
+        raise ModelLoadError(f"linear_key_head_dim {config.linear_key_head_dim} and linear_value_head_dim "
+                             f"{config.linear_value_head_dim}: llama.cpp's {gguf_architecture(config)} has one size "
+                             "for both (ssm.state_size)")
     if arch in MAMBA2_FAMILIES and config.mamba_proj_bias:
         raise ModelLoadError(f"{arch} with biases on Mamba2's in_proj and out_proj: llama.cpp's {arch} has none")
     if arch == "granitemoehybrid" and config.time_step_limit != (0.0, math.inf):
@@ -206,7 +208,7 @@ def add_hybrid_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
         interval = next((i + 1 for i, r in enumerate(recurrent) if not r), config.num_layers)
         writer.add_full_attention_interval(interval)
         if config.architecture == "qwen3_5":
-            writer.add_rope_dimension_sections([*config.mrope_section, 0] if config.mrope_section else _QWEN35_SECTIONS)
+            writer.add_rope_dimension_sections(_qwen35_sections(config))
         return
     writer.add_ssm_state_size(config.ssm_state_size)
     writer.add_ssm_group_count(config.mamba_groups)
@@ -266,6 +268,16 @@ def hybrid_value_for_gguf(config: ModelConfig, name: str, t: torch.Tensor) -> to
     if name.endswith("conv1d.weight"):
         t = t.squeeze(1)
     return t
+
+
+def _qwen35_sections(config: ModelConfig) -> list[int]:
+    """qwen35.rope.dimension_sections, which llama.cpp requires: the image-text model's M-RoPE sections, else
+    the split that gives frequency i llama.cpp's interleaved axis i % 3 (as the checkpoints' default, [11,
+    11, 10] of 32): a text token's three positions are one, so its frequencies turn as plain RoPE's."""
+    if config.mrope_section:
+        return [*config.mrope_section, 0]
+    frequencies = int(config.head_dim * config.partial_rotary_factor) // 2
+    return [(frequencies + 2) // 3, (frequencies + 1) // 3, frequencies // 3, 0]
 
 
 def _tiled_value_heads(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
