@@ -283,7 +283,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     if config.num_experts:  # layers without a router have a dense MLP
         config.dense_mlp_layers = tuple(layer for layer in range(config.num_layers)
                                         if f"model.layers.{layer}.mlp.gate.weight" not in weights)
-    config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+    # (any layer's: a hybrid's first layer may hold no attention)
+    config.attention_bias = any(name.endswith(".self_attn.q_proj.bias") for name in weights)
     config.mlp_bias = any(f"model.layers.0.mlp.{part}gate_proj.bias" in weights for part in ("", "experts.0."))
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
