@@ -1,6 +1,6 @@
-"""GGUF of the hybrids with Gated DeltaNet or Mamba2 layers, as llama.cpp names and stores them
-(hearth/loading/hybrid_gguf.py): Qwen3.5 (qwen35), Qwen3-Next (qwen3next), Granite 4.0-H (granitehybrid),
-Nemotron-H (nemotron_h) and with experts (nemotron_h_moe). Tiny random models in the real layer structure
+"""GGUF of the hybrids, as llama.cpp names and stores them (hearth/loading/hybrid_gguf.py): Qwen3.5 (qwen35),
+Qwen3-Next (qwen3next), Granite 4.0-H (granitehybrid), Nemotron-H (nemotron_h) and with experts
+(nemotron_h_moe), and LFM2 (lfm2). Tiny random models in the real layer structure
 (tests/models.py) with the shapes llama.cpp can hold (its Gated DeltaNet: key and value heads of one size;
 Qwen3.5's M-RoPE sections within its rotated dimensions): `hearth convert` writes them, and hearth's logits on
 the file, on the reference and cpu backends, equal transformers' on the folder; greedy tokens too. Where
@@ -33,6 +33,7 @@ from optional import import_llama_cpp
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 120, 33, 64, 11, 150, 2, 77, 31, 18]
 # case -> (hearth's architecture, llama.cpp's, what differs from tests/models.py's config)
 CASES = {
+    "lfm2": ("lfm2", "lfm2", dict(conv_bias=False)),  # (its convolution stored 2-D: llama.cpp refused it 3-D)
     "qwen3_5": ("qwen3_5", "qwen35", dict(linear_value_head_dim=8, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
         "mrope_interleaved": True})),
@@ -128,7 +129,8 @@ def llama_cpp_converted(converted, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama-cpp-converted")
     runs = []
     for case, (folder, *_) in converted.items():
-        mtp = [] if CASES[case][0] == "granitemoehybrid" else ["--no-mtp"]  # (its converter takes no MTP flag)
+        mtp = ["--no-mtp"] if CASES[case][0] in ("qwen3_5", "qwen3_next", "nemotron_h") else []  # (the others
+        # take no MTP flag)
         runs.append("|".join([*mtp, "--outtype", "f32", "--outfile", str(root / f"{case}.gguf"), str(folder)]))
     subprocess.run([sys.executable, "-c", _CONVERTER, source, *runs], check=True, capture_output=True)
     return {case: root / f"{case}.gguf" for case in converted}
