@@ -11,7 +11,6 @@ folders, and llama.cpp's logits on hearth's file agree with hearth's."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.gguf_reader import read_gguf
 from hearth.loading.loader import load_model
 from models import load_hf_reference, make_hf_model
-from optional import import_llama_cpp
+from optional import import_llama_cpp, llama_cpp_source
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 120, 33, 64, 11, 150, 2, 77, 31, 18]
 # case -> (hearth's architecture, llama.cpp's, what differs from tests/models.py's config)
@@ -123,16 +122,14 @@ for args in sys.argv[2:]:
 @pytest.fixture(scope="module")
 def llama_cpp_converted(converted, tmp_path_factory):
     """{case: llama.cpp's convert_hf_to_gguf.py's f32 file of the folder} (LLAMA_CPP_SOURCE: its source tree)."""
-    source = os.environ.get("LLAMA_CPP_SOURCE")
-    if not source or not (Path(source) / "convert_hf_to_gguf.py").exists():
-        pytest.skip("llama.cpp's converter is not at hand (LLAMA_CPP_SOURCE: a llama.cpp source tree)")
+    source = llama_cpp_source()
     root = tmp_path_factory.mktemp("llama-cpp-converted")
     runs = []
     for case, (folder, *_) in converted.items():
         mtp = ["--no-mtp"] if CASES[case][0] in ("qwen3_5", "qwen3_next", "nemotron_h") else []  # (the others
         # take no MTP flag)
         runs.append("|".join([*mtp, "--outtype", "f32", "--outfile", str(root / f"{case}.gguf"), str(folder)]))
-    subprocess.run([sys.executable, "-c", _CONVERTER, source, *runs], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *runs], check=True, capture_output=True)
     return {case: root / f"{case}.gguf" for case in converted}
 
 
