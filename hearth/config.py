@@ -123,6 +123,9 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # the value heads' order: False, grouped by key head (a key head's run of value heads together, HF's);
+    # True, tiled (value head j reads key head j % linear_num_key_heads: llama.cpp's qwen35 files)
+    linear_value_heads_tiled: bool = False
     # Mamba2 (granitemoehybrid, nemotron_h): mamba_num_heads heads of mamba_head_dim, their B and C in
     # mamba_groups groups of ssm_state_size; dt clamped to time_step_limit; biases on in_proj and out_proj
     mamba_num_heads: int = 0

@@ -1,10 +1,13 @@
-"""The optional reference a test may skip without: llama-cpp-python (not a test extra)."""
+"""The optional references a test may skip without: llama-cpp-python (not a test extra), and llama.cpp's
+source tree for its converter (LLAMA_CPP_SOURCE)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,12 @@ def llama_cpp_quantizer():
         return out
 
     return quantize
+
+
+def llama_cpp_source() -> Path:
+    """The llama.cpp source tree LLAMA_CPP_SOURCE names (its convert_hf_to_gguf.py and conversion/, gguf-py/),
+    or a skip where it is not set or holds no converter."""
+    source = os.environ.get("LLAMA_CPP_SOURCE")
+    if not source or not (Path(source) / "convert_hf_to_gguf.py").exists():
+        pytest.skip("llama.cpp's converter is not at hand (LLAMA_CPP_SOURCE: a llama.cpp source tree)")
+    return Path(source)

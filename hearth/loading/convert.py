@@ -23,6 +23,8 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
+from hearth.loading.hybrid_gguf import (GGUF_HYBRIDS, add_hybrid_metadata, check_convertible, gguf_architecture,
+                                        hybrid_value_for_gguf, hybrid_weights_for_gguf, layer_counts)
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, gguf_expert_stack_name,
                                   hf_expert, hf_expert_name, hf_to_gguf, is_vision_tensor, qk_row_order)
 from hearth.loading.safetensors import load_hf_folder, read_json
@@ -53,7 +55,8 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                       "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                      "lfm2": "lfm2", "gpt_oss": "gpt-oss"}
+                      "lfm2": "lfm2", "gpt_oss": "gpt-oss", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
+                      "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h"}  # (hybrid_gguf.gguf_architecture)
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -95,11 +98,15 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if config.architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
                              f"({NO_GGUF[config.architecture]}); run the folder itself")
-    if config.conv_bias:
+    if config.architecture == "lfm2" and config.conv_bias:
         raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
                              "and its projections' biases")
+    hybrid = config.architecture in GGUF_HYBRIDS.values()
+    if hybrid:
+        check_convertible(config)
+        weights = hybrid_weights_for_gguf(config, weights)
     plan = list(_plan_tensors(config, weights, weight_type))
-    writer = GGUFWriter(None, GGUF_ARCHITECTURES[config.architecture])
+    writer = GGUFWriter(None, gguf_architecture(config) if hybrid else GGUF_ARCHITECTURES[config.architecture])
     _add_model_metadata(writer, config, hf_dir.name, file_type)
     add_tokenizer_metadata(writer, hf_dir, config.vocab_size)
     return writer, config, plan
@@ -177,7 +184,9 @@ def _plan_tensors(
             name = LFM2_FINAL_NORM
         if name is None or name.startswith("rope_"):
             raise ModelLoadError(f"tensor {hf_name}: no llama.cpp name for it in a {arch} model")
-        yield name, tuple(tensor.shape), tensor_type(name, tensor, weight_type), _transform(config, hf_name, tensor)
+        # the shape as stored (a convolution's [channels, taps], Mamba2's [heads, 1]): the values' on the meta device
+        stored = _transform(config, hf_name, torch.empty(tensor.shape, device="meta"))()
+        yield name, tuple(stored.shape), tensor_type(name, stored, weight_type), _transform(config, hf_name, tensor)
     for layer, projection, attr in sorted(stacks):
         yield _expert_stack(config, weights, layer, projection, attr, weight_type)
 
@@ -212,11 +221,13 @@ def _check_gpt_oss(hf_dir: Path, config: ModelConfig, weights: dict[str, torch.T
 
 
 def tensor_type(name: str, tensor: torch.Tensor, weight_type: GGMLQuantizationType) -> GGMLQuantizationType:
-    """llama.cpp's choice: norms, 1-D tensors and MoE routers F32; weights (token_embd and output
+    """llama.cpp's choice: norms, 1-D tensors, those not named *.weight (ssm_a), convolutions and MoE routers
+    F32; weights (token_embd and output
     included, except with ternary types: the embeddings of ternary models are not ternary) in the
     requested type, F16 where a row is not a whole number of blocks."""
-    if tensor.dim() <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-                                           "shortconv.conv.weight")) or weight_type == Q.F32:
+    if tensor.dim() <= 1 or not name.endswith(".weight") or weight_type == Q.F32 or name.endswith((
+            "_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight",
+            "ssm_conv1d.weight")):
         return Q.F32
     if weight_type in TERNARY_TYPES and name in ("token_embd.weight", "output.weight"):
         return Q.F16
@@ -236,6 +247,8 @@ def _transform(config: ModelConfig, hf_name: str, tensor: torch.Tensor) -> Sourc
             t = t + 1.0  # gemma's RMSNorm multiplies by (1 + w); llama.cpp stores (1 + w)
         if hf_name.endswith("conv.conv.weight"):
             t = t.squeeze(1)  # llama.cpp's convolution weight: [channels, taps]
+        if config.architecture in GGUF_HYBRIDS.values():
+            t = hybrid_value_for_gguf(config, hf_name, t)
         if hf_name.endswith(_QUERY_SCALE_CARRIERS.get(config.architecture, ())):
             t = t * _query_scale_fold(config)
         return t
@@ -276,7 +289,8 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    widths, kv_heads = layer_counts(config)
+    writer.add_feed_forward_length(widths)
     writer.add_block_count(config.num_layers)
     writer.add_head_count(config.num_heads)
     if config.architecture == "lfm2":  # a count per layer, 0 for a short convolution (llama.cpp's lfm2)
@@ -284,11 +298,13 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
                                   for i in range(config.num_layers)])
         writer.add_shortconv_l_cache(config.conv_kernel_size)
     else:
-        writer.add_head_count_kv(config.num_kv_heads)
+        writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
-    writer.add_rope_dimension_count(config.head_dim)
-    if config.head_dim * config.num_heads != config.hidden_size:
+    writer.add_rope_dimension_count(int(config.head_dim * config.partial_rotary_factor))
+    if config.architecture in GGUF_HYBRIDS.values():
+        add_hybrid_metadata(writer, config)  # (key_length and value_length among them)
+    elif config.head_dim * config.num_heads != config.hidden_size:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:

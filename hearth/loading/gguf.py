@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, SHORT_CONV, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
+from hearth.loading.hybrid_gguf import GGUF_HYBRIDS, hybrid_fields_from_metadata, hybrid_weights_from_gguf
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
                                   gguf_expert_stack, gguf_to_hf, hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
@@ -36,15 +38,15 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
 
 # llama.cpp's general.architecture -> hearth's, where they differ (llama with experts is mixtral)
-_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", **GGUF_HYBRIDS}
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
 # (gpt-oss: a softmax over the chosen experts' logits, the same)
-_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
+                   "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True}
 
 
 # llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
-_NOT_READ = {"deepseek2": "deepseek_v2", "qwen35": "qwen3_5", "qwen3next": "qwen3_next",
-             "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "gemma4": "gemma4"}
+_NOT_READ = {"deepseek2": "deepseek_v2", "gemma4": "gemma4"}
 
 
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
@@ -67,7 +69,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    kv_heads, hybrid = _kv_heads_and_layers(arch, get("attention.head_count_kv", heads), get, where)
+    kv_heads, hybrid = _kv_heads_and_layers(md, arch, get("attention.head_count_kv", heads), get, where)
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
@@ -80,11 +82,11 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     experts = int(md.get(f"{arch}.expert_count") or 0)
     if experts and arch == "llama":
         hearth_arch = "mixtral"
-    return ModelConfig(
+    return ModelConfig(**dict(
         architecture=hearth_arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=_widest(get("feed_forward_length")),
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -103,15 +105,22 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         **(_experts_from_metadata(md, arch, get) if experts else {}),
         **(_gemma2_from_metadata(md, arch, hidden // heads) if arch in ("gemma2", "gemma3") else {}),
         no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
-        **hybrid,
         # gpt-oss: what llama.cpp fixes for the architecture (its clamped SwiGLU's alpha and limit)
         **(dict(attention_sinks=True, router_bias=True, clamped_swiglu=(1.702, 7.0)) if arch == "gpt-oss" else {}),
-    )
+    ) | hybrid)  # (a hybrid family's fields last: they override the common rules)
 
 
-def _kv_heads_and_layers(arch: str, kv_heads: Any, get, where: str) -> tuple[int, dict[str, Any]]:
-    """The KV heads, and a hybrid's layer kinds and convolution: lfm2's attention.head_count_kv is one
-    count per layer (0: a short convolution of shortconv.l_cache taps)."""
+def _widest(width: Any) -> int:
+    """feed_forward_length: one width, or one per layer (nemotron_h's: 0 in its blocks without an MLP)."""
+    return max(int(w) for w in width) if isinstance(width, (list, tuple, np.ndarray)) else int(width)
+
+
+def _kv_heads_and_layers(md: dict[str, Any], arch: str, kv_heads: Any, get, where: str) -> tuple[int, dict[str, Any]]:
+    """The KV heads, and a hybrid's layer kinds and state layers' sizes: lfm2's attention.head_count_kv is one
+    count per layer (0: a short convolution of shortconv.l_cache taps); the others': hybrid_gguf.py."""
+    if arch in GGUF_HYBRIDS:
+        hybrid = hybrid_fields_from_metadata(md, arch, get)
+        return hybrid.pop("num_kv_heads", int(kv_heads) if not isinstance(kv_heads, list) else 0), hybrid
     if arch != "lfm2":
         return int(kv_heads), {}
     layers = int(get("block_count"))
@@ -247,6 +256,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     config = config_from_metadata(md, where)
     weights: dict[str, Weight] = {}
     for t in tqdm(file.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
+        if _layer_of(t.name) >= config.num_layers:
+            continue  # a block after the last layer: multi-token prediction's, which hearth does not run
         stack = gguf_expert_stack(t.name)
         if stack is not None and config.num_experts:
             for e, weight in enumerate(_split_experts(_read(file, t, where), t, config, where)):
@@ -267,16 +278,25 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
             weights[name] = weights[name].unsqueeze(1)  # [channels, taps] as a depthwise Conv1d's [channels, 1, taps]
         if name.endswith("shared_expert_gate.weight") and weights[name].dim() == 1:
             weights[name] = weights[name].unsqueeze(0)  # [hidden] as a [1, hidden] projection
+    if config.architecture in GGUF_HYBRIDS.values():
+        hybrid_weights_from_gguf(config, weights)
     if config.num_experts:  # layers without a router have a dense MLP
         config.dense_mlp_layers = tuple(layer for layer in range(config.num_layers)
                                         if f"model.layers.{layer}.mlp.gate.weight" not in weights)
-    config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+    # (any layer's: a hybrid's first layer may hold no attention)
+    config.attention_bias = any(name.endswith(".self_attn.q_proj.bias") for name in weights)
     config.mlp_bias = any(f"model.layers.0.mlp.{part}gate_proj.bias" in weights for part in ("", "experts.0."))
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
     if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:
         config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
     return config, weights, md
+
+
+def _layer_of(gguf_name: str) -> int:
+    """The block a GGUF tensor belongs to (blk.N.*), -1 for the model's own (token_embd, output, ...)."""
+    m = re.match(r"blk\.(\d+)\.", gguf_name)
+    return int(m.group(1)) if m else -1
 
 
 def _unpermute_qk(weights: dict[str, Weight], config: ModelConfig) -> None:

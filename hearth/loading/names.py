@@ -124,27 +124,54 @@ _GPT_OSS_LAYER_NAMES = {
     "attn_sinks.weight": "self_attn.sinks",
     "ffn_gate_inp.bias": "mlp.gate.bias",
 }
+# the attention and MLP names of the hybrids llama.cpp's converter writes (not phi3's fused attn_qkv)
+_HYBRID_COMMON = {k: v for k, v in _LAYER_NAMES.items() if k != "attn_qkv.weight"}
+# qwen35 / qwen3next: Gated DeltaNet layers (llama.cpp's ssm_* and the linear attention's attn_qkv and
+# attn_gate), post_attention_norm the MLP's input norm; qwen3next's in_proj_b and in_proj_a fused per key
+# head as ssm_ba (hearth/loading/hybrid_gguf.py)
+_DELTA_NET_LAYER_NAMES = {
+    **{k: v for k, v in _HYBRID_COMMON.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",  # (llama.cpp's -exp(A_log))
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# granitehybrid / nemotron_h(_moe): Mamba2 layers; nemotron_h's router correction
+_MAMBA2_LAYER_NAMES = {
+    **_HYBRID_COMMON,
+    **{f"ssm_{gguf}.{attr}": f"mamba.{hf}.{attr}" for gguf, hf in (("in", "in_proj"), ("out", "out_proj"),
+                                                                  ("conv1d", "conv1d")) for attr in ("weight", "bias")},
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",  # (llama.cpp's -exp(A_log), [heads, 1])
+    "ssm_d": "mamba.D",  # ([heads, 1])
+    "ssm_norm.weight": "mamba.norm.weight",  # ([groups, inner / groups])
+    "exp_probs_b.bias": "mlp.e_score_correction_bias",
+}
+# a family's own layer names, where they are not _LAYER_NAMES
+_FAMILY_LAYER_NAMES = {"gpt_oss": _GPT_OSS_LAYER_NAMES, "qwen3_5": _DELTA_NET_LAYER_NAMES,
+                       "qwen3_next": _DELTA_NET_LAYER_NAMES, "granitemoehybrid": _MAMBA2_LAYER_NAMES,
+                       "nemotron_h": _MAMBA2_LAYER_NAMES}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_GPT_OSS_LAYER = {v: k for k, v in _GPT_OSS_LAYER_NAMES.items()}
+_HF_FAMILY_LAYER = {arch: {v: k for k, v in names.items()} for arch, names in _FAMILY_LAYER_NAMES.items()}
 _HF_LAYER["mlp.gate_up_proj.weight"] = "ffn_up.weight"  # phi3: llama.cpp's ffn_up holds gate and up
 _HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # llama.cpp's converter permutes the rows of Q and K for these architectures so that its
 # "normal" RoPE (adjacent pairs) matches HF's rotate-half; other architectures run NEOX RoPE.
-PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3")
+# (granitehybrid's and nemotron_h's attention goes through its LlamaModel too, RoPE or not)
+PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid", "nemotron_h")
 
 # architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"qwen3_5": "llama.cpp's Gated DeltaNet tensors (ssm_conv1d, ssm_a, ssm_dt, ...) have no names in hearth's GGUF "
-                      "mapping yet",
-           "qwen3_next": "llama.cpp's qwen3next Gated DeltaNet tensors (ssm_in, ssm_conv1d, ssm_a, ssm_dt, ...) have "
-                         "no names in hearth's GGUF mapping yet",
-           "deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
+NO_GGUF = {"deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
                           "names in hearth's GGUF mapping",
-           "granitemoehybrid": "llama.cpp's granitehybrid Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, "
-                               "...) have no names in hearth's GGUF mapping yet",
-           "nemotron_h": "llama.cpp's nemotron_h Mamba2 tensors (ssm_in, ssm_conv1d, ssm_a, ssm_d, ssm_norm, ...) have "
-                         "no names in hearth's GGUF mapping yet",
            "gemma4": "llama.cpp's gemma4 tensors (per-layer embeddings, per-layer KV shapes and sharing, experts "
                      "beside the MLP) have no names in hearth's GGUF mapping yet"}
 
@@ -158,12 +185,11 @@ LFM2_FINAL_NORM = "token_embd_norm.weight"
 
 def gguf_to_hf(name: str, sandwich_norms: bool = False, architecture: str = "") -> str | None:
     """The HF name of a GGUF tensor, or None when hearth does not know it. sandwich_norms: a
-    gemma2/3 layer's names; architecture gpt_oss: its layers' names."""
+    gemma2/3 layer's names; architecture: a family's own layer names (gpt_oss, the hybrids)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _GPT_OSS_LAYER_NAMES if architecture == "gpt_oss" else \
-        _LAYER_NAMES
+    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _FAMILY_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
@@ -287,7 +313,7 @@ def hf_to_gguf(name: str, sandwich_norms: bool = False, architecture: str = "") 
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_GPT_OSS_LAYER if architecture == "gpt_oss" else _HF_LAYER
+    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_FAMILY_LAYER.get(architecture, _HF_LAYER)
     if m and m.group(2) in names:
         return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None

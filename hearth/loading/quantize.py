@@ -33,7 +33,8 @@ MIXES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
 _IQ4 = ("iq4_nl", "iq4_xs")
 # llama.cpp's fallback where a row is not a whole number of the type's blocks
 _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
-_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight")
+# (and, as llama.cpp's quantizer, the convolutions of Mamba2, Gated DeltaNet and lfm2: small, kept F32)
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight", "shortconv.conv.weight")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class GatedDeltaNet(nn.Module):
         self.ops = ops
         self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.tiled = config.linear_value_heads_tiled
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.split = [keys, keys, values]
         self.in_proj = MergedLinear(config.hidden_size, {"in_proj_qkv": 2 * keys + values, "in_proj_z": values,
@@ -84,8 +85,9 @@ class GatedDeltaNet(nn.Module):
         qkv = self.ops.causal_conv1d(qkv, state[0], self.conv1d.weight[:, 0], None, meta.state, "silu")
         q, k, v = qkv.float().split(self.split, dim=-1)
         q, k = (_l2_normalised(t.reshape(tokens, self.key_heads, self.key_dim)) for t in (q, k))
-        if self.value_heads != self.key_heads:  # each key head serves a run of value heads
-            q, k = (t.repeat_interleave(self.value_heads // self.key_heads, dim=1) for t in (q, k))
+        if self.value_heads != self.key_heads:  # each key head serves a run of value heads (or every n-th: tiled)
+            per_key = self.value_heads // self.key_heads
+            q, k = (t.repeat(1, per_key, 1) if self.tiled else t.repeat_interleave(per_key, dim=1) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, v heads]
         out = self.ops.gated_delta_rule(q * self.key_dim**-0.5, k, v.reshape(tokens, self.value_heads, -1), g,
                                         b.float().sigmoid(), state[1], meta.state)
