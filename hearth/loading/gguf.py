@@ -49,17 +49,21 @@ _NOT_READ = {"qwen35": "qwen3_5", "qwen3next": "qwen3_next",
              "granitehybrid": "granitemoehybrid", "nemotron_h": "nemotron_h", "gemma4": "gemma4"}
 
 
-def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
-    arch = md.get("general.architecture")
-    hearth_arch = _ARCHITECTURES.get(arch, arch)
+def _hearth_architecture(arch: Any, where: str) -> str:
+    """hearth's name for llama.cpp's general.architecture `arch`, or a refusal that says why."""
     if arch in _NOT_READ:
         raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
                              f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
+    hearth_arch = _ARCHITECTURES.get(arch, arch)
     if hearth_arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {arch!r} (general.architecture); "
-            f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"{where}: unsupported architecture {arch!r} (general.architecture); "
+                             f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return hearth_arch
+
+
+def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
+    arch = md.get("general.architecture")
+    hearth_arch = _hearth_architecture(arch, where)
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{key}", default)
