@@ -1,10 +1,13 @@
-"""The optional reference a test may skip without: llama-cpp-python (not a test extra)."""
+"""The optional references a test may skip without: llama-cpp-python (not a test extra), and a llama.cpp
+source tree (its convert_hf_to_gguf.py) named by $LLAMA_CPP_SOURCE."""
 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +33,6 @@ def llama_cpp_quantizer():
     or None) -> uint8 [rows, bytes]` (ggml_quantize_chunk in the library llama-cpp-python loads),
     or a skip as import_llama_cpp's. The 1- and 2-bit i-quants take an importance matrix."""
     import ctypes
-    from pathlib import Path
 
     import numpy as np
     from gguf import GGML_QUANT_SIZES
@@ -55,3 +57,11 @@ def llama_cpp_quantizer():
         return out
 
     return quantize
+
+
+def llama_cpp_source() -> Path:
+    """The llama.cpp source tree $LLAMA_CPP_SOURCE (one with convert_hf_to_gguf.py and gguf-py), or a skip."""
+    source = os.environ.get("LLAMA_CPP_SOURCE")
+    if not source or not (Path(source) / "convert_hf_to_gguf.py").exists():
+        pytest.skip("no llama.cpp source tree ($LLAMA_CPP_SOURCE with convert_hf_to_gguf.py)")
+    return Path(source)

@@ -23,7 +23,7 @@ from hearth.loading.loader import load_model
 from hearth.loading.safetensors import load_hf_folder
 from hearth.quant import QuantTensor
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
-from optional import import_llama_cpp
+from optional import import_llama_cpp, llama_cpp_source
 from test_engine import greedy, reference_greedy, token_ids
 from test_model import _hearth_logits as paged_logits
 
@@ -142,14 +142,6 @@ def test_refused_by_name(tmp_path, files):
 
 # ---------------------------------------------------------------- llama.cpp itself (optional)
 
-def _llama_cpp_source() -> Path:
-    """A llama.cpp source tree (its convert_hf_to_gguf.py) from $LLAMA_CPP_SOURCE, or a skip."""
-    source = os.environ.get("LLAMA_CPP_SOURCE")
-    if not source or not (Path(source) / "convert_hf_to_gguf.py").exists():
-        pytest.skip("no llama.cpp source tree ($LLAMA_CPP_SOURCE with convert_hf_to_gguf.py)")
-    return Path(source)
-
-
 # llama.cpp's converter with its vocabulary step left out: it recognises the pre-tokenizers of published
 # models by hash, and the tests' tokenizer is none of them (the tensors and model keys are what is compared)
 _RUN_CONVERTER = """
@@ -164,7 +156,7 @@ runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
 
 
 def test_llama_cpp_converter_writes_the_same(files, tmp_path):
-    source = _llama_cpp_source()
+    source = llama_cpp_source()
     out = tmp_path / "llama-cpp.gguf"
     subprocess.run([sys.executable, "-c", _RUN_CONVERTER, str(source), str(files["hf"]), str(out)], check=True,
                    capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
