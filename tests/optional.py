@@ -33,7 +33,6 @@ def llama_cpp_quantizer():
     or None) -> uint8 [rows, bytes]` (ggml_quantize_chunk in the library llama-cpp-python loads),
     or a skip as import_llama_cpp's. The 1- and 2-bit i-quants take an importance matrix."""
     import ctypes
-    from pathlib import Path
 
     import numpy as np
     from gguf import GGML_QUANT_SIZES

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +87,46 @@ def test_new_family_shapes_make_models_hearth_runs(name, tmp_path):
         assert (config.sliding_layers is not None) == name.startswith("gemma")
         outputs.append(llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+def test_recent_family_shapes(tmp_path):
+    """Qwen3.5-0.8B's text model (0.75B parameters: the release's 0.8B less its vision tower) and gpt-oss-20b
+    at full depth (20.9B) from their specs; shrunk, each runs in hearth as in transformers, and make-model
+    writes gpt-oss's GGUF and says why it writes no GGUF where hearth's converter has none."""
+    from hearth.loading.convert import GGUF_ARCHITECTURES
+    from hearth.loading.loader import load_model
+    from hearth.engine.runner import BatchEntry, ModelRunner
+    from models import load_hf_reference
+
+    def logits(path: str) -> torch.Tensor:
+        model = load_model(path, progress=False).model
+        runner = ModelRunner(model, 4, 16, torch.device("cpu"), torch.float32, num_state_slots=1)
+        hidden, _ = runner.forward([BatchEntry(tokens, 0, [3, 1, 0, 2], state_slot=0)])
+        return model.compute_logits(hidden).float()
+
+    qwen, gpt_oss = bench_models.ARCHS["qwen3.5-0.8b"], bench_models.ARCHS["gpt-oss-20b-2l"]
+    per_layer = gpt_oss.num_parameters() - dataclasses.replace(gpt_oss, num_layers=1).num_parameters()
+    assert round(qwen.num_parameters() / 1e7) == 75 and round((gpt_oss.num_parameters() + 22 * per_layer) / 1e8) == 209
+    small = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 64, "num_heads": 4, "num_kv_heads": 2,
+             "bos_token_id": 1000, "eos_token_id": 1001}
+    shrunk = [dataclasses.replace(qwen, **small, num_layers=4, extra={
+                  **qwen.extra, "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+              dataclasses.replace(gpt_oss, **small, extra={**gpt_oss.extra, "head_dim": 16, "num_local_experts": 4,
+                                                           "num_experts_per_tok": 2, "experts_per_token": 2})]
+    tokens = list(range(5, 25))
+    for spec, architecture in zip(shrunk, ("qwen3_5", "gpt_oss")):
+        report = bench_models.make_model(spec, tmp_path / spec.name, ["f32"], progress=False)
+        assert ("f32" in report["files"]) == (architecture in GGUF_ARCHITECTURES)
+        assert ("gguf_skipped" in report) == (architecture not in GGUF_ARCHITECTURES)
+        assert load_model(report["files"]["hf"], progress=False).config.architecture == architecture
+        if architecture == "qwen3_5":  # (gpt-oss's experts are named per expert, as hearth reads them, not transformers)
+            with torch.no_grad():
+                want = load_hf_reference(Path(report["files"]["hf"]))(torch.tensor([tokens])).logits[0].float()
+        else:
+            want = logits(report["files"]["f32"])
+        got = logits(report["files"]["hf"])
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2, architecture
 
 
 def test_generated_model_loads_as_hf_and_gguf(tiny):

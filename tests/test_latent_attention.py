@@ -1,7 +1,7 @@
 """deepseek_v2 (multi-head latent attention, its mixture of experts, YaRN) against transformers on a
 tiny random model of DeepSeek-V2-Lite's shape (tests/models.py): logits, what the cache holds,
 greedy generation with batching, chunked prefill, prefix caching and preemption, and the config
-fields and files hearth refuses."""
+fields hearth refuses (its GGUF files: tests/test_deepseek2_gguf.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from hearth import LLM
 from hearth.backend import choose_backend
 from hearth.engine.runner import BatchEntry, ModelRunner
 from hearth.errors import ModelLoadError
-from hearth.loading.convert import convert_hf_to_gguf
-from hearth.loading.gguf import config_from_metadata
 from hearth.loading.loader import load_model
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import SparseMoE
@@ -137,13 +135,6 @@ def test_unimplemented_fields_are_refused_by_name(folder, tmp_path, fields, mess
         load_model(tmp_path, progress=False)
 
 
-def test_gguf_refused_by_name(folder, tmp_path):
-    with pytest.raises(ModelLoadError, match="does not convert deepseek_v2"):
-        convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
-    with pytest.raises(ModelLoadError, match="'deepseek2' are not read"):
-        config_from_metadata({"general.architecture": "deepseek2"}, "m.gguf")
-
-
 def test_gpu_backend_refused_by_name(folder):
     pytest.importorskip("triton")
     from hearth.backend.gpu import GpuBackend
@@ -154,9 +145,8 @@ def test_gpu_backend_refused_by_name(folder):
 
 def test_bench_shape_of_deepseek_v2_lite(tmp_path):
     """`hearth bench make-model`'s deepseek-v2-lite-4l: DeepSeek-V2-Lite's 15.7B parameters when extended
-    to its 27 layers; shrunk, its HF folder runs in hearth as in transformers; GGUF refused by name."""
+    to its 27 layers; shrunk, its HF folder runs in hearth as in transformers, and its Q8_0 GGUF loads."""
     from hearth.bench import models as bench_models
-    from hearth.errors import HearthError
 
     spec = bench_models.ARCHS["deepseek-v2-lite-4l"]
     per_layer = spec.num_parameters() - dataclasses.replace(spec, num_layers=spec.num_layers - 1).num_parameters()
@@ -165,9 +155,9 @@ def test_bench_shape_of_deepseek_v2_lite(tmp_path):
                                 num_heads=4, num_kv_heads=4, bos_token_id=1000, eos_token_id=1001,
                                 extra={**spec.extra, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                                        "head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32})
-    with pytest.raises(HearthError, match="no GGUF of deepseek_v2"):
-        bench_models.make_model(small, tmp_path, ["f16"], progress=False)
-    folder = Path(bench_models.make_model(small, tmp_path, [], progress=False)["files"]["hf"])
+    files = bench_models.make_model(small, tmp_path, ["q8_0"], progress=False)["files"]
+    folder = Path(files["hf"])
+    assert LLM(files["q8_0"], kv_cache_memory=1 << 20, progress=False).engine.model.config.kv_lora_rank == 32
     llm = LLM(folder, kv_cache_memory=1 << 20, progress=False)
     assert llm.engine.model.config.kv_cache_layout(0) == (1, 1, 40)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]

@@ -108,6 +108,8 @@ def cmd_make_model(args) -> None:
         print(f"{report['arch']}: {report['parameters']:,} parameters (random)")
         for kind, path in report["files"].items():
             print(f"  {kind:<5} {path}")
+        if "gguf_skipped" in report:
+            print(f"  no GGUF: {report['gguf_skipped']}")
 
 
 def cmd_roofline(args) -> None:

@@ -138,7 +138,7 @@ ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
              extra={"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
     # deepseek-ai/DeepSeek-V2-Lite at 4 of its 27 layers (the dense first one and three of experts; 15.7B
     # parameters at full depth): multi-head latent attention, 64 routed experts (6 per token) and 2 shared,
-    # YaRN to 160K positions. HF folder only: hearth writes no GGUF of it.
+    # YaRN to 160K positions.
     ArchSpec("deepseek-v2-lite-4l", "DeepseekV2ForCausalLM", "deepseek_v2", vocab_size=102400, hidden_size=2048,
              intermediate_size=10944, num_layers=4, num_heads=16, num_kv_heads=16, max_position_embeddings=163840,
              rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=100000,
@@ -150,6 +150,27 @@ ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
                     "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
                     "moe_layer_freq": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                     "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1}),
+    # Qwen/Qwen3.5-0.8B's text model: Gated DeltaNet (16 key and 16 value heads of 128) three layers in four,
+    # gated attention (8 heads of 256, 2 KV heads, a quarter rotated) in the fourth; its vision tower left out
+    ArchSpec("qwen3.5-0.8b", "Qwen3_5ForCausalLM", "qwen3_5_text", vocab_size=248320, hidden_size=1024,
+             intermediate_size=3584, num_layers=24, num_heads=8, num_kv_heads=2, max_position_embeddings=262144,
+             rms_norm_eps=1e-6, rope_theta=10000000.0, tie_word_embeddings=True, bos_token_id=None,
+             eos_token_id=248044, add_bos=False,
+             extra={"head_dim": 256,
+                    "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+                    "partial_rotary_factor": 0.25, "attn_output_gate": True}),
+    # openai/gpt-oss-20b at 2 of its 24 layers (one sliding, one full), its experts unquantized (bf16, not
+    # the release's MXFP4) and named per expert as hearth reads them: 32 experts (4 per token), sinks, YaRN
+    ArchSpec("gpt-oss-20b-2l", "GptOssForCausalLM", "gpt_oss", vocab_size=201088, hidden_size=2880,
+             intermediate_size=2880, num_layers=2, num_heads=64, num_kv_heads=8, max_position_embeddings=131072,
+             rms_norm_eps=1e-5, rope_theta=150000.0, tie_word_embeddings=False, bos_token_id=199998,
+             eos_token_id=200002, attention_bias=True, add_bos=False,
+             rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                           "truncate": False, "original_max_position_embeddings": 4096},
+             extra={"head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+                    "sliding_window": 128,
+                    "swiglu_limit": 7.0, "hidden_act": "silu"}),
     # google/gemma-2-2b and google/gemma-3-1b-pt
     ArchSpec("gemma-2-2b", "Gemma2ForCausalLM", "gemma2", vocab_size=256000, hidden_size=2304,
              intermediate_size=9216, num_layers=26, num_heads=8, num_kv_heads=4, max_position_embeddings=8192,
@@ -307,16 +328,20 @@ def write_hf_folder(spec: ArchSpec, folder: str | Path, seed: int = 0, std: floa
 
 def make_model(arch: str | ArchSpec, out: str | Path, gguf_types: list[str] | tuple[str, ...] = ("f16", "q8_0", "q4_0"),
                seed: int = 0, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Write DIR/hf (the HF folder) and DIR/<arch>-<type>.gguf; existing files are kept unless force."""
-    from hearth.loading.convert import OUT_TYPES, convert_hf_to_gguf
+    """Write DIR/hf (the HF folder) and DIR/<arch>-<type>.gguf; existing files are kept unless force.
+    An architecture hearth writes no GGUF of gets its HF folder only, and the report's gguf_skipped says why."""
+    from hearth.config import ModelConfig
+    from hearth.loading.convert import GGUF_ARCHITECTURES, OUT_TYPES, convert_hf_to_gguf
     from hearth.loading.names import NO_GGUF
 
     spec = arch if isinstance(arch, ArchSpec) else ARCHS.get(arch)
     if spec is None:
         raise HearthError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
-    if gguf_types and spec.model_type in NO_GGUF:
-        raise HearthError(f"{spec.name}: hearth writes no GGUF of {spec.model_type} ({NO_GGUF[spec.model_type]}); "
-                          "ask for none (--gguf '')")
+    architecture = ModelConfig.from_hf(spec.hf_config()).architecture
+    skipped = None
+    if gguf_types and architecture not in GGUF_ARCHITECTURES:
+        skipped = f"hearth writes no GGUF of {architecture} ({NO_GGUF.get(architecture, 'no llama.cpp layout')})"
+        gguf_types = []
     bad = [t for t in gguf_types if t not in OUT_TYPES]
     if bad:
         raise HearthError(f"unknown GGUF type {bad[0]!r}; choose from {', '.join(OUT_TYPES)}")
@@ -330,4 +355,5 @@ def make_model(arch: str | ArchSpec, out: str | Path, gguf_types: list[str] | tu
         if force or not path.exists():
             convert_hf_to_gguf(hf, path, kind, progress=progress)
         files[kind] = str(path)
-    return {"arch": spec.name, "parameters": spec.num_parameters(), "files": files}
+    return {"arch": spec.name, "parameters": spec.num_parameters(), "files": files,
+            **({"gguf_skipped": skipped} if skipped else {})}

@@ -22,6 +22,7 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading import deepseek2
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.hybrid_gguf import (GGUF_HYBRIDS, add_hybrid_metadata, check_convertible, gguf_architecture,
                                         hybrid_value_for_gguf, hybrid_weights_for_gguf, layer_counts)
@@ -55,8 +56,9 @@ TERNARY_TYPES = (Q.TQ1_0, Q.TQ2_0)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                       "gemma2": "gemma2", "gemma3": "gemma3", "smollm3": "smollm3", "phi3": "phi3",
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                      "lfm2": "lfm2", "gpt_oss": "gpt-oss", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
-                      "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h"}  # (hybrid_gguf.gguf_architecture)
+                      "lfm2": "lfm2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "qwen3_5": "qwen35",
+                      "qwen3_next": "qwen3next", "granitemoehybrid": "granitehybrid",
+                      "nemotron_h": "nemotron_h"}  # (hybrid_gguf.gguf_architecture)
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -179,6 +181,10 @@ def _plan_tensors(
         if (expert := hf_expert(hf_name)) is not None and config.num_experts:
             stacks.add((expert[0], *expert[2:]))
             continue
+        if arch == "deepseek_v2" and (halves := deepseek2.split_kv_b(config, hf_name, tensor)) is not None:
+            for name, shape, values in halves:  # (the types as llama.cpp's: by the last dimension)
+                yield name, shape, tensor_type(name, torch.empty(shape, device="meta"), weight_type), values
+            continue
         name = hf_to_gguf(hf_name, config.sandwich_norms, arch)
         if arch == "lfm2" and hf_name == "model.norm.weight":
             name = LFM2_FINAL_NORM
@@ -293,7 +299,10 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     writer.add_feed_forward_length(widths)
     writer.add_block_count(config.num_layers)
     writer.add_head_count(config.num_heads)
-    if config.architecture == "lfm2":  # a count per layer, 0 for a short convolution (llama.cpp's lfm2)
+    if config.architecture == "deepseek_v2":  # its latent attention as multi-query attention (one KV head)
+        writer.add_head_count_kv(1)
+        deepseek2.add_metadata(writer, config)
+    elif config.architecture == "lfm2":  # a count per layer, 0 for a short convolution (llama.cpp's lfm2)
         writer.add_head_count_kv([config.num_kv_heads * (config.layer_type(i) == ATTENTION)
                                   for i in range(config.num_layers)])
         writer.add_shortconv_l_cache(config.conv_kernel_size)
@@ -304,7 +313,7 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     writer.add_rope_dimension_count(int(config.head_dim * config.partial_rotary_factor))
     if config.architecture in GGUF_HYBRIDS.values():
         add_hybrid_metadata(writer, config)  # (key_length and value_length among them)
-    elif config.head_dim * config.num_heads != config.hidden_size:
+    elif config.head_dim * config.num_heads != config.hidden_size and not config.kv_lora_rank:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     if config.sliding_window is not None:
@@ -318,13 +327,17 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     if config.architecture == "smollm3" and config.no_rope_layers != smollm3_no_rope_layers(config.num_layers):
         raise ModelLoadError(f"NoPE layers {list(config.no_rope_layers)}: llama.cpp's smollm3 has one every 4 layers "
                              "and no GGUF key for another layout")
-    if config.num_experts:
+    if config.num_experts and not config.kv_lora_rank:  # (deepseek2's: deepseek2.add_metadata)
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_weights_norm(config.norm_topk_prob)  # llama.cpp fixes it per family; hearth reads it
         if config.shared_expert_intermediate_size:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    _add_rope_scaling(writer, config)
+
+
+def _add_rope_scaling(writer: GGUFWriter, config: ModelConfig) -> None:
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "linear":
@@ -333,13 +346,15 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     elif kind == "longrope":  # the factors: tensors (_plan_tensors)
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
         writer.add_rope_scaling_attn_factors(scaling["attention_factor"])
+    elif kind == "yarn" and config.architecture == "deepseek_v2":
+        deepseek2.add_rope_scaling(writer, scaling)
     elif kind == "yarn" and config.architecture == "gpt_oss":  # its betas and ramp: _check_gpt_oss
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, and "
-                             "gpt-oss's yarn)")
+                             "gpt-oss's and deepseek_v2's yarn)")
 
 
 def _add_gemma2_metadata(writer: GGUFWriter, config: ModelConfig) -> None:

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, SHORT_CONV, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading import deepseek2
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.hybrid_gguf import GGUF_HYBRIDS, hybrid_fields_from_metadata, hybrid_weights_from_gguf
 from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
@@ -38,28 +39,33 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
 
 # llama.cpp's general.architecture -> hearth's, where they differ (llama with experts is mixtral)
-_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", **GGUF_HYBRIDS}
+_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2",
+                  **GGUF_HYBRIDS}
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
 # (gpt-oss: a softmax over the chosen experts' logits, the same)
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
-                   "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True}
+                   "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True, "deepseek2": False}
 
 
 # llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
-_NOT_READ = {"deepseek2": "deepseek_v2", "gemma4": "gemma4"}
+_NOT_READ = {"gemma4": "gemma4"}
+
+
+def _hearth_architecture(arch: Any, where: str) -> str:
+    """hearth's name for llama.cpp's general.architecture `arch`, or a refusal that says why."""
+    if arch in _NOT_READ:
+        raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
+                             f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
+    hearth_arch = _ARCHITECTURES.get(arch, arch)
+    if hearth_arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{where}: unsupported architecture {arch!r} (general.architecture); "
+                             f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return hearth_arch
 
 
 def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     arch = md.get("general.architecture")
-    hearth_arch = _ARCHITECTURES.get(arch, arch)
-    if arch in _NOT_READ:
-        raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
-                             f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
-    if hearth_arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: unsupported architecture {arch!r} (general.architecture); "
-            f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    hearth_arch = _hearth_architecture(arch, where)
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{key}", default)
@@ -74,15 +80,15 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") and not (scaling == "yarn" and arch == "gpt-oss"):
+    if scaling not in ("none", "linear") and not (scaling == "yarn" and arch in ("gpt-oss", "deepseek2")):
         # llama3's scaling comes as the rope_freqs tensor instead
         raise ModelLoadError(f"{where}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented by "
-                             "hearth (it has: linear, llama3's rope_freqs, and gpt-oss's yarn)")
+                             "hearth (it has: linear, llama3's rope_freqs, and gpt-oss's and deepseek2's yarn)")
     window = md.get(f"{arch}.attention.sliding_window")
     experts = int(md.get(f"{arch}.expert_count") or 0)
     if experts and arch == "llama":
         hearth_arch = "mixtral"
-    return ModelConfig(**dict(
+    fields = dict(
         architecture=hearth_arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -107,7 +113,10 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
         # gpt-oss: what llama.cpp fixes for the architecture (its clamped SwiGLU's alpha and limit)
         **(dict(attention_sinks=True, router_bias=True, clamped_swiglu=(1.702, 7.0)) if arch == "gpt-oss" else {}),
-    ) | hybrid)  # (a hybrid family's fields last: they override the common rules)
+    ) | hybrid  # (a hybrid family's fields last: they override the common rules)
+    if arch == "deepseek2":  # its attention's sizes and experts replace what the generic keys give
+        fields.update(deepseek2.config_fields(md, get, where))
+    return ModelConfig(**fields)
 
 
 def _widest(width: Any) -> int:
@@ -202,7 +211,8 @@ def _tensor(file: GGUFFile, t: TensorInfo, where: str) -> Weight:
             f"{where}: tensor {t.name} has unsupported type {t.qtype.name}; "
             f"supported: {', '.join(q.name for q in SUPPORTED_QTYPES)}"
         )
-    if len(rows_cols) == 3 and gguf_expert_stack(t.name):  # [experts, rows, cols]: rows of all experts end to end
+    if len(rows_cols) == 3 and (gguf_expert_stack(t.name) or t.name.endswith(tuple(deepseek2.SPLIT_KV_B))):
+        # [experts, rows, cols] (deepseek2's [heads, rows, cols]): rows of all experts end to end
         rows_cols = (rows_cols[0] * rows_cols[1], rows_cols[2])
     if len(rows_cols) != 2:
         raise ModelLoadError(f"{where}: quantized tensor {t.name} is not 2-D (shape {rows_cols})")
@@ -236,6 +246,8 @@ def _rope_scaling_from_metadata(md: dict[str, Any], arch: str, scaling: str, get
     lists as the rope_factors_long / rope_factors_short tensors that the model loads)."""
     if scaling == "linear":
         return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if scaling == "yarn" and arch == "deepseek2":
+        return deepseek2.rope_scaling(md, get)
     if scaling == "yarn":  # gpt-oss's, as its config.json has it (OpenAI's and transformers' ramp, not truncated)
         return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")), "beta_fast": 32.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
@@ -288,6 +300,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     config.mlp_bias = any(f"model.layers.0.mlp.{part}gate_proj.bias" in weights for part in ("", "experts.0."))
     if config.architecture in PERMUTED_QK_ARCHITECTURES:
         _unpermute_qk(weights, config)
+    if config.architecture == "deepseek_v2":
+        deepseek2.join_kv_b(weights, config, where)
     if config.vocab_size == 0 and "model.embed_tokens.weight" in weights:
         config.vocab_size = weights["model.embed_tokens.weight"].shape[0]
     return config, weights, md

@@ -8,6 +8,7 @@ import torch
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.deepseek2 import SPLIT_KV_B
 
 # GGUF per-layer suffix -> HF per-layer suffix
 _LAYER_NAMES = {
@@ -39,6 +40,14 @@ _LAYER_NAMES = {
     "shortconv.conv.weight": "conv.conv.weight",
     "shortconv.in_proj.weight": "conv.in_proj.weight",
     "shortconv.out_proj.weight": "conv.out_proj.weight",
+    # deepseek2's multi-head latent attention (its kv_b_proj in two halves: hearth/loading/deepseek2.py)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    **SPLIT_KV_B,
 }
 # llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
 # (and gpt-oss's biases into one [experts, rows])
@@ -170,9 +179,7 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid", "nemotron_h")
 
 # architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"deepseek_v2": "llama.cpp's deepseek2 tensors (attn_kv_a_mqa, attn_k_b and attn_v_b per head, ...) have no "
-                          "names in hearth's GGUF mapping",
-           "gemma4": "llama.cpp's gemma4 tensors (per-layer embeddings, per-layer KV shapes and sharing, experts "
+NO_GGUF = {"gemma4": "llama.cpp's gemma4 tensors (per-layer embeddings, per-layer KV shapes and sharing, experts "
                      "beside the MLP) have no names in hearth's GGUF mapping yet"}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
