@@ -48,6 +48,10 @@ class SampledTokens:
     # the draw of every verified row (the last token's, then each guess's): past the first
     # rejected guess, what the model gave after a wrong one (lookahead's Jacobi iteration)
     row_token_ids: list[int]
+    # a hybrid model's verification: the first of the state snapshot rows, the states after its last token and
+    # each guess but the last (hearth/backend/state_ops.py), from which the engine puts back the states at the
+    # last guess kept (LLMEngine._roll_back_states); -1: none
+    state_snapshot: int = -1
 
 
 @dataclass
