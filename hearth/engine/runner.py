@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,8 +32,8 @@ from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows
                               stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
-from hearth.engine.request import ImageSpan, Request, RequestStatus
-from hearth.engine.step_records import (LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
+from hearth.engine.request import Request, RequestStatus
+from hearth.engine.step_records import (BatchEntry, LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
                                         StepResult)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
@@ -49,24 +48,6 @@ if TYPE_CHECKING:  # (they run ModelRunners of their own)
     from hearth.engine.draft_runner import DraftRunner
     from hearth.engine.second_model import SecondModel
 
-
-
-@dataclass
-class BatchEntry:
-    token_ids: list[int]  # the new tokens of this sequence this step
-    num_computed_tokens: int  # tokens already in the cache before them
-    block_table: list[int]
-    # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
-    # of the region's positions it sees (bit j: tree_start + j); None: causal
-    tree: tuple[int, list[int]] | None = None
-    state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
-    # a hybrid model's sequence verifying guesses: the first of the state slots that keep its states after each
-    # row but the last (hearth/backend/state_ops.py), so that rejected guesses can be taken back out
-    state_snapshot: int | None = None
-    lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
-    # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
-    embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
-    images: Sequence[ImageSpan] = ()  # the request's images (an M-RoPE model's positions: images.mrope_positions)
 
 
 class ModelRunner:
@@ -172,9 +153,8 @@ class ModelRunner:
                 raise ValueError(f"a {self.model.config.architecture} model keeps a state per sequence: every "
                                  "sequence of a step needs a state slot")
             state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
-        snapshots = None
-        if any(e.state_snapshot is not None for e in entries):
-            snapshots = np.array([-1 if e.state_snapshot is None else e.state_snapshot for e in entries], dtype=np.int64)
+        snapshots = None if all(e.state_snapshot is None for e in entries) else np.array(
+            [-1 if e.state_snapshot is None else e.state_snapshot for e in entries], dtype=np.int64)
         return StepInputs(
             input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
             positions=positions,
