@@ -76,16 +76,16 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft unlike"])
 def test_greedy_speculation_keeps_plain_tokens(family, llama_draft, method):
-    """Every method's greedy tokens are plain decoding's, with guesses rejected (after others were
-    accepted, on nemotron_h's repeating prompt): without putting back the states at the last kept guess
-    the tokens after a rejection differ."""
+    """Every method's greedy tokens are plain decoding's, with guesses rejected (nemotron_h's lookahead: some
+    after others were accepted). Without putting back the states at the last kept guess the tokens after
+    a rejection differ (every case but nemotron_h's prompt lookup, whose few rejections come late)."""
     arch, folder, plain = family
     llm = LLM(folder, progress=False, **speculation(method, folder, llama_draft))
     assert _greedy(llm) == plain
     counts = llm.engine.spec_decode_totals
     assert counts.num_accepted_tokens < counts.num_draft_tokens
-    if arch == "nemotron_h" and method == "ngram":
-        assert 0 < counts.num_accepted_tokens
+    if arch == "nemotron_h" and method == "lookahead":  # a first guess kept, a later one of its chain not
+        assert 0 < counts.accepted_per_position[-1] < counts.accepted_per_position[0]
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots
 
 
