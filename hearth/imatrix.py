@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import BatchEntry
 from hearth.errors import HearthError
 from hearth.loading.imatrix_file import ImportanceSums
 from hearth.loading.names import hf_to_gguf

@@ -15,7 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import BatchEntry
 from hearth.kv_format import check_kv_cache_dtype, kv_cache_dtype_name
 from hearth.model.transformer import Transformer
 

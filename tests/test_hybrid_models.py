@@ -226,10 +226,9 @@ def test_inspect_gives_state_and_kv_sizes(family):
     assert info["kv_budget_tokens"] == (budget - sequences * 2 * state_bytes) // kv_bytes
 
 
-def test_speculation_and_contrastive_refused_by_name(family):
+def test_contrastive_refused_by_name(family):
+    """(Speculation's refusals: test_hybrid_speculation.py.)"""
     arch, folder, _ = family
-    with pytest.raises(HearthError, match=f"speculative_method ngram is not implemented for a hybrid model \\({arch}"):
-        LLM(folder, speculative_method="ngram", progress=False)
     with pytest.raises(HearthError, match=f"contrastive_model is not implemented for a hybrid model \\({arch}"):
         LLM(folder, contrastive_model=str(folder), progress=False)
     llm = LLM(folder, progress=False)

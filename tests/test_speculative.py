@@ -159,7 +159,14 @@ def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike
         assert counts.num_drafts > 0 and counts.accepted_per_position[0] == counts.num_drafts
     else:
         assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
-    for position in (1, 2, 3):
+    assert_same_distribution(plain, speculative, (1, 2, 3))
+
+
+def assert_same_distribution(plain: list[tuple[int, ...]], speculative: list[tuple[int, ...]],
+                             positions: tuple[int, ...]) -> None:
+    """At each position, the tokens drawn plainly and speculatively: one distribution (chi-square
+    contingency on the tokens drawn at least 10 times in all, the rest as one "other" column)."""
+    for position in positions:
         a = [t[position] for t in plain]
         b = [t[position] for t in speculative]
         common = sorted({t for t in a + b if a.count(t) + b.count(t) >= 10})

@@ -57,6 +57,9 @@ class StepInputs:
     tree_masks: np.ndarray | None = None
     # hybrid models: int32 [S] each sequence's slot in the state cache (None: the model keeps no state)
     state_slots: np.ndarray | None = None
+    # hybrid models verifying guesses: int64 [S] the first slot of each sequence's snapshots, the states after
+    # each of its rows but the last (state_ops.py; -1: none); None: no sequence keeps any
+    state_snapshots: np.ndarray | None = None
     # rows whose input is given rather than looked up (an image's embeddings in place of its placeholder
     # tokens): their indices int64 [k] and values [k, hidden] on the backend's device; None: none
     embeds: tuple[np.ndarray, torch.Tensor] | None = None
@@ -88,7 +91,8 @@ class StepInputs:
                           self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
                           self.block_tables[first:end], self.block_size,
                           self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None,
-                          None if self.state_slots is None else self.state_slots[first:end])
+                          None if self.state_slots is None else self.state_slots[first:end],
+                          None if self.state_snapshots is None else self.state_snapshots[first:end])
 
 
 @dataclass
@@ -180,8 +184,8 @@ class AttentionMetadata:
             block_size=step.block_size,
             decode_tree_start=None if step.tree_masks is None else torch.from_numpy(step.tree_start[decode_seqs]).to(device),
             decode_tree_masks=None if step.tree_masks is None else torch.from_numpy(step.tree_masks[decode_rows]).to(device),
-            state=None if step.state_slots is None else StateMetadata.from_step(step.state_slots, step.query_start_loc,
-                                                                                step.seq_lens, device),
+            state=None if step.state_slots is None else StateMetadata.from_step(
+                step.state_slots, step.query_start_loc, step.seq_lens, device, step.state_snapshots),
         )
 
     def decode_slots_and_mask(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,11 @@ prompt or a chunk of one) are computed one by one in the chunked form, from the 
 chunk left. A sequence whose first new row is position 0 starts from a zero state, whatever its slot
 held before (slots are reused without being cleared).
 
+A sequence verifying speculative guesses (its first row the token before them) may name a snapshot
+slot: its rows then run one recurrent step each (as decodes do), and the state after each row but the
+last is written to the snapshot slots from that one on, so that the runner can put back the state at
+the last accepted guess (a rejected guess must not stay in the state: ModelRunner._kept_tokens).
+
 The gated delta rule (Gated DeltaNet, Yang et al. 2024), per value head: with a_t = exp(g_t),
     S_t = a_t S_{t-1} + k_t d_t^T,  d_t = beta_t (v_t - a_t S_{t-1}^T k_t),  o_t = S_t^T q_t
 (S [key dim, value dim]). Within a chunk of rows 1..m, with G_i = g_1 + ... + g_i, unrolling gives
@@ -43,10 +48,12 @@ class StateMetadata:
     single_rows: torch.Tensor  # long [D]: the rows of the sequences with one new row
     single_slots: torch.Tensor  # long [D]: their slots
     single_fresh: torch.Tensor  # bool [D]: which of them start at zero
+    # per sequence: the first of the slots where the states after each of its rows but the last go (-1: none)
+    snapshots: list[int] | None = None
 
     @classmethod
     def from_step(cls, state_slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                  device: torch.device) -> StateMetadata:
+                  device: torch.device, snapshots: np.ndarray | None = None) -> StateMetadata:
         query_lens = np.diff(query_start_loc)
         fresh = (seq_lens - query_lens) == 0
         single = np.flatnonzero(query_lens == 1)
@@ -56,14 +63,14 @@ class StateMetadata:
 
         return cls(state_slots.tolist(), query_start_loc.tolist(), fresh.tolist(),
                    tensor(query_start_loc[single], torch.long), tensor(state_slots[single], torch.long),
-                   tensor(fresh[single], torch.bool))
+                   tensor(fresh[single], torch.bool), None if snapshots is None else snapshots.tolist())
 
     def several_rows(self):
-        """(first row, end row, slot, fresh) of each sequence with several new rows."""
+        """(first row, end row, slot, fresh, first snapshot slot or -1) of each sequence with several new rows."""
         for s, slot in enumerate(self.slots):
             start, end = self.starts[s], self.starts[s + 1]
             if end - start > 1:
-                yield start, end, slot, self.fresh[s]
+                yield start, end, slot, self.fresh[s], -1 if self.snapshots is None else self.snapshots[s]
 
 
 def _previous(state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
@@ -87,11 +94,12 @@ def causal_conv1d(
     width = weight.shape[1] - 1
     if meta.single_rows.numel():
         out[meta.single_rows] = (step or conv1d_step)(x[meta.single_rows], state, weight, bias, meta)
-    for start, end, slot, fresh in meta.several_rows():
+    for start, end, slot, fresh, snapshot in meta.several_rows():
         previous = x.new_zeros(x.shape[1], width) if fresh else state[slot].to(x.dtype)
         window = torch.cat([previous, x[start:end].t()], dim=1)  # [C, K - 1 + n]
         y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=x.shape[1])[0]  # [C, n]
-        state[slot] = window[:, -width:].to(state.dtype)
+        # the window after each row: [n + 1, C, K - 1], the first the one before the rows
+        _keep(state, slot, snapshot, window.unfold(1, width, 1)[:, 1:].transpose(0, 1).to(state.dtype))
         out[start:end] = y.t()
     return F.silu(out) if activation == "silu" else out
 
@@ -122,10 +130,14 @@ def gated_delta_rule(
     if meta.single_rows.numel():
         rows = meta.single_rows
         out[rows] = (step or delta_rule_step)(q[rows], k[rows], v[rows], g[rows], beta[rows], state, meta)
-    for start, end, slot, fresh in meta.several_rows():
+    for start, end, slot, fresh, snapshot in meta.several_rows():
         initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
-        out[start:end], state[slot] = chunked_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                         beta[start:end], initial)
+        rows = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end])
+        if snapshot < 0:
+            out[start:end], state[slot] = chunked_delta_rule(*rows, initial)
+        else:
+            out[start:end], states = _row_by_row(recurrent_step, rows, initial)
+            _keep(state, slot, snapshot, states)
     return out
 
 
@@ -183,18 +195,48 @@ def ssm_scan(
     if meta.single_rows.numel():
         rows = meta.single_rows
         out[rows] = (step or ssm_step)(q[rows], k[rows], v[rows], g[rows], state, meta)
-    for start, end, slot, fresh in meta.several_rows():
+    for start, end, slot, fresh, snapshot in meta.several_rows():
         initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
-        out[start:end], state[slot] = chunked_ssm(q[start:end], k[start:end], v[start:end], g[start:end], initial)
+        rows = (q[start:end], k[start:end], v[start:end], g[start:end])
+        if snapshot < 0:
+            out[start:end], state[slot] = chunked_ssm(*rows, initial)
+        else:
+            out[start:end], states = _row_by_row(ssm_recurrent_step, rows, initial)
+            _keep(state, slot, snapshot, states)
     return out
 
 
 def ssm_step(q, k, v, g, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
     """The single-row sequences' step (q, k [D, H, n], v [D, H, p], g [D, H]): their states gathered by
-    slot, S = e^g S + k v^T and o = S^T q, put back -> [D, H, p]."""
-    S = _previous(state, meta) * g.exp()[..., None, None] + k[..., None] * v[..., None, :]
-    state[meta.single_slots] = S
-    return torch.einsum("bhn,bhnp->bhp", q, S)
+    slot, one step each, put back -> [D, H, p]."""
+    out, state[meta.single_slots] = ssm_recurrent_step(q, k, v, g, _previous(state, meta))
+    return out
+
+
+def ssm_recurrent_step(q, k, v, g, S):
+    """One row per sequence: q, k [B, H, n], v [B, H, p], g [B, H], S [B, H, n, p] -> (o [B, H, p], the new
+    S): S = e^g S + k v^T and o = S^T q."""
+    S = S * g.exp()[..., None, None] + k[..., None] * v[..., None, :]
+    return torch.einsum("bhn,bhnp->bhp", q, S), S
+
+
+def _row_by_row(step, rows: tuple[torch.Tensor, ...], S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verifying sequence's rows (each tensor [n, H, ...]) one recurrent step each from state S [H, ...]:
+    (outputs [n, H, ...], the states after each row [n, H, ...])."""
+    outputs, states = [], []
+    for row in zip(*rows):
+        o, S = step(*(t[None] for t in row), S[None])
+        outputs.append(o[0])
+        states.append(S := S[0])
+    return torch.stack(outputs), torch.stack(states)
+
+
+def _keep(state: torch.Tensor, slot: int, snapshot: int, after: torch.Tensor) -> None:
+    """A sequence's states after each of its n rows (after [n, ...]): the last into its slot, the others
+    into the snapshot slots from `snapshot` on where it names them."""
+    state[slot] = after[-1]
+    if snapshot >= 0:
+        state[snapshot : snapshot + len(after) - 1] = after[:-1]
 
 
 def chunked_ssm(q, k, v, g, S, chunk: int = DELTA_RULE_CHUNK):

@@ -22,7 +22,8 @@ from hearth.backend.cpu import CpuBackend
 from hearth.engine_config import EngineConfig
 from hearth.engine.request import Request, RequestStatus
 from hearth.backend.transfer import to_host
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import BatchEntry
 from hearth.engine.sampler import SamplingBatch, apply_penalties_and_bias, draw, exponential_noise, final_distribution
 from hearth.engine.second_model import SecondModel, load_second_runner
 from hearth.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ from contextlib import closing
 from typing import TYPE_CHECKING
 
 from hearth.engine.request import Request
-from hearth.engine.runner import BatchEntry
+from hearth.engine.step_records import BatchEntry
 from hearth.errors import HearthError, RequestError
 
 if TYPE_CHECKING:

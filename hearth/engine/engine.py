@@ -24,7 +24,7 @@ from hearth.engine.lora import LoadedAdapter, LoraAdapters
 from hearth.engine.memory import choose_device, choose_dtype
 from hearth.engine.output_processor import OutputProcessor, RequestGroup, SequenceState, StepStats
 from hearth.engine.overlap import one_step_ahead
-from hearth.engine.request import Request
+from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import ModelRunner
 from hearth.engine.step_records import ScheduledSequence, StepResult
 from hearth.engine.sampler import make_generator
@@ -32,7 +32,8 @@ from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers, load_target
+from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers, load_target,
+                                   state_snapshots_per_slot)
 from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
@@ -75,12 +76,15 @@ class LLMEngine:
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
         # with prefix caching, a hybrid's state checkpoints: as many as its running slots, rows after them
         self.num_state_checkpoints = self.num_state_slots if hybrid and config.cache.enable_prefix_caching else 0
+        # with speculation, rows after those for the states after each verified guess (state_ops.py)
+        self.num_state_snapshots = self.num_state_slots * state_snapshots_per_slot(config) if hybrid else 0
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
                                   kv_cache_dtype=config.cache.kv_cache_dtype,
                                   model_pass=None if shard is None else shard.model_pass(backend),
-                                  num_state_slots=self.num_state_slots + self.num_state_checkpoints)
+                                  num_state_slots=self.num_state_slots + self.num_state_checkpoints,
+                                  num_state_snapshots=self.num_state_snapshots)
         self.kv_tiers = self._start_tiers(config, shard is not None)
         self.kv_disk_tier = None if self.kv_tiers is None else self.kv_tiers.disk
         checkpoints = StateCheckpoints(self.num_state_slots, self.num_state_checkpoints) \
@@ -428,7 +432,9 @@ class LLMEngine:
 
     def _process(self, plan: SchedulerOutput, result: StepResult, stats: StepStats) -> list[RequestOutput]:
         """A step's results to its requests (its tokens computed and counted by the scheduler)."""
+        verified = {r: r.num_computed_tokens for r, t in result.sampled.items() if t.state_snapshot >= 0}
         outputs = self.output_processor.process(plan, result, stats)
+        self._roll_back_states(result, verified)
         self.speculator.update(plan, result, stats)
         self.runner.release_stopped()
         stats.kv_usage = self.block_manager.usage
@@ -436,6 +442,17 @@ class LLMEngine:
         stats.prefix_cache_hits = plan.prefix_cache_hits
         self.last_step = stats
         return outputs
+
+    def _roll_back_states(self, result: StepResult, verified: dict[Request, int]) -> None:
+        """A hybrid model's requests that verified guesses (`verified`: their computed tokens before the
+        guesses counted): where a guess was not kept (rejected, or past a token that ended the step's
+        tokens), the states at the last kept one, from the verification's snapshots, for the next pass."""
+        moves = []
+        for request, before in verified.items():
+            kept, tokens = request.num_computed_tokens - before, result.sampled[request]
+            if request.status is RequestStatus.RUNNING and kept < tokens.num_guesses:
+                moves.append((tokens.state_snapshot + kept, request.state_slot))
+        self.runner.copy_states(moves)
 
     def move_cache_contents(self) -> None:
         """Before a forward pass (anything that writes over the one or reads the other): copy the blocks

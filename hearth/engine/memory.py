@@ -69,10 +69,11 @@ def kv_cache_blocks(budget: int, bytes_per_token: int, block_size: int) -> int:
     return max(1, budget // (bytes_per_token * block_size))
 
 
-def state_bytes_per_slot(state_bytes: int, prefix_caching: bool) -> int:
-    """What a state slot costs in the budget: a sequence's states, and with prefix caching a checkpoint's
-    as many bytes beside it (a checkpoint slot per running slot: hearth/engine/state_slots.py)."""
-    return state_bytes * (2 if prefix_caching else 1)
+def state_bytes_per_slot(state_bytes: int, prefix_caching: bool, snapshots: int = 0) -> int:
+    """What a state slot costs in the budget: a sequence's states, with prefix caching a checkpoint's
+    as many bytes beside it (a checkpoint slot per running slot: hearth/engine/state_slots.py), and with
+    speculation a snapshot per guess (the states after each verified guess: hearth/backend/state_ops.py)."""
+    return state_bytes * (1 + prefix_caching + snapshots)
 
 
 def state_slot_count(budget: int, bytes_per_token: int, block_size: int, state_bytes: int, max_num_seqs: int) -> int:

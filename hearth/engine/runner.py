@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,8 +32,8 @@ from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows
                               stored_tensors, unpack_rows, with_state_caches)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
-from hearth.engine.request import ImageSpan, Request, RequestStatus
-from hearth.engine.step_records import (LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
+from hearth.engine.request import Request, RequestStatus
+from hearth.engine.step_records import (BatchEntry, LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
                                         StepResult)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
@@ -51,21 +50,6 @@ if TYPE_CHECKING:  # (they run ModelRunners of their own)
 
 
 
-@dataclass
-class BatchEntry:
-    token_ids: list[int]  # the new tokens of this sequence this step
-    num_computed_tokens: int  # tokens already in the cache before them
-    block_table: list[int]
-    # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
-    # of the region's positions it sees (bit j: tree_start + j); None: causal
-    tree: tuple[int, list[int]] | None = None
-    state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
-    lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
-    # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
-    embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
-    images: Sequence[ImageSpan] = ()  # the request's images (an M-RoPE model's positions: images.mrope_positions)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -80,11 +64,13 @@ class ModelRunner:
         model_pass: Callable[[Transformer, StepInputs, KVCaches], torch.Tensor] | None = None,
         num_state_slots: int = 0,
         kv_caches: KVCaches | None = None,
+        num_state_snapshots: int = 0,
     ):
         """model_pass: runs the model on a step -> hidden states [T, hidden] (default: the backend's
         forward; a pipeline-parallel model's passes through its stages). num_state_slots: a hybrid
         model's state cache, the sequences it holds at once and its prefix checkpoints (each BatchEntry
-        names its slot; copy_states copies between them)).
+        names its slot; copy_states copies between them)); num_state_snapshots: rows after those for the
+        states after each verified guess (speculation on a hybrid model: a step's guesses at most).
         kv_caches: caches it shares (early exit's draft: the target's first layers'); None: its own,
         allocated here."""
         self.model = model
@@ -104,7 +90,9 @@ class ModelRunner:
             self.kv_caches = allocate_kv_caches(config, len(model.layers), num_blocks * block_size, kv_cache_dtype,
                                                 kv_dtype, device)
             if config.is_hybrid:
-                self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots, kv_dtype, device)
+                self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots + num_state_snapshots,
+                                                   kv_dtype, device)
+        self.state_snapshots = (num_state_slots, num_state_snapshots)  # (the first snapshot row, how many)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
@@ -165,6 +153,8 @@ class ModelRunner:
                 raise ValueError(f"a {self.model.config.architecture} model keeps a state per sequence: every "
                                  "sequence of a step needs a state slot")
             state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
+        snapshots = None if all(e.state_snapshot is None for e in entries) else np.array(
+            [-1 if e.state_snapshot is None else e.state_snapshot for e in entries], dtype=np.int64)
         return StepInputs(
             input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
             positions=positions,
@@ -176,6 +166,7 @@ class ModelRunner:
             tree_start=tree_start,
             tree_masks=tree_masks,
             state_slots=state_slots,
+            state_snapshots=snapshots,
             embeds=image_rows(entries, query_start_loc),
             image_blocks=image_blocks([e.images for e in entries], starts, ends)
             if self.model.config.bidirectional_images else None,
@@ -217,8 +208,9 @@ class ModelRunner:
         return torch.stack(vectors).cpu()
 
     def copy_states(self, moves: list[tuple[int, int]]) -> None:
-        """A hybrid model's state checkpoints taken and restored (state_slots.py): every state layer's
-        states copied from slot to slot, move by move in order (a later one may read an earlier one's)."""
+        """A hybrid model's state checkpoints taken and restored (state_slots.py), and its states at the last
+        kept guess put back from their snapshots: every state layer's states copied from slot to slot,
+        move by move in order (a later one may read an earlier one's)."""
         for state in self.state_tensors().values() if moves else ():
             for source, target in moves:
                 state[target] = state[source]
@@ -405,7 +397,7 @@ class ModelRunner:
         the one after), the prompt-scoring (request, first row, start, count) of each, and the
         (row, request) of each pending token (a placeholder 0 in its entry)."""
         entries, sampled, sample_rows, scored, fed = [], [], [], [], []
-        row = 0
+        row, snapshot = 0, self.state_snapshots[0]  # (the next free snapshot row)
         for seq in sequences:
             request, start, count = seq.request, seq.request.num_computed_tokens, seq.num_new_tokens
             tokens = request.all_token_ids[start : start + count]
@@ -414,14 +406,17 @@ class ModelRunner:
                 tokens.append(0)
             tokens += request.spec_token_ids[: count - len(tokens)]
             tree = request.spec_tree if request.spec_token_ids else None  # (guesses follow only a decode's one token)
+            keeps = bool(request.spec_token_ids) and request.state_slot >= 0  # its states after each guess
             entries.append(BatchEntry(tokens, start, request.block_table,
                                       None if tree is None else (start, ancestor_masks(tree)),
                                       request.state_slot if request.state_slot >= 0 else None,
+                                      snapshot if keeps else None,
                                       self.lora[1].get(request.lora_id, -1) if self.lora else -1,
                                       None if not request.images else step_embeddings(
                                           request, start, count, self.model.config.vision.image_token_id,
                                           self.encoder_cache, self.model.vision.encode),
                                       request.images))
+            snapshot += len(request.spec_token_ids) if keeps else 0
             if seq.score_prompt:
                 scored.append((request, row, start, count))
             if start + count == request.num_tokens + request.num_pending_tokens + len(request.spec_token_ids):
@@ -429,6 +424,9 @@ class ModelRunner:
                 sample_rows.extend(range(row + count - num_rows, row + count))
                 sampled.append(seq)
             row += count
+        if snapshot > sum(self.state_snapshots):
+            raise RuntimeError(f"the step's guesses need {snapshot - self.state_snapshots[0]} state snapshots, "
+                               f"the runner keeps {self.state_snapshots[1]}")
         return entries, sampled, sample_rows, scored, fed
 
     def _kept_tokens(self, sampled: list[ScheduledSequence], out: SamplerOutput, host,
@@ -438,13 +436,15 @@ class ModelRunner:
         token_ids, logprobs = next(host).tolist(), next(host).tolist()
         accepted = next(host).tolist() if out.accepted is not None else None
         top = (next(host).tolist(), next(host).tolist()) if out.top_logprobs is not None else None
-        kept_tokens, row, guess = {}, 0, 0
+        kept_tokens, row, guess, snapshot = {}, 0, 0, self.state_snapshots[0]
         moves: list[tuple[list[int], int, list[int]]] = []  # (block table, first guess's position, kept guesses)
         for seq in sampled:
             request = seq.request
             num_guesses = len(request.spec_token_ids)
             parents = request.spec_tree or chain(num_guesses)
             path = accepted_path(parents, accepted[guess : guess + num_guesses] if num_guesses else [])
+            keeps = num_guesses and request.state_slot >= 0  # (_lay_out's snapshot rows, in the same order)
+            snapshot += num_guesses if keeps else 0
             kept, levels = len(path) + 1, depth(parents)
             if request in rewinds and kept <= levels:
                 seq.generator.set_state(rewinds[request])
@@ -455,7 +455,7 @@ class ModelRunner:
             kept_tokens[request] = SampledTokens(
                 [token_ids[r] for r in rows], [logprobs[r] for r in rows],
                 None if top is None else [(top[0][r], top[1][r]) for r in rows], num_guesses, levels,
-                token_ids[row : row + num_guesses + 1])
+                token_ids[row : row + num_guesses + 1], snapshot - num_guesses if keeps else -1)
             row += num_guesses + 1
             guess += num_guesses
         self._move_kept_guesses(moves)

@@ -55,7 +55,8 @@ Decisions:
     preempted one recomputes its state with its K/V when it is admitted again. With prefix caching,
     its prefix hits end where a state checkpoint is (BlockManager.get_computed_blocks), which is copied
     into its slot at admission; a step of it ends at its next checkpoint boundary, if one comes first
-    (a prompt's chunk is cut there), and its state is checkpointed after the step that reaches one.
+    (a prompt's chunk is cut there, its guesses too), and its state is checkpointed after the step that
+    reaches one (with guesses: once they are accepted up to it).
   * Images: a chunk that reaches an image's tokens needs the image's embeddings, and an image is
     encoded whole (hearth/engine/images.py). The encoder work a step takes (the images its chunks
     reach that the encoder cache lacks, in embeddings) is held to max_num_encoder_tokens: a chunk
@@ -302,7 +303,10 @@ class Scheduler:
         for index in guessing:
             request, num_new = out.scheduled[index]
             room = bm.num_blocks * bm.block_size - request.num_tokens
-            del request.spec_token_ids[max(min(budget, room), 0):]
+            # a hybrid's guesses end at its next checkpoint boundary: its states there are the slot's after the step
+            # only where no guess passes it (the rejected ones' are taken back out, those after it stay)
+            boundary = self._to_checkpoint(request, request.num_computed_tokens, num_new + room) - num_new
+            del request.spec_token_ids[max(min(budget, room, boundary), 0):]
             if request.spec_token_ids and bm.allocate_slots(request, num_new + len(request.spec_token_ids)):
                 out.scheduled[index] = (request, num_new + len(request.spec_token_ids))
                 budget -= len(request.spec_token_ids)
@@ -338,6 +342,8 @@ class Scheduler:
         request.num_computed_tokens += num_accepted
         self.block_manager.cache_blocks(request, request.num_computed_tokens)
         self.block_manager.free_excess(request, request.num_computed_tokens)
+        if num_accepted and self._next_checkpoint(request, request.num_computed_tokens - 1) == request.num_computed_tokens:
+            self.block_manager.save_state(request)  # (its states there: the kept guesses', LLMEngine._roll_back_states)
 
     # ---- helpers -------------------------------------------------------------------
 

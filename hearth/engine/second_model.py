@@ -23,7 +23,8 @@ import torch
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.errors import HearthError
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import BatchEntry
 from hearth.loading.loader import load_model
 from hearth.tokenizer import Tokenizer
 

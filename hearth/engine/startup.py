@@ -76,16 +76,21 @@ def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Back
                   dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, int]:
     """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py), its
     bytes per token, and a hybrid model's state slots (from the same budget, each with a state checkpoint's
-    bytes beside it when prefix caching is on; 0 for other models)."""
+    bytes beside it when prefix caching is on and a snapshot's per guess with speculation; 0 for other models)."""
     cache, max_num_seqs = config.cache, config.scheduler.max_num_seqs
     check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
     bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
     state_bytes = state_bytes_per_slot(model_config.state_bytes_per_sequence(dtype.itemsize),
-                                       cache.enable_prefix_caching)
+                                       cache.enable_prefix_caching, state_snapshots_per_slot(config))
     budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
                                                       max_num_seqs, model_bytes(model_path), state_bytes)
     slots = state_slot_count(budget, bytes_per_token, cache.block_size, state_bytes, max_num_seqs)
     return kv_cache_blocks(budget - slots * state_bytes, bytes_per_token, cache.block_size), bytes_per_token, slots
+
+
+def state_snapshots_per_slot(config: EngineConfig) -> int:
+    """A hybrid model's state snapshots per running sequence: one per guess it may verify in a step."""
+    return config.speculative.num_speculative_tokens if config.speculative.method is not None else 0
 
 
 def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
@@ -95,8 +100,14 @@ def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
     if not model_config.is_hybrid:
         return False
     kind = f"a hybrid model ({model_config.architecture}: layers that keep a state per sequence)"
-    # a rejected guess would have to roll the states back (a snapshot per verified position): not written yet
-    refused = [(config.speculative.method is not None, f"speculative_method {config.speculative.method}"),
+    spec = config.speculative
+    # Guesses in one chain are verified with a state snapshot after each (state_ops.py), and a rejected one's
+    # states are put back. A token tree's branches would each need states of their own through the tree (the
+    # state layers run a sequence's rows in order, not along a tree's branches); early exit's draft runs the
+    # target's own first layers, whose states its guesses would advance.
+    refused = [(spec.method == "early-exit", "speculative_method early-exit"),
+               (spec.method is not None and (spec.tree_width > 1 or spec.lookahead_full),
+                "token trees of guesses (speculative_tree_width above 1, lookahead_mode full)"),
                (config.contrastive_model is not None, "contrastive_model")]
     for asked, what in refused:
         if asked:

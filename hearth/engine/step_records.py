@@ -1,24 +1,41 @@
 """The records a step hands between the engine, the runner and the output processing: what a request
 gets to compute (ScheduledSequence), what it keeps (SampledTokens, StepResult), and a step between its
 laying out and its reading (StagedStep, LaunchedStep: asynchronous scheduling holds them across a
-step, engine/overlap.py). No tensors are built here; the runner fills them."""
+step, engine/overlap.py); one sequence's rows of a pass as the runner lays them out (BatchEntry). No
+tensors are built here; the runner fills them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy
-from hearth.engine.request import Request
+from hearth.engine.request import ImageSpan, Request
 from hearth.engine.sampler import SamplerOutput
 
-if TYPE_CHECKING:  # (the runner lays the entries out)
-    from hearth.engine.runner import BatchEntry
-
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
+
+
+@dataclass
+class BatchEntry:
+    token_ids: list[int]  # the new tokens of this sequence this step
+    num_computed_tokens: int  # tokens already in the cache before them
+    block_table: list[int]
+    # a token tree (hearth/engine/speculation/token_tree.py): where its region begins, and per new token a mask
+    # of the region's positions it sees (bit j: tree_start + j); None: causal
+    tree: tuple[int, list[int]] | None = None
+    state_slot: int | None = None  # a hybrid model's: the sequence's slot in the state cache
+    # a hybrid model's sequence verifying guesses: the first of the state slots that keep its states after each
+    # row but the last (hearth/backend/state_ops.py), so that rejected guesses can be taken back out
+    state_snapshot: int | None = None
+    lora_slot: int = -1  # the LoRA adapter's slot in the model's LoraBank (-1: none)
+    # rows (from the entry's first) that take image embeddings, and the values (images.step_embeddings)
+    embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
+    images: Sequence[ImageSpan] = ()  # the request's images (an M-RoPE model's positions: images.mrope_positions)
 
 
 @dataclass
@@ -48,6 +65,10 @@ class SampledTokens:
     # the draw of every verified row (the last token's, then each guess's): past the first
     # rejected guess, what the model gave after a wrong one (lookahead's Jacobi iteration)
     row_token_ids: list[int]
+    # a hybrid model's verification: the first of the state snapshot rows, the states after its last token and
+    # each guess but the last (hearth/backend/state_ops.py), from which the engine puts back the states at the
+    # last guess kept (LLMEngine._roll_back_states); -1: none
+    state_snapshot: int = -1
 
 
 @dataclass

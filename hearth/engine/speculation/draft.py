@@ -14,7 +14,7 @@ import torch
 
 from hearth.engine.draft_runner import DraftPass, DraftRunner, GuessSource
 from hearth.engine.request import Request
-from hearth.engine.runner import BatchEntry
+from hearth.engine.step_records import BatchEntry
 from hearth.engine.speculation.ngram import branch_width
 from hearth.engine.speculation.token_tree import tree_of
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 from hearth.engine.draft_runner import DraftRunner
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request
-from hearth.engine.runner import BatchEntry, ModelRunner
+from hearth.engine.runner import ModelRunner
+from hearth.engine.step_records import BatchEntry
 
 
 class EarlyExitDraft(DraftRunner):
