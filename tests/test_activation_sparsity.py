@@ -80,6 +80,14 @@ LAYOUT_BITS = {Q.Q4_0: 4 + 16 / 32, Q.Q4_1: 4 + 32 / 32, Q.Q4_K: 4 + 32 / 256 + 
                Q.Q6_K: 8 + 16 / 256 + 8 / 16}
 
 
+def activation_group(module: SparseBlocksLinear, rows: int) -> int:
+    """Activations per int8 scale: the sparse kernel's sub-block (Q6_K: 16, else 32); int8_matmul's (a
+    K-quant's 256: q8_K) where the module takes it (more than SPARSE_MAX_ROWS rows, or no re-layout)."""
+    if rows > SPARSE_MAX_ROWS or not module.skips_columns:
+        return GGML_QUANT_SIZES[module.qtype][0]
+    return 16 if module.qtype == Q.Q6_K else 32
+
+
 def int8_bound(kept: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     """|y - kept @ W^T| bound of int8 activations per `group` values (each kept activation off by at most
     amax / 254 of its group and row), plus fp32 rounding: [M, N]."""
@@ -99,10 +107,10 @@ def test_sparse_block_kernel_equals_the_masked_dequantized_matmul():
 
     g = torch.Generator().manual_seed(11)
     for qtype in SPARSE_BLOCK_QTYPES:
-        n, k, group = 128, 512, 16 if qtype == Q.Q6_K else 32
+        n, k = 128, 512
         data = random_weight(qtype, n, k, g)  # random codes, sane fp16 scales
         w = torch.from_numpy(gguf_dequantize(data.numpy(), qtype)).reshape(n, k).double()
-        for m in (1, 3, SPARSE_MAX_ROWS, 11):  # 11: two passes of the kernel
+        for m in (1, 3, SPARSE_MAX_ROWS, 11):  # 11: a prefill's rows (the masked input through int8_matmul)
             x = torch.randn(m, k, generator=g)
             x[:, 40] = 1e-3  # under the threshold in every row
             for threshold in (0.0, float(x.abs().flatten().kthvalue(int(0.4 * x.numel())).values), 99.0):
@@ -110,11 +118,11 @@ def test_sparse_block_kernel_equals_the_masked_dequantized_matmul():
                 assert module.layout.numel() * 8 == LAYOUT_BITS[qtype] * n * k
                 kept = x * (x.abs() >= threshold)
                 got = module(x)
-                assert ((got.double() - kept.double() @ w.T).abs() - int8_bound(kept, w, group)).max() <= 1e-9, \
-                    (qtype.name, m, threshold)
+                bound = int8_bound(kept, w, activation_group(module, m))
+                assert ((got.double() - kept.double() @ w.T).abs() - bound).max() <= 1e-9, (qtype.name, m, threshold)
                 if threshold == 99.0:
                     assert not got.any()
-                elif threshold > 0:
+                elif threshold > 0 and m <= SPARSE_MAX_ROWS:
                     bits = 4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8
                     module.layout[40 * n * bits // 8:41 * n * bits // 8] = 0x5A  # column 40's codes
                     assert torch.equal(module(x), got)
@@ -214,13 +222,12 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     weights = {p: p.weight_t.T.float() if isinstance(p, SparseColumnsLinear) else
                torch.from_numpy(gguf_dequantize(originals[name].qweight.numpy(), p.qtype)).reshape(p.out_features, -1)
                for name, p in modules_only.named_modules() if p in projections}
-    groups = {Q.Q5_K: 256, Q.Q6_K: 16}  # int8 activations per scale (Q5_K: int8_matmul's q8_K); else 32
     checked = []
 
     def check(module, args, out):
         kept, w = args[0] * (args[0].abs() >= module.threshold), weights[module]
         bound = (1e-5 * kept.abs().double() @ w.abs().double().T if isinstance(module, SparseColumnsLinear)
-                 else int8_bound(kept, w, groups.get(module.qtype, 32)))
+                 else int8_bound(kept, w, activation_group(module, kept.shape[0])))
         assert ((out.double() - kept.double() @ w.double().T).abs() - bound).max() <= 1e-9
         checked.append(module)
 

@@ -14,8 +14,9 @@ an activation only if |x| >= the input's calibrated threshold (TEAL's magnitude 
   masked (s^32 of them at sparsity s). The blocks are re-laid out once, losslessly, column by column
   (the codes of input column k for every output row contiguous, at 4 or 8 bits, the scales apart:
   hearth/quant/kernels/sparse_blocks.cpp) and `sparse_matmul` reads only the kept columns' codes,
-  with activations rounded to int8 per 32 (Q6_K: 16) values as the int8 kernels do; any number of
-  rows (SPARSE_MAX_ROWS at a time). Other block formats (and matrices whose N is no multiple of 64):
+  with activations rounded to int8 per 32 (Q6_K: 16) values as the int8 kernels do, for steps of up
+  to SPARSE_MAX_ROWS rows; more rows (prefill chunks): the masked input through int8_matmul on the
+  blocks as stored (kept too: a view of the file, read only by prefills). Other block formats (and matrices whose N is no multiple of 64):
   the blocks as stored, the masked input through their int8 kernel (nothing skipped), in the same
   module and entry. Packed tiles (AVX-512 VNNI builds, which drop the file's blocks) and anything
   else: `ThresholdedLinear`.
@@ -98,13 +99,15 @@ class SparseLinear(BoundWeights):
 
 
 class SparseBlocksLinear(SparseLinear):
-    """W's GGUF blocks (`layout`, uint8): re-laid out column by column (sparse_blocks.cpp) where the format
-    has that layout, else as stored (the masked input through int8_matmul); see the module's docstring."""
+    """W's GGUF blocks: `layout` (uint8) re-laid out column by column (sparse_blocks.cpp) where the format
+    has that layout, else the blocks as stored (the masked input through int8_matmul); `blocks`, the
+    blocks as stored, for steps of more than SPARSE_MAX_ROWS rows (see the module's docstring)."""
 
-    def __init__(self, layout: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None, threshold: float,
-                 qtype: int, kernels):
+    def __init__(self, layout: torch.Tensor, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None,
+                 threshold: float, qtype: int, kernels):
         super().__init__(shape, bias, threshold, qtype, kernels)
         self.register_buffer("layout", layout, persistent=False)
+        self.register_buffer("blocks", blocks, persistent=False)  # uint8 [N, bytes_per_row]
         self._bind()
 
     @classmethod
@@ -116,7 +119,7 @@ class SparseBlocksLinear(SparseLinear):
         shape = (module.out_features, module.in_features)
         skips = module.qtype in SPARSE_BLOCK_QTYPES and module.out_features % 64 == 0
         layout = kernels.sparse_repack(module.qweight, module.qtype, *shape) if skips else module.qweight
-        return cls(layout, shape, module.bias, threshold, module.qtype, kernels)
+        return cls(layout, module.qweight, shape, module.bias, threshold, module.qtype, kernels)
 
     @property
     def skips_columns(self) -> bool:
@@ -124,6 +127,14 @@ class SparseBlocksLinear(SparseLinear):
 
     def _weight(self) -> torch.Tensor:
         return self.layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
+        x = x.contiguous()
+        if x.shape[0] <= SPARSE_MAX_ROWS or not self.skips_columns:
+            y = self._sparse(x)
+        else:  # a prefill chunk: few columns are masked in every row; the file's blocks, read once
+            y = self._kernels.int8_matmul(mask_activations(x, self.threshold), self.blocks, self.qtype, self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class SparseColumnsLinear(SparseLinear):
