@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-perplexity", action="store_true", help="decode speed only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     set_threads(args.threads)
@@ -51,8 +52,8 @@ def main() -> None:
     loaded = {(Path(m).name, s): load_model(m, progress=False, sparsity=SparsityConfig(s, args.thresholds))
               for m in args.models for s in sparsities}
     ids = next(iter(loaded.values())).tokenizer.encode(text)
-    quality = {}
-    for key, m in loaded.items():
+    quality = {key: float("nan") for key in loaded}
+    for key, m in ([] if args.skip_perplexity else loaded.items()):
         quality[key] = perplexity(m.model, ids, args.context, torch.device("cpu"))["perplexity"]
         print(f"{key}: perplexity {quality[key]:.4f}", file=sys.stderr)
     cpu: dict = {key: [] for key in loaded}

@@ -10,16 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
 
 from hearth import LLM, SamplingParams
 from hearth.backend.base import Backend
-from hearth.backend.sparse_linear import SPARSE_MAX_ROWS, SparseColumnsLinear
+from hearth.backend.cpu_linear import cpu_linear
+from hearth.backend.sparse_linear import SPARSE_BLOCK_QTYPES, SPARSE_MAX_ROWS, SparseBlocksLinear, SparseColumnsLinear
 from hearth.cli import main
 from hearth.engine_config import SparsityConfig
 from hearth.errors import HearthError
 from hearth.loading.activation_thresholds import read_thresholds, write_thresholds
 from hearth.loading.loader import load_model
-from hearth.model.activation_sparsity import site_modules
+from hearth.model.activation_sparsity import apply_activation_sparsity, site_modules
 from hearth.perplexity import perplexity
 from hearth.quant import kernels
 from hearth.sparsify import calibrate, magnitude_histogram, quantiles
@@ -69,6 +72,60 @@ def test_sparse_kernel_never_reads_a_masked_column():
     torch.testing.assert_close(got.double(), masked_matmul(x, w.nan_to_num(0.0).half().float(), 0.1), rtol=1e-5,
                                atol=1e-4)
     assert torch.isfinite(clean).all()
+
+
+# bits a weight of SparseBlocksLinear's layout at sparsity 0 (codes + scales; sparse_blocks.cpp): a
+# masked column saves its codes' bits (4 or 8)
+LAYOUT_BITS = {Q.Q4_0: 4 + 16 / 32, Q.Q4_1: 4 + 32 / 32, Q.Q4_K: 4 + 32 / 256 + 16 / 32, Q.Q8_0: 8 + 16 / 32,
+               Q.Q6_K: 8 + 16 / 256 + 8 / 16}
+
+
+def activation_group(module: SparseBlocksLinear, rows: int) -> int:
+    """Activations per int8 scale: the sparse kernel's sub-block (Q6_K: 16, else 32); int8_matmul's (a
+    K-quant's 256: q8_K) where the module takes it (more than SPARSE_MAX_ROWS rows, or no re-layout)."""
+    if rows > SPARSE_MAX_ROWS or not module.skips_columns:
+        return GGML_QUANT_SIZES[module.qtype][0]
+    return 16 if module.qtype == Q.Q6_K else 32
+
+
+def int8_bound(kept: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """|y - kept @ W^T| bound of int8 activations per `group` values (each kept activation off by at most
+    amax / 254 of its group and row), plus fp32 rounding: [M, N]."""
+    (m, k), n = kept.shape, w.shape[0]
+    step = kept.abs().reshape(m, k // group, group).amax(-1).double() / 254  # [M, K / group]
+    return step @ w.abs().double().reshape(n, k // group, group).sum(-1).T + 1e-5 * kept.abs().double() @ w.abs().double().T
+
+
+@needs_kernels
+def test_sparse_block_kernel_equals_the_masked_dequantized_matmul():
+    """Q8_0, Q4_0, Q4_1, Q4_K, Q6_K weights re-laid out column by column: sparse_matmul against gguf's
+    dequantizer and a float64 matmul of the masked activations, within the bound of rounding the kept
+    activations to int8 (each off by at most amax / 254 of its sub-block of S values and row); a
+    column every row masks is never read (its codes overwritten: the same output bit for bit);
+    threshold 0 is the whole product, a threshold over every |x| gives 0."""
+    from test_quant_linear import random_weight, stored
+
+    g = torch.Generator().manual_seed(11)
+    for qtype in SPARSE_BLOCK_QTYPES:
+        n, k = 128, 512
+        data = random_weight(qtype, n, k, g)  # random codes, sane fp16 scales
+        w = torch.from_numpy(gguf_dequantize(data.numpy(), qtype)).reshape(n, k).double()
+        for m in (1, 3, SPARSE_MAX_ROWS, 11):  # 11: a prefill's rows (the masked input through int8_matmul)
+            x = torch.randn(m, k, generator=g)
+            x[:, 40] = 1e-3  # under the threshold in every row
+            for threshold in (0.0, float(x.abs().flatten().kthvalue(int(0.4 * x.numel())).values), 99.0):
+                module = SparseBlocksLinear.of(cpu_linear(stored(data, qtype, k)), threshold, ext)
+                assert module.layout.numel() * 8 == LAYOUT_BITS[qtype] * n * k
+                kept = x * (x.abs() >= threshold)
+                got = module(x)
+                bound = int8_bound(kept, w, activation_group(module, m))
+                assert ((got.double() - kept.double() @ w.T).abs() - bound).max() <= 1e-9, (qtype.name, m, threshold)
+                if threshold == 99.0:
+                    assert not got.any()
+                elif threshold > 0 and m <= SPARSE_MAX_ROWS:
+                    bits = 4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8
+                    module.layout[40 * n * bits // 8:41 * n * bits // 8] = 0x5A  # column 40's codes
+                    assert torch.equal(module(x), got)
 
 
 def test_histogram_quantiles_match_torch_quantile():
@@ -124,6 +181,65 @@ def test_sparsity_zero_is_dense_and_the_cpu_kernels_equal_the_masked_reference(t
     nll = [perplexity(m.model, ids, 64, torch.device("cpu"))["nll"] for m in (cpu, reference)]
     dense = perplexity(load_model("builtin", progress=False).model, ids, 64, torch.device("cpu"))["nll"]
     assert nll[0] == pytest.approx(nll[1], rel=1e-4) and nll[0] != dense
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_type", ["builtin", "k-quant mix"])
+def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
+    """Every projection sparse (the built-in model's F16: SparseColumnsLinear; Q4_K, Q6_K: re-laid-out
+    SparseBlocksLinear; Q5_K: its blocks as stored, masked), decode steps still run cpu_decode.py's one
+    call, and its logits equal the modules' (the same kernels, also three sequences at once); on the
+    modules' path every projection's output equals the masked reference on its own input (the
+    dequantized weight, the activations under the threshold zeroed, float64) within the int8 bound
+    (F16: fp32 rounding). (A whole-model comparison with a masked reference amplifies tiny
+    differences: an activation near a threshold masked on one side and kept on the other.)"""
+    from test_quant_linear import _assert_close, _batch_decode, _decode_path_builder, _logits
+
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.backend.cpu_decode import CpuDecodePath
+    from hearth.backend.sparse_linear import SparseLinear
+
+    if out_type == "builtin":
+        build = lambda: load_model("builtin", progress=False).model  # noqa: E731
+    else:
+        build = _decode_path_builder(tmp_path, out_type)
+    dense = build()
+    tokens = torch.randint(0, dense.config.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    thresholds = calibrate(dense, tokens, 40, torch.device("cpu"), out_type).at(0.4)
+    model, modules_only = build(), build()
+    for m in (model, modules_only):
+        apply_activation_sparsity(m, thresholds)
+    modules_only.backend_state["decode_path"] = None
+    projections = [m for m in modules_only.modules() if hasattr(m, "threshold")]
+    assert len(projections) >= 4 * len(model.layers) and all(isinstance(m, SparseLinear) for m in projections)
+    if out_type == "builtin":
+        assert all(isinstance(m, SparseColumnsLinear) for m in projections)
+    else:
+        assert {(m.qtype, m.skips_columns) for m in projections} == {(Q.Q4_K, True), (Q.Q6_K, True), (Q.Q5_K, False)}
+    assert CpuDecodePath.for_model(model, cpu_kernels()) is not None
+    # each projection's weight as gguf dequantizes the file's blocks (from a fresh copy: not re-laid out)
+    originals = dict(dense.named_modules())
+    weights = {p: p.weight_t.T.float() if isinstance(p, SparseColumnsLinear) else
+               torch.from_numpy(gguf_dequantize(originals[name].qweight.numpy(), p.qtype)).reshape(p.out_features, -1)
+               for name, p in modules_only.named_modules() if p in projections}
+    checked = []
+
+    def check(module, args, out):
+        kept, w = args[0] * (args[0].abs() >= module.threshold), weights[module]
+        bound = (1e-5 * kept.abs().double() @ w.abs().double().T if isinstance(module, SparseColumnsLinear)
+                 else int8_bound(kept, w, activation_group(module, kept.shape[0])))
+        assert ((out.double() - kept.double() @ w.double().T).abs() - bound).max() <= 1e-9
+        checked.append(module)
+
+    hooks = [p.register_forward_hook(check) for p in projections]
+    chunks = [16] + [1] * 6  # a prefill (modules), then decodes (the one-call path)
+    ours, modules = _logits(model, tokens, chunks), _logits(modules_only, tokens, chunks)
+    for hook in hooks:
+        hook.remove()
+    assert set(checked) == set(projections)
+    assert model.backend_state["decode_path"] is not None
+    _assert_close(ours[16:], modules[16:])
+    _assert_close(_batch_decode(model, tokens), _batch_decode(modules_only, tokens))  # three sequences at once
 
 
 def test_bad_values_get_clear_errors(thresholds_file, tmp_path, capsys):

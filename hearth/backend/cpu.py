@@ -21,7 +21,7 @@ from hearth.backend.cpu_decode import CpuDecodePath
 from hearth.backend.cpu_experts import GroupedExperts
 from hearth.backend.cpu_linear import cpu_linear
 from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, cpu_kernels, tree_pointers, whole_caches_format
-from hearth.backend.sparse_linear import SparseColumnsLinear
+from hearth.backend.sparse_linear import SparseBlocksLinear, SparseColumnsLinear
 from hearth.quant import kernels as quant_kernels
 from hearth.kv_format import data_pointers
 
@@ -46,10 +46,12 @@ class CpuBackend(Backend):
         return cpu_linear(weight, module.bias)
 
     def sparse_linear(self, module, threshold):
-        """F32 / F16 / BF16 weights: the columns of masked activations skipped (sparse_linear.py's
-        SparseColumnsLinear); GGUF blocks: the masked input through their int8 kernel (nothing skipped)."""
+        """F32 / F16 / BF16 weights and the block formats of SPARSE_BLOCK_QTYPES: the columns of masked
+        activations skipped (sparse_linear.py's SparseColumnsLinear, SparseBlocksLinear); other block
+        formats: the masked input through their int8 kernel (nothing skipped; SparseBlocksLinear too)."""
         ext = quant_kernels.extension()
-        sparse = None if ext is None else SparseColumnsLinear.of(module, threshold, ext)
+        sparse = None if ext is None else (SparseColumnsLinear.of(module, threshold, ext)
+                                           or SparseBlocksLinear.of(module, threshold, ext))
         return super().sparse_linear(module, threshold) if sparse is None else sparse
 
     def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:

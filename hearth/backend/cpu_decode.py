@@ -12,8 +12,10 @@ tokens each: a plain decode's one, a verification's guesses and the token before
 config.MAX_DECODE_QUERY_LEN) runs cpu_kernels/'s `decode_layers`: the kernels that the modules
 call, in the same order, with no Python between them. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
-projections in Q6_K) runs part by part into its columns. Every other step and model takes the
-modules' path.
+projections in Q6_K) runs part by part into its columns. A projection with activation sparsity
+(hearth/backend/sparse_linear.py's SparseColumnsLinear or SparseBlocksLinear) runs hearth/quant/kernels'
+sparse_matmul on its re-laid-out weight, for steps of up to SPARSE_MAX_ROWS rows (more: the modules'
+path, where F16 takes torch's GEMM). Every other step and model takes the modules' path.
 
 A draft model's greedy chain of passes (DraftRunner.propose, every row taking the argmax of its
 logits as they come) runs `greedy_passes` where the model's embedding is in a format hearth/quant/kernels'
@@ -30,21 +32,28 @@ import torch
 from hearth.backend.base import AttentionMetadata, StepInputs
 from hearth.backend.cpu_linear import INT8_QTYPES, HalfLinear, Int8Linear
 from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
+from hearth.backend.sparse_linear import SPARSE_MAX_ROWS, SparseLinear
 from hearth.backend.stored import QuantEmbedding
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import data_pointers
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.tensor import HALF_DTYPES
 
+PART_FIELDS = 5  # cpu_kernels/cpu_kernels.h's: weight, packed terms or 0, qtype, output rows, threshold pointer or 0
+
 
 class CpuDecodePath:
     """Runs a decode-only step of `model` through every layer in one kernel call."""
 
-    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_address: int, vocabulary: tuple | None):
+    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_addresses: tuple[int, int],
+                 vocabulary: tuple | None):
         config = model.config
         self.kernels = kernels
         self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
-        self.matmul_address = matmul_address
+        self.matmul_addresses = matmul_addresses  # int8_matmul's and sparse_matmul's
+        # a model with sparse projections: most rows of a step (its kernel skips columns only for a few)
+        thresholds = layer_table[:, 2 + PART_FIELDS - 1::PART_FIELDS]  # after the two norms, each part's last field
+        self.max_tokens = SPARSE_MAX_ROWS if thresholds.any() else None
         self.vocabulary = vocabulary  # greedy_passes' operands of the embedding, final norm and lm_head, or None
         self.shape = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                       config.intermediate_size)
@@ -79,14 +88,16 @@ class CpuDecodePath:
                 weights = [kernel_weight(part) for part in parts]
                 if len(parts) > most or None in weights:
                     return None
-                for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype, output rows
-                    row += [*weight, int(part.qtype), part.out_features]
-                row += [0, 0, 0, 0] * (most - len(parts))
+                for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype,
+                    # output rows, the threshold's pointer or 0
+                    row += [*weight, int(part.qtype), part.out_features, getattr(part, "threshold_pointer", 0)]
+                row += [0] * PART_FIELDS * (most - len(parts))
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels/'s layer table has other columns than cpu_decode.py fills")
-        return cls(model, kernels, table, qmatmul.module.int8_matmul_address(), vocabulary_operands(model, qmatmul))
+        addresses = (qmatmul.module.int8_matmul_address(), qmatmul.module.sparse_matmul_address())
+        return cls(model, kernels, table, addresses, vocabulary_operands(model, qmatmul))
 
     def __call__(
         self,
@@ -98,7 +109,8 @@ class CpuDecodePath:
         """(the last layer's MLP output, the residual stream before it), or None where this step's
         tensors do not fit the kernel (then the modules run it)."""
         caches = self._kernel_caches(kv_caches)
-        if not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None:
+        if (not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None
+                or (self.max_tokens is not None and x.shape[0] > self.max_tokens)):
             return None
         cache_table, kv_format = caches
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
@@ -109,7 +121,7 @@ class CpuDecodePath:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         threads = torch.get_num_threads()
         self.kernels.decode_layers(
-            self.matmul_address, self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
+            *self.matmul_addresses, self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
             *tree_pointers(meta),
@@ -130,7 +142,8 @@ class CpuDecodePath:
         caches = self._kernel_caches(kv_caches)
         steps = [first] if later is None else [first, later]
         if (self.vocabulary is None or caches is None or any(step.tree_masks is not None for step in steps)
-                or first.query_lens.max() > MAX_DECODE_QUERY_LEN):
+                or first.query_lens.max() > MAX_DECODE_QUERY_LEN
+                or (self.max_tokens is not None and max(first.positions.shape[-1], *map(len, feeds)) > self.max_tokens)):
             return None
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         threads = torch.get_num_threads()
@@ -160,7 +173,7 @@ class CpuDecodePath:
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
         cache_table, kv_format = caches
         self.kernels.greedy_passes(
-            self.matmul_address, self.vocabulary[0], self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
+            *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], table.ctypes.data, len(table), first.input_ids.ctypes.data, choices.ctypes.data,
             *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
@@ -205,8 +218,9 @@ def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
 
 def kernel_weight(module) -> tuple[int, int] | None:
     """The matmul kernels' weight operands for `module` (weight or packed codes pointer, packed terms
-    pointer or 0), or None where the kernels cannot run it (not an Int8Linear or a HalfLinear, or with a bias)."""
-    if not isinstance(module, (Int8Linear, HalfLinear)) or module.bias is not None:
+    pointer or 0), or None where the kernels cannot run it (not an Int8Linear, a HalfLinear or a
+    sparse module, or with a bias)."""
+    if not isinstance(module, (Int8Linear, HalfLinear, SparseLinear)) or module.bias is not None:
         return None
     return module.kernel_weight
 

@@ -28,6 +28,7 @@
 // kernels above and the int8 matmul (passed in from hearth/quant/kernels/int8_dots.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
+// A projection with activation sparsity runs hearth/quant/kernels' sparse_matmul (also passed in).
 //
 // greedy_passes (hearth/backend/cpu_decode.py): a draft model's greedy chain of passes in one
 // call: per pass decode_layers, the final norm, lm_head and argmax of each sequence's last row,
@@ -82,12 +83,12 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
                  int64_t num_rows, uintptr_t bitmask_, int64_t words, int64_t vocab, int threads);
 void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_t row_stride, uintptr_t ids_,
                           uintptr_t lse_, int threads);
-void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads);
-void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
     int64_t num_layers, uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
     uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
     uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
@@ -104,10 +105,12 @@ void ssm_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t 
 // Columns of decode_layers' layer table (int64 [layers, LAYER_FIELDS]): weight pointers and
 // formats, fixed at load. A projection is up to PARTS[p] parts side by side in its output (q, k,
 // v in another format each, as llama.cpp's mixed files store them), each PART_FIELDS columns:
-// weight or packed codes, packed terms or 0 (int8_matmul's arguments), qtype, output rows (0: no such part).
+// weight or packed codes, packed terms or 0 (int8_matmul's arguments), qtype, output rows (0: no such part),
+// and for activation sparsity (docs/sparsity.md) a pointer to the input's float32 threshold (0: dense),
+// the weight then in sparse_matmul's layout for its qtype.
 enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
 constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
-constexpr int PART_FIELDS = 4;
+constexpr int PART_FIELDS = 5;
 enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 

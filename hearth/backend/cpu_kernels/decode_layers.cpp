@@ -1,5 +1,5 @@
 // A decode step's whole stack of layers in one call, and a draft model's greedy passes, with the
-// int8 matmul of hearth/quant/kernels passed in by address.
+// int8 matmul of hearth/quant/kernels (and its sparse_matmul, for activation sparsity) passed in by address.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -10,8 +10,9 @@
 namespace hearth {
 namespace {
 
-// int8_matmul's and dequantize_rows' types, from their declarations (hearth/quant/kernels/qmatmul.h)
+// int8_matmul's, sparse_matmul's and dequantize_rows' types, from their declarations (hearth/quant/kernels/qmatmul.h)
 using Int8Matmul = decltype(&int8_matmul);
+using SparseMatmul = decltype(&sparse_matmul);
 using DequantizeRows = decltype(&dequantize_rows);
 
 }  // namespace
@@ -21,18 +22,24 @@ using DequantizeRows = decltype(&dequantize_rows);
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
 // then their q8_0 scales' (0: not q8_0), every layer's in kv_format.
-void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads) {
-  const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
+  const Int8Matmul int8 = reinterpret_cast<Int8Matmul>(matmul_);
+  const SparseMatmul sparse = reinterpret_cast<SparseMatmul>(sparse_);
   const int64_t* table = reinterpret_cast<const int64_t*>(table_);
   const int64_t* caches = reinterpret_cast<const int64_t*>(caches_);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   std::vector<float> h(tokens * hidden), qkv(tokens * qkv_size), q(tokens * q_size), attn(tokens * q_size);
   std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter), part_out;
   const auto ptr = [](const std::vector<float>& v) { return reinterpret_cast<uintptr_t>(v.data()); };
+  // one part: y [T, rows] = x [T, k] W^T, x masked by the part's threshold where it has one
+  const auto matmul = [&](uintptr_t x, const int64_t* part, uintptr_t y, int64_t rows, int64_t k) {
+    if (part[4]) sparse(x, part[0], y, tokens, rows, k, (int)part[2], *reinterpret_cast<const float*>(part[4]), threads);
+    else int8(x, part[0], part[1], y, tokens, rows, k, (int)part[2], 0, threads);
+  };
   // y [T, n] = x [T, k] W^T, W the projection's parts one after another along n
   const auto project = [&](const int64_t* layer, Projection p, uintptr_t x, float* y, int64_t n, int64_t k) {
     int first = FIRST_PART;
@@ -42,11 +49,11 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int k
       const int64_t rows = part[3];
       if (rows == 0) break;
       if (rows == n) {  // the whole projection in one format
-        matmul(x, part[0], part[1], reinterpret_cast<uintptr_t>(y), tokens, n, k, (int)part[2], 0, threads);
+        matmul(x, part, reinterpret_cast<uintptr_t>(y), n, k);
         break;
       }
       part_out.resize(tokens * rows);  // [T, rows], then its columns of y
-      matmul(x, part[0], part[1], ptr(part_out), tokens, rows, k, (int)part[2], 0, threads);
+      matmul(x, part, ptr(part_out), rows, k);
       for (int64_t t = 0; t < tokens; ++t)
         std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
       column += rows;
@@ -79,7 +86,7 @@ void decode_layers(uintptr_t matmul_, uintptr_t table_, uintptr_t caches_, int k
 // to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
 // embedding_row_bytes in embedding_qtype, widened by hearth/quant/kernels' dequantize_rows).
 // first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
-void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
                    int64_t num_layers,
                    uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
                    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
@@ -106,7 +113,7 @@ void greedy_passes(uintptr_t matmul_, uintptr_t dequantize_, uintptr_t table_, u
       dequantize(embedding_ + token * embedding_row_bytes, ptr(residual, t * hidden), 1, hidden, embedding_row_bytes,
                  embedding_qtype, 1);
     }
-    decode_layers(matmul_, table_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
+    decode_layers(matmul_, sparse_, table_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
                   pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, seqs, tokens, hidden, num_heads,
                   num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
                   threads);

@@ -64,6 +64,19 @@ class Kernels:
                                   qtypes[wt.dtype], float(threshold), torch.get_num_threads())
         return y
 
+    def sparse_repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor | None:
+        """Blocks [n, bytes_per_row] -> uint8 [bytes]: sparse_blocks.cpp's column-major layout, which
+        `sparse_matmul` with this qtype reads; None for a format it has no layout for or an n that is
+        no multiple of 64."""
+        self._check(torch.empty(0, k), w, qtype, n)
+        try:
+            size = self.module.sparse_blocks_bytes(int(qtype), n, k)
+        except ValueError:
+            return None
+        out = torch.empty(size, dtype=torch.uint8)
+        self.module.sparse_repack(w.data_ptr(), out.data_ptr(), n, k, w.shape[1], int(qtype), torch.get_num_threads())
+        return out
+
     def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, path: str | None = None) -> torch.Tensor:
         """x [M, K] W^T with W's blocks read in place and x rounded to int8 per block of the format
         (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only.

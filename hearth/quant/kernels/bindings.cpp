@@ -48,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_matmul", &half_matmul, "y = x W^T, F16 / BF16 weights, fp32 or bf16 activations", nogil);
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
   m.def("sparse_matmul", &sparse_matmul, "y = mask(x) W^T, W transposed, only the kept columns read", nogil);
+  m.def("sparse_blocks_bytes", &sparse_blocks_bytes, "bytes of sparse_repack's layout (throws: no layout for the type)");
+  m.def("sparse_repack", &sparse_repack, "blocks -> the column-major layout sparse_matmul skips columns of", nogil);
   m.def("repack", &repack, "blocks -> packed tiles (codes, terms)", nogil);
   m.def("packed_bytes", [](int qtype, int64_t k) { const auto [c, t] = packed_bytes(qtype, k); return py::make_tuple(c, t); },
         "bytes of one tile's codes and terms");
@@ -58,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_int8_matmul", &grouped_int8_matmul,
         "rows grouped by expert, each group times its expert's W^T (int8_matmul's weights), one call", nogil);
   m.def("int8_matmul_address", [] { return reinterpret_cast<uintptr_t>(&int8_matmul); });
+  m.def("sparse_matmul_address", [] { return reinterpret_cast<uintptr_t>(&sparse_matmul); });
   m.def("dequantize_rows_address", [] { return reinterpret_cast<uintptr_t>(&dequantize_rows); });
   m.def("block_values", &block_values);
   m.def("int8_paths", [] {

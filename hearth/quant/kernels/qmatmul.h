@@ -12,14 +12,15 @@
 //   half_matmul:   F16 / BF16 arrays, every batch size, read as stored: weights widened to fp32
 //                  in registers, fp32 FMA; fp32 or bf16 activations.
 //   sparse_matmul: activation sparsity's matmul: activations under a threshold count as zero and
-//                  the weight, kept transposed (F32 / F16 / BF16), is read only at the kept columns.
+//                  the weight, kept transposed (F32 / F16 / BF16) or its block format's codes
+//                  re-laid out column by column (`sparse_repack`), is read only at the kept columns.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
 //
 // A source per job: formats.h (the block formats), avx2_blocks.h (a block's codes and terms in
 // AVX2 registers), packed.h (the packed tiles' layout); half_matmul.cpp, quantize_activations.cpp,
 // int8_dots.cpp (blocks in place: the portable loops and AVX2 / VNNI dot products), int8_tiles.cpp
 // (tiles decoded per call, VNNI), repack.cpp, packed_matmul.cpp, dequantize.cpp (the kernels' own
-// decodings), grouped_experts.cpp, sparse_matmul.cpp, bindings.cpp (the Python module).
+// decodings), grouped_experts.cpp, sparse_matmul.cpp, sparse_blocks.cpp, bindings.cpp (the Python module).
 // AVX2 / AVX-512 paths are compiled when the build machine has them (-march=native); the plain
 // C++ loops are the portable path and the reference the fast paths are tested against.
 // No torch headers (they cost half a minute of compile time): the Python side passes data
@@ -109,6 +110,10 @@ void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N,
 void dequantize_rows(uintptr_t w_, uintptr_t out_, int64_t rows, int64_t K, int64_t rb, int qtype, int threads);
 void sparse_matmul(uintptr_t x_, uintptr_t wt_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
                    float threshold, int threads);
+int64_t sparse_blocks_bytes(int qtype, int64_t N, int64_t K);
+void sparse_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int64_t rb, int qtype, int threads);
+void sparse_blocks_matmul(uintptr_t x_, uintptr_t buf_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
+                          float threshold, int threads);
 void quantize_activations(const float* x, int64_t M, int64_t K, QuantizedActivations& a, int threads,
                           int64_t block, bool portable);
 void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,

@@ -100,9 +100,12 @@ void sparse_columns(const uint8_t* wt, int64_t N, const int64_t* kept, int64_t c
 // y [M, N] = mask(x) [M, K] W^T, W given transposed: wt [K, N] F32 / F16 / BF16 values, mask(x) =
 // x where |x| >= threshold, else 0. Only the columns k where some row's masked x is nonzero are
 // read. fp32 products and sums (each output a sum over the kept columns in increasing k).
+// A block format: wt is sparse_repack's layout, multiplied by sparse_blocks_matmul (the one entry
+// that hearth/backend/cpu_kernels' decode_layers calls for every sparse projection).
 void sparse_matmul(uintptr_t x_, uintptr_t wt_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
                    float threshold, int threads) {
-  if (qtype != F32 && qtype != F16 && qtype != BF16) throw std::invalid_argument("sparse_matmul: F32, F16, BF16 only");
+  if (qtype != F32 && qtype != F16 && qtype != BF16)
+    return sparse_blocks_matmul(x_, wt_, y_, M, N, K, qtype, threshold, threads);
   const float* x = (const float*)x_;
   std::vector<int64_t> kept;
   for (int64_t k = 0; k < K; k++)
