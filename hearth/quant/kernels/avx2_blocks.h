@@ -185,7 +185,7 @@ template <> struct Block<IQ4_XS> {
 };
 
 // The grid formats (formats.h's unpack_grid): per chunk of 32 values, its 8 (IQ3) or 4 (IQ2) grid
-// entries loaded one by one (gathers are slower on the AMD cores measured), their signs applied by
+// entries loaded one by one (as llama.cpp's AVX2 code loads them; a gather measured no faster), their signs applied by
 // one `psignb`: signed codes up to 62, read as IQ4_XS's, a 4-bit scale 2 l + 1 per 32 or 16 values.
 template <int QT> __m256i grid_entries(const uint8_t* b, int c);
 template <> __m256i grid_entries<IQ2_XXS>(const uint8_t* b, int c) {
