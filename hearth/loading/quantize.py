@@ -42,7 +42,7 @@ _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q
              **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS), Q.IQ4_NL)}
 # the types llama.cpp's quantizer writes only with an importance matrix (tensor_requires_imatrix),
 # but for the embedding table and the output head
-NEEDS_IMATRIX = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS)
+_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight")
 
 
@@ -222,12 +222,12 @@ def plan_quantization(source: str | Path, mix: str, imatrix: dict[str, np.ndarra
 
 def _check_importance(types: dict[str, GGMLQuantizationType], mix: str, imatrix: dict[str, np.ndarray] | None) -> None:
     """llama.cpp's refusal: the very-low-bit i-quants only with an importance matrix for the tensor."""
-    missing = [name for name, qtype in types.items() if qtype in NEEDS_IMATRIX and not (imatrix and name in imatrix)
+    missing = [name for name, qtype in types.items() if qtype in _IMATRIX_TYPES and not (imatrix and name in imatrix)
                and name not in ("token_embd.weight", "output.weight")]
     if missing:
         what = "has no entry for" if imatrix else "needs an importance matrix (--imatrix) for"
         raise ModelLoadError(f"--type {mix} {what} {missing[0]} ({types[missing[0]].name}) and {len(missing) - 1} "
-                             f"other tensors: llama.cpp's quantizer writes {', '.join(q.name for q in NEEDS_IMATRIX)} "
+                             f"other tensors: llama.cpp's quantizer writes {', '.join(q.name for q in _IMATRIX_TYPES)} "
                              "only with one (make it with `hearth imatrix MODEL --text-file F -o imatrix.gguf`)")
 
 
