@@ -32,17 +32,17 @@ MIXES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "iq3_m": (F.MOSTLY_IQ3_M, Q.IQ3_S), "iq3_s": (F.MOSTLY_IQ3_S, Q.IQ3_S), "iq3_xs": (F.MOSTLY_IQ3_XS, Q.IQ3_S),
     "iq3_xxs": (F.MOSTLY_IQ3_XXS, Q.IQ3_XXS), "iq2_m": (F.MOSTLY_IQ2_M, Q.IQ2_S),
     "iq2_s": (F.MOSTLY_IQ2_S, Q.IQ2_XS),  # sic: llama.cpp's IQ2_S file is mostly IQ2_XS, its IQ2_M file IQ2_S
-    "iq2_xs": (F.MOSTLY_IQ2_XS, Q.IQ2_XS), "iq2_xxs": (F.MOSTLY_IQ2_XXS, Q.IQ2_XXS),
+    "iq2_xs": (F.MOSTLY_IQ2_XS, Q.IQ2_XS), "iq2_xxs": (F.MOSTLY_IQ2_XXS, Q.IQ2_XXS), "iq1_s": (F.MOSTLY_IQ1_S, Q.IQ1_S),
 }
 _IQ4 = ("iq4_nl", "iq4_xs")
-_IQ2 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m")  # llama.cpp's very-low-bit branch of its rules
+_IQ2 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s")  # llama.cpp's very-low-bit branch of its rules
 _IQ3 = ("iq3_xxs", "iq3_xs", "iq3_s", "iq3_m")
 # llama.cpp's fallback where a row is not a whole number of the type's blocks
 _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL,
-             **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS), Q.IQ4_NL)}
+             **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S), Q.IQ4_NL)}
 # the types llama.cpp's quantizer writes only with an importance matrix (tensor_requires_imatrix),
 # but for the embedding table and the output head
-_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS)
+_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight")
 
 
@@ -120,7 +120,8 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
             return Q.Q5_K
         return qtype if qtype == Q.Q8_0 else Q.Q6_K
     if category == "token_embd":
-        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S, "iq3_xxs": Q.IQ3_S}.get(mix, qtype)
+        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S,
+                "iq3_xxs": Q.IQ3_S}.get(mix, qtype)
     if mix in _IQ2:
         return _iq2_type(mix, qtype, category, model, gqa, layer)
     if category == "attn_v":
@@ -179,7 +180,7 @@ def _attn_v_type(mix: str, qtype: GGMLQuantizationType, model: ModelShape, gqa: 
 
 def _iq2_type(mix: str, qtype: GGMLQuantizationType, category: str, model: ModelShape, gqa: int,
               layer: int) -> GGMLQuantizationType:
-    """llama.cpp's rules for its IQ2 mixes (its very-low-bit branch): more bits where they pay."""
+    """llama.cpp's rules for its IQ2 and IQ1 mixes (its very-low-bit branch): more bits where they pay."""
     more = Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.Q2_K
     if category == "attn_v":
         return Q.Q4_K if gqa >= 4 or model.experts >= 4 else more
@@ -188,7 +189,9 @@ def _iq2_type(mix: str, qtype: GGMLQuantizationType, category: str, model: Model
     if category == "ffn_down" and layer < model.layers // 8:
         return more
     if category == "attn_output":
-        return Q.Q5_K if model.experts == 8 else Q.IQ3_S if mix in ("iq2_s", "iq2_m") else qtype
+        if model.experts == 8:
+            return Q.Q5_K
+        return Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.IQ2_XXS if mix == "iq1_s" else qtype
     return qtype
 
 

@@ -89,8 +89,10 @@ void build_grid(Grid& g, const int8_t* levels, int size, int dim, int bits, int 
 inline const uint16_t* neighbours_of(const Grid& g, int u) { return g.neighbours.data() - g.map[u] - 1; }
 
 // the neighbour of least weighted squared error against scale * point ~ xval (dim values); its
-// levels into L; returns its index (iq2_find_best_neighbour / iq3_find_best_neighbour)
-int best_neighbour(const Grid& g, int u, const float* xval, const float* weight, float scale, int8_t* L) {
+// levels into L; returns its index (iq2_find_best_neighbour / iq3_find_best_neighbour). `values`:
+// what each level stands for (IQ1_S: iq1_find_best_neighbour2's shifted -1, 0, 1), else 2 l + 1
+int best_neighbour(const Grid& g, int u, const float* xval, const float* weight, float scale, int8_t* L,
+                   const float* values = nullptr) {
   const uint16_t* nb = neighbours_of(g, u);
   float best_d2 = 3.4028235e38f;
   int index = -1;
@@ -98,7 +100,7 @@ int best_neighbour(const Grid& g, int u, const float* xval, const float* weight,
     const int8_t* pg = g.point(nb[j]);
     float d2 = 0;
     for (int i = 0; i < g.dim; ++i) {
-      const float q = pg[i], diff = scale * q - xval[i];
+      const float q = values ? values[(pg[i] - 1) / 2] : pg[i], diff = scale * q - xval[i];
       d2 += weight[i] * diff * diff;
     }
     if (d2 < best_d2) {
