@@ -6,7 +6,9 @@ measurements behind each choice):
 
 - every GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, TQ2_0; TQ1_0 rewritten to TQ2_0
   at load) and the codebook formats (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into 16 int8 values, looked
-  up by one shuffle per 32 values and read as Q8_0's signed codes): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  up by one shuffle per 32 values and read as Q8_0's signed codes; the grid i-quants IQ3_S, IQ3_XXS,
+  IQ2_S, IQ2_XS, IQ2_XXS: 4 or 8 grid entries loaded per 32 values, their signs applied by one
+  `psignb`, read the same way): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
@@ -17,9 +19,8 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
-- the grid i-quants (IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M), which have no int8
-  kernel yet: dequantized once at load to an F16 matrix (rounded to float16: 2^-11 of each weight;
-  4-8x the file's bytes) and multiplied as F16 weights are (`HalfLinear`): dequantizing them per call
+- IQ1_S and IQ1_M, which have no int8 kernel yet: dequantized once at load to an F16 matrix
+  (rounded to float16: 2^-11 of each weight; about 10x the file's bytes) and multiplied as F16 weights are (`HalfLinear`): dequantizing them per call
   takes ~100 ns a weight.
 - anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
 
@@ -45,13 +46,14 @@ from hearth.quant.tensor import HALF_DTYPES, QuantTensor, dequantize_rows
 
 Q = GGMLQuantizationType
 # multiplied by `int8_matmul` (activations as llama.cpp's q8_K / q8_0)
+CODEBOOK_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, *kernels.GRID_FORMATS)
 INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0,
-               Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+               *CODEBOOK_QTYPES)
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
-PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4))
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
 
 # widened to F16 at load (see the module's docstring)
-GRID_QTYPES = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
+GRID_QTYPES = (Q.IQ1_S, Q.IQ1_M)
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,

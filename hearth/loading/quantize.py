@@ -29,10 +29,20 @@ MIXES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "q4_k_s": (F.MOSTLY_Q4_K_S, Q.Q4_K), "q4_k_m": (F.MOSTLY_Q4_K_M, Q.Q4_K),
     "q5_k_s": (F.MOSTLY_Q5_K_S, Q.Q5_K), "q5_k_m": (F.MOSTLY_Q5_K_M, Q.Q5_K), "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
     "iq4_nl": (F.MOSTLY_IQ4_NL, Q.IQ4_NL), "iq4_xs": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
+    "iq3_m": (F.MOSTLY_IQ3_M, Q.IQ3_S), "iq3_s": (F.MOSTLY_IQ3_S, Q.IQ3_S), "iq3_xs": (F.MOSTLY_IQ3_XS, Q.IQ3_S),
+    "iq3_xxs": (F.MOSTLY_IQ3_XXS, Q.IQ3_XXS), "iq2_m": (F.MOSTLY_IQ2_M, Q.IQ2_S),
+    "iq2_s": (F.MOSTLY_IQ2_S, Q.IQ2_XS),  # sic: llama.cpp's IQ2_S file is mostly IQ2_XS, its IQ2_M file IQ2_S
+    "iq2_xs": (F.MOSTLY_IQ2_XS, Q.IQ2_XS), "iq2_xxs": (F.MOSTLY_IQ2_XXS, Q.IQ2_XXS), "iq1_s": (F.MOSTLY_IQ1_S, Q.IQ1_S),
 }
 _IQ4 = ("iq4_nl", "iq4_xs")
+_IQ2 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s")  # llama.cpp's very-low-bit branch of its rules
+_IQ3 = ("iq3_xxs", "iq3_xs", "iq3_s", "iq3_m")
 # llama.cpp's fallback where a row is not a whole number of the type's blocks
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL,
+             **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S), Q.IQ4_NL)}
+# the types llama.cpp's quantizer writes only with an importance matrix (tensor_requires_imatrix),
+# but for the embedding table and the output head
+_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)
 # (and, as llama.cpp's quantizer, the convolutions of Mamba2, Gated DeltaNet and lfm2: small, kept F32)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight", "shortconv.conv.weight")
 
@@ -87,7 +97,7 @@ def tensor_types(tensors: list[tuple[str, tuple[int, ...]]], mix: str, model: Mo
         if not quantizable(name, shape):
             continue
         category = _category(name)
-        layer = _layer(name) if model.experts > 1 else seen_ffn_down
+        layer = _layer(name) if model.experts > 1 or category != "ffn_down" else seen_ffn_down
         qtype = _mix_type(mix, default, category, shape[-1], tied, model, layer, seen_attn_v, n_attn_v, has_imatrix)
         seen_attn_v += category == "attn_v"
         seen_ffn_down += category == "ffn_down"
@@ -100,27 +110,27 @@ def tensor_types(tensors: list[tuple[str, tuple[int, ...]]], mix: str, model: Mo
 
 def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, tied: bool, model: ModelShape,
               layer: int, i_attn_v: int, n_attn_v: int, has_imatrix: bool) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the mixes above (of the i-quants IQ4_NL and IQ4_XS; no Falcon)."""
+    """llama_tensor_get_type_impl for the mixes above (no Falcon). layer: ffn_down's counter (the
+    layer in a mixture of experts), the name's layer for the other categories."""
     n = model.layers
     gqa = model.heads // max(1, model.kv_heads)
     if category == "output" or (tied and category == "token_embd"):
         if cols % GGML_QUANT_SIZES[qtype][0]:
             return Q.Q8_0
+        if mix in (*_IQ2, "iq3_xxs"):
+            return Q.Q5_K
         return qtype if qtype == Q.Q8_0 else Q.Q6_K
+    if category == "token_embd":
+        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S,
+                "iq3_xxs": Q.IQ3_S}.get(mix, qtype)
+    if mix in _IQ2:
+        return _iq2_type(mix, qtype, category, model, gqa, layer)
     if category == "attn_v":
-        qtype = {"q2_k": Q.Q4_K if gqa >= 4 else Q.Q3_K, "q3_k_m": Q.Q5_K if i_attn_v < 2 else Q.Q4_K,
-                 "q3_k_l": Q.Q5_K}.get(mix, qtype)
-        if mix in _IQ4 and gqa >= 4:
-            qtype = Q.Q5_K
-        elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_attn_v, n_attn_v):
-            qtype = Q.Q6_K
-        elif mix == "q4_k_s" and i_attn_v < 4:
-            qtype = Q.Q5_K
-        if model.architecture == "llama" and n == 80 and model.heads != model.kv_heads and qtype in (Q.Q3_K, Q.Q4_K):
-            qtype = Q.Q5_K  # llama.cpp's 70B rule
-        return Q.Q8_0 if model.experts == 8 else qtype
-    if category == "attn_k":
-        return Q.Q8_0 if model.experts == 8 else qtype
+        return _attn_v_type(mix, qtype, model, gqa, i_attn_v, n_attn_v, has_imatrix)
+    if category in ("attn_k", "attn_q"):
+        if category == "attn_k" and model.experts == 8:
+            return Q.Q8_0
+        return {"iq3_xs": Q.IQ3_XXS, "iq3_xxs": Q.IQ2_S}.get(mix, qtype)
     if category == "ffn_down":
         if mix == "q2_k":
             return Q.Q3_K
@@ -130,6 +140,10 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
             return Q.Q5_K
         if mix in ("q4_k_m", "q5_k_m"):
             return Q.Q6_K if _use_more_bits(layer, n) else qtype
+        if mix == "iq3_xxs" and not has_imatrix:
+            return Q.Q4_K if layer < n // 8 else Q.Q3_K
+        if mix == "iq3_m" and (layer < n // 8 or (model.experts == 8 and _use_more_bits(layer, n))):
+            return Q.Q4_K
         if mix in _IQ4 and not has_imatrix and layer < n // 8:
             return Q.Q5_K
         if mix == "q4_k_s" and layer < n // 8:
@@ -139,8 +153,46 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
         return qtype
     if category == "attn_output":
         if model.experts == 8:
-            return Q.Q5_K if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m", *_IQ4) else qtype
-        return {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K}.get(mix, qtype)
+            return Q.Q5_K if mix in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m", *_IQ4, *_IQ3) else qtype
+        return {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K, "iq3_xxs": Q.IQ3_S, "iq3_m": Q.Q4_K}.get(mix, qtype)
+    if category in ("ffn_gate", "ffn_up") and mix == "iq3_xs" and n // 8 <= layer < 7 * n // 8:
+        return Q.IQ3_XXS
+    return qtype
+
+
+def _attn_v_type(mix: str, qtype: GGMLQuantizationType, model: ModelShape, gqa: int, i_attn_v: int, n_attn_v: int,
+                 has_imatrix: bool) -> GGMLQuantizationType:
+    """llama.cpp's attn_v rules outside its very-low-bit branch."""
+    qtype = {"q2_k": Q.Q4_K if gqa >= 4 else Q.Q3_K, "q3_k_m": Q.Q5_K if i_attn_v < 2 else Q.Q4_K,
+             "q3_k_l": Q.Q5_K, "iq3_m": Q.Q4_K,
+             "iq3_xxs": Q.Q4_K if gqa >= 4 else Q.IQ3_XXS if has_imatrix else Q.IQ3_S}.get(mix, qtype)
+    if mix in ("iq3_xs", "iq3_s") and gqa >= 4:
+        qtype = Q.Q4_K
+    elif mix in _IQ4 and gqa >= 4:
+        qtype = Q.Q5_K
+    elif mix in ("q4_k_m", "q5_k_m") and _use_more_bits(i_attn_v, n_attn_v):
+        qtype = Q.Q6_K
+    elif mix == "q4_k_s" and i_attn_v < 4:
+        qtype = Q.Q5_K
+    if model.architecture == "llama" and model.layers == 80 and model.heads != model.kv_heads and qtype in (Q.Q3_K, Q.Q4_K):
+        qtype = Q.Q5_K  # llama.cpp's 70B rule
+    return Q.Q8_0 if model.experts == 8 else qtype
+
+
+def _iq2_type(mix: str, qtype: GGMLQuantizationType, category: str, model: ModelShape, gqa: int,
+              layer: int) -> GGMLQuantizationType:
+    """llama.cpp's rules for its IQ2 and IQ1 mixes (its very-low-bit branch): more bits where they pay."""
+    more = Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.Q2_K
+    if category == "attn_v":
+        return Q.Q4_K if gqa >= 4 or model.experts >= 4 else more
+    if category == "attn_k" and model.experts == 8:
+        return Q.Q4_K
+    if category == "ffn_down" and layer < model.layers // 8:
+        return more
+    if category == "attn_output":
+        if model.experts == 8:
+            return Q.Q5_K
+        return Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.IQ2_XXS if mix == "iq1_s" else qtype
     return qtype
 
 
@@ -168,7 +220,19 @@ def plan_quantization(source: str | Path, mix: str, imatrix: dict[str, np.ndarra
     else:
         raise ModelLoadError(f"{source}: no such model file or folder")
     types = tensor_types([(name, shape) for name, shape, _, _ in plan], mix, model, has_imatrix=bool(imatrix))
+    _check_importance(types, mix, imatrix)
     return writer, [(name, shape, types.get(name, qtype), values) for name, shape, qtype, values in plan]
+
+
+def _check_importance(types: dict[str, GGMLQuantizationType], mix: str, imatrix: dict[str, np.ndarray] | None) -> None:
+    """llama.cpp's refusal: the very-low-bit i-quants only with an importance matrix for the tensor."""
+    missing = [name for name, qtype in types.items() if qtype in _IMATRIX_TYPES and not (imatrix and name in imatrix)
+               and name not in ("token_embd.weight", "output.weight")]
+    if missing:
+        what = "has no entry for" if imatrix else "needs an importance matrix (--imatrix) for"
+        raise ModelLoadError(f"--type {mix} {what} {missing[0]} ({types[missing[0]].name}) and {len(missing) - 1} "
+                             f"other tensors: llama.cpp's quantizer writes {', '.join(q.name for q in _IMATRIX_TYPES)} "
+                             "only with one (make it with `hearth imatrix MODEL --text-file F -o imatrix.gguf`)")
 
 
 def _open_gguf(path: Path, file_type: LlamaFileType) -> tuple[GGUFWriter, ModelShape, list[PlannedTensor]]:

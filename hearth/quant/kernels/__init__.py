@@ -10,11 +10,17 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from hearth.native import build
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+Q = GGMLQuantizationType
+# the grid i-quants the int8 kernels read (IQ1_S and IQ1_M are not among them yet)
+GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
 
 
 class Kernels:
@@ -27,6 +33,11 @@ class Kernels:
         self.vnni = module.has_vnni()
         # int8_matmul's code paths in this build, fastest first (e.g. avx512-vnni, avx2, portable)
         self.int8_paths: dict[str, int] = dict(module.int8_paths())
+        for qtype in GRID_FORMATS:  # their grids, from gguf-py (formats.h: GridTables)
+            cls = getattr(gguf_quants, qtype.name)
+            cls.init_grid()
+            values = np.ascontiguousarray(np.asarray(cls.grid).reshape(-1), dtype=np.int8)
+            module.set_grid(int(qtype), values.ctypes.data, values.nbytes)
 
     def _check(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int,
                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[torch.Tensor, int]:

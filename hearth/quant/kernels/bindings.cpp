@@ -36,6 +36,21 @@ bool has_vnni() {
 #endif
 }
 
+// a grid format's entries as int8 values (gguf.quants' grid, `bytes` of them), and ggml's sign
+// patterns (7 bits and an eighth for an even count), before any block of that format is read
+void set_grid(int qtype, uintptr_t values, int64_t bytes) {
+  GridTables& t = grid_tables;
+  const std::pair<void*, size_t> to = qtype == IQ2_XXS ? std::pair<void*, size_t>(t.iq2xxs, sizeof t.iq2xxs)
+                                    : qtype == IQ2_XS  ? std::pair<void*, size_t>(t.iq2xs, sizeof t.iq2xs)
+                                    : qtype == IQ2_S   ? std::pair<void*, size_t>(t.iq2s, sizeof t.iq2s)
+                                    : qtype == IQ3_XXS ? std::pair<void*, size_t>(t.iq3xxs, sizeof t.iq3xxs)
+                                    : qtype == IQ3_S   ? std::pair<void*, size_t>(t.iq3s, sizeof t.iq3s)
+                                                       : std::pair<void*, size_t>(nullptr, 0);
+  if (!to.first || size_t(bytes) != to.second) throw std::invalid_argument("set_grid: not a grid format, or the wrong size");
+  std::memcpy(to.first, reinterpret_cast<const void*>(values), to.second);
+  for (int i = 0; i < 128; i++) t.ksigns[i] = uint8_t(i | ((__builtin_popcount(i) & 1) << 7));
+}
+
 }  // namespace
 
 }  // namespace hearth
@@ -63,6 +78,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matmul_address", [] { return reinterpret_cast<uintptr_t>(&sparse_matmul); });
   m.def("dequantize_rows_address", [] { return reinterpret_cast<uintptr_t>(&dequantize_rows); });
   m.def("block_values", &block_values);
+  m.def("set_grid", &set_grid, "a grid format's entries (int8 values), before any of its blocks is read");
   m.def("int8_paths", [] {
     py::dict paths;
     for (const auto& [name, path] : int8_paths()) paths[py::str(name)] = path;

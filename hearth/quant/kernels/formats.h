@@ -49,13 +49,17 @@ inline float bf16_to_float(uint16_t h) {
 // GGMLQuantizationType values
 enum QType : int {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, TQ2_0 = 35,
-  MXFP4 = 39,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20,
+  IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, BF16 = 30, TQ2_0 = 35, MXFP4 = 39,
 };
 
-// The codebook formats: a 4-bit index into 16 int8 values (gguf.quants' IQ4_NL.kvalues and
-// MXFP4.kvalues, the e2m1 values doubled), read as signed codes like Q8_0's.
-template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_XS || QT == MXFP4; }
+// The codebook formats, read as signed codes like Q8_0's: a 4-bit index into 16 int8 values
+// (gguf.quants' IQ4_NL.kvalues and MXFP4.kvalues, the e2m1 values doubled), or an index into a grid
+// of 8 (IQ2_*) or 4 (IQ3_*) int8 values with a sign per value (grid_values()).
+template <int QT> constexpr bool grid_format() {
+  return QT == IQ2_XXS || QT == IQ2_XS || QT == IQ2_S || QT == IQ3_XXS || QT == IQ3_S;
+}
+template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_XS || QT == MXFP4 || grid_format<QT>(); }
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -67,6 +71,22 @@ inline float e8m0_half(uint8_t e) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+}  // namespace
+
+// The grids of the grid formats as int8 values (gguf.quants' grids; set from Python when the module
+// loads, Kernels.__init__, before any such block is read) and ggml's sign patterns: 7 sign bits
+// and an eighth that makes their count even. One copy per extension (an inline variable).
+struct GridTables {
+  uint64_t iq2xxs[256], iq2xs[512], iq2s[1024];
+  uint32_t iq3xxs[256], iq3s[512];
+  uint8_t ksigns[128];
+};
+inline GridTables grid_tables;
+
+namespace {
+
+inline const GridTables& grid_values() { return grid_tables; }
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -101,6 +121,11 @@ template <> struct Fmt<TQ2_0> { static constexpr int BS = 256, BYTES = 66, S = 3
 template <> struct Fmt<IQ4_NL> { static constexpr int BS = 32, BYTES = 18, S = 32, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ4_XS> { static constexpr int BS = 256, BYTES = 136, S = 32, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<MXFP4> { static constexpr int BS = 32, BYTES = 17, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ2_XXS> { static constexpr int BS = 256, BYTES = 66, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ2_XS> { static constexpr int BS = 256, BYTES = 74, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ2_S> { static constexpr int BS = 256, BYTES = 82, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ3_XXS> { static constexpr int BS = 256, BYTES = 98, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ3_S> { static constexpr int BS = 256, BYTES = 110, S = 32, Z = 128; static constexpr bool OFF = false; };
 // half arrays: 32 values taken as one "block"
 template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
 template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
@@ -170,6 +195,62 @@ template <> void unpack<IQ4_XS>(const uint8_t* b, uint8_t* q, float* s, float*) 
     }
   }
 }
+// The grid formats: per group of 8 (IQ2) or 4 (IQ3) values a grid index, per value a sign; the
+// codes q = grid value * sign + 128, the scales (2 l + 1) d / 8 (IQ2), d / 4 (IQ3_XXS), d (IQ3_S)
+// for a 4-bit l per sub-block. sign_bits: the 32 signs of values 32c..32c+31 (bit i: value 32c + i).
+inline uint32_t ksign_bits(uint32_t aux) {  // four 7-bit sign pattern indices -> 32 sign bits
+  const uint8_t* ks = grid_values().ksigns;
+  return ks[aux & 127] | (ks[(aux >> 7) & 127] << 8) | (ks[(aux >> 14) & 127] << 16) | (uint32_t(ks[(aux >> 21) & 127]) << 24);
+}
+// chunk c's sign bits and the grid value of its value 32c + i
+template <int QT> uint32_t grid_sign_bits(const uint8_t* b, int c);
+template <int QT> int grid_value(const uint8_t* b, int c, int i);
+template <> uint32_t grid_sign_bits<IQ2_XXS>(const uint8_t* b, int c) { return ksign_bits(u32(b + 6 + 8 * c)); }
+template <> int grid_value<IQ2_XXS>(const uint8_t* b, int c, int i) { return uint8_t(grid_values().iq2xxs[b[2 + 8 * c + i / 8]] >> (8 * (i % 8))); }
+template <> uint32_t grid_sign_bits<IQ3_XXS>(const uint8_t* b, int c) { return ksign_bits(u32(b + 66 + 4 * c)); }
+template <> int grid_value<IQ3_XXS>(const uint8_t* b, int c, int i) { return uint8_t(grid_values().iq3xxs[b[2 + 8 * c + i / 4]] >> (8 * (i % 4))); }
+template <> uint32_t grid_sign_bits<IQ2_XS>(const uint8_t* b, int c) {
+  uint32_t bits = 0;
+  for (int k = 0; k < 4; k++) bits |= uint32_t(grid_values().ksigns[(b[3 + 8 * c + 2 * k] >> 1) & 127]) << (8 * k);
+  return bits;
+}
+template <> int grid_value<IQ2_XS>(const uint8_t* b, int c, int i) {
+  const int index = (b[2 + 8 * c + 2 * (i / 8)] | (b[3 + 8 * c + 2 * (i / 8)] << 8)) & 511;
+  return uint8_t(grid_values().iq2xs[index] >> (8 * (i % 8)));
+}
+template <> uint32_t grid_sign_bits<IQ2_S>(const uint8_t* b, int c) { return u32(b + 34 + 4 * c); }
+template <> int grid_value<IQ2_S>(const uint8_t* b, int c, int i) {
+  const int index = b[2 + 4 * c + i / 8] | (((b[66 + c] >> (2 * (i / 8))) & 3) << 8);
+  return uint8_t(grid_values().iq2s[index] >> (8 * (i % 8)));
+}
+template <> uint32_t grid_sign_bits<IQ3_S>(const uint8_t* b, int c) { return u32(b + 74 + 4 * c); }
+template <> int grid_value<IQ3_S>(const uint8_t* b, int c, int i) {
+  const int index = b[2 + 8 * c + i / 4] | (((b[66 + c] >> (i / 4)) & 1) << 8);
+  return uint8_t(grid_values().iq3s[index] >> (8 * (i % 4)));
+}
+// the 4-bit scale l of sub-block j (of Fmt<QT>::S values) and the factor d (2 l + 1) is taken of
+template <int QT> int grid_scale(const uint8_t* b, int j) {
+  if constexpr (QT == IQ2_XXS) return int(u32(b + 6 + 8 * j) >> 28);
+  if constexpr (QT == IQ3_XXS) return int(u32(b + 66 + 4 * j) >> 28);
+  const int at = QT == IQ2_XS ? 66 : QT == IQ2_S ? 74 : 106;
+  return (b[at + j / 2] >> (4 * (j % 2))) & 15;
+}
+template <int QT> constexpr float grid_step() { return QT == IQ3_S ? 1.f : QT == IQ3_XXS ? 0.25f : 0.125f; }
+template <int QT>
+void unpack_grid(const uint8_t* b, uint8_t* q, float* s) {
+  const float d = h2f(b) * grid_step<QT>();
+  for (int j = 0; j < 256 / Fmt<QT>::S; j++) s[j] = d * float(2 * grid_scale<QT>(b, j) + 1);
+  for (int c = 0; c < 8; c++) {
+    const uint32_t signs = grid_sign_bits<QT>(b, c);
+    for (int i = 0; i < 32; i++) q[32 * c + i] = uint8_t(128 + ((signs >> i) & 1 ? -1 : 1) * grid_value<QT>(b, c, i));
+  }
+}
+template <> void unpack<IQ2_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ2_XXS>(b, q, s); }
+template <> void unpack<IQ2_XS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ2_XS>(b, q, s); }
+template <> void unpack<IQ2_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ2_S>(b, q, s); }
+template <> void unpack<IQ3_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ3_XXS>(b, q, s); }
+template <> void unpack<IQ3_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ3_S>(b, q, s); }
+
 // Q2_K: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16.
 // value 128h + 32s + l = (qs[32h + l] >> 2s) & 3; sub-blocks of 16
 template <> void unpack<Q2_K>(const uint8_t* b, uint8_t* q, float* s, float* o) {
@@ -270,6 +351,11 @@ inline void decode(const uint8_t* b, float* w) {
     case IQ4_NL: { constexpr int QT = IQ4_NL; __VA_ARGS__; break; }           \
     case IQ4_XS: { constexpr int QT = IQ4_XS; __VA_ARGS__; break; }           \
     case MXFP4: { constexpr int QT = MXFP4; __VA_ARGS__; break; }             \
+    case IQ2_XXS: { constexpr int QT = IQ2_XXS; __VA_ARGS__; break; }         \
+    case IQ2_XS: { constexpr int QT = IQ2_XS; __VA_ARGS__; break; }           \
+    case IQ2_S: { constexpr int QT = IQ2_S; __VA_ARGS__; break; }             \
+    case IQ3_XXS: { constexpr int QT = IQ3_XXS; __VA_ARGS__; break; }         \
+    case IQ3_S: { constexpr int QT = IQ3_S; __VA_ARGS__; break; }             \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 
