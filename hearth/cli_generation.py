@@ -63,6 +63,10 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--penalty-alpha", type=float, default=0.0, metavar="ALPHA",
         help="contrastive search (Su et al.): of the --top-k (2 to 16) likeliest tokens, the one of most "
              "(1 - ALPHA) p - ALPHA x its hidden state's greatest cosine with the text's (0: off; Su et al. use 0.6)")
+    p.add_argument_group("CALM early exit (lossy)").add_argument(
+        "--calm-threshold", type=float, default=None, metavar="T",
+        help="a token leaves the model at the first of --calm-exit-layers where its intermediate prediction's "
+             "top-1 minus top-2 probability is at least T (0 to 1; default: off)")
 
 
 def _sampling(args):

@@ -4,6 +4,7 @@ speculative decoding, reasoning, LoRA, activation sparsity), each option declare
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +287,18 @@ class SparsityConfig:
               "activation_sparsity needs activation_thresholds: a file written by `hearth sparsify MODEL --text-file F`")
 
 
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """'15,22' -> (15, 22)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:  # (argparse shows an ArgumentTypeError's message; EngineConfig raises it as a ValueError)
+        raise LayerCountsError(f"not a comma-separated list of layer counts: {text!r} (example: 15,22)") from None
+
+
+class LayerCountsError(argparse.ArgumentTypeError, ValueError):
+    """A calm_exit_layers text that is not a list of layer counts."""
+
+
 def _model_pair(text: str) -> tuple[str, ...]:
     """'small.gguf,large.gguf' -> its two paths (checked by CascadeConfig)."""
     return tuple(part.strip() for part in text.split(","))
@@ -343,6 +356,10 @@ class EngineConfig:
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     cascade: CascadeConfig = section(CascadeConfig, "cascade")
+    calm_exit_layers: tuple[int, ...] | None = option(
+        None, metavar="N,M", parse=_layer_counts, group="CALM early exit",
+        help="the layer counts after which a request with a calm_threshold may leave the model, each check an LM head "
+             "pass (hearth/model/calm.py; default: half and three quarters of the model's layers)")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",
@@ -369,6 +386,12 @@ class EngineConfig:
               "pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
         self.mmproj = None if self.mmproj is None else str(self.mmproj)
+        if self.calm_exit_layers is not None:
+            layers = self.calm_exit_layers
+            layers = tuple(_layer_counts(layers) if isinstance(layers, str) else layers)
+            _need(len(layers) > 0 and all(isinstance(n, int) and n >= 1 for n in layers),
+                  f"calm_exit_layers must be layer counts of at least 1, got {self.calm_exit_layers!r}")
+            self.calm_exit_layers = layers
         _need(not self.sparsity.activation_sparsity or not (self.parallel.split or self.lora.enable_lora),
               "activation_sparsity with tensor or pipeline parallelism or LoRA adapters is not implemented")
         _need(self.cascade.models is None or not self.lora.enable_lora,

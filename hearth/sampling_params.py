@@ -165,6 +165,10 @@ class SamplingParams:
     # probability, the one of most (1 - alpha) p(v) - alpha max_j cos(h_v, h_j) over the hidden states
     # of the tokens before; deterministic (temperature, top_p, min_p and seed play no part)
     penalty_alpha: float = 0.0  # [0, 1]; 0: off; > 0 needs top_k in [2, 16]
+    # CALM early exit (Schuster et al. 2022; hearth/model/calm.py), lossy by choice: a decode token leaves
+    # the model at the first of the engine's calm_exit_layers where its intermediate prediction's top-1
+    # minus top-2 probability reaches this; None: off (every layer runs)
+    calm_threshold: float | None = None  # [0, 1]
 
     @classmethod
     def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
@@ -252,6 +256,11 @@ class SamplingParams:
                                                       and self.thinking_token_budget >= -1),
                f"thinking_token_budget must be -1 (no limit) or at least 0, got {self.thinking_token_budget!r}.")
         self._verify_contrastive_search()
+        _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
+                                               and 0.0 <= self.calm_threshold <= 1.0),
+               f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
+        _check(self.calm_threshold is None or not self.contrastive_search,
+               "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")

@@ -213,6 +213,43 @@ def test_decode_kernel_with_token_trees(split_len, window):
                                expected, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_kernel_tree_rows_equal_their_branch_decoded_alone():
+    """Greedy speculation with token trees keeps plain decoding's tokens only if a tree row's
+    attention is bit for bit that of its branch decoded alone, with its ancestors at their positions
+    (as plain decoding and runner._move_kept_guesses lay them out): rows of every branch, not only
+    the first (whose slots are its positions), trees across a split boundary, and a draft's second
+    level (first level cached, three roots)."""
+    backend = _cpu_backend()
+    lens, rows = [DECODE_SPLIT_LEN + 4, 40, 300], [6, 6, 3]
+    tree_start = [DECODE_SPLIT_LEN - 2, 34, 294]
+    parents = [[-1, 0, 0, 1, 2, 3], [-1, 0, 0, 1, 2, 4], [-1, -1, -1, 0, 1, 2]]
+    q, k_cache, v_cache, tables, meta = _case(lens, 9, 3, rows=rows, seed=3)
+    masks, paths = [], []
+    for i, n in enumerate(lens):
+        for r in range(rows[i]):
+            node, path = n - rows[i] + r - tree_start[i], []
+            while node >= 0:
+                path.insert(0, node)
+                node = parents[i][node]
+            masks.append(sum(1 << node for node in path))
+            paths.append((i, path))
+    meta.decode_tree_start = torch.tensor(tree_start, dtype=torch.int32)
+    meta.decode_tree_masks = torch.tensor(masks, dtype=torch.int64)
+    together = backend.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    for row, (i, path) in enumerate(paths):
+        slot = lambda p: tables[i][p // BLOCK] * BLOCK + p % BLOCK  # noqa: E731
+        moved_k, moved_v = k_cache.clone(), v_cache.clone()
+        for d, node in enumerate(path):  # the ancestors' K/V at their positions
+            moved_k[slot(tree_start[i] + d)] = k_cache[slot(tree_start[i] + node)]
+            moved_v[slot(tree_start[i] + d)] = v_cache[slot(tree_start[i] + node)]
+        alone_meta = replace(meta, decode_query_start=torch.tensor([0, 1], dtype=torch.int32),
+                             decode_context_lens=torch.tensor([tree_start[i] + len(path)], dtype=torch.int32),
+                             decode_block_tables=meta.decode_block_tables[i : i + 1], decode_token_index=torch.arange(1),
+                             decode_tree_start=None, decode_tree_masks=None)
+        alone = backend.decode_attention(q[row : row + 1], moved_k, moved_v, alone_meta, 0.125)
+        assert torch.equal(alone, together[row : row + 1]), f"sequence {i}, path {path}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_decode_attention_matches(dtype):
     # the reference backend's batched SDPA over padded gathers

@@ -31,7 +31,7 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--lookahead-guesses", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
          "--mmproj", "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--contrastive-model", "--kv-cache-dir",
          "--kv-cache-dir-size", "--kv-cache-ram", "--kv-cache-tier-dtype", "--async-scheduling", "--no-async-scheduling",
-         "--activation-sparsity", "--activation-thresholds", "--cascade", "--defer-threshold"]
+         "--activation-sparsity", "--activation-thresholds", "--cascade", "--defer-threshold", "--calm-exit-layers"]
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:

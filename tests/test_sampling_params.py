@@ -146,6 +146,9 @@ def test_from_cli_reads_generates_flags(tmp_path):
     p = SamplingParams.from_cli(parse(["chat", "--penalty-alpha", "0.6", "--top-k", "4"]))  # contrastive search
     assert (p.penalty_alpha, p.top_k, p.sampling_type) == (0.6, 4, SamplingType.GREEDY)
     assert SamplingParams.from_openai({"penalty_alpha": 0.5, "top_k": 3}).penalty_alpha == 0.5
+    assert SamplingParams.from_cli(parse(["chat", "--calm-threshold", "0.9"])).calm_threshold == 0.9  # CALM early exit
+    assert SamplingParams.from_openai({"calm_threshold": 0.5}).calm_threshold == 0.5
+    assert SamplingParams.from_cli(parse(["chat"])).calm_threshold is None
     regex = SamplingParams.from_cli(parse(["generate", "--prompt", "x", "--regex", "[a-z]+"]))
     assert regex.structured_outputs == StructuredOutputsParams(regex="[a-z]+")
     with pytest.raises(HearthError, match="missing.lark: cannot read"):

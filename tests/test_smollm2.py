@@ -119,3 +119,28 @@ def test_greedy_speculation_in_a_batch_keeps_plain_decodings_tokens():
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     ngram = LLM(str(GGUF), speculative_method="ngram", speculative_adaptive=False, **options)
     assert [o.outputs[0].token_ids for o in ngram.generate(prompts, greedy, use_tqdm=False)] == expected
+
+
+@pytest.mark.slow
+def test_greedy_token_trees_keep_plain_decodings_tokens():
+    """Token trees (prompt lookup's three branches; lookahead as published): a kept branch other than a
+    tree's first reads its ancestors' K/V from slots apart from their positions, and its rows must sum
+    their attention in position order to be plain decoding's bit for bit. On this prompt (the repeat
+    task of benchmarks/speculative.py, renaming `pos` to `index`) prompt lookup's trees parted from
+    plain decoding at token 84 while the cpu attention kernel summed by slot."""
+    from hearth import LLM, SamplingParams
+
+    plain = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False)
+    text = (DATA / "text-json-decoder.py.txt").read_text()
+    code = "\n".join(text[text.index("class JSONDecodeError"):].splitlines()[:24])
+    ask = f"Repeat this Python code exactly, but rename the variable `pos` to `index`:\n\n```python\n{code}\n```"
+    tokenizer = plain.get_tokenizer()
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}], True),
+                              add_special_tokens=False)
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for options in ({"speculative_method": "ngram", "speculative_tree_width": 3, "speculative_adaptive": False},
+                    {"speculative_method": "lookahead", "lookahead_mode": "full"}):
+        llm = LLM(str(GGUF), kv_cache_memory=64 << 20, progress=False, **options)
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected, options
+        assert llm.engine.spec_decode_totals.num_accepted_tokens > 0

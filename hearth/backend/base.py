@@ -86,13 +86,24 @@ class StepInputs:
     def sequences(self, first: int, end: int) -> StepInputs:
         """The step of sequences first..end-1 alone (their rows, in order)."""
         start, stop = int(self.query_start_loc[first]), int(self.query_start_loc[end])
+        return self._of(slice(first, end), slice(start, stop), self.query_start_loc[first : end + 1] - start)
+
+    def select(self, seqs: np.ndarray) -> StepInputs:
+        """The step of the sequences seqs (int64 [k], in order) alone, their rows in order (no embeds)."""
+        query_start_loc = np.concatenate(([0], np.cumsum(self.query_lens[seqs]))).astype(np.int32)
+        return self._of(seqs, self.rows_of(seqs), query_start_loc)
+
+    def rows_of(self, seqs: np.ndarray) -> np.ndarray:
+        """The rows (int64) of the sequences seqs, in order."""
+        return np.concatenate([np.arange(self.query_start_loc[s], self.query_start_loc[s + 1]) for s in seqs])
+
+    def _of(self, seqs, rows, query_start_loc: np.ndarray) -> StepInputs:
         trees = self.tree_masks is not None
-        return StepInputs(self.input_ids[start:stop], self.positions[..., start:stop], self.slot_mapping[start:stop],
-                          self.query_start_loc[first : end + 1] - start, self.seq_lens[first:end],
-                          self.block_tables[first:end], self.block_size,
-                          self.tree_start[first:end] if trees else None, self.tree_masks[start:stop] if trees else None,
-                          None if self.state_slots is None else self.state_slots[first:end],
-                          None if self.state_snapshots is None else self.state_snapshots[first:end])
+        return StepInputs(self.input_ids[rows], self.positions[..., rows], self.slot_mapping[rows], query_start_loc,
+                          self.seq_lens[seqs], self.block_tables[seqs], self.block_size,
+                          self.tree_start[seqs] if trees else None, self.tree_masks[rows] if trees else None,
+                          None if self.state_slots is None else self.state_slots[seqs],
+                          None if self.state_snapshots is None else self.state_snapshots[seqs])
 
 
 @dataclass

@@ -32,8 +32,8 @@ from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.engine.startup import (check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers, load_target,
-                                   state_snapshots_per_slot)
+from hearth.engine.startup import (calm_exits, check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers,
+                                   load_target, state_snapshots_per_slot)
 from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
@@ -85,6 +85,7 @@ class LLMEngine:
                                   model_pass=None if shard is None else shard.model_pass(backend),
                                   num_state_slots=self.num_state_slots + self.num_state_checkpoints,
                                   num_state_snapshots=self.num_state_snapshots)
+        self.runner.calm = calm_exits(config, self.runner, self.model)
         self.kv_tiers = self._start_tiers(config, shard is not None)
         self.kv_disk_tier = None if self.kv_tiers is None else self.kv_tiers.disk
         checkpoints = StateCheckpoints(self.num_state_slots, self.num_state_checkpoints) \
@@ -305,6 +306,9 @@ class LLMEngine:
         if params.contrastive_weight > 0 and self.runner.amateur is None:
             raise RequestError("contrastive_weight needs an engine started with a contrastive_model "
                                "(--contrastive-model PATH)")
+        if params.calm_threshold is not None and self.runner.calm is None:
+            raise RequestError("calm_threshold (CALM early exit) is not implemented for this engine: not with tensor or "
+                               "pipeline parallelism, LoRA adapters, hybrid models, latent attention or 1-layer models")
         if params.contrastive_search and not self.model.backend.token_trees:
             raise RequestError(f"contrastive search (penalty_alpha) is not implemented on the {self.model.backend.name} "
                                f"backend (its candidates attend through a tree mask): use the cpu or reference backend")

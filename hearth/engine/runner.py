@@ -47,7 +47,7 @@ from hearth.sampling_params import SamplingType
 if TYPE_CHECKING:  # (they run ModelRunners of their own)
     from hearth.engine.draft_runner import DraftRunner
     from hearth.engine.second_model import SecondModel
-
+    from hearth.model.calm import CalmExits
 
 
 class ModelRunner:
@@ -97,6 +97,7 @@ class ModelRunner:
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
         self.amateur: SecondModel | None = None
+        self.calm: CalmExits | None = None  # CALM's early exits (hearth/model/calm.py), where the engine runs them
         # contrastive search's requests: the final hidden states of their computed tokens [t, hidden]
         self.hidden_states: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
         # with LoRA adapters (hearth/engine/lora.py): the model's LoraBank and each load's slot by Request.lora_id
@@ -317,11 +318,12 @@ class ModelRunner:
         request field that the engine's output processing writes (asynchronous scheduling runs it
         beside that, on a worker thread: engine/overlap.py)."""
         sampled, step = staged.sampled, staged.inputs
+        exits = {} if self.calm is None else staged.calm_rows()
         if staged.feeds is not None:  # tokens drawn by the step before, never read by the host
             rows, sources = staged.feeds
             step.input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
             step.input_ids[to_device(rows, self.device)] = draws_before[to_device(sources, draws_before.device)]
-        drawn = self._draws_in_step(staged)
+        drawn = None if exits else self._draws_in_step(staged)
         if drawn is not None:
             return LaunchedStep(sampled, drawn, {}, [], HostCopy([drawn.sampled_token_ids, drawn.logprobs]),
                                 staged.draw_rows)
@@ -329,13 +331,14 @@ class ModelRunner:
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
                    and s.request.sampling_params.sampling_type == SamplingType.RANDOM_SEED}
-        hidden = self._pass(step, staged.entries)
+        hidden, exited = self.calm.run(step, exits) if exits else (self._pass(step, staged.entries), None)
         self._keep_hidden_states(staged.sequences, hidden)
 
         device_results: list[torch.Tensor] = []  # everything the host reads, copied once at the end
         out = None
         if sampled:
-            logits = self.model.compute_logits(hidden[to_device(torch.tensor(staged.sample_rows), hidden.device)])
+            logits = self.model.compute_logits(hidden[to_device(torch.tensor(staged.sample_rows), hidden.device)]) \
+                if exited is None else self.calm.logits(hidden, staged.sample_rows, exited)
             constrained = [seq for seq in sampled if seq.matcher is not None]
             # The grammar masks are filled on another thread from here until the sampler applies them,
             # after drawing its noise: on a CPU the model's threads fill every core until now, and a mask

@@ -1,5 +1,5 @@
 """What an engine starts from: its backend, the target model (in this process or split over
-several), the context it serves and the blocks of its KV cache."""
+several), the context it serves, the blocks of its KV cache and CALM's exit layers."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from hearth.engine.kv_tiers import KVTiers, RamTier
 from hearth.engine.memory import (kv_cache_blocks, kv_cache_budget, model_bytes, state_bytes_per_slot,
                                   state_slot_count)
 from hearth.loading.loader import LoadedModel, load_model
+from hearth.model.calm import CalmExits, default_exit_layers
+from hearth.model.transformer import Attention
 
 logger = logging.getLogger("hearth")
 
@@ -142,3 +144,17 @@ def kv_tiers(config: EngineConfig, model_config: ModelConfig, model_path: Path, 
         return KVTiers(identity, ram, DiskTier(cache.kv_cache_dir, cache.kv_cache_dir_size, identity, block_bytes), q8_0)
     except OSError as e:
         raise HearthError(f"kv_cache_dir {cache.kv_cache_dir}: not a folder hearth can use ({e})") from None
+
+
+def calm_exits(config: EngineConfig, runner, model) -> CalmExits | None:
+    """CALM's early exits (hearth/model/calm.py) after config.calm_exit_layers (default: half and three
+    quarters of the model's layers) where the engine can run them, else None; ValueError where they
+    are asked for and it cannot."""
+    if (not runner.own_pass or config.lora.enable_lora or model.config.is_hybrid
+            or not all(type(getattr(layer, "self_attn", None)) is Attention for layer in model.layers)):
+        if config.calm_exit_layers is not None:
+            raise ValueError("calm_exit_layers: CALM early exit is not implemented with tensor or pipeline "
+                             "parallelism, LoRA adapters, hybrid models or latent attention")
+        return None
+    layers = config.calm_exit_layers or default_exit_layers(len(model.layers))
+    return CalmExits(model, list(layers), runner.kv_caches) if layers else None

@@ -91,6 +91,15 @@ class StagedStep:
     feeds: tuple[torch.Tensor, torch.Tensor] | None
     draw_rows: dict[Request, int]  # each sampling request's draw: its row of the sampler's sampled_token_ids
 
+    def calm_rows(self) -> dict[int, float]:
+        """The rows that may leave the model early (CALM, hearth/model/calm.py) and their thresholds:
+        each decode's one row whose request has a calm_threshold; none where the step puts image
+        embeddings in (CALM's pass takes none)."""
+        if self.inputs.embeds is not None:
+            return {}
+        return {self.sample_rows[self.draw_rows[s.request]]: s.request.sampling_params.calm_threshold
+                for s in self.sampled if s.request.sampling_params.calm_threshold is not None and s.num_new_tokens == 1}
+
 
 @dataclass
 class LaunchedStep:

@@ -67,6 +67,17 @@ class Attention(nn.Module):
         meta,  # the backend's attention metadata
     ) -> torch.Tensor:
         tokens = x.shape[0]
+        q, gate = self.store_kv(x, rotary, kv_cache, meta.slot_mapping)
+        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window, self.sinks)
+        out = out.reshape(tokens, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
+
+    def store_kv(self, x: torch.Tensor, rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projections of x [T, hidden]: K and V (normed and rotated as the model does) written
+        to the cache at slot_mapping [T] (none where the layer shares an earlier layer's); returns the
+        rotated queries [T, heads, head_dim] and the output gate (qwen3_5; else None)."""
+        tokens, gate = x.shape[0], None
         q, *kv = self.qkv_proj(x)  # kv: k and v, k alone (v is k's projection), or none (K/V shared)
         if self.output_gate:
             q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -79,14 +90,10 @@ class Attention(nn.Module):
         if self.rope_order is not None:
             q = q[..., self.rope_order]
         if self.shares_kv:  # the source layer's K/V of these tokens are in the cache already
-            q = self.ops.rope(q, rotary)
-        else:
-            q = self._rope_and_store_kv(q, kv[0], kv[-1], rotary, kv_cache, meta)
-        out = self.ops.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.window, self.sinks)
-        out = out.reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)) if self.output_gate else out)
+            return self.ops.rope(q, rotary), gate
+        return self._rope_and_store_kv(q, kv[0], kv[-1], rotary, kv_cache, slot_mapping), gate
 
-    def _rope_and_store_kv(self, q, k, v, rotary, kv_cache, meta) -> torch.Tensor:
+    def _rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
         """k [T, kv_heads x head_dim] normed and rotated and v (normed where the family does) into the cache;
         q [T, heads, head_dim] rotated."""
         tokens = q.shape[0]
@@ -98,4 +105,4 @@ class Attention(nn.Module):
             v = rms_normalize(v, self.value_norm_eps)
         if self.rope_order is not None:
             k = k[..., self.rope_order]
-        return self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, meta.slot_mapping)
+        return self.ops.rope_and_store_kv(q, k, v, rotary, kv_cache, slot_mapping)

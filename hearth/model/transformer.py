@@ -186,24 +186,51 @@ class Transformer(nn.Module):
         if not adapters and added is None and (
                 out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
-        rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
-        if self.config.kv_sources:  # a layer that shares K/V attends over its source layer's cache
-            kv_caches = [kv_caches[self.config.kv_source(layer)] for layer in range(len(kv_caches))]
+        rotaries = self._rotaries(positions, x.dtype, rotary)
+        kv_caches = self._layer_caches(kv_caches)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rotaries, kv_cache, meta, *(() if per_layer is None else (per_layer[:, index],)))
             if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
                 x = x.index_add(0, added[0], added[1][:, index].to(x.dtype))
         return x, residual
 
+    def _layer_caches(self, kv_caches: list) -> list:
+        """Each layer's K/V caches: a layer that shares K/V (gemma4) attends over its source layer's."""
+        if not self.config.kv_sources:
+            return kv_caches
+        return [kv_caches[self.config.kv_source(layer)] for layer in range(len(kv_caches))]
+
+    def _rotaries(self, positions: torch.Tensor, dtype: torch.dtype, rotary=None) -> tuple:
+        """The lookups of the model's ropes (its own, gemma3's local one, smollm3's none) at the positions,
+        by Attention.rope_index; rotary: the first, already looked up."""
+        rotary = self.rope(positions, dtype) if rotary is None else rotary
+        return rotary, *(None if rope is None else rope(positions, dtype) for rope in (self.local_rope, self.no_rope))
+
     def first_layers(self, num_layers: int) -> Transformer:
         """A view of this model that runs its first num_layers layers, then its final norm and LM head,
         every module shared (early exit's draft, hearth/engine/speculation/early_exit.py); its backend
         state its own (a decode path over its layers)."""
+        return self.layer_range(0, num_layers)
+
+    def layer_range(self, start: int, stop: int) -> Transformer:
+        """first_layers' view of layers start..stop-1: from start > 0, only its run_layers means anything
+        (it takes the residual stream after layer start - 1: CALM's segments, hearth/model/early_exit.py)."""
         view = copy.copy(self)
         view._modules = dict(self._modules)  # (copy.copy shares the dict: the model's layers would change)
-        view.layers = nn.ModuleList(self.layers[:num_layers])
+        view.layers = nn.ModuleList(self.layers[start:stop])
         view.backend_state = {}
         return view
+
+    @torch.inference_mode()
+    def propagate_kv(self, start: int, stream: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor) -> None:
+        """CALM's state propagation: rows that leave the model after layer start - 1 (their residual
+        stream there [k, hidden], at positions [k], K/V going to slot_mapping [k]) get the K/V of every
+        later layer (kv_caches: all the model's) projected from that stream, through each layer's input norm."""
+        rotaries = self._rotaries(positions, stream.dtype)
+        for layer, kv_cache in zip(self.layers[start:], self._layer_caches(kv_caches)[start:]):
+            attention = layer.self_attn
+            attention.store_kv(layer.input_layernorm(stream), rotaries[attention.rope_index], kv_cache, slot_mapping)
 
     def _apply(self, fn, recurse=True):
         self.backend_state.clear()  # weight pointers change when tensors move

@@ -72,6 +72,7 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's: a lower value is served first
     thinking_token_budget: int | None = None  # vLLM's: thinking closed after this many tokens (--reasoning-parser)
     penalty_alpha: float | None = None  # transformers' contrastive search (Su et al. 2022), with top_k
+    calm_threshold: float | None = None  # hearth's: CALM early exit when this confident (hearth/model/calm.py)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -1,6 +1,10 @@
 // decode_attention: a few query rows per sequence against its cached K/V read in place through its
 // block table (cpu_kernels.h says how). A work item (sequence, KV head, split) runs three passes:
 // the scores, the softmax's numerators, the values; a last pass merges each row's splits.
+// A work item's tokens are positions, not cache slots: a token tree's rows (speculative branches)
+// each see their own ancestors at the positions past the tree's start, wherever their K/V sit, so
+// that every sum runs in position order as when the row's branch is decoded alone (greedy
+// speculation with trees keeps plain decoding's tokens bit for bit).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -128,16 +132,19 @@ struct Attention {
     if (tree_masks) return tree_start[s] + __builtin_popcountll(tree_masks[query_start[s] + r]);
     return (int64_t)lens[s] - (query_start[s + 1] - query_start[s]) + 1 + r;
   }
-  // the interval [row_begin, row_last) of positions row r of sequence s may see (a tree's row: those
-  // of it that `sees`)
+  // the interval [row_begin, row_end) of positions row r of sequence s sees
   int64_t row_begin(int64_t s, int64_t r) const {
     return window > 0 ? std::max<int64_t>(0, row_end(s, r) - window) : (int64_t)0;
   }
-  int64_t row_last(int64_t s, int64_t r) const { return tree_masks ? (int64_t)lens[s] : row_end(s, r); }
-  bool sees(int64_t s, int64_t row, int64_t pos) const {
-    const int64_t j = pos - tree_start[s];
-    return j < 0 || (j < 64 && (tree_masks[row] >> j) & 1);
+  // one past the last position a row of sequence s sees (the context length, but for a tree's)
+  int64_t seq_end(int64_t s) const {
+    int64_t end = 0;
+    for (int64_t r = 0; r < rows(s); ++r) end = std::max(end, row_end(s, r));
+    return end;
   }
+  // where sequence s's positions stop being its slots: its tree's start (no tree: its length); its
+  // tree's nodes are the slots from there to its length, each row's ancestors among them
+  int64_t tree_begin(int64_t s) const { return tree_masks ? (int64_t)tree_start[s] : (int64_t)lens[s]; }
 };
 
 // The work items, and where each (split, row, query head)'s partial results go.
@@ -159,7 +166,7 @@ Splits plan_splits(const Attention& a, int64_t num_seqs, int64_t split_len) {
     int64_t begin = a.row_begin(s, 0);
     for (int64_t r = 1; r < rows; ++r) begin = std::min(begin, a.row_begin(s, r));
     begin -= begin % SOFTMAX_TOKENS;  // a token's softmax sum (t mod SOFTMAX_TOKENS) by its position
-    const int64_t len = a.lens[s], first = begin / split_len;
+    const int64_t len = a.seq_end(s), first = begin / split_len;
     const int64_t n_splits = (len + split_len - 1) / split_len - first;
     p.first_split[s + 1] = p.first_split[s] + n_splits;
     p.first_part[s + 1] = p.first_part[s] + n_splits * rows;
@@ -184,6 +191,9 @@ struct Scratch {
   std::vector<float> scores;  // [split_len, stride]
   std::vector<float> lane_max, lane_sum, pattern;  // lanes_softmax's
   std::vector<int64_t> cache_rows, lo, hi;  // cache row of each token of the split; each query row's part of it
+  // a token tree's nodes: their cache rows, their scores by node [nodes, stride], then their weights
+  std::vector<int64_t> node_rows;
+  std::vector<float> node_scores;
   std::vector<float> row_buf;  // float16 and q8_0 rows widened
   std::vector<float> qt;  // queries transposed (the scores' pass)
   // the values' pass: its cached rows (float16 and q8_0 widened), a scratch row for the lanes past
@@ -202,8 +212,21 @@ struct Scratch {
 struct Lanes {
   Item it;
   int64_t n, rows, lanes_total, stride, part_row;  // part_row: this split's row 0 in Parts
+  // tokens [0, context) are cached rows at their positions; [context, n) a tree's, each row's
+  // ancestor there read from the tree's `nodes` (0: the split holds none of the tree's positions)
+  int64_t context, nodes;
   const float* q_seq;
 };
+
+// the cache rows (slot x KV heads + head) of the sequence's `count` slots from `first`, block by
+// block: one division per call, not per token (a 64-bit idiv was ~5% of the kernel)
+void slot_rows(const Attention& a, const Item& it, int64_t first, int64_t count, int64_t* out) {
+  const int32_t* table = a.tables + it.seq * a.max_blocks;
+  for (int64_t t = 0, block = first / a.block_size, offset = first % a.block_size; t < count; ++block, offset = 0) {
+    const int64_t first_row = (int64_t)table[block] * a.block_size;
+    for (; offset < a.block_size && t < count; ++offset, ++t) out[t] = (first_row + offset) * a.num_kv_heads + it.kv_head;
+  }
+}
 
 // The item's lanes, its buffers sized, the part of the split each query row sees, its tokens' cache rows
 Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s) {
@@ -221,40 +244,35 @@ Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s
   s.hi.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {  // split tokens [lo, hi) are the row's to see
     s.lo[r] = std::max<int64_t>(0, a.row_begin(it.seq, r) - it.begin);
-    s.hi[r] = std::max(s.lo[r], std::min(n, a.row_last(it.seq, r) - it.begin));
+    s.hi[r] = std::max(s.lo[r], std::min(n, a.row_end(it.seq, r) - it.begin));
   }
-  const int32_t* table = a.tables + it.seq * a.max_blocks;
-  // block by block: one division per item, not per token (a 64-bit idiv was ~5% of the kernel)
-  for (int64_t t = 0, block = it.begin / a.block_size, offset = it.begin % a.block_size; t < n; ++block, offset = 0) {
-    const int64_t first_row = (int64_t)table[block] * a.block_size;
-    for (; offset < a.block_size && t < n; ++offset, ++t) s.cache_rows[t] = (first_row + offset) * a.num_kv_heads + it.kv_head;
-  }
+  const int64_t tree = a.tree_begin(it.seq), context = std::clamp(tree - it.begin, (int64_t)0, n);
+  const int64_t nodes = context < n ? a.lens[it.seq] - tree : 0;
+  slot_rows(a, it, it.begin, context, s.cache_rows.data());
+  s.node_rows.resize(nodes);
+  s.node_scores.resize(nodes * stride);
+  slot_rows(a, it, tree, nodes, s.node_rows.data());
   const float* q_seq = a.q + a.query_start[it.seq] * a.num_heads * a.D + it.kv_head * a.group * a.D;
-  return {it, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, q_seq};
+  return {it, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, context, nodes, q_seq};
 }
 
-// The scores of LANES lanes from `first` (two vectors of them where more than SCORE_LANES are left:
-// each cached row read once for both): their queries transposed [D][lanes], so that a cached row's
-// products with all of them are vectors of multiply-adds along D, SCORE_TOKENS rows in flight; each
-// lane sums along D in order, whatever the other lanes hold
+// The scores of LANES lanes from `first` against the n cached rows `rows`, token-major into out
+// [n, stride]: the queries transposed in s.qt [D][LANES], so that a cached row's products with all of
+// them are vectors of multiply-adds along D, SCORE_TOKENS rows in flight; each lane sums along D in
+// order, whatever the other lanes hold
 template <int64_t LANES>
-void score_lanes(const Attention& a, const Lanes& w, int64_t first, Scratch& s) {
-  const int64_t D = a.D, n = w.n, stride = w.stride;
-  const int64_t lanes = std::min(LANES, w.lanes_total - first);
-  std::fill(s.qt.begin(), s.qt.begin() + D * LANES, 0.f);
-  for (int64_t j = 0; j < lanes; ++j) {
-    const int64_t row = (first + j) / a.group, head = (first + j) % a.group;
-    for (int64_t d = 0; d < D; ++d) s.qt[d * LANES + j] = w.q_seq[(row * a.num_heads + head) * D + d];
-  }
-  for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) a.k_cache.prefetch(s.cache_rows[t]);
+void score_rows(const Attention& a, const int64_t* rows, int64_t n, int64_t stride, int64_t first, Scratch& s,
+                float* out) {
+  const int64_t D = a.D;
+  for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) a.k_cache.prefetch(rows[t]);
   for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
     const int64_t count = std::min(SCORE_TOKENS, n - t0);
     const float* k[SCORE_TOKENS];
     for (int64_t u = 0; u < SCORE_TOKENS; ++u) {  // past the end: the last row again (not stored)
       const int64_t t = t0 + std::min(u, count - 1);
-      if (u < count && t + PREFETCH_ROWS < n) a.k_cache.prefetch(s.cache_rows[t + PREFETCH_ROWS]);
-      if (u < count && first == 0) a.v_cache.prefetch(s.cache_rows[t]);  // read after the scores
-      k[u] = a.k_cache.get(s.cache_rows[t], s.row_buf.data() + u * D);
+      if (u < count && t + PREFETCH_ROWS < n) a.k_cache.prefetch(rows[t + PREFETCH_ROWS]);
+      if (u < count && first == 0) a.v_cache.prefetch(rows[t]);  // read after the scores
+      k[u] = a.k_cache.get(rows[t], s.row_buf.data() + u * D);
     }
     float acc[SCORE_TOKENS][LANES] = {};
     for (int64_t d = 0; d < D; ++d)
@@ -265,13 +283,39 @@ void score_lanes(const Attention& a, const Lanes& w, int64_t first, Scratch& s) 
       }
     for (int64_t u = 0; u < count; ++u)
       for (int64_t v = 0; v < LANES; v += SCORE_LANES)
-        store_scaled(acc[u] + v, a.scale, std::min(SCORE_LANES, stride - first - v),
-                     s.scores.data() + (t0 + u) * stride + first + v);
+        store_scaled(acc[u] + v, a.scale, std::min(SCORE_LANES, stride - first - v), out + (t0 + u) * stride + first + v);
   }
 }
 
-// Every lane's scores, SCORE_LANES lanes a pass (two where more are left); then -inf where a lane's
-// row does not look: outside its [lo, hi), and the tree positions it does not see
+// The scores of LANES lanes from `first` (two vectors of them where more than SCORE_LANES are left:
+// each cached row read once for both): the context's tokens, and the tree's nodes by node
+template <int64_t LANES>
+void score_lanes(const Attention& a, const Lanes& w, int64_t first, Scratch& s) {
+  const int64_t D = a.D;
+  const int64_t lanes = std::min(LANES, w.lanes_total - first);
+  std::fill(s.qt.begin(), s.qt.begin() + D * LANES, 0.f);
+  for (int64_t j = 0; j < lanes; ++j) {
+    const int64_t row = (first + j) / a.group, head = (first + j) % a.group;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * LANES + j] = w.q_seq[(row * a.num_heads + head) * D + d];
+  }
+  score_rows<LANES>(a, s.cache_rows.data(), w.context, w.stride, first, s, s.scores.data());
+  score_rows<LANES>(a, s.node_rows.data(), w.nodes, w.stride, first, s, s.node_scores.data());
+}
+
+// Calls f(j, t, node) for each lane j and the tree's split tokens t: the lane's row's ancestor
+// `node` at that position (the k-th set bit of its mask: the ancestor at depth k)
+template <typename F>
+void for_each_ancestor(const Attention& a, const Lanes& w, F f) {
+  const int64_t t0 = a.tree_start[w.it.seq] - w.it.begin;
+  for (int64_t j = 0; j < w.lanes_total; ++j) {
+    uint64_t mask = a.tree_masks[a.query_start[w.it.seq] + j / a.group];
+    for (int64_t t = t0; mask; ++t, mask &= mask - 1)
+      if (t >= w.context && t < w.n) f(j, t, (int64_t)__builtin_ctzll(mask));
+  }
+}
+
+// Every lane's scores, SCORE_LANES lanes a pass (two where more are left), a tree's each lane's
+// ancestors' at their positions; then -inf where a lane's row does not look: outside its [lo, hi)
 void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
   for (int64_t first = 0; first < w.lanes_total;) {
     if (w.lanes_total - first > SCORE_LANES) {
@@ -283,13 +327,12 @@ void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
     }
   }
   const int64_t n = w.n, stride = w.stride;
+  if (w.nodes)
+    for_each_ancestor(a, w, [&](int64_t j, int64_t t, int64_t node) { s.scores[t * stride + j] = s.node_scores[node * stride + j]; });
   for (int64_t j = 0; j < w.lanes_total; ++j) {
     const int64_t r = j / a.group;
     for (int64_t t = 0; t < std::min(s.lo[r], n); ++t) s.scores[t * stride + j] = NEG_INF;
     for (int64_t t = s.hi[r]; t < n; ++t) s.scores[t * stride + j] = NEG_INF;
-    if (a.tree_masks)
-      for (int64_t t = std::max(s.lo[r], a.tree_start[w.it.seq] - w.it.begin); t < s.hi[r]; ++t)
-        if (!a.sees(w.it.seq, a.query_start[w.it.seq] + r, w.it.begin + t)) s.scores[t * stride + j] = NEG_INF;
   }
 }
 
@@ -305,13 +348,14 @@ void softmax_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) 
   }
 }
 
-// The values, VALUE_TOKENS cached rows at a time (float16 and q8_0 rows widened once for all lanes),
-// weighed into the parts' outputs
-void value_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
-  const int64_t D = a.D, n = w.n, stride = w.stride, lanes_total = w.lanes_total;
+// The values of the n cached rows `rows` with their token-major weights [n, stride], VALUE_TOKENS
+// rows at a time (float16 and q8_0 rows widened once for all lanes), into the parts' outputs
+void weigh_values(const Attention& a, const Lanes& w, const int64_t* rows, const float* weights, int64_t n, Scratch& s,
+                  Parts& parts) {
+  const int64_t D = a.D, stride = w.stride, lanes_total = w.lanes_total;
   for (int64_t t0 = 0; t0 < n; t0 += VALUE_TOKENS) {
     const int64_t count = std::min(VALUE_TOKENS, n - t0);
-    for (int64_t u = 0; u < count; ++u) s.v_rows[u] = a.v_cache.get(s.cache_rows[t0 + u], s.value_buf.data() + u * D);
+    for (int64_t u = 0; u < count; ++u) s.v_rows[u] = a.v_cache.get(rows[t0 + u], s.value_buf.data() + u * D);
     for (int64_t first = 0; first < lanes_total; first += VALUE_LANES) {
       const int64_t lanes = std::min(VALUE_LANES, lanes_total - first);
       for (int64_t j = 0; j < VALUE_LANES; ++j) {
@@ -319,12 +363,22 @@ void value_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
         s.sums[j] = j < lanes ? parts.out.data() + ((w.part_row + r) * a.num_heads + w.it.kv_head * a.group + rg % a.group) * D
                               : s.scratch.data();
       }
-      const float* weights = s.scores.data() + t0 * stride + first;
-      if (lanes <= 4) add_weighted_values<4>(weights, stride, s.v_rows, count, D, s.sums);
-      else if (lanes <= 8) add_weighted_values<8>(weights, stride, s.v_rows, count, D, s.sums);
-      else add_weighted_values<VALUE_LANES>(weights, stride, s.v_rows, count, D, s.sums);
+      const float* wt = weights + t0 * stride + first;
+      if (lanes <= 4) add_weighted_values<4>(wt, stride, s.v_rows, count, D, s.sums);
+      else if (lanes <= 8) add_weighted_values<8>(wt, stride, s.v_rows, count, D, s.sums);
+      else add_weighted_values<VALUE_LANES>(wt, stride, s.v_rows, count, D, s.sums);
     }
   }
+}
+
+// The values: the context's tokens, then a tree's nodes in order, each weighing for the lanes whose
+// row's ancestor it is (0 for the others: each lane's sum runs over its positions in order)
+void value_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
+  weigh_values(a, w, s.cache_rows.data(), s.scores.data(), w.context, s, parts);
+  if (!w.nodes) return;
+  std::fill(s.node_scores.begin(), s.node_scores.end(), 0.f);
+  for_each_ancestor(a, w, [&](int64_t j, int64_t t, int64_t node) { s.node_scores[node * w.stride + j] = s.scores[t * w.stride + j]; });
+  weigh_values(a, w, s.node_rows.data(), s.node_scores.data(), w.nodes, s, parts);
 }
 
 // out [D] of query row `row`, head h: its splits merged in order; a split the row saw nothing of
@@ -360,9 +414,10 @@ void merge_splits(const Attention& a, const Splits& p, const Parts& parts, int64
 // sits at position len - n + r and sees positions up to its own (causal among the new rows);
 // window > 0: only its last `window` positions (sliding-window attention); 0: all of them.
 // Token trees (speculative branches; tree_start, tree_masks null: causal): tree_start int32 [S],
-// where sequence s's tree region begins; tree_masks int64 [R], bit j set = the row sees position
-// tree_start + j (its ancestors and itself); it sees every position before the region, and its own
-// position is tree_start + its bits set - 1 (its depth: the window counts from there).
+// where sequence s's tree region begins; tree_masks int64 [R], bit j set = the row sees the K/V in
+// the region's slot j (its ancestors and itself); it sees every position before the region, its
+// ancestor at depth k (its k-th bit set) at position tree_start + k, and its own position is
+// tree_start + its bits set - 1 (its depth: the window counts from there).
 // sinks float [H] (0: none): a logit per query head that joins each row's softmax with no value
 // (gpt-oss's attention sinks).
 // A work item reads each K/V row once for every query row and head of its group.

@@ -82,8 +82,8 @@ class Speculator:
         for request, tokens in sampled.items():
             params = request.sampling_params
             if (request.status is not RequestStatus.RUNNING or not params.speculative or params.contrastive_weight
-                    or params.contrastive_search):
-                continue  # opted out, or contrastive (its scores come from one position at a time)
+                    or params.contrastive_search or params.calm_threshold is not None):
+                continue  # opted out, contrastive or CALM (its scores or exits come one position at a time)
             verified_rows[request] = tokens.row_token_ids
             k = self._count(request, num_running)
             if k > 0:
