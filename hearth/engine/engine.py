@@ -74,10 +74,7 @@ class LLMEngine:
         hybrid = check_hybrid(config, self.model_config)
         self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
-        # with prefix caching, a hybrid's state checkpoints: as many as its running slots, rows after them
-        self.num_state_checkpoints = self.num_state_slots if hybrid and config.cache.enable_prefix_caching else 0
-        # with speculation, rows after those for the states after each verified guess (state_ops.py)
-        self.num_state_snapshots = self.num_state_slots * state_snapshots_per_slot(config) if hybrid else 0
+        self.num_state_checkpoints, self.num_state_snapshots = self._state_rows(config, hybrid)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.runner = ModelRunner(self.model, self.num_blocks, config.cache.block_size, self.device, self.dtype,
                                   eos_token_ids=self.tokenizer.eos_token_ids, grammars=self.grammars,
@@ -103,8 +100,8 @@ class LLMEngine:
         self.lora = self._start_lora(config)
         self.kv_cache_bytes = self.num_blocks * config.cache.block_size * bytes_per_token
         state_bytes = self.model_config.state_bytes_per_sequence(self.dtype.itemsize)
-        self.state_cache_bytes = self.num_state_slots * state_bytes
-        self.state_checkpoint_bytes = self.num_state_checkpoints * state_bytes
+        self.state_cache_bytes, self.state_checkpoint_bytes = (n * state_bytes for n in (self.num_state_slots,
+                                                                                         self.num_state_checkpoints))
         if progress:
             self._announce()
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len)
@@ -118,6 +115,14 @@ class LLMEngine:
         self.last_step = StepStats()
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+
+    def _state_rows(self, config: EngineConfig, hybrid: bool) -> tuple[int, int]:
+        """A hybrid's state rows past its running slots: with prefix caching, its checkpoints (as many as
+        its slots); with speculation, the states after each verified guess (state_ops.py)."""
+        if not hybrid:
+            return 0, 0
+        checkpoints = self.num_state_slots if config.cache.enable_prefix_caching else 0
+        return checkpoints, self.num_state_slots * state_snapshots_per_slot(config)
 
     def _announce(self) -> None:
         """The start-up line: the model, where it runs, and what its caches hold."""

@@ -53,10 +53,7 @@ if TYPE_CHECKING:  # (they run ModelRunners of their own)
 class ModelRunner:
     def __init__(
         self,
-        model: Transformer,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
+        model: Transformer, num_blocks: int, block_size: int, device: torch.device,
         kv_dtype: torch.dtype,  # the compute dtype: the cache's with kv_cache_dtype "auto"
         eos_token_ids: Sequence[int] = (),
         grammars: GrammarCompiler | None = None,
