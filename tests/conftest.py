@@ -55,8 +55,65 @@ def _interpreter_patches_known_builtins() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+def _interpreter_patches_once_a_launch() -> None:
+    """A launch patches triton.language for its programs and restores it when they end; each call of a
+    @triton.jit helper inside a program patches it again (and never restores: the launch does), which is
+    a tenth of a gpu backend test's CPU. Here a helper's call skips that when the launch already patched
+    every language module the helper's globals name (hearth's kernels and helpers all use `tl`)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    full_patch, run_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    languages = (tl, tl.core)
+    names: dict[int, frozenset[int]] = {}  # id of a module's globals -> ids of the language modules it names
+    launch = {"running": False, "patched": frozenset()}
+
+    def languages_of(fn) -> frozenset[int]:
+        key = id(fn.__globals__)
+        if key not in names:
+            names[key] = frozenset(id(v) for v in fn.__globals__.values() if any(v is lang for lang in languages))
+        return names[key]
+
+    def patch_lang(fn):
+        if launch["running"] and launch["patched"] and languages_of(fn) <= launch["patched"]:
+            return interpreter._LangPatchScope()
+        scope = full_patch(fn)
+        if launch["running"] and not launch["patched"]:
+            launch["patched"] = languages_of(fn)
+        return scope
+
+    def run(self, *args, **kwargs):
+        launch.update(running=True, patched=frozenset())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            launch.update(running=False, patched=frozenset())
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, run
+
+
+def _interpreter_numpy_dtypes_cached() -> None:
+    """The interpreter's Triton-to-numpy dtype lookup builds its table at every call (~7% of a gpu
+    backend test's CPU): the same answers, remembered per dtype."""
+    import functools
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    lookup = functools.lru_cache(maxsize=None)(interpreter._get_np_dtype)  # scalar dtypes are hashable
+
+    def numpy_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        return np.dtype(np.uint64) if isinstance(tt_dtype, tl.pointer_type) else lookup(tt_dtype)
+
+    interpreter._get_np_dtype = numpy_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_patches_known_builtins()
+    _interpreter_patches_once_a_launch()
+    _interpreter_numpy_dtypes_cached()
 
 
 @pytest.fixture

