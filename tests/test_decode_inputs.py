@@ -50,7 +50,7 @@ class Sequences:
         return again
 
     def step(self):
-        config = SimpleNamespace(is_hybrid=False, mrope_section=None)
+        config = SimpleNamespace(is_hybrid=False, mrope_section=None, bidirectional_images=False)
         runner = SimpleNamespace(block_size=BLOCK, model=SimpleNamespace(config=config))
         entries = [BatchEntry([self.rng.randrange(1000)], s["computed"], s["table"]) for s in self.running]
         params = np.array([s["params"] for s in self.running], dtype=np.float64).T

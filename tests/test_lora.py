@@ -286,6 +286,8 @@ def test_load_and_unload_endpoints_and_model_names(llm, base_and_adapters):
     from test_server import serving
 
     _, adapters = base_and_adapters
+    for name in ADAPTERS:  # (whichever of the file's tests this worker ran before: every adapter loaded)
+        llm.engine.add_lora(LoRARequest(name, 0, str(adapters[name])))
     prompt = [5, 9, 17, 33, 65, 129, 200]
     offline = llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=LoRARequest("qv"))[0].outputs[0].text
     engine = AsyncEngine(llm.engine)
