@@ -226,9 +226,8 @@ class Transformer(nn.Module):
         added: rows [k] and values [k, D, hidden], the d-th added to the stream after layer d."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
-        # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
-        adapters = self.lora_rows is not None and self.lora_rows.active
-        if not adapters and added is None and (
+        # (with LoRA adapters in the step: a backend's whole-layer path adds them, or declines)
+        if added is None and (
                 out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = (rotary, *(None if rope is None else rope(positions, x.dtype) for rope in (self.local_rope, self.no_rope)))
