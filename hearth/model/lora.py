@@ -5,14 +5,15 @@ adapter may target (attention's q, k, v and o, the MLP's gate, up and down) in a
 backend's own module for the base weight (dense, or a QuantTensor's module that `Backend.prepare`
 put there: Int8Linear, HalfLinear, DequantLinear) stays inside it untouched and computes y = x W^T;
 the wrapper adds the adapters' low-rank terms. Each wrapper holds `max_loras` slots of A [R, in] and
-B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros): A
-[slots, R x projections, in], B [slots, out, R]. A merged projection (hearth's qkv_proj and
-gate_up_proj parts: MergedLinear) stacks the A of each projection it holds ([q; k; v] rows, R each)
-and its B rows, each output row taking its own projection's R columns of A x.
+B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros), both
+transposed: A^T [slots, in, R x projections], B^T [slots, R, out] (so that the kernels multiply-add
+a vector of columns at a time). A merged projection (hearth's qkv_proj and gate_up_proj parts:
+MergedLinear) lays the A^T and the B^T of each projection it holds side by side ([q | k | v]
+columns), each output column taking its own projection's R columns of A x.
 
 A step's rows each name a slot or none (`LoraBank.activate`, from the runner). The rows of one slot
 go together, each slot's matrices read once for them (punica's shrink then expand): the modules take
-x [rows, in] @ A_s^T -> [rows, R x projections], then each projection's columns @ its rows of B_s^T,
+x [rows, in] @ A_s^T -> [rows, R x projections], then each projection's columns @ its columns of B_s^T,
 scaled and added to the base's output at those rows; the cpu backend's whole-layer decode kernels do
 the same in C++ after each matmul (hearth/backend/cpu_decode.py, cpu_kernels/lora.cpp). The slots no
 row uses are not read; a step with no adapter adds nothing.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hearth.errors import ModelLoadError
@@ -53,10 +53,10 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.lora_base, self.rows, self.max_rank = base, rows, max_rank
         self.in_features, self.out_sizes = in_features, out_sizes
-        self.register_buffer("lora_a", torch.zeros(slots, max_rank * len(out_sizes), in_features, dtype=dtype,
-                                                   device=device), persistent=False)  # [slots, R x projections, in]
-        self.register_buffer("lora_b", torch.zeros(slots, sum(out_sizes), max_rank, dtype=dtype, device=device),
-                             persistent=False)  # [slots, out, R]
+        self.register_buffer("lora_a", torch.zeros(slots, in_features, max_rank * len(out_sizes), dtype=dtype,
+                                                   device=device), persistent=False)  # [slots, in, R x projections]: A^T
+        self.register_buffer("lora_b", torch.zeros(slots, max_rank, sum(out_sizes), dtype=dtype, device=device),
+                             persistent=False)  # [slots, R, out]: B^T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         y = self.lora_base(x)
@@ -68,18 +68,18 @@ class LoraLinear(nn.Module):
         return y
 
     def _low_rank(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # [k, in] -> [k, out]: B_s (A_s x), unscaled
-        xa = F.linear(x, self.lora_a[slot])  # [k, R x projections]
+        xa = x @ self.lora_a[slot]  # [k, R x projections]
         if len(self.out_sizes) == 1:
-            return F.linear(xa, self.lora_b[slot])
-        b = self.lora_b[slot].split(self.out_sizes)
-        return torch.cat([F.linear(xa_p, b_p) for xa_p, b_p in zip(xa.split(self.max_rank, dim=1), b)], dim=1)
+            return xa @ self.lora_b[slot]
+        b = self.lora_b[slot].split(self.out_sizes, dim=1)
+        return torch.cat([xa_p @ b_p for xa_p, b_p in zip(xa.split(self.max_rank, dim=1), b)], dim=1)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Projection `part`'s A [r, in] and B [out_sizes[part], r] into the slot (r <= max_rank)."""
         columns = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
         start = sum(self.out_sizes[:part])
-        self.lora_a[slot, columns] = a.to(self.lora_a.dtype)
-        self.lora_b[slot, start : start + b.shape[0], : b.shape[1]] = b.to(self.lora_b.dtype)
+        self.lora_a[slot, :, columns] = a.T.to(self.lora_a.dtype)
+        self.lora_b[slot, : b.shape[1], start : start + b.shape[0]] = b.T.to(self.lora_b.dtype)
 
 
 class LoraBank:

@@ -121,7 +121,7 @@ constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP
 // decode_layers' LoRA operands (int64 [LORA_OPERANDS], or none): the LoRA table (int64 [layers,
 // LORA_PART_ROWS, LORA_FIELDS]: a row per part of the layer table, in its order), each row's slot
 // (int32 [T], -1: none), each slot's scale (float32 [slots]), the rank R every slot is padded to, the
-// number of slots. A part's row: its A (float32 [slots, parts x R, in]) and B (float32 [slots, out, R])
+// number of slots. A part's row: its A^T (float32 [slots, in, parts x R]) and B^T (float32 [slots, R, out])
 // or 0 and 0 (no adapters there), then the output sizes of the projections it holds side by side
 // (hearth's merged q/k/v, gate/up; 0 past the last), each with its own R columns of A x.
 enum LoraOperand { LORA_TABLE, LORA_ROW_SLOTS, LORA_SLOT_SCALES, LORA_RANK, LORA_SLOTS, LORA_OPERANDS };
@@ -130,12 +130,13 @@ enum LoraField { LORA_A, LORA_B, LORA_SIZES, LORA_FIELDS = LORA_SIZES + MAX_LORA
 constexpr int LORA_PART_ROWS = PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN];
 
 // A step's rows grouped by their LoRA slot (from the operands above): group g's rows are
-// rows[starts[g]], ..., rows[starts[g + 1] - 1], all of slot[g], scaled by scale[g].
+// rows[starts[g]], ..., rows[starts[g + 1] - 1] (group[i]: the group of rows[i]), all of slot[g],
+// scaled by scale[g].
 struct LoraGroups {
   LoraGroups(const int64_t* operands, int64_t tokens);
   const int64_t* table;
   int64_t rank, slots;
-  std::vector<int64_t> slot, starts, rows;
+  std::vector<int64_t> slot, starts, rows, group;
   std::vector<float> scale;
 };
 void lora_add(const LoraGroups& groups, const int64_t* part, const float* x, int64_t x_stride, float* y,

@@ -10,11 +10,33 @@ namespace {
 
 constexpr int64_t EXPAND_BLOCK = 64;  // output columns per work item of the expand
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// out [W] = x [in] A^T, A^T [in, width] from its column 0: W sums side by side, a vector of
+// multiply-adds per x[i] (no horizontal sums; W / 8 independent chains)
+template <int W>
+inline void shrink_columns(const float* x, const float* a_t, int64_t in, int64_t width, float* out) {
+  float sums[W] = {};
+  for (int64_t i = 0; i < in; ++i) {
+    const float xi = x[i];
+    const float* row = a_t + i * width;
+#pragma omp simd
+    for (int c = 0; c < W; ++c) sums[c] += xi * row[c];
+  }
+  std::copy_n(sums, W, out);
+}
+
+// out [width] = x [in] A^T, A^T [in, width]: as wide a pass as divides width (one pass for width 48,
+// hearth's merged q/k/v at rank 16), 8 columns a pass otherwise, one for a remainder below 8
+void shrink(const float* x, const float* a_t, int64_t in, int64_t width, float* out) {
+  int64_t c = 0;
+  if (width % 48 == 0) {
+    for (; c < width; c += 48) shrink_columns<48>(x, a_t + c, in, width, out + c);
+  } else if (width % 32 == 0) {
+    for (; c < width; c += 32) shrink_columns<32>(x, a_t + c, in, width, out + c);
+  } else {
+    for (; c + 16 <= width; c += 16) shrink_columns<16>(x, a_t + c, in, width, out + c);
+    for (; c + 8 <= width; c += 8) shrink_columns<8>(x, a_t + c, in, width, out + c);
+    for (; c < width; ++c) shrink_columns<1>(x, a_t + c, in, width, out + c);
+  }
 }
 
 }  // namespace
@@ -28,7 +50,10 @@ LoraGroups::LoraGroups(const int64_t* operands, int64_t tokens) {
   starts.push_back(0);
   for (int64_t s = 0; s < slots; ++s) {  // a counting sort of the rows by slot; rows of none left out
     for (int64_t t = 0; t < tokens; ++t)
-      if (row_slots[t] == s) rows.push_back(t);
+      if (row_slots[t] == s) {
+        rows.push_back(t);
+        group.push_back((int64_t)slot.size());
+      }
     if ((int64_t)rows.size() > starts.back()) {
       slot.push_back(s);
       scale.push_back(slot_scales[s]);
@@ -38,31 +63,28 @@ LoraGroups::LoraGroups(const int64_t* operands, int64_t tokens) {
 }
 
 // y [T, sum(sizes)] (row stride y_stride) += scale_s B_s (A_s x_t) for each row t of each group's
-// slot s: A [slots, parts x rank, in], B [slots, sum(sizes), rank], output column o of part p
+// slot s: A^T [slots, in, parts x rank], B^T [slots, rank, sum(sizes)], output column o of part p
 // taking the rank columns p x rank... of A_s x_t. x [T, in] at row stride x_stride.
 void lora_add(const LoraGroups& groups, const int64_t* part, const float* x, int64_t x_stride, float* y,
               int64_t y_stride, int64_t in, std::vector<float>& xa, int threads) {
   const float* a = reinterpret_cast<const float*>(part[LORA_A]);
   const float* b = reinterpret_cast<const float*>(part[LORA_B]);
   const int64_t* sizes = part + LORA_SIZES;
-  const int64_t rank = groups.rank, num_groups = (int64_t)groups.slot.size();
+  const int64_t rank = groups.rank, num_groups = (int64_t)groups.slot.size(), num_rows = (int64_t)groups.rows.size();
   int64_t parts = 0, out = 0, blocks = 0;  // blocks: a group's expand work items, EXPAND_BLOCK columns of a part each
   for (; parts < MAX_LORA_PARTS && sizes[parts]; ++parts) {
     out += sizes[parts];
     blocks += (sizes[parts] + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
   }
   const int64_t width = parts * rank;
-  xa.resize(groups.rows.size() * width);  // [the groups' rows, in group order, width]
-  // shrink: each of A_s's rows read once for all of its group's rows
+  xa.resize(num_rows * width);  // [the groups' rows, in group order, width]
 #pragma omp parallel num_threads(threads)
   {
+    // shrink: a row's A_s x_t (A_s^T a few hundred KiB at most: its group's other rows find it in L2)
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < num_groups * width; ++item) {
-      const int64_t g = item / width, j = item % width;
-      const float* a_row = a + (groups.slot[g] * width + j) * in;
-      for (int64_t r = groups.starts[g]; r < groups.starts[g + 1]; ++r)
-        xa[r * width + j] = dot(a_row, x + groups.rows[r] * x_stride, in);
-    }
+    for (int64_t r = 0; r < num_rows; ++r)
+      shrink(x + groups.rows[r] * x_stride, a + groups.slot[groups.group[r]] * in * width, in, width,
+             xa.data() + r * width);
     // expand: a block of a part's columns for each of its group's rows
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_groups * blocks; ++item) {
@@ -74,11 +96,21 @@ void lora_add(const LoraGroups& groups, const int64_t* part, const float* x, int
         block -= in_part;
       }
       const int64_t begin = first + block * EXPAND_BLOCK, end = std::min(first + sizes[p], begin + EXPAND_BLOCK);
-      const float* b_slot = b + groups.slot[g] * out * rank;
+      const float* b_slot = b + groups.slot[g] * rank * out + begin;  // B_s^T's rows from column `begin`
+      const int64_t n = end - begin;
       for (int64_t r = groups.starts[g]; r < groups.starts[g + 1]; ++r) {
         const float* xa_row = xa.data() + r * width + p * rank;
-        float* y_row = y + groups.rows[r] * y_stride;
-        for (int64_t o = begin; o < end; ++o) y_row[o] += groups.scale[g] * dot(b_slot + o * rank, xa_row, rank);
+        float sums[EXPAND_BLOCK] = {};  // the block's columns of B_s (A_s x_t), a vector of multiply-adds per rank
+        for (int64_t k = 0; k < rank; ++k) {
+          const float c = xa_row[k];
+          const float* b_row = b_slot + k * out;
+#pragma omp simd
+          for (int64_t o = 0; o < n; ++o) sums[o] += c * b_row[o];
+        }
+        float* y_row = y + groups.rows[r] * y_stride + begin;
+        const float scale = groups.scale[g];
+#pragma omp simd
+        for (int64_t o = 0; o < n; ++o) y_row[o] += scale * sums[o];
       }
     }
   }
