@@ -176,11 +176,24 @@ def test_bad_adapters_are_refused_by_name(llm, base_and_adapters, tmp_path, name
 BASES = {"f16": ("HalfLinear", 2e-4), "q8_0": ("Int8Linear", 0.1)}
 
 
-@pytest.mark.parametrize("out_type", BASES)
-def test_stored_base_equals_dequantized_reference(base_and_adapters, tmp_path, monkeypatch, out_type):
+def rounded_adapter(folder, dtype, into):
+    """A copy of the PEFT adapter in `folder` with its matrices rounded to `dtype` (kept float32)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, into)
+    tensors = load_file(into / "adapter_model.safetensors")
+    save_file({k: v.to(dtype).float() for k, v in tensors.items()}, into / "adapter_model.safetensors")
+    return into
+
+
+@pytest.mark.parametrize("out_type, lora_dtype", [("f16", "auto"), ("q8_0", "auto"), ("f16", "bfloat16")])
+def test_stored_base_equals_dequantized_reference(base_and_adapters, tmp_path, monkeypatch, out_type, lora_dtype):
     """hearth convert to F16 or Q8_0, then the adapters, one alone and the four mixed with a plain request in one
     batch: against transformers + peft on the dequantized weights (transformers reads the GGUF itself, dequantizing
-    with gguf's own code). Their decode steps run the cpu backend's whole-layer kernels, the adapters' terms in them."""
+    with gguf's own code); with lora_dtype bfloat16, against peft with the adapters rounded to bfloat16. Their decode
+    steps run the cpu backend's whole-layer kernels, the adapters' terms in them."""
     import transformers
 
     from hearth.backend.cpu_decode import CpuDecodePath
@@ -189,9 +202,11 @@ def test_stored_base_equals_dequantized_reference(base_and_adapters, tmp_path, m
     base, adapters = base_and_adapters
     module, tolerance = BASES[out_type]
     gguf_file = convert_hf_to_gguf(base, tmp_path / f"base-{out_type}.gguf", out_type, progress=False)
-    llm = LLM(str(gguf_file), lora_modules=[f"{n}={p}" for n, p in adapters.items()], kv_cache_memory=1 << 24,
-              progress=False)
+    llm = LLM(str(gguf_file), lora_modules=[f"{n}={p}" for n, p in adapters.items()], lora_dtype=lora_dtype,
+              kv_cache_memory=1 << 24, progress=False)
     assert type(llm.engine.model.layers[0].mlp.down_proj.lora_base).__name__ == module
+    if lora_dtype != "auto":
+        adapters = {n: rounded_adapter(p, getattr(torch, lora_dtype), tmp_path / n) for n, p in adapters.items()}
     kernel_steps = []  # (rows with an adapter, whether the kernel ran the step) of each decode step
     run = CpuDecodePath.__call__
     monkeypatch.setattr(CpuDecodePath, "__call__", lambda path, x, *args: kernel_steps.append(

@@ -74,6 +74,7 @@ class CpuDecodePath:
                 or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank or config.is_hybrid):
             return None
         rows, lora_parts = [], []
+        formats = [getattr(torch, name) for name in kernels.LORA_FORMATS]
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
@@ -81,7 +82,7 @@ class CpuDecodePath:
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
                 if len(parts) > most:
                     return None
-                lora_parts += [lora_operands(part, kernels.MAX_LORA_PARTS) for part in parts]
+                lora_parts += [lora_operands(part, kernels.MAX_LORA_PARTS, formats) for part in parts]
                 lora_parts += [[0] * kernels.LORA_FIELDS] * (most - len(parts))
                 parts = [getattr(part, "lora_base", part) for part in parts]  # a LoRA wrapper's base module
                 weights = [kernel_weight(part) for part in parts]
@@ -219,15 +220,17 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
             model.lm_head.out_features)
 
 
-def lora_operands(part, most: int) -> list[int] | None:
+def lora_operands(part, most: int, formats: list[torch.dtype]) -> list[int] | None:
     """A part's row of decode_layers' LoRA table: a LoraLinear's (hearth/model/lora.py) A and B pointers
-    and the output sizes of the projections it holds (`most` at most); zeros for another module; None
-    for a wrapper the kernel cannot run (more projections, matrices not float32 on the CPU)."""
+    pointers, their format (an index in `formats`, the kernel's LoraFormat) and the output sizes of the
+    projections it holds (`most` at most); zeros for another module; None for a wrapper the kernel cannot
+    run (more projections, matrices in another dtype or off the CPU)."""
     if not hasattr(part, "lora_a"):
-        return [0] * (2 + most)
-    if len(part.out_sizes) > most or part.lora_a.dtype != torch.float32 or not part.lora_a.is_cpu:
+        return [0] * (3 + most)
+    if len(part.out_sizes) > most or part.lora_a.dtype not in formats or not part.lora_a.is_cpu:
         return None
-    return [part.lora_a.data_ptr(), part.lora_b.data_ptr(), *part.out_sizes, *[0] * (most - len(part.out_sizes))]
+    return [part.lora_a.data_ptr(), part.lora_b.data_ptr(), formats.index(part.lora_a.dtype), *part.out_sizes,
+            *[0] * (most - len(part.out_sizes))]
 
 
 def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:

@@ -68,10 +68,10 @@ class LoraLinear(nn.Module):
         return y
 
     def _low_rank(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # [k, in] -> [k, out]: B_s (A_s x), unscaled
-        xa = x @ self.lora_a[slot]  # [k, R x projections]
+        xa = x @ self.lora_a[slot].to(x.dtype)  # [k, R x projections]
         if len(self.out_sizes) == 1:
-            return xa @ self.lora_b[slot]
-        b = self.lora_b[slot].split(self.out_sizes, dim=1)
+            return xa @ self.lora_b[slot].to(x.dtype)
+        b = self.lora_b[slot].to(x.dtype).split(self.out_sizes, dim=1)
         return torch.cat([xa_p @ b_p for xa_p, b_p in zip(xa.split(self.max_rank, dim=1), b)], dim=1)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -85,13 +85,14 @@ class LoraLinear(nn.Module):
 class LoraBank:
     """Every adaptable projection of `model` wrapped (LoraLinear), and its slots filled and emptied."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype | None = None):
+        """dtype: the matrices' (None: the model's)."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.rows = LoraRows(max_loras, max_rank)
         # PEFT's module path without "model." (layers.0.self_attn.q_proj) -> (wrapper, projection in it)
         self.targets: dict[str, tuple[LoraLinear, int]] = {}
         model.lora_rows = self.rows
-        dtype, device = model.dtype, model.norm.weight.device
+        dtype, device = dtype or model.dtype, model.norm.weight.device
         for i, layer in enumerate(model.layers):
             modules = [(f"layers.{i}.self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
             if isinstance(layer.mlp, GatedMLP):  # (not a mixture of experts: its experts are not adaptable)

@@ -121,12 +121,13 @@ constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP
 // decode_layers' LoRA operands (int64 [LORA_OPERANDS], or none): the LoRA table (int64 [layers,
 // LORA_PART_ROWS, LORA_FIELDS]: a row per part of the layer table, in its order), each row's slot
 // (int32 [T], -1: none), each slot's scale (float32 [slots]), the rank R every slot is padded to, the
-// number of slots. A part's row: its A^T (float32 [slots, in, parts x R]) and B^T (float32 [slots, R, out])
-// or 0 and 0 (no adapters there), then the output sizes of the projections it holds side by side
+// number of slots. A part's row: its A^T ([slots, in, parts x R]) and B^T ([slots, R, out]) or 0 and
+// 0 (no adapters there), their LoraFormat, then the output sizes of the projections it holds side by side
 // (hearth's merged q/k/v, gate/up; 0 past the last), each with its own R columns of A x.
 enum LoraOperand { LORA_TABLE, LORA_ROW_SLOTS, LORA_SLOT_SCALES, LORA_RANK, LORA_SLOTS, LORA_OPERANDS };
 constexpr int MAX_LORA_PARTS = 3;
-enum LoraField { LORA_A, LORA_B, LORA_SIZES, LORA_FIELDS = LORA_SIZES + MAX_LORA_PARTS };
+enum LoraField { LORA_A, LORA_B, LORA_FORMAT, LORA_SIZES, LORA_FIELDS = LORA_SIZES + MAX_LORA_PARTS };
+enum LoraFormat { LORA_F32, LORA_BF16 };  // bfloat16 widened to float32 exactly as it is read
 constexpr int LORA_PART_ROWS = PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN];
 
 // A step's rows grouped by their LoRA slot (from the operands above): group g's rows are
