@@ -4,11 +4,12 @@ base model, on a real model (SmolLM2-135M Q4_1 by default).
     python benchmarks/lora.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [--batch 8] [--rank 16] [--steps 48]
                               [--threads 2] [--out benchmarks/results/lora]
 
-Three setups, each its own engine, alternated `--repeats` times after a warm-up: the base model
-(no LoRA at all: enable_lora off), the LoRA engine's plain requests (its projections wrapped, no
-adapter in the step), and B requests each with its own adapter (B adapters in one batch: rank
---rank on all seven projections of every layer, random). A step is timed around LLMEngine.step()
-only while all B requests decode; the median step gives tokens/s = B / step time.
+Five setups, alternated `--repeats` times after a warm-up: the base model (no LoRA at all:
+enable_lora off), the LoRA engine's plain requests (its projections wrapped, no adapter in the
+step), the B requests all through one adapter, B requests each with its own adapter (B adapters in
+one batch: rank --rank on all seven projections of every layer, random), and those again on an
+engine with --lora-dtype bfloat16. A step is timed around LLMEngine.step() only while all B
+requests decode; the median step gives tokens/s = B / step time.
 """
 
 from __future__ import annotations
@@ -84,14 +85,17 @@ def main() -> None:
     set_threads(args.threads)
     options = dict(max_num_seqs=args.batch, kv_cache_memory=256 << 20)
     base = LLMEngine(args.model, EngineConfig.from_options(**options), progress=False)
-    lora = LLMEngine(args.model, EngineConfig.from_options(**options, enable_lora=True, max_loras=args.batch,
-                                                           max_lora_rank=args.rank), progress=False)
+    lora, lora_bf16 = (LLMEngine(args.model, EngineConfig.from_options(
+        **options, enable_lora=True, max_loras=args.batch, max_lora_rank=args.rank, lora_dtype=dtype), progress=False)
+        for dtype in ("auto", "bfloat16"))
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", 0, str(write_adapter(Path(tmp) / f"a{i}", lora, args.rank, i)))
                     for i in range(args.batch)]
         setups = {"base model (no LoRA)": (base, [None] * args.batch),
                   "LoRA engine, plain requests": (lora, [None] * args.batch),
-                  f"{args.batch} adapters in one batch": (lora, adapters)}
+                  f"1 adapter for all {args.batch} requests": (lora, adapters[:1] * args.batch),
+                  f"{args.batch} adapters in one batch": (lora, adapters),
+                  f"{args.batch} adapters in one batch, --lora-dtype bfloat16": (lora_bf16, adapters)}
         results = {name: [] for name in setups}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for name, (engine, loras) in setups.items():

@@ -259,6 +259,10 @@ class LoRAConfig:
         help="a PEFT LoRA adapter folder to load at start, served as NAME (repeatable; implies --enable-lora)")
     max_loras: int = option(4, help="adapters loaded at once (each a slot in every adapted projection)")
     max_lora_rank: int = option(16, help="the highest adapter rank r taken (slots are this wide)")
+    lora_dtype: str = option(
+        "auto", choices=["auto", "bfloat16"],
+        help="the adapters' matrices as kept: auto, the model's dtype (exact); bfloat16: half the bytes a step reads, "
+             "each weight rounded to bfloat16")
 
     def __post_init__(self) -> None:
         self.lora_modules = tuple(self.lora_modules or ())

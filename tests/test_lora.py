@@ -4,8 +4,8 @@ base; the prefix cache kept apart per adapter; bad adapters refused by name."""
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 
 import peft
 import pytest
@@ -169,35 +169,63 @@ def test_bad_adapters_are_refused_by_name(llm, base_and_adapters, tmp_path, name
     assert f"bad-{name}" not in {a.name for a in llm.engine.list_loras()}
 
 
-def test_quantized_base_equals_dequantized_reference(base_and_adapters, tmp_path):
-    """hearth convert to Q8_0, then the adapter: against transformers + peft on the dequantized weights
-    (transformers reads the GGUF itself, dequantizing with gguf's own code)."""
+# the base's format in the GGUF, its module on the cpu backend, and how far logprobs may be from transformers +
+# peft on the dequantized weights: F16 weights are widened to float32 exactly (only the sums' order differs); the
+# int8 kernels round activations to 8 bits (docs/quantized-matmul.md: the base alone is off by up to 0.07 here,
+# far below what the adapters move)
+BASES = {"f16": ("HalfLinear", 2e-4), "q8_0": ("Int8Linear", 0.1)}
+
+
+def rounded_adapter(folder, dtype, into):
+    """A copy of the PEFT adapter in `folder` with its matrices rounded to `dtype` (kept float32)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, into)
+    tensors = load_file(into / "adapter_model.safetensors")
+    save_file({k: v.to(dtype).float() for k, v in tensors.items()}, into / "adapter_model.safetensors")
+    return into
+
+
+@pytest.mark.parametrize("out_type, lora_dtype", [("f16", "auto"), ("q8_0", "auto"), ("f16", "bfloat16")])
+def test_stored_base_equals_dequantized_reference(base_and_adapters, tmp_path, monkeypatch, out_type, lora_dtype):
+    """hearth convert to F16 or Q8_0, then the adapters, one alone and the four mixed with a plain request in one
+    batch: against transformers + peft on the dequantized weights (transformers reads the GGUF itself, dequantizing
+    with gguf's own code); with lora_dtype bfloat16, against peft with the adapters rounded to bfloat16. Their decode
+    steps run the cpu backend's whole-layer kernels, the adapters' terms in them."""
+    import transformers
+
+    from hearth.backend.cpu_decode import CpuDecodePath
     from hearth.loading.convert import convert_hf_to_gguf
 
     base, adapters = base_and_adapters
-    gguf_file = convert_hf_to_gguf(base, tmp_path / "base-q8_0.gguf", "q8_0", progress=False)
-    llm = LLM(str(gguf_file), lora_modules=[f"all={adapters['all']}"], kv_cache_memory=1 << 24, progress=False)
-    assert type(llm.engine.model.layers[0].mlp.down_proj.lora_base).__name__ == "Int8Linear"
-    prompt = list(range(3, 20))
-    plain, out = (o.outputs[0] for o in llm.generate([prompt] * 2, PARAMS, use_tqdm=False,
-                                                      lora_request=[None, LoRARequest("all")]))
-    import transformers
-
+    module, tolerance = BASES[out_type]
+    gguf_file = convert_hf_to_gguf(base, tmp_path / f"base-{out_type}.gguf", out_type, progress=False)
+    llm = LLM(str(gguf_file), lora_modules=[f"{n}={p}" for n, p in adapters.items()], lora_dtype=lora_dtype,
+              kv_cache_memory=1 << 24, progress=False)
+    assert type(llm.engine.model.layers[0].mlp.down_proj.lora_base).__name__ == module
+    if lora_dtype != "auto":
+        adapters = {n: rounded_adapter(p, getattr(torch, lora_dtype), tmp_path / n) for n, p in adapters.items()}
+    kernel_steps = []  # (rows with an adapter, whether the kernel ran the step) of each decode step
+    run = CpuDecodePath.__call__
+    monkeypatch.setattr(CpuDecodePath, "__call__", lambda path, x, *args: kernel_steps.append(
+        (int((path.lora_rows.row_slots >= 0).sum()) if path.lora_rows.active else 0,
+         (out := run(path, x, *args)) is not None)) or out)
+    prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(5)]
+    alone = llm.generate(prompts[:1], PARAMS, use_tqdm=False, lora_request=LoRARequest("all"))
+    loras = [LoRARequest(name) for name in adapters] + [None]
+    outs = alone + llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    assert (1, True) in kernel_steps and (4, True) in kernel_steps and all(ran for _, ran in kernel_steps)
     dequantized = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name,
                                                                     torch_dtype=torch.float32)
-    expected, logprobs = reference(dequantized, adapters["all"], prompt, list(out.token_ids))
-    assert list(out.token_ids) == expected
-    # the int8 kernels round activations to 8 bits (docs/quantized-matmul.md): logprobs within that
-    # error (the base model alone is off by up to 0.07 here), which is far below what the adapter moves
-    for entry, token, lp in zip(out.logprobs, out.token_ids, logprobs):
-        assert math.isclose(entry[token], lp, abs_tol=0.1)
-    assert plain.token_ids != out.token_ids
-    # a step with no adapter runs the cpu backend's whole-layer decode kernels on the wrapped modules' own
-    # weights (their sums in another order than the modules': a few 1e-4 apart)
-    alone = llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0]
-    assert alone.token_ids == plain.token_ids and llm.engine.model.backend_state["decode_path"] is not None
-    assert [e[t] for e, t in zip(alone.logprobs, alone.token_ids)] == pytest.approx(
-        [e[t] for e, t in zip(plain.logprobs, plain.token_ids)], abs=1e-3)
+    for prompt, lora, out in zip(prompts[:1] + prompts, loras[2:3] + loras, outs):
+        out = out.outputs[0]
+        expected, logprobs = reference(copy.deepcopy(dequantized), lora and adapters[lora.lora_name], prompt,
+                                       list(out.token_ids))  # (peft wraps the model it is given in place)
+        assert list(out.token_ids) == expected
+        assert [e[t] for e, t in zip(out.logprobs, out.token_ids)] == pytest.approx(logprobs, abs=tolerance)
+    assert outs[0].outputs[0].token_ids != outs[-1].outputs[0].token_ids  # the adapter changes the answer
 
 
 def test_adapters_in_a_server_of_several_models(llm, base_and_adapters):

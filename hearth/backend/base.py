@@ -396,7 +396,8 @@ class Backend:
 
     def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
         """A whole decode step through every layer in one call, where a backend has one: returns
-        (the last layer's output, the residual stream) or None (then the modules run)."""
+        (the last layer's output, the residual stream) or None (then the modules run). A step whose
+        rows use LoRA adapters (model.lora_rows active, hearth/model/lora.py) must add them, or decline."""
         return None
 
     # ---- weights -----------------------------------------------------------------------

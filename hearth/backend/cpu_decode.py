@@ -15,7 +15,11 @@ projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some 
 projections in Q6_K) runs part by part into its columns. A projection with activation sparsity
 (hearth/backend/sparse_linear.py's SparseColumnsLinear or SparseBlocksLinear) runs hearth/quant/kernels'
 sparse_matmul on its re-laid-out weight, for steps of up to SPARSE_MAX_ROWS rows (more: the modules'
-path, where F16 takes torch's GEMM). Every other step and model takes the modules' path.
+path, where F16 takes torch's GEMM). With LoRA adapters (hearth/model/lora.py: every projection a
+LoraLinear around the backend's module) the layer table takes the base modules' weights and a LoRA
+table the wrappers' A and B; a step whose rows use adapters passes each row's slot, and after each
+part's matmul the kernel adds each row's own adapter's term (cpu_kernels/lora.cpp). Every other step
+and model takes the modules' path.
 
 A draft model's greedy chain of passes (DraftRunner.propose, every row taking the argmax of its
 logits as they come) runs `greedy_passes` where the model's embedding is in a format hearth/quant/kernels'
@@ -46,10 +50,13 @@ class CpuDecodePath:
     """Runs a decode-only step of `model` through every layer in one kernel call."""
 
     def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_addresses: tuple[int, int],
-                 vocabulary: tuple | None):
+                 vocabulary: tuple | None, lora_table: torch.Tensor | None = None):
         config = model.config
         self.kernels = kernels
         self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
+        # with LoRA adapters: int64 [layers, LORA_PART_ROWS, LORA_FIELDS], the wrappers' A and B (fixed
+        # buffers, filled and emptied in place), and the model's LoraRows (each step's rows' slots)
+        self.lora_table, self.lora_rows = lora_table, getattr(model, "lora_rows", None)
         self.matmul_addresses = matmul_addresses  # int8_matmul's and sparse_matmul's
         # a model with sparse projections: most rows of a step (its kernel skips columns only for a few)
         thresholds = layer_table[:, 2 + PART_FIELDS - 1::PART_FIELDS]  # after the two norms, each part's last field
@@ -76,17 +83,20 @@ class CpuDecodePath:
                 or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank or config.is_hybrid
                 or not config.uniform_kv_cache):
             return None
-        rows = []
+        rows, lora_parts = [], []
+        formats = [getattr(torch, name) for name in kernels.LORA_FORMATS]
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
-                # a LoRA wrapper's base module (hearth/model/lora.py): the model runs this path only in
-                # steps without adapters
-                parts = [getattr(part, "lora_base", part) for part in parts]
+                if len(parts) > most:
+                    return None
+                lora_parts += [lora_operands(part, kernels.MAX_LORA_PARTS, formats) for part in parts]
+                lora_parts += [[0] * kernels.LORA_FIELDS] * (most - len(parts))
+                parts = [getattr(part, "lora_base", part) for part in parts]  # a LoRA wrapper's base module
                 weights = [kernel_weight(part) for part in parts]
-                if len(parts) > most or None in weights:
+                if None in weights:
                     return None
                 for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype,
                     # output rows, the threshold's pointer or 0
@@ -97,7 +107,10 @@ class CpuDecodePath:
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels/'s layer table has other columns than cpu_decode.py fills")
         addresses = (qmatmul.module.int8_matmul_address(), qmatmul.module.sparse_matmul_address())
-        return cls(model, kernels, table, addresses, vocabulary_operands(model, qmatmul))
+        # (a wrapper the table cannot take: None, and a step with adapters takes the modules' path)
+        lora_table = None if None in lora_parts else torch.tensor(lora_parts, dtype=torch.int64).view(
+            len(rows), -1, kernels.LORA_FIELDS)
+        return cls(model, kernels, table, addresses, vocabulary_operands(model, qmatmul), lora_table)
 
     def __call__(
         self,
@@ -112,6 +125,9 @@ class CpuDecodePath:
         if (not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None
                 or (self.max_tokens is not None and x.shape[0] > self.max_tokens)):
             return None
+        lora = self._lora_operands(x.shape[0])
+        if lora is False:
+            return None
         cache_table, kv_format = caches
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         tokens = x.shape[0]
@@ -124,7 +140,7 @@ class CpuDecodePath:
             *self.matmul_addresses, self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
-            *tree_pointers(meta),
+            *tree_pointers(meta), 0 if lora is None else lora.ctypes.data,
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
             DECODE_SPLIT_LEN, self.window, threads,
@@ -180,6 +196,17 @@ class CpuDecodePath:
         )
         return choices
 
+    def _lora_operands(self, tokens: int) -> np.ndarray | None | bool:
+        """decode_layers' LoRA operands (int64 [LORA_OPERANDS]) for a step of `tokens` rows, None where no
+        row has an adapter, False where the kernel cannot run the step's adapters (then the modules do)."""
+        rows = self.lora_rows
+        if rows is None or not rows.active:
+            return None
+        if self.lora_table is None or len(rows.row_slots) != tokens:
+            return False
+        return np.array([self.lora_table.data_ptr(), rows.row_slots.ctypes.data, rows.slot_scales.ctypes.data,
+                         rows.rank, len(rows.slot_scales)], dtype=np.int64)
+
     def _kernel_caches(self, kv_caches) -> tuple[torch.Tensor, int] | None:
         """kernel_caches(kv_caches), kept while the runner passes the same caches."""
         if self._caches is None or self._caches[0] is not kv_caches:
@@ -204,6 +231,19 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
     return (qmatmul.module.dequantize_rows_address(), embedding.qweight.data_ptr(), embedding.qweight.shape[1],
             int(embedding.qtype), model.norm.weight.data_ptr(), *head, int(model.lm_head.qtype),
             model.lm_head.out_features)
+
+
+def lora_operands(part, most: int, formats: list[torch.dtype]) -> list[int] | None:
+    """A part's row of decode_layers' LoRA table: a LoraLinear's (hearth/model/lora.py) A and B pointers
+    pointers, their format (an index in `formats`, the kernel's LoraFormat) and the output sizes of the
+    projections it holds (`most` at most); zeros for another module; None for a wrapper the kernel cannot
+    run (more projections, matrices in another dtype or off the CPU)."""
+    if not hasattr(part, "lora_a"):
+        return [0] * (3 + most)
+    if len(part.out_sizes) > most or part.lora_a.dtype not in formats or not part.lora_a.is_cpu:
+        return None
+    return [part.lora_a.data_ptr(), part.lora_b.data_ptr(), formats.index(part.lora_a.dtype), *part.out_sizes,
+            *[0] * (most - len(part.out_sizes))]
 
 
 def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:

@@ -150,7 +150,8 @@ class LLMEngine:
         """With enable_lora: the model's projections wrapped for adapters, and lora_modules loaded."""
         if not config.lora.enable_lora:
             return None
-        adapters = LoraAdapters(LoraBank(self.model, config.lora.max_loras, config.lora.max_lora_rank))
+        dtype = None if config.lora.lora_dtype == "auto" else getattr(torch, config.lora.lora_dtype)
+        adapters = LoraAdapters(LoraBank(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype))
         self.runner.lora = (adapters.bank, adapters.slots)
         for name, path in config.lora.named_paths():
             adapters.add(LoRARequest(name, 0, path))

@@ -5,25 +5,24 @@ adapter may target (attention's q, k, v and o, the MLP's gate, up and down) in a
 backend's own module for the base weight (dense, or a QuantTensor's module that `Backend.prepare`
 put there: Int8Linear, HalfLinear, DequantLinear) stays inside it untouched and computes y = x W^T;
 the wrapper adds the adapters' low-rank terms. Each wrapper holds `max_loras` slots of A [R, in] and
-B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros), laid out
-so that all slots' together are one matrix with no copy: A [slots x R, in], B [out, slots x R]. A
-merged projection (hearth's qkv_proj and gate_up_proj parts: MergedLinear) stacks the A of each
-projection it holds ([q; k; v] rows, R each) and lays their B out block-diagonally, so that one
-pair of matmuls serves them all and each output column sees only its own projection's adapter.
+B [out, R] (R = max_rank; an adapter of lower rank is zero-padded, which adds exact zeros), both
+transposed: A^T [slots, in, R x projections], B^T [slots, R, out] (so that the kernels multiply-add
+a vector of columns at a time). A merged projection (hearth's qkv_proj and gate_up_proj parts:
+MergedLinear) lays the A^T and the B^T of each projection it holds side by side ([q | k | v]
+columns), each output column taking its own projection's R columns of A x.
 
-A step's rows each name a slot or none (`LoraBank.activate`, from the runner). The low-rank term
-is then computed for every slot together: x [T, in] @ A^T -> [T, slots x R], each row's columns of
-adapters other than its own zeroed and its own scaled by its adapter's scale, then @ B^T -> [T, out],
-added to the base's output (a batched low-rank matmul by masking: two small matmuls per projection
-whatever the mix, no gathering of matrices; empty slots cost their columns). A step whose rows all
-use one adapter takes that slot's matrices alone (no mask); a step with none adds nothing.
+A step's rows each name a slot or none (`LoraBank.activate`, from the runner). The rows of one slot
+go together, each slot's matrices read once for them (punica's shrink then expand): the modules take
+x [rows, in] @ A_s^T -> [rows, R x projections], then each projection's columns @ its columns of B_s^T,
+scaled and added to the base's output at those rows; the cpu backend's whole-layer decode kernels do
+the same in C++ after each matmul (hearth/backend/cpu_decode.py, cpu_kernels/lora.cpp). The slots no
+row uses are not read; a step with no adapter adds nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hearth.errors import ModelLoadError
@@ -34,21 +33,15 @@ ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 
 class LoraRows:
-    """A step's adapters, shared by every LoraLinear of a model: which slots it uses and each row's."""
+    """A step's adapters, shared by every LoraLinear of a model (and read by the cpu backend's decode kernels)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int, rank: int):
+        self.rank = rank  # R, every slot's (lower ranks zero-padded)
         self.active = False  # some row of the step has an adapter
-        self.single: tuple[int, float] | None = None  # (slot, scale) when every row uses that one
-        self.row_scales: torch.Tensor | None = None  # [T, slots] a row's scale at its slot's column, else 0
-
-    def add_delta(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """y [T, out] + the low-rank terms of x [T, in], a [slots, R', in], b [out, slots, R']."""
-        if self.single is not None:
-            slot, scale = self.single
-            return y.add_(F.linear(F.linear(x, a[slot]), b[:, slot]), alpha=scale)
-        slots, rank = a.shape[:2]
-        xa = F.linear(x, a.flatten(0, 1)).view(-1, slots, rank) * self.row_scales[:, :, None]
-        return y.add_(F.linear(xa.flatten(1), b.flatten(1)))
+        self.row_slots = np.empty(0, dtype=np.int32)  # [T] each row's slot, -1: none (while active)
+        self.slot_scales = np.zeros(slots, dtype=np.float32)  # [slots] each loaded adapter's scale
+        # (slot, its rows [k] on the model's device or None: every row of the step, its scale) per slot in use
+        self.groups: list[tuple[int, torch.Tensor | None, float]] = []
 
 
 class LoraLinear(nn.Module):
@@ -60,35 +53,46 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.lora_base, self.rows, self.max_rank = base, rows, max_rank
         self.in_features, self.out_sizes = in_features, out_sizes
-        width = max_rank * len(out_sizes)
-        self.register_buffer("lora_a", torch.zeros(slots, width, in_features, dtype=dtype, device=device),
-                             persistent=False)  # [slots, R x projections, in]
-        self.register_buffer("lora_b", torch.zeros(sum(out_sizes), slots, width, dtype=dtype, device=device),
-                             persistent=False)  # [out, slots, R x projections], block-diagonal per slot
+        self.register_buffer("lora_a", torch.zeros(slots, in_features, max_rank * len(out_sizes), dtype=dtype,
+                                                   device=device), persistent=False)  # [slots, in, R x projections]: A^T
+        self.register_buffer("lora_b", torch.zeros(slots, max_rank, sum(out_sizes), dtype=dtype, device=device),
+                             persistent=False)  # [slots, R, out]: B^T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         y = self.lora_base(x)
-        return self.rows.add_delta(y, x, self.lora_a, self.lora_b) if self.rows.active else y
+        for slot, rows, scale in self.rows.groups:
+            if rows is None:
+                y.add_(self._low_rank(x, slot), alpha=scale)
+            else:
+                y.index_add_(0, rows, self._low_rank(x.index_select(0, rows), slot), alpha=scale)
+        return y
+
+    def _low_rank(self, x: torch.Tensor, slot: int) -> torch.Tensor:  # [k, in] -> [k, out]: B_s (A_s x), unscaled
+        xa = x @ self.lora_a[slot].to(x.dtype)  # [k, R x projections]
+        if len(self.out_sizes) == 1:
+            return xa @ self.lora_b[slot].to(x.dtype)
+        b = self.lora_b[slot].to(x.dtype).split(self.out_sizes, dim=1)
+        return torch.cat([xa_p @ b_p for xa_p, b_p in zip(xa.split(self.max_rank, dim=1), b)], dim=1)
 
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Projection `part`'s A [r, in] and B [out_sizes[part], r] into the slot (r <= max_rank)."""
         columns = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
         start = sum(self.out_sizes[:part])
-        self.lora_a[slot, columns] = a.to(self.lora_a.dtype)
-        self.lora_b[start : start + b.shape[0], slot, columns] = b.to(self.lora_b.dtype)
+        self.lora_a[slot, :, columns] = a.T.to(self.lora_a.dtype)
+        self.lora_b[slot, : b.shape[1], start : start + b.shape[0]] = b.T.to(self.lora_b.dtype)
 
 
 class LoraBank:
     """Every adaptable projection of `model` wrapped (LoraLinear), and its slots filled and emptied."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype | None = None):
+        """dtype: the matrices' (None: the model's)."""
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.rows = LoraRows()
-        self.scales = [0.0] * max_loras
+        self.rows = LoraRows(max_loras, max_rank)
         # PEFT's module path without "model." (layers.0.self_attn.q_proj) -> (wrapper, projection in it)
         self.targets: dict[str, tuple[LoraLinear, int]] = {}
         model.lora_rows = self.rows
-        dtype, device = model.dtype, model.norm.weight.device
+        dtype, device = dtype or model.dtype, model.norm.weight.device
         for i, layer in enumerate(model.layers):
             modules = [(f"layers.{i}.self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
             if isinstance(layer.mlp, GatedMLP):  # (not a mixture of experts: its experts are not adaptable)
@@ -97,6 +101,7 @@ class LoraBank:
                 for name in names:
                     if hasattr(parent, name):
                         self._wrap(prefix, parent, name, dtype, device)
+        model.backend_state.clear()  # what the backend derived from the modules (its decode path) sees the wrappers
 
     def _wrap(self, prefix: str, parent: nn.Module, name: str, dtype: torch.dtype, device: torch.device) -> None:
         module = getattr(parent, name)
@@ -143,33 +148,27 @@ class LoraBank:
         self.clear(slot)
         for wrapper, part, a, b in placed:
             wrapper.put(slot, part, a, b)
-        self.scales[slot] = adapter.scale
+        self.rows.slot_scales[slot] = adapter.scale
 
     def clear(self, slot: int) -> None:
         for wrapper in {id(w): w for w, _ in self.targets.values()}.values():
             wrapper.lora_a[slot].zero_()
-            wrapper.lora_b[:, slot].zero_()
-        self.scales[slot] = 0.0
+            wrapper.lora_b[slot].zero_()
+        self.rows.slot_scales[slot] = 0.0
 
     def activate(self, row_slots: np.ndarray | None) -> None:
         """The next passes' rows' slots (int [T], -1: the base model alone; None: every row so)."""
         rows = self.rows
-        used = np.unique(row_slots[row_slots >= 0]) if row_slots is not None else np.empty(0, dtype=np.int64)
-        rows.single = rows.row_scales = None
-        rows.active = bool(len(used))
+        rows.groups = []
+        rows.active = row_slots is not None and bool((row_slots >= 0).any())
         if not rows.active:
             return
-        if len(used) == 1 and (row_slots == used[0]).all():
-            rows.single = (int(used[0]), self.scales[int(used[0])])
-            return
-        scales = np.array(self.scales, dtype=np.float32)
-        weights = (row_slots[:, None] == np.arange(self.max_loras)[None, :]) * scales[None, :]  # [T, slots]
-        rows.row_scales = torch.from_numpy(weights.astype(np.float32)).to(self.device, self.dtype)
+        rows.row_slots = np.ascontiguousarray(row_slots, dtype=np.int32)
+        for slot in np.unique(rows.row_slots[rows.row_slots >= 0]).tolist():
+            mine = rows.row_slots == slot
+            index = None if mine.all() else torch.from_numpy(np.flatnonzero(mine)).to(self.device)
+            rows.groups.append((slot, index, float(rows.slot_scales[slot])))
 
     @property
     def device(self) -> torch.device:
         return next(iter(self.targets.values()))[0].lora_a.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(iter(self.targets.values()))[0].lora_a.dtype

@@ -181,9 +181,8 @@ class Transformer(nn.Module):
         per_layer: gemma4's per-layer inputs [T, layers, width] (PerLayerInputs), the d-th to layer d."""
         rotary = self.rope(positions, x.dtype)
         stream = x if residual is None else residual + x  # the add the first layer's norm would fuse
-        # (the backend's whole-layer decode kernels know no adapters: a step with one runs the modules)
-        adapters = self.lora_rows is not None and self.lora_rows.active
-        if not adapters and added is None and (
+        # (with LoRA adapters in the step: a backend's whole-layer path adds them, or declines)
+        if added is None and (
                 out := self.backend.decode_layers(self, stream, rotary, kv_caches, meta)) is not None:
             return out
         rotaries = self._rotaries(positions, x.dtype, rotary)

@@ -56,13 +56,20 @@
 // of a causal depthwise convolution, of the gated delta rule and of Mamba2's scan, each sequence's state
 // updated in place in its slot of the state cache (torch gathers the states by slot and scatters them back).
 //
+// lora_add (decode_layers' LoRA adapters, hearth/model/lora.py): after each projection's matmul,
+// each row's own adapter's term scale B (A x), the rows grouped by adapter so that each adapter's
+// A and B are read once a step for all of its rows (punica's shrink then expand; the matrices of the
+// adapters no row uses are not read). The base weights stay on the int8 kernels: a step with
+// adapters is the same whole-layer call.
+//
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
 // attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
 // logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
-// greedy_passes), state_ops.cpp (conv1d_step, delta_rule_step, ssm_step), bindings.cpp (the Python module).
+// greedy_passes), lora.cpp (lora_add), state_ops.cpp (conv1d_step, delta_rule_step, ssm_step), bindings.cpp (the Python module).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace hearth {
 
@@ -85,7 +92,7 @@ void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_
                           uintptr_t lse_, int threads);
 void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads);
 void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
@@ -113,6 +120,31 @@ constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
 constexpr int PART_FIELDS = 5;
 enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
+
+// decode_layers' LoRA operands (int64 [LORA_OPERANDS], or none): the LoRA table (int64 [layers,
+// LORA_PART_ROWS, LORA_FIELDS]: a row per part of the layer table, in its order), each row's slot
+// (int32 [T], -1: none), each slot's scale (float32 [slots]), the rank R every slot is padded to, the
+// number of slots. A part's row: its A^T ([slots, in, parts x R]) and B^T ([slots, R, out]) or 0 and
+// 0 (no adapters there), their LoraFormat, then the output sizes of the projections it holds side by side
+// (hearth's merged q/k/v, gate/up; 0 past the last), each with its own R columns of A x.
+enum LoraOperand { LORA_TABLE, LORA_ROW_SLOTS, LORA_SLOT_SCALES, LORA_RANK, LORA_SLOTS, LORA_OPERANDS };
+constexpr int MAX_LORA_PARTS = 3;
+enum LoraField { LORA_A, LORA_B, LORA_FORMAT, LORA_SIZES, LORA_FIELDS = LORA_SIZES + MAX_LORA_PARTS };
+enum LoraFormat { LORA_F32, LORA_BF16 };  // bfloat16 widened to float32 exactly as it is read
+constexpr int LORA_PART_ROWS = PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN];
+
+// A step's rows grouped by their LoRA slot (from the operands above): group g's rows are
+// rows[starts[g]], ..., rows[starts[g + 1] - 1] (group[i]: the group of rows[i]), all of slot[g],
+// scaled by scale[g].
+struct LoraGroups {
+  LoraGroups(const int64_t* operands, int64_t tokens);
+  const int64_t* table;
+  int64_t rank, slots;
+  std::vector<int64_t> slot, starts, rows, group;
+  std::vector<float> scale;
+};
+void lora_add(const LoraGroups& groups, const int64_t* part, const float* x, int64_t x_stride, float* y,
+              int64_t y_stride, int64_t in, std::vector<float>& xa, int threads);
 
 // Columns of greedy_passes' pass table (int64 [passes, PASS_FIELDS]), a row per pass: pointers to
 // its rows' cache slots (int64 [T]), its sequences' block tables (int32 [S, max_blocks]), context

@@ -2,6 +2,7 @@
 // int8 matmul of hearth/quant/kernels (and its sparse_matmul, for activation sparsity) passed in by address.
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 #include "cpu_kernels.h"
 #include "vector_math.h"
@@ -21,10 +22,11 @@ using DequantizeRows = decltype(&dequantize_rows);
 // tree_masks (as decode_attention's).
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
-// then their q8_0 scales' (0: not q8_0), every layer's in kv_format.
+// then their q8_0 scales' (0: not q8_0), every layer's in kv_format. lora: LoRA operands
+// (LoraOperand) or 0: each part's matmul followed by its rows' adapters' terms (lora_add).
 void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, int threads) {
   const Int8Matmul int8 = reinterpret_cast<Int8Matmul>(matmul_);
@@ -33,35 +35,44 @@ void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintp
   const int64_t* caches = reinterpret_cast<const int64_t*>(caches_);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   std::vector<float> h(tokens * hidden), qkv(tokens * qkv_size), q(tokens * q_size), attn(tokens * q_size);
-  std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter), part_out;
+  std::vector<float> gate_up(tokens * 2 * inter), act(tokens * inter), part_out, lora_rank_out;
   const auto ptr = [](const std::vector<float>& v) { return reinterpret_cast<uintptr_t>(v.data()); };
   // one part: y [T, rows] = x [T, k] W^T, x masked by the part's threshold where it has one
   const auto matmul = [&](uintptr_t x, const int64_t* part, uintptr_t y, int64_t rows, int64_t k) {
     if (part[4]) sparse(x, part[0], y, tokens, rows, k, (int)part[2], *reinterpret_cast<const float*>(part[4]), threads);
     else int8(x, part[0], part[1], y, tokens, rows, k, (int)part[2], 0, threads);
   };
-  // y [T, n] = x [T, k] W^T, W the projection's parts one after another along n
+  std::optional<LoraGroups> lora;
+  if (lora_) lora.emplace(reinterpret_cast<const int64_t*>(lora_), tokens);
+  const int64_t* lora_layer = nullptr;  // the layer's rows of the LoRA table
+  // y [T, n] = x [T, k] W^T, W the projection's parts one after another along n; with adapters, each
+  // part's rows' low-rank terms added to its columns
   const auto project = [&](const int64_t* layer, Projection p, uintptr_t x, float* y, int64_t n, int64_t k) {
-    int first = FIRST_PART;
-    for (int i = 0; i < p; i++) first += PARTS[i] * PART_FIELDS;
+    int first = 0;  // the projection's first part
+    for (int i = 0; i < p; i++) first += PARTS[i];
     for (int64_t i = 0, column = 0; i < PARTS[p]; i++) {
-      const int64_t* part = layer + first + i * PART_FIELDS;
+      const int64_t* part = layer + FIRST_PART + (first + i) * PART_FIELDS;
       const int64_t rows = part[3];
       if (rows == 0) break;
       if (rows == n) {  // the whole projection in one format
         matmul(x, part, reinterpret_cast<uintptr_t>(y), n, k);
-        break;
+      } else {
+        part_out.resize(tokens * rows);  // [T, rows], then its columns of y
+        matmul(x, part, ptr(part_out), rows, k);
+        for (int64_t t = 0; t < tokens; ++t)
+          std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
       }
-      part_out.resize(tokens * rows);  // [T, rows], then its columns of y
-      matmul(x, part, ptr(part_out), rows, k);
-      for (int64_t t = 0; t < tokens; ++t)
-        std::memcpy(y + t * n + column, part_out.data() + t * rows, rows * sizeof(float));
+      const int64_t* lora_part = lora ? lora_layer + (first + i) * LORA_FIELDS : nullptr;
+      if (lora_part && lora_part[LORA_A])
+        lora_add(*lora, lora_part, reinterpret_cast<const float*>(x), k, y + column, n, k, lora_rank_out, threads);
       column += rows;
+      if (rows == n) break;
     }
   };
   float* delta = reinterpret_cast<float*>(delta_);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* layer = table + l * LAYER_FIELDS;
+    if (lora) lora_layer = lora->table + l * LORA_PART_ROWS * LORA_FIELDS;
     rms_norm(residual_, l == 0 ? 0 : delta_, layer[IN_NORM], ptr(h), tokens, hidden, eps, 0.0, threads);
     project(layer, QKV, ptr(h), qkv.data(), qkv_size, hidden);
     const int64_t* cache = caches + 4 * l;  // K, V, K scales, V scales
@@ -114,7 +125,7 @@ void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, 
                  embedding_qtype, 1);
     }
     decode_layers(matmul_, sparse_, table_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
-                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, seqs, tokens, hidden, num_heads,
+                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, 0, seqs, tokens, hidden, num_heads,
                   num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
                   threads);
     const int32_t* query_start = reinterpret_cast<const int32_t*>(pass[QUERY_START]);
