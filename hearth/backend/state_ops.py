@@ -126,19 +126,7 @@ def gated_delta_rule(
 ) -> torch.Tensor:  # [T, H, dv] float32
     """The gated delta rule over the step's rows (the module's docstring): one recurrent step for
     the sequences with one new row, the chunked form for the others."""
-    out = torch.empty_like(v)
-    if meta.single_rows.numel():
-        rows = meta.single_rows
-        out[rows] = (step or delta_rule_step)(q[rows], k[rows], v[rows], g[rows], beta[rows], state, meta)
-    for start, end, slot, fresh, snapshot in meta.several_rows():
-        initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
-        rows = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end])
-        if snapshot < 0:
-            out[start:end], state[slot] = chunked_delta_rule(*rows, initial)
-        else:
-            out[start:end], states = _row_by_row(recurrent_step, rows, initial)
-            _keep(state, slot, snapshot, states)
-    return out
+    return _over_rows((q, k, v, g, beta), state, meta, step or delta_rule_step, chunked_delta_rule, recurrent_step)
 
 
 def delta_rule_step(q, k, v, g, beta, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
@@ -191,17 +179,25 @@ def ssm_scan(
 ) -> torch.Tensor:  # [T, H, p] float32
     """Mamba2's selective scan over the step's rows (the module's docstring): one recurrent step for the
     sequences with one new row, the chunked form for the others."""
-    out = torch.empty_like(v)
+    return _over_rows((q, k, v, g), state, meta, step or ssm_step, chunked_ssm, ssm_recurrent_step)
+
+
+def _over_rows(inputs: tuple[torch.Tensor, ...], state: torch.Tensor, meta: StateMetadata, single_step, chunked,
+               recurrent) -> torch.Tensor:
+    """A recurrence (the delta rule's, Mamba2's) over the step's rows, inputs (q, k, v, ...) [T, H, ...]:
+    single_step for the sequences with one new row; the chunked form for the others, or row by row where
+    a verification keeps the state after each row (its snapshots) -> [T, H, v's last dimension]."""
+    out = torch.empty_like(inputs[2])
     if meta.single_rows.numel():
         rows = meta.single_rows
-        out[rows] = (step or ssm_step)(q[rows], k[rows], v[rows], g[rows], state, meta)
+        out[rows] = single_step(*(t[rows] for t in inputs), state, meta)
     for start, end, slot, fresh, snapshot in meta.several_rows():
         initial = state.new_zeros(state.shape[1:]) if fresh else state[slot]
-        rows = (q[start:end], k[start:end], v[start:end], g[start:end])
+        rows = tuple(t[start:end] for t in inputs)
         if snapshot < 0:
-            out[start:end], state[slot] = chunked_ssm(*rows, initial)
+            out[start:end], state[slot] = chunked(*rows, initial)
         else:
-            out[start:end], states = _row_by_row(ssm_recurrent_step, rows, initial)
+            out[start:end], states = _row_by_row(recurrent, rows, initial)
             _keep(state, slot, snapshot, states)
     return out
 
