@@ -33,11 +33,18 @@ class GpuMetadata:
     block_tables: torch.Tensor  # int32 [S, max_blocks]
     block_size: int
     max_query_len: int  # host int: the prefill kernel's grid
-    num_splits: int  # split-KV parts of the decode kernel (fixed per captured graph)
+    num_sms: int  # the GPU's streaming multiprocessors, which the decode kernels' splits aim to fill
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def num_splits(self, programs: int) -> int:
+        """Split-KV parts of a decode kernel that runs `programs` programs per sequence and split (a layer's
+        KV heads; each layer's own where their K/V differ in shape). From host values and shapes only, so fixed
+        per captured graph."""
+        return attention.choose_num_splits(len(self.seq_lens), programs, self.block_tables.shape[1] * self.block_size,
+                                           self.num_sms)
 
 
 class GpuBackend(Backend):
@@ -101,15 +108,14 @@ class GpuBackend(Backend):
             torch.from_numpy(step.query_start_loc).to(dev, non_blocking=True),
             torch.from_numpy(step.seq_lens).to(dev, non_blocking=True),
             torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
-            step.block_size, int(step.query_lens.max()), model.config.num_kv_heads,
+            step.block_size, int(step.query_lens.max()),
         )
         return torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev), meta
 
-    def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
-                 num_kv_heads: int) -> GpuMetadata:
-        splits = attention.choose_num_splits(len(seq_lens), num_kv_heads, block_tables.shape[1] * block_size,
-                                             self._num_sms)
-        return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len, splits)
+    def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int,
+                 max_query_len: int) -> GpuMetadata:
+        return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
+                           self._num_sms)
 
     # ---- the model's operations --------------------------------------------------------
 
@@ -130,8 +136,8 @@ class GpuBackend(Backend):
             raise ValueError("the gpu backend's attention has no sinks")
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                              meta.block_size, num_splits=meta.num_splits, softcap=softcap,
-                                              window=window)
+                                              meta.block_size, num_splits=meta.num_splits(k_cache.shape[1]),
+                                              softcap=softcap, window=window)
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
                                            window=window)

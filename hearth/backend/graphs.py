@@ -60,7 +60,7 @@ class DecodeGraphs:
         inputs = self.inputs
         positions, slots = inputs.positions_and_slots(size)
         meta = self.backend.metadata(slots, self.query_start_loc[: size + 1], inputs.field("seq_lens", size),
-                                     inputs.block_tables(size), self.block_size, 1, self.model.config.num_kv_heads)
+                                     inputs.block_tables(size), self.block_size, 1)
         hidden = self.model(inputs.field("input_ids", size), positions, self.kv_caches, meta)
         if sampling is None:
             return hidden
