@@ -1,7 +1,7 @@
 """Gemma 4 (transformers' gemma4) against transformers on tiny random models in its real layout
 (tests/models.py: sliding and full layers, the full ones wider with one KV head and v from k's projection,
 two layers sharing an earlier layer's K/V with a double-wide MLP, per-layer embeddings, layer scalars,
-proportional RoPE; and with experts beside the MLP, without per-layer embeddings): logits on the reference and cpu backends, greedy
+proportional RoPE; and with experts beside the MLP, without per-layer embeddings): logits on the reference and cpu backends, greedy tokens on the gpu backend, greedy
 tokens in a mixed batch with chunked prefill and forced preemption, a prefix-cache hit against a cold
 run, the KV cache's per-layer shapes and bytes per token, the text model of a Gemma4ForConditionalGeneration
 checkpoint, and what is refused by name."""
@@ -22,7 +22,6 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError, RequestError
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.safetensors import load_hf_folder
-from hearth.model.transformer import Transformer
 from hearth.model_info import model_info
 from models import VOCAB_SIZE, hearth_logits, load_hf_reference, make_hf_model
 from test_engine import greedy, random_prompts, reference_greedy, token_ids
@@ -142,15 +141,26 @@ def test_conditional_generation_checkpoint_runs_its_text_model(family, tmp_path,
     assert (hearth_logits(config, weights, TOKENS) - want).abs().max().item() <= 1e-4
 
 
+def test_gpu_backend_matches_transformers(family):
+    """The gpu backend's Triton kernels (under the interpreter without a GPU) on the layers' own K/V shapes (split
+    counts per shape) and the sharing layers' sources' caches: prompts past the window in chunks, then decode
+    steps of both sequences through the graph runner (capture off on a CPU)."""
+    kind, folder, _ = family
+    if kind == "experts":
+        pytest.skip("the same attention (and no decode graphs: the experts group tokens on the host)")
+    pytest.importorskip("triton")
+    prompts = random_prompts(2, seed=5, shortest=10, longest=14)
+    llm = LLM(folder, backend="gpu", device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
+              max_num_batched_tokens=16, kv_cache_memory=1 << 20, progress=False)
+    assert token_ids(llm.generate(prompts, greedy(4), use_tqdm=False)) == reference_greedy(folder, prompts, 4)
+    assert "decode_graphs" in llm.engine.model.backend_state
+
+
 def test_refused_by_name(family, tmp_path):
-    """A backend without per-layer K/V shapes (the gpu one), GGUF, and config fields hearth does not implement."""
+    """GGUF, and config fields hearth does not implement."""
     kind, folder, _ = family
     if kind == "experts":
         pytest.skip("the same refusals")
-    config, _ = load_hf_folder(folder, progress=False)
-    uniform = type("Uniform", (Backend,), {"name": "gpu", "mixed_kv_layers": False})()
-    with pytest.raises(ModelLoadError, match="gpu backend has no layers of other K/V shapes"), torch.device("meta"):
-        Transformer(config, backend=uniform)
     with pytest.raises(ModelLoadError, match="does not convert gemma4 models to GGUF"):
         convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
     hf = json.loads((folder / "config.json").read_text())

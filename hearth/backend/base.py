@@ -249,9 +249,6 @@ class Backend:
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
     mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
     bidirectional_images = True  # prefill masks see both ways within an image (StepInputs.image_blocks)
-    # runs layers whose K/V differ in shape (their own head_dim, KV heads) or that attend over an earlier layer's
-    # cache (gemma4: ModelConfig.kv_sources), through one rotary table per width
-    mixed_kv_layers = True
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)

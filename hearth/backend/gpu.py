@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hearth.backend.base import Backend, DecodeSampling, StepInputs
+from hearth.backend.base import Backend, DecodeSampling, StepInputs, apply_rope
 from hearth.backend.gpu_linear import TritonQuantLinear
 from hearth.triton_kernels import activation, attention, norm, rope
 
@@ -55,7 +55,6 @@ class GpuBackend(Backend):
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
     bidirectional_images = False  # its Triton prefill attention is causal only
     attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
-    mixed_kv_layers = False  # its decode graphs and split counts assume one K/V shape, every layer its own cache
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)
@@ -129,6 +128,11 @@ class GpuBackend(Backend):
     def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
         positions, cos, sin = rotary
         return rope.rope_and_store_kv(q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def rope(self, q, rotary):
+        """q alone (a layer over an earlier layer's cache: gemma4's), in float32 as the kernel rotates."""
+        positions, cos, sin = rotary
+        return apply_rope(q.float(), (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))).to(q.dtype)
 
     def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
                   window: int | None = None, sinks=None):

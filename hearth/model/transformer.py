@@ -107,9 +107,6 @@ class Transformer(nn.Module):
         self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
         self.lora_rows = None  # with LoRA adapters: the step's adapters (hearth/model/lora.py's LoraRows)
         self.embed_tokens, lm_head = vocabulary_modules(config.vocab_size, config.hidden_size)
-        if not (config.uniform_kv_cache or ops.mixed_kv_layers):
-            raise ModelLoadError(f"the {ops.name} backend has no layers of other K/V shapes or shared K/V yet: run "
-                                 f"{config.architecture} with --backend cpu or reference")
         layer = Gemma4DecoderLayer if config.architecture == "gemma4" else DecoderLayer
         self.layers = nn.ModuleList(layer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
