@@ -5,7 +5,8 @@ token's position, out[:D/2] = x1 cos - x2 sin and out[D/2:] = x2 cos + x1 sin, i
 rotated k and the unrotated v go straight into their cache slot (cast to the cache's dtype); a
 slot < 0 (a CUDA graph's padding row) stores nothing. q comes back rotated as a new contiguous
 tensor. q, k and v may be strided views of one merged projection output: heads are contiguous
-within a token's row, rows are addressed by their own stride.
+within a token's row, rows are addressed by their own stride. v may be of another width than k
+(multi-head latent attention: the latent, beside its rotated key part; hearth/model/latent_attention.py).
 
 A q8_0 cache (hearth/kv_format.py) gets each head row of k and v quantized in the kernel:
 the rotated k is built as whole rows (each value with its rotation partner) so that a row's
@@ -82,8 +83,9 @@ def _rope_store_kernel(
     q_out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_ksh, stride_vss, stride_vsh,
     k_inverse_scale, v_inverse_scale,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FORMAT: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t).to(tl.int64)
@@ -102,10 +104,11 @@ def _rope_store_kernel(
 
     h = tl.arange(0, BLOCK_KVH)[:, None]
     stored_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # a padding row stores nothing
-    d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
-    row_mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=row_mask, other=0.0)
+    dv = tl.arange(0, BLOCK_V)[None, :]  # [1, V_DIM]
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=(h < NUM_KV_HEADS) & (dv < V_DIM), other=0.0)
     if KV_FORMAT == _Q8_0:
+        d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
+        row_mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
         # whole rows: value d with its partner d +- D/2, cos and sin at d mod D/2
         first = d < HALF
         j = tl.where(first, d, d - HALF)
@@ -118,8 +121,8 @@ def _rope_store_kernel(
         stored = h < stored_heads
         _store_q8_0(k_cache_ptr + slot * stride_kcs, ks_ptr + slot * stride_kss, k_rotated, h, d, stored,
                     stride_kch, stride_ksh, 2 * HALF, BLOCK_KVH, 2 * BLOCK_HALF)
-        _store_q8_0(v_cache_ptr + slot * stride_vcs, vs_ptr + slot * stride_vss, v.to(tl.float32), h, d, stored,
-                    stride_vch, stride_vsh, 2 * HALF, BLOCK_KVH, 2 * BLOCK_HALF)
+        _store_q8_0(v_cache_ptr + slot * stride_vcs, vs_ptr + slot * stride_vss, v.to(tl.float32), h, dv, stored,
+                    stride_vch, stride_vsh, V_DIM, BLOCK_KVH, BLOCK_V)
     else:
         mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
         out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
@@ -130,19 +133,19 @@ def _rope_store_kernel(
         k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
         tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
         tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=store)
-        tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d, v.to(v_cache_ptr.dtype.element_ty),
-                 mask=(h < stored_heads) & (d < 2 * HALF))
+        tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + dv, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=(h < stored_heads) & (dv < V_DIM))
 
 
 def rope_and_store_kv(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, DV]
     positions: torch.Tensor,  # int [T]
     cos_table: torch.Tensor,  # float32 [max_positions, D / 2]
     sin_table: torch.Tensor,  # float32 [max_positions, D / 2]
     k_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 (head_dim a multiple of 32) or fp8
-    v_cache: KVCache,  # [num_slots, KVH, D] values, q8_0 or fp8
+    v_cache: KVCache,  # [num_slots, KVH, DV] values, q8_0 or fp8
     slot_mapping: torch.Tensor,  # int [T]; < 0: not stored
 ) -> torch.Tensor:
     """Stores rope(k) and v at their slots; returns rope(q) as a new contiguous [T, H, D] in q.dtype."""
@@ -151,8 +154,9 @@ def rope_and_store_kv(
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
-    assert head_dim % 2 == 0 and k.shape == v.shape == (tokens, num_kv_heads, head_dim)
-    assert k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim)
+    v_dim = v.shape[2]
+    assert head_dim % 2 == 0 and k.shape == (tokens, num_kv_heads, head_dim) and v.shape[:2] == (tokens, num_kv_heads)
+    assert k_cache.shape[1:] == (num_kv_heads, head_dim) and v_cache.shape[1:] == (num_kv_heads, v_dim)
     assert cos_table.shape == sin_table.shape and cos_table.shape[1] == half and cos_table.stride(1) == 1
     assert cos_table.stride() == sin_table.stride()
     for x in (q, k, v, k_cache, v_cache):
@@ -165,8 +169,9 @@ def rope_and_store_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1), 1.0 / k_scale, 1.0 / v_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, V_DIM=v_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), KV_FORMAT=kv_format, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_V=triton.next_power_of_2(v_dim), KV_FORMAT=kv_format,
+        num_warps=4,
     )
     return q_out
