@@ -1,10 +1,10 @@
 """Gemma 4 (transformers' gemma4) against transformers on tiny random models in its real layout
 (tests/models.py: sliding and full layers, the full ones wider with one KV head and v from k's projection,
 two layers sharing an earlier layer's K/V with a double-wide MLP, per-layer embeddings, layer scalars,
-proportional RoPE; and with experts beside the MLP, without per-layer embeddings): logits on the reference and cpu backends, greedy tokens on the gpu backend, greedy
-tokens in a mixed batch with chunked prefill and forced preemption, a prefix-cache hit against a cold
-run, the KV cache's per-layer shapes and bytes per token, the text model of a Gemma4ForConditionalGeneration
-checkpoint, and what is refused by name."""
+proportional RoPE; and with experts beside the MLP, without per-layer embeddings): logits on the reference and
+cpu backends, greedy tokens on the gpu backend, greedy tokens in a mixed batch with chunked prefill and forced
+preemption, a prefix-cache hit against a cold run, the KV cache's per-layer shapes and bytes per token, the text
+model of a Gemma4ForConditionalGeneration checkpoint, and what is refused by name."""
 
 from __future__ import annotations
 
@@ -149,10 +149,11 @@ def test_gpu_backend_matches_transformers(family):
     if kind == "experts":
         pytest.skip("the same attention (and no decode graphs: the experts group tokens on the host)")
     pytest.importorskip("triton")
-    prompts = random_prompts(2, seed=5, shortest=10, longest=14)
-    llm = LLM(folder, backend="gpu", device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
-              max_num_batched_tokens=16, kv_cache_memory=1 << 20, progress=False)
-    assert token_ids(llm.generate(prompts, greedy(4), use_tqdm=False)) == reference_greedy(folder, prompts, 4)
+    from test_gpu_backend import _greedy, _llm
+
+    prompts = random_prompts(2, seed=5, shortest=17, longest=22)
+    llm = _llm(folder)
+    assert _greedy(llm, prompts, 4) == reference_greedy(folder, prompts, 4)
     assert "decode_graphs" in llm.engine.model.backend_state
 
 

@@ -1,6 +1,7 @@
 """deepseek_v2 (multi-head latent attention, its mixture of experts, YaRN) against transformers on a
 tiny random model of DeepSeek-V2-Lite's shape (tests/models.py): logits, what the cache holds,
-greedy generation with batching, chunked prefill, prefix caching and preemption, and the config
+greedy generation with batching, chunked prefill, prefix caching and preemption, the gpu backend's Triton
+kernels (against the absorbed formula, and greedy tokens through the engine), and the config
 fields hearth refuses (its GGUF files: tests/test_deepseek2_gguf.py)."""
 
 from __future__ import annotations
@@ -135,12 +136,56 @@ def test_unimplemented_fields_are_refused_by_name(folder, tmp_path, fields, mess
         load_model(tmp_path, progress=False)
 
 
-def test_gpu_backend_refused_by_name(folder):
+def test_gpu_backend_matches_transformers(tmp_path):
+    """The gpu backend's Triton kernels (under the interpreter without a GPU): the RoPE kernel writing the latent
+    and k_pe into one cache row, prompts in chunks over the latent (the absorbed prefill kernel), then decode
+    steps of three sequences through the graph runner (a bucket of four, its padding row harmless; capture off
+    on a CPU) with split-KV and the merge: transformers' greedy tokens. Every layer dense (first_k_dense_replace):
+    a mixture of experts keeps a step out of the decode graphs."""
     pytest.importorskip("triton")
-    from hearth.backend.gpu import GpuBackend
+    from test_gpu_backend import _greedy, _llm
 
-    with pytest.raises(ModelLoadError, match="backend reference"):
-        load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
+    folder = make_hf_model(tmp_path / "dense", "deepseek_v2", num_hidden_layers=2, first_k_dense_replace=2)
+    prompts = random_prompts(3, seed=4, shortest=10, longest=20)
+    llm = _llm(folder)
+    assert _greedy(llm, prompts, 4) == reference_greedy(folder, prompts, 4)
+    assert "decode_graphs" in llm.engine.model.backend_state
+
+
+def _absorbed_attention(q, cache, table, context, rank, scale, block_size=16):
+    """q [n, heads, rank + rope]: a sequence's last n positions over its context's cached rows [rank + rope]
+    (a block table's), causal, in float64: softmax(q . row x scale) times each row's first rank values."""
+    positions = torch.arange(context)
+    rows = cache[table.long()[positions // block_size] * block_size + positions % block_size, 0].double()
+    scores = torch.einsum("qhw,kw->qhk", q.double(), rows) * scale
+    sees = positions[None, None, :] <= torch.arange(context - len(q), context)[:, None, None]
+    return torch.einsum("qhk,kr->qhr", scores.masked_fill(~sees, float("-inf")).softmax(-1), rows[:, :rank])
+
+
+def test_triton_latent_kernels_match_the_absorbed_formula():
+    """hearth/triton_kernels/latent_attention.py against the formula: prefill of a chunk after a cached prefix,
+    a whole prompt and a decode row in one launch; decode in one split and in three that each hold work, and a
+    padding row (context 0: zeros)."""
+    pytest.importorskip("triton")
+    from hearth.triton_kernels import latent_attention as kernels
+
+    gen = torch.Generator().manual_seed(0)
+    width, scale, contexts = RANK + ROPE, 0.3, [150, 9, 40]
+    tables = torch.randperm(33, generator=gen).to(torch.int32).view(3, 11)  # shuffled blocks of 16 slots
+    cache = torch.randn(33 * 16, 1, width, generator=gen)
+    q = torch.randn(13, 4, width, generator=gen)
+    starts = [0, 3, 12, 13]  # query rows 3, 9, 1
+    got = kernels.prefill_attention(q, cache, RANK, tables, torch.tensor(starts, dtype=torch.int32),
+                                    torch.tensor(contexts, dtype=torch.int32), scale, 16, 9)
+    want = torch.cat([_absorbed_attention(q[starts[s] : starts[s + 1]], cache, tables[s], contexts[s], RANK, scale)
+                      for s in range(3)])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    last_rows = [2, 11, 12]
+    for splits in (1, 3):
+        got = kernels.decode_attention(q[last_rows], cache, RANK, tables, torch.tensor([150, 9, 0], dtype=torch.int32),
+                                       scale, 16, splits)
+        torch.testing.assert_close(got[:2].double(), want[last_rows[:2]], rtol=1e-5, atol=1e-5)
+        assert (got[2] == 0).all()
 
 
 def test_bench_shape_of_deepseek_v2_lite(tmp_path):

@@ -243,7 +243,6 @@ class Backend:
     """The reference path: torch's operations, any device, any dtype."""
 
     name = "reference"
-    latent_attention = True  # runs multi-head latent attention's views of one cache (hearth/model/latent_attention.py)
     attention_sinks = True  # attention takes a learned logit per head in each softmax's denominator (gpt-oss)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
     state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)

@@ -4,7 +4,10 @@ weights kept quantized on the device.
 Attention metadata is one varlen description of the step (hearth/triton_kernels/attention.py):
 sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs
 the split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence
-with one query row). Decode steps up to the largest captured batch replay a CUDA graph
+with one query row); multi-head latent attention (a V narrower than K, the first columns of its rows)
+runs hearth/triton_kernels/latent_attention.py's pair instead. Each layer's kernels take its own
+cache's shape, and the decode kernel's split count is chosen for its programs per sequence
+(GpuMetadata.num_splits). Decode steps up to the largest captured batch replay a CUDA graph
 (graphs.py). The KV cache may be the compute dtype, q8_0 or fp8 e4m3 (hearth/kv_format.py):
 the RoPE + cache-write kernel quantizes, the attention kernels dequantize as they load. The same
 code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
@@ -20,7 +23,7 @@ from torch import nn
 
 from hearth.backend.base import Backend, DecodeSampling, StepInputs, apply_rope
 from hearth.backend.gpu_linear import TritonQuantLinear
-from hearth.triton_kernels import activation, attention, norm, rope
+from hearth.triton_kernels import activation, attention, latent_attention, norm, rope
 
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
 
@@ -49,7 +52,6 @@ class GpuMetadata:
 
 class GpuBackend(Backend):
     name = "gpu"
-    latent_attention = False  # its Triton kernels read whole K and V caches of one width
     token_trees = False  # its Triton attention kernels are causal only (no tree masks)
     state_layers = False  # no Triton kernels for convolutions and delta rules yet
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
@@ -87,8 +89,9 @@ class GpuBackend(Backend):
         """The model's DecodeGraphs (made on first use) where they run this step, else None."""
         # a mixture of experts groups tokens by expert on the host (hearth/model/layers.py): not capturable
         # (and a step with an image's rows: the graphs embed token ids only)
-        if (not step.decode_only or step.num_seqs > self.max_graph_batch or model.config.num_experts
-                or step.embeds is not None):
+        config = model.config
+        if (not step.decode_only or step.num_seqs > self.max_graph_batch or step.embeds is not None
+                or any(config.is_moe_layer(layer) for layer in range(config.num_layers))):
             return None
         graphs = model.backend_state.get("decode_graphs")
         if graphs is None:
@@ -138,6 +141,8 @@ class GpuBackend(Backend):
                   window: int | None = None, sinks=None):
         if sinks is not None:
             raise ValueError("the gpu backend's attention has no sinks")
+        if v_cache.shape[-1] != k_cache.shape[-1]:  # V, the first columns of K's rows: multi-head latent attention
+            return self._latent_attention(q, k_cache, v_cache, meta, scale)
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                               meta.block_size, num_splits=meta.num_splits(k_cache.shape[1]),
@@ -145,6 +150,18 @@ class GpuBackend(Backend):
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
                                            window=window)
+
+    def _latent_attention(self, q, cache, latent, meta: GpuMetadata, scale: float):
+        """q [T, heads, rank + rope] against one latent cache [slots, 1, rank + rope] whose first rank columns
+        (`latent`, a view) are the values (hearth/triton_kernels/latent_attention.py) -> [T, heads, rank]."""
+        assert latent.data_ptr() == cache.data_ptr() and latent.stride() == cache.stride(), "a view of the cache"
+        rank = latent.shape[-1]
+        if meta.decode_only:
+            splits = meta.num_splits(latent_attention.decode_programs(q.shape[1]))
+            return latent_attention.decode_attention(q, cache, rank, meta.block_tables, meta.seq_lens, scale,
+                                                     meta.block_size, splits)
+        return latent_attention.prefill_attention(q, cache, rank, meta.block_tables, meta.query_start_loc,
+                                                  meta.seq_lens, scale, meta.block_size, meta.max_query_len)
 
     def act_and_mul(self, gate, up, activation_name):
         return activation.act_and_mul(gate, up, activation_name)

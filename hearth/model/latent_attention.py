@@ -9,8 +9,9 @@ Attention runs on the latent with kv_b_proj absorbed (W_UK, W_UV: its rows for k
 q_nope . (W_UK c) = (q_nope W_UK) . c, so each head's query becomes [q_nope W_UK, q_pe] and scores
 against the cached [c, k_pe] as multi-query attention with one KV head, keys kv_lora_rank +
 qk_rope_head_dim wide and values the c part (a view of the same cache); the weighted sum of c is
-projected to the head's v by W_UV. The backend's ordinary paged attention does this, so chunked
-prefill, prefix caching and preemption work as for every other model. Prompts take the same path:
+projected to the head's v by W_UV. The backend's paged attention does this (the gpu backend's with
+kernels of their own: hearth/triton_kernels/latent_attention.py), so chunked prefill, prefix caching
+and preemption work as for every other model. Prompts take the same path:
 it costs (kv_lora_rank + rope + kv_lora_rank) / (qk_head_dim + v_head_dim) = 3.4x the score and
 sum multiply-adds of per-head K/V for Lite's shape, but never expands the context through kv_b_proj
 (kv_lora_rank x heads x 256 multiply-adds per context token per chunk); at Lite's size the
@@ -24,7 +25,6 @@ from torch import nn
 
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
-from hearth.errors import ModelLoadError
 from hearth.model.layers import Linear, RMSNorm, yarn_mscale
 
 # transformers' and DeepSeek's kv_a_layernorm and q_a_layernorm keep RMSNorm's default epsilon, not rms_norm_eps
@@ -43,9 +43,6 @@ class DenseWeight(nn.Module):
 class LatentAttention(nn.Module):
     def __init__(self, config: ModelConfig, ops: Backend, index: int):
         super().__init__()
-        if not ops.latent_attention:
-            raise ModelLoadError(f"the {ops.name} backend has no multi-head latent attention yet: run "
-                                 f"{config.architecture} with --backend reference")
         self.ops = ops
         self.num_heads, self.rank = config.num_heads, config.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.head_dim, config.v_head_dim
