@@ -12,6 +12,8 @@
                 (--sections gemv-sweep; ~5 minutes on an H100, not part of benchmarks/gpu.sh)
   decode attn   the paged split-KV decode kernel over the Llama-3.2-1B layer shape (32 heads, 8 KV
                 heads, head_dim 64): GB/s = K/V bytes / time
+  latent attn   the same for multi-head latent attention over DeepSeek-V2-Lite's latent cache (16 heads,
+                kv_lora_rank 512 + 64 rotated): GB/s = latent bytes / time
 Times are medians of triton.testing.do_bench (CUDA events).
 """
 
@@ -135,26 +137,53 @@ def quant_section(rows_m: list[int], data: dict) -> str:
     return table(["M", "matrix", "bf16 cuBLAS GB/s"] + [f"{q.name} GB/s (vs bf16)" for q in SUPPORTED_QTYPES], rows)
 
 
+def _paged_tables(batch: int, context: int, block: int):
+    """Shuffled block tables int32 [batch, context / block] and context lengths, every sequence `context` long."""
+    import torch
+
+    tables = torch.randperm(batch * context // block, device="cuda").to(torch.int32).reshape(batch, -1)
+    return tables, torch.full((batch,), context, dtype=torch.int32, device="cuda")
+
+
 def attention_section(cells: tuple, data: dict) -> list[list]:
     """Paged decode attention, bf16 K/V, 32 heads / 8 KV heads x 64: the table's rows."""
     import torch
 
+    from hearth.triton_kernels import attention
+
     attn_rows = []
     heads, kv_heads, head_dim, block = 32, 8, 64, 16
     for batch, context in cells:
-        from hearth.triton_kernels import attention
-
-        blocks = batch * context // block
-        k_cache = torch.randn(blocks * block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        tables, lens = _paged_tables(batch, context, block)
+        k_cache = torch.randn(batch * context, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
-        tables = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(batch, -1)
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         seconds = bench(lambda: attention.decode_attention(q, k_cache, v_cache, tables, lens, 0.125, block))
         nbytes = 2 * k_cache.numel() * 2
         attn_rows.append([batch, context, seconds * 1e6, nbytes / seconds / 1e9])
         data["attention"].append({"batch": batch, "context": context, "seconds": seconds, "bytes": nbytes})
     return attn_rows
+
+
+def latent_section(cells: tuple, data: dict) -> list[list]:
+    """Paged decode attention over a bf16 latent cache, DeepSeek-V2-Lite's 16 heads x (512 + 64): the table's rows."""
+    import torch
+
+    from hearth.triton_kernels import attention, latent_attention
+
+    rows = []
+    heads, rank, width, block = 16, 512, 576, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, context in cells:
+        tables, lens = _paged_tables(batch, context, block)
+        cache = torch.randn(batch * context, 1, width, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, heads, width, device="cuda", dtype=torch.bfloat16)
+        splits = attention.choose_num_splits(batch, latent_attention.decode_programs(heads), context, sms)
+        seconds = bench(lambda: latent_attention.decode_attention(q, cache, rank, tables, lens, 0.07, block, splits))
+        rows.append([batch, context, splits, seconds * 1e6, cache.numel() * 2 / seconds / 1e9])
+        data["latent_attention"].append({"batch": batch, "context": context, "splits": splits, "seconds": seconds,
+                                         "bytes": cache.numel() * 2})
+    return rows
 
 
 def main() -> None:
@@ -170,18 +199,20 @@ def main() -> None:
     dst = torch.empty_like(src)
     copy_gb_s = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e9
     del src, dst
-    data = {"copy_gb_per_s": copy_gb_s, "quant": [], "attention": []}
+    data = {"copy_gb_per_s": copy_gb_s, "quant": [], "attention": [], "latent_attention": []}
     sections = args.sections.split(",")
     quant_table = quant_section(list(map(int, args.rows.split(","))) if "quant" in sections else [], data)
-    attn_rows = attention_section(((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else (),
-                                  data)
+    cells = ((1, 1024), (1, 8192), (64, 1024), (256, 512)) if "attention" in sections else ()
+    attn_rows, latent_rows = attention_section(cells, data), latent_section(cells, data)
     formats = None if args.formats is None else args.formats.split(",")
     sweep_table = gemv_sweep(data, formats) if "gemv-sweep" in sections else ""
     markdown = "\n".join([
         f"### Triton kernels on {torch.cuda.get_device_name()} (device copy {copy_gb_s:,.0f} GB/s read + written)",
         "", "Quantized matmul, x bf16 [M, K]: weight bytes / time", "", quant_table, "",
         "Paged decode attention, bf16 K/V, 32 heads / 8 KV heads x 64", "",
-        table(["batch", "context", "us", "GB/s of K/V"], attn_rows), "", sweep_table,
+        table(["batch", "context", "us", "GB/s of K/V"], attn_rows), "",
+        "Paged decode attention over the latent (multi-head latent attention), bf16, 16 heads x (512 + 64)", "",
+        table(["batch", "context", "splits", "us", "GB/s of the latent"], latent_rows), "", sweep_table,
     ])
     print(markdown)
     if args.out:
