@@ -275,8 +275,9 @@ def _recurrence(q, k, v, g, beta, state, rows: StateRows, chunk: int) -> torch.T
     dv = v.shape[-1]
     assert state.is_contiguous() and state.shape[1:] == (heads, dk, dv) and state.dtype == torch.float32
     assert chunk >= 16 and chunk & (chunk - 1) == 0, "a chunk is a power of two, at least 16 rows (tl.dot's least)"
+    has_beta = beta is not None
     q, k, v, g = (t.float().contiguous() for t in (q, k, v, g))
-    beta = beta.float().contiguous() if beta is not None else g
+    beta = beta.float().contiguous() if has_beta else g  # (g: a placeholder the kernels never read)
     out = torch.empty((tokens, heads, dv), dtype=torch.float32, device=q.device)
     if tokens == 0:
         return out
@@ -284,7 +285,7 @@ def _recurrence(q, k, v, g, beta, state, rows: StateRows, chunk: int) -> torch.T
     grid = (len(rows.seq_lens), heads, triton.cdiv(dv, block_v))
     snapshots = rows.snapshots if rows.snapshots is not None else rows.slots
     args = (q, k, v, g, beta, state, out, rows.slots, snapshots, rows.query_start_loc, rows.seq_lens, heads, dk, dv)
-    sizes = dict(HAS_BETA=beta is not g, HAS_SNAPSHOTS=rows.snapshots is not None,
+    sizes = dict(HAS_BETA=has_beta, HAS_SNAPSHOTS=rows.snapshots is not None,
                  BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v)
     _recurrent_kernel[grid](*args, **sizes, num_warps=4)
     if rows.max_query_len > 1:
