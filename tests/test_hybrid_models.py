@@ -336,18 +336,12 @@ def test_unimplemented_fields_refused_by_name(family, tmp_path):
             load_model(copy, progress=False)
 
 
-def test_gpu_backend_and_lfm2_biases_in_gguf_refused_by_name(family, tmp_path):
-    """The gpu backend (no kernels for the state layers yet); `hearth convert` of an lfm2 with convolution
-    biases (llama.cpp's lfm2 has no tensors for them). (The other hybrids' GGUF: tests/test_hybrid_gguf.py.)"""
-    arch, folder, _ = family
-    if arch == "lfm2":
-        with pytest.raises(ModelLoadError, match="lfm2 with conv_bias"):
-            convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
-    pytest.importorskip("triton")
-    from hearth.backend.gpu import GpuBackend
-
-    with pytest.raises(ModelLoadError, match="no state layers .* yet: run .* with --backend cpu or reference"):
-        load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
+def test_lfm2_biases_in_gguf_refused_by_name(tmp_path):
+    """`hearth convert` of an lfm2 with convolution biases (llama.cpp's lfm2 has no tensors for them). (The
+    other hybrids' GGUF: tests/test_hybrid_gguf.py; the gpu backend's state layers: tests/test_gpu_backend.py.)"""
+    folder = make_hf_model(tmp_path / "m", "lfm2")
+    with pytest.raises(ModelLoadError, match="lfm2 with conv_bias"):
+        convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
 
 
 def test_lfm2_gguf_round_trip(tmp_path):

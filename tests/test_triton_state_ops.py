@@ -14,7 +14,6 @@ Without a GPU the kernels run in Triton's interpreter (tests/conftest.py)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 
