@@ -20,8 +20,8 @@ a decode step's kernels are captured in its graph, the state rows addressed by t
   (a prompt, a chunk) runs `_chunked_kernel`, CHUNK rows at a time with the state carried in registers.
   Both are launched over every sequence and skip the other's (a decode step launches only the first).
   One program holds a head's state for BLOCK_V of its value columns. The delta rule's chunk solve
-  (I + A) D = ... (A strictly lower triangular) takes the inverse as a product of log2(CHUNK) factors,
-  (I + A)^-1 = (I - A)(I + A^2)(I + A^4)..., matrix products rather than CHUNK dependent row steps.
+  (I + A) D = ... (A strictly lower triangular) inverts I + A by forward substitution, a row of the
+  inverse at a time from those before it (elementwise work on a CHUNK x CHUNK tile), then matrix products.
   float32 throughout (the layers hand the recurrences float32), products in IEEE fp32, not tf32.
 """
 
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 32  # rows per chunk of the chunked form (the solve's products are CHUNK x CHUNK)
-CONV_ROWS = 16  # rows per program of the convolution
+CHUNK = 32  # rows per chunk of the chunked form (a power of two, at least tl.dot's 16)
+CONV_ROWS = 32  # rows per program of the convolution
 CONV_CHANNELS = 128  # channels per program of the convolution
 VALUE_COLUMNS = 32  # value columns of a head's state per program of the recurrences
 
@@ -216,23 +216,24 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, 
 
 
 @triton.jit
-def _unit_lower_inverse(a, t, LOG2_CHUNK: tl.constexpr):
-    """(I + a)^-1 for a strictly lower triangular [CHUNK, CHUNK]: the sum of (-a)^n for n < CHUNK (a^CHUNK
-    is 0), as the product (I - a)(I + a^2)(I + a^4)... of LOG2_CHUNK factors."""
-    power = -a
-    inverse = tl.where(t[:, None] == t[None, :], 1.0, 0.0) + power
-    for _ in tl.static_range(LOG2_CHUNK - 1):
-        power = tl.dot(power, power, input_precision="ieee")
-        inverse += tl.dot(inverse, power, input_precision="ieee")
-    return inverse
+def _unit_lower_inverse(a, t, CHUNK: tl.constexpr):
+    """(I + a)^-1 for a strictly lower triangular [CHUNK, CHUNK], by forward substitution a row at a time:
+    row i of the inverse is e_i - sum_{j < i} a_ij (row j). (The product form (I - a)(I + a^2)(I + a^4)...
+    is a few matrix products but loses everything to cancellation where neighbouring keys are alike.)"""
+    inverse = -a  # rows before i: the inverse's strictly lower part; rows from i on: -a's
+    for i in range(1, CHUNK):
+        at_i = t[:, None] == i
+        row = tl.sum(tl.where(at_i, inverse, 0.0), 0)  # -a_i, nonzero before column i only
+        inverse = tl.where(at_i, (row + tl.sum(row[:, None] * inverse, 0))[None, :], inverse)
+    return inverse + tl.where(t[:, None] == t[None, :], 1.0, 0.0)
 
 
 @triton.jit
-def _chunk_deltas(k, v, beta, G, decay, S, t, LOG2_CHUNK: tl.constexpr):
+def _chunk_deltas(k, v, beta, G, decay, S, t, CHUNK: tl.constexpr):
     """The delta rule's d's of a chunk [CHUNK, BLOCK_V]: (I + A) D = beta V - (beta K e^G) S_0."""
     kb = k * beta[:, None]
     a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
-    inverse = _unit_lower_inverse(a, t, LOG2_CHUNK)
+    inverse = _unit_lower_inverse(a, t, CHUNK)
     u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
     w = tl.dot(inverse, kb * tl.exp(G)[:, None], input_precision="ieee")
     return u - tl.dot(w, S, input_precision="ieee")
@@ -241,8 +242,8 @@ def _chunk_deltas(k, v, beta, G, decay, S, t, LOG2_CHUNK: tl.constexpr):
 @triton.jit
 def _chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, snapshots_ptr,
                     query_start_loc_ptr, seq_lens_ptr, heads, DK, DV, HAS_BETA: tl.constexpr,
-                    HAS_SNAPSHOTS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HAS_SNAPSHOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
     start, rows, live, first, slot_at, tile, S = _recurrence_start(
         state_ptr, slots_ptr, snapshots_ptr, query_start_loc_ptr, seq_lens_ptr, heads, DK, DV, HAS_SNAPSHOTS,
         BLOCK_K, BLOCK_V)
@@ -259,7 +260,7 @@ def _chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, sl
         G = tl.cumsum(tl.load(g_ptr + at, mask=ok, other=0.0), 0)  # rows past the sequence add 0
         decay = tl.exp(tl.where(t[:, None] >= t[None, :], G[:, None] - G[None, :], float("-inf")))  # e^{G_i - G_j}
         if HAS_BETA:
-            v = _chunk_deltas(k, v, tl.load(beta_ptr + at, mask=ok, other=0.0), G, decay, S, t, LOG2_CHUNK)
+            v = _chunk_deltas(k, v, tl.load(beta_ptr + at, mask=ok, other=0.0), G, decay, S, t, CHUNK)
         out = tl.dot(q * tl.exp(G)[:, None], S, input_precision="ieee") + \
             tl.dot(tl.dot(q, tl.trans(k), input_precision="ieee") * decay, v, input_precision="ieee")
         tl.store(out_ptr + at[:, None] * DV + vv[None, :], out, mask=v_tile)
@@ -268,13 +269,12 @@ def _chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, sl
     tl.store(slot_at + tile, S, mask=_tile_mask(kk, vv, DK, DV, live & mine))
 
 
-def _recurrence(q, k, v, g, beta, state, rows: StateRows, chunk: int) -> torch.Tensor:
+def _recurrence(q, k, v, g, beta, state, rows: StateRows) -> torch.Tensor:
     """The delta rule (beta given) or Mamba2's scan (beta None) over the step's rows: the recurrent kernel
     for sequences with one row or snapshots, the chunked one for the others -> [T, H, dv] float32."""
     tokens, heads, dk = q.shape
     dv = v.shape[-1]
     assert state.is_contiguous() and state.shape[1:] == (heads, dk, dv) and state.dtype == torch.float32
-    assert chunk >= 16 and chunk & (chunk - 1) == 0, "a chunk is a power of two, at least 16 rows (tl.dot's least)"
     has_beta = beta is not None
     q, k, v, g = (t.float().contiguous() for t in (q, k, v, g))
     beta = beta.float().contiguous() if has_beta else g  # (g: a placeholder the kernels never read)
@@ -289,7 +289,7 @@ def _recurrence(q, k, v, g, beta, state, rows: StateRows, chunk: int) -> torch.T
                  BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v)
     _recurrent_kernel[grid](*args, **sizes, num_warps=4)
     if rows.max_query_len > 1:
-        _chunked_kernel[grid](*args, **sizes, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=4)
+        _chunked_kernel[grid](*args, **sizes, CHUNK=CHUNK, num_warps=4)
     return out
 
 
@@ -301,10 +301,9 @@ def gated_delta_rule(
     beta: torch.Tensor,  # [T, H]
     state: torch.Tensor,  # [state rows, H, dk, dv] float32, contiguous
     rows: StateRows,
-    chunk: int = CHUNK,
 ) -> torch.Tensor:  # [T, H, dv] float32
     """The gated delta rule over the step's rows, each sequence from its slot's state, the states written back."""
-    return _recurrence(q, k, v, g, beta, state, rows, chunk)
+    return _recurrence(q, k, v, g, beta, state, rows)
 
 
 def ssm_scan(
@@ -314,7 +313,6 @@ def ssm_scan(
     g: torch.Tensor,  # [T, H]: log of each row's decay (dt A, <= 0)
     state: torch.Tensor,  # [state rows, H, n, p] float32, contiguous
     rows: StateRows,
-    chunk: int = CHUNK,
 ) -> torch.Tensor:  # [T, H, p] float32
     """Mamba2's selective scan over the step's rows, each sequence from its slot's state, the states written back."""
-    return _recurrence(q, k, v, g, None, state, rows, chunk)
+    return _recurrence(q, k, v, g, None, state, rows)
