@@ -23,6 +23,9 @@ a decode step's kernels are captured in its graph, the state rows addressed by t
   (I + A) D = ... (A strictly lower triangular) inverts I + A by forward substitution, a row of the
   inverse at a time from those before it (elementwise work on a CHUNK x CHUNK tile), then matrix products.
   float32 throughout (the layers hand the recurrences float32), products in IEEE fp32, not tf32.
+
+Tested under Triton's interpreter only (tests/test_triton_state_ops.py); not yet compiled or timed on a
+GPU, so the tile sizes below are first choices, not measured ones.
 """
 
 from __future__ import annotations
