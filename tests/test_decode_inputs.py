@@ -2,7 +2,8 @@
 randomized run (arrivals, finishes, preemptions, rows changing places, block appends, batch-size
 bucket changes, tokens left on the device), the buffers updated by diffs hold what a rebuild from
 scratch holds, and the positions and slots computed from them are those of the runner's own layout
-(ModelRunner.prepare, the eager path's inputs)."""
+(ModelRunner.prepare, the eager path's inputs). The sequences are a hybrid model's: each holds a
+state slot (hearth/triton_kernels/state_ops.py reads the buffer's), given back when it leaves."""
 
 from __future__ import annotations
 
@@ -24,19 +25,22 @@ class Sequences:
     """Running sequences as the scheduler keeps them: context length, block table, sampling row."""
 
     def __init__(self, rng: random.Random):
-        self.rng, self.running, self.free = rng, [], list(range(1, 400))
+        self.rng, self.running, self.free, self.state_slots = rng, [], list(range(1, 400)), list(range(MAX_BATCH))
         rng.shuffle(self.free)
+        rng.shuffle(self.state_slots)
 
     def arrive(self) -> None:
         context = self.rng.randint(1, BLOCK * (MAX_BLOCKS - 3))
         table = [self.free.pop() for _ in range(-(-context // BLOCK))]
         params = (self.rng.choice([0.5, 1.0, 1.3]), float(self.rng.random() < 0.3), self.rng.choice([50, 5]),
                   self.rng.choice([1.0, 0.9]), self.rng.choice([0.0, 0.1]))
-        self.running.append({"computed": context - 1, "table": table, "params": params})
+        self.running.append({"computed": context - 1, "table": table, "params": params,
+                             "state_slot": self.state_slots.pop()})
 
     def leave(self) -> None:  # a finish or a preemption: its blocks go back
         seq = self.running.pop(self.rng.randrange(len(self.running)))
         self.free.extend(seq["table"])
+        self.state_slots.insert(0, seq["state_slot"])  # (taken again last: a row's slot changes)
 
     def decode(self) -> bool:
         """Every row's token was computed: one more, a new block at a boundary. Whether a row began again."""
@@ -50,9 +54,10 @@ class Sequences:
         return again
 
     def step(self):
-        config = SimpleNamespace(is_hybrid=False, mrope_section=None, bidirectional_images=False)
+        config = SimpleNamespace(is_hybrid=True, mrope_section=None, bidirectional_images=False)
         runner = SimpleNamespace(block_size=BLOCK, model=SimpleNamespace(config=config))
-        entries = [BatchEntry([self.rng.randrange(1000)], s["computed"], s["table"]) for s in self.running]
+        entries = [BatchEntry([self.rng.randrange(1000)], s["computed"], s["table"], state_slot=s["state_slot"])
+                   for s in self.running]
         params = np.array([s["params"] for s in self.running], dtype=np.float64).T
         return ModelRunner.prepare(runner, entries), params
 
@@ -60,7 +65,7 @@ class Sequences:
 def check_against_rebuild(inputs: DecodeInputs, step, params: np.ndarray, size: int) -> None:
     fresh = DecodeInputs(MAX_BATCH, MAX_BLOCKS, BLOCK, torch.device("cpu"))
     fresh.rewrite(step, size, params, DEFAULTS)
-    for name in ("input_ids", "seq_lens", "live"):
+    for name in ("input_ids", "seq_lens", "live", "state_slots"):
         assert torch.equal(inputs.field(name, size), fresh.field(name, size)), name
     assert torch.equal(inputs.block_tables(size), fresh.block_tables(size))
     assert torch.equal(inputs.params[:, :size], fresh.params[:, :size])
@@ -68,6 +73,7 @@ def check_against_rebuild(inputs: DecodeInputs, step, params: np.ndarray, size: 
     positions, slots = inputs.positions_and_slots(size)
     assert positions[:b].tolist() == step.positions.tolist() and slots[:b].tolist() == step.slot_mapping.tolist()
     assert slots[b:].tolist() == [-1] * (size - b) and inputs.field("seq_lens", size)[b:].tolist() == [0] * (size - b)
+    assert inputs.field("state_slots", size).tolist() == step.state_slots.tolist() + [0] * (size - b)
     assert inputs.params[:, :b].numpy().tolist() == params.tolist()
     assert inputs.params[:, b:size].T.tolist() == [list(DEFAULTS)] * (size - b)
 

@@ -77,6 +77,34 @@ def test_sliding_window_past_the_window_matches_transformers(tmp_path):
         _assert_transformers_greedy(reference, prompt, tokens)
 
 
+# (tests/models.py's layouts cut to one state layer each: the interpreter runs a layer's kernels in seconds)
+HYBRID_LAYERS = {"qwen3_5": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+                 "nemotron_h": {"layers_block_type": ["mamba", "attention", "moe"]}}
+
+
+@pytest.mark.parametrize("arch", HYBRID_LAYERS)
+def test_hybrid_model_matches_transformers(tmp_path, arch):
+    """State layers on the Triton kernels (hearth/triton_kernels/state_ops.py): Gated DeltaNet (qwen3_5) and
+    Mamba2 (nemotron_h), each with its convolution. Three prompts at once: one over the token budget (its
+    states carried across two chunks), one of one token (a decode row from a zero state); greedy tokens and
+    top-5 logprobs of each step as transformers'. qwen3_5's decodes run the decode graphs' buffers (three
+    rows in the bucket of 4: the padding row on state slot 0, which a prompt owns), nemotron_h's (experts)
+    the eager path."""
+    from test_hybrid_models import check_greedy_with_top5, transformers_greedy_with_top5
+
+    folder = make_hf_model(tmp_path / arch, arch, **HYBRID_LAYERS[arch])
+    prompts = [_prompts(1, seed=3, shortest=40)[0], [5, 6, 7, 8, 9], [11]]
+    llm = _llm(folder)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    check_greedy_with_top5(outputs, transformers_greedy_with_top5(folder, prompts, 3))
+    graphs = llm.engine.model.backend_state.get("decode_graphs")
+    assert (graphs is not None) == (arch == "qwen3_5")
+    if graphs is not None:  # the last decode step's buffers: three rows' slots, then the padding row's 0
+        slots = graphs.inputs.field("state_slots", 4).tolist()
+        assert len(set(slots[:3])) == 3 and 0 in slots[:3] and slots[3] == 0
+
+
 def test_bucket_sizes():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(3) == [1, 2, 3]

@@ -53,17 +53,21 @@ def family(request, tmp_path_factory):
     """(architecture, folder, transformers' greedy tokens and per token its top-5 {id: logprob} for PROMPTS)."""
     arch = request.param
     folder = make_hf_model(tmp_path_factory.mktemp(arch) / "m", arch)
-    model = load_hf_reference(folder)
-    expected = []
+    return arch, folder, transformers_greedy_with_top5(folder, PROMPTS, MAX_TOKENS)
+
+
+def transformers_greedy_with_top5(folder, prompts: list[list[int]], max_tokens: int) -> list:
+    """Per prompt: transformers' greedy tokens and per token its top-5 {id: logprob}."""
+    model, expected = load_hf_reference(folder), []
     with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  output_logits=True, return_dict_in_generate=True)
             top = [dict(zip(*reversed(torch.log_softmax(step[0].float(), -1).topk(5)))) for step in out.logits]
             expected.append((out.sequences[0, len(prompt):].tolist(),
                              [{int(i): float(lp) for i, lp in position.items()} for position in top]))
-    return arch, folder, expected
+    return expected
 
 
 def _greedy_with_top5(llm: LLM) -> list:
@@ -71,7 +75,7 @@ def _greedy_with_top5(llm: LLM) -> list:
     return llm.generate(PROMPTS, params, use_tqdm=False)
 
 
-def _check(outputs, expected) -> None:
+def check_greedy_with_top5(outputs, expected) -> None:
     """Greedy tokens equal transformers'; at each position the top 5 are its ids with its logprobs (1e-4)."""
     for output, (tokens, top) in zip(outputs, expected):
         sample = output.outputs[0]
@@ -93,7 +97,7 @@ def test_one_at_a_time_matches_transformers(family, backend):
     llm = LLM(folder, backend=backend, max_num_seqs=1, enable_prefix_caching=caching, progress=False)
     assert llm.engine.num_state_checkpoints == (1 if caching else 0)
     outputs = _greedy_with_top5(llm)
-    _check(outputs, expected)
+    check_greedy_with_top5(outputs, expected)
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0, 32 if caching else 0]
     assert llm.engine.block_manager.prefix_cache_hits == (32 if caching else 0)
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.num_state_slots == 1
@@ -119,7 +123,7 @@ def test_kv_transfer_carries_the_state_checkpoint(family):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     output = decode.generate([prompt], params, use_tqdm=False)[0]
     assert output.num_cached_tokens == 32
-    _check([output], [expected[3]])
+    check_greedy_with_top5([output], [expected[3]])
 
 
 def test_prefix_cache_restores_state_checkpoints(family):
@@ -182,7 +186,7 @@ def test_mixed_batch_chunked_prefill_and_preemption(family):
     engine = llm.engine
     assert (engine.num_state_slots, engine.num_state_checkpoints, engine.num_blocks) == (4, 4, 5)
     outputs = _greedy_with_top5(llm)
-    _check(outputs, expected)
+    check_greedy_with_top5(outputs, expected)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert engine.block_manager.prefix_cache_hits > 0  # preempted requests restarted from their checkpoints
     assert engine.block_manager.check_all_free() and engine.scheduler.state_slots.num_free == 4
@@ -332,18 +336,12 @@ def test_unimplemented_fields_refused_by_name(family, tmp_path):
             load_model(copy, progress=False)
 
 
-def test_gpu_backend_and_lfm2_biases_in_gguf_refused_by_name(family, tmp_path):
-    """The gpu backend (no kernels for the state layers yet); `hearth convert` of an lfm2 with convolution
-    biases (llama.cpp's lfm2 has no tensors for them). (The other hybrids' GGUF: tests/test_hybrid_gguf.py.)"""
-    arch, folder, _ = family
-    if arch == "lfm2":
-        with pytest.raises(ModelLoadError, match="lfm2 with conv_bias"):
-            convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
-    pytest.importorskip("triton")
-    from hearth.backend.gpu import GpuBackend
-
-    with pytest.raises(ModelLoadError, match="no state layers .* yet: run .* with --backend cpu or reference"):
-        load_model(folder, progress=False, backend=GpuBackend("cpu", use_cuda_graphs=False))
+def test_lfm2_biases_in_gguf_refused_by_name(tmp_path):
+    """`hearth convert` of an lfm2 with convolution biases (llama.cpp's lfm2 has no tensors for them). (The
+    other hybrids' GGUF: tests/test_hybrid_gguf.py; the gpu backend's state layers: tests/test_gpu_backend.py.)"""
+    folder = make_hf_model(tmp_path / "m", "lfm2")
+    with pytest.raises(ModelLoadError, match="lfm2 with conv_bias"):
+        convert_hf_to_gguf(folder, tmp_path / "m.gguf", "f32", progress=False)
 
 
 def test_lfm2_gguf_round_trip(tmp_path):

@@ -245,7 +245,6 @@ class Backend:
     name = "reference"
     attention_sinks = True  # attention takes a learned logit per head in each softmax's denominator (gpt-oss)
     token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
-    state_layers = True  # runs the layers of hybrid models that keep a state per sequence (state_ops.py)
     mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
     bidirectional_images = True  # prefill masks see both ways within an image (StepInputs.image_blocks)
 

@@ -1,7 +1,7 @@
 """A decode step's inputs kept on the device between steps, changed by small diffs.
 
 A decode step of b sequences needs, per row: its token, its context length (new token included),
-its block table, and (when sampling runs in the step's CUDA graph) its sampling parameters. From
+its block table, a hybrid model's state slot (hearth/triton_kernels/state_ops.py), and (when sampling runs in the step's CUDA graph) its sampling parameters. From
 one step to the next almost nothing of that changes but the tokens: every context grows by one,
 and a block table gains an entry once every block_size steps. So the inputs live in persistent
 device buffers (the CUDA graphs of graphs.py read them in place), and a step sends only what its
@@ -18,7 +18,8 @@ is against it, so any history (eager steps in between, preemptions, rows changin
 the same device state as writing the step from scratch (`rewrite`). The positions and slots are
 not sent: a decode's position is its context length - 1 and its slot follows from its block table
 (`positions_and_slots`, run inside the graph). Rows past the batch (up to the graph's bucket) are
-padding: live 0, context 0 (attention gives zeros), slot -1 (the K/V write is skipped), token 0.
+padding: live 0, context 0 (attention gives zeros; the state kernels read a zero state and write
+nothing), slot -1 (the K/V write is skipped), token 0, state slot 0.
 
 Patches go through two pinned host buffers used in turn, each released by a CUDA event when its
 copy has run: the host may lay out the next step's patch while the GPU still copies this one's.
@@ -32,11 +33,11 @@ import torch
 from hearth.backend.base import StepInputs
 
 # fields of the int32 buffer, each [max_batch] but the block tables [max_batch, max_blocks]
-_ROW_FIELDS = ("input_ids", "seq_lens", "live")
+_ROW_FIELDS = ("input_ids", "seq_lens", "live", "state_slots")
 
 
 class DecodeInputs:
-    """The persistent int32 buffer (tokens, context lengths, live flags, block tables) and float64
+    """The persistent int32 buffer (tokens, context lengths, live flags, state slots, block tables) and float64
     sampling parameters [num_params, max_batch] of decode steps, and their diff updates."""
 
     def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device):
@@ -62,7 +63,7 @@ class DecodeInputs:
     # ---- views ------------------------------------------------------------------------
 
     def field(self, name: str, size: int) -> torch.Tensor:
-        """The device buffer's first `size` rows of a row field: input_ids, seq_lens or live."""
+        """The device buffer's first `size` rows of a row field: input_ids, seq_lens, live or state_slots."""
         start = self._offsets[name]
         return self.state[start : start + size]
 
@@ -128,9 +129,9 @@ class DecodeInputs:
         self.update(step, size, params, param_defaults)
 
     def _row_targets(self, step: StepInputs, size: int) -> tuple[np.ndarray, ...]:
-        """What input_ids, seq_lens and live must hold in the first `size` rows, int32 each."""
+        """What input_ids, seq_lens, live and state_slots must hold in the first `size` rows, int32 each."""
         b = step.num_seqs
-        ids, seq_lens, live = np.zeros((3, size), dtype=np.int32)
+        ids, seq_lens, live, state_slots = np.zeros((4, size), dtype=np.int32)
         if isinstance(step.input_ids, torch.Tensor):  # copied device to device: no patch for them
             start = self._offsets["input_ids"]
             ids[:b] = self._mirror[start : start + b]
@@ -138,7 +139,9 @@ class DecodeInputs:
             ids[:b] = step.input_ids
         seq_lens[:b] = step.seq_lens
         live[:b] = 1
-        return ids, seq_lens, live
+        if step.state_slots is not None:
+            state_slots[:b] = step.state_slots
+        return ids, seq_lens, live, state_slots
 
     @property
     def _mirror_tables(self) -> np.ndarray:  # int32 [max_batch, max_blocks], a view

@@ -9,7 +9,10 @@ runs hearth/triton_kernels/latent_attention.py's pair instead. Each layer's kern
 cache's shape, and the decode kernel's split count is chosen for its programs per sequence
 (GpuMetadata.num_splits). Decode steps up to the largest captured batch replay a CUDA graph
 (graphs.py). The KV cache may be the compute dtype, q8_0 or fp8 e4m3 (hearth/kv_format.py):
-the RoPE + cache-write kernel quantizes, the attention kernels dequantize as they load. The same
+the RoPE + cache-write kernel quantizes, the attention kernels dequantize as they load. A hybrid
+model's state layers run hearth/triton_kernels/state_ops.py's kernels on the step's state rows
+(`GpuMetadata.state`: each sequence's slot, from StepInputs or, in a decode graph, from the slots
+buffer of decode_inputs.py), so its decode steps are captured as any model's. The same
 code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
 without a GPU.
 """
@@ -23,7 +26,7 @@ from torch import nn
 
 from hearth.backend.base import Backend, DecodeSampling, StepInputs, apply_rope
 from hearth.backend.gpu_linear import TritonQuantLinear
-from hearth.triton_kernels import activation, attention, latent_attention, norm, rope
+from hearth.triton_kernels import activation, attention, latent_attention, norm, rope, state_ops
 
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
 
@@ -37,6 +40,7 @@ class GpuMetadata:
     block_size: int
     max_query_len: int  # host int: the prefill kernel's grid
     num_sms: int  # the GPU's streaming multiprocessors, which the decode kernels' splits aim to fill
+    state: state_ops.StateRows | None = None  # a hybrid model's: each sequence's state rows
 
     @property
     def decode_only(self) -> bool:
@@ -53,7 +57,6 @@ class GpuMetadata:
 class GpuBackend(Backend):
     name = "gpu"
     token_trees = False  # its Triton attention kernels are causal only (no tree masks)
-    state_layers = False  # no Triton kernels for convolutions and delta rules yet
     mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
     bidirectional_images = False  # its Triton prefill attention is causal only
     attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
@@ -111,13 +114,19 @@ class GpuBackend(Backend):
             torch.from_numpy(step.seq_lens).to(dev, non_blocking=True),
             torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
             step.block_size, int(step.query_lens.max()),
+            None if step.state_slots is None else torch.from_numpy(step.state_slots).to(dev, non_blocking=True),
+            None if step.state_snapshots is None else torch.from_numpy(step.state_snapshots).to(dev, non_blocking=True),
         )
         return torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev), meta
 
-    def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int,
-                 max_query_len: int) -> GpuMetadata:
+    def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
+                 state_slots: torch.Tensor | None = None, state_snapshots: torch.Tensor | None = None) -> GpuMetadata:
+        """state_slots [S] (a hybrid model: each sequence's state row) and state_snapshots [S] (verifying
+        guesses: the first of its snapshot rows, -1 none), or None."""
+        state = None if state_slots is None else state_ops.StateRows(state_slots, query_start_loc, seq_lens,
+                                                                     max_query_len, state_snapshots)
         return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
-                           self._num_sms)
+                           self._num_sms, state)
 
     # ---- the model's operations --------------------------------------------------------
 
@@ -165,6 +174,17 @@ class GpuBackend(Backend):
 
     def act_and_mul(self, gate, up, activation_name):
         return activation.act_and_mul(gate, up, activation_name)
+
+    # the state layers' operations: every sequence of the step in one launch or two, from device tensors only
+
+    def causal_conv1d(self, x, state, weight, bias, meta: state_ops.StateRows, activation=None):
+        return state_ops.causal_conv1d(x, state, weight, bias, meta, activation)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, meta: state_ops.StateRows):
+        return state_ops.gated_delta_rule(q, k, v, g, beta, state, meta)
+
+    def ssm_scan(self, q, k, v, g, state, meta: state_ops.StateRows):
+        return state_ops.ssm_scan(q, k, v, g, state, meta)
 
     # ---- weights -----------------------------------------------------------------------
 

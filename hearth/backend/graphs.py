@@ -59,8 +59,9 @@ class DecodeGraphs:
         """The forward pass over the buffers' first `size` rows, then the sampling head if any."""
         inputs = self.inputs
         positions, slots = inputs.positions_and_slots(size)
+        state_slots = inputs.field("state_slots", size) if self.model.config.is_hybrid else None
         meta = self.backend.metadata(slots, self.query_start_loc[: size + 1], inputs.field("seq_lens", size),
-                                     inputs.block_tables(size), self.block_size, 1)
+                                     inputs.block_tables(size), self.block_size, 1, state_slots)
         hidden = self.model(inputs.field("input_ids", size), positions, self.kv_caches, meta)
         if sampling is None:
             return hidden

@@ -14,7 +14,6 @@ from torch import nn
 
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
-from hearth.errors import ModelLoadError
 from hearth.model.layers import Linear, MergedLinear, RMSNorm
 
 
@@ -27,12 +26,6 @@ class ConvWeight(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
 
 
-def _check_backend(ops: Backend, config: ModelConfig) -> None:
-    if not ops.state_layers:
-        raise ModelLoadError(f"the {ops.name} backend has no state layers (convolutions, delta rules) yet: run "
-                             f"{config.architecture} with --backend cpu or reference")
-
-
 class ShortConv(nn.Module):
     """LFM2's gated short convolution: in_proj makes B, C and x; y = C * conv(B * x), a causal
     depthwise convolution of conv_kernel_size taps; then out_proj. State: the convolution's window."""
@@ -41,7 +34,6 @@ class ShortConv(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
-        _check_backend(ops, config)
         self.ops = ops
         hidden, bias = config.hidden_size, config.conv_bias
         self.in_proj = Linear(hidden, 3 * hidden, bias)
@@ -64,7 +56,6 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
-        _check_backend(ops, config)
         self.ops = ops
         self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -107,7 +98,6 @@ class Mamba2(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Backend):
         super().__init__()
-        _check_backend(ops, config)
         self.ops = ops
         self.heads, self.head_dim, self.groups = config.mamba_num_heads, config.mamba_head_dim, config.mamba_groups
         self.state_size, self.eps, self.dt_limit = config.ssm_state_size, config.rms_norm_eps, config.time_step_limit
