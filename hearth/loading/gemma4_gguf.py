@@ -11,7 +11,8 @@ and the tensors it stores otherwise than the checkpoint (the names: hearth/loadi
   first sharing one (sliding) or one before it (full); transformers' rule (the last earlier layer of the same
   kind) is the same for the released layouts, and `hearth convert` refuses a model where it is not;
 - v from k's projection where a layer has no attn_v; the layer's output scale (layer_output_scale, 1 where
-  absent); the experts' gate and up stacked in one tensor (ffn_gate_up_exps, each expert's gate rows first),
+  absent); the experts' gate and up stacked in one tensor (ffn_gate_up_exps, each expert's gate rows first; read
+  as ffn_gate_exps and ffn_up_exps too),
   the router's input scale (ffn_gate_inp.scale) and each expert's output scale (ffn_down_exps.scale).
 
 Fixed by llama.cpp, with no key: GELU (tanh), scores unscaled, v normed without a weight, the router's
@@ -40,7 +41,7 @@ _NEVER_TURNED = 1e30  # llama.cpp's frequency divisor of the dimensions proporti
 _VISIBLE_TOKENS = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
                    '<|"|>'}
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # (GGUF token types)
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|gate_proj|up_proj|down_proj)\.weight")
 _OWN_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 
 
@@ -110,7 +111,7 @@ def weights_from_gguf(config: ModelConfig, weights: dict[str, Weight], where: st
         stacked, prefix = weights.pop(name), f"model.layers.{m.group(1)}.experts.experts.{m.group(2)}."
         half = stacked.shape[0] // 2
         parts = (("gate_proj", 0, half), ("up_proj", half, half)) if m.group(3) == "gate_up_proj" else \
-            (("down_proj", 0, stacked.shape[0]),)
+            ((m.group(3), 0, stacked.shape[0]),)  # (llama.cpp reads gate and up stacked apart too)
         for part, start, rows in parts:
             weights[prefix + f"{part}.weight"] = stacked.row_range(start, rows) if isinstance(stacked, QuantTensor) \
                 else stacked[start:start + rows]
