@@ -79,6 +79,7 @@ def fields_from_metadata(md: dict[str, Any], get: Callable[..., Any]) -> dict[st
     theta = float(get("rope.freq_base", 10000.0))
     return dict(
         num_kv_heads=kv[sliding.index(True)] if any(sliding) else kv[0], head_dim=head_swa,
+        sliding_window=int(get("attention.sliding_window")),  # (llama.cpp requires it)
         layer_head_dims=tuple(head_swa if s else head for s in sliding), layer_kv_heads=tuple(kv),
         kv_sources=_checked_kv_sources(sliding, int(md.get("gemma4.attention.shared_kv_layers") or 0)),
         intermediate_size=widths[0], double_wide_mlp_layers=tuple(i for i, w in enumerate(widths) if w != widths[0]),
