@@ -12,8 +12,10 @@ and the tensors it stores otherwise than the checkpoint (the names: hearth/loadi
   kind) is the same for the released layouts, and `hearth convert` refuses a model where it is not;
 - v from k's projection where a layer has no attn_v; the layer's output scale (layer_output_scale, 1 where
   absent); the experts' gate and up stacked in one tensor (ffn_gate_up_exps, each expert's gate rows first; read
-  as ffn_gate_exps and ffn_up_exps too),
-  the router's input scale (ffn_gate_inp.scale) and each expert's output scale (ffn_down_exps.scale).
+  as ffn_gate_exps and ffn_up_exps too), the router's input scale (ffn_gate_inp.scale) and each expert's output
+  scale (ffn_down_exps.scale);
+- the tokenizer of a SentencePiece-style vocabulary as llama.cpp's gemma4 one (add_vocabulary; read by
+  hearth/tokenizer_gguf.py).
 
 Fixed by llama.cpp, with no key: GELU (tanh), scores unscaled, v normed without a weight, the router's
 softmax renormalised over the chosen experts, experts in every layer that has a router. hearth's reader takes
