@@ -68,8 +68,8 @@ def converted(tmp_path_factory):
 def test_converted_file_runs_as_the_folder(case, converted):
     """llama.cpp's names (each one of gguf-py's gemma4 tensors) and keys; the folder's config read back; hearth's
     logits on the f32 file equal transformers' within 1e-4 on both backends, and the engine's greedy tokens
-    transformers' (the dense model); the tokenizer (tokenizer.ggml.model
-    gemma4) encodes and decodes as transformers' tokenizer, with llama.cpp's BOS."""
+    transformers' (the dense model); the tokenizer (tokenizer.ggml.model gemma4) encodes and decodes as
+    transformers' tokenizer, with llama.cpp's BOS."""
     from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
     from transformers import AutoTokenizer
 
