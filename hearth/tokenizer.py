@@ -7,6 +7,8 @@ of tokenizer (hearth/tokenizer_gguf.py):
 - `llama` (SentencePiece BPE): normalizer "▁" prefix + spaces to "▁", a BPE whose merges are
   derived from the vocabulary and scores (a pair (a, b) merges when a+b is a token; the higher
   the score of a+b, the earlier), byte fallback to the `<0xNN>` tokens.
+- `gemma4` (llama.cpp's gemma4 tokenizer: SentencePiece-style BPE by the file's merges): spaces to "▁",
+  nothing prepended, lines and newline runs merged apart, byte fallback to `<0xNN>`, a BOS always.
 - `gpt2` (byte-level BPE): the file's merges, and the pre-tokenizer splits of the model named by
   `tokenizer.ggml.pre` (llama.cpp's list; the regexes come from each model's tokenizer.json).
 - `bert` (WordPiece, lowercasing): for embedding models; text -> ids as HF's BertTokenizer.
@@ -131,10 +133,10 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
         md = metadata
         kind = md.get("tokenizer.ggml.model")
-        if kind not in ("llama", "gpt2", "bert"):
+        if kind not in ("llama", "gemma4", "gpt2", "bert"):
             raise ModelLoadError(
                 f"tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; hearth supports "
-                "'llama' (SentencePiece BPE), 'gpt2' (byte-level BPE) and 'bert' (WordPiece)"
+                "'llama' and 'gemma4' (SentencePiece BPE), 'gpt2' (byte-level BPE) and 'bert' (WordPiece)"
             )
         tokens = md.get("tokenizer.ggml.tokens") or []
         if not tokens or not isinstance(tokens, list):
@@ -159,7 +161,7 @@ class Tokenizer:
             return int(value) if isinstance(value, int) and 0 <= value < len(tokens) else None
 
         bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-        add_bos = md.get("tokenizer.ggml.add_bos_token", kind != "gpt2")  # llama.cpp's defaults
+        add_bos = kind == "gemma4" or md.get("tokenizer.ggml.add_bos_token", kind != "gpt2")  # (llama.cpp's)
         add_eos = md.get("tokenizer.ggml.add_eos_token", False)
         if kind == "bert":  # [CLS] text [SEP]
             bos, eos = bos if bos is not None else token_id("cls_token_id"), token_id("seperator_token_id")
@@ -168,7 +170,7 @@ class Tokenizer:
 
         eos_ids = [i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
         eos_ids += end_of_turn
-        if kind == "llama":
+        if kind in ("llama", "gemma4"):
             piece_bytes = [spm_bytes(t) if k == BYTE else t.replace(SPIECE_SPACE, " ").encode()
                            for t, k in zip(tokens, types)]
         elif kind == "gpt2":

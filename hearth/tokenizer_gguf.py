@@ -231,6 +231,21 @@ def _llama_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tup
     return model, {"type": "Sequence", "normalizers": steps}, None
 
 
+def _gemma4_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[dict, dict, dict]:
+    """llama.cpp's gemma4 tokenizer (SentencePiece-style BPE by the file's merges): (model, normalizer,
+    pre-tokenizer). Spaces become "▁" (nothing is put before the text); each line and each run of newlines is
+    merged apart, a piece that is a token taken whole (llama.cpp's rule for newline runs: the merges may not
+    make them), the rest by the merges over its characters; bytes no token holds fall back to <0xNN>."""
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    merges = [m for m in map(_split_merge, md.get("tokenizer.ggml.merges") or []) if m]
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": True,
+             "vocab": vocab, "merges": merges}
+    return model, {"type": "Replace", "pattern": {"String": " "}, "content": SPIECE_SPACE}, _split(r"[^\n]+|\n+")
+
+
 def _gpt2_model(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[dict, None, dict | None]:
     """Byte-level BPE: (model, normalizer, pre-tokenizer)."""
     vocab: dict[str, int] = {}
@@ -283,7 +298,7 @@ def _from_spec(spec: dict[str, Any], kind: str) -> tokenizers.Tokenizer:
 def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
     kind = md.get("tokenizer.ggml.model")
     added = _gguf_added_tokens(md, tokens, types)
-    build = {"llama": _llama_model, "gpt2": _gpt2_model}.get(kind, _bert_model)
+    build = {"llama": _llama_model, "gpt2": _gpt2_model, "gemma4": _gemma4_model}.get(kind, _bert_model)
     model, normalizer, pre_tokenizer = build(md, tokens, types)
     spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
             "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": None,

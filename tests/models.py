@@ -223,10 +223,11 @@ def load_hf_reference(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 
 
-def make_spm_tokenizer(folder: Path) -> int:
+def make_spm_tokenizer(folder: Path, prefix_space: bool = True) -> int:
     """Replace the tokenizer in `folder` with a SentencePiece-style BPE (Llama 2 layout): "▁" for
     spaces, <unk>/<s>/</s> at ids 0..2, byte-fallback tokens <0x00>..<0xFF> at 3..258. Returns the
-    number of tokens (about 420: give the model a vocab_size of at least that)."""
+    number of tokens (about 420: give the model a vocab_size of at least that). prefix_space: a "▁" put
+    before the text (Llama 2's); without it, Gemma's layout (spaces replaced, nothing prepended)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -242,10 +243,10 @@ def make_spm_tokenizer(folder: Path) -> int:
         vocab.setdefault(piece, len(vocab))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    prepend = [normalizers.Prepend("▁")] if prefix_space else []
+    tok.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix_space else []
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GG
 
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading import deepseek2
+from hearth.loading import deepseek2, gemma4_gguf
 from hearth.loading.gguf import SWA_PATTERNS, smollm3_no_rope_layers
 from hearth.loading.hybrid_gguf import (GGUF_HYBRIDS, add_hybrid_metadata, check_convertible, gguf_architecture,
                                         hybrid_value_for_gguf, hybrid_weights_for_gguf, layer_counts)
@@ -58,7 +58,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "q
                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "lfm2": "lfm2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "qwen3_5": "qwen35",
                       "qwen3_next": "qwen3next", "granitemoehybrid": "granitehybrid",
-                      "nemotron_h": "nemotron_h"}  # (hybrid_gguf.gguf_architecture)
+                      "nemotron_h": "nemotron_h", "gemma4": "gemma4"}  # (hybrid_gguf.gguf_architecture)
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -99,7 +99,7 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
         weights = {name: w for name, w in weights.items() if not is_vision_tensor(name)}
     if config.architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{hf_dir}: hearth does not convert {config.architecture} models to GGUF "
-                             f"({NO_GGUF[config.architecture]}); run the folder itself")
+                             f"({NO_GGUF.get(config.architecture, 'no llama.cpp layout')}); run the folder itself")
     if config.architecture == "lfm2" and config.conv_bias:
         raise ModelLoadError(f"{hf_dir}: lfm2 with conv_bias: llama.cpp's lfm2 has no tensors for the convolution's "
                              "and its projections' biases")
@@ -107,10 +107,13 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
     if hybrid:
         check_convertible(config)
         weights = hybrid_weights_for_gguf(config, weights)
+    if config.architecture == "gemma4":
+        gemma4_gguf.check_convertible(config)
+        weights = gemma4_gguf.weights_for_gguf(weights)
     plan = list(_plan_tensors(config, weights, weight_type))
     writer = GGUFWriter(None, gguf_architecture(config) if hybrid else GGUF_ARCHITECTURES[config.architecture])
     _add_model_metadata(writer, config, hf_dir.name, file_type)
-    add_tokenizer_metadata(writer, hf_dir, config.vocab_size)
+    add_tokenizer_metadata(writer, hf_dir, config.vocab_size, gemma4=config.architecture == "gemma4")
     return writer, config, plan
 
 
@@ -168,6 +171,9 @@ def _plan_tensors(
         base = dataclasses.replace(config, rope_scaling=None)
         factors = (rope_inv_freq(base) / rope_inv_freq(config)).float()
         yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
+    if arch == "gemma4":  # its full layers' proportional RoPE
+        factors = gemma4_gguf.rope_freqs(config)
+        yield "rope_freqs.weight", tuple(factors.shape), Q.F32, lambda: factors
     if scaling.get("rope_type") == "longrope":  # the two lists as llama.cpp's phi3 tensors
         for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
             values = torch.tensor(scaling[key], dtype=torch.float32)
@@ -179,7 +185,9 @@ def _plan_tensors(
         if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and tied):
             continue  # llama.cpp reads the output projection from token_embd when tied
         if (expert := hf_expert(hf_name)) is not None and config.num_experts:
-            stacks.add((expert[0], *expert[2:]))
+            # (gemma4: gate and up in one stack, as llama.cpp's converter writes them)
+            fused = arch == "gemma4" and expert[2] != "down_proj"
+            stacks.add((expert[0], "gate_up_proj" if fused else expert[2], expert[3]))
             continue
         if arch == "deepseek_v2" and (halves := deepseek2.split_kv_b(config, hf_name, tensor)) is not None:
             for name, shape, values in halves:  # (the types as llama.cpp's: by the last dimension)
@@ -200,15 +208,17 @@ def _plan_tensors(
 def _expert_stack(config: ModelConfig, weights: dict[str, torch.Tensor], layer: int, projection: str, attr: str,
                   weight_type: GGMLQuantizationType) -> PlannedTensor:
     """llama.cpp's one tensor [experts, rows, cols] for a layer's experts' `projection` ([experts, rows]
-    for gpt-oss's biases)."""
-    names = [hf_expert_name(layer, e, projection, attr) for e in range(config.num_experts)]
-    missing = [name for name in names if name not in weights]
+    for gpt-oss's biases; gate_up_proj: each expert's gate rows, then its up rows)."""
+    parts = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
+    names = [[hf_expert_name(layer, e, part, attr) for part in parts] for e in range(config.num_experts)]
+    missing = [name for expert in names for name in expert if name not in weights]
     if missing:
         raise ModelLoadError(f"missing tensor {missing[0]}")
-    shape = (len(names), *weights[names[0]].shape)
+    first = weights[names[0][0]]
+    shape = (len(names), sum(weights[n].shape[0] for n in names[0]), *first.shape[1:])
     name = gguf_expert_stack_name(layer, projection, attr)
-    return name, shape, tensor_type(name, weights[names[0]], weight_type), lambda: torch.stack(
-        [weights[n].float() for n in names])
+    return name, shape, tensor_type(name, first, weight_type), lambda: torch.stack(
+        [torch.cat([weights[n].float() for n in expert]) for expert in names])
 
 
 def _check_gpt_oss(hf_dir: Path, config: ModelConfig, weights: dict[str, torch.Tensor | QuantTensor]) -> None:
@@ -295,7 +305,8 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    widths, kv_heads = layer_counts(config)
+    gemma4 = config.architecture == "gemma4"
+    widths, kv_heads = gemma4_gguf.layer_counts(config) if gemma4 else layer_counts(config)
     writer.add_feed_forward_length(widths)
     writer.add_block_count(config.num_layers)
     writer.add_head_count(config.num_heads)
@@ -310,9 +321,12 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
-    writer.add_rope_dimension_count(int(config.head_dim * config.partial_rotary_factor))
+    if not gemma4:  # (gemma4's: one per kind of layer, among its keys)
+        writer.add_rope_dimension_count(int(config.head_dim * config.partial_rotary_factor))
     if config.architecture in GGUF_HYBRIDS.values():
         add_hybrid_metadata(writer, config)  # (key_length and value_length among them)
+    elif gemma4:
+        gemma4_gguf.add_metadata(writer, config)
     elif config.head_dim * config.num_heads != config.hidden_size and not config.kv_lora_rank:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -331,7 +345,8 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-        writer.add_expert_weights_norm(config.norm_topk_prob)  # llama.cpp fixes it per family; hearth reads it
+        if not gemma4:  # llama.cpp fixes it per family; hearth reads it (gemma4's: always, as its converter)
+            writer.add_expert_weights_norm(config.norm_topk_prob)
         if config.shared_expert_intermediate_size:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _add_rope_scaling(writer, config)
@@ -352,7 +367,7 @@ def _add_rope_scaling(writer: GGUFWriter, config: ModelConfig) -> None:
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
-    elif kind not in (None, "default", "llama3"):  # llama3: the rope_freqs tensor
+    elif kind not in (None, "default", "llama3", "proportional"):  # llama3, gemma4's proportional: rope_freqs
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, and "
                              "gpt-oss's and deepseek_v2's yarn)")
 
@@ -421,8 +436,9 @@ def _pre_name(pre_tokenizer: dict[str, Any] | None) -> str:
     return "default"
 
 
-def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int) -> None:
-    """tokenizer.ggml.* and tokenizer.chat_template from tokenizer.json and its companions."""
+def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int, gemma4: bool = False) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template from tokenizer.json and its companions. gemma4: a
+    SentencePiece-style vocabulary as llama.cpp's gemma4 tokenizer (a byte-level one as any other)."""
     path = folder / "tokenizer.json"
     if not path.exists():
         raise ModelLoadError(f"{folder}: no tokenizer.json (hearth converts Hugging Face fast tokenizers only)")
@@ -436,16 +452,21 @@ def add_tokenizer_metadata(writer: GGUFWriter, folder: Path, vocab_size: int) ->
     tokens, types = _token_list(path, model, added, spm, vocab_size)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
 
-    writer.add_tokenizer_model("llama" if spm else "gpt2")
-    writer.add_tokenizer_pre("default" if spm else _pre_name(tok.get("pre_tokenizer")))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    if spm:
-        writer.add_token_scores(_merge_rank_scores(tokens, merges, added))
-        writer.add_add_space_prefix(_adds_space_prefix(pieces))
+    gemma4 = gemma4 and spm
+    if gemma4:
+        gemma4_gguf.add_vocabulary(writer, tokens, types, merges, _adds_space_prefix(pieces), str(path))
     else:
-        writer.add_token_merges(merges)
-    _add_special_tokens(writer, folder, tok, {t: i for i, t in enumerate(tokens)}, vocab_size)
+        writer.add_tokenizer_model("llama" if spm else "gpt2")
+        writer.add_tokenizer_pre("default" if spm else _pre_name(tok.get("pre_tokenizer")))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        if spm:
+            writer.add_token_scores(_merge_rank_scores(tokens, merges, added))
+            writer.add_add_space_prefix(_adds_space_prefix(pieces))
+        else:
+            writer.add_token_merges(merges)
+    _add_special_tokens(writer, folder, tok, {t: i for i, t in enumerate(tokens)}, vocab_size, always_bos=gemma4)
+
 
 
 def _is_sentencepiece(path: Path, model: dict[str, Any], pieces: list[dict[str, Any]]) -> bool:
@@ -509,9 +530,11 @@ def _adds_space_prefix(pieces: list[dict[str, Any]]) -> bool:
 
 
 def _add_special_tokens(
-    writer: GGUFWriter, folder: Path, tok: dict[str, Any], ids: dict[str, int], vocab_size: int
+    writer: GGUFWriter, folder: Path, tok: dict[str, Any], ids: dict[str, int], vocab_size: int,
+    always_bos: bool = False
 ) -> None:
-    """bos/eos/unk/pad ids, add_bos/add_eos and the chat template, as llama.cpp's SpecialVocab.
+    """bos/eos/unk/pad ids, add_bos/add_eos and the chat template, as llama.cpp's SpecialVocab
+    (always_bos: add_bos true whatever the folder says, gemma4's).
 
     Ids come from tokenizer_config.json's tokens, else generation_config.json, else config.json."""
     def optional_json(name: str) -> dict[str, Any]:
@@ -538,8 +561,8 @@ def _add_special_tokens(
         single = post.get("single") or []
         add_bos = add_bos if add_bos is not None else bool(single) and "SpecialToken" in single[0]
         add_eos = add_eos if add_eos is not None else bool(single) and "SpecialToken" in single[-1]
-    if add_bos is not None:
-        writer.add_add_bos_token(bool(add_bos))
+    if add_bos is not None or always_bos:
+        writer.add_add_bos_token(bool(add_bos) or always_bos)
     if add_eos is not None:
         writer.add_add_eos_token(bool(add_eos))
 

@@ -13,10 +13,10 @@ from gguf import GGMLQuantizationType
 
 from hearth.config import ATTENTION, GEMMA_ARCHITECTURES, SHORT_CONV, SUPPORTED_ARCHITECTURES, ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.loading import deepseek2
+from hearth.loading import deepseek2, gemma4_gguf
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.hybrid_gguf import GGUF_HYBRIDS, hybrid_fields_from_metadata, hybrid_weights_from_gguf
-from hearth.loading.names import (LFM2_FINAL_NORM, NO_GGUF, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
+from hearth.loading.names import (LFM2_FINAL_NORM, PERMUTED_QK_ARCHITECTURES, UNUSED_GGUF_TENSORS,
                                   gguf_expert_stack, gguf_to_hf, hf_expert_name, qk_row_order)
 from hearth.quant import SUPPORTED_QTYPES, QuantTensor
 
@@ -44,18 +44,12 @@ _ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
 # (gpt-oss: a softmax over the chosen experts' logits, the same)
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
-                   "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True, "deepseek2": False}
-
-
-# llama.cpp's architectures whose files hearth refuses (names.NO_GGUF says why), as hearth names them
-_NOT_READ = {"gemma4": "gemma4"}
+                   "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True, "deepseek2": False,
+                   "gemma4": True}
 
 
 def _hearth_architecture(arch: Any, where: str) -> str:
     """hearth's name for llama.cpp's general.architecture `arch`, or a refusal that says why."""
-    if arch in _NOT_READ:
-        raise ModelLoadError(f"{where}: GGUF files of architecture {arch!r} are not read by hearth "
-                             f"({NO_GGUF[_NOT_READ[arch]]}); run the Hugging Face folder")
     hearth_arch = _ARCHITECTURES.get(arch, arch)
     if hearth_arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{where}: unsupported architecture {arch!r} (general.architecture); "
@@ -75,7 +69,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    kv_heads, hybrid = _kv_heads_and_layers(md, arch, get("attention.head_count_kv", heads), get, where)
+    kv_heads, family = _kv_heads_and_layers(md, arch, get("attention.head_count_kv", heads), get, where)
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = int(md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     gemma = arch in GEMMA_ARCHITECTURES
@@ -113,7 +107,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         no_rope_layers=smollm3_no_rope_layers(int(get("block_count"))) if arch == "smollm3" else (),
         # gpt-oss: what llama.cpp fixes for the architecture (its clamped SwiGLU's alpha and limit)
         **(dict(attention_sinks=True, router_bias=True, clamped_swiglu=(1.702, 7.0)) if arch == "gpt-oss" else {}),
-    ) | hybrid  # (a hybrid family's fields last: they override the common rules)
+    ) | family  # (a family's own fields last: they override the common rules)
     if arch == "deepseek2":  # its attention's sizes and experts replace what the generic keys give
         fields.update(deepseek2.config_fields(md, get, where))
     return ModelConfig(**fields)
@@ -125,8 +119,12 @@ def _widest(width: Any) -> int:
 
 
 def _kv_heads_and_layers(md: dict[str, Any], arch: str, kv_heads: Any, get, where: str) -> tuple[int, dict[str, Any]]:
-    """The KV heads, and a hybrid's layer kinds and state layers' sizes: lfm2's attention.head_count_kv is one
-    count per layer (0: a short convolution of shortconv.l_cache taps); the others': hybrid_gguf.py."""
+    """The KV heads, and a family's own fields: a hybrid's layer kinds and state layers' sizes (lfm2's
+    attention.head_count_kv is one count per layer, 0: a short convolution of shortconv.l_cache taps; the
+    others': hybrid_gguf.py), gemma4's layers of two shapes (gemma4_gguf.py)."""
+    if arch == "gemma4":
+        family = gemma4_gguf.fields_from_metadata(md, get)
+        return family.pop("num_kv_heads"), family
     if arch in GGUF_HYBRIDS:
         hybrid = hybrid_fields_from_metadata(md, arch, get)
         return hybrid.pop("num_kv_heads", int(kv_heads) if not isinstance(kv_heads, list) else 0), hybrid
@@ -292,7 +290,9 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
             weights[name] = weights[name].unsqueeze(0)  # [hidden] as a [1, hidden] projection
     if config.architecture in GGUF_HYBRIDS.values():
         hybrid_weights_from_gguf(config, weights)
-    if config.num_experts:  # layers without a router have a dense MLP
+    if config.architecture == "gemma4":  # (its experts beside the MLP, in every layer)
+        gemma4_gguf.weights_from_gguf(config, weights, where)
+    elif config.num_experts:  # layers without a router have a dense MLP
         config.dense_mlp_layers = tuple(layer for layer in range(config.num_layers)
                                         if f"model.layers.{layer}.mlp.gate.weight" not in weights)
     # (any layer's: a hybrid's first layer may hold no attention)

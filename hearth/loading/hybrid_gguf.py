@@ -60,7 +60,7 @@ def hybrid_fields_from_metadata(md: dict[str, Any], arch: str, get: Callable[...
     return _mamba2_fields(md, arch, get, layers)
 
 
-def _per_layer(value: Any, layers: int, name: str) -> list[int]:
+def per_layer(value: Any, layers: int, name: str) -> list[int]:
     """A per-layer count (a number for every layer, or one list entry per layer; trailing MTP blocks cut)."""
     counts = [int(n) for n in value] if isinstance(value, (list, tuple)) else [int(value)] * layers
     if len(counts) < layers:
@@ -73,7 +73,7 @@ def _delta_net_fields(md: dict[str, Any], arch: str, get: Callable[..., Any], la
     if recurrent is None:  # llama.cpp's default: an attention layer every full_attention_interval
         interval = int(md.get(f"{arch}.full_attention_interval") or 4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    recurrent = _per_layer(recurrent, layers, f"{arch}.attention.recurrent_layers")
+    recurrent = per_layer(recurrent, layers, f"{arch}.attention.recurrent_layers")
     head_dim, value_heads = int(get("attention.key_length")), int(get("ssm.time_step_rank"))
     return dict(
         num_layers=layers, layer_types=tuple(GATED_DELTA_NET if r else ATTENTION for r in recurrent),
@@ -89,8 +89,8 @@ def _mamba2_fields(md: dict[str, Any], arch: str, get: Callable[..., Any], layer
     """A layer is attention where it has KV heads; else nemotron_h's is an MLP (or experts) where it has a
     width, and Mamba2 otherwise (llama.cpp's is_recr)."""
     nemotron = arch != "granitehybrid"
-    kv = _per_layer(get("attention.head_count_kv"), layers, f"{arch}.attention.head_count_kv")
-    ff = _per_layer(get("feed_forward_length"), layers, f"{arch}.feed_forward_length")
+    kv = per_layer(get("attention.head_count_kv"), layers, f"{arch}.attention.head_count_kv")
+    ff = per_layer(get("feed_forward_length"), layers, f"{arch}.feed_forward_length")
     kinds = tuple(ATTENTION if kv[i] else MLP if nemotron and ff[i] else MAMBA2 for i in range(layers))
     attention = {n for n in kv if n}
     if len(attention) != 1:

@@ -50,9 +50,10 @@ _LAYER_NAMES = {
     **SPLIT_KV_B,
 }
 # llama.cpp stacks the experts of a layer into one 3-D tensor per projection: [experts, rows, cols]
-# (and gpt-oss's biases into one [experts, rows])
-_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_GGUF_EXPERT_STACK = re.compile(r"blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(weight|bias)")
+# (and gpt-oss's biases into one [experts, rows]; gemma4's gate and up into one, each expert's gate rows first)
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                  "ffn_gate_up_exps": "gate_up_proj"}
+_GGUF_EXPERT_STACK = re.compile(rf"blk\.(\d+)\.({'|'.join(_EXPERT_STACKS)})\.(weight|bias)")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 # lfm2's checkpoint names -> hearth's (its attention's and MLP's are llama's under other names)
 _LFM2_NAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
@@ -118,6 +119,10 @@ _GLOBAL_NAMES = {
     "rope_freqs.weight": "rope_freqs",
     "rope_factors_long.weight": "rope_factors.long_factor",  # LongRoPE's (phi3): divisors of the base frequencies
     "rope_factors_short.weight": "rope_factors.short_factor",
+    # gemma4's per-layer embeddings (hearth/model/gemma4.py's PerLayerInputs)
+    "per_layer_token_embd.weight": "model.per_layer_inputs.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_inputs.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_inputs.per_layer_projection_norm.weight",
 }
 # gemma2/3 norm attention's and the MLP's outputs too; llama.cpp's ffn_norm is then the MLP's input norm
 _SANDWICH_LAYER_NAMES = {
@@ -163,10 +168,27 @@ _MAMBA2_LAYER_NAMES = {
     "ssm_norm.weight": "mamba.norm.weight",  # ([groups, inner / groups])
     "exp_probs_b.bias": "mlp.e_score_correction_bias",
 }
-# a family's own layer names, where they are not _LAYER_NAMES
-_FAMILY_LAYER_NAMES = {"gpt_oss": _GPT_OSS_LAYER_NAMES, "qwen3_5": _DELTA_NET_LAYER_NAMES,
-                       "qwen3_next": _DELTA_NET_LAYER_NAMES, "granitemoehybrid": _MAMBA2_LAYER_NAMES,
-                       "nemotron_h": _MAMBA2_LAYER_NAMES}
+# gemma4: gemma3's sandwich norms (not phi3's fused attn_qkv), the layer's output scale, the per-layer input's
+# gate, projection and norm; with experts, the router (its weight and the scale on its input), each expert's
+# output scale (beside the down projections) and the norms around the experts (stacked: ffn_gate_up_exps and
+# ffn_down_exps, hearth/loading/gemma4_gguf.py)
+_GEMMA4_LAYER_NAMES = {
+    **{k: v for k, v in _SANDWICH_LAYER_NAMES.items() if k != "attn_qkv.weight"},
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
+# a family's own layer names, where they are not _LAYER_NAMES (or gemma2/3's _SANDWICH_LAYER_NAMES)
+_FAMILY_LAYER_NAMES = {"gemma4": _GEMMA4_LAYER_NAMES, "gpt_oss": _GPT_OSS_LAYER_NAMES,
+                       "qwen3_5": _DELTA_NET_LAYER_NAMES, "qwen3_next": _DELTA_NET_LAYER_NAMES,
+                       "granitemoehybrid": _MAMBA2_LAYER_NAMES, "nemotron_h": _MAMBA2_LAYER_NAMES}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_FAMILY_LAYER = {arch: {v: k for k, v in names.items()} for arch, names in _FAMILY_LAYER_NAMES.items()}
 _HF_LAYER["mlp.gate_up_proj.weight"] = "ffn_up.weight"  # phi3: llama.cpp's ffn_up holds gate and up
@@ -178,9 +200,8 @@ _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 # (granitehybrid's and nemotron_h's attention goes through its LlamaModel too, RoPE or not)
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid", "nemotron_h")
 
-# architectures hearth runs from HF folders only (no GGUF either way), and why
-NO_GGUF = {"gemma4": "llama.cpp's gemma4 tensors (per-layer embeddings, per-layer KV shapes and sharing, experts "
-                     "beside the MLP) have no names in hearth's GGUF mapping yet"}
+# architectures hearth runs from HF folders only (no GGUF either way), and why (none today)
+NO_GGUF: dict[str, str] = {}
 
 # GGUF tensors some files carry that nothing computes with (old llama.cpp's precomputed RoPE)
 UNUSED_GGUF_TENSORS = re.compile(r"blk\.\d+\.attn_rot_embd")
@@ -192,11 +213,11 @@ LFM2_FINAL_NORM = "token_embd_norm.weight"
 
 def gguf_to_hf(name: str, sandwich_norms: bool = False, architecture: str = "") -> str | None:
     """The HF name of a GGUF tensor, or None when hearth does not know it. sandwich_norms: a
-    gemma2/3 layer's names; architecture: a family's own layer names (gpt_oss, the hybrids)."""
+    gemma2/3 layer's names; architecture: a family's own layer names (gemma4, gpt_oss, the hybrids)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    names = _SANDWICH_LAYER_NAMES if sandwich_norms else _FAMILY_LAYER_NAMES.get(architecture, _LAYER_NAMES)
+    names = _FAMILY_LAYER_NAMES.get(architecture) or (_SANDWICH_LAYER_NAMES if sandwich_norms else _LAYER_NAMES)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
@@ -320,7 +341,7 @@ def hf_to_gguf(name: str, sandwich_norms: bool = False, architecture: str = "") 
     if name in _HF_GLOBAL:
         return _HF_GLOBAL[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    names = _HF_SANDWICH_LAYER if sandwich_norms else _HF_FAMILY_LAYER.get(architecture, _HF_LAYER)
+    names = _HF_FAMILY_LAYER.get(architecture) or (_HF_SANDWICH_LAYER if sandwich_norms else _HF_LAYER)
     if m and m.group(2) in names:
         return f"blk.{m.group(1)}.{names[m.group(2)]}"
     return None
