@@ -32,7 +32,7 @@ from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.step_records import (BatchEntry, LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
-                                        StepResult)
+                                        StepResult, rows_of_sequences)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.step_sampling import decode_sampling, drawn_in_step
@@ -483,10 +483,7 @@ class ModelRunner:
         those of its tokens before (a recomputed request starts again at 0); a draft that reads them gets them."""
         if self.draft is not None:  # (the MTP layer)
             self.draft.target_hidden(sequences, hidden)
-        row = 0
-        for seq in sequences:
-            request, rows = seq.request, hidden[row : row + seq.num_new_tokens]
-            row += seq.num_new_tokens
+        for request, rows in rows_of_sequences(sequences, hidden):
             if not request.sampling_params.contrastive_search:
                 continue
             start, kept = request.num_computed_tokens, self.hidden_states.get(request)
