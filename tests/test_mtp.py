@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
-from hearth.errors import HearthError
+from hearth.engine_config import EngineConfig
+from hearth.errors import HearthError, ModelLoadError
+from hearth.loading.names import mtp_layer_count
 from models import add_mtp_weights, load_hf_reference, make_hf_model
 from test_engine import random_prompts
 from test_speculative import assert_same_distribution, first_tokens
@@ -122,7 +124,19 @@ def test_sampled_tokens_keep_the_distribution(engines):
     assert_same_distribution(first_tokens(plain, PROMPT, params, 200), speculative, (1, 2, 3))
 
 
-def test_a_model_without_mtp_layers_is_refused_by_name(folders):
+def test_what_hearth_does_not_run_is_refused_by_name(folders):
+    """A model without an MTP layer; a checkpoint whose MTP layers are not those its config counts, or that has
+    embeddings of its own; the MTP on a model split over processes."""
     _, _, plain = folders
     with pytest.raises(HearthError, match="speculative_method mtp: this qwen3_5 model has no multi-token-prediction"):
         LLM(plain, progress=False, speculative_method="mtp")
+    names = ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.2.mlp.up_proj.weight"]
+    with pytest.raises(ModelLoadError, match=r"mtp_num_hidden_layers = None, and the checkpoint holds MTP layers \[0, 2\]"):
+        mtp_layer_count(names, None, None, "config.json")
+    with pytest.raises(ModelLoadError, match="mtp_num_hidden_layers = 2"):
+        mtp_layer_count(names[:2], 2, None, "config.json")
+    with pytest.raises(ModelLoadError, match="mtp_use_dedicated_embeddings = True .* is not implemented"):
+        mtp_layer_count(names[:2], 1, True, "config.json")
+    assert mtp_layer_count(names[:2], 1, False, "config.json") == 1 and mtp_layer_count(["lm_head.weight"], 1, 0, "") == 0
+    with pytest.raises(ValueError, match="speculative_method mtp runs the model's own layers in one process"):
+        EngineConfig.from_options(speculative_method="mtp", pipeline_parallel_size=2)
