@@ -131,12 +131,13 @@ def test_what_hearth_does_not_run_is_refused_by_name(folders):
     with pytest.raises(HearthError, match="speculative_method mtp: this qwen3_5 model has no multi-token-prediction"):
         LLM(plain, progress=False, speculative_method="mtp")
     names = ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.2.mlp.up_proj.weight"]
-    with pytest.raises(ModelLoadError, match=r"mtp_num_hidden_layers = None, and the checkpoint holds MTP layers \[0, 2\]"):
+    with pytest.raises(ModelLoadError, match=r"mtp_num_hidden_layers = None, and the checkpoint holds MTP layers \[0, 2"):
         mtp_layer_count(names, None, None, "config.json")
     with pytest.raises(ModelLoadError, match="mtp_num_hidden_layers = 2"):
         mtp_layer_count(names[:2], 2, None, "config.json")
     with pytest.raises(ModelLoadError, match="mtp_use_dedicated_embeddings = True .* is not implemented"):
         mtp_layer_count(names[:2], 1, True, "config.json")
-    assert mtp_layer_count(names[:2], 1, False, "config.json") == 1 and mtp_layer_count(["lm_head.weight"], 1, 0, "") == 0
+    assert mtp_layer_count(names[:2], 1, False, "config.json") == 1
+    assert mtp_layer_count(["lm_head.weight"], 1, False, "config.json") == 0
     with pytest.raises(ValueError, match="speculative_method mtp runs the model's own layers in one process"):
         EngineConfig.from_options(speculative_method="mtp", pipeline_parallel_size=2)

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gpt_oss import split_fused_experts
-from hearth.loading.names import MTP_ARCHITECTURES, NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors, mtp_layer_count
+from hearth.loading.names import (MTP_ARCHITECTURES, NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors,
+                                  mtp_layer_count)
 from hearth.quant.tensor import QuantTensor
 
 logger = logging.getLogger("hearth")
