@@ -1,12 +1,13 @@
-"""Multi-token prediction as speculation (`--speculative-method mtp`, hearth/engine/mtp_draft.py) on a tiny random
-Qwen3.5 with the MTP layer its checkpoints ship (tests/models.py's add_mtp_weights): the MTP's logits equal a
-reference written here from transformers' modules (Qwen3.5's decoder layer, RMSNorm, a Linear), greedy tokens
-equal plain decoding's, sampled ones keep its distribution, and a model without the layer is refused by name.
-(Its GGUF form, as llama.cpp's converter writes it: test_hybrid_gguf.py.)"""
+"""Multi-token prediction as speculation (`--speculative-method mtp`, hearth/engine/mtp_draft.py) on tiny random
+Qwen3.5 and Qwen3-Next models with the MTP layer their checkpoints ship (tests/models.py's add_mtp_weights): the
+MTP's logits equal a reference written here from transformers' modules (the family's decoder layer and RMSNorm,
+a Linear), greedy tokens equal plain decoding's, sampled ones keep its distribution, and what hearth does not run
+is refused by name. (Its GGUF form, as llama.cpp's converter writes it: test_hybrid_gguf.py.)"""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import shutil
 
 import pytest
@@ -45,18 +46,19 @@ def engines(folders):
 
 
 def _reference_mtp(folder, mtp: dict[str, torch.Tensor]):
-    """transformers' target model, and the MTP as vLLM's Qwen3_5MultiTokenPredictor computes it, from
-    transformers' modules: (tokens [T], hidden states [T, hidden]) -> (logits [T, V], its hidden states)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-
+    """transformers' target model, and the MTP as vLLM's Qwen3_5MultiTokenPredictor / Qwen3NextMultiTokenPredictor
+    computes it, from transformers' modules (the family's decoder layer and RMSNorm, a Linear):
+    (tokens [T], hidden states [T, hidden]) -> (logits [T, V], its hidden states)."""
     model = load_hf_reference(folder)
+    modeling = importlib.import_module(type(model).__module__)
+    family = type(model).__name__.removesuffix("ForCausalLM")
     config = copy.deepcopy(model.config)
     config.layer_types, config._attn_implementation = ["full_attention"], "eager"
-    layer = Qwen3_5DecoderLayer(config, 0)
-    layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.")})
+    layer = getattr(modeling, f"{family}DecoderLayer")(config, 0)
+    layer.load_state_dict(_layer_state(mtp, config))
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms[name] = getattr(modeling, f"{family}RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
         norms[name].weight.data.copy_(mtp[f"mtp.{name}.weight"])
     fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
     fc.weight.data.copy_(mtp["mtp.fc.weight"])
@@ -65,7 +67,9 @@ def _reference_mtp(folder, mtp: dict[str, torch.Tensor]):
     def run(tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = norms["pre_fc_norm_embedding"](model.model.embed_tokens(torch.tensor(tokens)))
         x = fc(torch.cat([embeddings, norms["pre_fc_norm_hidden"](hidden)], dim=-1))[None]
-        positions = torch.arange(len(tokens)).view(1, 1, -1).expand(3, 1, -1)  # a text token's three M-RoPE streams
+        positions = torch.arange(len(tokens))[None]
+        if family == "Qwen3_5":  # a text token's three M-RoPE streams
+            positions = positions[None].expand(3, 1, -1)
         causal = torch.full((len(tokens), len(tokens)), float("-inf")).triu(1)[None, None]
         x = layer(x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=causal)
         out = norms["norm"](x)[0]
@@ -74,12 +78,22 @@ def _reference_mtp(folder, mtp: dict[str, torch.Tensor]):
     return model, run
 
 
-def test_mtp_logits_equal_a_reference_from_transformers_modules(folders, engines):
-    """The MTP's first pass after a prompt reads the target's final hidden states at every prompt position with
+def _layer_state(mtp: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """The MTP layer's checkpoint tensors as its transformers module holds them (experts stacked: each one's
+    gate and up rows in gate_up_proj [experts, 2 x width, hidden], down_proj [experts, hidden, width])."""
+    state = {k.removeprefix("mtp.layers.0."): v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+    experts = range(getattr(config, "num_experts", 0))
+    if experts:
+        pop = [{p: state.pop(f"mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")} for e in experts]
+        state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in pop])
+        state["mlp.experts.down_proj"] = torch.stack([e["down"] for e in pop])
+    return state
+
+
+def _assert_mtp_logits(llm: LLM, folder, mtp: dict[str, torch.Tensor]) -> None:
+    """The MTP's first pass after PROMPT reads the target's final hidden states at every prompt position with
     the token after each (the last: the token drawn), and its second feeds its guess and its own hidden state
     at the row before: both passes' logits are the reference's within 1e-4 of the largest."""
-    folder, mtp, _ = folders
-    llm = engines[1]
     draft = llm.engine.runner.draft
     logits, pass_logits = [], draft._pass_logits
     draft._pass_logits = lambda step, feeds: logits.append(pass_logits(step, feeds)) or logits[-1]
@@ -96,6 +110,26 @@ def test_mtp_logits_equal_a_reference_from_transformers_modules(folders, engines
     second, _ = reference(PROMPT[1:] + [drawn, guess], torch.cat([target_hidden, hidden[-1:]]))
     for got, want in ((logits[0][0], first[-1]), (logits[1][0], second[-1])):
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_mtp_logits_equal_a_reference_from_transformers_modules(folders, engines):
+    folder, mtp, _ = folders
+    _assert_mtp_logits(engines[1], folder, mtp)
+
+
+def test_qwen3_next_mtp_layer_of_experts(tmp_path):
+    """Qwen3-Next's MTP layer (experts and a gated shared expert, as its layers): its logits are the reference's,
+    and greedy tokens with its guesses are transformers' own."""
+    folder = make_hf_model(tmp_path / "qwen3_next", "qwen3_next")
+    mtp = add_mtp_weights(folder)
+    llm = LLM(folder, progress=False, speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=False)
+    _assert_mtp_logits(llm, folder, mtp)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        want = load_hf_reference(folder).generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
+                                                  eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert got == want and llm.engine.spec_decode_totals.num_draft_tokens > 0
 
 
 def test_greedy_tokens_are_plain_decodings(engines):
@@ -131,7 +165,7 @@ def test_what_hearth_does_not_run_is_refused_by_name(folders):
     with pytest.raises(HearthError, match="speculative_method mtp: this qwen3_5 model has no multi-token-prediction"):
         LLM(plain, progress=False, speculative_method="mtp")
     names = ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.2.mlp.up_proj.weight"]
-    with pytest.raises(ModelLoadError, match=r"mtp_num_hidden_layers = None, and the checkpoint holds MTP layers \[0, 2"):
+    with pytest.raises(ModelLoadError, match=r"= None, and the checkpoint holds MTP layers \[0, 2\]"):
         mtp_layer_count(names, None, None, "config.json")
     with pytest.raises(ModelLoadError, match="mtp_num_hidden_layers = 2"):
         mtp_layer_count(names[:2], 2, None, "config.json")
