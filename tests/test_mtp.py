@@ -134,11 +134,16 @@ def test_qwen3_next_mtp_layer_of_experts(tmp_path):
 
 def test_greedy_tokens_are_plain_decodings(engines):
     """Greedy tokens with MTP guesses (verified, the hybrid's states rolled back after rejections) are plain
-    decoding's; every state slot and KV block is free afterwards."""
+    decoding's, in a batch and for a next turn whose prefix the cache holds (the MTP reads the target's hidden
+    states from the first position computed); every state slot and KV block is free afterwards."""
     plain, mtp = engines
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in mtp.generate(PROMPTS, params, use_tqdm=False)] == want
+    longest = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    next_turn = PROMPTS[longest] + want[longest] + [3, 4]
+    turns = [llm.generate([next_turn], params, use_tqdm=False)[0] for llm in (plain, mtp)]
+    assert turns[1].num_cached_tokens > 0 and turns[1].outputs[0].token_ids == turns[0].outputs[0].token_ids
     counts = mtp.engine.spec_decode_totals
     assert counts.num_draft_tokens > 0
     assert mtp.engine.scheduler.state_slots.num_free == mtp.engine.num_state_slots
