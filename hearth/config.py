@@ -163,6 +163,9 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     double_wide_mlp_layers: tuple[int, ...] = ()  # gemma4: layers whose MLP is 2 x intermediate_size wide
+    # qwen3_5 / qwen3_next: the multi-token-prediction layers the checkpoint holds and hearth loads (mtp.*; a
+    # GGUF file's nextn blocks after the last layer), the draft of --speculative-method mtp (hearth/model/mtp.py)
+    mtp_layers: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     # an image-text model's encoder and projector (hearth/vision_config.py)
     vision: VisionConfig | QwenVisionConfig | None = None
@@ -425,6 +428,12 @@ class ModelConfig:
             return dataclasses.replace(text, vision=vision, mrope_section=mrope_section_of(hf))
         except (ModelLoadError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{where}: {e}") from None
+
+    def mtp_layer_config(self) -> "ModelConfig":
+        """The config of the multi-token-prediction layers: full-attention decoder layers of this model's
+        shapes (experts where the model has them), as Qwen3.5's and Qwen3-Next's checkpoints ship them."""
+        return dataclasses.replace(self, num_layers=self.mtp_layers, layer_types=(), dense_mlp_layers=(),
+                                   sliding_layers=None, vision=None, mtp_layers=0)
 
     def kv_cache_layout(self, layer: int) -> tuple[int, int, int]:
         """A layer's cache as (tensors, heads, values per head) per token: K and V of its KV heads x its

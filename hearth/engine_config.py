@@ -119,7 +119,7 @@ class ParallelConfig:
         return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
 
 
-SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit")
+SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit", "mtp")
 LOOKAHEAD_MODES = ("chain", "full")
 
 
@@ -130,13 +130,15 @@ class SpeculativeConfig:
     speculative_method, num_speculative_tokens stays num_speculative_tokens."""
 
     # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool), "draft" (a
-    # smaller model with the target's vocabulary guesses: model) or "early-exit" (the model's own first
-    # exit_layer layers guess)
+    # smaller model with the target's vocabulary guesses: model), "early-exit" (the model's own first
+    # exit_layer layers guess) or "mtp" (the multi-token-prediction layer Qwen3.5's and Qwen3-Next's
+    # checkpoints ship guesses from the model's hidden states: hearth/engine/mtp_draft.py)
     method: str | None = option(
         None, keyword="speculative_method", choices=list(SPECULATIVE_METHODS),
         help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
              "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; "
-             "early-exit: from the model's first --exit-layer layers (self-speculation); all verified by the "
+             "early-exit: from the model's first --exit-layer layers (self-speculation); mtp: from the "
+             "multi-token-prediction layer the model's checkpoint ships (Qwen3.5, Qwen3-Next); all verified by the "
              "model in one pass")
     model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
         None, keyword="speculative_model", metavar="PATH",
@@ -385,9 +387,9 @@ class EngineConfig:
         one_process = self.speculative.model is None and self.contrastive_model is None
         _need(self.parallel.tensor_parallel_size == 1 or one_process,
               "a speculative_model or contrastive_model runs in one process: not with tensor_parallel_size > 1")
-        _need(not self.parallel.split or self.speculative.method != "early-exit",
-              "speculative_method early-exit runs the model's first layers in one process: not with tensor or "
-              "pipeline parallelism")
+        _need(not self.parallel.split or self.speculative.method not in ("early-exit", "mtp"),
+              f"speculative_method {self.speculative.method} runs the model's own layers in one process: not with "
+              "tensor or pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
         self.mmproj = None if self.mmproj is None else str(self.mmproj)
         if self.calm_exit_layers is not None:

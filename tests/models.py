@@ -199,6 +199,34 @@ def make_hf_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def add_mtp_weights(folder: Path, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Give a qwen3_5 / qwen3_next folder (make_hf_model's) the multi-token-prediction layer their checkpoints ship:
+    mtp.layers.0.* a full-attention decoder layer (the tensors of the model's own attention layer, new values),
+    mtp.fc [hidden, 2 x hidden] over [embedding, hidden state] and its three norms, spread as make_hf_model's;
+    mtp_num_hidden_layers 1 in the config. Returns the mtp.* tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    prefix = f"model.layers.{config['layer_types'].index('full_attention')}."
+    generator = torch.Generator().manual_seed(seed)
+
+    def spread(shape) -> torch.Tensor:
+        noise = torch.randn(shape, generator=generator)
+        return 1.0 + 0.2 * noise if len(shape) == 1 else 0.08 * noise
+
+    hidden = config["hidden_size"]
+    mtp = {"mtp.layers.0." + name.removeprefix(prefix): spread(t.shape) for name, t in weights.items()
+           if name.startswith(prefix)}
+    mtp |= {"mtp.fc.weight": spread((hidden, 2 * hidden))} | {
+        f"mtp.{norm}.weight": spread((hidden,)) for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(weights | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}, indent=2))
+    return mtp
+
+
 def make_draft_model(target: Path, folder: Path, noise: float, seed: int = 1) -> Path:
     """A draft for speculative decoding: the target's weights plus Gaussian noise of `noise` times their std
     (0: the target itself), with its tokenizer (the same vocabulary)."""

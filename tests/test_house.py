@@ -40,8 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "hearth.reasoning", "hearth.images")),
 ]
 # the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
-TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.sampler",
-                  "hearth.engine.step_sampling")
+TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.mtp_draft",
+                  "hearth.engine.sampler", "hearth.engine.step_sampling")
 TENSOR_BUILDERS = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "empty", "zeros", "ones", "full",
                    "arange", "linspace", "eye", "rand", "randn", "randint", "randperm", "stack", "cat", "concat",
                    "concatenate", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}

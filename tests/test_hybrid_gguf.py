@@ -26,7 +26,8 @@ from hearth.errors import ModelLoadError
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.gguf_reader import read_gguf
 from hearth.loading.loader import load_model
-from models import load_hf_reference, make_hf_model
+from hearth.loading.names import MTP_ARCHITECTURES
+from models import add_mtp_weights, load_hf_reference, make_hf_model
 from optional import import_llama_cpp, llama_cpp_source
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 120, 33, 64, 11, 150, 2, 77, 31, 18]
@@ -52,6 +53,8 @@ def converted(tmp_path_factory):
     out = {}
     for case, (arch, _, overrides) in CASES.items():
         folder = make_hf_model(root / case, arch, **overrides)
+        if arch in MTP_ARCHITECTURES:  # with the multi-token-prediction layer their checkpoints ship
+            add_mtp_weights(folder)
         if arch == "granitemoehybrid":  # its layer kinds under the names of the released configs (both read alike)
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, "layer_types": ["mamba", "attention", "mamba"]}))
@@ -75,7 +78,7 @@ def _hearth_logits(path: Path, backend: str) -> torch.Tensor:
 def test_converted_file_runs_as_the_folder(case, converted):
     """llama.cpp's architecture and tensor names (each one of gguf-py's for it); hearth's logits on the f32
     file equal transformers' within 1e-4 on both backends, and the engine's greedy tokens are transformers'."""
-    from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+    from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
     folder, path, want, greedy = converted[case]
     file = read_gguf(path)
@@ -83,11 +86,28 @@ def test_converted_file_runs_as_the_folder(case, converted):
     assert file.metadata["general.architecture"] == arch
     known = next(MODEL_TENSORS[a] for a in MODEL_ARCH if MODEL_ARCH_NAMES[a] == arch)
     names = {TENSOR_NAMES[t].format(bid=b) for t in known for b in range(5)}
+    if CASES[case][0] in MTP_ARCHITECTURES:  # (the installed gguf-py lists nextn tensors for them only from 0.3.36's)
+        names |= {TENSOR_NAMES[t].format(bid=b) for t in MODEL_TENSOR if t.name.startswith("NEXTN_") for b in range(5)}
     assert {t.name.removesuffix(".weight").removesuffix(".bias") for t in file.tensors} <= names
     for backend in ("reference", "cpu"):
         assert (_hearth_logits(path, backend) - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert LLM(path, progress=False).generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == greedy
+
+
+@pytest.mark.parametrize("case", [case for case, (arch, *_) in CASES.items() if arch in MTP_ARCHITECTURES])
+def test_the_mtp_layer_goes_through_the_file(case, converted):
+    """Qwen3.5's and Qwen3-Next's MTP layer (mtp.*) goes into the file as llama.cpp's converter writes it (a block
+    after the last layer with its nextn tensors, nextn_predict_layers 1) and comes back as the folder's: every
+    tensor of hearth's MTP module equal (its norms stored as 1 + w), the model's layers as many as before."""
+    folder, path, _, _ = converted[case]
+    assert read_gguf(path).metadata[f"{CASES[case][1]}.nextn_predict_layers"] == 1
+    ours, theirs = (load_model(p, progress=False).model for p in (path, folder))
+    assert ours.config.mtp_layers == theirs.config.mtp_layers == 1 and len(ours.layers) == len(theirs.layers)
+    want = theirs.mtp.state_dict()
+    for name, got in ours.mtp.state_dict().items():
+        offset = 1.0 if "norm" in name else 0.0  # (the folder's model: (1 + w); the file's: as stored)
+        torch.testing.assert_close(got, want[name] + offset, rtol=0, atol=1e-6, msg=name)
 
 
 def test_what_llama_cpp_cannot_hold_is_refused_by_name(tmp_path):
@@ -126,8 +146,7 @@ def llama_cpp_converted(converted, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama-cpp-converted")
     runs = []
     for case, (folder, *_) in converted.items():
-        mtp = ["--no-mtp"] if CASES[case][0] in ("qwen3_5", "qwen3_next", "nemotron_h") else []  # (the others
-        # take no MTP flag)
+        mtp = ["--no-mtp"] if CASES[case][0] == "nemotron_h" else []  # (hearth leaves its MTP out; Qwen's: kept)
         runs.append("|".join([*mtp, "--outtype", "f32", "--outfile", str(root / f"{case}.gguf"), str(folder)]))
     subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *runs], check=True, capture_output=True)
     return {case: root / f"{case}.gguf" for case in converted}

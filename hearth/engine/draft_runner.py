@@ -23,7 +23,7 @@ from hearth.engine_config import EngineConfig
 from hearth.engine.request import Request, RequestStatus
 from hearth.backend.transfer import to_host
 from hearth.engine.runner import ModelRunner
-from hearth.engine.step_records import BatchEntry
+from hearth.engine.step_records import BatchEntry, ScheduledSequence
 from hearth.engine.sampler import SamplingBatch, apply_penalties_and_bias, draw, exponential_noise, final_distribution
 from hearth.engine.second_model import SecondModel, load_second_runner
 from hearth.tokenizer import Tokenizer
@@ -50,6 +50,10 @@ GuessSource = tuple[int, int, int | None]
 
 class DraftRunner(SecondModel):
     """The draft model: its runner and KV bookkeeping (SecondModel), its passes, its guesses' distributions."""
+
+    # where the row feeding a request's guess d sits: position num_tokens + d - 1 + position_offset (a draft
+    # model feeds each token at its own position; the MTP layer one before, mtp_draft.py)
+    position_offset = 0
 
     def __init__(self, runner: ModelRunner, own_cache: bool = True):
         super().__init__(runner, own_cache)
@@ -121,13 +125,21 @@ class DraftRunner(SecondModel):
                     pending = torch.cat([pending[feeds // choices.shape[1]], step.input_ids[:, None]], dim=1)
             if p.feeds is not None and (pending is not None or p.requests != passes[len(drawn) - 1].requests):
                 batch = self._sampling_batch(p, pending)
-            drawn.append(self._draw(p, step, batch))
+            drawn.append(self._draw(p, self._pass_logits(step, p.feeds), batch))
         return drawn
 
-    def _draw(self, p: DraftPass, step: StepInputs, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass: its choices [rows, width] and distributions [rows, V] (None: every row greedy)."""
-        penalised = apply_penalties_and_bias(self.runner.last_logits_of_step(step), batch,
-                                             self.backend.apply_token_bitmask)
+    def _pass_logits(self, step: StepInputs, feeds: list[int] | None) -> torch.Tensor:
+        """A pass of the draft: the logits [rows, V] of each sequence's last row (feeds: DraftPass.feeds)."""
+        return self.runner.last_logits_of_step(step)
+
+    def target_hidden(self, sequences: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """The target's final hidden states of a step's rows [T, hidden] (its sequences' new tokens end to end),
+        for a draft that reads them (mtp_draft.py); a draft model does not."""
+
+    def _draw(self, p: DraftPass, logits: torch.Tensor, batch: SamplingBatch
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass's choices [rows, width] and distributions [rows, V] (None: every row greedy) from its logits."""
+        penalised = apply_penalties_and_bias(logits, batch, self.backend.apply_token_bitmask)
         if batch.all_greedy:
             probs, choices = None, penalised.argmax(dim=-1)
         else:

@@ -30,6 +30,7 @@ from hearth.engine.step_records import ScheduledSequence, StepResult
 from hearth.engine.sampler import make_generator
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 from hearth.engine.speculation.early_exit import EarlyExitDraft
+from hearth.engine.mtp_draft import MtpDraft
 from hearth.engine.speculation.speculator import build_speculator, spec_seed
 from hearth.engine.speculation.stats import SpecDecodeCounts
 from hearth.engine.startup import (calm_exits, check_hybrid, context_length, engine_backend, kv_cache_size, kv_tiers,
@@ -109,6 +110,8 @@ class LLMEngine:
                                                                     self.max_model_len, progress)
         if config.speculative.method == "early-exit":  # the model's own first layers draft
             self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
+        elif config.speculative.method == "mtp":  # the model's own multi-token-prediction layer drafts
+            self.runner.draft = MtpDraft(self.runner, self.block_manager)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
                                            self.output_processor.sequences)
         self.overlap = one_step_ahead(self)  # asynchronous scheduling (None: off)

@@ -1,19 +1,17 @@
 """ModelRunner: owns the KV cache tensors and the whole tensor side of a step.
 
-The engine's tensors are built here and in the sampler (the models beside the target, a
-speculative draft and a contrastive amateur, run runners of their own: draft_runner.py,
-second_model.py). `execute` takes the step's scheduled requests
-(how many new tokens each, its guesses, its generator and grammar matcher) and returns plain
-host results: per request that reached the end of its tokens, the tokens it keeps (verified
-guesses, then one sampled token) with their logprobs, and the prompt logprobs asked for.
-On the way: the batch laid out as one `StepInputs` (host arrays), which the backend (chosen once
-per engine, hearth/backend) turns into its tensors and attention metadata to run the model;
-logits of the rows that are sampled or scored (and, for contrastive requests, the amateur's);
-one SamplingBatch, with the draft's distributions of the guesses it verifies; the Sampler; and
-exactly one copy to the host. Guesses that form a token tree (speculation/token_tree.py) go in as rows
-with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved
-into the slots after the context. `forward` is the bare model pass, for callers that want hidden
-states (perplexity, kernels' benchmarks, tests).
+The engine's tensors are built here and in the sampler (the models beside the target, a speculative draft and a
+contrastive amateur, run runners of their own: draft_runner.py, second_model.py). `execute` takes the step's
+scheduled requests (how many new tokens each, its guesses, its generator and grammar matcher) and returns plain
+host results: per request that reached the end of its tokens, the tokens it keeps (verified guesses, then one
+sampled token) with their logprobs, and the prompt logprobs asked for. On the way: the batch laid out as one
+`StepInputs` (host arrays), which the backend (chosen once per engine, hearth/backend) turns into its tensors
+and attention metadata to run the model; logits of the rows that are sampled or scored (and, for contrastive
+requests, the amateur's); one SamplingBatch, with the draft's distributions of the guesses it verifies; the
+Sampler; and exactly one copy to the host. Guesses that form a token tree (speculation/token_tree.py) go in as
+rows with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved into the
+slots after the context. `forward` is the bare model pass, for callers that want hidden states (perplexity,
+kernels' benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.step_records import (BatchEntry, LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
-                                        StepResult)
+                                        StepResult, rows_of_sequences)
 from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutput, SamplingBatch,
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.step_sampling import decode_sampling, drawn_in_step
@@ -481,12 +479,11 @@ class ModelRunner:
                 move_rows(cache, sources, targets)
 
     def _keep_hidden_states(self, sequences: list[ScheduledSequence], hidden: torch.Tensor) -> None:
-        """Contrastive search: append the hidden states of the tokens each of its requests computed
-        this step to those of its tokens before (a recomputed request starts again at 0)."""
-        row = 0
-        for seq in sequences:
-            request, rows = seq.request, hidden[row : row + seq.num_new_tokens]
-            row += seq.num_new_tokens
+        """Contrastive search: append the hidden states of the tokens each of its requests computed this step to
+        those of its tokens before (a recomputed request starts again at 0); a draft that reads them gets them."""
+        if self.draft is not None:  # (the MTP layer)
+            self.draft.target_hidden(sequences, hidden)
+        for request, rows in rows_of_sequences(sequences, hidden):
             if not request.sampling_params.contrastive_search:
                 continue
             start, kept = request.num_computed_tokens, self.hidden_states.get(request)

@@ -6,7 +6,7 @@ tensors are built here; the runner fills them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,15 @@ class ScheduledSequence:
     # the tokens its next positions must be, whatever the model says (a thinking budget's close marker):
     # the row at depth d of its guesses draws forced[d]
     forced: list[int] = field(default_factory=list)
+
+
+def rows_of_sequences(sequences: list[ScheduledSequence], rows: torch.Tensor
+                      ) -> Iterator[tuple[Request, torch.Tensor]]:
+    """Each sequence's request and its share of a step's rows [T, ...] (its new tokens', end to end in order)."""
+    start = 0
+    for seq in sequences:
+        yield seq.request, rows[start : start + seq.num_new_tokens]
+        start += seq.num_new_tokens
 
 
 @dataclass

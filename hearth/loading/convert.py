@@ -308,7 +308,7 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
     gemma4 = config.architecture == "gemma4"
     widths, kv_heads = gemma4_gguf.layer_counts(config) if gemma4 else layer_counts(config)
     writer.add_feed_forward_length(widths)
-    writer.add_block_count(config.num_layers)
+    writer.add_block_count(config.num_layers + config.mtp_layers)  # (a hybrid's MTP blocks after its layers)
     writer.add_head_count(config.num_heads)
     if config.architecture == "deepseek_v2":  # its latent attention as multi-query attention (one KV head)
         writer.add_head_count_kv(1)

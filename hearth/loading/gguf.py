@@ -266,8 +266,8 @@ def load_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dic
     config = config_from_metadata(md, where)
     weights: dict[str, Weight] = {}
     for t in tqdm(file.tensors, desc="loading", unit="tensor", disable=not progress, leave=False):
-        if _layer_of(t.name) >= config.num_layers:
-            continue  # a block after the last layer: multi-token prediction's, which hearth does not run
+        if _layer_of(t.name) >= config.num_layers + config.mtp_layers:
+            continue  # a block after the last layer: a family's multi-token prediction hearth does not run
         stack = gguf_expert_stack(t.name)
         if stack is not None and config.num_experts:
             for e, weight in enumerate(_split_experts(_read(file, t, where), t, config, where)):

@@ -32,6 +32,7 @@ from gguf import GGUFWriter
 
 from hearth.config import ATTENTION, GATED_DELTA_NET, MAMBA2, MLP, QWEN_DELTA_NET, ModelConfig
 from hearth.errors import ModelLoadError
+from hearth.loading.names import mtp_as_block, mtp_of_block
 from hearth.quant import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -53,10 +54,12 @@ def gguf_architecture(config: ModelConfig) -> str:
 
 def hybrid_fields_from_metadata(md: dict[str, Any], arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     """The ModelConfig fields of a GGUF hybrid (arch: llama.cpp's name) over the common ones. Trailing
-    multi-token-prediction blocks (nextn_predict_layers) are not layers of the model hearth runs."""
-    layers = int(get("block_count")) - int(md.get(f"{arch}.nextn_predict_layers") or 0)
-    if arch in ("qwen35", "qwen3next"):
-        return _delta_net_fields(md, arch, get, layers)
+    multi-token-prediction blocks (nextn_predict_layers) are not layers of the model: qwen35's and qwen3next's
+    are its MTP layers (mtp_layers; names.mtp_of_block), the others' are not read."""
+    mtp_layers = int(md.get(f"{arch}.nextn_predict_layers") or 0)
+    layers = int(get("block_count")) - mtp_layers
+    if arch in ("qwen35", "qwen3next"):  # (their MTP blocks: the draft of --speculative-method mtp)
+        return _delta_net_fields(md, arch, get, layers) | dict(mtp_layers=mtp_layers)
     return _mamba2_fields(md, arch, get, layers)
 
 
@@ -120,7 +123,9 @@ def _mamba2_fields(md: dict[str, Any], arch: str, get: Callable[..., Any], layer
 
 def hybrid_weights_from_gguf(config: ModelConfig, weights: dict[str, Weight]) -> None:
     """The weights (by hearth's names) of a GGUF hybrid as hearth's modules take them, in place; the
-    Mamba2 biases the file has, in the config."""
+    Mamba2 biases the file has, in the config; the MTP blocks' tensors under the checkpoint's mtp.* names."""
+    for name in list(weights) if config.mtp_layers else ():
+        weights[mtp_of_block(name, config.num_layers)] = weights.pop(name)
     for name in list(weights):
         w = weights[name]
         if name.endswith("conv1d.weight") and w.dim() == 2:  # [channels, taps] as a Conv1d's [channels, 1, taps]
@@ -202,13 +207,16 @@ def add_hybrid_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
         writer.add_ssm_group_count(config.linear_num_key_heads)
         writer.add_ssm_time_step_rank(config.linear_num_value_heads)
         writer.add_ssm_inner_size(config.linear_num_value_heads * config.linear_value_head_dim)
-        recurrent = [config.layer_type(i) == GATED_DELTA_NET for i in range(config.num_layers)]
+        recurrent = [config.layer_type(i) == GATED_DELTA_NET for i in range(config.num_layers)] + \
+            [False] * config.mtp_layers  # (the MTP blocks: attention)
         # (the installed gguf-py has no add_recurrent_layers yet: llama.cpp's key, written by its name)
         writer.add_array(f"{writer.arch}.attention.recurrent_layers", recurrent)
         interval = next((i + 1 for i, r in enumerate(recurrent) if not r), config.num_layers)
         writer.add_full_attention_interval(interval)
         if config.architecture == "qwen3_5":
             writer.add_rope_dimension_sections(_qwen35_sections(config))
+        if config.mtp_layers:
+            writer.add_nextn_predict_layers(config.mtp_layers)
         return
     writer.add_ssm_state_size(config.ssm_state_size)
     writer.add_ssm_group_count(config.mamba_groups)
@@ -232,9 +240,11 @@ def add_hybrid_metadata(writer: GGUFWriter, config: ModelConfig) -> None:
 
 def hybrid_weights_for_gguf(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's weights under the names llama.cpp's tensors take them from: granite's gate-and-up
-    matrices as gate and up (views), qwen3_next's in_proj_b and in_proj_a fused per key head."""
+    matrices as gate and up (views), qwen3_next's in_proj_b and in_proj_a fused per key head, the MTP layers'
+    as the blocks after the last layer (names.mtp_as_block)."""
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
+        name = mtp_as_block(name, config.num_layers) if name.startswith("mtp.") else name
         if config.architecture == "granitemoehybrid" and name.endswith(".gate_up_proj.weight"):
             gate, up = w.chunk(2)
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up

@@ -101,17 +101,62 @@ _GEMMA3_VL_ALIASES = (
     (re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?"), "model.vision_tower."),
     (re.compile(r"^multi_modal_projector\."), "model.multi_modal_projector."),
 )
-# the parts of a checkpoint hearth does not load, by family: Qwen3.5's multi-token-prediction layers, and
-# its vision tower where the config has no vision_config (hearth runs the text model, as transformers'
-# Qwen3_5ForCausalLM does); Qwen3-Next's and Nemotron-H's multi-token-prediction layers (as transformers'
-# Qwen3NextForCausalLM and NemotronHForCausalLM)
-NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "qwen3_next": re.compile(r"^mtp\."),
-              "nemotron_h": re.compile(r"^mtp\."),
+# the parts of a checkpoint hearth does not load, by family: Qwen3.5's vision tower where the config has no
+# vision_config (hearth runs the text model, as transformers' Qwen3_5ForCausalLM does); Nemotron-H's
+# multi-token-prediction layers (as transformers' NemotronHForCausalLM). (Qwen3.5's and Qwen3-Next's mtp.* are
+# loaded: the draft of --speculative-method mtp, hearth/model/mtp.py.)
+NOT_LOADED = {"qwen3_5": re.compile(r"^model\.visual\."), "nemotron_h": re.compile(r"^mtp\."),
               # Gemma4ForConditionalGeneration's image and audio towers (hearth runs its text model)
               "gemma4": re.compile(r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")}
 # (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true)
-NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\."),
-                          "gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
+NOT_LOADED_WITH_VISION = {"gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
+# the families whose checkpoints' multi-token-prediction layers hearth runs (mtp.*: hearth/model/mtp.py)
+MTP_ARCHITECTURES = ("qwen3_5", "qwen3_next")
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+# llama.cpp's converter writes the MTP layers as blocks after the last layer, the rest of mtp.* in the first of
+# them under DeepSeek's NextN names (conversion/qwen.py's _QwenMtpMixin); nextn.* as the family's layer names
+_MTP_AS_BLOCK = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+                 "norm": "shared_head.norm"}
+_NEXTN_NAMES = {"nextn.eh_proj.weight": "eh_proj.weight", "nextn.enorm.weight": "enorm.weight",
+                "nextn.hnorm.weight": "hnorm.weight", "nextn.shared_head_norm.weight": "shared_head.norm.weight"}
+
+
+def mtp_layer_count(names: list[str], declared: object, dedicated_embeddings: object, where: str) -> int:
+    """How many multi-token-prediction layers a checkpoint's tensors hold (mtp.layers.N.*), checked against its
+    config's mtp_num_hidden_layers where it gives one; an MTP with embeddings of its own is refused by name."""
+    layers = {int(m.group(1)) for name in names if (m := _MTP_LAYER.fullmatch(name))}
+    if not layers:
+        return 0
+    if layers != set(range(len(layers))) or declared not in (None, len(layers)):
+        raise ModelLoadError(f"{where}: mtp_num_hidden_layers = {declared!r}, and the checkpoint holds MTP layers "
+                             f"{sorted(layers)}")
+    if dedicated_embeddings:
+        raise ModelLoadError(f"{where}: mtp_use_dedicated_embeddings = {dedicated_embeddings!r} (an MTP with an "
+                             "embedding table of its own) is not implemented by hearth")
+    return len(layers)
+
+
+def mtp_as_block(name: str, num_layers: int) -> str:
+    """A checkpoint's mtp.* tensor under the layer name llama.cpp's converter gives it (MTP layer i: layer
+    num_layers + i; fc and the norms: the first MTP block's eh_proj, enorm, hnorm, shared_head.norm)."""
+    if m := _MTP_LAYER.fullmatch(name):
+        return f"model.layers.{num_layers + int(m.group(1))}.{m.group(2)}"
+    module, _, attr = name.removeprefix("mtp.").partition(".")
+    return f"model.layers.{num_layers}.{_MTP_AS_BLOCK[module]}.{attr}"
+
+
+def mtp_of_block(name: str, num_layers: int) -> str:
+    """mtp_as_block's inverse (a name of the model's own layers, or no layer's, as it is)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m is None or int(m.group(1)) < num_layers:
+        return name
+    rest = m.group(2)
+    for module, block in _MTP_AS_BLOCK.items():
+        if rest.startswith(block + ".") and int(m.group(1)) == num_layers:
+            return f"mtp.{module}.{rest.removeprefix(block + '.')}"
+    return f"mtp.layers.{int(m.group(1)) - num_layers}.{rest}"
+
+
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -156,6 +201,7 @@ _DELTA_NET_LAYER_NAMES = {
     "ssm_a": "linear_attn.A_log",  # (llama.cpp's -exp(A_log))
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    **_NEXTN_NAMES,
 }
 # granitehybrid / nemotron_h(_moe): Mamba2 layers; nemotron_h's router correction
 _MAMBA2_LAYER_NAMES = {

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.loading.gpt_oss import split_fused_experts
-from hearth.loading.names import NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors
+from hearth.loading.names import (MTP_ARCHITECTURES, NOT_LOADED, NOT_LOADED_WITH_VISION, checkpoint_tensors,
+                                  mtp_layer_count)
 from hearth.quant.tensor import QuantTensor
 
 logger = logging.getLogger("hearth")
@@ -85,6 +86,10 @@ def load_hf_folder(folder: str | Path, progress: bool = True
     if skipped:
         logger.warning("%s: %d tensors not loaded (%s): parts of a %s checkpoint hearth does not run", folder, skipped,
                     not_loaded.pattern, config.architecture)
+    if config.architecture in MTP_ARCHITECTURES:  # its multi-token-prediction layers (mtp.*), where it ships them
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+        config.mtp_layers = mtp_layer_count(list(weights), text.get("mtp_num_hidden_layers"),
+                                            text.get("mtp_use_dedicated_embeddings"), str(config_path))
     if config.architecture == "gpt_oss":  # (its quantization_config: MXFP4 experts, read here)
         weights = split_fused_experts(weights)
     elif hf.get("quantization_config") is not None:  # a library's packed weights (refused by from_hf if unread)

@@ -26,6 +26,7 @@ from hearth.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, SparseMoE,
                                  longrope_factors)
+from hearth.model.mtp import MultiTokenPredictor
 from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
 from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
@@ -111,6 +112,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(layer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, config.norm_weight_offset)
         self.lm_head = lm_head
+        self.mtp = None  # Qwen3.5's / Qwen3-Next's multi-token-prediction layers, where the checkpoint ships them
+        if config.mtp_layers:
+            mtp_config = config.mtp_layer_config()
+            self.mtp = MultiTokenPredictor(config, ops, [layer(mtp_config, ops, i) for i in range(config.mtp_layers)])
         # gemma4: per token and layer an input of its own (hearth/model/gemma4.py), made from the embeddings
         self.per_layer_inputs = PerLayerInputs(config, ops) if config.per_layer_input_size else None
         # each table as wide as the heads of the layers it turns (gemma4's full layers: their own head_dim)
@@ -189,6 +194,22 @@ class Transformer(nn.Module):
             if added is not None and index < added[1].shape[1]:  # (x: the layer's addition to the stream)
                 x = x.index_add(0, added[0], added[1][:, index].to(x.dtype))
         return x, residual
+
+    @torch.inference_mode()
+    def predict_next(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
+        """The multi-token-prediction layer (hearth/model/mtp.py) on tokens [T] and the hidden states [T, hidden]
+        they follow, at positions [T] (kv_caches: its own, one layer's). Returns its hidden states [T, hidden],
+        whose compute_logits guess the token after each row's."""
+        return self.mtp(self.embed(input_ids), hidden, self._rotaries(positions, hidden.dtype), kv_caches[0], meta)
+
+    def mtp_view(self) -> Transformer:
+        """A view of this model whose layers are its multi-token-prediction layers and whose config theirs
+        (mtp_layer_config): what a runner beside the model lays out steps and allocates a cache for; its
+        embeddings and LM head are the model's (predict_next runs it)."""
+        view = self.layer_range(0, 0)
+        view.layers, view.config, view.vision = self.mtp.layers, self.config.mtp_layer_config(), None
+        return view
 
     def _layer_caches(self, kv_caches: list) -> list:
         """Each layer's K/V caches: a layer that shares K/V (gemma4) attends over its source layer's."""
@@ -311,13 +332,13 @@ class Transformer(nn.Module):
         shapes = []
         for name, module in self.named_modules():
             if isinstance(module, MergedLinear):
-                prefix = "model." + name.rpartition(".")[0]
+                prefix = _checkpoint_module_name(name.rpartition(".")[0])
                 for part, size in zip(module.part_names, module.part_sizes):
                     shapes.append((f"{prefix}.{part}.weight", (size, module.in_features)))
                     if module.bias:
                         shapes.append((f"{prefix}.{part}.bias", (size,)))
             elif ".parts." not in name:
-                hf_name = name if name.startswith("lm_head") else f"model.{name}"
+                hf_name = name if name.startswith(("lm_head", "mtp.")) else f"model.{name}"
                 if hf_name == "lm_head" and self.config.tie_word_embeddings:
                     continue
                 shapes += [(f"{hf_name}.{attr}", tuple(p.shape)) for attr, p in module.named_parameters(recurse=False)]
@@ -331,12 +352,12 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if not isinstance(module, MergedLinear):
                 continue
-            prefix = "model." + name.rpartition(".")[0]
-            fused = f"model.{name}.weight"  # a checkpoint that stores the merged matrix itself (phi3)
+            prefix = _checkpoint_module_name(name.rpartition(".")[0])
+            fused = f"{_checkpoint_module_name(name)}.weight"  # a checkpoint storing the merged matrix itself (phi3)
             if fused in weights:
                 _check_shape(fused, weights[fused], (sum(module.part_sizes), module.in_features))
                 module.set_groups([list(range(len(module.part_names)))])
-                merged[f"model.{name}.parts.0.weight"] = [fused]
+                merged[f"{_checkpoint_module_name(name)}.parts.0.weight"] = [fused]
                 continue
             part_weights = []
             for part, size in zip(module.part_names, module.part_sizes):
@@ -354,7 +375,8 @@ class Transformer(nn.Module):
             module.set_groups(groups)
             for g, group in enumerate(groups):
                 for attr in ("weight", "bias"):
-                    merged[f"model.{name}.parts.{g}.{attr}"] = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
+                    parts = [f"{prefix}.{module.part_names[i]}.{attr}" for i in group]
+                    merged[f"{_checkpoint_module_name(name)}.parts.{g}.{attr}"] = parts
         return merged
 
 
@@ -362,7 +384,7 @@ def _checkpoint_module_name(name: str) -> str:
     """The checkpoint's name of a module: the text model's under model., the vision tower's parts
     (vision.vision_model, vision.connector; vision.visual; vision.vision_tower, vision.multi_modal_projector)
     under model. as well."""
-    if name.startswith("lm_head"):
+    if name.startswith(("lm_head", "mtp.")):
         return name
     return "model." + name.removeprefix("vision.")
 

@@ -10,7 +10,8 @@ target's distribution; greedy verification keeps plain decoding's tokens).
     lookahead.py    lookahead decoding: a Jacobi window and an n-gram pool, in one chain or as published
     lookahead_window.py  as published: the 2-D window and a step's token tree (the window's rows, pool n-grams)
     draft.py        a draft model's guesses: the passes planned here, run by the draft runner
-                    (hearth/engine/draft_runner.py, beside the target's runner)
+                    (hearth/engine/draft_runner.py, beside the target's runner; the model's own
+                    multi-token-prediction layer: hearth/engine/mtp_draft.py)
     early_exit.py   the model's own first layers as the draft (self-speculation), on its KV cache
     token_tree.py   several branches of guesses verified in one pass
     guess_count.py  how many guesses a request makes (its acceptance, the batch)

@@ -93,7 +93,7 @@ class DraftProposer:
         """The pass feeding a branch's guess number `depth` (its token: drawn by the pass before,
         DraftPass.feeds), after the request's tokens (a chain), or in the tree region at slot
         width x (depth - 1) + branch, seeing its branch's earlier guesses."""
-        start, table = request.num_tokens, self.draft.block_table(request)
+        start, table = request.num_tokens + self.draft.position_offset, self.draft.block_table(request)
         if width == 1:
             return BatchEntry([0], start + depth - 1, table)
         mask = sum(1 << (branch + width * i) for i in range(depth))

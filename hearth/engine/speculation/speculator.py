@@ -125,13 +125,13 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_model_len: int,
                      sequences: Mapping[str, SequenceState]) -> Speculator:
-    """The engine's speculator for its config (draft: the draft runner, with method draft or early-exit)."""
+    """The engine's speculator for its config (draft: the draft runner, with method draft, early-exit or mtp)."""
     proposer: Proposer | None = None
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.tree_width)
     elif config.method == "lookahead":
         proposer = LookaheadProposer(config.lookahead_ngram, config.lookahead_window if config.lookahead_full else 0,
                                      config.lookahead_guesses)
-    elif config.method in ("draft", "early-exit"):
+    elif config.method in ("draft", "early-exit", "mtp"):
         proposer = DraftProposer(draft, config.tree_width)
     return Speculator(config, proposer, max_model_len, sequences)
