@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from hearth.image_processor import ImageProcessor
     from hearth.image_processor_gemma import GemmaImageProcessor
+    from hearth.image_processor_gemma4 import Gemma4ImageProcessor
     from hearth.image_processor_qwen import QwenImageProcessor
 
     from hearth.tokenizer import Tokenizer
@@ -64,7 +65,7 @@ class PromptWithImages:
 
 
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
-                  processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | None,
+                  processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None,
                   tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
     """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
     engine's own encoding (processor None: a text model, which the engine lets no images reach).

@@ -168,6 +168,7 @@ class ModelRunner:
             embeds=image_rows(entries, query_start_loc),
             image_blocks=image_blocks([e.images for e in entries], starts, ends)
             if self.model.config.bidirectional_images else None,
+            image_blocks_sliding_only=self.model.config.architecture == "gemma4",
         )
 
     def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,7 +91,7 @@ _HF_ALIASES = (
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names), qwen3_vl's
 # and gemma3's
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "model.embed_vision.")
 # gemma3's checkpoints (language_model.model.*, vision_tower.vision_model.* as published; transformers 5
 # saves vision_tower.*) -> the names of transformers 5's modules, hearth's
 _GEMMA3_VL_ALIASES = (
@@ -106,11 +106,14 @@ _GEMMA3_VL_ALIASES = (
 # Qwen3NextForCausalLM and NemotronHForCausalLM)
 NOT_LOADED = {"qwen3_5": re.compile(r"^(model\.visual\.|mtp\.)"), "qwen3_next": re.compile(r"^mtp\."),
               "nemotron_h": re.compile(r"^mtp\."),
-              # Gemma4ForConditionalGeneration's image and audio towers (hearth runs its text model)
+              # Gemma4ForConditionalGeneration's image and audio towers (a config without vision_config: hearth
+              # runs its text model)
               "gemma4": re.compile(r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")}
-# (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true)
+# (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true; gemma4's audio
+# tower: hearth takes no audio)
 NOT_LOADED_WITH_VISION = {"qwen3_5": re.compile(r"^mtp\."),
-                          "gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
+                          "gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\."),
+                          "gemma4": re.compile(r"^model\.(audio_tower|embed_audio)\.")}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
