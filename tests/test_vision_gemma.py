@@ -181,9 +181,53 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
         "model.multi_modal_projector.mm_input_projection_weight"]
 
 
+# pan and scan's settings in the folder (crops of 64 pixels or more, at most 3), given to transformers' processor too
+# (Gemma3Processor's call defaults switch it off whatever the image processor's settings say)
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+
+def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
+    """With pan and scan on: each image's whole and crops pixel for pixel as Gemma3ImageProcessorPil cuts them (a
+    wide image in 3, a tall one in 3, one in 2, a near-square one and a short wide one (crops under 64 pixels) in
+    none), Gemma3Processor's sentence around them token for token, each whole image's and crop's tokens one block
+    both ways (token_type_ids' runs); with two images, crops among them, transformers' logits within 1e-4 (whole
+    and cut at the second crop's start) and greedy tokens."""
+    import functools
+
+    from hearth import LLM
+
+    for f in gemma[0].iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    settings = json.loads((tmp_path / "processor_config.json").read_text())
+    settings["image_processor"].update(PAN_AND_SCAN)
+    (tmp_path / "processor_config.json").write_text(json.dumps(settings))
+    llm = LLM(str(tmp_path), progress=False)
+    reference = (gemma[0], functools.partial(gemma[1], **PAN_AND_SCAN), gemma[2], llm)
+    images = [_image(0, 77, 331), _image(1, 250, 97, "RGBA"), _image(2, 130, 97, "L"), _image(3, 100, 110),
+              _image(4, 40, 300)]
+    text = "a<start_of_image>b<start_of_image><start_of_image> c<start_of_image>.<start_of_image>"
+    inputs = reference[1](text=[text], images=[images], return_tensors="pt")
+    mine = [llm.engine.image_processor.process(image) for image in images]
+    crops = gemma[1].image_processor(images, **PAN_AND_SCAN)["num_crops"]
+    assert [m.rows for m in mine] == list(crops) == [3, 3, 2, 0, 0]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    expanded = llm.engine.prompt_with_images(text, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    assert [run for s in expanded.images for run in s.blocks()] == _image_runs(inputs["token_type_ids"][0].numpy())
+    two = [images[0], images[3]]
+    inputs, ref_logits, ref_tokens = _reference(reference, TWO, two)
+    ids = _logits_match(llm.engine, TWO, two, inputs, ref_logits)
+    second_crop = expanded.images[0].runs[2][0] - expanded.images[0].start + ids.index(
+        llm.engine.model_config.vision.image_token_id)
+    _logits_match(llm.engine, TWO, two, inputs, ref_logits, second_crop)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
 def test_what_is_refused(gemma, tmp_path):
-    """The gpu backend (its prefill attention is causal only), pan and scan, an image token count that is no
-    square dividing the patches, an image size the processor does not resize to; a prompt that holds image
+    """The gpu backend (its prefill attention is causal only), an image token count that is no square dividing
+    the patches, an image size the processor does not resize to, steps switched off; a prompt that holds image
     placeholder tokens of its own."""
     from hearth.backend.gpu import GpuBackend
     from hearth.config import ModelConfig
@@ -198,7 +242,7 @@ def test_what_is_refused(gemma, tmp_path):
         with pytest.raises(ModelLoadError, match=f"mm_tokens_per_image = {tokens}: expected a square"):
             ModelConfig.from_hf({**config, "mm_tokens_per_image": tokens})
     processor = json.loads((gemma[0] / "processor_config.json").read_text())
-    for change, message in (({"do_pan_and_scan": True}, "do_pan_and_scan"), ({"do_normalize": False}, "do_normalize"),
+    for change, message in (({"do_rescale": False}, "do_rescale"), ({"do_normalize": False}, "do_normalize"),
                             ({"size": {"height": 448, "width": 448}}, "size 448 x 448")):
         (tmp_path / "processor_config.json").write_text(json.dumps(
             {**processor, "image_processor": {**processor["image_processor"], **change}}))

@@ -99,8 +99,9 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
     for image in processed:
         mine = positions[used:used + image.num_embeds]
         used += image.num_embeds
+        runs = np.split(mine, np.flatnonzero(np.diff(mine) > 1) + 1)
         spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values,
-                               image.num_embeds, image.grid))
+                               image.num_embeds, image.grid, tuple((int(r[0]), int(r[-1]) + 1) for r in runs)))
     return PromptWithImages(prompt, ids, spans)
 
 
@@ -156,11 +157,12 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
 
 
 def image_blocks(images: Sequence[Sequence[ImageSpan]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-    """The images whose tokens attend to each other both ways (StepInputs.image_blocks) among a step's
-    sequences (images[s]: sequence s's, whose new rows are its positions starts[s]..ends[s]-1): int64
-    [N, 3] (sequence, first position, end position) of each that has rows among them; None: none has."""
-    found = [(s, image.start, image.end) for s, spans in enumerate(images) for image in spans
-             if image.start < ends[s] and image.end > starts[s]]
+    """The runs of image tokens that attend to each other both ways (StepInputs.image_blocks: each image's
+    placeholders, or each of its crops', ImageSpan.blocks) among a step's sequences (images[s]: sequence s's,
+    whose new rows are its positions starts[s]..ends[s]-1): int64 [N, 3] (sequence, first position, end
+    position) of each that has rows among them; None: none has."""
+    found = [(s, low, high) for s, spans in enumerate(images) for image in spans for low, high in image.blocks()
+             if low < ends[s] and high > starts[s]]
     return np.array(found, dtype=np.int64) if found else None
 
 
