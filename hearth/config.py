@@ -177,7 +177,8 @@ class ModelConfig:
         """Whether an image's tokens attend to each other both ways in prefill, every one seeing the whole
         image (Gemma 3's; Gemma 4's on its sliding-window layers, where its text_config's
         use_bidirectional_attention is "vision"; the rest of the sequence stays causal)."""
-        return self.vision is not None and (self.vision.family == "gemma3" or getattr(self.vision, "bidirectional", False))
+        vision = self.vision
+        return vision is not None and (vision.family == "gemma3" or getattr(vision, "bidirectional", False))
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

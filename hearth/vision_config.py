@@ -31,7 +31,8 @@ _VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl"
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
 _TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
                 "qwen3_5": {"qwen3_5_text": "qwen3_5"},
-                "gemma3": {"gemma3_text": "gemma3_text"}, "gemma4": {"gemma4_text": "gemma4"}}  # (gemma3_text: model_type gemma3 is the image-text model's)
+                "gemma3": {"gemma3_text": "gemma3_text"},  # (gemma3_text: model_type gemma3 is the image-text model's)
+                "gemma4": {"gemma4_text": "gemma4"}}
 # Gemma3TextConfig's defaults, which the published image-text configs leave out of text_config
 # (google/gemma-3-4b-it's names its widths and depth only); rope_theta only where no rope_parameters say it
 _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,

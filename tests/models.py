@@ -420,7 +420,8 @@ def make_gemma4_vl(folder: Path, seed: int = 0) -> Path:
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     make_tokenizer(folder)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA4_VL_SPECIAL, pad_token="<s>")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA4_VL_SPECIAL,
+                                                           pad_token="<s>")  # (Gemma4Processor pads)
     tokenizer.save_pretrained(folder)
     torch.manual_seed(seed)
     text = {**_COMMON, **_dense_configs(transformers)["gemma4"][1], "vocab_size": 384, "vocab_size_per_layer_input": 384,

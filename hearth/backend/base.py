@@ -131,7 +131,7 @@ class PrefillSequence:
     context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
     # [query_len, context_len] bool, True = may attend: causal, and both ways within an image (StepInputs.image_blocks)
     sees: torch.Tensor
-    sliding_only: bool = False  # the images' blocks on the sliding-window layers only (StepInputs.image_blocks_sliding_only)
+    sliding_only: bool = False  # the images' blocks on sliding-window layers only (StepInputs.image_blocks_sliding_only)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """The mask, and with a sliding window only the positions after each row's last `window` (an image's

@@ -79,7 +79,8 @@ class Attention(nn.Module):
         width, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, config.rms_norm_eps
         self.q_proj, self.o_proj = ClippableLinear(width, heads * head_dim), ClippableLinear(heads * head_dim, width)
-        self.k_proj, self.v_proj = ClippableLinear(width, kv_heads * head_dim), ClippableLinear(width, kv_heads * head_dim)
+        self.k_proj = ClippableLinear(width, kv_heads * head_dim)
+        self.v_proj = ClippableLinear(width, kv_heads * head_dim)
         self.q_norm, self.k_norm = Norm(head_dim, config.rms_norm_eps), Norm(head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [n, hidden]
