@@ -1,12 +1,13 @@
 """Images in a request: the prompt's markers expanded into the model's placeholder tokens, where each
 image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and for the runner a step's
 rows of image embeddings, its M-RoPE positions (Qwen3-VL) and the images whose tokens attend both ways
-(Gemma 3: image_blocks).
+(Gemma 3 and 4: image_blocks, a block per run of an image's placeholders: pan and scan's crops apart).
 
-A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`: as its chat
-template writes an image content part), once per image of multi_modal_data["image"], in order. Each
-marker becomes the text the model's processor makes of it (hearth/image_processor.py,
-hearth/image_processor_qwen.py) before the prompt is tokenized, so the
+A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`, Gemma 3's
+`<start_of_image>`, Gemma 4's `<|image|>`: as its chat template writes an image content part), once per image
+of multi_modal_data["image"], in order. Each marker becomes the text the model's processor makes of it
+(hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py, image_processor_gemma4.py)
+before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
 num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
 
