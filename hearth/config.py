@@ -24,8 +24,8 @@ from hearth.hf_config import (
     rope_scaling_from_hf,
     sliding_layers_from_hf,
 )
-from hearth.vision_config import (QwenVisionConfig, VisionConfig, mrope_section_of, text_config_of, vision_family,
-                                  vision_from_hf)
+from hearth.vision_config import (Gemma4VisionConfig, QwenVisionConfig, VisionConfig, mrope_section_of, text_config_of,
+                                  vision_family, vision_from_hf)
 
 # A sequence with at most this many new tokens this step (a decode: 1; the verification of k
 # guesses: k + 1; a short chunk) reads its context through the block table with a decode kernel;
@@ -168,7 +168,7 @@ class ModelConfig:
     mtp_layers: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     # an image-text model's encoder and projector (hearth/vision_config.py)
-    vision: VisionConfig | QwenVisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Gemma4VisionConfig | None = None
 
     @property
     def accepts_images(self) -> bool:
@@ -178,8 +178,10 @@ class ModelConfig:
     @property
     def bidirectional_images(self) -> bool:
         """Whether an image's tokens attend to each other both ways in prefill, every one seeing the whole
-        image (Gemma 3's; the rest of the sequence stays causal)."""
-        return self.vision is not None and self.vision.family == "gemma3"
+        image (Gemma 3's; Gemma 4's on its sliding-window layers, where its text_config's
+        use_bidirectional_attention is "vision"; the rest of the sequence stays causal)."""
+        vision = self.vision
+        return vision is not None and (vision.family == "gemma3" or getattr(vision, "bidirectional", False))
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

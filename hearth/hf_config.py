@@ -453,8 +453,9 @@ def refuse_unimplemented(hf: dict[str, Any], where: str, arch: str) -> None:
             raise ModelLoadError(f"{where}: {name}={value!r} is not implemented by hearth")
 
 
-# image-text (and audio) checkpoints whose text model hearth runs alone, their towers not loaded
-# (loading/names.py's NOT_LOADED): no image or audio input reaches it (ModelConfig.accepts_images is False)
+# image-text (and audio) checkpoints whose text model hearth runs alone where config.json has no vision_config, their
+# towers not loaded (loading/names.py's NOT_LOADED): no image or audio input reaches it (ModelConfig.accepts_images
+# is False); with one, its images too (vision_config.py; the audio tower never loaded)
 TEXT_MODEL_ONLY = ("gemma4",)
 # quantization_config's quant_method values whose weights hearth reads (hearth/loading/library_quant.py)
 LIBRARY_QUANTIZATIONS = ("gptq", "awq", "fp8")
@@ -508,7 +509,7 @@ HF_ARCHITECTURES = {
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding and full layers, experts with a clamped SwiGLU
     "Gemma4ForCausalLM": "gemma4",  # the text model (model_type gemma4_text; hearth/model/gemma4.py)
-    "Gemma4ForConditionalGeneration": "gemma4",  # (text_config, model.language_model.*; its towers not loaded)
+    "Gemma4ForConditionalGeneration": "gemma4",  # (text_config, model.language_model.*; images: vision_config.py)
 }
 
 

@@ -3,15 +3,20 @@ PIL so that the pixels are the same to the bit), and the text each image's marke
 
 An image: RGB (transparency composited onto white); resized to size.height x size.width (the encoder's
 image_size a side, the aspect not kept; BILINEAR); rescaled by 1/255 and normalised. One image is one
-tile: mm_tokens_per_image text-model rows. Pan and scan (crops of a long image beside the whole one) is
-off in transformers unless asked for; a folder whose settings switch it on is refused. No torch here:
-the engine's runner makes tensors.
+tile: mm_tokens_per_image text-model rows. With pan and scan (do_pan_and_scan in the folder's image processor
+settings: off unless they say so), an image longer than pan_and_scan_min_ratio_to_activate times its width
+(or wider) is also cut into 2 to pan_and_scan_max_num_crops crops along its long side, each at least
+pan_and_scan_min_crop_size pixels a side, and each crop is a tile of its own after the whole image
+(Gemma3ImageProcessorPil.pan_and_scan). No torch here: the engine's runner makes tensors.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import itertools
+import math
 
 import numpy as np
 
@@ -21,6 +26,9 @@ from hearth.vision_config import VisionConfig
 
 _BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
 _STEPS = ("do_resize", "do_rescale", "do_normalize")  # (None in a config: transformers' default, on)
+# pan and scan's settings and Gemma3Processor's defaults for them (a config's None: the default)
+_PAN_AND_SCAN = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
 
 class GemmaImageProcessor:
@@ -31,8 +39,10 @@ class GemmaImageProcessor:
     end_token = "<end_of_image>"
 
     def __init__(self, vision: VisionConfig, size: tuple[int, int], image_seq_length: int, mean: tuple[float, ...],
-                 std: tuple[float, ...], rescale_factor: float = 1 / 255, resample: int = _BILINEAR):
-        self.size, self.image_seq_length = size, image_seq_length
+                 std: tuple[float, ...], rescale_factor: float = 1 / 255, resample: int = _BILINEAR,
+                 pan_and_scan: tuple[int, int, float] | None = None):
+        """pan_and_scan: (min crop size, max crops, min ratio to activate), or None: off."""
+        self.size, self.image_seq_length, self.pan_and_scan = size, image_seq_length, pan_and_scan
         self.mean, self.std = np.array(mean, dtype=np.float32), np.array(std, dtype=np.float32)
         self.rescale_factor, self.resample = rescale_factor, resample
         side = vision.image_size
@@ -50,17 +60,19 @@ class GemmaImageProcessor:
         processor = read_optional(folder / "processor_config.json")
         config = read_optional(folder / "preprocessor_config.json") or processor.get("image_processor") or {}
         off = [name for name in _STEPS if config.get(name) is False]
-        if config.get("do_pan_and_scan") or off:
-            raise ModelLoadError(f"{folder}: image processor settings {off or ['do_pan_and_scan']} are not implemented "
-                                 "by hearth (it resizes, rescales and normalises each image whole, as transformers does "
-                                 "by default)")
+        if off:
+            raise ModelLoadError(f"{folder}: image processor settings {off} are not implemented by hearth (it resizes, "
+                                 "rescales and normalises each image and crop, as transformers does by default)")
         try:
             size = config.get("size") or {}
             seq_len = processor.get("image_seq_length", config.get("image_seq_length", vision.tokens_per_tile))
+            pan = {name: config.get(name) or default for name, default in _PAN_AND_SCAN.items()}
+            pan_and_scan = (int(pan["pan_and_scan_min_crop_size"]), int(pan["pan_and_scan_max_num_crops"]),
+                            float(pan["pan_and_scan_min_ratio_to_activate"])) if config.get("do_pan_and_scan") else None
             return cls(vision, (int(size.get("height", vision.image_size)), int(size.get("width", vision.image_size))),
                        int(seq_len), tuple(config.get("image_mean", (0.5, 0.5, 0.5))),
                        tuple(config.get("image_std", (0.5, 0.5, 0.5))), float(config.get("rescale_factor", 1 / 255)),
-                       int(config.get("resample", _BILINEAR)))
+                       int(config.get("resample", _BILINEAR)), pan_and_scan)
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelLoadError(f"{folder}: malformed image processor settings: {e}") from None
         except ModelLoadError as e:
@@ -74,10 +86,35 @@ class GemmaImageProcessor:
             raise RequestError(f"an image is a PIL.Image.Image, not {type(image).__name__}")
         rgb = to_rgb(image)
         height, width = self.size
-        pixels = np.moveaxis(np.array(rgb.resize((width, height), self.resample)), -1, 0)  # CHW uint8
-        return ProcessedImage(normalise(pixels, self.rescale_factor, self.mean, self.std)[None], 0, 0, content_hash(rgb),
-                              self.image_seq_length)
+        tiles = [rgb, *self.crops(rgb)]
+        pixels = [np.moveaxis(np.array(tile.resize((width, height), self.resample)), -1, 0) for tile in tiles]  # CHW
+        return ProcessedImage(np.stack([normalise(p, self.rescale_factor, self.mean, self.std) for p in pixels]),
+                              len(tiles) - 1, 0, content_hash(rgb), len(tiles) * self.image_seq_length)
+
+    def crops(self, rgb: Any) -> list:
+        """Pan and scan's crops of an RGB image, left to right or top to bottom (none: off, or the image not
+        long enough, or its crops would be narrower than the least crop size)."""
+        if self.pan_and_scan is None:
+            return []
+        least, most, ratio = self.pan_and_scan
+        width, height = rgb.size
+        long, short = max(width, height), min(width, height)
+        if long / short < ratio:
+            return []
+        count = max(2, min(math.floor(long / least), math.floor(long / short + 0.5)))
+        count = min(most, count)
+        across, down = (count, 1) if width >= height else (1, count)
+        crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+        if min(crop_w, crop_h) < least:
+            return []
+        return [rgb.crop((left, top, min(left + crop_w, width), min(top + crop_h, height)))
+                for top, left in itertools.product(range(0, crop_h * down, crop_h), range(0, crop_w * across, crop_w))]
 
     def placeholder_text(self, image: ProcessedImage) -> str:
-        """The text an image's marker becomes (Gemma3Processor's full_image_sequence)."""
-        return f"\n\n{self.marker}{self.image_token * image.num_embeds}{self.end_token}\n\n"
+        """The text an image's marker becomes (Gemma3Processor's full_image_sequence; with crops (image.rows of
+        them) its replace_image_token's sentence around the whole image's and the crops' sequences)."""
+        full = f"\n\n{self.marker}{self.image_token * self.image_seq_length}{self.end_token}\n\n"
+        if not image.rows:
+            return full
+        return (f"Here is the original image {full} and here are some crops to help you see better "
+                + " ".join([full] * image.rows))

@@ -4,7 +4,9 @@ and projector, and the token its images take the place of. hearth implements Smo
 Gemma 3 (a SigLIP encoder, an average pool to mm_tokens_per_image, an RMSNorm and a linear projector
 before a gemma3 text model, whose image tokens attend to each other both ways) and Qwen3-VL (a ViT
 with 2-D rotary positions over dynamic-resolution patches, merged 2 x 2 into tokens, deepstack
-features for the first text layers, a qwen3 text model with M-RoPE)."""
+features for the first text layers, a qwen3 text model with M-RoPE) and Gemma 4 (a ViT with 2-D rotary
+positions over each image at its own aspect, its patches average-pooled k x k into tokens, an RMSNorm and a
+linear projector before a gemma4 text model)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,16 @@ VISION_ARCHITECTURES = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
     "Gemma3ForConditionalGeneration": "gemma3",  # SigLIP, pooled to mm_tokens_per_image; images attend both ways
+    # (its vision_config: the vision tower; without one, its text model alone; its audio tower never loaded)
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 _VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5",
-                       "gemma3": "gemma3"}
+                       "gemma3": "gemma3", "gemma4": "gemma4"}
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
 _TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
                 "qwen3_5": {"qwen3_5_text": "qwen3_5"},
-                "gemma3": {"gemma3_text": "gemma3_text"}}  # (gemma3_text: model_type gemma3 is the image-text model's)
+                "gemma3": {"gemma3_text": "gemma3_text"},  # (gemma3_text: model_type gemma3 is the image-text model's)
+                "gemma4": {"gemma4_text": "gemma4"}}
 # Gemma3TextConfig's defaults, which the published image-text configs leave out of text_config
 # (google/gemma-3-4b-it's names its widths and depth only); rope_theta only where no rope_parameters say it
 _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -159,7 +164,7 @@ def vision_family(hf: dict[str, Any]) -> str | None:
     by_type = _VISION_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     family = next((VISION_ARCHITECTURES[a] for a in (archs if isinstance(archs, list) else [])
                    if a in VISION_ARCHITECTURES), by_type)
-    return None if family == "qwen3_5" and hf.get("vision_config") is None else family
+    return None if family in ("qwen3_5", "gemma4") and hf.get("vision_config") is None else family
 
 
 def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +183,8 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         theta = {} if "rope_parameters" in text or "rope_theta" in text else {"rope_theta": 1_000_000.0}
         text = {**_GEMMA3_TEXT_DEFAULTS, **theta, **text}
     return {**text, "model_type": models[model_type], "architectures": None,
-            "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", family == "gemma3"))}
+            "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings",
+                                                                           family in ("gemma3", "gemma4")))}
 
 
 def mrope_section_of(hf: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -197,7 +203,7 @@ def mrope_section_of(hf: dict[str, Any]) -> tuple[int, int, int] | None:
     return tuple(section)
 
 
-def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | QwenVisionConfig:
+def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | QwenVisionConfig | Gemma4VisionConfig:
     """config.json's vision_config, image_token_id and (Idefics3's / SmolVLM's) scale_factor."""
     vision = hf.get("vision_config")
     if not isinstance(vision, dict):
@@ -208,6 +214,8 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | Q
     family = vision_family(hf)
     if family in _MROPE_SECTIONS:
         return _qwen_vision_from_hf(vision, image_token_id, family)
+    if family == "gemma4":
+        return _gemma4_vision_from_hf(vision, image_token_id, hf["text_config"])
     gemma = family == "gemma3"  # (SigLIP's own defaults; Idefics3's tower has other ones)
     image_size, patch_size = vision.get("image_size", 224), vision.get("patch_size", 16 if gemma else 32)
     return VisionConfig(
@@ -259,4 +267,87 @@ def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: st
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
         num_channels=vision.get("in_channels", 3),
+    )
+
+
+_GEMMA4_LIMITS = {**{name: _LIMITS[name] for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                      "patch_size")},
+                  "num_kv_heads": 1 << 8, "head_dim": 1 << 10, "pooling_kernel_size": 1 << 4,
+                  "position_embedding_size": 1 << 16}
+
+
+@dataclass(frozen=True)
+class Gemma4VisionConfig:
+    """Gemma 4's vision_config: a ViT over an image's patches of patch_size at the image's own aspect (2-D
+    rotary positions, a learned table of position_embedding_size per axis), pre- and post-norms in each layer
+    (Gemma's RMSNorm), q/k normed, v normed without a weight, scores unscaled; the patches average-pooled
+    pooling_kernel_size x pooling_kernel_size into tokens, times sqrt(hidden_size), standardised (std_bias,
+    std_scale) where `standardize`, then embed_vision: an RMSNorm without a weight and a linear map to the text
+    model's width. bidirectional: an image's tokens attend to each other both ways on the text model's
+    sliding-window layers (text_config.use_bidirectional_attention "vision"); pad_token_id: the token whose
+    per-layer embedding an image row takes."""
+
+    family: str  # "gemma4"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    image_token_id: int
+    pad_token_id: int
+    bidirectional: bool
+    standardize: bool = False
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self) -> None:
+        _check_sizes(self, _GEMMA4_LIMITS)
+        if self.num_heads % self.num_kv_heads or self.head_dim % 4:
+            raise ModelLoadError(f"vision_config: num_attention_heads {self.num_heads} is no multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}, or head_dim {self.head_dim} of 4")
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0 or not math.isfinite(self.rope_theta):
+            raise ModelLoadError(f"vision_config: rms_norm_eps {self.rms_norm_eps!r}, rope_theta {self.rope_theta!r}: "
+                                 "expected positive numbers")
+        if self.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ModelLoadError(f"vision_config.hidden_activation = {self.hidden_act!r} is not implemented by hearth")
+
+    def describe(self) -> dict[str, Any]:
+        k = self.pooling_kernel_size
+        return {"family": self.family, "layers": self.num_layers, "hidden_size": self.hidden_size,
+                "patch": self.patch_size, "pool": k,
+                "summary": f"ViT {self.num_layers} layers x {self.hidden_size}, patches of {self.patch_size} px at "
+                           f"the image's aspect, 2-D RoPE, {k} x {k} patches pooled into a token"}
+
+
+def _gemma4_vision_from_hf(vision: dict[str, Any], image_token_id: int, text: Any) -> Gemma4VisionConfig:
+    rope = vision.get("rope_parameters") or {}
+    text = text if isinstance(text, dict) else {}
+    if rope.get("rope_type", "axial") != "axial" or vision.get("use_clipped_linears"):
+        raise ModelLoadError(f"vision_config: rope_type {rope.get('rope_type')!r}, use_clipped_linears "
+                             f"{vision.get('use_clipped_linears')!r}: hearth implements Gemma 4's axial RoPE without "
+                             "clipped linears")
+    heads = vision.get("num_attention_heads", 12)
+    return Gemma4VisionConfig(
+        family="gemma4",
+        hidden_size=vision.get("hidden_size", 768),
+        intermediate_size=vision.get("intermediate_size", 3072),
+        num_layers=vision.get("num_hidden_layers", 16),
+        num_heads=heads,
+        num_kv_heads=vision.get("num_key_value_heads", heads),
+        head_dim=vision.get("head_dim", 64),
+        patch_size=vision.get("patch_size", 16),
+        pooling_kernel_size=vision.get("pooling_kernel_size", 3),
+        position_embedding_size=vision.get("position_embedding_size", 10 * 1024),
+        image_token_id=image_token_id,
+        pad_token_id=int(text.get("pad_token_id", 0) or 0),
+        bidirectional=text.get("use_bidirectional_attention") == "vision",
+        standardize=bool(vision.get("standardize", False)),
+        rope_theta=float(rope.get("rope_theta", 100.0)),
+        rms_norm_eps=float(vision.get("rms_norm_eps", 1e-6)),
+        hidden_act=vision.get("hidden_activation", "gelu_pytorch_tanh"),
     )

@@ -432,3 +432,58 @@ def make_gemma3_vl(folder: Path, seed: int = 0, image_size: int = 224) -> Path:
                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
     transformers.Gemma3Processor(image_processor, tokenizer, image_seq_length=64).save_pretrained(folder)
     return folder
+
+
+GEMMA4_VL_SPECIAL = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                     "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
+
+
+def make_gemma4_vl(folder: Path, seed: int = 0) -> Path:
+    """A random Gemma 4 (transformers' Gemma4ForConditionalGeneration: its ViT with 2-D RoPE, 3 x 3 pooling and
+    standardisation, embed_vision, the gemma4 text model of hf_config("gemma4") with images attending both ways on
+    its sliding layers, whose window (8) is shorter than an image) in real image shapes (patches of 16, the
+    processor's least budget: 70 soft tokens) with tiny widths, its tokenizer (the image and audio tokens added,
+    as Gemma4Processor needs them) and its image processor's settings (Gemma4ImageProcessorPil's). Weights spread
+    wider than transformers' init."""
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    make_tokenizer(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA4_VL_SPECIAL,
+                                                           pad_token="<s>")  # (Gemma4Processor pads)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(seed)
+    text = {**_COMMON, **_dense_configs(transformers)["gemma4"][1], "vocab_size": 384, "vocab_size_per_layer_input": 384,
+            "max_position_embeddings": 4096, "use_bidirectional_attention": "vision"}
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "patch_size": 16, "pooling_kernel_size": 3,
+              "position_embedding_size": 256, "standardize": True}
+    model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=text, vision_config=vision, image_token_id=tokenizer.image_token_id,
+        boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id, video_token_id=None,
+        audio_token_id=None))
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # (Gemma 4's norms: plain weights)
+            p.normal_(1.0 if p.dim() == 1 and "norm" in name else 0.0, 0.2 if p.dim() == 1 else 0.08)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # scores unscaled: softmaxes of scores of std 1,
+                p.mul_(0.5)  # not 4, so that the layers do not magnify the encoder's roundings 100 times
+        tower = model.model.vision_tower
+        tower.std_bias.normal_(0.0, 0.5), tower.std_scale.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    Gemma4ImageProcessorPil(max_soft_tokens=70).save_pretrained(folder)
+    return folder
+
+
+def gemma4_vl_processor(folder: Path):
+    """transformers' Gemma4Processor of the folder, made without its video processor (which needs torchvision;
+    images never reach it)."""
+    from unittest import mock
+
+    import transformers
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA4_VL_SPECIAL)
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return transformers.Gemma4Processor(Gemma4AudioFeatureExtractor(), Gemma4ImageProcessorPil.from_pretrained(
+            folder), tokenizer, None, image_seq_length=70)

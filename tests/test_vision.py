@@ -84,6 +84,21 @@ def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> t
     return ids, torch.cat(pieces)
 
 
+def _image_runs(marks: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1 in a processor's token types [T] (token_type_ids, mm_token_type_ids): the
+    tokens of one image each."""
+    marked = np.flatnonzero(marks == 1)
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(marked, np.flatnonzero(np.diff(marked) > 1) + 1)]
+
+
+def _logits_match(engine, text: str, images: list, inputs, ref_logits: torch.Tensor, cut: int | None = None) -> list[int]:
+    """hearth's prompt ids (returned) are the processor's, its logits transformers' within 1e-4 (fp32)."""
+    ids, logits = _hearth_logits(engine, text, images, cut)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    return ids
+
+
 def test_pixels_and_token_ids_are_the_processors(vlm):
     """Every tile's pixel values bit for bit, and the expanded prompt's token ids, as transformers'
     Idefics3 processor makes them (RGB, RGBA composited on white, greyscale; split and upscaled)."""

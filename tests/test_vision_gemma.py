@@ -18,7 +18,7 @@ from hearth.engine.request import ImageSpan, Request
 from hearth.engine.scheduler import Scheduler
 from hearth.errors import ModelLoadError, RequestError
 from models import make_gemma3_vl
-from test_vision import GREEDY, _hearth_logits, _image, _reference
+from test_vision import GREEDY, _hearth_logits, _image, _image_runs, _logits_match, _reference
 
 ONE = "user: What is in <start_of_image>? model:"  # as Gemma 3's chat template writes an image part
 TWO = "user: Compare <start_of_image> with<start_of_image> please model:"
@@ -56,9 +56,7 @@ def test_pixels_token_ids_and_image_blocks_are_transformers(gemma):
     assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
     expanded = engine.prompt_with_images(text, {"image": images})
     assert expanded.token_ids == inputs["input_ids"][0].tolist()
-    marked = np.flatnonzero(inputs["token_type_ids"][0].numpy() == 1)
-    assert [(s.start, s.end) for s in expanded.images] == [(int(run[0]), int(run[-1]) + 1)
-                                                            for run in np.split(marked, np.flatnonzero(np.diff(marked) > 1) + 1)]
+    assert [(s.start, s.end) for s in expanded.images] == _image_runs(inputs["token_type_ids"][0].numpy())
     from hearth.model_info import model_info
 
     assert model_info(gemma[0])["vision"]["tokens_per_tile"] == 64  # hearth inspect's line
@@ -73,17 +71,22 @@ def test_logits_and_greedy_tokens_equal_transformers(gemma, which, request):
     images = [_image(*IMAGES[i]) for i in which]
     inputs, ref_logits, ref_tokens = request.getfixturevalue("two_images")[1:] if len(which) == 2 else \
         _reference(gemma, text, images)
-    llm = gemma[3]
+    _images_attend_both_ways(gemma[3], text, images, inputs, ref_logits, ref_tokens)
+
+
+def _images_attend_both_ways(llm, text: str, images: list, inputs, ref_logits: torch.Tensor, ref_tokens: list[int]
+                             ) -> int:
+    """The cpu backend's logits are transformers' whole and cut at the first image's start, far from them cut
+    20 rows into it; greedy tokens through LLM.generate. Returns where the first image starts."""
     assert llm.engine.model.backend.name == "cpu"
-    ids, logits = _hearth_logits(llm.engine, text, images)
-    assert ids == inputs["input_ids"][0].tolist()
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    ids = _logits_match(llm.engine, text, images, inputs, ref_logits)
     start = ids.index(llm.engine.model_config.vision.image_token_id)
-    torch.testing.assert_close(_hearth_logits(llm.engine, text, images, start)[1], ref_logits, atol=1e-4, rtol=0)
+    _logits_match(llm.engine, text, images, inputs, ref_logits, start)
     inside = _hearth_logits(llm.engine, text, images, start + 20)[1]
     assert (inside[start:start + 20] - ref_logits[start:start + 20]).abs().max() > 1e-2
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+    return start
 
 
 def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
@@ -178,9 +181,53 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
         "model.multi_modal_projector.mm_input_projection_weight"]
 
 
+# pan and scan's settings in the folder (crops of 64 pixels or more, at most 3), given to transformers' processor too
+# (Gemma3Processor's call defaults switch it off whatever the image processor's settings say)
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+
+
+def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
+    """With pan and scan on: each image's whole and crops pixel for pixel as Gemma3ImageProcessorPil cuts them (a
+    wide image in 3, a tall one in 3, one in 2, a near-square one and a short wide one (crops under 64 pixels) in
+    none), Gemma3Processor's sentence around them token for token, each whole image's and crop's tokens one block
+    both ways (token_type_ids' runs); with two images, crops among them, transformers' logits within 1e-4 (whole
+    and cut at the second crop's start) and greedy tokens."""
+    import functools
+
+    from hearth import LLM
+
+    for f in gemma[0].iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    settings = json.loads((tmp_path / "processor_config.json").read_text())
+    settings["image_processor"].update(PAN_AND_SCAN)
+    (tmp_path / "processor_config.json").write_text(json.dumps(settings))
+    llm = LLM(str(tmp_path), progress=False)
+    reference = (gemma[0], functools.partial(gemma[1], **PAN_AND_SCAN), gemma[2], llm)
+    images = [_image(0, 77, 331), _image(1, 250, 97, "RGBA"), _image(2, 130, 97, "L"), _image(3, 100, 110),
+              _image(4, 40, 300)]
+    text = "a<start_of_image>b<start_of_image><start_of_image> c<start_of_image>.<start_of_image>"
+    inputs = reference[1](text=[text], images=[images], return_tensors="pt")
+    mine = [llm.engine.image_processor.process(image) for image in images]
+    crops = gemma[1].image_processor(images, **PAN_AND_SCAN)["num_crops"]
+    assert [m.rows for m in mine] == list(crops) == [3, 3, 2, 0, 0]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    expanded = llm.engine.prompt_with_images(text, {"image": images})
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    assert [run for s in expanded.images for run in s.blocks()] == _image_runs(inputs["token_type_ids"][0].numpy())
+    two = [images[0], images[3]]
+    inputs, ref_logits, ref_tokens = _reference(reference, TWO, two)
+    ids = _logits_match(llm.engine, TWO, two, inputs, ref_logits)
+    second_crop = expanded.images[0].runs[2][0] - expanded.images[0].start + ids.index(
+        llm.engine.model_config.vision.image_token_id)
+    _logits_match(llm.engine, TWO, two, inputs, ref_logits, second_crop)
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
 def test_what_is_refused(gemma, tmp_path):
-    """The gpu backend (its prefill attention is causal only), pan and scan, an image token count that is no
-    square dividing the patches, an image size the processor does not resize to; a prompt that holds image
+    """The gpu backend (its prefill attention is causal only), an image token count that is no square dividing
+    the patches, an image size the processor does not resize to, steps switched off; a prompt that holds image
     placeholder tokens of its own."""
     from hearth.backend.gpu import GpuBackend
     from hearth.config import ModelConfig
@@ -195,7 +242,7 @@ def test_what_is_refused(gemma, tmp_path):
         with pytest.raises(ModelLoadError, match=f"mm_tokens_per_image = {tokens}: expected a square"):
             ModelConfig.from_hf({**config, "mm_tokens_per_image": tokens})
     processor = json.loads((gemma[0] / "processor_config.json").read_text())
-    for change, message in (({"do_pan_and_scan": True}, "do_pan_and_scan"), ({"do_normalize": False}, "do_normalize"),
+    for change, message in (({"do_rescale": False}, "do_rescale"), ({"do_normalize": False}, "do_normalize"),
                             ({"size": {"height": 448, "width": 448}}, "size 448 x 448")):
         (tmp_path / "processor_config.json").write_text(json.dumps(
             {**processor, "image_processor": {**processor["image_processor"], **change}}))

@@ -15,7 +15,7 @@ from hearth.engine.images import mrope_positions
 from hearth.errors import ModelLoadError, RequestError
 from hearth.sampling_params import SamplingParams
 from models import make_qwen_vl, qwen_vl_processor
-from test_vision import _hearth_logits, _image
+from test_vision import _hearth_logits, _image, _logits_match
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes an image part
 ONE = f"<|im_start|>user\nWhat is in {IMAGE}?<|im_end|>\n<|im_start|>assistant\n"
@@ -78,11 +78,9 @@ def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
     inputs, ref_logits, ref_tokens = _reference(qwen, text, images)
     llm = qwen[3]
     assert llm.engine.model.backend.name == "cpu"
-    ids, logits = _hearth_logits(llm.engine, text, images)
-    assert ids == inputs["input_ids"][0].tolist()
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    ids = _logits_match(llm.engine, text, images, inputs, ref_logits)
     cut = ids.index(llm.engine.model_config.vision.image_token_id) + 7  # inside a row of the first image
-    torch.testing.assert_close(_hearth_logits(llm.engine, text, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    _logits_match(llm.engine, text, images, inputs, ref_logits, cut)
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
 

@@ -66,6 +66,8 @@ class StepInputs:
     # images whose tokens attend to each other both ways (Gemma 3's; ModelConfig.bidirectional_images), those
     # among the step's new rows: int64 [N, 3] (sequence, first position, end position); None: all causal
     image_blocks: np.ndarray | None = None
+    # the image blocks hold on the sliding-window layers only, the full layers causal (Gemma 4's)
+    image_blocks_sliding_only: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -129,15 +131,18 @@ class PrefillSequence:
     context_slots: torch.Tensor  # [context_len] cache slots of all its tokens so far, new ones included
     # [query_len, context_len] bool, True = may attend: causal, and both ways within an image (StepInputs.image_blocks)
     sees: torch.Tensor
+    sliding_only: bool = False  # the images' blocks on sliding-window layers only (StepInputs.image_blocks_sliding_only)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """The mask, and with a sliding window only the positions after each row's last `window` (an image's
-        later tokens included: transformers' sliding mask, Gemma 3's too)."""
-        if window is None:
-            return self.sees
+        later tokens included: transformers' sliding mask, Gemma 3's and Gemma 4's too); without one, where
+        the images' blocks hold on sliding layers only, causal."""
         new, context = self.sees.shape
         rows = torch.arange(context - new, context, device=self.sees.device)[:, None]  # query positions
-        return self.sees & (torch.arange(context, device=rows.device)[None, :] > rows - window)
+        columns = torch.arange(context, device=rows.device)[None, :]
+        if window is None:
+            return columns <= rows if self.sliding_only else self.sees
+        return self.sees & (columns > rows - window)
 
 
 @dataclass
@@ -179,7 +184,7 @@ class AttentionMetadata:
             mask = _prefill_mask(seq_len, end - start, None if s not in both_ways else
                                  step.image_blocks[step.image_blocks[:, 0] == s, 1:])
             prefills.append(PrefillSequence(start, end, torch.from_numpy(context).to(device),
-                                            torch.from_numpy(mask).to(device)))
+                                            torch.from_numpy(mask).to(device), step.image_blocks_sliding_only))
         lens = step.seq_lens[decode_seqs]
         query_start = np.zeros(len(decode_seqs) + 1, dtype=np.int32)
         np.cumsum(step.query_lens[decode_seqs], out=query_start[1:])

@@ -1,12 +1,13 @@
 """Images in a request: the prompt's markers expanded into the model's placeholder tokens, where each
 image's rows lie (ImageSpan, on the Request: no tensors), the encoder cache, and for the runner a step's
 rows of image embeddings, its M-RoPE positions (Qwen3-VL) and the images whose tokens attend both ways
-(Gemma 3: image_blocks).
+(Gemma 3 and 4: image_blocks, a block per run of an image's placeholders: pan and scan's crops apart).
 
-A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`: as its chat
-template writes an image content part), once per image of multi_modal_data["image"], in order. Each
-marker becomes the text the model's processor makes of it (hearth/image_processor.py,
-hearth/image_processor_qwen.py) before the prompt is tokenized, so the
+A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`, Gemma 3's
+`<start_of_image>`, Gemma 4's `<|image|>`: as its chat template writes an image content part), once per image
+of multi_modal_data["image"], in order. Each marker becomes the text the model's processor makes of it
+(hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py, image_processor_gemma4.py)
+before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
 num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from hearth.image_processor import ImageProcessor
     from hearth.image_processor_gemma import GemmaImageProcessor
+    from hearth.image_processor_gemma4 import Gemma4ImageProcessor
     from hearth.image_processor_qwen import QwenImageProcessor
 
     from hearth.tokenizer import Tokenizer
@@ -64,7 +66,7 @@ class PromptWithImages:
 
 
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
-                  processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | None,
+                  processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None,
                   tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
     """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
     engine's own encoding (processor None: a text model, which the engine lets no images reach).
@@ -98,8 +100,9 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
     for image in processed:
         mine = positions[used:used + image.num_embeds]
         used += image.num_embeds
+        runs = np.split(mine, np.flatnonzero(np.diff(mine) > 1) + 1)
         spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values,
-                               image.num_embeds, image.grid))
+                               image.num_embeds, image.grid, tuple((int(r[0]), int(r[-1]) + 1) for r in runs)))
     return PromptWithImages(prompt, ids, spans)
 
 
@@ -155,11 +158,12 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
 
 
 def image_blocks(images: Sequence[Sequence[ImageSpan]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-    """The images whose tokens attend to each other both ways (StepInputs.image_blocks) among a step's
-    sequences (images[s]: sequence s's, whose new rows are its positions starts[s]..ends[s]-1): int64
-    [N, 3] (sequence, first position, end position) of each that has rows among them; None: none has."""
-    found = [(s, image.start, image.end) for s, spans in enumerate(images) for image in spans
-             if image.start < ends[s] and image.end > starts[s]]
+    """The runs of image tokens that attend to each other both ways (StepInputs.image_blocks: each image's
+    placeholders, or each of its crops', ImageSpan.blocks) among a step's sequences (images[s]: sequence s's,
+    whose new rows are its positions starts[s]..ends[s]-1): int64 [N, 3] (sequence, first position, end
+    position) of each that has rows among them; None: none has."""
+    found = [(s, low, high) for s, spans in enumerate(images) for image in spans for low, high in image.blocks()
+             if low < ends[s] and high > starts[s]]
     return np.array(found, dtype=np.int64) if found else None
 
 

@@ -59,6 +59,14 @@ class ImageSpan:
     # M-RoPE (ModelConfig.mrope_section): the image's tokens as a grid of rows x columns, each at its row's
     # and column's positions, the text after it one past the grid's longer side; None: one position a token
     grid: tuple[int, int] | None = None
+    # the runs of its placeholders, each [first, end) (an image's tiles or crops, the text between them apart):
+    # with ModelConfig.bidirectional_images each run's tokens attend to each other both ways and no chunk ends
+    # inside one; empty: [start, end) is one run
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        """The runs of its placeholders (`runs`), [start, end) where it has none."""
+        return self.runs or ((self.start, self.end),)
 
     @property
     def key(self) -> tuple[int, int]:

@@ -396,12 +396,14 @@ class Scheduler:
         return num_new
 
     def _whole_images(self, request: Request, start: int, num_new: int) -> int:
-        """With whole_images: the chunk start..start+num_new-1 cut before an image it would end inside, or
-        run on to that image's end where it starts at or inside it."""
+        """With whole_images: the chunk start..start+num_new-1 cut before an image (a run of its tokens that
+        attend both ways: ImageSpan.blocks) it would end inside, or run on to that run's end where it starts at
+        or inside it."""
         end = start + num_new
         for image in request.images if self.whole_images else ():
-            if image.start < end < image.end:
-                return image.end - start if image.start <= start else image.start - start
+            for low, high in image.blocks() if image.start < end < image.end else ():
+                if low < end < high:
+                    return high - start if low <= start else low - start
         return num_new
 
     def _free_behind_window(self, request: Request) -> None:

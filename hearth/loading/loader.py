@@ -16,6 +16,7 @@ from hearth.default_model import resolve_model
 from hearth.errors import ModelLoadError
 from hearth.image_processor import ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
+from hearth.image_processor_gemma4 import Gemma4ImageProcessor
 from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading.activation_thresholds import sparsify_model
 from hearth.loading.mmproj import read_mmproj
@@ -33,12 +34,14 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
-    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py)
-    image_processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | None = None
+    # an image-text model's (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py,
+    # image_processor_gemma4.py)
+    image_processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None = None
 
 
 # each image-text family's image processor (the rest: SmolVLM's / Idefics3's)
-_IMAGE_PROCESSORS = {"qwen3_vl": QwenImageProcessor, "qwen3_5": QwenImageProcessor, "gemma3": GemmaImageProcessor}
+_IMAGE_PROCESSORS = {"qwen3_vl": QwenImageProcessor, "qwen3_5": QwenImageProcessor, "gemma3": GemmaImageProcessor,
+                     "gemma4": Gemma4ImageProcessor}
 
 
 def read_model(path: str | Path | None, progress: bool = True) -> tuple[ModelConfig, dict, Tokenizer]:

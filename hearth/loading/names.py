@@ -92,7 +92,7 @@ _HF_ALIASES = (
 # idefics3's / smolvlm's vision tower (hearth/model/vision/siglip.py, under the checkpoint's names), qwen3_vl's
 # and gemma3's
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "model.embed_vision.")
 # gemma3's checkpoints (language_model.model.*, vision_tower.vision_model.* as published; transformers 5
 # saves vision_tower.*) -> the names of transformers 5's modules, hearth's
 _GEMMA3_VL_ALIASES = (
@@ -106,10 +106,13 @@ _GEMMA3_VL_ALIASES = (
 # multi-token-prediction layers (as transformers' NemotronHForCausalLM). (Qwen3.5's and Qwen3-Next's mtp.* are
 # loaded: the draft of --speculative-method mtp, hearth/model/mtp.py.)
 NOT_LOADED = {"qwen3_5": re.compile(r"^model\.visual\."), "nemotron_h": re.compile(r"^mtp\."),
-              # Gemma4ForConditionalGeneration's image and audio towers (hearth runs its text model)
+              # Gemma4ForConditionalGeneration's image and audio towers (a config without vision_config: hearth
+              # runs its text model)
               "gemma4": re.compile(r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")}
-# (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true)
-NOT_LOADED_WITH_VISION = {"gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\.")}
+# (gemma3's: SigLIP's attention-pooling head, which Gemma 3 leaves unused: vision_use_head true; gemma4's audio
+# tower: hearth takes no audio)
+NOT_LOADED_WITH_VISION = {"gemma3": re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?head\."),
+                          "gemma4": re.compile(r"^model\.(audio_tower|embed_audio)\.")}
 # the families whose checkpoints' multi-token-prediction layers hearth runs (mtp.*: hearth/model/mtp.py)
 MTP_ARCHITECTURES = ("qwen3_5", "qwen3_next")
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")

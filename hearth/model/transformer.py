@@ -29,6 +29,7 @@ from hearth.model.layers import (MLP as UngatedMLP, GatedMLP, Linear, MergedLine
 from hearth.model.mtp import MultiTokenPredictor
 from hearth.model.state_layers import GatedDeltaNet, Mamba2, ShortConv
 from hearth.model.vision.gemma3 import GemmaVisionTower
+from hearth.model.vision.gemma4 import Gemma4VisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.quant.kernels.memory import release_mappings, release_pages
@@ -95,7 +96,8 @@ class DecoderLayer(nn.Module):
 
 
 # each image-text family's vision tower (the rest: SmolVLM's / Idefics3's, siglip.py)
-_VISION_TOWERS = {"qwen3_vl": QwenVisionTower, "qwen3_5": QwenVisionTower, "gemma3": GemmaVisionTower}
+_VISION_TOWERS = {"qwen3_vl": QwenVisionTower, "qwen3_5": QwenVisionTower, "gemma3": GemmaVisionTower,
+                  "gemma4": Gemma4VisionTower}
 # a layer's mixer under its checkpoint name, by kind (ModelConfig.layer_types); MLP: nemotron_h's block of an MLP alone
 _MIXER_NAMES = {ATTENTION: "self_attn", SHORT_CONV: "conv", GATED_DELTA_NET: "linear_attn", MAMBA2: "mamba", MLP: "mlp"}
 
@@ -130,7 +132,8 @@ class Transformer(nn.Module):
             zeros = torch.zeros_like(self.rope.inv_freq)
             self.no_rope = RotaryEmbedding(config, self.rope.max_positions, ops, inv_freq=zeros)
         # an image-text model's encoder and projector (checkpoint names model.vision_model.*, model.connector.*;
-        # Qwen3-VL's model.visual.*; Gemma 3's model.vision_tower.*, model.multi_modal_projector.*)
+        # Qwen3-VL's model.visual.*; Gemma 3's model.vision_tower.*, model.multi_modal_projector.*; Gemma 4's
+        # model.vision_tower.*, model.embed_vision.*)
         self.vision = None
         if config.vision is not None:
             if config.bidirectional_images and not ops.bidirectional_images:
@@ -157,7 +160,10 @@ class Transformer(nn.Module):
         if embeds is not None and embeds[1].shape[1] > width:
             added = (embeds[0], embeds[1][:, width:].unflatten(1, (-1, width)))  # [k, D, hidden]
         x = self.embed(input_ids, embeds)
-        per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, x)
+        per_layer = None
+        if self.per_layer_inputs is not None:  # (an image's rows: the pad token's table rows, transformers' gemma4)
+            per_layer = self.per_layer_inputs(input_ids if embeds is None else input_ids.index_fill(
+                0, embeds[0], self.config.vision.pad_token_id), x)
         x, residual = self.run_layers(x, None, positions, kv_caches, meta, added, per_layer)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]  # (gemma4's layers: x is the stream)
 
