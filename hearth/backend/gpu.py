@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from hearth.backend.base import Backend, DecodeSampling, StepInputs
 from hearth.backend.gpu_linear import TritonQuantLinear
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.triton_kernels import activation, attention, norm, rope
 
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
@@ -34,20 +36,17 @@ class GpuMetadata:
     block_size: int
     max_query_len: int  # host int: the prefill kernel's grid
     num_splits: int  # split-KV parts of the decode kernel (fixed per captured graph)
+    masks: attention.RowMasks | None = None  # rows that see other keys than causal ones (images, token trees)
 
     @property
     def decode_only(self) -> bool:
-        return self.max_query_len == 1
+        return self.max_query_len == 1 and self.masks is None
 
 
 class GpuBackend(Backend):
     name = "gpu"
     latent_attention = False  # its Triton kernels read whole K and V caches of one width
-    token_trees = False  # its Triton attention kernels are causal only (no tree masks)
     state_layers = False  # no Triton kernels for convolutions and delta rules yet
-    mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
-    bidirectional_images = False  # its Triton prefill attention is causal only
-    attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
     mixed_kv_layers = False  # its decode graphs and split counts assume one K/V shape, every layer its own cache
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
@@ -103,6 +102,11 @@ class GpuBackend(Backend):
             torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
             step.block_size, int(step.query_lens.max()), model.config.num_kv_heads,
         )
+        masks = row_masks(step)
+        if masks is not None:
+            spans, tree_start, tree_masks = (None if a is None else torch.from_numpy(a).to(dev, non_blocking=True)
+                                             for a in masks)
+            meta.masks = attention.RowMasks(spans, tree_start, tree_masks)
         return torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev), meta
 
     def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
@@ -126,15 +130,13 @@ class GpuBackend(Backend):
 
     def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
                   window: int | None = None, sinks=None):
-        if sinks is not None:
-            raise ValueError("the gpu backend's attention has no sinks")
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                               meta.block_size, num_splits=meta.num_splits, softcap=softcap,
-                                              window=window)
+                                              window=window, sinks=sinks)
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
-                                           window=window)
+                                           window=window, sinks=sinks, masks=meta.masks)
 
     def act_and_mul(self, gate, up, activation_name):
         return activation.act_and_mul(gate, up, activation_name)
@@ -151,3 +153,32 @@ class GpuBackend(Backend):
         if not isinstance(module, nn.Embedding) and TritonQuantLinear.supports(weight):
             return TritonQuantLinear(weight, module.bias, self.device)
         return super().stored_module(module, weight, dtype)
+
+
+def row_masks(step: StepInputs) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+    """The prefill kernel's attention.RowMasks of a step with images that attend both ways or token trees, as
+    host arrays (None: every row causal). As the reference's masks (base.py: AttentionMetadata.from_step):
+    a row of an image sees the whole image (what of it the cache holds by the step's end); the rows of a
+    sequence with at most MAX_DECODE_QUERY_LEN new ones and no image see through their tree masks, at their
+    depth's position (the others' tree region starts at their end: none)."""
+    trees = step.tree_masks is not None
+    if step.image_blocks is None and not trees:
+        return None
+    lens, seq_lens = step.query_lens, step.seq_lens.astype(np.int64)
+    seq_of_row = np.repeat(np.arange(step.num_seqs), lens)
+    positions = (seq_lens - lens)[seq_of_row] + np.arange(len(seq_of_row)) - step.query_start_loc[seq_of_row]
+    ends = positions + 1
+    images = np.zeros((0, 3), np.int64) if step.image_blocks is None else step.image_blocks
+    for s, low, high in images.tolist():
+        ends[(seq_of_row == s) & (positions >= low) & (positions < high)] = min(high, seq_lens[s])
+    tree_start = tree_masks = None
+    if trees:
+        in_tree = lens <= MAX_DECODE_QUERY_LEN
+        in_tree[images[:, 0]] = False
+        tree_start = np.where(in_tree, step.tree_start, seq_lens).astype(np.int32)
+        tree_masks = np.ascontiguousarray(step.tree_masks, dtype=np.int64)
+        depths = np.unpackbits(tree_masks.view(np.uint8)).reshape(-1, 64).sum(1)
+        rows = in_tree[seq_of_row]
+        positions = np.where(rows, tree_start[seq_of_row] + depths - 1, positions)
+        ends = np.where(rows, seq_lens[seq_of_row], ends)
+    return np.stack([positions, ends], axis=1).astype(np.int32), tree_start, tree_masks
