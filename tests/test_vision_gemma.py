@@ -86,6 +86,20 @@ def test_logits_and_greedy_tokens_equal_transformers(gemma, which, request):
     assert out[0].outputs[0].token_ids == ref_tokens
 
 
+def test_gpu_backend_images_both_ways(gemma, two_images):
+    """The gpu backend's prefill kernel (interpreted on the CPU without a GPU), each image's rows seeing the whole
+    image, the sliding layer's window shorter than the prompt: logits of every position within 1e-4 of
+    transformers' with two images."""
+    from hearth import LLM
+
+    images, inputs, ref_logits, _ = two_images
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(gemma[0]), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
+    ids, logits = _hearth_logits(llm.engine, TWO, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=0)
+
+
 def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
     """The reference backend, chunks of 16 tokens: no chunk ends inside an image (the one that reaches an image
     runs to its end), each image encoded once, transformers' greedy tokens; the same prompt again: the prefix
@@ -179,18 +193,19 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
 
 
 def test_what_is_refused(gemma, tmp_path):
-    """The gpu backend (its prefill attention is causal only), pan and scan, an image token count that is no
+    """A backend whose prefill attention is causal only, pan and scan, an image token count that is no
     square dividing the patches, an image size the processor does not resize to; a prompt that holds image
     placeholder tokens of its own."""
-    from hearth.backend.gpu import GpuBackend
+    from hearth.backend.base import Backend
     from hearth.config import ModelConfig
     from hearth.image_processor_gemma import GemmaImageProcessor
     from hearth.model.transformer import Transformer
 
     config = json.loads((gemma[0] / "config.json").read_text())
     model_config = ModelConfig.from_hf(config)
-    with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no attention both ways"):
-        Transformer(model_config, backend=GpuBackend("cpu"))
+    plain = type("Causal", (Backend,), {"name": "plain", "bidirectional_images": False})()
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="plain backend has no attention both ways"):
+        Transformer(model_config, backend=plain)
     for tokens in (60, 49):
         with pytest.raises(ModelLoadError, match=f"mm_tokens_per_image = {tokens}: expected a square"):
             ModelConfig.from_hf({**config, "mm_tokens_per_image": tokens})
