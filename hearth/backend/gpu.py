@@ -121,8 +121,9 @@ class GpuBackend(Backend):
         return norm.rms_norm(x, weight, eps, weight_offset, residual)
 
     def rotary(self, cos, sin, positions, dtype):
-        """The kernel reads the float32 tables at each position itself: no per-step gather."""
-        return positions, cos, sin
+        """The kernel reads the float32 tables at each position itself: no per-step gather (M-RoPE's tables are
+        the step's own, gathered column by column: made row-major here)."""
+        return positions, cos.contiguous(), sin.contiguous()
 
     def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
         positions, cos, sin = rotary
