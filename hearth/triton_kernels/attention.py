@@ -1,4 +1,4 @@
-"""Paged attention over one layer's KV cache: split-KV decode and varlen causal prefill.
+"""Paged attention over one layer's KV cache: split-KV decode and varlen (causal or masked) prefill.
 
 Cache layout: `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], slot = block_id *
 block_size + offset; `block_tables` int32 [num_seqs, max_blocks] (padded with 0); context lengths
@@ -16,7 +16,13 @@ folded into the scale) and an fp32 accumulator.
   log-sum-exp. With one split the first kernel writes the output itself.
 - `prefill_attention` (any mix of prompts, chunks and decodes): variable-length and causal,
   bottom-right aligned: the new rows of a sequence are its last query_len positions, so a chunk
-  attends to its cached prefix.
+  attends to its cached prefix. Given `RowMasks`, each row sees up to an end of its own (an image's
+  rows that attend both ways: the image's end) and, in a token tree's region, only its ancestors
+  (a bit per tree position), its sliding window counted back from its own position.
+
+Attention sinks (gpt-oss: a logit per head in each softmax's denominator, with no value) start a
+row's online softmax at max = the sink and sum = 1; the split decode kernel gives them to split 0
+only, so the merge's log-sum-exp weights count each sink once.
 
 A q8_0 cache (hearth/kv_format.py: int8 codes [num_slots, num_kv_heads, head_dim] and
 float16 scales [num_slots, num_kv_heads, head_dim / 32]) is read the same way, each tile
