@@ -2,14 +2,14 @@
 weights kept quantized on the device.
 
 Attention metadata is one varlen description of the step (hearth/triton_kernels/attention.py):
-sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs
-the split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence
-with one query row), which also takes the rows that see other keys than causal ones (`row_masks`:
-Gemma 3's images both ways, speculative token trees). Attention sinks (gpt-oss) go to both kernels. Decode steps up to the largest captured batch replay a CUDA graph
-(graphs.py). The KV cache may be the compute dtype, q8_0 or fp8 e4m3 (hearth/kv_format.py):
-the RoPE + cache-write kernel quantizes, the attention kernels dequantize as they load. The same
-code runs on a CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it
-without a GPU.
+sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs the
+split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence with one
+query row), which also takes the rows that see other keys than causal ones (`row_masks`: Gemma 3's
+images both ways, speculative token trees); attention sinks (gpt-oss) go to both kernels. Decode
+steps up to the largest captured batch replay a CUDA graph (graphs.py). The KV cache may be the
+compute dtype, q8_0 or fp8 e4m3 (hearth/kv_format.py): the RoPE + cache-write kernel quantizes, the
+attention kernels dequantize as they load. The same code runs on a CPU under Triton's interpreter
+(TRITON_INTERPRET=1), which is how the tests check it without a GPU.
 """
 
 from __future__ import annotations
