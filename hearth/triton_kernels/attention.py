@@ -427,6 +427,7 @@ def prefill_attention(
     block_d, block_n, precision = _tile_sizes(head_dim, q.dtype)
     (k, k_scales, k_scale, kv_format), (v, v_scales, v_scale, _) = cache_operands(k_cache), cache_operands(v_cache)
     trees = None if masks is None or masks.tree_masks is None else (masks.tree_start, masks.tree_masks)
+    assert masks is None or masks.spans.shape == (q.shape[0], 2) and masks.spans.is_contiguous()
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
         q, k, v, k_scales, v_scales, block_tables, query_start_loc, seq_lens, _sinks(sinks, q),
         q if masks is None else masks.spans, *((q, q) if trees is None else trees), out,
