@@ -1,6 +1,6 @@
 """Contrastive search (Su et al. 2022) against the paper's formula written here, on transformers'
 hidden states and logits of the same random-weight Llama (fp32): token for token, alone and in a
-batch with plain requests, on the reference and the cpu backend."""
+batch with plain requests, on the reference and the cpu backend; alone on the gpu backend."""
 
 from __future__ import annotations
 
@@ -77,6 +77,17 @@ def test_equals_the_formula_alone_and_batched(folder, cases, backend):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == expected
     assert llm.engine.block_manager.check_all_free() and not llm.engine.runner.hidden_states
+
+
+def test_equals_the_formula_on_the_gpu_backend(folder, cases):
+    """The gpu backend (its Triton kernels interpreted on the CPU without a GPU), one request's first tokens: the
+    candidates, sibling rows of a token tree, through the prefill kernel's tree masks."""
+    prompts, expected = cases
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(folder, progress=False, backend="gpu", device=device, dtype="float32", kv_cache_memory=1 << 22)
+    alpha, k = SETTINGS[0]
+    params = SamplingParams(penalty_alpha=alpha, top_k=k, max_tokens=4, ignore_eos=True)  # (the interpreter's cost)
+    assert llm.generate(prompts[0], params, use_tqdm=False)[0].outputs[0].token_ids == expected[0][:4]
 
 
 def test_bad_settings_are_refused(folder):

@@ -120,5 +120,12 @@ def test_fits_only_decode_steps_of_its_shape():
     inputs = DecodeInputs(MAX_BATCH, MAX_BLOCKS, BLOCK, torch.device("cpu"))
     assert inputs.fits(step)
     assert not DecodeInputs(2, MAX_BLOCKS, BLOCK, torch.device("cpu")).fits(step)  # more rows than it holds
-    step.positions = step.positions - 1  # a position not its context length - 1 (a token tree's depth)
+    positions = step.positions
+    step.positions = positions - 1  # a position not its context length - 1 (a token tree's depth)
+    assert not inputs.fits(step)
+    step.positions = np.stack([positions - 4] * 3)  # M-RoPE: a text token's three alike, after an image (delta -4)
+    assert inputs.fits(step)
+    inputs.update(step, 4)
+    assert inputs.positions_and_slots(4)[0][:3].tolist() == (positions - 4).tolist()
+    step.positions = np.stack([positions, positions + 1, positions])  # an image's token: not the graphs'
     assert not inputs.fits(step)

@@ -67,12 +67,26 @@ def test_greedy_batch_of_mixed_lengths_past_the_window(folder):
     assert token_ids(llm.generate(prompts, greedy(16), use_tqdm=False)) == reference_greedy(folder, prompts, 16)
 
 
+def test_gpu_backend_logits_and_greedy_tokens_match_transformers(folder):
+    """The gpu backend's Triton kernels (interpreted on the CPU without a GPU): the prefill kernel with sinks over
+    5 windows of the sliding layer, logits within 1e-4; then greedy tokens past the window, chunks of 13 tokens
+    beside decodes (the split decode kernel with sinks, through the decode graphs' eager path)."""
+    from hearth.backend.gpu import GpuBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config, weights = load_hf_folder(folder, progress=False)
+    got = hearth_logits(config, weights, TOKENS, backend=GpuBackend(device, use_cuda_graphs=False))
+    assert _max_error(got.cpu(), _logits_of(folder)) <= 1e-4
+    prompts = random_prompts(2, seed=8, shortest=3, longest=14)
+    llm = LLM(folder, device=device, dtype="float32", backend="gpu", max_num_batched_tokens=13, progress=False)
+    assert token_ids(llm.generate(prompts, greedy(4), use_tqdm=False)) == reference_greedy(folder, prompts, 4)
+
+
 def test_refused_by_name(folder, tmp_path):
-    """A backend without sinks (the gpu one's Triton kernels), writing a GGUF llama.cpp would misread, a
-    SwiGLU limit that is no limit."""
+    """A backend without sinks, writing a GGUF llama.cpp would misread, a SwiGLU limit that is no limit."""
     config, _ = load_hf_folder(folder, progress=False)
-    no_sinks = type("NoSinks", (Backend,), {"name": "gpu", "attention_sinks": False})()
-    with pytest.raises(ModelLoadError, match="gpu backend has no attention sinks"), torch.device("meta"):
+    no_sinks = type("NoSinks", (Backend,), {"name": "plain", "attention_sinks": False})()
+    with pytest.raises(ModelLoadError, match="plain backend has no attention sinks"), torch.device("meta"):
         Transformer(config, backend=no_sinks)
     with pytest.raises(ModelLoadError, match="llama.cpp's gpt-oss fixes"):  # (a limit of 1.5 here)
         convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)

@@ -368,15 +368,22 @@ def test_early_exit_where_the_last_layer_adds_nothing_has_every_guess_accepted(f
     assert counts.num_draft_tokens > 10 and counts.acceptance_rate == 1
 
 
-def test_the_gpu_backend_refuses_token_trees(folder):
-    """Its Triton attention kernels are causal only: a tree width above 1, and lookahead as published
-    (a token tree a step), are refused by name."""
-    with pytest.raises(ValueError, match="speculative_tree_width > 1 .* not implemented on the gpu backend"):
-        LLM(folder, progress=False, backend="gpu", dtype="float32", speculative_method="ngram",
-            speculative_tree_width=2)
-    with pytest.raises(ValueError, match="lookahead_mode full .* not implemented on the gpu backend"):
-        LLM(folder, progress=False, backend="gpu", dtype="float32", speculative_method="lookahead",
-            lookahead_mode="full")
+def test_ngram_token_trees_on_the_gpu_backend_keep_greedy_tokens(folder):
+    """The gpu backend's prefill kernel with tree masks (interpreted on the CPU without a GPU): prompt lookup's
+    token trees of three branches give plain greedy decoding's tokens (the reference backend's), guesses of a
+    branch other than the first kept in both prompts (their rows must not have seen the first branch)."""
+    prompts = [[67, 191, 93, 205, 178, 243, 217] * 3, [16, 253, 7, 247, 207] * 3]  # continuations that repeat
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(folder, progress=False, device=device, backend="gpu", dtype="float32", kv_cache_memory=1 << 22,
+              **speculation("ngram tree", folder, None))
+    moves = []
+    move = llm.engine.runner._move_kept_guesses
+    llm.engine.runner._move_kept_guesses = lambda kept: moves.extend(kept) or move(kept)
+    tree = llm.generate(prompts, greedy, use_tqdm=False)
+    plain = LLM(folder, progress=False, backend="reference").generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tree] == [o.outputs[0].token_ids for o in plain]
+    assert len([path for _, _, path in moves if path[0] != 0]) == 2
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft identical"])

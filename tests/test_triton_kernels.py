@@ -15,6 +15,7 @@ operands as their raw bits (numpy has no bf16): `_interpreter_bf16_dot` widens t
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,9 @@ import torch
 import torch.nn.functional as F
 import triton.language as tl
 
+from hearth.backend.base import AttentionMetadata, Backend, StepInputs
+from hearth.backend.gpu import GpuBackend
+from hearth.kv_format import Fp8Cache, Q8Cache, quantize_fp8, quantize_q8_0
 from hearth.triton_kernels.activation import act_and_mul
 from hearth.triton_kernels.attention import MAX_SPLITS, choose_num_splits, decode_attention, prefill_attention
 from hearth.triton_kernels.norm import rms_norm
@@ -333,3 +337,101 @@ def test_act_and_mul(activation, dtype):
     assert out.is_contiguous()
     ref = ACTIVATION_REFERENCES[activation](gate.double().cpu()) * up.double().cpu()
     _assert_matches(out, ref, dtype)
+
+
+# ---- what the cpu backend's attention does too: sinks, images both ways, token trees ------------------------------
+# (against the reference backend's own torch attention, on the same step's StepInputs: its masks are the definition)
+
+
+def _step_of(prefix_lens, query_lens, tables, block_size, images=None, trees=None) -> StepInputs:
+    """StepInputs of sequences with these prefixes and new rows over block `tables`. images: int64 [N, 3]
+    (sequence, first, end position); trees: {sequence: its rows' masks}, the others causal as the runner
+    lays them out (tree_start at the first new row, row r's bits 0..r)."""
+    lens = np.add(prefix_lens, query_lens)
+    starts = np.concatenate(([0], np.cumsum(query_lens))).astype(np.int32)
+    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix_lens, query_lens)]).astype(np.int64)
+    tree_start = tree_masks = None
+    if trees is not None:
+        tree_start = np.array(prefix_lens, dtype=np.int32)
+        row_in_seq = positions - np.repeat(prefix_lens, query_lens)
+        tree_masks = (np.int64(2) << np.minimum(row_in_seq, 62)) - 1
+        for s, masks in trees.items():
+            tree_masks[starts[s] : starts[s + 1]] = masks
+            positions[starts[s] : starts[s + 1]] = [prefix_lens[s] + int(m).bit_count() - 1 for m in masks]
+    return StepInputs(np.zeros(len(positions), np.int64), positions, np.zeros(len(positions), np.int64), starts,
+                      lens.astype(np.int32), tables.cpu().numpy(), block_size, tree_start, tree_masks,
+                      image_blocks=None if images is None else np.array(images, dtype=np.int64))
+
+
+def _gpu_attention(q, k_cache, v_cache, step, **options):
+    backend = GpuBackend(DEVICE)
+    model = SimpleNamespace(config=SimpleNamespace(num_kv_heads=k_cache.shape[1]))
+    return backend.attention(q, k_cache, v_cache, backend.inputs(model, step)[2], 0.4, **options)
+
+
+def _reference_backend(q, k_cache, v_cache, step, **options):
+    return Backend().attention(q.cpu(), _on_cpu(k_cache), _on_cpu(v_cache), AttentionMetadata.from_step(step, "cpu"),
+                               0.4, **options)
+
+
+def _on_cpu(cache):
+    return type(cache)(*(x.cpu() if isinstance(x, torch.Tensor) else x for x in cache)) \
+        if isinstance(cache, tuple) else cache.cpu()
+
+
+def _caches(kv_format: str, context_lens, block_size: int, seed: int):
+    """Paged K/V caches (4 heads on 2 KV heads of 32) as floats, q8_0 or fp8, with their tables."""
+    k_cache, v_cache, tables = _paged_cache(context_lens, 2, 32, block_size, torch.float32, seed)
+    if kv_format == "q8_0":
+        return Q8Cache(*quantize_q8_0(k_cache)), Q8Cache(*quantize_q8_0(v_cache)), tables
+    if kv_format == "fp8":
+        return Fp8Cache(quantize_fp8(k_cache, 0.5), 0.5), Fp8Cache(quantize_fp8(v_cache, 0.25), 0.25), tables
+    return k_cache, v_cache, tables
+
+
+# the cases: (KV format, prefix lengths, query lengths, images, trees); a query length of 1 is a decode
+MASK_CASES = {
+    # gpt-oss's sinks: a prompt's chunk, a decode, a verification of two guesses
+    "sinks": ("float32", [5, 40, 9], [20, 1, 3], None, None),
+    # gemma3: two images in a chunk (the second past the chunk's end: the cache holds its first rows), a decode
+    "images, fp8": ("fp8", [3, 30], [30, 1], [[0, 5, 14], [0, 20, 40]], None),
+    # a token tree (root, two children, a grandchild under each), a plain decode, a prompt's chunk
+    "trees, q8_0": ("q8_0", [11, 7, 2], [5, 1, 20], None, {0: [1, 0b11, 0b101, 0b1011, 0b10101]}),
+}
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_sinks_images_and_trees_as_the_reference_backend(case):
+    """The prefill kernel (any step with images or trees, or with a prompt's rows), with and without a sliding
+    window shorter than the contexts, against Backend.attention on the same StepInputs."""
+    kv_format, prefix_lens, query_lens, images, trees = MASK_CASES[case]
+    k_cache, v_cache, tables = _caches(kv_format, np.add(prefix_lens, query_lens).tolist(), 8, seed=11)
+    step = _step_of(prefix_lens, query_lens, tables, 8, images, trees)
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(sum(query_lens), 4, 32, generator=gen).to(DEVICE)
+    sinks = torch.randn(4, generator=gen).to(DEVICE) * 2 if case == "sinks" else None
+    for window in (None, 4):
+        out = _gpu_attention(q, k_cache, v_cache, step, window=window, sinks=sinks)
+        ref = _reference_backend(q, k_cache, v_cache, step, window=window, sinks=None if sinks is None else sinks.cpu())
+        _assert_matches(out, ref, torch.float32)
+    causal = _gpu_attention(q, k_cache, v_cache, _step_of(prefix_lens, query_lens, tables, 8))
+    assert (causal - out).abs().max() > 1e-2  # the feature changes the result
+
+
+def test_decode_attention_with_sinks_in_split_contexts():
+    """Decodes only (the split-KV kernel): each head's sink joins the softmax once whatever the splits (1, 3), a
+    padding row of length 0 gives zeros, a window too."""
+    context_lens = [300, 17, 0]
+    k_cache, v_cache, tables = _caches("float32", context_lens, 8, seed=13)
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    sinks = torch.tensor([3.0, -1.0, 0.5, 8.0], device=DEVICE)
+    step = _step_of([n - 1 if n else 0 for n in context_lens], [1, 1, 1], tables, 8)
+    step.seq_lens[2] = 0
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    for window in (None, 40):
+        ref = _reference_backend(q[:2], k_cache, v_cache, step.sequences(0, 2), window=window, sinks=sinks.cpu())
+        for splits in (1, 3):
+            out = decode_attention(q, k_cache, v_cache, tables, lens, 0.4, 8, num_splits=splits, window=window,
+                                   sinks=sinks)
+            _assert_matches(out[:2], ref, torch.float32)
+            assert (out[2] == 0).all()

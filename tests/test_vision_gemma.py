@@ -89,6 +89,20 @@ def _images_attend_both_ways(llm, text: str, images: list, inputs, ref_logits: t
     return start
 
 
+def test_gpu_backend_images_both_ways(gemma, two_images):
+    """The gpu backend's prefill kernel (interpreted on the CPU without a GPU), each image's rows seeing the whole
+    image, the sliding layer's window shorter than the prompt: logits of every position within 1e-4 of
+    transformers' with two images."""
+    from hearth import LLM
+
+    images, inputs, ref_logits, _ = two_images
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(gemma[0]), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
+    ids, logits = _hearth_logits(llm.engine, TWO, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=0)
+
+
 def test_chunks_keep_images_whole_and_the_caches_hit(gemma, two_images):
     """The reference backend, chunks of 16 tokens: no chunk ends inside an image (the one that reaches an image
     runs to its end), each image encoded once, transformers' greedy tokens; the same prompt again: the prefix
@@ -226,18 +240,19 @@ def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
 
 
 def test_what_is_refused(gemma, tmp_path):
-    """The gpu backend (its prefill attention is causal only), an image token count that is no square dividing
+    """A backend whose prefill attention is causal only, an image token count that is no square dividing
     the patches, an image size the processor does not resize to, steps switched off; a prompt that holds image
     placeholder tokens of its own."""
-    from hearth.backend.gpu import GpuBackend
+    from hearth.backend.base import Backend
     from hearth.config import ModelConfig
     from hearth.image_processor_gemma import GemmaImageProcessor
     from hearth.model.transformer import Transformer
 
     config = json.loads((gemma[0] / "config.json").read_text())
     model_config = ModelConfig.from_hf(config)
-    with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no attention both ways"):
-        Transformer(model_config, backend=GpuBackend("cpu"))
+    plain = type("Causal", (Backend,), {"name": "plain", "bidirectional_images": False})()
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="plain backend has no attention both ways"):
+        Transformer(model_config, backend=plain)
     for tokens in (60, 49):
         with pytest.raises(ModelLoadError, match=f"mm_tokens_per_image = {tokens}: expected a square"):
             ModelConfig.from_hf({**config, "mm_tokens_per_image": tokens})

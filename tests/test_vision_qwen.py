@@ -1,7 +1,7 @@
 """Images in: Qwen3-VL (transformers' Qwen3VLForConditionalGeneration with random weights in real image
 shapes) against transformers' own processor and model, fp32: pixels, grids, token ids, M-RoPE positions,
 logits and greedy tokens with one and two images of odd sizes, whole and in chunks that cut through an
-image, on the cpu and reference backends; what the gpu backend and bad configs refuse."""
+image, on the cpu and reference backends, and on the gpu backend; what bad configs refuse."""
 
 from __future__ import annotations
 
@@ -85,6 +85,25 @@ def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
     assert out[0].outputs[0].token_ids == ref_tokens
 
 
+def test_gpu_backend_mrope(qwen):
+    """The gpu backend (its Triton kernels interpreted on the CPU without a GPU): each token's M-RoPE angles
+    through the rope kernel, logits of every position within 1e-4 of transformers'; greedy tokens, the decodes
+    after the image in the decode graphs (capture off without a GPU) with its rope delta kept per row."""
+    from hearth import LLM
+
+    images = [_image(*IMAGES[0])]  # a grid of 2 x 4 merged patches: a rope delta of 4 - 8
+    inputs, ref_logits, ref_tokens = _reference(qwen, ONE, images)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(qwen[0]), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False,
+              max_model_len=256)  # (the graphs' block tables, and so the decode kernel's splits, fit it)
+    ids, logits = _hearth_logits(llm.engine, ONE, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+    assert llm.engine.model.backend_state["decode_graphs"].inputs.field("rope_delta", 1).item() == -4
+
+
 def test_chunked_prefill_through_images_on_the_reference_backend(qwen):
     """The reference backend, chunks of 16 tokens through both images (each encoded once), then decodes:
     transformers' greedy tokens; the same prompt again hits the prefix cache and still gives them."""
@@ -101,16 +120,17 @@ def test_chunked_prefill_through_images_on_the_reference_backend(qwen):
 
 
 def test_what_is_refused(qwen):
-    """The gpu backend (no M-RoPE), M-RoPE sections that do not fit the head, contiguous (not interleaved)
+    """A backend without M-RoPE, M-RoPE sections that do not fit the head, contiguous (not interleaved)
     sections, a text model of another family, and a prompt that names its images with another marker."""
-    from hearth.backend.gpu import GpuBackend
+    from hearth.backend.base import Backend
     from hearth.config import ModelConfig
     from hearth.model.transformer import Transformer
 
     config = json.loads((qwen[0] / "config.json").read_text())
     model_config = ModelConfig.from_hf(config)
-    with torch.device("meta"), pytest.raises(ModelLoadError, match="gpu backend has no M-RoPE"):
-        Transformer(model_config, backend=GpuBackend("cpu"))
+    flat = type("Flat", (Backend,), {"name": "flat", "mrope": False})()
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="flat backend has no M-RoPE"):
+        Transformer(model_config, backend=flat)
     rope = config["text_config"]["rope_parameters"]
     for change, message in (({"mrope_section": [4, 4]}, "expected three counts"),
                             ({"mrope_interleaved": False}, "interleaved")):

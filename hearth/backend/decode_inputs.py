@@ -16,8 +16,9 @@ rows differ by from the prediction "every live row decodes again":
 A host mirror of the buffers says what the device holds once the queued work has run; the diff
 is against it, so any history (eager steps in between, preemptions, rows changing places) ends in
 the same device state as writing the step from scratch (`rewrite`). The positions and slots are
-not sent: a decode's position is its context length - 1 and its slot follows from its block table
-(`positions_and_slots`, run inside the graph). Rows past the batch (up to the graph's bucket) are
+not sent: a decode's position is its context length - 1 (an M-RoPE model's, plus the row's rope delta,
+which changes only with the row's sequence) and its slot follows from its block table (`positions_and_slots`,
+run inside the graph). Rows past the batch (up to the graph's bucket) are
 padding: live 0, context 0 (attention gives zeros; the state kernels read a zero state and write
 nothing), slot -1 (the K/V write is skipped), token 0, state slot 0.
 
@@ -32,8 +33,9 @@ import torch
 
 from hearth.backend.base import StepInputs
 
-# fields of the int32 buffer, each [max_batch] but the block tables [max_batch, max_blocks]
-_ROW_FIELDS = ("input_ids", "seq_lens", "live", "state_slots")
+# fields of the int32 buffer, each [max_batch] but the block tables [max_batch, max_blocks]; rope_delta: an M-RoPE
+# model's text token's position less its place in the sequence (the shift of the images before it; else 0)
+_ROW_FIELDS = ("input_ids", "seq_lens", "live", "state_slots", "rope_delta")
 
 
 class DecodeInputs:
@@ -63,7 +65,8 @@ class DecodeInputs:
     # ---- views ------------------------------------------------------------------------
 
     def field(self, name: str, size: int) -> torch.Tensor:
-        """The device buffer's first `size` rows of a row field: input_ids, seq_lens, live or state_slots."""
+        """The device buffer's first `size` rows of a row field: input_ids, seq_lens, live, state_slots or
+        rope_delta."""
         start = self._offsets[name]
         return self.state[start : start + size]
 
@@ -71,21 +74,24 @@ class DecodeInputs:
         return self.state[self._tables_at :].view(self.max_batch, self.max_blocks)[:size]
 
     def positions_and_slots(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's position (its context length - 1; 0 on padding) and cache slot (-1 on padding),
-        int32 [size] each, computed on the device from the buffer (capturable: no host reads)."""
+        """Each row's position (its context length - 1, plus its rope delta; 0 on padding) and cache slot (-1
+        on padding), int32 [size] each, computed on the device from the buffer (capturable: no host reads)."""
         seq_lens, live = self.field("seq_lens", size), self.field("live", size)
-        positions = (seq_lens - 1).clamp_min(0)
-        blocks = self.block_tables(size).gather(1, (positions // self.block_size).long()[:, None]).squeeze(1)
-        slots = torch.where(live > 0, blocks * self.block_size + positions % self.block_size, -1)
-        return positions, slots
+        index = (seq_lens - 1).clamp_min(0)  # the new token's place in its sequence
+        blocks = self.block_tables(size).gather(1, (index // self.block_size).long()[:, None]).squeeze(1)
+        slots = torch.where(live > 0, blocks * self.block_size + index % self.block_size, -1)
+        return index + self.field("rope_delta", size), slots
 
     # ---- updates ----------------------------------------------------------------------
 
     def fits(self, step: StepInputs) -> bool:
         """A decode step these buffers hold: at most max_batch rows, tables at most max_blocks wide,
-        every position its context length - 1 (no token trees)."""
+        every position its context length - 1 (no token trees); M-RoPE's [3, b]: a text token's, its three
+        positions alike (the rope delta kept per row)."""
+        positions = step.positions
         return (step.decode_only and step.num_seqs <= self.max_batch and step.block_tables.shape[1] <= self.max_blocks
-                and np.array_equal(step.positions, step.seq_lens - 1))
+                and (np.array_equal(positions, step.seq_lens - 1) if positions.ndim == 1 else
+                     bool((positions == positions[:1]).all())))
 
     def update(self, step: StepInputs, size: int, params: np.ndarray | None = None,
                param_defaults: tuple[float, ...] = ()) -> None:
@@ -129,9 +135,10 @@ class DecodeInputs:
         self.update(step, size, params, param_defaults)
 
     def _row_targets(self, step: StepInputs, size: int) -> tuple[np.ndarray, ...]:
-        """What input_ids, seq_lens, live and state_slots must hold in the first `size` rows, int32 each."""
+        """What input_ids, seq_lens, live, state_slots and rope_delta must hold in the first `size` rows, int32
+        each."""
         b = step.num_seqs
-        ids, seq_lens, live, state_slots = np.zeros((4, size), dtype=np.int32)
+        ids, seq_lens, live, state_slots, rope_delta = np.zeros((5, size), dtype=np.int32)
         if isinstance(step.input_ids, torch.Tensor):  # copied device to device: no patch for them
             start = self._offsets["input_ids"]
             ids[:b] = self._mirror[start : start + b]
@@ -141,7 +148,9 @@ class DecodeInputs:
         live[:b] = 1
         if step.state_slots is not None:
             state_slots[:b] = step.state_slots
-        return ids, seq_lens, live, state_slots
+        if step.positions.ndim == 2:  # M-RoPE
+            rope_delta[:b] = step.positions[0] - (step.seq_lens - 1)
+        return ids, seq_lens, live, state_slots, rope_delta
 
     @property
     def _mirror_tables(self) -> np.ndarray:  # int32 [max_batch, max_blocks], a view

@@ -4,7 +4,9 @@ weights kept quantized on the device.
 Attention metadata is one varlen description of the step (hearth/triton_kernels/attention.py):
 sequence start offsets, context lengths, block tables, slot mapping; a step of decodes only runs
 the split-KV decode kernel, any other step the paged prefill kernel (a decode being a sequence
-with one query row); multi-head latent attention (a V narrower than K, the first columns of its rows)
+with one query row), which also takes the rows that see other keys than causal ones (`row_masks`:
+images both ways, speculative token trees); attention sinks (gpt-oss) go to both kernels. Multi-head
+latent attention (a V narrower than K, the first columns of its rows)
 runs hearth/triton_kernels/latent_attention.py's pair instead. Each layer's kernels take its own
 cache's shape, and the decode kernel's split count is chosen for its programs per sequence
 (GpuMetadata.num_splits). Decode steps up to the largest captured batch replay a CUDA graph
@@ -21,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from hearth.backend.base import Backend, DecodeSampling, StepInputs, apply_rope
 from hearth.backend.gpu_linear import TritonQuantLinear
+from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.triton_kernels import activation, attention, latent_attention, norm, rope, state_ops
 
 FP8_CAPABILITY = (8, 9)  # the first GPUs with e4m3 conversions (Ada)
@@ -41,10 +45,13 @@ class GpuMetadata:
     max_query_len: int  # host int: the prefill kernel's grid
     num_sms: int  # the GPU's streaming multiprocessors, which the decode kernels' splits aim to fill
     state: state_ops.StateRows | None = None  # a hybrid model's: each sequence's state rows
+    masks: attention.RowMasks | None = None  # rows that see other keys than causal ones (images, token trees)
+    # the same for layers without a window where images attend both ways on sliding layers only (Gemma 4's)
+    full_layer_masks: attention.RowMasks | None = None
 
     @property
     def decode_only(self) -> bool:
-        return self.max_query_len == 1
+        return self.max_query_len == 1 and self.masks is None
 
     def num_splits(self, programs: int) -> int:
         """Split-KV parts of a decode kernel that runs `programs` programs per sequence and split (a layer's
@@ -56,10 +63,6 @@ class GpuMetadata:
 
 class GpuBackend(Backend):
     name = "gpu"
-    token_trees = False  # its Triton attention kernels are causal only (no tree masks)
-    mrope = False  # its decode graphs make 1-D positions from the sequences' lengths
-    bidirectional_images = False  # its Triton prefill attention is causal only
-    attention_sinks = False  # its Triton attention kernels have no sink logits (the model refuses to load)
 
     def __init__(self, device: torch.device | str, use_cuda_graphs: bool = True, max_graph_batch: int = 256):
         super().__init__(device)
@@ -117,6 +120,9 @@ class GpuBackend(Backend):
             None if step.state_slots is None else torch.from_numpy(step.state_slots).to(dev, non_blocking=True),
             None if step.state_snapshots is None else torch.from_numpy(step.state_snapshots).to(dev, non_blocking=True),
         )
+        meta.masks = meta.full_layer_masks = self._row_masks(step, images=True)
+        if step.image_blocks_sliding_only:
+            meta.full_layer_masks = self._row_masks(step, images=False)
         return torch.as_tensor(step.input_ids, device=dev), torch.from_numpy(step.positions).to(dev), meta
 
     def metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, block_size: int, max_query_len: int,
@@ -128,14 +134,22 @@ class GpuBackend(Backend):
         return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
                            self._num_sms, state)
 
+    def _row_masks(self, step: StepInputs, images: bool) -> attention.RowMasks | None:
+        masks = row_masks(step, images)
+        if masks is None:
+            return None
+        return attention.RowMasks(*(None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
+                                    for a in masks))
+
     # ---- the model's operations --------------------------------------------------------
 
     def rms_norm(self, x, weight, eps, weight_offset=0.0, residual=None):
         return norm.rms_norm(x, weight, eps, weight_offset, residual)
 
     def rotary(self, cos, sin, positions, dtype):
-        """The kernel reads the float32 tables at each position itself: no per-step gather."""
-        return positions, cos, sin
+        """The kernel reads the float32 tables at each position itself: no per-step gather (M-RoPE's tables are
+        the step's own, gathered column by column: made row-major here)."""
+        return positions, cos.contiguous(), sin.contiguous()
 
     def rope_and_store_kv(self, q, k, v, rotary, kv_cache, slot_mapping):
         positions, cos, sin = rotary
@@ -148,22 +162,23 @@ class GpuBackend(Backend):
 
     def attention(self, q, k_cache, v_cache, meta: GpuMetadata, scale: float, softcap: float | None = None,
                   window: int | None = None, sinks=None):
-        if sinks is not None:
-            raise ValueError("the gpu backend's attention has no sinks")
         if v_cache.shape[-1] != k_cache.shape[-1]:  # V, the first columns of K's rows: multi-head latent attention
             return self._latent_attention(q, k_cache, v_cache, meta, scale)
         if meta.decode_only:
             return attention.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                               meta.block_size, num_splits=meta.num_splits(k_cache.shape[1]),
-                                              softcap=softcap, window=window)
+                                              softcap=softcap, window=window, sinks=sinks)
         return attention.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, scale, meta.block_size, meta.max_query_len, softcap=softcap,
-                                           window=window)
+                                           window=window, sinks=sinks,
+                                           masks=meta.masks if window is not None else meta.full_layer_masks)
 
     def _latent_attention(self, q, cache, latent, meta: GpuMetadata, scale: float):
         """q [T, heads, rank + rope] against one latent cache [slots, 1, rank + rope] whose first rank columns
         (`latent`, a view) are the values (hearth/triton_kernels/latent_attention.py) -> [T, heads, rank]."""
         assert latent.data_ptr() == cache.data_ptr() and latent.stride() == cache.stride(), "a view of the cache"
+        if meta.masks is not None:
+            raise ValueError("the gpu backend's latent attention kernels are causal only: no token trees")
         rank = latent.shape[-1]
         if meta.decode_only:
             splits = meta.num_splits(latent_attention.decode_programs(q.shape[1]))
@@ -198,3 +213,34 @@ class GpuBackend(Backend):
         if not isinstance(module, nn.Embedding) and TritonQuantLinear.supports(weight):
             return TritonQuantLinear(weight, module.bias, self.device)
         return super().stored_module(module, weight, dtype)
+
+
+def row_masks(step: StepInputs, images: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+    """The prefill kernel's attention.RowMasks of a step with images that attend both ways (unless `images` is
+    False) or token trees, as host arrays (None: every row causal). As the reference's masks (base.py:
+    AttentionMetadata.from_step): a row of an image sees the whole image (what of it the cache holds by the
+    step's end); the rows of a sequence with at most MAX_DECODE_QUERY_LEN new ones and no image see through
+    their tree masks, at their depth's position (the others' tree region starts at their end: none)."""
+    trees = step.tree_masks is not None
+    no_images = np.zeros((0, 3), np.int64)
+    step_images = no_images if step.image_blocks is None else step.image_blocks
+    both_ways = step_images if images else no_images
+    if not len(both_ways) and not trees:
+        return None
+    lens, seq_lens = step.query_lens, step.seq_lens.astype(np.int64)
+    seq_of_row = np.repeat(np.arange(step.num_seqs), lens)
+    positions = (seq_lens - lens)[seq_of_row] + np.arange(len(seq_of_row)) - step.query_start_loc[seq_of_row]
+    ends = positions + 1
+    for s, low, high in both_ways.tolist():
+        ends[(seq_of_row == s) & (positions >= low) & (positions < high)] = min(high, seq_lens[s])
+    tree_start = tree_masks = None
+    if trees:
+        in_tree = lens <= MAX_DECODE_QUERY_LEN
+        in_tree[step_images[:, 0]] = False
+        tree_start = np.where(in_tree, step.tree_start, seq_lens).astype(np.int32)
+        tree_masks = np.ascontiguousarray(step.tree_masks, dtype=np.int64)
+        depths = np.unpackbits(tree_masks.view(np.uint8)).reshape(-1, 64).sum(1)
+        rows = in_tree[seq_of_row]
+        positions = np.where(rows, tree_start[seq_of_row] + depths - 1, positions)
+        ends = np.where(rows, seq_lens[seq_of_row], ends)
+    return np.stack([positions, ends], axis=1).astype(np.int32), tree_start, tree_masks

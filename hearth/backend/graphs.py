@@ -60,6 +60,8 @@ class DecodeGraphs:
         inputs = self.inputs
         positions, slots = inputs.positions_and_slots(size)
         state_slots = inputs.field("state_slots", size) if self.model.config.is_hybrid else None
+        if self.model.config.mrope_section is not None:  # a text token's three M-RoPE positions are alike
+            positions = positions.expand(3, -1)
         meta = self.backend.metadata(slots, self.query_start_loc[: size + 1], inputs.field("seq_lens", size),
                                      inputs.block_tables(size), self.block_size, 1, state_slots)
         hidden = self.model(inputs.field("input_ids", size), positions, self.kv_caches, meta)

@@ -352,7 +352,8 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self._set_table(self.inv_freq)
         # M-RoPE (qwen3_vl): which of a token's positions (0 time, 1 height, 2 width) each frequency turns by
-        self.mrope_axes = None
+        # (a buffer: on the model's device, so that a decode step's CUDA graph copies nothing from the host)
+        self.register_buffer("mrope_axes", None, persistent=False)
         if config.mrope_section is not None:
             if not ops.mrope:
                 raise ModelLoadError(f"the {ops.name} backend has no M-RoPE (3-D positions) yet: run a "

@@ -13,17 +13,18 @@ import triton
 import triton.language as tl
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-BLOCK = 1024  # columns per program
+BLOCK = 1024  # columns per program, at most
+TILE_ELEMENTS = 4096  # rows per program: as many as fill a tile of this size (at least one)
 SQRT_HALF = tl.constexpr(0.7071067811865476)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
-def _act_and_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up,
-                        ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < width
+def _act_and_mul_kernel(gate_ptr, up_ptr, out_ptr, tokens, width, stride_gate, stride_up,
+                        ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    t = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]  # [BLOCK_ROWS, 1]
+    c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (t < tokens) & (c < width)
     g = tl.load(gate_ptr + t * stride_gate + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + t * stride_up + c, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == "silu":
@@ -44,7 +45,10 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    _act_and_mul_kernel[(tokens, triton.cdiv(width, BLOCK))](
-        gate, up, out, width, gate.stride(0), up.stride(0), ACTIVATION=activation, BLOCK=BLOCK, num_warps=4,
+    block = min(BLOCK, triton.next_power_of_2(width))
+    block_rows = max(1, TILE_ELEMENTS // block)
+    _act_and_mul_kernel[(triton.cdiv(tokens, block_rows), triton.cdiv(width, block))](
+        gate, up, out, tokens, width, gate.stride(0), up.stride(0), ACTIVATION=activation, BLOCK_ROWS=block_rows,
+        BLOCK=block, num_warps=4,
     )
     return out

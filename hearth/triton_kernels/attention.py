@@ -1,4 +1,4 @@
-"""Paged attention over one layer's KV cache: split-KV decode and varlen causal prefill.
+"""Paged attention over one layer's KV cache: split-KV decode and varlen (causal or masked) prefill.
 
 Cache layout: `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], slot = block_id *
 block_size + offset; `block_tables` int32 [num_seqs, max_blocks] (padded with 0); context lengths
@@ -16,7 +16,13 @@ folded into the scale) and an fp32 accumulator.
   log-sum-exp. With one split the first kernel writes the output itself.
 - `prefill_attention` (any mix of prompts, chunks and decodes): variable-length and causal,
   bottom-right aligned: the new rows of a sequence are its last query_len positions, so a chunk
-  attends to its cached prefix.
+  attends to its cached prefix. Given `RowMasks`, each row sees up to an end of its own (an image's
+  rows that attend both ways: the image's end) and, in a token tree's region, only its ancestors
+  (a bit per tree position), its sliding window counted back from its own position.
+
+Attention sinks (gpt-oss: a logit per head in each softmax's denominator, with no value) start a
+row's online softmax at max = the sink and sum = 1; the split decode kernel gives them to split 0
+only, so the merge's log-sum-exp weights count each sink once.
 
 A q8_0 cache (hearth/kv_format.py: int8 codes [num_slots, num_kv_heads, head_dim] and
 float16 scales [num_slots, num_kv_heads, head_dim / 32]) is read the same way, each tile
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,6 +56,7 @@ LOG2E = math.log2(math.e)
 MAX_SPLITS = 64  # the merge kernel holds every split of a head in one tile
 _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 _Q8_0 = tl.constexpr(KV_Q8_0)
+_LOG2E = tl.constexpr(LOG2E)
 _NO_WINDOW = 1 << 30  # the window of full attention: longer than any context
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in partial writes than it gains
 PROGRAMS_PER_SM = 2  # decode splits aim at this many programs per SM
@@ -94,6 +102,14 @@ def _check(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, out: torch.Tenso
     return out
 
 
+def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks operand: float32 [heads] contiguous, or (none) any pointer, never read."""
+    if sinks is None:
+        return q
+    assert sinks.shape == (q.shape[1],), "a sink logit per query head"
+    return sinks.float().contiguous()
+
+
 # ---- one tile of keys, shared by both kernels ----------------------------------------------
 
 
@@ -112,15 +128,19 @@ def _load_rows(ptr, scale_ptr, slot, kv_head, d, mask, stride_s, stride_h, strid
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head, d, d_mask,
+def _attend_tile(q, m, l, acc, key, begin, end, pos, row_end, tree_begin, tree_mask, table, k_ptr, v_ptr, ks_ptr,
+                 vs_ptr, kv_head, d, d_mask,
                  stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
                  qk_scale, softcap, window,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr,
+                 TREES: tl.constexpr):
     """Keys at context positions `key` [BLOCK_N] (those in [begin, end): no other is loaded) folded
     into the online softmax (m, l [R], acc [R, BLOCK_D]) of query rows q [R, BLOCK_D]; row r sees
-    keys from last[r] - window + 1 up to last[r]. SOFTCAP: scores capped as softcap * tanh(score /
-    softcap) (both in the log2-scaled units). KV_FORMAT: what the caches hold (hearth/kv_format.py); q8_0's
-    block scales at ks_ptr / vs_ptr. A row may see no key of a tile: its m stays -inf, its sums 0."""
+    keys from pos[r] - window + 1 up to row_end[r] - 1 (causal: row_end = pos + 1). TREES: of the keys
+    at tree_begin + j (j < 64), row r sees those whose bit j is set in tree_mask[r] (int64). SOFTCAP:
+    scores capped as softcap * tanh(score / softcap) (both in the log2-scaled units). KV_FORMAT: what the
+    caches hold (hearth/kv_format.py); q8_0's block scales at ks_ptr / vs_ptr. A row may see no key of a
+    tile: its m stays as it was (-inf before any key, or its sink), its sums unchanged."""
     valid = (key >= begin) & (key < end)
     block = tl.load(table + key // BLOCK_SIZE, mask=valid, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
@@ -129,7 +149,11 @@ def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_pt
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-    seen = valid[None, :] & (key[None, :] <= last[:, None]) & (key[None, :] > last[:, None] - window)
+    seen = valid[None, :] & (key[None, :] < row_end[:, None]) & (key[None, :] > pos[:, None] - window)
+    if TREES:  # a token tree's keys: the row's ancestors and itself
+        offset = key[None, :] - tree_begin
+        bit = (tree_mask[:, None] >> tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)) & 1
+        seen = seen & ((offset < 0) | ((bit != 0) & (offset < 64)))
     s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
@@ -141,20 +165,34 @@ def _attend_tile(q, m, l, acc, key, begin, end, last, table, k_ptr, v_ptr, ks_pt
     return m_new, l, acc
 
 
+@triton.jit
+def _sink_start(sinks_ptr, heads, has_sink, ROWS: tl.constexpr, SINKS: tl.constexpr):
+    """The online softmax's running max m and sum l [ROWS] before any key: -inf and 0, or, SINKS, for the
+    rows `has_sink`, the head's sink logit (float32 sinks_ptr[heads], in log2 units) and its exp2(0) = 1."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the log2-scaled scores
+    l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=has_sink, other=0.0).to(tl.float32) * _LOG2E
+        m = tl.where(has_sink, sink, m)
+        l = tl.where(has_sink, 1.0, l)
+    return m, l
+
+
 # ---- decode ------------------------------------------------------------------------------
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
     stride_tb, stride_ob, stride_oh,
     num_heads, qk_scale, v_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Program (sequence, KV head, split): the group's query heads against one range of the context."""
+    """Program (sequence, KV head, split): the group's query heads against one range of the context
+    (and, SINKS, in split 0, each head's sink logit)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,16 +211,15 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the log2-scaled scores
-    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)
+    m, l = _sink_start(sinks_ptr, heads, g_mask & (g * 0 + split == 0), BLOCK_G, SINKS)  # the sink counted once
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = tables_ptr + seq * stride_tb
     last = tl.zeros([BLOCK_G], tl.int32) + end - 1  # every row sees the whole range
     for tile in range(start, end, BLOCK_N):  # every tile has a valid position: m stays finite
-        m, l, acc = _attend_tile(q, m, l, acc, tile + n, start, end, last, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                 kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
+        m, l, acc = _attend_tile(q, m, l, acc, tile + n, start, end, last, last + 1, 0, 0, table, k_ptr, v_ptr,
+                                 ks_ptr, vs_ptr, kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
                                  stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT)
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT, False)
 
     l = tl.where(l > 0, l, 1.0)  # an empty range (m = -inf) leaves zeros
     o = acc / l[:, None] * v_scale
@@ -230,6 +267,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [B, H, D] in q.dtype
     softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
     window: int | None = None,  # the query sees only the last `window` positions (sliding window)
+    sinks: torch.Tensor | None = None,  # float32 [H]: a logit per head in each softmax, with no value (gpt-oss)
 ) -> torch.Tensor:
     """Paged split-KV decode attention; returns [B, H, D] in q.dtype. `num_splits` defaults to
     choose_num_splits over the block table's width (fixed by shapes, so graph-capturable)."""
@@ -250,14 +288,15 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     (k, k_scales, k_scale, kv_format), (v, v_scales, v_scale, _) = cache_operands(k_cache), cache_operands(v_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, k_scales, v_scales, block_tables, context_lens, out, part_out, part_lse,
+        q, k, v, k_scales, v_scales, block_tables, context_lens, _sinks(sinks, q), out, part_out, part_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, scale * k_scale * LOG2E, v_scale, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, num_warps=4,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, SINKS=sinks is not None,
+        num_warps=4,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -272,14 +311,34 @@ def decode_attention(
 
 
 @triton.jit
+def _row_spans(spans_ptr, tree_start_ptr, tree_masks_ptr, seq, tokens, row_mask, pos, context,
+               MASKED: tl.constexpr, TREES: tl.constexpr):
+    """Tile rows' window anchors and visible ends [R] (causal: pos and pos + 1; MASKED: int32 spans_ptr
+    [T, 2] at the rows' tokens), and their token tree: its first position and each row's int64 mask
+    (TREES: tree_start_ptr [S], tree_masks_ptr [T]; else the context's end and 0, never read)."""
+    row_end = pos + 1
+    if MASKED:
+        pos = tl.load(spans_ptr + 2 * tokens, mask=row_mask, other=0)
+        row_end = tl.load(spans_ptr + 2 * tokens + 1, mask=row_mask, other=0)
+    tree_begin = context
+    tree_mask = tl.zeros(tokens.shape, tl.int64)
+    if TREES:
+        tree_begin = tl.load(tree_start_ptr + seq)
+        tree_mask = tl.load(tree_masks_ptr + tokens, mask=row_mask, other=0)
+    return pos, row_end, tree_begin, tree_mask
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, starts_ptr, lens_ptr, sinks_ptr, spans_ptr, tree_start_ptr,
+    tree_masks_ptr, out_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh,
     stride_tb, stride_ot, stride_oh,
     qk_scale, v_scale, softcap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FORMAT: tl.constexpr, SINKS: tl.constexpr,
+    MASKED: tl.constexpr, TREES: tl.constexpr,
 ):
     """Program (query block, sequence, KV head): BLOCK_Q new rows of a sequence x the group's heads,
     as BLOCK_Q * BLOCK_G tile rows (row-major: row r is query r // BLOCK_G, head r % BLOCK_G)."""
@@ -296,7 +355,6 @@ def _prefill_kernel(
     query = q_block * BLOCK_Q + r // BLOCK_G  # [R] row among the sequence's new ones
     g = r % BLOCK_G
     heads = kv_head * GROUP + g
-    pos = context - q_len + query  # [R] position in the sequence: sees keys pos - window + 1..pos
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < HEAD_DIM
@@ -304,23 +362,39 @@ def _prefill_kernel(
     tokens = (q_start + query).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [R, BLOCK_D]
+    # [R] each row's position (causal: the sequence's last q_len ones) and the keys it sees: pos - window + 1 on,
+    # before row_end (and in its token tree's region, its ancestors only)
+    pos, row_end, tree_begin, tree_mask = _row_spans(spans_ptr, tree_start_ptr, tree_masks_ptr, seq, tokens,
+                                                     row_mask, context - q_len + query, context, MASKED, TREES)
 
-    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    m, l = _sink_start(sinks_ptr, heads, row_mask, BLOCK_Q * BLOCK_G, SINKS)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    end = context - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # the block's last position + 1
+    end = tl.max(tl.where(row_mask, row_end, 0), 0)  # one past the last key any row of the block sees
     table = tables_ptr + seq.to(tl.int64) * stride_tb
-    # from the first key the block's first row sees (with no window, key 0: every tile after has keys)
-    first = tl.maximum(context - q_len + q_block * BLOCK_Q - window + 1, 0)
+    # from the first key any row sees (with no window, key 0: every tile after has keys)
+    first = tl.maximum(tl.min(tl.where(row_mask, pos, context), 0) - window + 1, 0)
     for tile in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        m, l, acc = _attend_tile(q, m, l, acc, tile + n, first, end, pos, table, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                 kv_head, d, d_mask, stride_ks, stride_kh, stride_vs, stride_vh,
-                                 stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
-                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT)
+        m, l, acc = _attend_tile(q, m, l, acc, tile + n, first, end, pos, row_end, tree_begin, tree_mask, table,
+                                 k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head, d, d_mask, stride_ks, stride_kh, stride_vs,
+                                 stride_vh, stride_kss, stride_ksh, stride_vss, stride_vsh, qk_scale, softcap, window,
+                                 BLOCK_SIZE, DOT_PRECISION, SOFTCAP, KV_FORMAT, TREES)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale  # padding rows past a window see no key
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@dataclass
+class RowMasks:
+    """Which keys a prefill kernel's rows see where that is not plain causal (bottom-right aligned)."""
+
+    # int32 [T, 2] each row's position (a sliding window counts back from it) and one past the last key it
+    # sees (causal: position + 1; a row of an image that attends both ways: the image's end)
+    spans: torch.Tensor
+    # token trees: int32 [S] where each sequence's tree region begins (none: its context length) and int64 [T]
+    # each row's ancestors there (bit j: the key at tree_start + j; StepInputs.tree_masks); None: no trees
+    tree_start: torch.Tensor | None = None
+    tree_masks: torch.Tensor | None = None
 
 
 def prefill_attention(
@@ -336,9 +410,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [T, H, D] in q.dtype
     softcap: float | None = None,  # scores capped as softcap * tanh(score / softcap)
     window: int | None = None,  # a row sees only the last `window` positions, itself included
+    sinks: torch.Tensor | None = None,  # float32 [H]: a logit per head in each softmax, with no value (gpt-oss)
+    masks: RowMasks | None = None,  # rows that see other keys than causal ones (images both ways, token trees)
 ) -> torch.Tensor:
-    """Paged varlen causal attention; returns [T, H, D] in q.dtype. Row i of sequence s is at
-    position seq_lens[s] - query_len_s + i and attends to positions 0..that one."""
+    """Paged varlen attention; returns [T, H, D] in q.dtype. Row i of sequence s is at position
+    seq_lens[s] - query_len_s + i and attends to positions 0..that one, unless `masks` say otherwise."""
     out = _check(q, k_cache, v_cache, out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
@@ -350,14 +426,18 @@ def prefill_attention(
     block_q = max(1, PREFILL_ROWS // block_g)
     block_d, block_n, precision = _tile_sizes(head_dim, q.dtype)
     (k, k_scales, k_scale, kv_format), (v, v_scales, v_scale, _) = cache_operands(k_cache), cache_operands(v_cache)
+    trees = None if masks is None or masks.tree_masks is None else (masks.tree_start, masks.tree_masks)
+    assert masks is None or masks.spans.shape == (q.shape[0], 2) and masks.spans.is_contiguous()
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k, v, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out,
+        q, k, v, k_scales, v_scales, block_tables, query_start_loc, seq_lens, _sinks(sinks, q),
+        q if masks is None else masks.spans, *((q, q) if trees is None else trees), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * k_scale * LOG2E, v_scale, (softcap or 1.0) * LOG2E, window or _NO_WINDOW,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=precision, SOFTCAP=softcap is not None, KV_FORMAT=kv_format, SINKS=sinks is not None,
+        MASKED=masks is not None, TREES=trees is not None, num_warps=4 if block_d <= 128 else 8,
     )
     return out

@@ -1,4 +1,4 @@
-"""Rotary embedding of q and k fused with the KV cache write, one program per token.
+"""Rotary embedding of q and k fused with the KV cache write, a few tokens per program (their heads as tile rows).
 
 HF's rotate-half RoPE: with x1 = x[:D/2], x2 = x[D/2:] and cos/sin the float32 tables' rows at the
 token's position, out[:D/2] = x1 cos - x2 sin and out[D/2:] = x2 cos + x1 sin, in float32. The
@@ -32,35 +32,34 @@ _Q8_BLOCK = tl.constexpr(Q8_BLOCK)
 _Q8_0 = tl.constexpr(KV_Q8_0)
 _FP8 = tl.constexpr(KV_FP8)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+TILE_ROWS = 32  # query head rows per program, at least (a program takes several tokens where heads are few)
 
 
 @triton.jit
-def _rope_heads(src, stride_h, cos, sin, mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """The rotated halves, each [BLOCK_H, BLOCK_HALF] in float32, of one token's heads at `src`."""
-    h = tl.arange(0, BLOCK_H)[:, None]
+def _rope_rows(rows, cos, sin, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The rotated halves, each [R, BLOCK_HALF] in float32, of head rows starting at the pointers `rows` [R, 1]."""
     i = tl.arange(0, BLOCK_HALF)[None, :]
-    x1 = tl.load(src + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(rows + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + HALF + i, mask=mask, other=0.0).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
-def _store_q8_0(codes_ptr, scales_ptr, x, h, d, stored, stride_ch, stride_sh,
-                HEAD_DIM: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
-    """x [BLOCK_KVH, BLOCK_D] float32 (columns from HEAD_DIM, a multiple of 32, on: 0) quantized as
-    q8_0: codes at codes_ptr + h * stride_ch + d, scales at scales_ptr + h * stride_sh + block, rows
-    `stored` [BLOCK_KVH, 1] only."""
-    blocks = tl.reshape(x, (BLOCK_KVH, BLOCK_D // _Q8_BLOCK, _Q8_BLOCK))
-    scale = tl.max(tl.abs(blocks), 2) / 127.0  # [BLOCK_KVH, BLOCK_D / 32]
+def _store_q8_0(codes, scales_at, x, d, stored, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [ROWS, BLOCK_D] float32 (columns from HEAD_DIM, a multiple of 32, on: 0) quantized as q8_0: each
+    row's codes at its pointer `codes` [ROWS, 1] + d, its scales at `scales_at` [ROWS, 1] + block; rows
+    `stored` [ROWS, 1] only."""
+    blocks = tl.reshape(x, (ROWS, BLOCK_D // _Q8_BLOCK, _Q8_BLOCK))
+    scale = tl.max(tl.abs(blocks), 2) / 127.0  # [ROWS, BLOCK_D / 32]
     inverse = tl.where(scale == 0.0, 0.0, 1.0 / tl.where(scale == 0.0, 1.0, scale))  # no division by 0
     y = blocks * inverse[:, :, None]
     a = tl.abs(y)
     whole = tl.floor(a)
     rounded = whole + tl.floor(2.0 * (a - whole))  # half away from zero, as roundf
-    codes = tl.reshape(tl.where(y < 0, -rounded, rounded), (BLOCK_KVH, BLOCK_D))
-    tl.store(codes_ptr + h * stride_ch + d, codes.to(tl.int8), mask=stored & (d < HEAD_DIM))
+    values = tl.reshape(tl.where(y < 0, -rounded, rounded), (ROWS, BLOCK_D))
+    tl.store(codes + d, values.to(tl.int8), mask=stored & (d < HEAD_DIM))
     b = tl.arange(0, BLOCK_D // _Q8_BLOCK)[None, :]
-    tl.store(scales_ptr + h * stride_sh + b, scale.to(tl.float16), mask=stored & (b < HEAD_DIM // _Q8_BLOCK))
+    tl.store(scales_at + b, scale.to(tl.float16), mask=stored & (b < HEAD_DIM // _Q8_BLOCK))
 
 
 @triton.jit
@@ -80,61 +79,65 @@ def _e4m3(x):
 @triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slots_ptr,
-    q_out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    q_out_ptr, num_tokens, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_ksh, stride_vss, stride_vsh,
     k_inverse_scale, v_inverse_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_V: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + t).to(tl.int64)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_ptr + position * stride_table + i, mask=i < HALF, other=0.0)[None, :]  # [1, BLOCK_HALF]
-    sin = tl.load(sin_ptr + position * stride_table + i, mask=i < HALF, other=0.0)[None, :]
-    i = i[None, :]
-
-    h = tl.arange(0, BLOCK_H)[:, None]
-    mask = (h < NUM_HEADS) & (i < HALF)  # [BLOCK_H, BLOCK_HALF]
-    out1, out2 = _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, mask, HALF, BLOCK_H, BLOCK_HALF)
+    """Program: BLOCK_T tokens, their heads as tile rows (row r: token r // heads' block, head r % it)."""
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    r = tl.arange(0, BLOCK_T * BLOCK_H)[:, None]
+    t = (tl.program_id(0) * BLOCK_T + r // BLOCK_H).to(tl.int64)  # [R, 1] each row's token
+    h = r % BLOCK_H
+    mask = (t < num_tokens) & (h < NUM_HEADS) & (i < HALF)  # [R, BLOCK_HALF]
+    position = tl.load(positions_ptr + t, mask=t < num_tokens, other=0).to(tl.int64)
+    cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
+    out1, out2 = _rope_rows(q_ptr + t * stride_qt + h * stride_qh, cos, sin, mask, HALF, BLOCK_HALF)
     q_out = q_out_ptr + t * (NUM_HEADS * 2 * HALF) + h * (2 * HALF) + i
     tl.store(q_out, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
     tl.store(q_out + HALF, out2.to(q_out_ptr.dtype.element_ty), mask=mask)
 
-    h = tl.arange(0, BLOCK_KVH)[:, None]
-    stored_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # a padding row stores nothing
+    r = tl.arange(0, BLOCK_T * BLOCK_KVH)[:, None]
+    t = (tl.program_id(0) * BLOCK_T + r // BLOCK_KVH).to(tl.int64)
+    h = r % BLOCK_KVH
+    slot = tl.load(slots_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)  # [R, 1]
+    stored = (h < NUM_KV_HEADS) & (slot >= 0)  # a padding row (slot < 0) stores nothing
+    position = tl.load(positions_ptr + t, mask=t < num_tokens, other=0).to(tl.int64)
+    d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
+    row_mask = (t < num_tokens) & (h < NUM_KV_HEADS) & (d < 2 * HALF)
     dv = tl.arange(0, BLOCK_V)[None, :]  # [1, V_DIM]
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=(h < NUM_KV_HEADS) & (dv < V_DIM), other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=(t < num_tokens) & (h < NUM_KV_HEADS) & (dv < V_DIM),
+                other=0.0)
+    k_rows = k_ptr + t * stride_kt + h * stride_kh
     if KV_FORMAT == _Q8_0:
-        d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
-        row_mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
         # whole rows: value d with its partner d +- D/2, cos and sin at d mod D/2
         first = d < HALF
         j = tl.where(first, d, d - HALF)
-        c = tl.load(cos_ptr + position * stride_table + j, mask=d < 2 * HALF, other=0.0)
-        s = tl.load(sin_ptr + position * stride_table + j, mask=d < 2 * HALF, other=0.0)
-        x = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=row_mask, other=0.0).to(tl.float32)
-        partner = tl.load(k_ptr + t * stride_kt + h * stride_kh + tl.where(first, d + HALF, j), mask=row_mask,
-                          other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + position * stride_table + j, mask=row_mask, other=0.0)
+        s = tl.load(sin_ptr + position * stride_table + j, mask=row_mask, other=0.0)
+        x = tl.load(k_rows + d, mask=row_mask, other=0.0).to(tl.float32)
+        partner = tl.load(k_rows + tl.where(first, d + HALF, j), mask=row_mask, other=0.0).to(tl.float32)
         k_rotated = tl.where(first, x * c - partner * s, x * c + partner * s)
-        stored = h < stored_heads
-        _store_q8_0(k_cache_ptr + slot * stride_kcs, ks_ptr + slot * stride_kss, k_rotated, h, d, stored,
-                    stride_kch, stride_ksh, 2 * HALF, BLOCK_KVH, 2 * BLOCK_HALF)
-        _store_q8_0(v_cache_ptr + slot * stride_vcs, vs_ptr + slot * stride_vss, v.to(tl.float32), h, dv, stored,
-                    stride_vch, stride_vsh, V_DIM, BLOCK_KVH, BLOCK_V)
+        _store_q8_0(k_cache_ptr + slot * stride_kcs + h * stride_kch, ks_ptr + slot * stride_kss + h * stride_ksh,
+                    k_rotated, d, stored, 2 * HALF, BLOCK_T * BLOCK_KVH, 2 * BLOCK_HALF)
+        _store_q8_0(v_cache_ptr + slot * stride_vcs + h * stride_vch, vs_ptr + slot * stride_vss + h * stride_vsh,
+                    v.to(tl.float32), dv, stored, V_DIM, BLOCK_T * BLOCK_KVH, BLOCK_V)
     else:
-        mask = (h < NUM_KV_HEADS) & (i < HALF)  # [BLOCK_KVH, BLOCK_HALF]
-        out1, out2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, mask, HALF, BLOCK_KVH, BLOCK_HALF)
+        mask = (t < num_tokens) & (h < NUM_KV_HEADS) & (i < HALF)  # [R, BLOCK_HALF]
+        cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
+        out1, out2 = _rope_rows(k_rows, cos, sin, mask, HALF, BLOCK_HALF)
         if KV_FORMAT == _FP8:
             out1, out2 = _e4m3(out1 * k_inverse_scale), _e4m3(out2 * k_inverse_scale)
             v = _e4m3(v.to(tl.float32) * v_inverse_scale)
-        store = (h < stored_heads) & (i < HALF)
         k_out = k_cache_ptr + slot * stride_kcs + h * stride_kch + i
-        tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=store)
-        tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=store)
+        tl.store(k_out, out1.to(k_cache_ptr.dtype.element_ty), mask=stored & (i < HALF))
+        tl.store(k_out + HALF, out2.to(k_cache_ptr.dtype.element_ty), mask=stored & (i < HALF))
         tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + dv, v.to(v_cache_ptr.dtype.element_ty),
-                 mask=(h < stored_heads) & (dv < V_DIM))
+                 mask=stored & (dv < V_DIM))
 
 
 def rope_and_store_kv(
@@ -164,13 +167,15 @@ def rope_and_store_kv(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
-    _rope_store_kernel[(tokens,)](
-        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, k_scales, v_scales, slot_mapping, q_out,
+    block_h = triton.next_power_of_2(num_heads)
+    block_t = max(1, TILE_ROWS // block_h)
+    _rope_store_kernel[(triton.cdiv(tokens, block_t),)](
+        q, k, v, positions, cos_table, sin_table, k_cache, v_cache, k_scales, v_scales, slot_mapping, q_out, tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1), 1.0 / k_scale, 1.0 / v_scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, V_DIM=v_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, V_DIM=v_dim, BLOCK_T=block_t,
+        BLOCK_H=block_h, BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_V=triton.next_power_of_2(v_dim), KV_FORMAT=kv_format,
         num_warps=4,
     )
