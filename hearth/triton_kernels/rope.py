@@ -106,11 +106,10 @@ def _rope_store_kernel(
     slot = tl.load(slots_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)  # [R, 1]
     stored = (h < NUM_KV_HEADS) & (slot >= 0)  # a padding row (slot < 0) stores nothing
     position = tl.load(positions_ptr + t, mask=t < num_tokens, other=0).to(tl.int64)
-    d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, D]
-    row_mask = (t < num_tokens) & (h < NUM_KV_HEADS) & (d < 2 * HALF)
-    dv = tl.arange(0, BLOCK_V)[None, :]  # [1, V_DIM]
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=(t < num_tokens) & (h < NUM_KV_HEADS) & (dv < V_DIM),
-                other=0.0)
+    d, dv = tl.arange(0, 2 * BLOCK_HALF)[None, :], tl.arange(0, BLOCK_V)[None, :]  # [1, D], [1, V_DIM]
+    live = (t < num_tokens) & (h < NUM_KV_HEADS)
+    row_mask = live & (d < 2 * HALF)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=live & (dv < V_DIM), other=0.0)
     k_rows = k_ptr + t * stride_kt + h * stride_kh
     if KV_FORMAT == _Q8_0:
         # whole rows: value d with its partner d +- D/2, cos and sin at d mod D/2
@@ -126,7 +125,7 @@ def _rope_store_kernel(
         _store_q8_0(v_cache_ptr + slot * stride_vcs + h * stride_vch, vs_ptr + slot * stride_vss + h * stride_vsh,
                     v.to(tl.float32), dv, stored, V_DIM, BLOCK_T * BLOCK_KVH, BLOCK_V)
     else:
-        mask = (t < num_tokens) & (h < NUM_KV_HEADS) & (i < HALF)  # [R, BLOCK_HALF]
+        mask = live & (i < HALF)  # [R, BLOCK_HALF]
         cos = tl.load(cos_ptr + position * stride_table + i, mask=mask, other=0.0)
         sin = tl.load(sin_ptr + position * stride_table + i, mask=mask, other=0.0)
         out1, out2 = _rope_rows(k_rows, cos, sin, mask, HALF, BLOCK_HALF)
