@@ -15,7 +15,7 @@ import torch
 
 from hearth.errors import ModelLoadError
 from models import gemma4_vl_processor, make_gemma4_vl
-from test_vision import _hearth_logits, _image, _image_runs, _reference
+from test_vision import GREEDY, _hearth_logits, _image, _image_runs, _reference
 from test_vision_gemma import _images_attend_both_ways
 
 ONE = "user: What is in <|image|>? model:"  # as Gemma 4's chat template writes an image part
@@ -105,3 +105,104 @@ def test_what_is_refused(gemma4, tmp_path):
         (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, **change}))
         with pytest.raises(ModelLoadError, match=message):
             Gemma4ImageProcessor.from_hf_dir(tmp_path, model_config.vision)
+
+
+# the text layout llama.cpp's gemma4 reads (tests/test_gemma4_gguf.py's), heads llama.cpp's gemma4v holds
+LLAMA_CPP_TEXT = {"layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                  "full_attention"]}
+LLAMA_CPP_VISION = {"num_key_value_heads": 4, "head_dim": 8}
+
+
+@pytest.fixture(scope="module")
+def gemma4_gguf(tmp_path_factory):
+    """A Gemma 4 folder llama.cpp's files can hold, transformers' model of it and `hearth convert --mmproj`'s
+    F32 text GGUF and mmproj file."""
+    import transformers
+
+    from hearth.cli import main
+
+    root = tmp_path_factory.mktemp("gemma4_gguf")
+    folder = make_gemma4_vl(root / "folder", text=LLAMA_CPP_TEXT, vision=LLAMA_CPP_VISION)
+    text, mmproj = root / "text.gguf", root / "mmproj.gguf"
+    assert main(["convert", str(folder), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, gemma4_vl_processor(folder), reference, text, mmproj
+
+
+def test_mmproj_gguf_equals_transformers(gemma4_gguf):
+    """`hearth convert --mmproj` writes llama.cpp's gemma4v file (read back by gguf-py: clip-impl.h's names, the
+    patch projection as a convolution's kernel [hidden, 3, patch, patch], the position table [2, positions,
+    hidden], the standardisation); the text GGUF with it gives transformers' fp32 logits within 1e-4 with one
+    image of an odd size, and its greedy tokens."""
+    import gguf
+
+    from hearth import LLM
+
+    folder, processor, reference, text, mmproj = gemma4_gguf
+    reader = gguf.GGUFReader(mmproj)
+    assert reader.fields["clip.vision.projector_type"].contents() == "gemma4v"
+    tensors = {t.name: t for t in reader.tensors}
+    per_layer = {f"v.blk.{i}.{part}.weight" for i in range(2) for part in (
+        "attn_q", "attn_k", "attn_v", "attn_out", "attn_q_norm", "attn_k_norm", "ln1", "attn_post_norm", "ln2",
+        "ffn_post_norm", "ffn_gate", "ffn_up", "ffn_down")}
+    assert set(tensors) == {"v.patch_embd.weight", "v.position_embd.weight", "v.std_bias", "v.std_scale",
+                            "mm.input_projection.weight", *per_layer}
+    tower = reference.model.vision_tower
+    kernel = tower.patch_embedder.input_proj.weight.detach().reshape(32, 16, 16, 3).permute(0, 3, 1, 2)
+    assert np.array_equal(np.array(tensors["v.patch_embd.weight"].data), kernel.numpy())
+    assert np.array_equal(np.array(tensors["v.position_embd.weight"].data),
+                          tower.patch_embedder.position_embedding_table.detach().numpy())
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    images = [_image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), ONE, images)
+    ids, logits = _hearth_logits(llm.engine, ONE, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_bad_gemma4_mmproj_files_are_refused(gemma4, gemma4_gguf, tmp_path):
+    """Refused by name: a Gemma 4 folder whose heads llama.cpp's file cannot hold (grouped keys and values, heads
+    wider than hidden / heads), a file without its position table or with half the standardisation, a text model
+    without Gemma 4's image tokens."""
+    from hearth.loading.loader import load_model
+    from hearth.loading.mmproj import write_mmproj
+
+    with pytest.raises(ModelLoadError, match="num_key_value_heads 2, head_dim 16.*llama.cpp's gemma4v file holds"):
+        write_mmproj(gemma4[0], tmp_path / "gqa.gguf", "f32", progress=False)
+    text, mmproj = gemma4_gguf[3], gemma4_gguf[4]
+    good = mmproj.read_bytes()
+    (tmp_path / "no-table.gguf").write_bytes(good.replace(b"v.position_embd.weight", b"v.position_xxxx.weight"))
+    (tmp_path / "half.gguf").write_bytes(good.replace(b"v.std_scale", b"v.std_scalx"))
+    for model, file, message in ((text, tmp_path / "no-table.gguf", "missing tensor v.position_embd.weight"),
+                                 (text, tmp_path / "half.gguf", "missing tensor v.std_scale"),
+                                 ("builtin", mmproj, r"no <\|image\|> token")):
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(model, progress=False, mmproj=file)
+
+
+def test_llama_cpp_converts_the_same_mmproj(gemma4_gguf, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py --mmproj (LLAMA_CPP_SOURCE: its source tree) writes from the same folder
+    the same keys (but the general ones) and tensors (names, types, shapes, values) as `hearth convert --mmproj`."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    from optional import llama_cpp_source
+    from test_hybrid_gguf import _CONVERTER
+
+    source = llama_cpp_source()
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), "|".join(
+        ["--mmproj", "--outtype", "f32", "--outfile", str(theirs), str(gemma4_gguf[0])])], check=True,
+        capture_output=True)
+    readers = GGUFReader(gemma4_gguf[4]), GGUFReader(theirs)
+    keys = [{k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general."))} for r in readers]
+    assert keys[0] == keys[1]
+    tensors = [{t.name: (t.tensor_type, np.array(t.data)) for t in r.tensors} for r in readers]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    for name, (qtype, values) in tensors[1].items():
+        assert tensors[0][name][0] == qtype, name
+        np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=name)
