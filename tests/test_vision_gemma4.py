@@ -162,16 +162,36 @@ def test_mmproj_gguf_equals_transformers(gemma4_gguf):
     assert out[0].outputs[0].token_ids == ref_tokens
 
 
+def _with_audio(path, out):
+    """The mmproj file at `path` with an audio encoder's key and one of its tensors (a.blk.0.attn_q), at `out`."""
+    import gguf
+
+    reader, writer = gguf.GGUFReader(path), gguf.GGUFWriter(out, "clip")
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1
+                                 else None)
+    writer.add_bool("clip.has_audio_encoder", True)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor("a.blk.0.attn_q.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def test_bad_gemma4_mmproj_files_are_refused(gemma4, gemma4_gguf, tmp_path):
     """Refused by name: a Gemma 4 folder whose heads llama.cpp's file cannot hold (grouped keys and values, heads
     wider than hidden / heads), a file without its position table or with half the standardisation, a text model
-    without Gemma 4's image tokens."""
+    without Gemma 4's image tokens. A file with an audio tower too loads its vision tower."""
     from hearth.loading.loader import load_model
     from hearth.loading.mmproj import write_mmproj
 
     with pytest.raises(ModelLoadError, match="num_key_value_heads 2, head_dim 16.*llama.cpp's gemma4v file holds"):
         write_mmproj(gemma4[0], tmp_path / "gqa.gguf", "f32", progress=False)
     text, mmproj = gemma4_gguf[3], gemma4_gguf[4]
+    tower = load_model(text, progress=False, mmproj=_with_audio(mmproj, tmp_path / "audio.gguf")).model.vision
+    assert tower.vision_tower.std_scale.shape == (32,)  # (an audio tower beside it, as E2B's: left unread)
     good = mmproj.read_bytes()
     (tmp_path / "no-table.gguf").write_bytes(good.replace(b"v.position_embd.weight", b"v.position_xxxx.weight"))
     (tmp_path / "half.gguf").write_bytes(good.replace(b"v.std_scale", b"v.std_scalx"))

@@ -58,6 +58,7 @@ _IMAGE_TOKENS = {"idefics3": (IMAGE_MARKER, "<fake_token_around_image>", "<globa
 # tensors the file stores shifted from the checkpoint: gemma3's soft-embedding norm, its weight w - 1 in the
 # checkpoint (Gemma's RMSNorm multiplies by 1 + w), whole in the file (clip.cpp's norm multiplies by it)
 _FILE_OFFSETS = {"mm.soft_emb_norm.weight": 1.0}
+_AUDIO = ("a.", "mm.a.")  # an audio tower's tensors in a file that has one (gguf-py's A_* names)
 _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -196,7 +197,8 @@ def _read_tensors(file: GGUFFile, vision: VisionConfig | Gemma4VisionConfig, tex
         if tuple(reversed(found[name].shape)) != shape:
             raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(reversed(found[name].shape))}, expected "
                                  f"{shape} from the file's metadata")
-    extra = sorted(set(found) - set(expected))
+    audio = file.metadata.get(Keys.Clip.HAS_AUDIO_ENCODER) is True  # (Gemma 4 E2B's, E4B's: left unread)
+    extra = sorted(name for name in set(found) - set(expected) if not (audio and name.startswith(_AUDIO)))
     if extra:
         raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the {vision.family} projector hearth "
                              "implements")

@@ -22,7 +22,7 @@ from gguf import GGUFWriter, Keys, VisionProjectorType
 
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
-from hearth.image_processor_gemma4 import _SOFT_TOKENS, Gemma4ImageProcessor
+from hearth.image_processor_gemma4 import SOFT_TOKENS, Gemma4ImageProcessor
 from hearth.vision_config import Gemma4VisionConfig
 
 _V = Keys.ClipVision
@@ -86,8 +86,8 @@ def vision_config(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], text: 
 
 def image_processor(md: dict[str, Any], vision: Gemma4VisionConfig) -> Gemma4ImageProcessor:
     mean, std = tuple(md.get(_V.IMAGE_MEAN, (0.0,) * 3)), tuple(md.get(_V.IMAGE_STD, (1.0,) * 3))
-    budget = max([b for b in _SOFT_TOKENS if b <= _BUDGET and b * vision.pooling_kernel_size
-                  <= vision.position_embedding_size], default=_SOFT_TOKENS[0])
+    budget = max([b for b in SOFT_TOKENS if b <= _BUDGET and b * vision.pooling_kernel_size
+                  <= vision.position_embedding_size], default=SOFT_TOKENS[0])
     identity = mean == (0.0,) * 3 and std == (1.0,) * 3
     return Gemma4ImageProcessor(vision, budget, *(() if identity else (mean, std)))
 
