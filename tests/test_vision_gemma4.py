@@ -180,16 +180,32 @@ def _with_audio(path, out):
     return out
 
 
-def test_bad_gemma4_mmproj_files_are_refused(gemma4, gemma4_gguf, tmp_path):
-    """Refused by name: a Gemma 4 folder whose heads llama.cpp's file cannot hold (grouped keys and values, heads
-    wider than hidden / heads), a file without its position table or with half the standardisation, a text model
-    without Gemma 4's image tokens. A file with an audio tower too loads its vision tower."""
+def test_gemma4_mmproj_heads_audio_and_bad_files(gemma4, gemma4_gguf, tmp_path):
+    """A vision tower with grouped keys and values and heads wider than hidden / heads (the first folder's) is
+    written with clip.cpp's head_count_kv and head_dim keys and read back to the folder's encoder outputs; a file
+    with an audio tower too (E2B's) loads its vision tower. Refused by name: a folder whose rope theta the file
+    cannot hold, a file without its position table or with half the standardisation, a text model without Gemma
+    4's image tokens."""
+    import shutil
+
+    import gguf
+
     from hearth.loading.loader import load_model
     from hearth.loading.mmproj import write_mmproj
 
-    with pytest.raises(ModelLoadError, match="num_key_value_heads 2, head_dim 16.*llama.cpp's gemma4v file holds"):
-        write_mmproj(gemma4[0], tmp_path / "gqa.gguf", "f32", progress=False)
     text, mmproj = gemma4_gguf[3], gemma4_gguf[4]
+    gqa = write_mmproj(gemma4[0], tmp_path / "gqa.gguf", "f32", progress=False)
+    fields = gguf.GGUFReader(gqa).fields
+    assert [fields[f"clip.vision.attention.{k}"].contents() for k in ("head_count_kv", "head_dim")] == [2, 16]
+    patches = gemma4[3].engine.image_processor.process(_image(*IMAGES[0])).pixel_values
+    torch.testing.assert_close(load_model(text, progress=False, mmproj=gqa).model.vision.encode(patches),
+                               gemma4[3].engine.model.vision.encode(patches), atol=1e-5, rtol=0)
+    folder = shutil.copytree(gemma4_gguf[0], tmp_path / "theta")
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"]["rope_parameters"]["rope_theta"] = 10_000.0
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="rope_theta 10000.0: llama.cpp's gemma4v file holds no rope theta"):
+        write_mmproj(folder, tmp_path / "theta.gguf", "f32", progress=False)
     tower = load_model(text, progress=False, mmproj=_with_audio(mmproj, tmp_path / "audio.gguf")).model.vision
     assert tower.vision_tower.std_scale.shape == (32,)  # (an audio tower beside it, as E2B's: left unread)
     good = mmproj.read_bytes()

@@ -1,9 +1,10 @@
 """llama.cpp's "gemma4v" mmproj files: Gemma 4's vision tower (hearth/model/vision/gemma4.py) as
 convert_hf_to_gguf.py's Gemma4VisionAudioModel writes it and clip.cpp reads it.
 
-The file names less than config.json: no head_dim or key/value heads (clip.cpp's heads are hidden / head_count,
-each with its own key and value), no rope theta (clip.cpp's 100), the pool as clip.vision.projector.scale_factor
-only where it is not clip.cpp's 3, clip.vision.image_size a placeholder (224: each image keeps its aspect), the
+The file names less than config.json: the head size and key/value heads only where they are not clip.cpp's
+defaults (clip.vision.attention.head_dim, .head_count_kv, which clip.cpp reads and the converter never writes:
+heads of hidden / head_count, each with its own key and value), no rope theta (clip.cpp's 100), the pool as
+clip.vision.projector.scale_factor only where it is not clip.cpp's 3, clip.vision.image_size a placeholder (224: each image keeps its aspect), the
 position table's length and the standardisation by their tensors (v.position_embd [2, positions, hidden];
 v.std_bias, v.std_scale). The patch projection is stored as a convolution's kernel [hidden, 3, patch, patch];
 the checkpoint's [hidden, patch * patch * 3] has the channels innermost. Images: Gemma 4's processor (its
@@ -26,6 +27,9 @@ from hearth.image_processor_gemma4 import SOFT_TOKENS, Gemma4ImageProcessor
 from hearth.vision_config import Gemma4VisionConfig
 
 _V = Keys.ClipVision
+# clip.cpp's KEY_N_HEAD_KV and KEY_N_EMBD_HEAD (gguf-py's Keys.ClipVision.Attention.HEAD_COUNT_KV / HEAD_DIM, newer
+# than the gguf release hearth pins)
+HEAD_COUNT_KV, HEAD_DIM = "clip.vision.attention.head_count_kv", "clip.vision.attention.head_dim"
 PROJECTOR = VisionProjectorType.GEMMA4V
 IMAGE_TOKENS = (Gemma4ImageProcessor.image_token, Gemma4ImageProcessor.begin, Gemma4ImageProcessor.end)
 PATCH, POSITIONS = "v.patch_embd.weight", "v.position_embd.weight"
@@ -72,12 +76,14 @@ def vision_config(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], text: 
     hidden, heads = get(_V.EMBEDDING_LENGTH), get(_V.Attention.HEAD_COUNT)
     if POSITIONS not in shapes or len(shapes[POSITIONS]) != 3:
         raise ModelLoadError(f"missing tensor {POSITIONS} [2, positions, hidden]")
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1 or hidden % heads:
+    if HEAD_DIM not in md and (not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1
+                               or hidden % heads):
         raise ModelLoadError(f"{_V.EMBEDDING_LENGTH} {hidden!r} is not a multiple of {_V.Attention.HEAD_COUNT} "
-                             f"{heads!r}")
+                             f"{heads!r}, and no {HEAD_DIM} says the heads' size")
     return Gemma4VisionConfig(
         family="gemma4", hidden_size=hidden, intermediate_size=get(_V.FEED_FORWARD_LENGTH),
-        num_layers=get(_V.BLOCK_COUNT), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        num_layers=get(_V.BLOCK_COUNT), num_heads=heads, num_kv_heads=md.get(HEAD_COUNT_KV, heads),
+        head_dim=md.get(HEAD_DIM, hidden // heads),
         patch_size=get(_V.PATCH_SIZE), pooling_kernel_size=md.get(_V.Projector.SCALE_FACTOR, _POOL),
         position_embedding_size=shapes[POSITIONS][1], image_token_id=image_token_id, pad_token_id=0,
         bidirectional=text.hidden_size not in _CAUSAL_TEXT_WIDTHS, standardize="v.std_bias" in shapes,
@@ -93,14 +99,11 @@ def image_processor(md: dict[str, Any], vision: Gemma4VisionConfig) -> Gemma4Ima
 
 
 def add_metadata(writer: GGUFWriter, vision: Gemma4VisionConfig, processor: Gemma4ImageProcessor, where: str) -> None:
-    """The converter's keys; ModelLoadError for an encoder the file cannot hold (clip.cpp would run another)."""
-    if (vision.num_kv_heads != vision.num_heads or vision.head_dim * vision.num_heads != vision.hidden_size
-            or vision.rope_theta != _ROPE_THETA or vision.hidden_act != "gelu_pytorch_tanh"):
-        raise ModelLoadError(
-            f"{where}: a Gemma 4 vision tower with num_key_value_heads {vision.num_kv_heads}, head_dim "
-            f"{vision.head_dim}, rope_theta {vision.rope_theta}, hidden_activation {vision.hidden_act!r}: llama.cpp's "
-            f"gemma4v file holds only num_attention_heads ({vision.num_heads}) heads of hidden_size / heads, each "
-            f"with its own key and value, rope_theta {_ROPE_THETA} and gelu_pytorch_tanh")
+    """The converter's keys (and the heads' where they are not clip.cpp's defaults); ModelLoadError for an encoder
+    the file cannot hold (clip.cpp would run another)."""
+    if vision.rope_theta != _ROPE_THETA:
+        raise ModelLoadError(f"{where}: a Gemma 4 vision tower with rope_theta {vision.rope_theta}: llama.cpp's gemma4v "
+                             f"file holds no rope theta (clip.cpp turns its heads at {_ROPE_THETA})")
     for add, value in ((writer.add_vision_image_size, _IMAGE_SIZE), (writer.add_vision_patch_size, vision.patch_size),
                        (writer.add_vision_embedding_length, vision.hidden_size),
                        (writer.add_vision_feed_forward_length, vision.intermediate_size),
@@ -114,3 +117,7 @@ def add_metadata(writer: GGUFWriter, vision: Gemma4VisionConfig, processor: Gemm
     writer.add_vision_attention_layernorm_eps(vision.rms_norm_eps)
     if vision.pooling_kernel_size != _POOL:
         writer.add_vision_projector_scale_factor(vision.pooling_kernel_size)
+    if vision.num_kv_heads != vision.num_heads:
+        writer.add_uint32(HEAD_COUNT_KV, vision.num_kv_heads)
+    if vision.head_dim * vision.num_heads != vision.hidden_size:
+        writer.add_uint32(HEAD_DIM, vision.head_dim)
