@@ -220,25 +220,29 @@ def test_gemma4_mmproj_heads_audio_and_bad_files(gemma4, gemma4_gguf, tmp_path):
 
 def test_llama_cpp_converts_the_same_mmproj(gemma4_gguf, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py --mmproj (LLAMA_CPP_SOURCE: its source tree) writes from the same folder
-    the same keys (but the general ones) and tensors (names, types, shapes, values) as `hearth convert --mmproj`."""
+    the same keys (but the general ones) and tensors (names, types, shapes, values) as `hearth convert --mmproj`,
+    in f32 and in f16 (the patch projection F16, the position table F32)."""
     import subprocess
     import sys
 
     from gguf import GGUFReader
 
+    from hearth.loading.mmproj import write_mmproj
     from optional import llama_cpp_source
     from test_hybrid_gguf import _CONVERTER
 
     source = llama_cpp_source()
-    theirs = tmp_path / "theirs.gguf"
-    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), "|".join(
-        ["--mmproj", "--outtype", "f32", "--outfile", str(theirs), str(gemma4_gguf[0])])], check=True,
-        capture_output=True)
-    readers = GGUFReader(gemma4_gguf[4]), GGUFReader(theirs)
-    keys = [{k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general."))} for r in readers]
-    assert keys[0] == keys[1]
-    tensors = [{t.name: (t.tensor_type, np.array(t.data)) for t in r.tensors} for r in readers]
-    assert sorted(tensors[0]) == sorted(tensors[1])
-    for name, (qtype, values) in tensors[1].items():
-        assert tensors[0][name][0] == qtype, name
-        np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=name)
+    ours = {"f32": gemma4_gguf[4], "f16": write_mmproj(gemma4_gguf[0], tmp_path / "f16.gguf", "f16", progress=False)}
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *("|".join(
+        ["--mmproj", "--outtype", kind, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str(gemma4_gguf[0])])
+        for kind in ours)], check=True, capture_output=True)
+    for kind, path in ours.items():
+        readers = GGUFReader(path), GGUFReader(tmp_path / f"theirs-{kind}.gguf")
+        keys = [{k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general."))}
+                for r in readers]
+        assert keys[0] == keys[1] and readers[0].fields["general.file_type"].contents() == (kind == "f16")
+        tensors = [{t.name: (t.tensor_type, np.array(t.data)) for t in r.tensors} for r in readers]
+        assert sorted(tensors[0]) == sorted(tensors[1])
+        for name, (qtype, values) in tensors[1].items():
+            assert tensors[0][name][0] == qtype, (kind, name)
+            np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=f"{kind} {name}")
