@@ -31,11 +31,11 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.image_processor import IMAGE_MARKER, ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
-from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
+from hearth.image_processor_gemma4 import Gemma4ImageProcessor
 from hearth.loading import mmproj_gemma4 as gemma4
+from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.safetensors import load_hf_folder
-from hearth.image_processor_gemma4 import Gemma4ImageProcessor
 from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.gemma4 import Gemma4VisionTower
 from hearth.model.vision.siglip import VisionTower
@@ -66,7 +66,7 @@ _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 class Mmproj:
     """An mmproj file read for a text model: the vision config, the tower's weights by hearth's
     checkpoint names (model.vision_model.*, model.connector.*; Gemma 3's model.vision_tower.*,
-    model.multi_modal_projector.*) and the images' processor."""
+    model.multi_modal_projector.*; Gemma 4's model.vision_tower.*, model.embed_vision.*) and the images' processor."""
 
     vision: VisionConfig | Gemma4VisionConfig
     weights: dict[str, torch.Tensor]
