@@ -358,7 +358,7 @@ class EngineConfig:
                                    "itself")
     mmproj: str | None = option(
         None, metavar="FILE", help="llama.cpp's mmproj GGUF: the vision projector of a GGUF text model (SmolVLM / "
-                                   "Idefics3, Gemma 3), as llama-server's --mmproj")
+                                   "Idefics3, Gemma 3, Gemma 4), as llama-server's --mmproj")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     cascade: CascadeConfig = section(CascadeConfig, "cascade")

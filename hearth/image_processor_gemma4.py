@@ -24,7 +24,7 @@ from hearth.image_processor import ProcessedImage, content_hash, normalise, read
 from hearth.vision_config import Gemma4VisionConfig
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
-_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the budgets transformers' processor takes (_SUPPORTED_SOFT_TOKENS)
+SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the budgets transformers' processor takes (_SUPPORTED_SOFT_TOKENS)
 
 
 class Gemma4ImageProcessor:
@@ -39,9 +39,9 @@ class Gemma4ImageProcessor:
         self.max_soft_tokens, self.rescale_factor, self.resample = max_soft_tokens, rescale_factor, resample
         self.mean = None if mean is None else np.array(mean, dtype=np.float32)
         self.std = None if std is None else np.array(std, dtype=np.float32)
-        if max_soft_tokens not in _SOFT_TOKENS:
+        if max_soft_tokens not in SOFT_TOKENS:
             raise ModelLoadError(f"max_soft_tokens = {max_soft_tokens}: transformers' Gemma 4 processor takes "
-                                 f"{', '.join(map(str, _SOFT_TOKENS))}")
+                                 f"{', '.join(map(str, SOFT_TOKENS))}")
         if max_soft_tokens * self.pool > vision.position_embedding_size:  # (an image's longest side, in patches)
             raise ModelLoadError(f"max_soft_tokens = {max_soft_tokens}: an image {max_soft_tokens * self.pool} patches "
                                  f"long would pass the encoder's {vision.position_embedding_size} positions")

@@ -438,13 +438,13 @@ GEMMA4_VL_SPECIAL = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_to
                      "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
 
 
-def make_gemma4_vl(folder: Path, seed: int = 0) -> Path:
+def make_gemma4_vl(folder: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None) -> Path:
     """A random Gemma 4 (transformers' Gemma4ForConditionalGeneration: its ViT with 2-D RoPE, 3 x 3 pooling and
     standardisation, embed_vision, the gemma4 text model of hf_config("gemma4") with images attending both ways on
     its sliding layers, whose window (8) is shorter than an image) in real image shapes (patches of 16, the
     processor's least budget: 70 soft tokens) with tiny widths, its tokenizer (the image and audio tokens added,
     as Gemma4Processor needs them) and its image processor's settings (Gemma4ImageProcessorPil's). Weights spread
-    wider than transformers' init."""
+    wider than transformers' init. text, vision: text_config's and vision_config's keys changed."""
     import transformers
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -454,10 +454,10 @@ def make_gemma4_vl(folder: Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(folder)
     torch.manual_seed(seed)
     text = {**_COMMON, **_dense_configs(transformers)["gemma4"][1], "vocab_size": 384, "vocab_size_per_layer_input": 384,
-            "max_position_embeddings": 4096, "use_bidirectional_attention": "vision"}
+            "max_position_embeddings": 4096, "use_bidirectional_attention": "vision", **(text or {})}
     vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "patch_size": 16, "pooling_kernel_size": 3,
-              "position_embedding_size": 256, "standardize": True}
+              "position_embedding_size": 256, "standardize": True, **(vision or {})}
     model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
         text_config=text, vision_config=vision, image_token_id=tokenizer.image_token_id,
         boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id, video_token_id=None,

@@ -1,7 +1,8 @@
 """llama.cpp's mmproj GGUF files: an image-text model's vision tower beside its text model's GGUF
 (`llama-server -m TEXT.gguf --mmproj MMPROJ.gguf`), read and written for the projector types hearth
-implements: clip.cpp's "idefics3" (SmolVLM / Idefics3: SigLIP, pixel shuffle, a linear projector) and
-"gemma3" (Gemma 3: SigLIP, an average pool, the soft-embedding norm and a linear projector).
+implements: clip.cpp's "idefics3" (SmolVLM / Idefics3: SigLIP, pixel shuffle, a linear projector),
+"gemma3" (Gemma 3: SigLIP, an average pool, the soft-embedding norm and a linear projector) and "gemma4v"
+(Gemma 4's ViT: what its file holds and leaves out in hearth/loading/mmproj_gemma4.py).
 
 The layout is gguf-py's (llama.cpp's own package), as convert_hf_to_gguf.py's SmolVLMModel and
 Gemma3VisionModel write it: general.architecture "clip" and general.type "mmproj"; the keys of
@@ -30,28 +31,34 @@ from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.image_processor import IMAGE_MARKER, ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
+from hearth.image_processor_gemma4 import Gemma4ImageProcessor
+from hearth.loading import mmproj_gemma4 as gemma4
 from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.safetensors import load_hf_folder
 from hearth.model.vision.gemma3 import GemmaVisionTower
+from hearth.model.vision.gemma4 import Gemma4VisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.tokenizer import Tokenizer
-from hearth.vision_config import VisionConfig
+from hearth.vision_config import Gemma4VisionConfig, VisionConfig
 
 Q = GGMLQuantizationType
 CLIP = MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ]  # "clip": every mmproj file's general.architecture
 _V = Keys.ClipVision
 # the projector types hearth reads and writes -> the vision family (vision_config.py)
-_FAMILIES = {VisionProjectorType.IDEFICS3: "idefics3", VisionProjectorType.GEMMA3: "gemma3"}
+_FAMILIES = {VisionProjectorType.IDEFICS3: "idefics3", VisionProjectorType.GEMMA3: "gemma3", gemma4.PROJECTOR: "gemma4"}
+_TOWERS = {"idefics3": VisionTower, "gemma3": GemmaVisionTower, "gemma4": Gemma4VisionTower}
 _SCALE_FACTORS = {"idefics3": 2, "gemma3": 4}  # clip.cpp's where the file names none
 # the tokens each family's placeholder text is made of (its processor's placeholder_text), each one token of the
 # text model's vocabulary (the first: the placeholder); without them the prompt would tokenize other than the
 # processor's
 _IMAGE_TOKENS = {"idefics3": (IMAGE_MARKER, "<fake_token_around_image>", "<global-img>", "<row_1_col_1>"),
-                 "gemma3": (GemmaImageProcessor.image_token, GemmaImageProcessor.marker, GemmaImageProcessor.end_token)}
+                 "gemma3": (GemmaImageProcessor.image_token, GemmaImageProcessor.marker, GemmaImageProcessor.end_token),
+                 "gemma4": gemma4.IMAGE_TOKENS}
 # tensors the file stores shifted from the checkpoint: gemma3's soft-embedding norm, its weight w - 1 in the
 # checkpoint (Gemma's RMSNorm multiplies by 1 + w), whole in the file (clip.cpp's norm multiplies by it)
 _FILE_OFFSETS = {"mm.soft_emb_norm.weight": 1.0}
+_AUDIO = ("a.", "mm.a.")  # an audio tower's tensors in a file that has one (gguf-py's A_* names)
 _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -59,11 +66,11 @@ _DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 class Mmproj:
     """An mmproj file read for a text model: the vision config, the tower's weights by hearth's
     checkpoint names (model.vision_model.*, model.connector.*; Gemma 3's model.vision_tower.*,
-    model.multi_modal_projector.*) and the images' processor."""
+    model.multi_modal_projector.*; Gemma 4's model.vision_tower.*, model.embed_vision.*) and the images' processor."""
 
-    vision: VisionConfig
+    vision: VisionConfig | Gemma4VisionConfig
     weights: dict[str, torch.Tensor]
-    image_processor: ImageProcessor | GemmaImageProcessor
+    image_processor: ImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor
 
 
 def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mmproj:
@@ -77,8 +84,13 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
     md = file.metadata
     family = _family(md, where)
     try:
-        vision = _vision_config(md, family, _image_token(tokenizer, family, where))
-        processor = _image_processor(md, vision, where)
+        token = _image_token(tokenizer, family, where)
+        if family == "gemma4":
+            vision = gemma4.vision_config(md, {t.name: tuple(reversed(t.shape)) for t in file.tensors}, text, token)
+            processor = gemma4.image_processor(md, vision)
+        else:
+            vision = _vision_config(md, family, token)
+            processor = _image_processor(md, vision, where)
     except ModelLoadError as e:
         raise ModelLoadError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     except (TypeError, ValueError, OverflowError) as e:
@@ -102,8 +114,8 @@ def _family(md: dict[str, Any], where: str) -> str:
     kind = md.get(Keys.Clip.PROJECTOR_TYPE, md.get(_V.PROJECTOR_TYPE))
     if kind not in _FAMILIES:
         raise ModelLoadError(f"{where}: projector type {kind!r} ({Keys.Clip.PROJECTOR_TYPE}) is not implemented by "
-                             f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3) and "
-                             f"{VisionProjectorType.GEMMA3!r} ones (Gemma 3)")
+                             f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3), "
+                             f"{VisionProjectorType.GEMMA3!r} (Gemma 3) and {gemma4.PROJECTOR!r} ones (Gemma 4)")
     return _FAMILIES[kind]
 
 
@@ -145,19 +157,22 @@ def _image_processor(md: dict[str, Any], vision: VisionConfig, where: str) -> Im
                           mean, std, do_image_splitting=longest is not None).checked(where)
 
 
-def tower_tensors(vision: VisionConfig, text_hidden_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """llama.cpp's name (gguf-py's MMPROJ map) -> (hearth's checkpoint name, shape) of every tensor of
-    the vision tower."""
+def tower_tensors(vision: VisionConfig | Gemma4VisionConfig, text_hidden_size: int
+                  ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """llama.cpp's name (gguf-py's MMPROJ map) -> (hearth's checkpoint name, shape in the file, torch order) of
+    every tensor of the vision tower."""
     with torch.device("meta"):
-        tower = (GemmaVisionTower if vision.family == "gemma3" else VisionTower)(vision, text_hidden_size)
+        tower = _TOWERS[vision.family](vision, text_hidden_size)
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vision.num_layers)
     tensors = {}
     for name, param in tower.named_parameters():
         checkpoint = f"model.{name}"
-        gguf_name = names.get_name(_published_name(checkpoint), try_suffixes=(".weight", ".bias"))
+        published = gemma4.published_name(checkpoint) if vision.family == "gemma4" else _published_name(checkpoint)
+        gguf_name = names.get_name(published, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelLoadError(f"tensor {checkpoint}: gguf-py has no mmproj name for it")
-        tensors[gguf_name] = (checkpoint, tuple(param.shape))
+        shape = tuple(param.shape)
+        tensors[gguf_name] = (checkpoint, gemma4.file_shape(gguf_name, shape) if vision.family == "gemma4" else shape)
     return tensors
 
 
@@ -170,7 +185,8 @@ def _published_name(checkpoint: str) -> str:
     return name.replace("_projection_weight", "_projection.weight")
 
 
-def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, where: str) -> dict[str, torch.Tensor]:
+def _read_tensors(file: GGUFFile, vision: VisionConfig | Gemma4VisionConfig, text_hidden_size: int, where: str
+                  ) -> dict[str, torch.Tensor]:
     """Every tower tensor of the file by hearth's name, float32; ModelLoadError for one missing, one
     of another shape, or one the tower has no place for."""
     expected = tower_tensors(vision, text_hidden_size)
@@ -181,12 +197,16 @@ def _read_tensors(file: GGUFFile, vision: VisionConfig, text_hidden_size: int, w
         if tuple(reversed(found[name].shape)) != shape:
             raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(reversed(found[name].shape))}, expected "
                                  f"{shape} from the file's metadata")
-    extra = sorted(set(found) - set(expected))
+    audio = file.metadata.get(Keys.Clip.HAS_AUDIO_ENCODER) is True  # (Gemma 4 E2B's, E4B's: left unread)
+    extra = sorted(name for name in set(found) - set(expected) if not (audio and name.startswith(_AUDIO)))
     if extra:
         raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the {vision.family} projector hearth "
                              "implements")
-    return {checkpoint: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0)
-            for name, (checkpoint, _) in expected.items()}
+    weights = {checkpoint: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0)
+               for name, (checkpoint, _) in expected.items()}
+    if vision.family == "gemma4":  # (the patch projection: a convolution's kernel in the file)
+        weights = {checkpoint: gemma4.from_file(name, weights[checkpoint]) for name, (checkpoint, _) in expected.items()}
+    return weights
 
 
 def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
@@ -204,9 +224,10 @@ def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
 
 def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
     """Write the vision tower of the image-text folder `hf_dir` as llama.cpp's mmproj file at
-    `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel (Gemma3VisionModel) writes
-    it, the embeddings and 1-D tensors F32 (gemma3's input projection F16), the other weights in `out_type`
-    (F16 where a row is not whole blocks)."""
+    `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel (Gemma3VisionModel,
+    Gemma4VisionAudioModel) writes it, the embeddings and 1-D tensors F32 (gemma3's input projection F16; gemma4's
+    patch projection F16 in an f16 file, F32 otherwise), the other weights in `out_type` (F16 where a row is not
+    whole blocks)."""
     file_type, weight_type = out_types(out_type)
     config, weights = load_hf_folder(hf_dir, progress=progress)
     vision = config.vision
@@ -214,16 +235,26 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
         raise ModelLoadError(f"{hf_dir}: a text model has no vision tower to write as an mmproj file")
     if vision.family not in _FAMILIES.values() or vision.hidden_act != "gelu_pytorch_tanh":
         raise ModelLoadError(f"{hf_dir}: a {vision.family} vision tower with vision_config.hidden_act "
-                             f"{vision.hidden_act!r}: hearth writes llama.cpp's idefics3 and gemma3 projectors, which "
-                             "run the tanh GELU (gelu_pytorch_tanh)")
-    gemma = vision.family == "gemma3"
-    processor = (GemmaImageProcessor if gemma else ImageProcessor).from_hf_dir(Path(hf_dir), vision)
+                             f"{vision.hidden_act!r}: hearth writes llama.cpp's idefics3, gemma3 and gemma4v projectors, "
+                             "which run the tanh GELU (gelu_pytorch_tanh)")
     writer = GGUFWriter(None, CLIP)
     writer.add_type(GGUFType.MMPROJ)
     writer.add_file_type(int(file_type))
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(VisionProjectorType.GEMMA3 if gemma else VisionProjectorType.IDEFICS3)
     writer.add_vision_projection_dim(config.hidden_size)
+    if vision.family == "gemma4":
+        gemma4.add_metadata(writer, vision, Gemma4ImageProcessor.from_hf_dir(Path(hf_dir), vision), str(hf_dir))
+    else:
+        _add_siglip_metadata(writer, vision, Path(hf_dir))
+    plan = _plan(vision.family, tower_tensors(vision, config.hidden_size), weights, weight_type)
+    return write_gguf(writer, plan, out_path, f"writing the mmproj file in {out_type}", progress)
+
+
+def _add_siglip_metadata(writer: GGUFWriter, vision: VisionConfig, hf_dir: Path) -> None:
+    """SmolVLMModel's and Gemma3VisionModel's keys."""
+    gemma = vision.family == "gemma3"
+    processor = (GemmaImageProcessor if gemma else ImageProcessor).from_hf_dir(hf_dir, vision)
+    writer.add_clip_projector_type(VisionProjectorType.GEMMA3 if gemma else VisionProjectorType.IDEFICS3)
     for add, value in ((writer.add_vision_image_size, vision.image_size),
                        (writer.add_vision_patch_size, vision.patch_size),
                        (writer.add_vision_embedding_length, vision.hidden_size),
@@ -238,22 +269,27 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
     writer.add_vision_use_gelu(True)
     if not gemma and processor.do_image_splitting:
         writer.add_vision_preproc_image_size(processor.longest_edge)
-    plan = _plan(tower_tensors(vision, config.hidden_size), weights, weight_type)
-    return write_gguf(writer, plan, out_path, f"writing the mmproj file in {out_type}", progress)
 
 
-def _plan(tensors: dict[str, tuple[str, tuple[int, ...]]], weights: dict[str, torch.Tensor],
+def _plan(family: str, tensors: dict[str, tuple[str, tuple[int, ...]]], weights: dict[str, torch.Tensor],
           weight_type: GGMLQuantizationType) -> list[PlannedTensor]:
     """The tower's tensors under llama.cpp's names, in their types (SmolVLMModel's: embeddings F32;
-    Gemma3VisionModel's: its input projection F16 too, llama.cpp issue 13025), values as the file stores them."""
+    Gemma3VisionModel's: its input projection F16 too, llama.cpp issue 13025; Gemma4VisionAudioModel's: the
+    position table F32, the patch projection F16 or F32), values as the file stores them."""
     missing = [checkpoint for checkpoint, _ in tensors.values() if checkpoint not in weights]
     if missing:
         raise ModelLoadError(f"missing tensor {missing[0]}")
     plan = []
     for name, (checkpoint, shape) in tensors.items():
         tensor = weights[checkpoint]
-        qtype = Q.F32 if ".embeddings." in checkpoint else Q.F16 if name == "mm.input_projection.weight" else \
-            tensor_type(name, tensor, weight_type)
-        offset = _FILE_OFFSETS.get(name, 0.0)
-        plan.append((name, shape, qtype, lambda tensor=tensor, offset=offset: tensor.float() + offset))
+        qtype = tensor_type(name, tensor, weight_type)
+        if ".embeddings." in checkpoint or name == gemma4.POSITIONS:
+            qtype = Q.F32
+        elif family == "gemma3" and name == "mm.input_projection.weight":
+            qtype = Q.F16
+        elif family == "gemma4" and name == gemma4.PATCH:
+            qtype = Q.F16 if weight_type == Q.F16 else Q.F32
+        offset, layout = _FILE_OFFSETS.get(name, 0.0), family == "gemma4"  # (gemma4's patch projection: a kernel)
+        plan.append((name, shape, qtype, lambda name=name, tensor=tensor, offset=offset, layout=layout:
+                     gemma4.to_file(name, tensor.float()) if layout else tensor.float() + offset))
     return plan
