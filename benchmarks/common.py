@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -23,7 +24,12 @@ MODELS_DIR = Path(os.environ.get("HEARTH_BENCH_MODELS", Path.home() / ".cache" /
 # llama.cpp's own quantization mixes, made from the f16 file by llama.cpp's `llama_model_quantize`
 # (what its llama-quantize tool runs: Q4_K_M mixes Q4_K and Q6_K tensors, and so on)
 LLAMA_CPP_TYPES = {"q2_k": "Q2_K", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S",
-                   "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+                   "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "iq4_xs": "IQ4_XS", "iq3_m": "IQ3_M", "iq3_s": "IQ3_S",
+                   "iq3_xxs": "IQ3_XXS", "iq2_m": "IQ2_M", "iq2_xs": "IQ2_XS", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S",
+                   "iq1_m": "IQ1_M"}
+# of those, the mixes llama.cpp writes only with an importance matrix: given one of ones (every column
+# alike: these random weights have no important columns, and the files are for timing)
+UNIFORM_IMATRIX_TYPES = ("iq3_xxs", "iq2_m", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m")
 
 
 def bench_model(arch: str, gguf_types=("f16", "q8_0", "q4_0")) -> dict:
@@ -50,11 +56,28 @@ def llama_cpp_quantize(source: str, target: str, kind: str) -> str:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_CPP_TYPES[kind]}")
     params.nthread = os.cpu_count() or 1
+    if kind in UNIFORM_IMATRIX_TYPES:
+        entries = uniform_imatrix(llama_cpp, source)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     print(f"llama.cpp quantizing {source} to {LLAMA_CPP_TYPES[kind]}", file=sys.stderr)
     if llama_cpp.llama_model_quantize(source.encode(), target.encode(), params) != 0:
         Path(target).unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
     return target
+
+
+def uniform_imatrix(llama_cpp, source: str):
+    """llama.cpp's importance entries (a null-terminated array, as llama-quantize passes what it read)
+    of ones for every matrix of `source`; the arrays stay alive with the returned array."""
+    import gguf
+    import numpy as np
+
+    matrices = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(source).tensors if len(t.shape) >= 2}
+    entries = (llama_cpp.llama_model_imatrix_data * (len(matrices) + 1))()
+    entries._arrays = [np.ones(cols, dtype=np.float32) for cols in matrices.values()]
+    for entry, name, values in zip(entries, matrices, entries._arrays):
+        entry.name, entry.data, entry.size = name.encode(), values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(values)
+    return entries
 
 
 def tiny_model() -> tuple[str, str, str]:

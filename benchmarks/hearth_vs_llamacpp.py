@@ -12,8 +12,9 @@ roofline ceiling for the file (see `hearth roofline`).
     python benchmarks/hearth_vs_llamacpp.py --arch tinyllama-1.1b --types q8_0 --out benchmarks/results/llamacpp
     python benchmarks/hearth_vs_llamacpp.py --types q4_k_m,q5_k_m,q6_k --threads 1 --cpu-time
 
---types takes hearth's converter types (f16, q8_0, q4_0...) and llama.cpp's K-quant mixes
-(q4_k_m, q5_k_m, q6_k...: the f16 file requantized by llama.cpp's own `llama_model_quantize`).
+--types takes hearth's converter types (f16, q8_0, q4_0...) and llama.cpp's K-quant and i-quant mixes
+(q4_k_m, q5_k_m, q6_k, iq4_xs, iq3_s, iq2_xs, iq1_m...: the f16 file requantized by llama.cpp's own
+`llama_model_quantize`; the mixes it writes only with an importance matrix get one of ones).
 """
 
 from __future__ import annotations

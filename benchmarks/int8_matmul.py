@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """hearth's int8_matmul per GGUF format: one TinyLlama MLP matrix (5632 x 2048, random blocks with
 sane float16 scales), CPU milliseconds per call at 1 thread (CPU time: a machine shared with other
-jobs still gives each call's own cost), GB/s of the weight's bytes and GOP/s.
+jobs still gives each call's own cost), GB/s of the weight's bytes and GOP/s. The grid i-quants
+(IQ3_S, IQ2_XS, ...) are timed as the cpu backend reads them, rewritten at load into nibble blocks
+(`grid_nibbles`): the file's bytes and the bytes read are both shown.
 
     python benchmarks/int8_matmul.py --rows 1,4,16,64,512
     python benchmarks/int8_matmul.py --paths avx512-vnni,avx2 --types Q4_K,Q6_K
+    python benchmarks/int8_matmul.py --rows 1 --repeats 40 --types Q4_K,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,IQ1_M,IQ1_S
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     from gguf import GGMLQuantizationType
 
     sys.path.insert(0, str(REPO / "tests"))
+    from test_iquants import random_iquant
     from test_quant_linear import random_weight
 
     from hearth.quant import kernels
@@ -45,17 +49,21 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     cells, data = [], []
     for name in args.types.split(","):
-        qtype = GGMLQuantizationType[name]
-        weight = random_weight(qtype, n, k, g)
+        qtype = kernel_qtype = GGMLQuantizationType[name]
+        grid = qtype in kernels.GRID_FORMATS
+        weight = (random_iquant if grid or qtype.name.startswith("IQ4") else random_weight)(qtype, n, k, g)
+        file_bytes = f"{weight.numel() / 1e6:.2f} MB"
+        if grid:
+            weight, kernel_qtype = ext.grid_nibbles(weight, qtype, n, k)
         for path in paths:
-            row = [name, path, f"{weight.numel() / 1e6:.1f} MB"]
+            row = [name, path, file_bytes, f"{weight.numel() / 1e6:.2f} MB"]
             for m in rows:
                 x = torch.randn(m, k, generator=g)
-                ext.int8_matmul(x, weight, int(qtype), n, path)
+                ext.int8_matmul(x, weight, int(kernel_qtype), n, path)
                 times = []
                 for _ in range(args.repeats):
                     start = time.process_time()
-                    ext.int8_matmul(x, weight, int(qtype), n, path)
+                    ext.int8_matmul(x, weight, int(kernel_qtype), n, path)
                     times.append(time.process_time() - start)
                 t = sorted(times)[len(times) // 2]
                 row.append(f"{t * 1e3:.2f} ms, {weight.numel() / t / 1e9:.1f} GB/s, {2 * m * n * k / t / 1e9:.0f} GOP/s")
@@ -63,7 +71,7 @@ def main() -> None:
             cells.append(row)
     command = "python " + " ".join(sys.argv)
     md = "\n".join([f"`{command}` (1 thread, CPU time, median of {args.repeats} calls; weight {n} x {k})", "",
-                    table(["format", "path", "weight"] + [f"M = {m}" for m in rows], cells)])
+                    table(["format", "path", "file bytes", "bytes read"] + [f"M = {m}" for m in rows], cells)])
     write_results(args.out, md, {"shape": [n, k], "results": data})
 
 

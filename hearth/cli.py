@@ -332,10 +332,10 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("--type", required=True, type=str.lower, metavar="TYPE",
                    choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l",
                             "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "iq3_m",
-                            "iq3_s", "iq3_xs", "iq3_xxs", "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s"],
+                            "iq3_s", "iq3_xs", "iq3_xxs", "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m"],
                    help="q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s/m/l, q4_k_s/m, q5_k_s/m, q6_k, iq4_nl, iq4_xs, "
-                        "iq3_m/s/xs/xxs, iq2_m/s/xs/xxs, iq1_s (any case): llama.cpp's mixes, the same type for each "
-                        "tensor as llama-quantize (iq3_xxs, iq3_xs, the iq2 mixes and iq1_s need --imatrix, as there)")
+                        "iq3_m/s/xs/xxs, iq2_m/s/xs/xxs, iq1_s/m (any case): llama.cpp's mixes, the same type for each "
+                        "tensor as llama-quantize (iq3_xxs, iq3_xs, the iq2 mixes and iq1_s/m need --imatrix, as there)")
     p.add_argument("--imatrix", default=None, help="an importance matrix (hearth imatrix, llama-imatrix: GGUF or .dat)")
     p.add_argument("--awq", default=None, metavar="TEXT_FILE",
                    help="search AWQ's per-channel scales on this calibration text and fold them into the weights "

@@ -1,10 +1,10 @@
 """i-quants and MXFP4 through the kernels and the backends' modules.
 
-The codebook formats (IQ4_NL, IQ4_XS, MXFP4, and the grid formats IQ3_S..IQ2_XXS) have int8
-kernels: against gguf's dequantizer and a float64 matmul within the int8-activation bound
-(tests/test_quant_linear.py says how it is derived), for odd shapes, on every code path this build
-has. IQ1_S and IQ1_M go through the dequantizing module on every backend: within fp32 rounding of
-the same product (the cpu backend's F16 copy: within float16 rounding).
+The codebook formats (IQ4_NL, IQ4_XS, MXFP4) and the grid formats (IQ3_S..IQ1_M, read as the
+nibble blocks `grid_nibbles` writes at load) have int8 kernels: against gguf's dequantizer and a
+float64 matmul within the int8-activation bound (tests/test_quant_linear.py says how it is
+derived), for odd shapes, on every code path this build has. The dequantizing module (the
+reference backend): within fp32 rounding of the same product.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from hearth.backend import choose_backend
-from hearth.backend.cpu_linear import HalfLinear, Int8Linear, cpu_linear
+from hearth.backend.cpu_linear import Int8Linear, cpu_linear
 from hearth.backend.stored import DequantLinear
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import load_model
@@ -28,8 +28,8 @@ from models import make_hf_model
 from optional import import_llama_cpp, llama_cpp_quantizer
 from test_quant_linear import ROWS, assert_within, ext, fp32_tolerance, q8_tolerance  # noqa: F401 (ext: a fixture)
 
-CODEBOOK_QTYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS]
-WIDENED_QTYPES = [Q.IQ1_S, Q.IQ1_M]  # no int8 kernel yet: F16 at load on the cpu backend
+CODEBOOK_QTYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
+GRID_QTYPES = [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M]
 
 
 def random_iquant(qtype: Q, rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -74,24 +74,34 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
         assert_within(layer(x), ref, bound)
 
 
-@pytest.mark.parametrize("qtype", WIDENED_QTYPES, ids=lambda q: q.name)
-def test_grid_formats_multiply_as_their_dequantization(qtype):
-    """The dequantizing module (the reference backend; the gpu backend's on its device): gguf's
-    dequantization times x within fp32 rounding. The cpu backend's (the weight widened to F16 at
-    load, then half_matmul): within the float16 rounding of each weight, 2^-11 of it. A decode
-    row, a few, and a prefill past half_matmul's rows."""
+@pytest.mark.parametrize("qtype", GRID_QTYPES, ids=lambda q: q.name)
+def test_grid_formats_multiply_as_nibble_blocks(ext, qtype):
+    """37 rows of 3 blocks: the kernels' decoding of the file's blocks and of the nibble blocks
+    (`grid_nibbles`) both bit-exact against gguf's; every int8 path on the nibble blocks and the cpu
+    backend's module (which rewrites them at load) within the int8 bound at 1 to 300 rows; the
+    reference's dequantizing module within fp32 rounding. The file's blocks are refused by the int8
+    kernels, by name."""
     g = torch.Generator().manual_seed(int(qtype))
     n, k = 37, 768
     data = random_iquant(qtype, n, k, g)
     w = gguf_dense(data, qtype, k)
+    assert torch.equal(ext.dequantize_rows(data, int(qtype), k), w)
+    nibbles, nibble_type = ext.grid_nibbles(data, qtype, n, k)
+    assert nibbles.shape == (n, 3 * 148) and torch.equal(ext.dequantize_rows(nibbles, nibble_type, k), w)
+    with pytest.raises(ValueError, match="nibble blocks"):
+        ext.int8_matmul(torch.randn(1, k), data, int(qtype), n)
     weight = QuantTensor(data, qtype, (n, k))
     layer = cpu_linear(weight)
-    assert isinstance(layer, HalfLinear if kernels.extension() is not None else DequantLinear)
-    for m in (1, 5, 130):
+    assert isinstance(layer, Int8Linear) and layer.kernel_qtype == nibble_type and torch.equal(layer.dequantize(), w)
+    for m in ROWS:
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T
-        assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))
-        assert_within(layer(x), ref, 2.0**-11 * (x.abs().double() @ w.abs().double().T) + fp32_tolerance(x, w))
+        bound = q8_tolerance(x, w, 256)
+        for path in ext.int8_paths:
+            assert_within(ext.int8_matmul(x, nibbles, nibble_type, n, path), ref, bound)
+        assert_within(layer(x), ref, bound)
+        if m in (1, 300):
+            assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))
 
 
 # ---------------------------------------------------------------- files llama.cpp made, against llama.cpp
@@ -104,7 +114,7 @@ MIX = {"attn_v": Q.Q6_K, "ffn_down": Q.Q4_K, "output": Q.Q6_K}
 _SLOW_TO_MAKE = (Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
 # Q4_K and Q8_0: the formats llama.cpp agreed on already, for scale
 MIXED_QTYPES = [pytest.param(q, marks=pytest.mark.slow) if q in _SLOW_TO_MAKE else q
-                for q in CODEBOOK_QTYPES + WIDENED_QTYPES + [Q.Q4_K, Q.Q8_0]]
+                for q in CODEBOOK_QTYPES + GRID_QTYPES + [Q.Q4_K, Q.Q8_0]]
 
 
 def requantize(source: Path, out: Path, qtype: Q, quantize) -> Path:

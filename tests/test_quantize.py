@@ -54,10 +54,11 @@ BASE = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": 
 
 # the i-quant mixes: their main type (llama.cpp's IQ2_S file is mostly IQ2_XS, its IQ2_M file IQ2_S)
 IQ_BASE = {"iq3_m": Q.IQ3_S, "iq3_s": Q.IQ3_S, "iq3_xs": Q.IQ3_S, "iq3_xxs": Q.IQ3_XXS, "iq2_m": Q.IQ2_S,
-           "iq2_s": Q.IQ2_XS, "iq2_xs": Q.IQ2_XS, "iq2_xxs": Q.IQ2_XXS, "iq1_s": Q.IQ1_S}
+           "iq2_s": Q.IQ2_XS, "iq2_xs": Q.IQ2_XS, "iq2_xxs": Q.IQ2_XXS, "iq1_s": Q.IQ1_S,
+           "iq1_m": Q.IQ1_M}
 # the mixes llama.cpp writes only with an importance matrix (IQ3_XXS and IQ2_* tensors); the tests give them one
-IMATRIX_MIXES = ("iq3_xxs", "iq3_xs", "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s")
-_IQ2_MIXES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s")  # llama.cpp's very-low-bit branch
+IMATRIX_MIXES = ("iq3_xxs", "iq3_xs", "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m")
+_IQ2_MIXES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m")  # llama.cpp's very-low-bit branch
 
 
 def expected_type(mix: str, name: str, layers: int, tied: bool, gqa: int) -> Q:
@@ -93,8 +94,8 @@ def expected_iquant_type(mix: str, name: str, layer: int, layers: int, gqa: int)
     base, iq2 = IQ_BASE[mix], mix in _IQ2_MIXES
     more = Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.Q2_K  # the IQ2 mixes' richer type
     if name == "token_embd.weight":
-        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S,
-                "iq3_xxs": Q.IQ3_S}.get(mix, base)
+        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq1_m": Q.Q2_K, "iq2_s": Q.IQ3_S,
+                "iq2_m": Q.IQ3_S, "iq3_xxs": Q.IQ3_S}.get(mix, base)
     if ".attn_v." in name:
         if iq2 or mix in ("iq3_xxs", "iq3_xs", "iq3_s"):
             return Q.Q4_K if gqa >= 4 else more if iq2 else base
@@ -104,7 +105,8 @@ def expected_iquant_type(mix: str, name: str, layer: int, layers: int, gqa: int)
     if ".ffn_down." in name and layer < layers // 8:  # of 8 layers, layer 0
         return more if iq2 else Q.Q4_K if mix == "iq3_m" else base
     if ".attn_output." in name:
-        return {"iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S, "iq3_xxs": Q.IQ3_S, "iq3_m": Q.Q4_K, "iq1_s": Q.IQ2_XXS}.get(mix, base)
+        return {"iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S, "iq3_xxs": Q.IQ3_S, "iq3_m": Q.Q4_K, "iq1_s": Q.IQ2_XXS,
+                "iq1_m": Q.IQ2_XXS}.get(mix, base)
     if (".ffn_gate." in name or ".ffn_up." in name) and mix == "iq3_xs" and layers // 8 <= layer < 7 * layers // 8:
         return Q.IQ3_XXS
     return base
@@ -114,11 +116,12 @@ def expected_iquant_type(mix: str, name: str, layer: int, layers: int, gqa: int)
 # about 1.3x the worst measured over both models (Q8_0 0.0054, Q6_K 0.018, Q5_K 0.037, Q5_1 0.038,
 # Q5_0 0.043, Q4_K 0.072, Q4_1 0.079, Q4_0 0.087, Q3_K 0.153, Q2_K 0.299; IQ4_NL 0.077, IQ4_XS 0.077;
 # the grid i-quants on 256 x 512 normal values, the lower of plain and with an importance matrix:
-# IQ3_S 0.166, IQ3_XXS 0.213, IQ2_S 0.268, IQ2_XS 0.332, IQ2_XXS 0.376, IQ1_S 0.527): each about halves per bit
+# IQ3_S 0.166, IQ3_XXS 0.213, IQ2_S 0.268, IQ2_XS 0.332, IQ2_XXS 0.376, IQ1_S 0.527, IQ1_M 0.451; IQ1_M's
+# plain search 0.58): each about halves per bit
 RELATIVE_RMS = {Q.F32: 0.0, Q.F16: 0.0, Q.Q8_0: 0.007, Q.Q6_K: 0.024, Q.Q5_K: 0.048, Q.Q5_1: 0.05,
                 Q.Q5_0: 0.056, Q.Q4_K: 0.094, Q.Q4_1: 0.1, Q.Q4_0: 0.11, Q.Q3_K: 0.2, Q.Q2_K: 0.39,
                 Q.IQ4_NL: 0.1, Q.IQ4_XS: 0.1, Q.IQ3_S: 0.22, Q.IQ3_XXS: 0.28, Q.IQ2_S: 0.35, Q.IQ2_XS: 0.43,
-                Q.IQ2_XXS: 0.49, Q.IQ1_S: 0.69}
+                Q.IQ2_XXS: 0.49, Q.IQ1_S: 0.69, Q.IQ1_M: 0.62}
 
 
 @pytest.fixture(scope="module")
@@ -438,11 +441,12 @@ def _hard_rows(rows: int = 48) -> tuple[torch.Tensor, np.ndarray]:
 # llama.cpp builds its search tables for the 2-bit grids first: 5-20 s a type here
 @pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS,
                                    *(pytest.param(q, marks=pytest.mark.slow)
-                                     for q in (Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S))],
+                                     for q in (Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M))],
                          ids=lambda q: q.name)
 def test_iquant_blocks_equal_llama_cpps_quantizer(qtype):
     """hearth's i-quant searches (quantizer/iq4.h, grid_quants.h, iq1.h) against ggml_quantize_chunk,
-    byte for byte: plain (but IQ2_XS, IQ2_XXS and IQ1_S, which need an importance matrix) and with one."""
+    byte for byte: plain (but IQ2_XS, IQ2_XXS and IQ1_S, which need an importance matrix; IQ1_M does
+    not) and with one."""
     from hearth.quant.quantizer import NEEDS_IMATRIX, quantize_rows
     from optional import llama_cpp_quantizer
 

@@ -100,7 +100,7 @@ class CpuDecodePath:
                     return None
                 for part, weight in zip(parts, weights):  # weight or packed codes, packed terms or 0, qtype,
                     # output rows, the threshold's pointer or 0
-                    row += [*weight, int(part.qtype), part.out_features, getattr(part, "threshold_pointer", 0)]
+                    row += [*weight, part.out_features, getattr(part, "threshold_pointer", 0)]
                 row += [0] * PART_FIELDS * (most - len(parts))
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
@@ -229,8 +229,7 @@ def vocabulary_operands(model, qmatmul) -> tuple | None:
             or config.embedding_scale != 1.0 or config.final_logit_softcapping is not None):
         return None
     return (qmatmul.module.dequantize_rows_address(), embedding.qweight.data_ptr(), embedding.qweight.shape[1],
-            int(embedding.qtype), model.norm.weight.data_ptr(), *head, int(model.lm_head.qtype),
-            model.lm_head.out_features)
+            int(embedding.qtype), model.norm.weight.data_ptr(), *head, model.lm_head.out_features)
 
 
 def lora_operands(part, most: int, formats: list[torch.dtype]) -> list[int] | None:
@@ -256,9 +255,9 @@ def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
     return torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64), formats.pop()
 
 
-def kernel_weight(module) -> tuple[int, int] | None:
+def kernel_weight(module) -> tuple[int, int, int] | None:
     """The matmul kernels' weight operands for `module` (weight or packed codes pointer, packed terms
-    pointer or 0), or None where the kernels cannot run it (not an Int8Linear, a HalfLinear or a
+    pointer or 0, the type the kernel reads), or None where the kernels cannot run it (not an Int8Linear, a HalfLinear or a
     sparse module, or with a bias)."""
     if not isinstance(module, (Int8Linear, HalfLinear, SparseLinear)) or module.bias is not None:
         return None

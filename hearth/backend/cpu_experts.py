@@ -24,7 +24,7 @@ from hearth.quant import kernels as quant_kernels
 def expert_table(projections: list[Int8Linear]) -> torch.Tensor:
     """int64 [E, 3]: each expert's weight pointer, packed scales pointer or 0, qtype
     (grouped_int8_matmul's table; pointers fixed until the tensors move)."""
-    return torch.tensor([[*p.kernel_weight, int(p.qtype)] for p in projections], dtype=torch.int64)
+    return torch.tensor([list(p.kernel_weight) for p in projections], dtype=torch.int64)
 
 
 class GroupedExperts:

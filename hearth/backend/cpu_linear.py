@@ -7,8 +7,9 @@ measurements behind each choice):
 - every GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, TQ2_0; TQ1_0 rewritten to TQ2_0
   at load) and the codebook formats (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into 16 int8 values, looked
   up by one shuffle per 32 values and read as Q8_0's signed codes; the grid i-quants IQ3_S, IQ3_XXS,
-  IQ2_S, IQ2_XS, IQ2_XXS: 4 or 8 grid entries loaded per 32 values, their signs applied by one
-  `psignb`, read the same way): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M: rewritten once at load into nibble blocks, each signed grid
+  value a 4-bit code (`grid_nibbles`: the same weights, 4.6 bits each, read as Q4_K's: 4x faster than
+  loading the grid entries per call)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
@@ -19,9 +20,6 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
-- IQ1_S and IQ1_M, which have no int8 kernel yet: dequantized once at load to an F16 matrix
-  (rounded to float16: 2^-11 of each weight; about 10x the file's bytes) and multiplied as F16 weights are (`HalfLinear`): dequantizing them per call
-  takes ~100 ns a weight.
 - anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
 
 The cpu backend computes in float32: these modules take x float32 [M, K] (what the model's layers
@@ -51,9 +49,6 @@ INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q
                *CODEBOOK_QTYPES)
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
 PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
-
-# widened to F16 at load (see the module's docstring)
-GRID_QTYPES = (Q.IQ1_S, Q.IQ1_M)
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
@@ -64,8 +59,6 @@ HALF_MAX_ROWS = 128
 def cpu_linear(weight: QuantTensor, bias: torch.Tensor | None = None) -> nn.Module:
     """The module that multiplies by `weight` as stored (see the module's docstring)."""
     ext = kernels.extension()
-    if ext is not None and weight.qtype in GRID_QTYPES:
-        weight = widened_to_f16(weight)
     if ext is not None and weight.qtype in HALF_DTYPES:
         return HalfLinear(weight, bias, ext)
     if ext is not None and weight.qtype in (*INT8_QTYPES, Q.TQ1_0):
@@ -73,23 +66,12 @@ def cpu_linear(weight: QuantTensor, bias: torch.Tensor | None = None) -> nn.Modu
     return DequantLinear(weight, bias)
 
 
-def widened_to_f16(weight: QuantTensor) -> QuantTensor:
-    """`weight` dequantized to an F16 matrix, a few million values at a time (no float32 copy of
-    the whole matrix at once)."""
-    rows, cols = weight.shape
-    out = torch.empty(rows, cols, dtype=torch.float16)
-    step = max(1, (1 << 22) // cols)
-    for start in range(0, rows, step):
-        out[start:start + step] = dequantize_rows(weight.matrix()[start:start + step], weight.qtype, cols)
-    return QuantTensor.of_half(out)
-
-
 class Int8Linear(BoundWeights):
     """y = x W^T (+ b), W GGUF blocks: `qweight` (uint8 [out_features, bytes_per_row], the blocks as
-    stored) or, for PACKED_QTYPES with AVX-512 VNNI, `codes` and `terms` (the packed tiles); either
-    way `int8_matmul`, called straight from forward with `kernel_weight`, the weight's pointers
-    (blocks or packed codes; packed terms or 0) bound once (BoundWeights): at batch 1 a call's
-    Python overhead is a visible share of its time."""
+    stored; the grid formats' as nibble blocks, of type `kernel_qtype`) or, for PACKED_QTYPES with
+    AVX-512 VNNI, `codes` and `terms` (the packed tiles); either way `int8_matmul`, called straight
+    from forward with `kernel_weight`, its operands (blocks or packed codes; packed terms or 0; the
+    type) bound once (BoundWeights): at batch 1 a call's Python overhead is a visible share of its time."""
 
     def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, ext: kernels.Kernels):
         super().__init__()
@@ -98,7 +80,11 @@ class Int8Linear(BoundWeights):
         if self.qtype == Q.TQ1_0:  # the same trits two bits apiece: read by the int8 kernel with no base-3 decoding
             data, self.qtype = tq1_0_to_tq2_0(data, weight.shape), Q.TQ2_0
         ext._check(torch.empty(0, self.in_features), data, self.qtype, self.out_features)
-        self._kernel, self._qtype, self._ext = ext.module.int8_matmul, int(self.qtype), ext
+        self._kernel, self.kernel_qtype, self._ext = ext.module.int8_matmul, int(self.qtype), ext
+        if self.qtype in kernels.GRID_FORMATS:  # the same weights as 4-bit codes (nibble blocks)
+            nibbles, self.kernel_qtype = ext.grid_nibbles(data, self.qtype, self.out_features, self.in_features)
+            release_pages(data)
+            data = nibbles
         if self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
             codes, terms = ext.repack(data, self.qtype, self.out_features, self.in_features)
             release_pages(data)
@@ -113,17 +99,20 @@ class Int8Linear(BoundWeights):
 
     def _bind(self) -> None:
         weight = self.qweight if self.codes is None else self.codes
-        self.kernel_weight = (weight.data_ptr(), 0 if self.terms is None else self.terms.data_ptr())
+        self.kernel_weight = (weight.data_ptr(), 0 if self.terms is None else self.terms.data_ptr(), self.kernel_qtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        self._kernel(x.data_ptr(), *self.kernel_weight, y.data_ptr(), x.shape[0], self.out_features,
-                     self.in_features, self._qtype, 0, torch.get_num_threads())  # path 0: the fastest
+        weight, terms, qtype = self.kernel_weight
+        self._kernel(x.data_ptr(), weight, terms, y.data_ptr(), x.shape[0], self.out_features,
+                     self.in_features, qtype, 0, torch.get_num_threads())  # path 0: the fastest
         return y if self.bias is None else y.add_(self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""
+        if self.kernel_qtype != self.qtype:  # nibble blocks: the kernels' own decoding (bit-exact)
+            return self._ext.dequantize_rows(self.qweight, self.kernel_qtype, self.in_features).to(dtype)
         if self.codes is None:
             return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
         rows = self._ext.dequantize_packed(self.codes, self.terms, self.qtype, self.in_features)
@@ -143,8 +132,8 @@ class HalfLinear(BoundWeights, DequantLinear):
         self._kernel, self._qtype = ext.module.half_matmul, int(self.qtype)
         self._bind()
 
-    def _bind(self) -> None:
-        self.kernel_weight = (self.qweight.data_ptr(), 0)  # as Int8Linear's: the weight's pointer, no packed terms
+    def _bind(self) -> None:  # as Int8Linear's: the weight's pointer, no packed terms, its type
+        self.kernel_weight = (self.qweight.data_ptr(), 0, self._qtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
         if x.shape[0] > HALF_MAX_ROWS:  # a prefill chunk: the conversion spread over its rows

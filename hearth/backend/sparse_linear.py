@@ -77,7 +77,7 @@ class SparseLinear(BoundWeights):
 
     def _bind(self) -> None:
         self._matmul = self._kernels.module.sparse_matmul
-        self.kernel_weight = (self._weight().data_ptr(), 0)  # as Int8Linear's: the weight's pointer, no packed terms
+        self.kernel_weight = (self._weight().data_ptr(), 0, int(self.qtype))  # as Int8Linear's: pointer, no packed terms, type
         self.threshold_pointer = self.threshold_value.data_ptr()
 
     def _weight(self) -> torch.Tensor:
@@ -112,10 +112,10 @@ class SparseBlocksLinear(SparseLinear):
 
     @classmethod
     def of(cls, module: nn.Module, threshold: float, kernels) -> SparseBlocksLinear | None:
-        """From an Int8Linear holding its blocks as stored (not packed tiles: AVX-512 VNNI builds), re-laid
+        """From an Int8Linear holding its blocks as stored (not packed tiles, AVX-512 VNNI builds, nor nibble blocks), re-laid
         out if in SPARSE_BLOCK_QTYPES with N a multiple of 64, else kept; None for another module."""
-        if not isinstance(module, Int8Linear) or module.qweight is None:
-            return None
+        if not isinstance(module, Int8Linear) or module.qweight is None or module.kernel_qtype != module.qtype:
+            return None  # packed tiles, or a grid format's nibble blocks
         shape = (module.out_features, module.in_features)
         skips = module.qtype in SPARSE_BLOCK_QTYPES and module.out_features % 64 == 0
         layout = kernels.sparse_repack(module.qweight, module.qtype, *shape) if skips else module.qweight

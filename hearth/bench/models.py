@@ -111,6 +111,12 @@ ARCHS: dict[str, ArchSpec] = {s.name: s for s in (
              intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4,
              max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, parameters=1_100_048_384),
+    # TinyLlama at 4 of its 22 layers (each layer and the vocabulary as the release's): files that
+    # llama.cpp's i-quant searches make in minutes on a small machine, not the better part of an hour
+    ArchSpec("tinyllama-1.1b-4l", "LlamaForCausalLM", "llama", vocab_size=32000, hidden_size=2048,
+             intermediate_size=5632, num_layers=4, num_heads=32, num_kv_heads=4,
+             max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     ArchSpec("llama-3.2-1b", "LlamaForCausalLM", "llama", vocab_size=128256, hidden_size=2048,
              intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
              max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -33,16 +33,17 @@ MIXES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "iq3_xxs": (F.MOSTLY_IQ3_XXS, Q.IQ3_XXS), "iq2_m": (F.MOSTLY_IQ2_M, Q.IQ2_S),
     "iq2_s": (F.MOSTLY_IQ2_S, Q.IQ2_XS),  # sic: llama.cpp's IQ2_S file is mostly IQ2_XS, its IQ2_M file IQ2_S
     "iq2_xs": (F.MOSTLY_IQ2_XS, Q.IQ2_XS), "iq2_xxs": (F.MOSTLY_IQ2_XXS, Q.IQ2_XXS), "iq1_s": (F.MOSTLY_IQ1_S, Q.IQ1_S),
+    "iq1_m": (F.MOSTLY_IQ1_M, Q.IQ1_M),
 }
 _IQ4 = ("iq4_nl", "iq4_xs")
-_IQ2 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s")  # llama.cpp's very-low-bit branch of its rules
+_IQ2 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m")  # llama.cpp's very-low-bit branch of its rules
 _IQ3 = ("iq3_xxs", "iq3_xs", "iq3_s", "iq3_m")
 # llama.cpp's fallback where a row is not a whole number of the type's blocks
 _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL,
-             **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S), Q.IQ4_NL)}
+             **dict.fromkeys((Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M), Q.IQ4_NL)}
 # the types llama.cpp's quantizer writes only with an importance matrix (tensor_requires_imatrix),
 # but for the embedding table and the output head
-_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)
+_IMATRIX_TYPES = (Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
 # (and, as llama.cpp's quantizer, the convolutions of Mamba2, Gated DeltaNet and lfm2: small, kept F32)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight", "shortconv.conv.weight")
 
@@ -121,8 +122,8 @@ def _mix_type(mix: str, qtype: GGMLQuantizationType, category: str, cols: int, t
             return Q.Q5_K
         return qtype if qtype == Q.Q8_0 else Q.Q6_K
     if category == "token_embd":
-        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq2_s": Q.IQ3_S, "iq2_m": Q.IQ3_S,
-                "iq3_xxs": Q.IQ3_S}.get(mix, qtype)
+        return {"iq2_xxs": Q.Q2_K, "iq2_xs": Q.Q2_K, "iq1_s": Q.Q2_K, "iq1_m": Q.Q2_K, "iq2_s": Q.IQ3_S,
+                "iq2_m": Q.IQ3_S, "iq3_xxs": Q.IQ3_S}.get(mix, qtype)
     if mix in _IQ2:
         return _iq2_type(mix, qtype, category, model, gqa, layer)
     if category == "attn_v":
@@ -192,7 +193,7 @@ def _iq2_type(mix: str, qtype: GGMLQuantizationType, category: str, model: Model
     if category == "attn_output":
         if model.experts == 8:
             return Q.Q5_K
-        return Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.IQ2_XXS if mix == "iq1_s" else qtype
+        return Q.IQ3_S if mix in ("iq2_s", "iq2_m") else Q.IQ2_XXS if mix in ("iq1_s", "iq1_m") else qtype
     return qtype
 
 

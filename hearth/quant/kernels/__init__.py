@@ -19,8 +19,8 @@ from hearth.native import build
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 Q = GGMLQuantizationType
-# the grid i-quants the int8 kernels read (IQ1_S and IQ1_M are not among them yet)
-GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+# the grid i-quants: the int8 kernels read them as nibble blocks (`grid_nibbles`)
+GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 
 
 class Kernels:
@@ -33,7 +33,7 @@ class Kernels:
         self.vnni = module.has_vnni()
         # int8_matmul's code paths in this build, fastest first (e.g. avx512-vnni, avx2, portable)
         self.int8_paths: dict[str, int] = dict(module.int8_paths())
-        for qtype in GRID_FORMATS:  # their grids, from gguf-py (formats.h: GridTables)
+        for qtype in GRID_FORMATS[:-1]:  # their grids, from gguf-py (formats.h: GridTables; IQ1_M's is IQ1_S's)
             cls = getattr(gguf_quants, qtype.name)
             cls.init_grid()
             values = np.ascontiguousarray(np.asarray(cls.grid).reshape(-1), dtype=np.int8)
@@ -90,8 +90,8 @@ class Kernels:
 
     def int8_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, path: str | None = None) -> torch.Tensor:
         """x [M, K] W^T with W's blocks read in place and x rounded to int8 per block of the format
-        (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only.
-        `path`: one of `int8_paths` (default: the fastest)."""
+        (llama.cpp's q8_K for K-quants, q8_0 for the 32-value formats); block formats only, the grid
+        formats as `grid_nibbles` writes them (with its type). `path`: one of `int8_paths` (default: the fastest)."""
         x, k = self._check(x, w, qtype, n)
         if path is not None and path not in self.int8_paths:
             raise ValueError(f"path {path!r}: this build has {', '.join(self.int8_paths)}")
@@ -99,6 +99,16 @@ class Kernels:
         self.module.int8_matmul(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], n, k, int(qtype),
                                 self.int8_paths[path] if path else 0, torch.get_num_threads())
         return y
+
+    def grid_nibbles(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, int]:
+        """Blocks [n, bytes_per_row] of a grid format (GRID_FORMATS) -> (nibble blocks uint8
+        [n, k / 256 * 148], their type for `int8_matmul` / `dequantize_rows`): the same weights
+        (formats.h's Nibbles), read as fast as Q4_K."""
+        self._check(torch.empty(0, k), w, qtype, n)
+        nibble_type = self.module.nibble_type(int(qtype))
+        out = torch.empty(n, k // 256 * 148, dtype=torch.uint8)
+        self.module.grid_nibbles(w.data_ptr(), out.data_ptr(), n, k, w.shape[1], int(qtype), torch.get_num_threads())
+        return out, nibble_type
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n, bytes_per_row] of any block format but TQ2_0 -> the packed tiles `packed_matmul`

@@ -184,59 +184,29 @@ template <> struct Block<IQ4_XS> {
   __m256i codes(int c) const { return lookup16(IQ4_NL_VALUES, nibbles32(b + 8 + 16 * c)); }
 };
 
-// The grid formats (formats.h's unpack_grid): per chunk of 32 values, its 8 (IQ3) or 4 (IQ2) grid
-// entries loaded one by one (as llama.cpp's AVX2 code loads them; a gather measured no faster), their signs applied by
-// one `psignb`: signed codes up to 62, read as IQ4_XS's, a 4-bit scale 2 l + 1 per 32 or 16 values.
-template <int QT> __m256i grid_entries(const uint8_t* b, int c);
-template <> __m256i grid_entries<IQ2_XXS>(const uint8_t* b, int c) {
-  const uint64_t* g = grid_values().iq2xxs;
-  const uint8_t* i = b + 2 + 8 * c;
-  return _mm256_setr_epi64x(g[i[0]], g[i[1]], g[i[2]], g[i[3]]);
-}
-template <> __m256i grid_entries<IQ2_XS>(const uint8_t* b, int c) {
-  const uint64_t* g = grid_values().iq2xs;
-  const uint64_t qs = u32(b + 2 + 8 * c) | (uint64_t(u32(b + 6 + 8 * c)) << 32);
-  return _mm256_setr_epi64x(g[qs & 511], g[(qs >> 16) & 511], g[(qs >> 32) & 511], g[(qs >> 48) & 511]);
-}
-template <> __m256i grid_entries<IQ2_S>(const uint8_t* b, int c) {
-  const uint64_t* g = grid_values().iq2s;
-  const uint8_t* i = b + 2 + 4 * c;
-  const int h = b[66 + c];
-  return _mm256_setr_epi64x(g[i[0] | ((h << 8) & 0x300)], g[i[1] | ((h << 6) & 0x300)], g[i[2] | ((h << 4) & 0x300)],
-                            g[i[3] | ((h << 2) & 0x300)]);
-}
-template <> __m256i grid_entries<IQ3_XXS>(const uint8_t* b, int c) {
-  const uint32_t* g = grid_values().iq3xxs;
-  const uint8_t* i = b + 2 + 8 * c;
-  return _mm256_setr_epi32(g[i[0]], g[i[1]], g[i[2]], g[i[3]], g[i[4]], g[i[5]], g[i[6]], g[i[7]]);
-}
-template <> __m256i grid_entries<IQ3_S>(const uint8_t* b, int c) {
-  const uint32_t* g = grid_values().iq3s;
-  const uint8_t* i = b + 2 + 8 * c;
-  const int h = b[66 + c];
-  return _mm256_setr_epi32(g[i[0] | ((h << 8) & 256)], g[i[1] | ((h << 7) & 256)], g[i[2] | ((h << 6) & 256)],
-                           g[i[3] | ((h << 5) & 256)], g[i[4] | ((h << 4) & 256)], g[i[5] | ((h << 3) & 256)],
-                           g[i[6] | ((h << 2) & 256)], g[i[7] | ((h << 1) & 256)]);
-}
-template <int QT> struct GridBlock {
-  static constexpr bool SIGNED = true;
-  const uint8_t* b; float d, f = 0.f; Scales16 sc; __m256i c16 = _mm256_setzero_si256();
-  explicit GridBlock(const uint8_t* p) : b(p), d(h2f(p) * grid_step<QT>()) {
-    constexpr int per = 16 / (256 / Fmt<QT>::S);  // int16 scale slots per sub-block
-    for (int j = 0; j < 256 / Fmt<QT>::S; j++)
-      for (int k = 0; k < per; k++) sc.s[per * j + k] = int16_t(2 * grid_scale<QT>(p, j) + 1);
+// The nibble blocks (the grid formats rewritten at load, formats.h's Nibbles): 4-bit codes looked
+// up by one shuffle in the grid's values moved up by their largest Z, unsigned codes read as
+// Q4_K's (one load per 64 values), per 16 values the scale 2 l + 1; the zero point taken off per
+// block by the sums of activations (f = d, c16 = Z scale): no sign operations, unlike IQ4_XS.
+template <int QT> struct NibbleBlock {
+  const uint8_t* b; float d, f; Scales16 sc; __m256i c16, table;
+  static constexpr int Z = Nibbles<QT>::values[15] ? Nibbles<QT>::values[15] : Nibbles<QT>::values[5];
+  explicit NibbleBlock(const uint8_t* p) : b(p) {
+    std::memcpy(&d, p, 4);
+    f = d;
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 4)));
+    sc.set(sc16);
+    c16 = _mm256_mullo_epi16(sc16, _mm256_set1_epi16(Z));
+    table = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)Nibbles<QT>::values)),
+                            _mm256_set1_epi8(Z));
   }
-  __m256i scales(int c) const { return Fmt<QT>::S == 32 ? sc.whole(c) : sc.halves(c); }
-  __m256i codes(int c) const {  // sign_epi8 by (-1 where the sign bit is set, else 1)
-    const __m256i signs = _mm256_or_si256(bits_to_bytes(grid_sign_bits<QT>(b, c)), _mm256_set1_epi8(1));
-    return _mm256_sign_epi8(grid_entries<QT>(b, c), signs);
-  }
+  __m256i scales(int c) const { return sc.halves(c); }
+  __m256i codes(int c) const { return _mm256_shuffle_epi8(table, ScaleMinBlock::nibbles(b + 20, c)); }
 };
-template <> struct Block<IQ2_XXS> : GridBlock<IQ2_XXS> { using GridBlock::GridBlock; };
-template <> struct Block<IQ2_XS> : GridBlock<IQ2_XS> { using GridBlock::GridBlock; };
-template <> struct Block<IQ2_S> : GridBlock<IQ2_S> { using GridBlock::GridBlock; };
-template <> struct Block<IQ3_XXS> : GridBlock<IQ3_XXS> { using GridBlock::GridBlock; };
-template <> struct Block<IQ3_S> : GridBlock<IQ3_S> { using GridBlock::GridBlock; };
+template <> struct Block<NIB_IQ2> : NibbleBlock<NIB_IQ2> { using NibbleBlock::NibbleBlock; };
+template <> struct Block<NIB_IQ3_XXS> : NibbleBlock<NIB_IQ3_XXS> { using NibbleBlock::NibbleBlock; };
+template <> struct Block<NIB_IQ3_S> : NibbleBlock<NIB_IQ3_S> { using NibbleBlock::NibbleBlock; };
+template <> struct Block<NIB_IQ1> : NibbleBlock<NIB_IQ1> { using NibbleBlock::NibbleBlock; };
 
 // TQ2_0: the ternary codes as Q2_K lays them out, with no scales: a weight times an activation is
 // the activation, zero or its negative, which is what the integer sums add up (maddubs by codes

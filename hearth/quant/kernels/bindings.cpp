@@ -45,6 +45,7 @@ void set_grid(int qtype, uintptr_t values, int64_t bytes) {
                                     : qtype == IQ2_S   ? std::pair<void*, size_t>(t.iq2s, sizeof t.iq2s)
                                     : qtype == IQ3_XXS ? std::pair<void*, size_t>(t.iq3xxs, sizeof t.iq3xxs)
                                     : qtype == IQ3_S   ? std::pair<void*, size_t>(t.iq3s, sizeof t.iq3s)
+                                    : qtype == IQ1_S   ? std::pair<void*, size_t>(t.iq1s, sizeof t.iq1s)
                                                        : std::pair<void*, size_t>(nullptr, 0);
   if (!to.first || size_t(bytes) != to.second) throw std::invalid_argument("set_grid: not a grid format, or the wrong size");
   std::memcpy(to.first, reinterpret_cast<const void*>(values), to.second);
@@ -65,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matmul", &sparse_matmul, "y = mask(x) W^T, W transposed, only the kept columns read", nogil);
   m.def("sparse_blocks_bytes", &sparse_blocks_bytes, "bytes of sparse_repack's layout (throws: no layout for the type)");
   m.def("sparse_repack", &sparse_repack, "blocks -> the column-major layout sparse_matmul skips columns of", nogil);
+  m.def("nibble_type", &nibble_type_of, "the nibble format a grid format is read as (grid_nibbles)");
+  m.def("grid_nibbles", &grid_nibbles, "a grid format's blocks -> nibble blocks (what int8_matmul reads)", nogil);
   m.def("repack", &repack, "blocks -> packed tiles (codes, terms)", nogil);
   m.def("packed_bytes", [](int qtype, int64_t k) { const auto [c, t] = packed_bytes(qtype, k); return py::make_tuple(c, t); },
         "bytes of one tile's codes and terms");

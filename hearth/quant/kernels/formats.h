@@ -49,17 +49,23 @@ inline float bf16_to_float(uint16_t h) {
 // GGMLQuantizationType values
 enum QType : int {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20,
-  IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, BF16 = 30, TQ2_0 = 35, MXFP4 = 39,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+  IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30, TQ2_0 = 35, MXFP4 = 39,
+  // hearth's own: the grid formats as 4-bit codes (grid_nibbles.cpp), one per set of grid values
+  NIB_IQ2 = 216, NIB_IQ3_XXS = 218, NIB_IQ1 = 219, NIB_IQ3_S = 221,
 };
 
 // The codebook formats, read as signed codes like Q8_0's: a 4-bit index into 16 int8 values
-// (gguf.quants' IQ4_NL.kvalues and MXFP4.kvalues, the e2m1 values doubled), or an index into a grid
-// of 8 (IQ2_*) or 4 (IQ3_*) int8 values with a sign per value (grid_values()).
+// (gguf.quants' IQ4_NL.kvalues and MXFP4.kvalues, the e2m1 values doubled).
+template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_XS || QT == MXFP4; }
+// The grid formats: per 8 (IQ2_*, IQ1_*) or 4 (IQ3_*) values an index into a grid (grid_values()),
+// a sign per value (IQ1_*: a shift by +-1/8 per 8 or 32 values). The int8 kernels read them only as
+// nibble blocks, rewritten once at load (grid_nibbles): the signed values of each grid, at most 16,
+// are a 4-bit code into a table, as IQ4_XS's are.
 template <int QT> constexpr bool grid_format() {
-  return QT == IQ2_XXS || QT == IQ2_XS || QT == IQ2_S || QT == IQ3_XXS || QT == IQ3_S;
+  return QT == IQ2_XXS || QT == IQ2_XS || QT == IQ2_S || QT == IQ3_XXS || QT == IQ3_S || QT == IQ1_S || QT == IQ1_M;
 }
-template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_XS || QT == MXFP4 || grid_format<QT>(); }
+template <int QT> constexpr bool nibble_format() { return QT == NIB_IQ2 || QT == NIB_IQ3_XXS || QT == NIB_IQ1 || QT == NIB_IQ3_S; }
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -80,6 +86,7 @@ inline float e8m0_half(uint8_t e) {
 struct GridTables {
   uint64_t iq2xxs[256], iq2xs[512], iq2s[1024];
   uint32_t iq3xxs[256], iq3s[512];
+  uint64_t iq1s[2048];  // IQ1_S's and IQ1_M's
   uint8_t ksigns[128];
 };
 inline GridTables grid_tables;
@@ -121,11 +128,19 @@ template <> struct Fmt<TQ2_0> { static constexpr int BS = 256, BYTES = 66, S = 3
 template <> struct Fmt<IQ4_NL> { static constexpr int BS = 32, BYTES = 18, S = 32, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ4_XS> { static constexpr int BS = 256, BYTES = 136, S = 32, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<MXFP4> { static constexpr int BS = 32, BYTES = 17, S = 32, Z = 128; static constexpr bool OFF = false; };
-template <> struct Fmt<IQ2_XXS> { static constexpr int BS = 256, BYTES = 66, S = 32, Z = 128; static constexpr bool OFF = false; };
+// grid formats: q = the signed value + 128 as above, per 16 values a scale (grid_block)
+template <> struct Fmt<IQ2_XXS> { static constexpr int BS = 256, BYTES = 66, S = 16, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ2_XS> { static constexpr int BS = 256, BYTES = 74, S = 16, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ2_S> { static constexpr int BS = 256, BYTES = 82, S = 16, Z = 128; static constexpr bool OFF = false; };
-template <> struct Fmt<IQ3_XXS> { static constexpr int BS = 256, BYTES = 98, S = 32, Z = 128; static constexpr bool OFF = false; };
-template <> struct Fmt<IQ3_S> { static constexpr int BS = 256, BYTES = 110, S = 32, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ3_XXS> { static constexpr int BS = 256, BYTES = 98, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ3_S> { static constexpr int BS = 256, BYTES = 110, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ1_S> { static constexpr int BS = 256, BYTES = 50, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<IQ1_M> { static constexpr int BS = 256, BYTES = 56, S = 16, Z = 128; static constexpr bool OFF = false; };
+// nibble blocks (grid_nibbles): d fp32 | scale int8[16] | qs[128] (below)
+template <> struct Fmt<NIB_IQ2> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<NIB_IQ3_XXS> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<NIB_IQ1> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<NIB_IQ3_S> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
 // half arrays: 32 values taken as one "block"
 template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
 template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
@@ -195,9 +210,9 @@ template <> void unpack<IQ4_XS>(const uint8_t* b, uint8_t* q, float* s, float*) 
     }
   }
 }
-// The grid formats: per group of 8 (IQ2) or 4 (IQ3) values a grid index, per value a sign; the
-// codes q = grid value * sign + 128, the scales (2 l + 1) d / 8 (IQ2), d / 4 (IQ3_XXS), d (IQ3_S)
-// for a 4-bit l per sub-block. sign_bits: the 32 signs of values 32c..32c+31 (bit i: value 32c + i).
+// The grid formats: per group of 8 (IQ2_*, IQ1_*) or 4 (IQ3_*) values a grid index, per value a
+// sign (IQ1_*: none, but a shift of +-1/8 per 8 or 32 values). sign_bits: the 32 signs of values
+// 32c..32c+31 (bit i: value 32c + i).
 inline uint32_t ksign_bits(uint32_t aux) {  // four 7-bit sign pattern indices -> 32 sign bits
   const uint8_t* ks = grid_values().ksigns;
   return ks[aux & 127] | (ks[(aux >> 7) & 127] << 8) | (ks[(aux >> 14) & 127] << 16) | (uint32_t(ks[(aux >> 21) & 127]) << 24);
@@ -228,21 +243,90 @@ template <> int grid_value<IQ3_S>(const uint8_t* b, int c, int i) {
   const int index = b[2 + 8 * c + i / 4] | (((b[66 + c] >> (i / 4)) & 1) << 8);
   return uint8_t(grid_values().iq3s[index] >> (8 * (i % 4)));
 }
-// the 4-bit scale l of sub-block j (of Fmt<QT>::S values) and the factor d (2 l + 1) is taken of
-template <int QT> int grid_scale(const uint8_t* b, int j) {
-  if constexpr (QT == IQ2_XXS) return int(u32(b + 6 + 8 * j) >> 28);
-  if constexpr (QT == IQ3_XXS) return int(u32(b + 66 + 4 * j) >> 28);
-  const int at = QT == IQ2_XS ? 66 : QT == IQ2_S ? 74 : 106;
+// A grid block's signed values: w = d scale[j] v for value i of sub-block j = i / 16 (gguf's
+// dequantization exactly: d scale v fits fp32's mantissa). IQ2_*: v = +-(8, 25, 43), d = d16 / 8;
+// IQ3_XXS: v = +-(4 .. 62), d16 / 4; IQ3_S: +-(1 .. 15), d16; IQ1_*: v = 8 g +- 1 (g in -1, 0, 1
+// shifted by -+1/8), d16 / 8. scale: 2 l + 1 of the format's 4-bit (IQ1_*: 3-bit) l.
+struct GridValues {
+  float d;
+  int8_t scale[16], v[256];
+};
+template <int QT> constexpr float grid_step() { return QT == IQ3_S ? 1.f : QT == IQ3_XXS ? 0.25f : 0.125f; }
+// IQ2_*, IQ3_*: l per 32 values (IQ2_XXS, IQ3_*) or 16 (IQ2_XS, IQ2_S)
+template <int QT> int grid_scale(const uint8_t* b, int j16) {
+  if constexpr (QT == IQ2_XXS) return int(u32(b + 6 + 4 * (j16 & ~1)) >> 28);
+  if constexpr (QT == IQ3_XXS) return int(u32(b + 66 + 2 * (j16 & ~1)) >> 28);
+  const int j = QT == IQ3_S ? j16 / 2 : j16, at = QT == IQ2_XS ? 66 : QT == IQ2_S ? 74 : 106;
   return (b[at + j / 2] >> (4 * (j % 2))) & 15;
 }
-template <int QT> constexpr float grid_step() { return QT == IQ3_S ? 1.f : QT == IQ3_XXS ? 0.25f : 0.125f; }
-template <int QT>
-void unpack_grid(const uint8_t* b, uint8_t* q, float* s) {
-  const float d = h2f(b) * grid_step<QT>();
-  for (int j = 0; j < 256 / Fmt<QT>::S; j++) s[j] = d * float(2 * grid_scale<QT>(b, j) + 1);
+template <int QT> void grid_block(const uint8_t* b, GridValues& g) {
+  g.d = h2f(b) * grid_step<QT>();
+  for (int j = 0; j < 16; j++) g.scale[j] = int8_t(2 * grid_scale<QT>(b, j) + 1);
   for (int c = 0; c < 8; c++) {
     const uint32_t signs = grid_sign_bits<QT>(b, c);
-    for (int i = 0; i < 32; i++) q[32 * c + i] = uint8_t(128 + ((signs >> i) & 1 ? -1 : 1) * grid_value<QT>(b, c, i));
+    for (int i = 0; i < 32; i++) g.v[32 * c + i] = int8_t(((signs >> i) & 1 ? -1 : 1) * grid_value<QT>(b, c, i));
+  }
+}
+// the 8 values 8 g +- 1 of IQ1's grid entry `index`
+inline void iq1_group(int index, bool minus, int8_t* v) {
+  const uint64_t e = grid_values().iq1s[index];
+  for (int j = 0; j < 8; j++) v[j] = int8_t(8 * int8_t(e >> (8 * j)) + (minus ? -1 : 1));
+}
+// IQ1_S (50 bytes): d f16 | qs[32] | qh u16[8], per 32 values: bits 0-11 the grid indices' high 3
+// bits (3 a group of 8), 12-14 l, 15 the shift's sign
+template <> void grid_block<IQ1_S>(const uint8_t* b, GridValues& g) {
+  g.d = h2f(b) * 0.125f;
+  for (int c = 0; c < 8; c++) {
+    const int qh = b[34 + 2 * c] | (b[35 + 2 * c] << 8);
+    g.scale[2 * c] = g.scale[2 * c + 1] = int8_t(2 * ((qh >> 12) & 7) + 1);
+    for (int k = 0; k < 4; k++) iq1_group(b[2 + 4 * c + k] | (((qh >> (3 * k)) & 7) << 8), qh & 0x8000, g.v + 32 * c + 8 * k);
+  }
+}
+// IQ1_M (56 bytes): qs[32] | qh[16] (a nibble per group of 8: the index's high 3 bits, the shift's
+// sign) | scales u16[4] (per 16 values a 3-bit l, 4 a word; d16's 4 bits in each word's top nibble)
+template <> void grid_block<IQ1_M>(const uint8_t* b, GridValues& g) {
+  uint16_t sc[4];
+  std::memcpy(sc, b + 48, 8);
+  const uint16_t d16 = (sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000);
+  uint8_t d_bytes[2];
+  std::memcpy(d_bytes, &d16, 2);
+  g.d = h2f(d_bytes) * 0.125f;
+  for (int j = 0; j < 16; j++) g.scale[j] = int8_t(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
+  for (int k = 0; k < 32; k++) {
+    const int h = (b[32 + k / 2] >> (4 * (k % 2))) & 15;
+    iq1_group(b[k] | ((h & 7) << 8), h & 8, g.v + 8 * k);
+  }
+}
+
+// The nibble blocks (NIB_*, grid_nibbles.cpp writes them): the grid formats' GridValues with each
+// v a 4-bit code into its grid's signed values (nibble_values; 6 or 16 of them):
+//   d fp32 | scale int8[16] (per 16 values) | qs[128]: value i of chunk c of 32 in byte 32 (c / 2) + i,
+//   the low nibble for an even c, the high one for an odd c (Q4_K's layout); w = d scale v.
+template <int QT> struct Nibbles;
+template <> struct Nibbles<NIB_IQ2> { static constexpr int8_t values[16] = {-43, -25, -8, 8, 25, 43}; };
+template <> struct Nibbles<NIB_IQ3_XXS> {
+  static constexpr int8_t values[16] = {-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62};
+};
+template <> struct Nibbles<NIB_IQ3_S> { static constexpr int8_t values[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15}; };
+template <> struct Nibbles<NIB_IQ1> { static constexpr int8_t values[16] = {-9, -7, -1, 1, 7, 9}; };
+// the nibble format a grid format is rewritten to
+template <int QT> constexpr int nibble_type() {
+  return QT == IQ3_XXS ? NIB_IQ3_XXS : QT == IQ3_S ? NIB_IQ3_S : QT == IQ1_S || QT == IQ1_M ? NIB_IQ1 : NIB_IQ2;
+}
+template <int QT> void unpack_nibbles(const uint8_t* b, uint8_t* q, float* s) {
+  float d;
+  std::memcpy(&d, b, 4);
+  for (int j = 0; j < 16; j++) s[j] = d * float(int8_t(b[4 + j]));
+  for (int c = 0; c < 8; c++)
+    for (int i = 0; i < 32; i++) q[32 * c + i] = uint8_t(Nibbles<QT>::values[(b[20 + 32 * (c / 2) + i] >> (4 * (c % 2))) & 15] + 128);
+}
+template <int QT> void unpack_grid(const uint8_t* b, uint8_t* q, float* s) {
+  if constexpr (nibble_format<QT>()) return unpack_nibbles<QT>(b, q, s);
+  else {
+    GridValues g;
+    grid_block<QT>(b, g);
+    for (int j = 0; j < 16; j++) s[j] = g.d * float(g.scale[j]);
+    for (int i = 0; i < 256; i++) q[i] = uint8_t(g.v[i] + 128);
   }
 }
 template <> void unpack<IQ2_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ2_XXS>(b, q, s); }
@@ -250,6 +334,12 @@ template <> void unpack<IQ2_XS>(const uint8_t* b, uint8_t* q, float* s, float*) 
 template <> void unpack<IQ2_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ2_S>(b, q, s); }
 template <> void unpack<IQ3_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ3_XXS>(b, q, s); }
 template <> void unpack<IQ3_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ3_S>(b, q, s); }
+template <> void unpack<IQ1_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ1_S>(b, q, s); }
+template <> void unpack<IQ1_M>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ1_M>(b, q, s); }
+template <> void unpack<NIB_IQ2>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ2>(b, q, s); }
+template <> void unpack<NIB_IQ3_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ3_XXS>(b, q, s); }
+template <> void unpack<NIB_IQ1>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ1>(b, q, s); }
+template <> void unpack<NIB_IQ3_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ3_S>(b, q, s); }
 
 // Q2_K: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16.
 // value 128h + 32s + l = (qs[32h + l] >> 2s) & 3; sub-blocks of 16
@@ -356,6 +446,12 @@ inline void decode(const uint8_t* b, float* w) {
     case IQ2_S: { constexpr int QT = IQ2_S; __VA_ARGS__; break; }             \
     case IQ3_XXS: { constexpr int QT = IQ3_XXS; __VA_ARGS__; break; }         \
     case IQ3_S: { constexpr int QT = IQ3_S; __VA_ARGS__; break; }             \
+    case IQ1_S: { constexpr int QT = IQ1_S; __VA_ARGS__; break; }             \
+    case IQ1_M: { constexpr int QT = IQ1_M; __VA_ARGS__; break; }             \
+    case NIB_IQ2: { constexpr int QT = NIB_IQ2; __VA_ARGS__; break; }         \
+    case NIB_IQ3_XXS: { constexpr int QT = NIB_IQ3_XXS; __VA_ARGS__; break; } \
+    case NIB_IQ1: { constexpr int QT = NIB_IQ1; __VA_ARGS__; break; }         \
+    case NIB_IQ3_S: { constexpr int QT = NIB_IQ3_S; __VA_ARGS__; break; }     \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 

@@ -173,8 +173,12 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
                         int path, int threads) {
   QuantizedActivations a;
   HEARTH_DISPATCH(qtype, {
-    quantize_activations((const float*)x_, M, K, a, threads, Fmt<QT>::BS, path == PORTABLE);
-    int8_matmul_impl<QT>(path, (const uint8_t*)w_, K, a, M, (float*)y_, N, threads);
+    if constexpr (grid_format<QT>()) {
+      throw std::invalid_argument("int8_matmul: grid format " + std::to_string(qtype) + " is read as nibble blocks (grid_nibbles)");
+    } else {
+      quantize_activations((const float*)x_, M, K, a, threads, Fmt<QT>::BS, path == PORTABLE);
+      int8_matmul_impl<QT>(path, (const uint8_t*)w_, K, a, M, (float*)y_, N, threads);
+    }
   });
 }
 

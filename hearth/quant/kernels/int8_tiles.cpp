@@ -154,8 +154,8 @@ void int8_matmul_tiles(const uint8_t* w, int64_t K, const QuantizedActivations& 
 
 void int8_tiles_matmul(int qtype, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
                        int64_t N, int threads) {
-  HEARTH_DISPATCH(qtype, {  // the codebook formats are read in place (int8_matmul_impl)
-    if constexpr (codebook<QT>()) throw std::invalid_argument("decoded tiles: not for type " + std::to_string(qtype));
+  HEARTH_DISPATCH(qtype, {  // the codebook formats are read in place (int8_matmul_impl), the grid ones as nibble blocks
+    if constexpr (codebook<QT>() || grid_format<QT>()) throw std::invalid_argument("decoded tiles: not for type " + std::to_string(qtype));
     else int8_matmul_tiles<QT>(w, K, a, M, y, N, threads);
   });
 }

@@ -7,7 +7,8 @@ namespace hearth {
 namespace {  // this source's own copies, internal as when the kernels were one file
 
 // ------------------------------------------------------------------ packed tiles
-// Every block format but TQ2_0 and the codebook formats (both read in place), repacked once at
+// Every block format but TQ2_0, the codebook formats (both read in place) and the grid formats
+// (nibble blocks, grid_nibbles.cpp), repacked once at
 // load on AVX-512 VNNI builds (`repack`; the file's pages are then released: one copy): tiles of NR rows (the last one padded with zero rows), each
 // tile two arrays that run block after block along K, so a thread reads each as one stream.
 //
@@ -42,7 +43,7 @@ template <int QT> struct Packed {
   static constexpr int64_t F_AT = 2 * NR, SC_AT = 2 * NR * (1 + MIN), MN_AT = SC_AT + NR * NS;  // in a block's terms
   static constexpr int64_t TERMS = SC_AT + (SC ? NR * NS * (1 + MIN) : 0);                          // bytes per block
 };
-template <int QT> constexpr bool packable() { return QT != TQ2_0 && !codebook<QT>(); }
+template <int QT> constexpr bool packable() { return QT != TQ2_0 && !codebook<QT>() && !grid_format<QT>() && !nibble_format<QT>(); }
 
 // ... and back: chunk `in` -> byte codes [8][32 rows][4]
 template <int QT>

@@ -4,7 +4,8 @@
 //                  of the weight's format (llama.cpp's q8_K for K-quants, q8_0 otherwise) and
 //                  integer dot products (AVX2 maddubs) against the GGUF blocks where they lie;
 //                  (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices looked up in their 16 int8 values by one
-//                  shuffle, then read as Q8_0's signed codes);
+//                  shuffle, then read as Q8_0's signed codes; the grid i-quants IQ3_S..IQ1_M:
+//                  rewritten once at load into nibble blocks, `grid_nibbles`, read as Q4_K's);
 //                  or, on AVX-512 VNNI builds, every format but TQ2_0 and those repacked once into tiles
 //                  of 32 rows at the format's own bits (`repack`, `packed_matmul`).
 //   grouped_int8_matmul: a mixture-of-experts layer's chosen experts in one call, rows grouped
@@ -19,7 +20,7 @@
 // A source per job: formats.h (the block formats), avx2_blocks.h (a block's codes and terms in
 // AVX2 registers), packed.h (the packed tiles' layout); half_matmul.cpp, quantize_activations.cpp,
 // int8_dots.cpp (blocks in place: the portable loops and AVX2 / VNNI dot products), int8_tiles.cpp
-// (tiles decoded per call, VNNI), repack.cpp, packed_matmul.cpp, dequantize.cpp (the kernels' own
+// (tiles decoded per call, VNNI), grid_nibbles.cpp, repack.cpp, packed_matmul.cpp, dequantize.cpp (the kernels' own
 // decodings), grouped_experts.cpp, sparse_matmul.cpp, sparse_blocks.cpp, bindings.cpp (the Python module).
 // AVX2 / AVX-512 paths are compiled when the build machine has them (-march=native); the plain
 // C++ loops are the portable path and the reference the fast paths are tested against.
@@ -123,6 +124,8 @@ constexpr int64_t INT8_TILE_MIN_ROWS = 24;  // below, the in-place kernel (the t
 void int8_tiles_matmul(int qtype, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
                        int64_t N, int threads);
 #endif
+int nibble_type_of(int qtype);
+void grid_nibbles(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int64_t rb, int qtype, int threads);
 std::pair<int64_t, int64_t> packed_bytes(int qtype, int64_t K);
 void repack(uintptr_t w_, uintptr_t codes_, uintptr_t terms_, int64_t N, int64_t K, int64_t rb, int qtype, int threads);
 void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t terms_, uintptr_t y_, int64_t M, int64_t N, int64_t K,

@@ -1,6 +1,7 @@
 """llama.cpp's quantizer searches in C++ (kquants.cpp, searches.h, iq4.h, grids.h, grid_quants.h, iq1.h):
 float rows -> K-quant blocks (Q2_K .. Q6_K), IQ4_NL, IQ4_XS, the grid i-quants (IQ3_S, IQ3_XXS, IQ2_S,
-IQ2_XS, IQ2_XXS, IQ1_S; the last three only with an importance matrix, as ggml_quantize_chunk demands), and the 32-value
+IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M; IQ2_XS, IQ2_XXS and IQ1_S only with an importance matrix, as
+ggml_quantize_chunk demands), and the 32-value
 formats Q4_0 .. Q5_1 when an importance matrix weighs the columns. The grids' points are gguf-py's.
 The blocks equal llama.cpp's byte for byte (kquants.cpp says how). Built on first use (hearth.native)."""
 
@@ -19,7 +20,7 @@ from hearth.native import build
 
 Q = GGMLQuantizationType
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-GRID_QUANTS = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)
+GRID_QUANTS = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
 # of those, the ones llama.cpp's quantizer refuses to write without an importance matrix (ggml_quantize_requires_imatrix)
 NEEDS_IMATRIX = (Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)
 SEARCHED = (*K_QUANTS, Q.IQ4_NL, Q.IQ4_XS, *GRID_QUANTS)  # the formats hearth's quantizer writes (see NEEDS_IMATRIX)

@@ -1,5 +1,5 @@
 // Float rows -> GGUF blocks: the K-quants (Q2_K .. Q6_K), IQ4_NL and IQ4_XS (iq4.h), the grid i-quants IQ2_XXS,
-// IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (grid_quants.h), IQ1_S (iq1.h) and, with an importance
+// IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (grid_quants.h), IQ1_S and IQ1_M (iq1.h) and, with an importance
 // matrix, the 32-value formats (Q4_0 .. Q5_1), by the searches llama.cpp's quantizer runs (ggml-quants.c). Every block's
 // arithmetic is float32 in the order ggml's reference C code does it, and this source is compiled
 // with -ffp-contract=off (no fused multiply-adds), so that the bytes equal llama.cpp's
@@ -284,6 +284,7 @@ int block_bytes(int qtype) {
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
     case IQ1_S: return 50;
+    case IQ1_M: return 56;
     default: return grid_slot(qtype) >= 0 ? grid_rule(qtype).bytes : 0;
   }
 }
@@ -298,8 +299,8 @@ void quantize_rows(uintptr_t x_ptr, uintptr_t y_ptr, int64_t rows, int64_t cols,
   const int block = legacy || qtype == IQ4_NL ? 32 : QK;  // values a block
   if (legacy ? !qw || cols % 32 : !block_bytes(qtype) || cols % block)
     throw std::invalid_argument("unsupported type, row length or missing importance for this quantizer");
-  const bool grid = grid_slot(qtype) >= 0 || qtype == IQ1_S;
-  if (grid && (!(qtype == IQ1_S ? iq1_grid : grids[grid_slot(qtype)]).size ||
+  const bool iq1 = qtype == IQ1_S || qtype == IQ1_M, grid = grid_slot(qtype) >= 0 || iq1;
+  if (grid && (!(iq1 ? iq1_grid : grids[grid_slot(qtype)]).size ||
                (!qw && (qtype == IQ2_XXS || qtype == IQ2_XS || qtype == IQ1_S))))
     throw std::invalid_argument("a grid i-quant without its grid (set_grid) or without the importance it needs");
   const int64_t row_bytes = legacy ? cols / 32 * ((qtype == Q4_0 ? 18 : qtype == Q5_1 ? 24 : qtype == Q4_1 ? 20 : 22))
@@ -319,6 +320,7 @@ void quantize_rows(uintptr_t x_ptr, uintptr_t y_ptr, int64_t rows, int64_t cols,
         case IQ4_NL: case IQ4_XS: iq4(xb, yb, w, block); break;
         case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_XXS: case IQ3_S: grid_block(qtype, xb, yb, w); break;
         case IQ1_S: iq1_s(xb, yb, w); break;
+        case IQ1_M: iq1_m(xb, yb, w); break;
         case Q2_K: q2_k(xb, yb, w); break;
         case Q3_K: q3_k(xb, yb, w); break;
         case Q4_K: q45_k(xb, yb, w, 15); break;
@@ -337,7 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("set_grid", [](int qtype, uintptr_t levels, int size) {
     const int8_t* points = reinterpret_cast<const int8_t*>(levels);
-    if (qtype == hearth::IQ1_S) return hearth::build_grid(hearth::iq1_grid, points, size, 8, 2, 2, 3);
+    if (qtype == hearth::IQ1_S || qtype == hearth::IQ1_M) return hearth::build_grid(hearth::iq1_grid, points, size, 8, 2, 2, 3);
     if (hearth::grid_slot(qtype) < 0) throw std::invalid_argument("not a grid i-quant");
     hearth::set_grid(qtype, points, size);
   }, "a grid i-quant's points (int8 levels [size, 8 or 4]), before its first quantize_rows");
