@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth import LLM
+from hearth import LLM, SamplingParams
 from hearth.backend import choose_backend
 from hearth.engine.runner import BatchEntry, ModelRunner
-from hearth.errors import ModelLoadError
+from hearth.errors import ModelLoadError, RequestError
 from hearth.loading.loader import load_model
 from hearth.model.latent_attention import LatentAttention
 from hearth.model.layers import SparseMoE
@@ -150,6 +150,11 @@ def test_gpu_backend_matches_transformers(tmp_path):
     llm = _llm(folder)
     assert _greedy(llm, prompts, 4) == reference_greedy(folder, prompts, 4)
     assert "decode_graphs" in llm.engine.model.backend_state
+    # the latent kernels take no tree masks: token trees and contrastive search refused by name
+    with pytest.raises(RequestError, match="contrastive search .* deepseek_v2 on the gpu backend"):
+        llm.generate([prompts[0]], SamplingParams(penalty_alpha=0.5, top_k=3, max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="token-tree verification.* deepseek_v2 on the gpu backend"):
+        _llm(folder, speculative_method="ngram", speculative_tree_width=3)
 
 
 def _absorbed_attention(q, cache, table, context, rank, scale, block_size=16):

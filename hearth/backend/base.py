@@ -24,7 +24,7 @@ from hearth.backend import state_ops
 from hearth.backend.sparse_linear import ThresholdedLinear
 from hearth.backend.state_ops import StateMetadata
 from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
-from hearth.config import MAX_DECODE_QUERY_LEN
+from hearth.config import MAX_DECODE_QUERY_LEN, ModelConfig
 from hearth.kv_format import KVCache, read_rows, write_rows
 from hearth.quant.tensor import HALF_DTYPES, QuantTensor
 
@@ -248,13 +248,14 @@ class Backend:
     """The reference path: torch's operations, any device, any dtype."""
 
     name = "reference"
-    attention_sinks = True  # attention takes a learned logit per head in each softmax's denominator (gpt-oss)
-    token_trees = True  # decode rows attend through StepInputs.tree_masks (speculative token trees)
-    mrope = True  # takes positions [3, T] (M-RoPE: ModelConfig.mrope_section) through rotary's tables
-    bidirectional_images = True  # prefill masks see both ways within an image (StepInputs.image_blocks)
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+
+    def takes_token_trees(self, config: ModelConfig) -> bool:
+        """Whether decode rows may attend through StepInputs.tree_masks on this model (speculative token trees,
+        contrastive search's candidates)."""
+        return True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """Raises ValueError where this backend cannot write and read a KV cache of `kv_cache_dtype`

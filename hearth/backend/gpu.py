@@ -134,6 +134,9 @@ class GpuBackend(Backend):
         return GpuMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, block_size, max_query_len,
                            self._num_sms, state)
 
+    def takes_token_trees(self, config) -> bool:
+        return not config.kv_lora_rank  # the latent attention kernels are causal only
+
     def _row_masks(self, step: StepInputs, images: bool) -> attention.RowMasks | None:
         masks = row_masks(step, images)
         if masks is None:

@@ -318,9 +318,10 @@ class LLMEngine:
         if params.calm_threshold is not None and self.runner.calm is None:
             raise RequestError("calm_threshold (CALM early exit) is not implemented for this engine: not with tensor or "
                                "pipeline parallelism, LoRA adapters, hybrid models, latent attention or 1-layer models")
-        if params.contrastive_search and not self.model.backend.token_trees:
-            raise RequestError(f"contrastive search (penalty_alpha) is not implemented on the {self.model.backend.name} "
-                               f"backend (its candidates attend through a tree mask): use the cpu or reference backend")
+        if params.contrastive_search and not self.model.backend.takes_token_trees(self.model_config):
+            raise RequestError(f"contrastive search (penalty_alpha) is not implemented for "
+                               f"{self.model_config.architecture} on the {self.model.backend.name} backend (its "
+                               f"candidates attend through a tree mask): use the cpu or reference backend")
         if params.contrastive_search and self.model_config.is_hybrid:  # (the candidates would advance the states)
             raise RequestError(f"contrastive search (penalty_alpha) is not implemented for a hybrid model "
                                f"({self.model_config.architecture}: layers that keep a state per sequence)")

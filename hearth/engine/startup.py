@@ -36,10 +36,6 @@ def engine_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     backend = choose_backend(device, dtype, config.backend, config.enforce_eager or split or config.lora.enable_lora)
     if split and backend.name == "gpu" and device.type == "cuda" and not config.enforce_eager:
         logger.warning("gpu backend: no CUDA graphs for a model split over processes (every step runs eagerly)")
-    if config.speculative.token_trees and not backend.token_trees:
-        raise ValueError(f"speculative_tree_width > 1 and lookahead_mode full (token-tree verification) are not "
-                         f"implemented on the {backend.name} backend (its attention kernels take no tree masks): use "
-                         f"the cpu or reference backend, or speculative_tree_width 1 and lookahead_mode chain")
     return backend
 
 
@@ -59,6 +55,11 @@ def load_target(model: str | Path | None, config: EngineConfig, backend: Backend
         loaded = load_model(model, dtype, device, max_positions=config.scheduler.max_model_len,
                             progress=progress, backend=backend, shard=shard, sparsity=config.sparsity,
                             mmproj=config.mmproj)
+        if config.speculative.token_trees and not backend.takes_token_trees(loaded.config):
+            raise ValueError(f"speculative_tree_width > 1 and lookahead_mode full (token-tree verification) are not "
+                             f"implemented for {loaded.config.architecture} on the {backend.name} backend (its "
+                             "latent attention kernels take no tree masks): use the cpu or reference backend, or "
+                             "speculative_tree_width 1 and lookahead_mode chain")
     except BaseException:
         if workers is not None:
             workers.kill()

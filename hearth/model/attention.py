@@ -8,7 +8,6 @@ from torch import nn
 
 from hearth.backend.base import Backend
 from hearth.config import ModelConfig
-from hearth.errors import ModelLoadError
 from hearth.model.layers import Linear, MergedLinear, RMSNorm, partial_rotary_order, rms_normalize
 
 
@@ -48,9 +47,6 @@ class Attention(nn.Module):
         self.window = config.sliding_window if config.is_sliding_layer(index) else None
         self.sinks = None  # gpt_oss: [heads], a logit per head in each softmax's denominator
         if config.attention_sinks:
-            if not ops.attention_sinks:
-                raise ModelLoadError(f"the {ops.name} backend has no attention sinks yet: run {config.architecture} "
-                                     "with --backend cpu or reference")
             self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         # which of Transformer.ropes rotates q and k: the model's, gemma3's sliding layers' own, or none
         # (smollm3's NoPE layers: the identity rotation, so that every backend's RoPE + cache write serves)

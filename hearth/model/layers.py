@@ -355,10 +355,6 @@ class RotaryEmbedding(nn.Module):
         # (a buffer: on the model's device, so that a decode step's CUDA graph copies nothing from the host)
         self.register_buffer("mrope_axes", None, persistent=False)
         if config.mrope_section is not None:
-            if not ops.mrope:
-                raise ModelLoadError(f"the {ops.name} backend has no M-RoPE (3-D positions) yet: run a "
-                                     f"{config.vision.family if config.vision else 'M-RoPE'} model with --backend "
-                                     "cpu or reference")
             self.mrope_axes = mrope_axes(config.mrope_section, len(self.inv_freq))
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:

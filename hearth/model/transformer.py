@@ -136,9 +136,6 @@ class Transformer(nn.Module):
         # model.vision_tower.*, model.embed_vision.*)
         self.vision = None
         if config.vision is not None:
-            if config.bidirectional_images and not ops.bidirectional_images:
-                raise ModelLoadError(f"the {ops.name} backend has no attention both ways within an image (Gemma 3's "
-                                     f"image tokens) yet: run {config.vision.family} with --backend cpu or reference")
             self.vision = _VISION_TOWERS.get(config.vision.family, VisionTower)(config.vision, config.hidden_size)
 
     @torch.inference_mode()
