@@ -93,12 +93,18 @@ def test_gpu_backend_images_both_ways(gemma, two_images):
     """The gpu backend's prefill kernel (interpreted on the CPU without a GPU), each image's rows seeing the whole
     image, the sliding layer's window shorter than the prompt: logits of every position within 1e-4 of
     transformers' with two images."""
+    images, inputs, ref_logits, _ = two_images
+    gpu_logits_match(gemma[0], TWO, images, inputs, ref_logits)
+
+
+def gpu_logits_match(folder, text: str, images: list, inputs, ref_logits) -> None:
+    """On the gpu backend (Triton's interpreter without a GPU): the prompt's ids and every position's logits
+    within 1e-4 of transformers'."""
     from hearth import LLM
 
-    images, inputs, ref_logits, _ = two_images
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(str(gemma[0]), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
-    ids, logits = _hearth_logits(llm.engine, TWO, images)
+    llm = LLM(str(folder), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
+    ids, logits = _hearth_logits(llm.engine, text, images)
     assert ids == inputs["input_ids"][0].tolist()
     torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=0)
 

@@ -16,7 +16,7 @@ import torch
 from hearth.errors import ModelLoadError
 from models import gemma4_vl_processor, make_gemma4_vl
 from test_vision import GREEDY, _hearth_logits, _image, _image_runs, _reference
-from test_vision_gemma import _images_attend_both_ways
+from test_vision_gemma import _images_attend_both_ways, gpu_logits_match
 
 ONE = "user: What is in <|image|>? model:"  # as Gemma 4's chat template writes an image part
 TWO = "user: Compare <|image|> with<|image|> please model:"
@@ -84,15 +84,9 @@ def test_gpu_backend_images_both_ways_on_the_sliding_layers(gemma4):
     """The gpu backend's prefill kernel (interpreted on the CPU without a GPU): an image's rows see the whole image
     on the sliding layers and causally on the full ones (GpuMetadata.full_layer_masks): logits of every position
     within 1e-4 of transformers' with one image."""
-    from hearth import LLM
-
     images = [_image(*IMAGES[0])]
     inputs, ref_logits, _ = _reference(gemma4, ONE, images)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(str(gemma4[0]), device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False)
-    ids, logits = _hearth_logits(llm.engine, ONE, images)
-    assert ids == inputs["input_ids"][0].tolist()
-    torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=0)
+    gpu_logits_match(gemma4[0], ONE, images, inputs, ref_logits)
 
 
 def test_what_is_refused(gemma4, tmp_path):
