@@ -151,10 +151,10 @@ def test_gpu_backend_runs_ahead_with_the_draws_on_the_device(tmp_path):
     folder = make_hf_model(tmp_path, "llama")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [[(7 * i + j) % (VOCAB_SIZE - 2) + 2 for j in range(3 + 4 * i)] for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[5, 9, 11]),
-              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8),
-              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[5, 9, 11]),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     seen = {}
     for on in (True, False):
         llm = LLM(folder, device=device, dtype="float32", backend="gpu", kv_cache_memory=1 << 15,  # 4 blocks

@@ -115,7 +115,7 @@ def test_greedy_speculation_in_a_batch_keeps_plain_decodings_tokens():
     options = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=256, progress=False)
     plain = LLM(str(GGUF), **options)
     prompts = [repeat_prompt(plain.get_tokenizer(), 4 * i, 12) for i in range(8)]
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     ngram = LLM(str(GGUF), speculative_method="ngram", speculative_adaptive=False, **options)
     assert [o.outputs[0].token_ids for o in ngram.generate(prompts, greedy, use_tqdm=False)] == expected
