@@ -180,3 +180,37 @@ def test_what_hearth_does_not_run_is_refused_by_name(folders):
     assert mtp_layer_count(["lm_head.weight"], 1, False, "config.json") == 0
     with pytest.raises(ValueError, match="speculative_method mtp runs the model's own layers in one process"):
         EngineConfig.from_options(speculative_method="mtp", pipeline_parallel_size=2)
+
+
+def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path):
+    """On the gpu backend (Triton kernels, under the interpreter without a GPU; one state layer) a step without
+    guesses runs the target's eager pass, not the decode graphs, whose replay hands on no hidden states: steps
+    alternate between 2 guesses and none (the speculator's count, as the adaptive count and the speed gate's probes
+    make it), and each catch-up after a plain step feeds the MTP transformers' final hidden states of the tokens
+    kept (not those of a rejected guess's row); greedy tokens are transformers' own."""
+    folder = make_hf_model(tmp_path / "m", "qwen3_5", num_hidden_layers=2,
+                           layer_types=["linear_attention", "full_attention"])
+    add_mtp_weights(folder)
+    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False,
+              speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=False)
+    counts = iter([2, 0] * MAX_TOKENS)
+    llm.engine.speculator._count = lambda request, num_running: next(counts)
+    draft, read = llm.engine.runner.draft, []  # (first position, the target hidden states [n, hidden] read)
+    catch_up = draft.catch_up
+
+    def reading(request, num_extra):
+        entry = catch_up(request, num_extra)
+        if entry is not None:
+            read.append((entry.num_computed_tokens, draft._first_hidden[request]))
+        return entry
+
+    draft.catch_up = reading
+    got = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    model = load_hf_reference(folder)
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([PROMPT + got])).last_hidden_state[0]
+        assert got == model.lm_head(hidden[len(PROMPT) - 1 : -1]).argmax(-1).tolist()  # greedy, step by step
+    assert len(read) == 2 and llm.engine.spec_decode_totals.num_draft_tokens > 0
+    for start, rows in read:
+        assert torch.allclose(rows, hidden[start : start + len(rows)], atol=1e-4)

@@ -54,6 +54,9 @@ class DraftRunner(SecondModel):
     # where the row feeding a request's guess d sits: position num_tokens + d - 1 + position_offset (a draft
     # model feeds each token at its own position; the MTP layer one before, mtp_draft.py)
     position_offset = 0
+    # whether it reads the target's final hidden states of every row (target_hidden): the MTP layer does, so a
+    # step of its requests runs the target's eager pass, which hands them on (the decode graphs do not)
+    reads_target_hidden = False
 
     def __init__(self, runner: ModelRunner, own_cache: bool = True):
         super().__init__(runner, own_cache)

@@ -13,7 +13,9 @@ distribution and greedy ones its tokens; a hybrid's states are rolled back as fo
   target drew), which guesses the first token after that; each later pass feeds the guess before and the
   MTP's own hidden state at the row before (`_pass_logits`). A verification's rows past the kept tokens
   (rejected guesses) are dropped from the kept hidden states, and rows the MTP wrote while guessing are
-  written again from the target's hidden states at the next catch-up, as vLLM does.
+  written again from the target's hidden states at the next catch-up, as vLLM does. So every step of a guessing
+  request runs the target's eager pass, which hands the hidden states on (`reads_target_hidden`), never the gpu
+  backend's decode graphs, which do not: a step without guesses would leave the MTP reading a rejected guess's row.
 - Its K/V (one attention layer) live in a cache of its own, indexed by the target's block tables: slot for
   slot the target's, as vLLM keeps its draft layers' (the guesses' rows go in the target's slots after the
   request's tokens, allocated in its BlockManager before the schedule, as early exit does). So a prefix the
@@ -42,6 +44,7 @@ class MtpDraft(DraftRunner):
     """The target's multi-token-prediction layer, its embeddings and LM head as the draft."""
 
     position_offset = -1  # a row reads the token after its position
+    reads_target_hidden = True
 
     def __init__(self, target: ModelRunner, target_blocks: BlockManager):
         model = target.model

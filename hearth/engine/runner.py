@@ -378,11 +378,14 @@ class ModelRunner:
         """A step of plain decodes, each drawing its next token as step_sampling.py's head can: the
         backend runs the model, the LM head and the draws in one go (the gpu backend: one CUDA graph
         replay; its outputs hold until that graph's next replay, after the next step's inputs took
-        them). None: not such a step, or the backend has no such path (then the step takes the eager way)."""
+        them). None: not such a step (one whose requests' guesses the MTP layer makes from its hidden states
+        is not), or the backend has no such path (then the step takes the eager way)."""
         sampled, step = staged.sampled, staged.inputs
+        reads_hidden = self.draft is not None and self.draft.reads_target_hidden
         if (len(sampled) != len(staged.sequences) or not step.decode_only or not self.own_pass
                 or self.lora is not None or any(
                     s.request.spec_token_ids or s.matcher is not None or s.generator is not None or s.forced
+                    or (reads_hidden and s.request.sampling_params.speculative)
                     or not drawn_in_step(s.request.sampling_params, len(s.request.output_token_ids))
                     for s in sampled)):
             return None
