@@ -77,15 +77,7 @@ def cmd_inspect(args) -> None:
             if config[f"{kind}_logit_softcapping"] is not None]
     if caps:
         print(f"soft-capping     {', '.join(caps)}")
-    print(f"KV cache         {info['kv_cache_bytes_per_token']:,} bytes/token in {info['kv_cache_dtype']} "
-          f"({info['kv_bytes_per_element']:g} bytes/element)")
-    if "kv_layers" in info:
-        shapes = "; ".join(f"layers {', '.join(map(str, s['layers']))}: {s['kv_heads']} KV heads of {s['head_dim']}"
-                           for s in info["kv_layers"]["shapes"])
-        shared = ", ".join(f"{layer} -> {source}" for layer, source in info["kv_layers"]["shared"].items())
-        print(f"KV layers        {shapes}" + (f"; reading an earlier layer's: {shared}" if shared else ""))
-    if info["kv_window"] is not None:
-        print(f"KV blocks        freed once older than every layer's window ({info['kv_window']} tokens)")
+    _print_kv_cache(info)
     which = " (hearth serve's default)" if info["kv_budget_default"] else ""
     if "state_layers" in info:
         kinds = info["state_layers"]["layer_types"]
@@ -100,6 +92,23 @@ def cmd_inspect(args) -> None:
                   f"prefix-cache block boundaries, one per sequence")
         return
     print(f"KV budget        {info['kv_budget_bytes'] / 2**20:.1f} MiB holds {info['kv_budget_tokens']:,} tokens{which}")
+
+
+
+def _print_kv_cache(info: dict) -> None:
+    """`hearth inspect`'s lines on the KV cache: bytes per token, the MTP layers', the layers' shapes, the window."""
+    print(f"KV cache         {info['kv_cache_bytes_per_token']:,} bytes/token in {info['kv_cache_dtype']} "
+          f"({info['kv_bytes_per_element']:g} bytes/element)")
+    if "mtp_layers" in info:
+        print(f"MTP layers       {info['mtp_layers']['count']}: {info['mtp_layers']['kv_cache_bytes_per_token']:,} "
+              "bytes/token of K/V beside the target's with --speculative-method mtp (in its KV budget then)")
+    if "kv_layers" in info:
+        shapes = "; ".join(f"layers {', '.join(map(str, s['layers']))}: {s['kv_heads']} KV heads of {s['head_dim']}"
+                           for s in info["kv_layers"]["shapes"])
+        shared = ", ".join(f"{layer} -> {source}" for layer, source in info["kv_layers"]["shared"].items())
+        print(f"KV layers        {shapes}" + (f"; reading an earlier layer's: {shared}" if shared else ""))
+    if info["kv_window"] is not None:
+        print(f"KV blocks        freed once older than every layer's window ({info['kv_window']} tokens)")
 
 
 def cmd_perplexity(args) -> None:

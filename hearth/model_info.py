@@ -68,9 +68,13 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
         info["kv_layers"] = _kv_layers(config)
     if config.vision is not None:  # the image side of an image-text model (its weights are counted above)
         info["vision"] = config.vision.describe()
+    compute_element = kv_element_size or choose_dtype("auto", choose_device("auto")).itemsize
+    if config.mtp_layers:  # --speculative-method mtp's layers: K/V in the compute dtype, in its budget beside the target's
+        info["mtp_layers"] = {"count": config.mtp_layers,
+                              "kv_cache_bytes_per_token": config.mtp_layer_config().kv_bytes_per_token(compute_element)}
     state_bytes = 0
     if config.is_hybrid:  # the state cache's share: convolution windows in the compute dtype, delta rules in float32
-        state_bytes = config.state_bytes_per_sequence(kv_element_size or choose_dtype("auto", choose_device("auto")).itemsize)
+        state_bytes = config.state_bytes_per_sequence(compute_element)
         info["state_layers"] = {"layer_types": list(config.layer_types), "state_bytes_per_sequence": state_bytes}
     info.update(_kv_budget(path, config, kv_per_token, kv_budget_bytes, state_bytes))
     return info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from hearth import LLM, SamplingParams
 from hearth.engine_config import EngineConfig
 from hearth.errors import HearthError, ModelLoadError
 from hearth.loading.names import mtp_layer_count
+from hearth.model_info import model_info
 from models import add_mtp_weights, load_hf_reference, make_hf_model
 from test_engine import random_prompts
 from test_speculative import assert_same_distribution, first_tokens
@@ -187,12 +189,19 @@ def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path)
     guesses runs the target's eager pass, not the decode graphs, whose replay hands on no hidden states: steps
     alternate between 2 guesses and none (the speculator's count, as the adaptive count and the speed gate's probes
     make it), and each catch-up after a plain step feeds the MTP transformers' final hidden states of the tokens
-    kept (not those of a rejected guess's row); greedy tokens are transformers' own."""
+    kept (not those of a rejected guess's row); greedy tokens are transformers' own. The KV budget holds the MTP
+    layer's K/V beside the target's, and `hearth inspect` names it."""
     folder = make_hf_model(tmp_path / "m", "qwen3_5", num_hidden_layers=2,
                            layer_types=["linear_attention", "full_attention"])
     add_mtp_weights(folder)
-    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", kv_cache_memory=1 << 22, progress=False,
-              speculative_method="mtp", num_speculative_tokens=2, speculative_adaptive=False)
+    # 2 sequences' states (each 4 times: its own, a prefix checkpoint, a snapshot per guess) and 20 blocks of K/V
+    # of the target's attention layer and the MTP layer
+    state, kv = _sizes(folder)
+    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", progress=False, max_num_seqs=2,
+              kv_cache_memory=2 * 4 * state + 20 * 16 * (kv + kv), speculative_method="mtp",
+              num_speculative_tokens=2, speculative_adaptive=False)
+    assert (llm.engine.num_state_slots, llm.engine.num_blocks) == (2, 20)
+    assert model_info(folder, kv_element_size=4)["mtp_layers"] == {"count": 1, "kv_cache_bytes_per_token": kv}
     counts = iter([2, 0] * MAX_TOKENS)
     llm.engine.speculator._count = lambda request, num_running: next(counts)
     draft, read = llm.engine.runner.draft, []  # (first position, the target hidden states [n, hidden] read)
@@ -214,3 +223,15 @@ def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path)
     assert len(read) == 2 and llm.engine.spec_decode_totals.num_draft_tokens > 0
     for start, rows in read:
         assert torch.allclose(rows, hidden[start : start + len(rows)], atol=1e-4)
+
+
+def _sizes(folder) -> tuple[int, int]:
+    """From the config's shapes, float32 bytes of a Gated DeltaNet layer's state per sequence (its convolution
+    window, kernel - 1 inputs of q, k and v, and its delta rule's [value heads, key dim, value dim]) and of an
+    attention layer's K and V per token (kv heads x head_dim each)."""
+    config = json.loads((folder / "config.json").read_text())
+    conv_width = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + \
+        config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    state = (config["linear_conv_kernel_dim"] - 1) * conv_width + \
+        config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]
+    return 4 * state, 4 * 2 * config["num_key_value_heads"] * config["head_dim"]

@@ -22,7 +22,7 @@ distribution and greedy ones its tokens; a hybrid's states are rolled back as fo
   target's prefix cache reuses comes with the MTP's K/V for it, written when the request that computed it
   caught the MTP up; a prefix cached before its MTP rows were written (its request ended first), or a block's
   last row, which read the token after the block, may differ from what this request would have written:
-  guesses, never outputs. The cache is not counted in the KV budget (as a draft model's is not).
+  guesses, never outputs. The cache is counted in the KV budget beside the target's (engine/startup.py).
 """
 
 from __future__ import annotations

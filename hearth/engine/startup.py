@@ -78,11 +78,15 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Backend, device: torch.device,
                   dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, int]:
     """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py), its
-    bytes per token, and a hybrid model's state slots (from the same budget, each with a state checkpoint's
-    bytes beside it when prefix caching is on and a snapshot's per guess with speculation; 0 for other models)."""
+    bytes per token (with --speculative-method mtp the MTP layer's beside the target's: its cache has the
+    target's blocks, in the compute dtype, hearth/engine/mtp_draft.py), and a hybrid model's state slots (from
+    the same budget, each with a state checkpoint's bytes beside it when prefix caching is on and a snapshot's
+    per guess with speculation; 0 for other models)."""
     cache, max_num_seqs = config.cache, config.scheduler.max_num_seqs
     check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
     bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
+    if config.speculative.method == "mtp" and model_config.mtp_layers:  # (none: refused by name in mtp_draft.py)
+        bytes_per_token += model_config.mtp_layer_config().kv_bytes_per_token(dtype.itemsize)
     state_bytes = state_bytes_per_slot(model_config.state_bytes_per_sequence(dtype.itemsize),
                                        cache.enable_prefix_caching, state_snapshots_per_slot(config))
     budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
