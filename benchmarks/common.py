@@ -225,10 +225,11 @@ def write_results(path: str | Path | None, markdown: str, data: dict) -> None:
     """Print the markdown; with a path, also write PATH.md and PATH.json."""
     print(markdown)
     if path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".md").write_text(markdown + "\n")
-        path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        # PATH + suffix, not with_suffix: a name with a dot of its own (llamacpp-qwen3.5-0.8b-q8_0) keeps it whole
+        base = str(path).removesuffix(".md").removesuffix(".json")
+        Path(base).parent.mkdir(parents=True, exist_ok=True)
+        Path(base + ".md").write_text(markdown + "\n")
+        Path(base + ".json").write_text(json.dumps(data, indent=2) + "\n")
 
 
 def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_counter,

@@ -60,6 +60,7 @@ def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches:
 
     def record(engine_name: str, test: str, b: int, tok_s: float) -> None:
         times.setdefault((engine_name, test, b), []).append(tok_s)
+        print(f"{engine_name} {test} B={b}: {tok_s:.2f} tok/s", file=sys.stderr, flush=True)  # progress
 
     one_run(engine, random_prompts(1, 32, vocab, rng), 4)
     cpp.clear()
@@ -118,6 +119,7 @@ def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_
 def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_threads: int, clock,
                  roof) -> tuple[list[list], list[dict]]:
     """Both engines on one file, sized for the longest test: result_rows' rows and results."""
+    from hearth.engine.memory import state_bytes_per_slot
     from hearth.kv_format import kv_bytes_per_element
     from hearth.bench.roofline import file_weight_bytes, model_weight_bytes
     from hearth.llm import LLM
@@ -128,8 +130,11 @@ def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_thre
     stored = file_weight_bytes(config, weights)
     del weights
     longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    # a hybrid model's budget keeps each running sequence's states (and a prefix-cache checkpoint beside
+    # them) before K/V: without them here, 32 sequences would get one state slot and run one at a time
+    states = max(batches) * state_bytes_per_slot(config.state_bytes_per_sequence(4), True)
     llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_memory=config.kv_bytes_per_token(4) * longest,
+              kv_cache_memory=config.kv_bytes_per_token(4) * longest + states,
               max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
     engine = llm.engine
     loaded = model_weight_bytes(engine.model)
