@@ -137,8 +137,13 @@ def build(config: type, keywords: dict[str, Any], caller: str) -> Any:
             raise TypeError(f"{caller} got an unexpected keyword argument {keyword!r}{hint}")
     values: dict[tuple[str, ...], dict[str, Any]] = {}
     for keyword, value in keywords.items():
-        path = options[keyword].path
-        values.setdefault(path[:-1], {})[path[-1]] = value
+        option = options[keyword]
+        if option.parse is not None and isinstance(value, str):  # LLM(kv_cache_memory="2GiB"), as the flag reads it
+            try:
+                value = option.parse(value)
+            except (argparse.ArgumentTypeError, ValueError) as error:
+                raise ValueError(f"{keyword}: {error}") from None
+        values.setdefault(option.path[:-1], {})[option.path[-1]] = value
     return _build(config, (), values)
 
 

@@ -145,6 +145,12 @@ def test_keywords_reach_their_nested_configs_and_are_checked_there():
         EngineConfig.from_options(max_num_seqs=0)
     with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):
         EngineConfig.from_options(tensor_parallel_size=2, pipeline_parallel_size=2)
+    # a size as text, read as its flag reads it (LLM(kv_cache_memory="1GiB")); a bad one named
+    sized = EngineConfig.from_options(kv_cache_memory="1GiB", kv_cache_ram="512", kv_cache_dir_size=4096)
+    assert (sized.cache.kv_cache_memory, sized.cache.kv_cache_ram, sized.cache.kv_cache_dir_size) == (
+        2**30, 512 * 2**20, 4096)
+    with pytest.raises(ValueError, match="kv_cache_memory: not a size: '1 lots'"):
+        EngineConfig.from_options(kv_cache_memory="1 lots")
 
 
 @dataclass
