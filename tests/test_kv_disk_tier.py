@@ -119,6 +119,23 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
         engine.shutdown()
 
 
+def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llama, tmp_path):
+    """Blocks the cache never evicted reach the disk tier when the async engine (a server) shuts down, so the
+    next start finds the prompt's prefix there: transformers' greedy tokens, every full block a disk hit."""
+    prompt = [random.Random(9).randrange(VOCAB_SIZE) for _ in range(70)]  # 4 full blocks
+    directory = tmp_path / "tier"
+    first = tiered_llm(llama, directory, "cpu")
+    engine = AsyncEngine(first.engine)
+    asyncio.run(served(engine, prompt))
+    assert first.engine.kv_disk_tier.counts.blocks_written == 0  # nothing evicted
+    engine.shutdown()
+    assert first.engine.kv_disk_tier.counts.blocks_written == 4
+
+    second = tiered_llm(llama, directory, "cpu")
+    assert greedy_tokens(second, prompt) == reference_greedy(llama, [prompt])[0]
+    assert second.engine.kv_disk_tier.counts.hits == 4
+
+
 async def served(engine: AsyncEngine, prompt: list[int]) -> None:
     async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
         pass

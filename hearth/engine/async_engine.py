@@ -320,6 +320,10 @@ class AsyncEngine:
             reason = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
         self._stop_taking_commands(reason)
         self._abort_all(reason)
+        try:  # (on this thread, which owns the engine: no step runs any more)
+            self.engine.save_cache_to_tiers()
+        except Exception:  # a full disk, say: the shutdown goes on
+            logger.exception("the prefix cache's blocks could not be saved to its tiers")
 
     def _stop_taking_commands(self, reason: EngineStopped) -> None:
         """Refuse new commands, and end the adds still queued with `reason` (their callers wait on `accepted`)."""

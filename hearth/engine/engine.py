@@ -468,6 +468,20 @@ class LLMEngine:
                 moves.append((tokens.state_snapshot + kept, request.state_slot))
         self.runner.copy_states(moves)
 
+    def save_cache_to_tiers(self) -> int:
+        """Copy every block the prefix cache still holds to the tiers (those they lack), so that a disk tier has
+        them after a restart (a server's shutdown; evicted blocks went there already); how many were copied."""
+        return 0 if self.kv_tiers is None else self._copy_to_tiers(self.block_manager.cached_blocks())
+
+    def _copy_to_tiers(self, blocks: list[tuple[bytes, int]]) -> int:
+        """Write each (content hash, block id)'s K/V to the tiers that lack it; how many blocks were written."""
+        tiers = self.kv_tiers
+        blocks = [(content_hash, block) for content_hash, block in blocks if not tiers.held_by_all(content_hash)]
+        if blocks:
+            for (content_hash, _), payload in zip(blocks, self.runner.block_bytes([b for _, b in blocks], tiers.q8_0)):
+                tiers.write(content_hash, payload)
+        return len(blocks)
+
     def move_cache_contents(self) -> None:
         """Before a forward pass (anything that writes over the one or reads the other): copy the blocks
         the KV cache evicted to the tiers (those they do not hold already), then write the blocks found
@@ -479,10 +493,7 @@ class LLMEngine:
         if tiers is None:
             return
         evicted, loads = self.block_manager.take_tier_moves()
-        evicted = [(content_hash, block) for content_hash, block in evicted if not tiers.held_by_all(content_hash)]
-        if evicted:
-            for (content_hash, _), payload in zip(evicted, self.runner.block_bytes([b for _, b in evicted], tiers.q8_0)):
-                tiers.write(content_hash, payload)
+        self._copy_to_tiers(evicted)
         if loads:
             self.runner.write_block_bytes(loads, tiers.q8_0)
 

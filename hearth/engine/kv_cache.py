@@ -309,6 +309,10 @@ class BlockManager:
             parent, parent_hash = block.content_id, block.content_hash
         self._cached_chain[request] = (end, parent, parent_hash)
 
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """(content hash, block id) of every block the prefix cache holds (to save in the tiers at shutdown)."""
+        return [(block.content_hash, block.block_id) for block in self.blocks if block.key is not None]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds a block."""
         if len(self.free_blocks) != self.num_blocks:
