@@ -181,7 +181,12 @@ class ModelConfig:
         image (Gemma 3's; Gemma 4's on its sliding-window layers, where its text_config's
         use_bidirectional_attention is "vision"; the rest of the sequence stays causal)."""
         vision = self.vision
-        return vision is not None and (vision.family == "gemma3" or getattr(vision, "bidirectional", False))
+        return vision is not None and (vision.family == "gemma3" or self.bidirectional_images_sliding_only)
+
+    @property
+    def bidirectional_images_sliding_only(self) -> bool:
+        """Whether those images see both ways on the sliding-window layers only (Gemma 4's; its full layers causal)."""
+        return getattr(self.vision, "bidirectional", False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -54,7 +54,8 @@ class Sequences:
         return again
 
     def step(self):
-        config = SimpleNamespace(is_hybrid=True, mrope_section=None, bidirectional_images=False)
+        config = SimpleNamespace(is_hybrid=True, mrope_section=None, bidirectional_images=False,
+                                 bidirectional_images_sliding_only=False)
         runner = SimpleNamespace(block_size=BLOCK, model=SimpleNamespace(config=config))
         entries = [BatchEntry([self.rng.randrange(1000)], s["computed"], s["table"], state_slot=s["state_slot"])
                    for s in self.running]

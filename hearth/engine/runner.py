@@ -151,7 +151,7 @@ class ModelRunner:
             state_slots = np.array([e.state_slot for e in entries], dtype=np.int64)
         snapshots = None if all(e.state_snapshot is None for e in entries) else np.array(
             [-1 if e.state_snapshot is None else e.state_snapshot for e in entries], dtype=np.int64)
-        both_ways = self.model.config.bidirectional_images  # (Gemma 4's: on its sliding layers only)
+        both_ways = self.model.config.bidirectional_images
         return StepInputs(
             input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
             positions=positions,
@@ -166,7 +166,7 @@ class ModelRunner:
             state_snapshots=snapshots,
             embeds=image_rows(entries, query_start_loc),
             image_blocks=image_blocks([e.images for e in entries], starts, ends) if both_ways else None,
-            image_blocks_sliding_only=both_ways and self.model.config.architecture == "gemma4",
+            image_blocks_sliding_only=self.model.config.bidirectional_images_sliding_only,
         )
 
     def forward(self, entries: list[BatchEntry], step: StepInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
