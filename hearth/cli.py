@@ -43,7 +43,8 @@ def cmd_watermark_detect(args) -> None:
 def cmd_inspect(args) -> None:
     from hearth.model_info import model_info
 
-    info = model_info(args.model, args.kv_budget, args.kv_bytes_per_element, args.kv_cache_dtype)
+    info = model_info(args.model, args.kv_budget, args.kv_bytes_per_element, args.kv_cache_dtype,
+                      args.max_num_seqs, args.max_model_len)
     if args.json:
         print(json.dumps(info, indent=2))
         return
@@ -87,6 +88,8 @@ def cmd_inspect(args) -> None:
         kept = f", {checkpoints:,} prefix-cache state checkpoints" if checkpoints else ""
         print(f"budget           {info['kv_budget_bytes'] / 2**20:.1f} MiB holds the states of "
               f"{info['kv_budget_sequences']:,} sequences{kept} and {info['kv_budget_tokens']:,} tokens{which}")
+        print(f"sequences        {info['kv_budget_sequences']:,}: {info['kv_budget_why']} (max_model_len "
+              f"{info['kv_budget_max_model_len']:,}; --max-num-seqs and --max-model-len change it)")
         if checkpoints:
             print(f"checkpoints      {info['kv_budget_state_checkpoint_bytes'] / 2**20:.1f} MiB of it: states at "
                   f"prefix-cache block boundaries, one per sequence")
@@ -311,7 +314,8 @@ def _add_inspect_perplexity_convert(sub) -> None:
     p.add_argument("--kv-bytes-per-element", type=int, default=None, choices=[1, 2, 4],
                    help="the size of a K or V value with --kv-cache-dtype auto (default: the engine's compute "
                         "dtype here: float32 on a CPU, bfloat16 on a GPU)")
-    add_option(p, "kv_cache_dtype")
+    for name in ("kv_cache_dtype", "max_num_seqs", "max_model_len"):  # (the last two: a hybrid's budget split)
+        add_option(p, name)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 

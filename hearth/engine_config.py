@@ -16,6 +16,9 @@ from hearth.reasoning import FORMATS
 # request's acceptance and the batch (hearth/engine/speculation/guess_count.py, num_guesses). The built-in pair
 # at batch 1, 2 threads: 4 -> 1.84x, 8 -> 2.20x, 12 -> 2.38x (docs/benchmarks.md).
 DEFAULT_SPECULATIVE_TOKENS = 8
+# Sequences run at once when max_num_seqs is not given (vLLM's); a hybrid model's are fewer where its budget
+# holds fewer full-length contexts with their states (hearth/engine/memory.py, split_budget).
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 def _need(ok: bool, message: str) -> None:
@@ -75,8 +78,9 @@ class CacheConfig:
 class SchedulerConfig:
     """What one step may run (vLLM's SchedulerConfig): hearth/engine/scheduler.py."""
 
-    max_num_seqs: int = option(256, help="sequences run at once; the KV cache holds this many contexts "
-                                         "(default %(default)s)")
+    max_num_seqs: int | None = option(
+        None, help=f"sequences run at once (default {DEFAULT_MAX_NUM_SEQS}; a hybrid model's: as many as its KV budget "
+                   "holds max_model_len requests with their states, at least one; given, it must fit beside one)")
     max_num_batched_tokens: int = option(2048, help="tokens one step computes, prompt chunks and decodes "
                                                     "together")
     max_model_len: int | None = option(None, help="the longest context in tokens (default: the model's)")
@@ -92,7 +96,7 @@ class SchedulerConfig:
              "about that: docs/benchmarks.md)")
 
     def __post_init__(self) -> None:
-        _need(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _need(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
         _need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2")
 

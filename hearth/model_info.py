@@ -10,7 +10,8 @@ from hearth.kv_format import kv_bytes_per_element, kv_cache_dtype_name
 from hearth.engine_config import EngineConfig
 from hearth.default_model import resolve_model
 from hearth.engine.memory import (choose_device, choose_dtype, kv_cache_blocks, kv_cache_budget, model_bytes,
-                                  state_bytes_per_slot, state_slot_count)
+                                  split_budget, state_bytes_per_slot)
+from hearth.errors import HearthError
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 
@@ -22,10 +23,12 @@ def weight_type(weight) -> str:
 
 
 def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_element_size: int | None = None,
-               kv_cache_dtype: str = "auto") -> dict:
+               kv_cache_dtype: str = "auto", max_num_seqs: int | None = None, max_model_len: int | None = None) -> dict:
     """kv_cache_dtype: auto (K/V in the compute dtype the engine picks here, or of kv_element_size bytes),
     float16, q8_0 or fp8 / fp8_e4m3 (hearth/kv_format.py). kv_budget_bytes: None for the default
-    budget of an engine with EngineConfig's defaults (`hearth serve`'s), as the engine computes it."""
+    budget of an engine with EngineConfig's defaults (`hearth serve`'s), as the engine computes it;
+    max_num_seqs and max_model_len (None: the engine's defaults) as the engine's options, which a
+    hybrid model's budget is shared by (hearth/engine/memory.py, split_budget)."""
     path = resolve_model(path)
     config, weights, tokenizer = read_model(path, progress=False)
     params = 0
@@ -76,7 +79,8 @@ def model_info(path: str | Path | None, kv_budget_bytes: int | None = None, kv_e
     if config.is_hybrid:  # the state cache's share: convolution windows in the compute dtype, delta rules in float32
         state_bytes = config.state_bytes_per_sequence(compute_element)
         info["state_layers"] = {"layer_types": list(config.layer_types), "state_bytes_per_sequence": state_bytes}
-    info.update(_kv_budget(path, config, kv_per_token, kv_budget_bytes, state_bytes))
+    info.update(_kv_budget(path, kv_per_token, kv_budget_bytes, state_bytes, max_num_seqs,
+                           _context_length(config, max_model_len)))
     return info
 
 
@@ -91,26 +95,36 @@ def _kv_dtype(kv_cache_dtype: str, kv_element_size: int | None) -> tuple[str, fl
     return str(dtype).removeprefix("torch."), dtype.itemsize
 
 
-def _kv_budget(path: Path, config, kv_per_token: int, budget: int | None, state_bytes: int) -> dict:
+def _context_length(config, max_model_len: int | None) -> int:
+    """The longest request the budget is sized for: max_model_len, at most the model's context."""
+    if max_model_len is not None and not 2 <= max_model_len <= config.max_position_embeddings:
+        raise HearthError(f"max_model_len {max_model_len}: the model's context is {config.max_position_embeddings} tokens")
+    return max_model_len or config.max_position_embeddings
+
+
+def _kv_budget(path: Path, kv_per_token: int, budget: int | None, state_bytes: int, max_num_seqs: int | None,
+               max_model_len: int) -> dict:
     """The tokens a budget given holds; with none, the budget an engine with default options computes
     (`hearth serve`'s), in whole blocks as the engine's start-up line gives it. A hybrid model's budget
-    keeps the states of some sequences first (kv_budget_sequences: how many run at once), with prefix caching
-    (on by default) as many state checkpoints (hearth/engine/state_slots.py), and K/V in the rest."""
+    keeps the states of some sequences (kv_budget_sequences: how many run at once, and kv_budget_why: why
+    that many, split_budget), with prefix caching (on by default) as many state checkpoints
+    (hearth/engine/state_slots.py), and K/V in the rest."""
     defaults = EngineConfig()
-    block_size, max_num_seqs = defaults.cache.block_size, defaults.scheduler.max_num_seqs
+    block_size = defaults.cache.block_size
     slot_bytes = state_bytes_per_slot(state_bytes, defaults.cache.enable_prefix_caching)
     default = budget is None
     if default:
-        budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size, config.max_position_embeddings,
-                                 max_num_seqs, model_bytes(path), slot_bytes)
-    slots = state_slot_count(budget, kv_per_token, block_size, slot_bytes, max_num_seqs)
-    kv_bytes = budget - slots * slot_bytes
-    tokens = kv_cache_blocks(kv_bytes, kv_per_token, block_size) * block_size if default else kv_bytes // kv_per_token
+        budget = kv_cache_budget(choose_device("auto"), kv_per_token, block_size, max_model_len, max_num_seqs,
+                                 model_bytes(path), slot_bytes)
+    split = split_budget(budget, kv_per_token, block_size, max_model_len, slot_bytes, max_num_seqs)
+    tokens = kv_cache_blocks(split.kv_bytes, kv_per_token, block_size) * block_size if default else \
+        split.kv_bytes // kv_per_token
     info = {"kv_budget_bytes": tokens * kv_per_token if default else budget, "kv_budget_default": default,
-            "kv_budget_tokens": tokens}
+            "kv_budget_tokens": tokens, "kv_budget_max_model_len": max_model_len}
     if state_bytes:
+        slots = split.state_slots
         info |= {"kv_budget_bytes": tokens * kv_per_token + slots * slot_bytes, "kv_budget_sequences": slots,
-                 "kv_budget_state_checkpoints": slots * (slot_bytes // state_bytes - 1),
+                 "kv_budget_why": split.why, "kv_budget_state_checkpoints": slots * (slot_bytes // state_bytes - 1),
                  "kv_budget_state_checkpoint_bytes": slots * (slot_bytes - state_bytes)}
     return info
 

@@ -140,7 +140,7 @@ def test_keywords_reach_their_nested_configs_and_are_checked_there():
                                        dtype="float32")
     assert (config.cache.block_size, config.scheduler.max_num_batched_tokens, config.parallel.pipeline_parallel_size,
             config.dtype) == (8, 64, 2, "float32")
-    assert config.scheduler.max_num_seqs == 256 and config.parallel.split
+    assert config.scheduler.max_num_seqs is None and config.parallel.split  # (None: the engine's count, 256 or fewer)
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
         EngineConfig.from_options(max_num_seqs=0)
     with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):

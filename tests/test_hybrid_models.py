@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from hearth import LLM, SamplingParams
-from hearth.engine_config import EngineConfig
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.runner import BatchEntry, ModelRunner
@@ -178,10 +177,11 @@ def test_perplexity_windows_each_in_a_state_slot(family):
 def test_mixed_batch_chunked_prefill_and_preemption(family):
     """Every prompt at once in 16-token steps (prompts in chunks beside decodes), 4 state slots for 5
     requests and a KV cache of 5 blocks, fewer than they need together (preemption, re-prefill), with
-    prefix caching: a state checkpoint per slot from the same budget."""
+    prefix caching: a state checkpoint per slot from the same budget. (max_num_seqs given: honoured where
+    the budget holds its states beside one max_model_len request, 64 tokens: 5 blocks with the token after.)"""
     arch, folder, expected = family
     state_bytes, kv_bytes = SIZES[arch]
-    llm = LLM(folder, max_num_batched_tokens=16, max_num_seqs=4, progress=False,
+    llm = LLM(folder, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, progress=False,
               kv_cache_memory=4 * 2 * state_bytes + 5 * 16 * kv_bytes)
     engine = llm.engine
     assert (engine.num_state_slots, engine.num_state_checkpoints, engine.num_blocks) == (4, 4, 5)
@@ -218,16 +218,16 @@ def test_states_hold_what_transformers_cache_holds(family):
 def test_inspect_gives_state_and_kv_sizes(family):
     arch, folder, _ = family
     state_bytes, kv_bytes = SIZES[arch]
-    budget = 10 * state_bytes + 100 * kv_bytes
+    # a sequence of the model's whole context (512 tokens, and the one sampled after: 33 blocks of 16) with its
+    # states and a prefix-cache checkpoint's (prefix caching is on by default): three of them, and 100 tokens more
+    sequence = 2 * state_bytes + 33 * 16 * kv_bytes
+    budget = 3 * sequence + 100 * kv_bytes
     info = model_info(folder, kv_budget_bytes=budget, kv_element_size=4)
     assert info["kv_cache_bytes_per_token"] == kv_bytes
     assert info["state_layers"]["state_bytes_per_sequence"] == state_bytes
-    # as many states as the budget holds with a prefix-cache checkpoint (prefix caching is on by default)
-    # and a block each, at most the default max_num_seqs
-    sequences = min(EngineConfig().scheduler.max_num_seqs, budget // (2 * state_bytes + 16 * kv_bytes))
-    assert info["kv_budget_sequences"] == info["kv_budget_state_checkpoints"] == sequences
-    assert info["kv_budget_state_checkpoint_bytes"] == sequences * state_bytes
-    assert info["kv_budget_tokens"] == (budget - sequences * 2 * state_bytes) // kv_bytes
+    assert info["kv_budget_sequences"] == info["kv_budget_state_checkpoints"] == 3
+    assert info["kv_budget_state_checkpoint_bytes"] == 3 * state_bytes
+    assert info["kv_budget_tokens"] == 3 * 33 * 16 + 100 and "512-token requests" in info["kv_budget_why"]
 
 
 def test_contrastive_refused_by_name(family):

@@ -195,9 +195,10 @@ def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path)
                            layer_types=["linear_attention", "full_attention"])
     add_mtp_weights(folder)
     # 2 sequences' states (each 4 times: its own, a prefix checkpoint, a snapshot per guess) and 20 blocks of K/V
-    # of the target's attention layer and the MTP layer
+    # of the target's attention layer and the MTP layer (more than a max_model_len request's 17: max_num_seqs given
+    # is honoured where its states fit beside one)
     state, kv = _sizes(folder)
-    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", progress=False, max_num_seqs=2,
+    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", progress=False, max_num_seqs=2, max_model_len=256,
               kv_cache_memory=2 * 4 * state + 20 * 16 * (kv + kv), speculative_method="mtp",
               num_speculative_tokens=2, speculative_adaptive=False)
     assert (llm.engine.num_state_slots, llm.engine.num_blocks) == (2, 20)

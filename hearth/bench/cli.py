@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hearth.engine_config import DEFAULT_MAX_NUM_SEQS
 from hearth.engine_args import add_engine_arguments, add_model_argument, apply_threads, build_llm
 
 
@@ -28,25 +29,35 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
-def _kv_element(args) -> float:
-    """Bytes per K or V value of the engine options' KV cache."""
+def _element_sizes(args) -> tuple[float, int]:
+    """Bytes per K or V value of the engine options' KV cache, and per value of its compute dtype."""
     from hearth.kv_format import kv_bytes_per_element
     from hearth.engine.memory import choose_device, choose_dtype
 
-    return kv_bytes_per_element(args.kv_cache_dtype, choose_dtype(args.dtype, choose_device(args.device)).itemsize)
+    itemsize = choose_dtype(args.dtype, choose_device(args.device)).itemsize
+    return kv_bytes_per_element(args.kv_cache_dtype, itemsize), itemsize
 
 
 def _llm(args, tokens_needed: int | None, num_seqs: int):
-    """An LLM from the engine options; a KV cache just large enough for the run unless one is given."""
+    """An LLM from the engine options; a KV cache just large enough for the run (num_seqs sequences at
+    once) unless one is given: K/V for tokens_needed tokens, and a hybrid model's states for num_seqs
+    sequences with max_model_len the run's longest (hearth/engine/memory.py, split_budget)."""
     kv = args.kv_cache_memory
+    # without --max-num-seqs, where the run does not size the cache: the engine's own count (split_budget's)
+    auto = args.max_num_seqs is None and (kv is not None or tokens_needed is None)
+    options = {"max_num_seqs": None if auto else num_seqs}
     if kv is None and tokens_needed is not None:
+        from hearth.engine.memory import state_bytes_per_slot
         from hearth.loading.loader import read_model
 
         config, _, _ = read_model(args.model, progress=False)
-        element = _kv_element(args)
+        element, itemsize = _element_sizes(args)
         blocks = -(-tokens_needed // 16) + 2 * num_seqs  # whole blocks per sequence, and slack
         kv = config.kv_bytes_per_token(element) * 16 * blocks
-    return build_llm(args, kv_cache_memory=kv, max_num_seqs=max(args.max_num_seqs, 1), progress=not args.json)
+        if config.is_hybrid:
+            kv += num_seqs * state_bytes_per_slot(config.state_bytes_per_sequence(itemsize), args.enable_prefix_caching)
+            options["max_model_len"] = args.max_model_len or -(-tokens_needed // num_seqs)
+    return build_llm(args, kv_cache_memory=kv, progress=not args.json, **options)
 
 
 def _print(report: dict, args, formatter, plot=None) -> None:
@@ -64,8 +75,8 @@ def _print(report: dict, args, formatter, plot=None) -> None:
 def cmd_latency(args) -> None:
     from hearth.bench.latency import format_latency, run_latency
 
-    args.max_num_seqs = max(args.max_num_seqs, args.batch_size)
-    llm = _llm(args, args.batch_size * (args.input_len + args.output_len), args.batch_size)
+    num_seqs = max(args.max_num_seqs or 1, args.batch_size)
+    llm = _llm(args, args.batch_size * (args.input_len + args.output_len), num_seqs)
     report = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.runs, args.warmup,
                          args.seed, progress=not args.json)
     _print(report, args, format_latency)
@@ -74,10 +85,9 @@ def cmd_latency(args) -> None:
 def cmd_throughput(args) -> None:
     from hearth.bench.throughput import format_throughput, run_throughput
 
-    needed = None
-    if args.dataset is None:
-        needed = min(args.num_prompts, args.max_num_seqs) * (args.input_len + args.output_len)
-    llm = _llm(args, needed, min(args.num_prompts, args.max_num_seqs))
+    num_seqs = min(args.num_prompts, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+    needed = None if args.dataset is not None else num_seqs * (args.input_len + args.output_len)
+    llm = _llm(args, needed, num_seqs)
     report = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset, args.seed,
                             progress=not args.json)
     _print(report, args, format_throughput)
@@ -129,7 +139,7 @@ def cmd_roofline(args) -> None:
         from hearth.loading.loader import read_model
 
         config, _, _ = read_model(args.model, progress=False)
-        element = _kv_element(args)
+        element, _ = _element_sizes(args)
         longest = max(args.batch_sizes)
         tokens = longest * (args.context + args.measure_tokens + 1 + 32)
         engine["kv_cache_memory"] = config.kv_bytes_per_token(element) * tokens

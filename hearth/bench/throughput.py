@@ -68,7 +68,7 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, datas
         "input_len": None if dataset is not None else input_len,
         "output_len": output_len,
         "dataset": None if dataset is None else str(dataset),
-        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "max_num_seqs": engine.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),

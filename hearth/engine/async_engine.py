@@ -159,7 +159,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self.reasoning: ReasoningFormat | None = engine.reasoning  # the model's thinking markers, if given
         self.model_path: Path = engine.model_path
-        self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
+        self.max_num_seqs: int = engine.max_num_seqs
         self.lora_enabled = engine.lora is not None
         self.accepts_images: bool = engine.accepts_images  # requests may bring images (multi_modal_data)
         # the LoRA adapters loaded at start (lora_modules), by name: their paths (later loads: add_lora)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.engine_config import EngineConfig
+from hearth.engine_config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.images import PromptWithImages, expand_prompt
@@ -73,7 +73,7 @@ class LLMEngine:
         self.thinking_markers = None if self.reasoning is None else ThinkingMarkers.of(self.reasoning, self.tokenizer)
         self.max_model_len = context_length(config, self.model_config)
         hybrid = check_hybrid(config, self.model_config)
-        self.num_blocks, bytes_per_token, self.num_state_slots = kv_cache_size(
+        self.num_blocks, bytes_per_token, self.budget_split = kv_cache_size(
             config, self.model_config, self.model.backend, self.device, self.dtype, self.max_model_len, self.model_path)
         self.num_state_checkpoints, self.num_state_snapshots = self._state_rows(config, hybrid)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -91,7 +91,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           self.kv_tiers, checkpoints)
         scheduling = config.scheduler
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=scheduling.max_num_seqs,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=scheduling.max_num_batched_tokens,
                                    enable_chunked_prefill=scheduling.enable_chunked_prefill,
                                    kv_window=self.model_config.kv_window,
@@ -119,6 +119,16 @@ class LLMEngine:
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
 
+    @property
+    def num_state_slots(self) -> int:
+        """A hybrid model's running sequences' states (memory.split_budget; 0: a model without states)."""
+        return self.budget_split.state_slots
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences run at once: as given, else a hybrid's state slots (split_budget), else the default."""
+        return self.config.scheduler.max_num_seqs or self.num_state_slots or DEFAULT_MAX_NUM_SEQS
+
     def _state_rows(self, config: EngineConfig, hybrid: bool) -> tuple[int, int]:
         """A hybrid's state rows past its running slots: with prefix caching, its checkpoints (as many as
         its slots); with speculation, the states after each verified guess (state_ops.py)."""
@@ -133,6 +143,8 @@ class LLMEngine:
                                                              f"{self.state_cache_bytes / 2**20:.1f} MiB")
         if self.num_state_checkpoints:
             states += f" and as many prefix-cache state checkpoints {self.state_checkpoint_bytes / 2**20:.1f} MiB"
+        if self.budget_split.why:  # why a hybrid's budget holds that many sequences (memory.split_budget)
+            states += f" ({self.budget_split.why})"
         tier = "" if self.kv_tiers is None or self.kv_tiers.ram is None else \
             f"; RAM tier up to {self.config.cache.kv_cache_ram / 2**20:.0f} MiB"
         if self.kv_disk_tier is not None:

@@ -18,8 +18,8 @@ from hearth.default_model import resolve_model
 from hearth.errors import HearthError
 from hearth.engine.kv_disk_tier import DiskTier
 from hearth.engine.kv_tiers import KVTiers, RamTier
-from hearth.engine.memory import (kv_cache_blocks, kv_cache_budget, model_bytes, state_bytes_per_slot,
-                                  state_slot_count)
+from hearth.engine.memory import (BudgetSplit, kv_cache_blocks, kv_cache_budget, model_bytes, split_budget,
+                                  state_bytes_per_slot)
 from hearth.loading.loader import LoadedModel, load_model
 from hearth.model.calm import CalmExits, default_exit_layers
 from hearth.model.transformer import Attention
@@ -76,12 +76,12 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Backend, device: torch.device,
-                  dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, int]:
+                  dtype: torch.dtype, max_model_len: int, model_path: Path) -> tuple[int, int, BudgetSplit]:
     """The KV cache's blocks (kv_cache_memory's, else the default budget, hearth/engine/memory.py), its
     bytes per token (with --speculative-method mtp the MTP layer's beside the target's: its cache has the
-    target's blocks, in the compute dtype, hearth/engine/mtp_draft.py), and a hybrid model's state slots (from
-    the same budget, each with a state checkpoint's bytes beside it when prefix caching is on and a snapshot's
-    per guess with speculation; 0 for other models)."""
+    target's blocks, in the compute dtype, hearth/engine/mtp_draft.py), and how the budget was shared
+    (split_budget: a hybrid model's state slots, each with a state checkpoint's bytes beside it when prefix
+    caching is on and a snapshot's per guess with speculation; none for other models)."""
     cache, max_num_seqs = config.cache, config.scheduler.max_num_seqs
     check_kv_cache_dtype(cache.kv_cache_dtype, model_config, backend)
     bytes_per_token = model_config.kv_bytes_per_token(kv_bytes_per_element(cache.kv_cache_dtype, dtype.itemsize))
@@ -91,8 +91,8 @@ def kv_cache_size(config: EngineConfig, model_config: ModelConfig, backend: Back
                                        cache.enable_prefix_caching, state_snapshots_per_slot(config))
     budget = cache.kv_cache_memory or kv_cache_budget(device, bytes_per_token, cache.block_size, max_model_len,
                                                       max_num_seqs, model_bytes(model_path), state_bytes)
-    slots = state_slot_count(budget, bytes_per_token, cache.block_size, state_bytes, max_num_seqs)
-    return kv_cache_blocks(budget - slots * state_bytes, bytes_per_token, cache.block_size), bytes_per_token, slots
+    split = split_budget(budget, bytes_per_token, cache.block_size, max_model_len, state_bytes, max_num_seqs)
+    return kv_cache_blocks(split.kv_bytes, bytes_per_token, cache.block_size), bytes_per_token, split
 
 
 def state_snapshots_per_slot(config: EngineConfig) -> int:

@@ -8,7 +8,7 @@ slots. A request needs one to be admitted (the scheduler stops admitting when no
 it while it runs, and gives it back when it finishes, is aborted or is preempted: a preempted request
 recomputes its state from its tokens when it runs again (re-prefill from position 0, where its state
 starts at zero whatever the slot held). A running state is never shared, and the slots come out of the same memory budget as the
-KV blocks (hearth/engine/memory.py, state_slot_count).
+KV blocks (hearth/engine/memory.py, split_budget).
 
 Prefix caching on a hybrid model (StateCheckpoints): a prefix's K/V blocks alone do not let a request
 start after them; the state layers' states at the end of the prefix are needed too. So at some block

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from hearth.engine_config import DEFAULT_MAX_NUM_SEQS
 from hearth.errors import HearthError
 from hearth.fleet.models import RETRY_AFTER, ModelEntry, ModelRegistry
 from hearth.fleet.presets import ModelPresets
@@ -282,7 +283,8 @@ def run_models_server(args: argparse.Namespace) -> None:
         raise HearthError(str(e)) from None
     models = models_from_args(args, limits)
     batch_dir = args.batch_dir or default_batch_dir()
-    app = build_models_app(models, args.max_num_seqs, args.api_key, limits, batch_dir)
+    # (the batch window, before any model is loaded: the default where no count is given)
+    app = build_models_app(models, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, args.api_key, limits, batch_dir)
     for entry in models.entries.values():
         print(f"model      {entry.name}: {entry.path}")
     limit = f"at most {args.max_loaded_models} at once" if args.max_loaded_models else "no limit to how many at once"
