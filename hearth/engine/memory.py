@@ -135,7 +135,7 @@ def split_budget(budget: int, bytes_per_token: int, block_size: int, max_model_l
                 f"sequences ({_size(slot_bytes)} each) beside K/V for one {max_model_len:,}-token request "
                 f"({_size(context)}): give max_num_seqs {most} or less, a larger kv_cache_memory or a smaller "
                 "max_model_len")
-        return BudgetSplit(max_num_seqs, budget - max_num_seqs * slot_bytes, "max_num_seqs")
+        return BudgetSplit(max_num_seqs, budget - max_num_seqs * slot_bytes, "max_num_seqs, as given")
     if budget < slot_bytes + context:
         return BudgetSplit(1, budget - slot_bytes, f"the budget holds less than one {max_model_len:,}-token "
                                                    "request with its states: one sequence, K/V all the rest")
