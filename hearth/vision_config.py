@@ -21,15 +21,17 @@ VISION_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",  # transformers' smolvlm: idefics3's model under new names
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",  # the same encoder before a qwen3_moe text model
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
     "Gemma3ForConditionalGeneration": "gemma3",  # SigLIP, pooled to mm_tokens_per_image; images attend both ways
     # (its vision_config: the vision tower; without one, its text model alone; its audio tower never loaded)
     "Gemma4ForConditionalGeneration": "gemma4",
 }
-_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5",
+_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+                       "qwen3_5": "qwen3_5",
                        "gemma3": "gemma3", "gemma4": "gemma4"}
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
-_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
+_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"},
                 "qwen3_5": {"qwen3_5_text": "qwen3_5"},
                 "gemma3": {"gemma3_text": "gemma3_text"},  # (gemma3_text: model_type gemma3 is the image-text model's)
                 "gemma4": {"gemma4_text": "gemma4"}}
@@ -175,10 +177,14 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"text_config = {text!r}: expected an object")
     family = vision_family(hf)
     models = _TEXT_MODELS[family]
-    model_type = text.get("model_type", next(iter(models)))
+    moe = hf.get("model_type") == "qwen3_vl_moe" or \
+        "Qwen3VLMoeForConditionalGeneration" in (hf.get("architectures") or [])
+    model_type = text.get("model_type", "qwen3_vl_moe_text" if moe else next(iter(models)))
     if model_type not in models:
         raise ModelLoadError(f"text_config.model_type = {model_type!r}: hearth runs {family} with a "
                              f"{' or '.join(models.values())} text model")
+    if model_type == "qwen3_vl_moe_text":  # its router always renormalises the chosen experts' weights
+        text = {**text, "norm_topk_prob": True}
     if family == "gemma3":
         theta = {} if "rope_parameters" in text or "rope_theta" in text else {"rope_theta": 1_000_000.0}
         text = {**_GEMMA3_TEXT_DEFAULTS, **theta, **text}

@@ -344,7 +344,8 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
     """A random Qwen3-VL (transformers' Qwen3VLForConditionalGeneration: a ViT of 3 blocks with deepstack
     from two of them, a qwen3 text model with interleaved M-RoPE) in real image shapes (patches of 16,
     merged 2 x 2) with tiny widths, its tokenizer (the vision tokens added) and its image processor's
-    settings (Qwen2VLImageProcessor's; at most max_pixels an image: quick tests). family "qwen3_5":
+    settings (Qwen2VLImageProcessor's; at most max_pixels an image: quick tests). family "qwen3_vl_moe":
+    Qwen3VLMoeForConditionalGeneration (8 experts, 2 a token, layer 1 a dense MLP). family "qwen3_5":
     Qwen3_5ForConditionalGeneration (the encoder without deepstack; the hybrid text model of
     hf_config("qwen3_5") with half its head rotated). Weights spread wider than transformers' init
     (logits far from uniform)."""
@@ -367,6 +368,11 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
                 "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
         model = transformers.Qwen3_5ForConditionalGeneration(
             transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens))
+    elif family == "qwen3_vl_moe":  # (experts 24 wide: neither stack square, so that a transposed one shows)
+        text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1]}
+        model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
+            text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0, 2]}, **tokens))
     else:
         text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope}
         model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(

@@ -131,7 +131,7 @@ def test_what_is_refused(qwen):
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf({**config, "text_config": {**config["text_config"],
                                                            "rope_parameters": {**rope, **change}}})
-    with pytest.raises(ModelLoadError, match="qwen3 text model"):
+    with pytest.raises(ModelLoadError, match="qwen3 or qwen3_moe text model"):
         ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
     with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):
         qwen[3].engine.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [_image(0, 30, 40)]})
@@ -165,3 +165,34 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_qwen3_vl_moe(tmp_path):
+    """Qwen3-VL-MoE's folder runs whole: Qwen3-VL's encoder with deepstack before a qwen3_moe text model (its
+    router renormalising the top 2 of 8 experts; a dense MLP where mlp_only_layers says), its experts stacked as
+    transformers 5 saves them and as the published checkpoints hold them (each stack transposed). One image and
+    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from hearth import LLM
+
+    folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe")
+    processor = qwen_vl_processor(folder)
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), progress=False)
+    assert (llm.engine.model_config.num_experts, llm.engine.model_config.dense_mlp_layers) == (8, (1,))
+    published = shutil.copytree(folder, tmp_path / "published")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({name: t.transpose(1, 2).contiguous() if ".experts." in name else t for name, t in tensors.items()},
+              published / "model.safetensors", metadata={"format": "pt"})
+    for text, which in ((ONE, (2,)), (TWO, (1, 0))):
+        images = [_image(*IMAGES[i]) for i in which]
+        inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), text, images)
+        cut = _logits_match(llm.engine, text, images, inputs, ref_logits).index(reference.config.image_token_id) + 5
+        _logits_match(llm.engine, text, images, inputs, ref_logits, cut)
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref_tokens
+    _logits_match(LLM(str(published), progress=False).engine, text, images, inputs, ref_logits)
