@@ -196,3 +196,69 @@ def test_qwen3_vl_moe(tmp_path):
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
         assert out[0].outputs[0].token_ids == ref_tokens
     _logits_match(LLM(str(published), progress=False).engine, text, images, inputs, ref_logits)
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
+
+
+def _video_reference(qwen, frames: np.ndarray, fps: float | None):
+    """transformers' Qwen3VLVideoProcessor's output for frames taken as they are (do_sample_frames off), from its
+    own smart_resize, patchify and Qwen3VLProcessor.replace_video_token; its resize (torchvision's, not installed
+    here) as PIL's bicubic: the pixels, the grid and the video's placeholder text."""
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    processor = qwen[1]
+    videos = processor.video_processor = Qwen3VLVideoProcessor.from_pretrained(qwen[0])
+    count, height, width = frames.shape[:3]
+    height, width = smart_resize(count, height, width, temporal_factor=2, factor=32,
+                                 min_pixels=videos.size["shortest_edge"], max_pixels=videos.size["longest_edge"])
+    resized = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
+    normalised = torch.from_numpy(((resized.astype(np.float32) / 255 - 0.5) / 0.5).transpose(0, 3, 1, 2))
+    patches, *grid = videos.patchify(normalised[None], patch_size=16, merge_size=2, temporal_patch_size=2)
+    grid = torch.tensor([grid])
+    metadata = VideoMetadata(total_num_frames=count, fps=fps, frames_indices=list(range(count)))
+    text = processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+    return patches[0], grid, text
+
+
+def test_videos_are_transformers(qwen):
+    """A video of 5 frames (the last group padded with its last frame) beside an image: each frame group's patches,
+    grid and timestamp text, the token ids, the M-RoPE positions (get_rope_index: a frame group placed as an image),
+    logits within 1e-4 (two chunks cut inside the video) and greedy tokens, against transformers; frames as an
+    array (fps unknown: 24) and as PIL images with their fps; run again, every group and the image come from the
+    encoder cache."""
+    from PIL import Image
+
+    _, processor, reference, llm = qwen
+    engine = llm.engine
+    frames = np.random.default_rng(3).integers(0, 256, (5, 45, 100, 3), dtype=np.uint8)
+    for given, fps in ((frames, None), (([Image.fromarray(f) for f in frames], {"fps": 4.0}), 4.0)):
+        patches, grid, placeholder = _video_reference(qwen, frames, fps)
+        mine = engine.video_processor.process(given)
+        assert np.array_equal(np.concatenate([g.pixel_values for g in mine.groups]), patches.numpy())
+        assert [[1, *(2 * n for n in g.grid)] for g in mine.groups] == [[1, *grid[0, 1:].tolist()]] * 3
+        assert engine.video_processor.placeholder_text(mine) == placeholder
+    image = _image(*IMAGES[0])
+    text = f"<|im_start|>user\nWatch {VIDEO} then {IMAGE} now<|im_end|>\n<|im_start|>assistant\n"
+    pictures = processor.image_processor(images=[image], return_tensors="pt")
+    rows = int(pictures["image_grid_thw"][0].prod()) // 4
+    ids = processor.tokenizer(text.replace(VIDEO, placeholder).replace("<|image_pad|>", "<|image_pad|>" * rows),
+                              return_tensors="pt")["input_ids"]
+    marks = (ids == reference.config.image_token_id).int() + 2 * (ids == reference.config.video_token_id).int()
+    inputs = dict(input_ids=ids, mm_token_type_ids=marks, pixel_values_videos=patches, video_grid_thw=grid, **pictures)
+    data = {"video": given, "image": [image]}
+    expanded = engine.prompt_with_images(text, data)
+    assert expanded.token_ids == ids[0].tolist()
+    positions, _ = reference.model.get_rope_index(ids, marks, pictures["image_grid_thw"], grid)
+    assert np.array_equal(mrope_positions(np.arange(ids.shape[1]), expanded.images), positions[:, 0].numpy())
+    with torch.no_grad():
+        ref_logits = reference(**inputs).logits[0]
+        ref_tokens = reference.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1]:]
+    cut = expanded.images[0].start + 2  # inside the video's first frame group
+    torch.testing.assert_close(_hearth_logits(engine, text, data, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    misses = engine.runner.encoder_cache.misses
+    out = llm.generate({"prompt": text, "multi_modal_data": data}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens.tolist()
+    assert engine.runner.encoder_cache.misses == misses  # (every group and the image: in the cache already)

@@ -17,7 +17,7 @@ import torch
 from hearth.engine_config import EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
-from hearth.engine.images import PromptWithImages, expand_prompt
+from hearth.engine.images import Media, PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -67,6 +67,7 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         self.image_processor = loaded.image_processor  # None: a text-only model
+        self.video_processor = loaded.video_processor  # None: a model that takes no videos
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
@@ -206,8 +207,8 @@ class LLMEngine:
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
         (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, each named in
-        the text prompt by the model's marker <image> (hearth/engine/images.py); refused by a model without
-        a vision encoder."""
+        the text prompt by the model's marker <image> (hearth/engine/images.py), and Qwen3-VL's and Qwen3.5's
+        {"video": [videos]}; refused by a model without a vision encoder."""
         params = params or SamplingParams()
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
@@ -246,8 +247,9 @@ class LLMEngine:
             raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
                                f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
         vision = self.model_config.vision
+        videos = None if self.video_processor is None else Media("video", self.video_processor, vision.video_token_id)
         return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
-                             None if vision is None else vision.image_token_id)
+                             None if vision is None else vision.image_token_id, videos)
 
     def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""
