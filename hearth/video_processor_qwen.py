@@ -85,8 +85,10 @@ class QwenVideoProcessor:
         return made
 
     def limits(self, max_pixels: int) -> VideoLimits:
-        """How a file's frames are sampled for this model (hearth/videos.py), each frame within max_pixels."""
-        return VideoLimits(max_pixels, max_frames=self.max_frames, fps=self.fps, min_frames=self.min_frames)
+        """How a file's frames are sampled for this model (hearth/videos.py), each frame within max_pixels, the
+        sampled ones within 4 x max_pixels together."""
+        return VideoLimits(max_pixels, 4 * max_pixels, max_frames=self.max_frames, fps=self.fps,
+                           min_frames=self.min_frames)
 
     def process(self, value: Any, what: str = "the video") -> ProcessedVideo:
         """One video (VideoFrames or vLLM's forms) -> its frame groups' patches and timestamps; VideoError for a

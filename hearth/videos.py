@@ -37,6 +37,7 @@ class VideoLimits:
     """What a video may hold: pixels a frame, frames in the file, frames kept (sampled), and how it is sampled."""
 
     max_pixels: int  # a frame's width x height
+    max_total_pixels: int  # the kept frames' pixels together (what is held decoded)
     max_source_frames: int = 10_000  # frames in the file, decoded (at most) to find the sampled ones
     max_frames: int = 768  # frames kept
     fps: float = 2.0  # frames kept a second of video (transformers' Qwen3VLVideoProcessor: 2)
@@ -80,7 +81,8 @@ def video_frames(value: Any, what: str = "the video") -> VideoFrames:
 
 
 def decode_video(data: bytes, limits: VideoLimits, what: str = "the video") -> VideoFrames:
-    """The sampled frames of a video file; VideoError for anything that is not a whole video within `limits`."""
+    """The sampled frames of a video file; VideoError for anything that is not a whole video within `limits`
+    (a stream that ends early gives the sampled frames that decode)."""
     try:
         import av
     except ImportError:
@@ -89,28 +91,47 @@ def decode_video(data: bytes, limits: VideoLimits, what: str = "the video") -> V
     if len(data) < 16:
         raise VideoError(f"{what} is {len(data)} bytes: too short to be a video")
     try:
-        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
-            if not container.streams.video:
-                raise VideoError(f"{what} holds no video stream")
-            stream = container.streams.video[0]
-            _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits, what)
-            total, fps = stream.frames, float(stream.average_rate) if stream.average_rate else None
-            if total > limits.max_source_frames:
-                raise VideoError(f"{what} has {total:,} frames; this server's limit is {limits.max_source_frames:,}")
-            frames = _decode_all(container, stream, limits, what) if not total else None
-            if frames is None:  # the header counts the frames: keep the sampled ones only
-                frames = _decode_sampled(container, stream, total, fps, limits, what)
-            else:
-                keep = sample_indices(len(frames), fps, limits.fps, limits.min_frames, limits.max_frames)
-                frames = (keep, [frames[i] for i in keep])
+        total, fps, pixels = _count_frames(av, data, limits, what)
+        keep = sample_indices(total, fps, limits.fps, limits.min_frames, limits.max_frames)
+        if len(keep) * pixels > limits.max_total_pixels:
+            raise VideoError(f"{what}'s {len(keep)} sampled frames are {len(keep) * pixels:,} pixels together; this "
+                             f"server's limit is {limits.max_total_pixels:,}")
+        wanted, indices, kept = set(keep.tolist()), [], []
+        with av.open(io.BytesIO(data), mode="r") as container:
+            for n, frame in enumerate(container.decode(container.streams.video[0])):
+                _check_frame_size(frame.width, frame.height, limits, what)
+                if n in wanted:
+                    indices.append(n)
+                    kept.append(frame.to_ndarray(format="rgb24"))
+                if n >= keep[-1]:
+                    break
     except VideoError:
         raise
     except (av.FFmpegError, ValueError, OSError, EOFError, IndexError) as e:  # PyAV's ways of saying a file is broken
         raise VideoError(f"{what} is damaged, truncated or not a video: {e}") from None
-    indices, kept = frames
     if len(kept) < 2:
         raise VideoError(f"{what} has {len(kept)} frame(s) that decode; a video needs at least 2")
-    return VideoFrames(np.stack(kept), fps, np.asarray(indices, dtype=np.int64))
+    return VideoFrames(np.stack(kept), fps, np.array(indices, dtype=np.int64))
+
+
+def _count_frames(av, data: bytes, limits: VideoLimits, what: str) -> tuple[int, float | None, int]:
+    """The frames of the file's first video stream (its header's count, else counted by decoding them), its
+    frame rate and a frame's pixels; VideoError past the limits, judged from the header where it says them."""
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise VideoError(f"{what} holds no video stream")
+        stream = container.streams.video[0]
+        _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits, what)
+        total, fps = stream.frames, float(stream.average_rate) if stream.average_rate else None
+        if not total:  # (webm, mkv: no count in the header)
+            for total, frame in enumerate(container.decode(stream), 1):
+                _check_frame_size(frame.width, frame.height, limits, what)
+                if total > limits.max_source_frames:
+                    break
+    if total > limits.max_source_frames:
+        raise VideoError(f"{what} has {total:,}{'+' * (not stream.frames)} frames; this server's limit is "
+                         f"{limits.max_source_frames:,}")
+    return total, fps, stream.codec_context.width * stream.codec_context.height
 
 
 def _check_frame_size(width: int, height: int, limits: VideoLimits, what: str) -> None:
@@ -119,38 +140,3 @@ def _check_frame_size(width: int, height: int, limits: VideoLimits, what: str) -
                          f"is {limits.max_pixels:,} (--max-image-pixels)")
     if width <= 0 or height <= 0:
         raise VideoError(f"{what}'s frames are {width} x {height} pixels: empty")
-
-
-def _frames(container, stream, limits: VideoLimits, what: str):
-    """Every frame of the stream decoded, in order, as RGB arrays; VideoError past max_source_frames."""
-    for n, frame in enumerate(container.decode(stream)):
-        if n >= limits.max_source_frames:
-            raise VideoError(f"{what} has more than {limits.max_source_frames:,} frames; this server's limit")
-        _check_frame_size(frame.width, frame.height, limits, what)
-        yield frame.to_ndarray(format="rgb24")
-
-
-def _decode_all(container, stream, limits: VideoLimits, what: str) -> list[np.ndarray]:
-    """Every frame (a container whose header does not count them); bounded by max_source_frames."""
-    frames = []
-    for frame in _frames(container, stream, limits, what):
-        frames.append(frame)
-        if len(frames) * frame.size > limits.max_pixels * 3 * limits.max_frames * 4:  # (a bound on the memory held)
-            raise VideoError(f"{what} is too long to decode whole; this server's limit is {limits.max_frames:,} "
-                             "frames kept")
-    return frames
-
-
-def _decode_sampled(container, stream, total: int, fps: float | None, limits: VideoLimits,
-                    what: str) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The sampled frames of a stream of `total` frames (its header's count: fewer may decode; the kept
-    indices are those found)."""
-    keep = sample_indices(total, fps, limits.fps, limits.min_frames, limits.max_frames)
-    wanted, found, indices = set(keep.tolist()), [], []
-    for n, frame in enumerate(_frames(container, stream, limits, what)):
-        if n in wanted:
-            found.append(frame)
-            indices.append(n)
-        if n >= keep[-1]:
-            break
-    return np.array(indices, dtype=np.int64), found

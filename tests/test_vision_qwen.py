@@ -6,6 +6,7 @@ image, on the cpu and reference backends, and on the gpu backend; what bad confi
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -262,3 +263,113 @@ def test_videos_are_transformers(qwen):
     out = llm.generate({"prompt": text, "multi_modal_data": data}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens.tolist()
     assert engine.runner.encoder_cache.misses == misses  # (every group and the image: in the cache already)
+
+
+def _video_file(frames: np.ndarray, codec: str = "mpeg4", container: str = "mp4") -> bytes:
+    """frames (uint8 [T, H, W, 3]) encoded at 24 frames a second by PyAV."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as file:
+        stream = file.add_stream(codec, rate=24)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            file.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        file.mux(stream.encode())
+    return out.getvalue()
+
+
+# a chat template that writes a video part as Qwen3-VL's does
+VIDEO_TEMPLATE = ("{% for m in messages %}{% for p in m.content %}{% if p.type == 'video' %}" + VIDEO +
+                  "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def test_video_files_are_decoded_and_sampled_as_transformers_samples_them(qwen):
+    """6 frames at 24 fps, in mp4 and webm (whose header counts no frames): decoded by PyAV and sampled as
+    transformers' Qwen3VLVideoProcessor.sample_frames samples them (frames 0, 2, 3, 5 at 2 fps, at least 4), each
+    equal to PyAV's own decoding; a file of more frames than allowed refused from its header; frames given to the
+    engine past the processor's max_frames (8), or one frame, refused."""
+    import io
+    from unittest import mock
+
+    av = pytest.importorskip("av")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from hearth.videos import VideoError, VideoLimits, decode_video
+
+    frames = np.random.default_rng(4).integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
+    mp4 = _video_file(frames)
+    with av.open(io.BytesIO(mp4)) as file:
+        every = [f.to_ndarray(format="rgb24") for f in file.decode(video=0)]
+    sampled = Qwen3VLVideoProcessor.from_pretrained(qwen[0]).sample_frames(VideoMetadata(total_num_frames=6, fps=24))
+    limits = qwen[3].engine.video_processor.limits(5000)
+    for data in (mp4, _video_file(frames, "libvpx", "webm")):
+        decoded = decode_video(data, limits)
+        assert decoded.indices.tolist() == sampled.tolist() and decoded.fps == 24
+    assert all(np.array_equal(every[i], f) for i, f in zip(decoded.indices, decode_video(mp4, limits).frames))
+    with pytest.raises(VideoError, match="has 6 frames; this server's limit is 4"):
+        decode_video(mp4, VideoLimits(5000, 10**6, max_source_frames=4))
+    with mock.patch.dict("sys.modules", {"av": None}), pytest.raises(VideoError, match="PyAV is not installed"):
+        decode_video(mp4, limits)
+    for bad, message in ((frames[:1], "has 1 frames"), (np.concatenate([frames, frames]), "has 12 frames")):
+        with pytest.raises(RequestError, match=message):  # (the model's processor takes 2 to 8 frames)
+            qwen[3].engine.add_request(None, VIDEO, GREEDY, multi_modal_data={"video": bad})
+
+
+def test_the_server_takes_a_data_url_video_and_refuses_bad_ones(qwen):
+    """vLLM's `video_url` part with an mp4 data URL: the server counts and answers what LLM.generate does with the
+    file's sampled frames. A truncated file, bytes that are no video, an image's media type, frames past
+    --max-image-pixels: each a 400 in under a second, the server healthy after."""
+    import base64
+
+    pytest.importorskip("av")
+
+    import httpx
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine.engine import LLMEngine
+    from hearth.engine_config import EngineConfig
+    from hearth.server.app import build_app
+    from hearth.server.limits import ServerLimits
+    from hearth.videos import decode_video
+    from test_server import serving
+
+    mp4 = _video_file(np.random.default_rng(4).integers(0, 256, (6, 48, 64, 3), dtype=np.uint8))
+
+    def url(data: bytes, media_type: str = "video/mp4") -> str:
+        return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+    def body(video_url: str) -> dict:
+        return {"model": "qwen", "max_tokens": 4, "temperature": 0, "chat_template": VIDEO_TEMPLATE, "messages": [
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url}},
+                                         {"type": "text", "text": "What happens?"}]}]}
+
+    engine = AsyncEngine(LLMEngine(qwen[0], EngineConfig(), progress=False))
+    server_limits = ServerLimits(max_image_pixels=5000)
+    try:
+        with serving(build_app(engine, "qwen", limits=server_limits, trust_request_chat_template=True),
+                     server_limits) as server, httpx.Client(base_url=server, timeout=60) as client:
+            reply = client.post("/v1/chat/completions", json=body(url(mp4))).json()
+            frames = decode_video(mp4, qwen[3].engine.video_processor.limits(5000))
+            expected = qwen[3].generate({"prompt": VIDEO + "What happens?", "multi_modal_data": {"video": frames}},
+                                        SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+            assert reply["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+            assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
+            big = _video_file(np.zeros((4, 96, 128, 3), dtype=np.uint8))
+            for video_url, message in ((url(mp4[:len(mp4) // 2]), "damaged, truncated or not a video"),
+                                       (url(b"not a video, only text " * 4), "damaged, truncated or not a video"),
+                                       (url(mp4, "image/png"), "not a video's"),
+                                       (url(big), "128 x 96 = 12,288 pixels; this server's limit is 5,000")):
+                times = []
+                for _ in range(2):  # (the faster of two: the server's time, less a busy machine's noise)
+                    start = time.perf_counter()
+                    answer = client.post("/v1/chat/completions", json=body(video_url))
+                    times.append(time.perf_counter() - start)
+                assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
+                assert min(times) < 1.0
+            assert client.get("/health").status_code == 200
+    finally:
+        engine.shutdown()

@@ -66,8 +66,7 @@ class LLMEngine:
         loaded, self.workers, shard = load_target(model, config, backend, self.dtype, self.device, progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
-        self.image_processor = loaded.image_processor  # None: a text-only model
-        self.video_processor = loaded.video_processor  # None: a model that takes no videos
+        self.image_processor, self.video_processor = loaded.image_processor, loaded.video_processor  # None: none
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]

@@ -28,6 +28,7 @@ import numpy as np
 
 from hearth.engine.request import ImageSpan, Request
 from hearth.errors import RequestError
+from hearth.videos import VideoFrames
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,8 @@ def media_of(multi_modal_data: Any, kind: str) -> list:
     if items is None:
         return []
     if kind == "video":  # one video: an array, a (frames, metadata) pair, or a list of frames (PIL images)
-        single = not isinstance(items, list) or (items and not isinstance(items[0], (list, tuple, np.ndarray)))
+        single = not isinstance(items, list) or (items and not isinstance(items[0], (list, tuple, np.ndarray,
+                                                                                     VideoFrames)))
         return [items] if single else list(items)
     return list(items) if isinstance(items, (list, tuple)) else [items]
 
