@@ -145,7 +145,7 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
     model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
     ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
-    first image, and greedy tokens, against transformers."""
+    first image, and greedy tokens, against transformers; a video of 4 frames beside an image, the same."""
     import transformers
 
     from hearth import LLM
@@ -166,6 +166,9 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+    frames = np.random.default_rng(5).integers(0, 256, (4, 61, 40, 3), dtype=np.uint8)
+    _video_logits_match((folder, processor, reference, llm), frames,
+                        *_video_reference((folder, processor, reference, llm), frames, None))
 
 
 def test_qwen3_vl_moe(tmp_path):
@@ -228,12 +231,10 @@ def test_videos_are_transformers(qwen):
     """A video of 5 frames (the last group padded with its last frame) beside an image: each frame group's patches,
     grid and timestamp text, the token ids, the M-RoPE positions (get_rope_index: a frame group placed as an image),
     logits within 1e-4 (two chunks cut inside the video) and greedy tokens, against transformers; frames as an
-    array (fps unknown: 24) and as PIL images with their fps; run again, every group and the image come from the
-    encoder cache."""
+    array (fps unknown: 24) and as PIL images with their fps (_video_logits_match)."""
     from PIL import Image
 
-    _, processor, reference, llm = qwen
-    engine = llm.engine
+    engine = qwen[3].engine
     frames = np.random.default_rng(3).integers(0, 256, (5, 45, 100, 3), dtype=np.uint8)
     for given, fps in ((frames, None), (([Image.fromarray(f) for f in frames], {"fps": 4.0}), 4.0)):
         patches, grid, placeholder = _video_reference(qwen, frames, fps)
@@ -241,6 +242,16 @@ def test_videos_are_transformers(qwen):
         assert np.array_equal(np.concatenate([g.pixel_values for g in mine.groups]), patches.numpy())
         assert [[1, *(2 * n for n in g.grid)] for g in mine.groups] == [[1, *grid[0, 1:].tolist()]] * 3
         assert engine.video_processor.placeholder_text(mine) == placeholder
+    _video_logits_match(qwen, given, patches, grid, placeholder)
+
+
+def _video_logits_match(qwen, video, patches: torch.Tensor, grid: torch.Tensor, placeholder: str) -> None:
+    """A prompt with `video` (transformers' patches, grid and placeholder text of it) and an image: the token ids,
+    the M-RoPE positions (get_rope_index: a frame group placed as an image), logits within 1e-4 (two chunks cut
+    inside the video) and greedy tokens equal transformers'; run again, every group and the image come from the
+    encoder cache."""
+    _, processor, reference, llm = qwen
+    engine = llm.engine
     image = _image(*IMAGES[0])
     text = f"<|im_start|>user\nWatch {VIDEO} then {IMAGE} now<|im_end|>\n<|im_start|>assistant\n"
     pictures = processor.image_processor(images=[image], return_tensors="pt")
@@ -249,7 +260,7 @@ def test_videos_are_transformers(qwen):
                               return_tensors="pt")["input_ids"]
     marks = (ids == reference.config.image_token_id).int() + 2 * (ids == reference.config.video_token_id).int()
     inputs = dict(input_ids=ids, mm_token_type_ids=marks, pixel_values_videos=patches, video_grid_thw=grid, **pictures)
-    data = {"video": given, "image": [image]}
+    data = {"video": video, "image": [image]}
     expanded = engine.prompt_with_images(text, data)
     assert expanded.token_ids == ids[0].tolist()
     positions, _ = reference.model.get_rope_index(ids, marks, pictures["image_grid_thw"], grid)
