@@ -5,7 +5,9 @@ rows of image embeddings, its M-RoPE positions (Qwen3-VL) and the images whose t
 
 A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`, Gemma 3's
 `<start_of_image>`, Gemma 4's `<|image|>`: as its chat template writes an image content part), once per image
-of multi_modal_data["image"], in order. Each marker becomes the text the model's processor makes of it
+of multi_modal_data["image"], in order; Qwen3-VL's and Qwen3.5's videos (multi_modal_data["video"]) each with
+<|vision_start|><|video_pad|><|vision_end|>, a video becoming one span per frame group (each encoded as an image,
+with <|video_pad|> its placeholder: hearth/video_processor_qwen.py). Each marker becomes the text the model's processor makes of it
 (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py, image_processor_gemma4.py)
 before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
