@@ -246,7 +246,8 @@ class LLMEngine:
             raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
                                f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
         vision = self.model_config.vision
-        videos = None if self.video_processor is None else Media("video", self.video_processor, vision.video_token_id)
+        videos = None if self.video_processor is None else Media("video", self.video_processor, vision.video_token_id,
+                                                                  self.video_processor.video_token)
         return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
                              None if vision is None else vision.image_token_id, videos)
 

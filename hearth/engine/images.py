@@ -83,6 +83,7 @@ class Media:
     kind: str  # "image", "video"
     processor: Any  # an image processor, or hearth/video_processor_qwen.py's
     token_id: int | None
+    token: str  # the placeholder token's text
 
 
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
@@ -95,7 +96,7 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
     placeholders. Reads no engine state (the AsyncEngine runs it off the engine's thread)."""
     if processor is None:
         return None
-    kinds = [Media("image", processor, image_token_id)]
+    kinds = [Media("image", processor, image_token_id, processor.image_token)]
     if multi_modal_data is not None and media_of(multi_modal_data, "video"):
         if videos is None:
             raise RequestError("this model takes no videos (multi_modal_data['video']): hearth runs the videos of "
@@ -120,7 +121,7 @@ def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
     spans = []
     for m in kinds:
         pieces = [piece for item in processed[m.kind] for piece in getattr(item, "groups", [item])]
-        spans += _spans(ids, pieces, m.token_id if m.kind == "video" else image_token_id, m, processor)
+        spans += _spans(ids, pieces, m)
     return PromptWithImages(prompt, ids, sorted(spans, key=lambda span: span.start))
 
 
@@ -136,15 +137,14 @@ def _expanded_text(prompt: str, kinds: list[Media], processed: dict[str, list]) 
     return re.sub(pattern, placeholder, prompt)
 
 
-def _spans(ids: list[int], pieces: list, token_id: int, media: Media, processor) -> list[ImageSpan]:
+def _spans(ids: list[int], pieces: list, media: Media) -> list[ImageSpan]:
     """The spans of `pieces` (images, or videos' frame groups) over their placeholder tokens, in order."""
-    positions = np.flatnonzero(np.asarray(ids) == token_id)
+    positions = np.flatnonzero(np.asarray(ids) == media.token_id)
     needed = sum(piece.num_embeds for piece in pieces)
     if len(positions) != needed:  # (the text's own placeholders, or a tokenizer that reads them otherwise)
-        token = getattr(media.processor, "video_token", processor.image_token)
-        raise RequestError(f"the prompt holds {len(positions)} {media.kind} placeholder tokens ({token_id}) where its "
-                           f"{media.kind}s take {needed}: the text has placeholders of its own, or the tokenizer does "
-                           f"not read {token} as that token")
+        raise RequestError(f"the prompt holds {len(positions)} {media.kind} placeholder tokens ({media.token_id}) where "
+                           f"its {media.kind}s take {needed}: the text has placeholders of its own, or the tokenizer "
+                           f"does not read {media.token} as that token")
     spans, used = [], 0
     for piece in pieces:
         mine = positions[used:used + piece.num_embeds]
@@ -152,7 +152,7 @@ def _spans(ids: list[int], pieces: list, token_id: int, media: Media, processor)
         runs = np.split(mine, np.flatnonzero(np.diff(mine) > 1) + 1)
         spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, piece.content_hash, piece.pixel_values,
                                piece.num_embeds, piece.grid, tuple((int(r[0]), int(r[-1]) + 1) for r in runs),
-                               token_id if media.kind == "video" else None))
+                               None if media.kind == "image" else media.token_id))
     return spans
 
 
