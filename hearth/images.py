@@ -65,15 +65,16 @@ def _open(data: bytes, what: str) -> Image.Image:
     return image
 
 
-def data_url_bytes(url: str, max_bytes: int, what: str) -> bytes:
-    """The bytes a `data:image/...;base64,` URL holds; ImageError for another shape or past max_bytes
-    (judged from the text's length, before decoding)."""
+def data_url_bytes(url: str, max_bytes: int, what: str, kind: str = "image") -> bytes:
+    """The bytes a `data:image/...;base64,` URL holds (kind "video": data:video/...); ImageError for another shape
+    or past max_bytes (judged from the text's length, before decoding)."""
     match = _DATA_URL.match(url)
     if match is None:
-        raise ImageError(f"{what}: a data URL is data:image/TYPE;base64,DATA (got {url[:40]!r}...)")
+        raise ImageError(f"{what}: a data URL is data:{kind}/TYPE;base64,DATA (got {url[:40]!r}...)")
     media_type, params = match.group(1).lower(), match.group(2).lower().split(";")
-    if not media_type.startswith("image/"):
-        raise ImageError(f"{what}: the data URL's media type is {media_type or 'missing'!r}, not an image's")
+    if not media_type.startswith(f"{kind}/"):
+        article = "an" if kind == "image" else "a"
+        raise ImageError(f"{what}: the data URL's media type is {media_type or 'missing'!r}, not {article} {kind}'s")
     if "base64" not in params:
         raise ImageError(f"{what}: the data URL is not base64 (data:{media_type};base64,...)")
     payload = url[match.end():]

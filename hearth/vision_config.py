@@ -21,15 +21,18 @@ VISION_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",  # transformers' smolvlm: idefics3's model under new names
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",  # the same encoder before a qwen3_moe text model
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # Qwen3-VL's encoder without deepstack, a hybrid text model
     "Gemma3ForConditionalGeneration": "gemma3",  # SigLIP, pooled to mm_tokens_per_image; images attend both ways
     # (its vision_config: the vision tower; without one, its text model alone; its audio tower never loaded)
     "Gemma4ForConditionalGeneration": "gemma4",
 }
-_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5",
+_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen3_vl": "qwen3_vl",
+                       "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_5",
                        "gemma3": "gemma3", "gemma4": "gemma4"}
 # each family's text model: config.json's text_config.model_type -> hearth's architecture
-_TEXT_MODELS = {"idefics3": {"llama": "llama"}, "qwen3_vl": {"qwen3_vl_text": "qwen3"},
+_TEXT_MODELS = {"idefics3": {"llama": "llama"},
+                "qwen3_vl": {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"},
                 "qwen3_5": {"qwen3_5_text": "qwen3_5"},
                 "gemma3": {"gemma3_text": "gemma3_text"},  # (gemma3_text: model_type gemma3 is the image-text model's)
                 "gemma4": {"gemma4_text": "gemma4"}}
@@ -131,6 +134,7 @@ class QwenVisionConfig:
     num_position_embeddings: int
     deepstack_layers: tuple[int, ...]
     image_token_id: int
+    video_token_id: int | None = None  # the placeholder each row of a video's frame group replaces
     rope_theta: float = 10000.0
     hidden_act: str = "gelu_pytorch_tanh"
     num_channels: int = 3
@@ -175,10 +179,14 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"text_config = {text!r}: expected an object")
     family = vision_family(hf)
     models = _TEXT_MODELS[family]
-    model_type = text.get("model_type", next(iter(models)))
+    moe = hf.get("model_type") == "qwen3_vl_moe" or \
+        "Qwen3VLMoeForConditionalGeneration" in (hf.get("architectures") or [])
+    model_type = text.get("model_type", "qwen3_vl_moe_text" if moe else next(iter(models)))
     if model_type not in models:
         raise ModelLoadError(f"text_config.model_type = {model_type!r}: hearth runs {family} with a "
                              f"{' or '.join(models.values())} text model")
+    if model_type == "qwen3_vl_moe_text":  # its router always renormalises the chosen experts' weights
+        text = {**text, "norm_topk_prob": True}
     if family == "gemma3":
         theta = {} if "rope_parameters" in text or "rope_theta" in text else {"rope_theta": 1_000_000.0}
         text = {**_GEMMA3_TEXT_DEFAULTS, **theta, **text}
@@ -213,7 +221,11 @@ def vision_from_hf(hf: dict[str, Any], text_vocab_size: int) -> VisionConfig | Q
         raise ModelLoadError(f"image_token_id = {image_token_id!r}: expected a token id below {text_vocab_size}")
     family = vision_family(hf)
     if family in _MROPE_SECTIONS:
-        return _qwen_vision_from_hf(vision, image_token_id, family)
+        video_token_id = hf.get("video_token_id")  # (None: the model takes no videos)
+        if video_token_id is not None and not (isinstance(video_token_id, int)
+                                               and 0 <= video_token_id < text_vocab_size):
+            raise ModelLoadError(f"video_token_id = {video_token_id!r}: expected a token id below {text_vocab_size}")
+        return _qwen_vision_from_hf(vision, image_token_id, family, video_token_id)
     if family == "gemma4":
         return _gemma4_vision_from_hf(vision, image_token_id, hf["text_config"])
     gemma = family == "gemma3"  # (SigLIP's own defaults; Idefics3's tower has other ones)
@@ -247,7 +259,8 @@ def _gemma3_pool(hf: dict[str, Any], image_size: Any, patch_size: Any) -> int:
     return patches // side
 
 
-def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: str) -> QwenVisionConfig:
+def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: str,
+                         video_token_id: int | None) -> QwenVisionConfig:
     rope = vision.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ModelLoadError(f"vision_config's rope_type = {rope.get('rope_type')!r}: Qwen3-VL's is axial")
@@ -264,6 +277,7 @@ def _qwen_vision_from_hf(vision: dict[str, Any], image_token_id: int, family: st
         num_position_embeddings=vision.get("num_position_embeddings", 2304),
         deepstack_layers=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24) if family == "qwen3_vl" else ())),
         image_token_id=image_token_id,
+        video_token_id=video_token_id,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
         num_channels=vision.get("in_channels", 3),

@@ -343,13 +343,17 @@ QWEN_VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vid
 def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, family: str = "qwen3_vl") -> Path:
     """A random Qwen3-VL (transformers' Qwen3VLForConditionalGeneration: a ViT of 3 blocks with deepstack
     from two of them, a qwen3 text model with interleaved M-RoPE) in real image shapes (patches of 16,
-    merged 2 x 2) with tiny widths, its tokenizer (the vision tokens added) and its image processor's
-    settings (Qwen2VLImageProcessor's; at most max_pixels an image: quick tests). family "qwen3_5":
+    merged 2 x 2) with tiny widths, its tokenizer (the vision tokens added) and its image and video processors'
+    settings (Qwen2VLImageProcessor's, at most max_pixels an image; Qwen3VLVideoProcessor's, at most 6 x 64 x 64
+    pixels a video, 8 frames: quick tests). family "qwen3_vl_moe":
+    Qwen3VLMoeForConditionalGeneration (8 experts, 2 a token, layer 1 a dense MLP). family "qwen3_5":
     Qwen3_5ForConditionalGeneration (the encoder without deepstack; the hybrid text model of
     hf_config("qwen3_5") with half its head rotated). Weights spread wider than transformers' init
     (logits far from uniform)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # (saved, never run:
+    # it needs torchvision)
 
     make_tokenizer(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -367,6 +371,11 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
                 "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
         model = transformers.Qwen3_5ForConditionalGeneration(
             transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens))
+    elif family == "qwen3_vl_moe":  # (experts 24 wide: neither stack square, so that a transposed one shows)
+        text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1]}
+        model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
+            text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0, 2]}, **tokens))
     else:
         text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope}
         model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
@@ -380,6 +389,8 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
     model.save_pretrained(folder, safe_serialization=True)
     Qwen2VLImageProcessorPil(patch_size=16, size={"shortest_edge": 32 * 32, "longest_edge": max_pixels},
                              image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    Qwen3VLVideoProcessor(patch_size=16, size={"shortest_edge": 2 * 32 * 32, "longest_edge": 6 * 64 * 64},
+                          image_mean=[0.5] * 3, image_std=[0.5] * 3, max_frames=8).save_pretrained(folder)
     return folder
 
 

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backend", ("hearth.backend",)),
     ("tokenizer", ("hearth.tokenizer", "hearth.watermark", "hearth.triton_kernels", "hearth.image_processor",
                     "hearth.image_processor_qwen", "hearth.image_processor_gemma",
-                    "hearth.image_processor_gemma4")),
+                    "hearth.image_processor_gemma4", "hearth.video_processor_qwen", "hearth.videos")),
     ("config", ("hearth.config", "hearth.engine_config", "hearth.hf_config", "hearth.vision_config", "hearth.sampling_params",
                 "hearth.lora_request", "hearth.quant")),
     ("ground", ("hearth.errors", "hearth.kv_format", "hearth.outputs", "hearth.native", "hearth.tool_calls",

@@ -66,9 +66,10 @@ def two_images(vlm):
 
 
 def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
-    """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
+    """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one); `images` a list of
+    images, or multi_modal_data (videos too)."""
     vision = engine.model_config.vision
-    expanded = engine.prompt_with_images(text, {"image": images})
+    expanded = engine.prompt_with_images(text, images if isinstance(images, dict) else {"image": images})
     ids = expanded.token_ids
     request = Request("logits", ids, images=expanded.images)
     assert engine.block_manager.allocate_slots(request, len(ids))
@@ -216,7 +217,8 @@ def test_bad_image_requests_are_refused(vlm, tmp_path):
         ("no marker", {"image": [image]}, "names 0 image"),
         ("a <image>", None, "names 1 image"),
         ("a <image>", {"image": ["not an image"]}, "PIL.Image"),
-        ("a <image>", {"video": [image]}, "multi_modal_data holds"),
+        ("a <image>", {"audio": [image]}, "multi_modal_data holds"),
+        ("a <image>", {"video": [image]}, "takes no videos"),
     ]
     for prompt, data, message in cases:
         with pytest.raises(RequestError, match=message):

@@ -6,6 +6,7 @@ image, on the cpu and reference backends, and on the gpu backend; what bad confi
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -131,7 +132,7 @@ def test_what_is_refused(qwen):
         with pytest.raises(ModelLoadError, match=message):
             ModelConfig.from_hf({**config, "text_config": {**config["text_config"],
                                                            "rope_parameters": {**rope, **change}}})
-    with pytest.raises(ModelLoadError, match="qwen3 text model"):
+    with pytest.raises(ModelLoadError, match="qwen3 or qwen3_moe text model"):
         ModelConfig.from_hf({**config, "text_config": {**config["text_config"], "model_type": "llama"}})
     with pytest.raises(RequestError, match=r"names 0 image\(s\) with <\|image_pad\|>"):
         qwen[3].engine.add_request(None, "a <image>", GREEDY, multi_modal_data={"image": [_image(0, 30, 40)]})
@@ -144,7 +145,7 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
     model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
     ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
-    first image, and greedy tokens, against transformers."""
+    first image, and greedy tokens, against transformers; a video of 4 frames beside an image, the same."""
     import transformers
 
     from hearth import LLM
@@ -165,3 +166,221 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+    frames = np.random.default_rng(5).integers(0, 256, (4, 61, 40, 3), dtype=np.uint8)
+    _video_logits_match((folder, processor, reference, llm), frames,
+                        *_video_reference((folder, processor, reference, llm), frames, None))
+
+
+def test_qwen3_vl_moe(tmp_path):
+    """Qwen3-VL-MoE's folder runs whole: Qwen3-VL's encoder with deepstack before a qwen3_moe text model (its
+    router renormalising the top 2 of 8 experts; a dense MLP where mlp_only_layers says), its experts stacked as
+    transformers 5 saves them and as the published checkpoints hold them (each stack transposed). One image and
+    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from hearth import LLM
+
+    folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe")
+    processor = qwen_vl_processor(folder)
+    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), progress=False)
+    assert (llm.engine.model_config.num_experts, llm.engine.model_config.dense_mlp_layers) == (8, (1,))
+    published = shutil.copytree(folder, tmp_path / "published")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({name: t.transpose(1, 2).contiguous() if ".experts." in name else t for name, t in tensors.items()},
+              published / "model.safetensors", metadata={"format": "pt"})
+    for text, which in ((ONE, (2,)), (TWO, (1, 0))):
+        images = [_image(*IMAGES[i]) for i in which]
+        inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), text, images)
+        cut = _logits_match(llm.engine, text, images, inputs, ref_logits).index(reference.config.image_token_id) + 5
+        _logits_match(llm.engine, text, images, inputs, ref_logits, cut)
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref_tokens
+    _logits_match(LLM(str(published), progress=False).engine, text, images, inputs, ref_logits)
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
+
+
+def _video_reference(qwen, frames: np.ndarray, fps: float | None):
+    """transformers' Qwen3VLVideoProcessor's output for frames taken as they are (do_sample_frames off), from its
+    own smart_resize, patchify and Qwen3VLProcessor.replace_video_token; its resize (torchvision's, not installed
+    here) as PIL's bicubic: the pixels, the grid and the video's placeholder text."""
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    processor = qwen[1]
+    videos = processor.video_processor = Qwen3VLVideoProcessor.from_pretrained(qwen[0])
+    count, height, width = frames.shape[:3]
+    height, width = smart_resize(count, height, width, temporal_factor=2, factor=32,
+                                 min_pixels=videos.size["shortest_edge"], max_pixels=videos.size["longest_edge"])
+    resized = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC)) for f in frames])
+    normalised = torch.from_numpy(((resized.astype(np.float32) / 255 - 0.5) / 0.5).transpose(0, 3, 1, 2))
+    patches, *grid = videos.patchify(normalised[None], patch_size=16, merge_size=2, temporal_patch_size=2)
+    grid = torch.tensor([grid])
+    metadata = VideoMetadata(total_num_frames=count, fps=fps, frames_indices=list(range(count)))
+    text = processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+    return patches[0], grid, text
+
+
+def test_videos_are_transformers(qwen):
+    """A video of 5 frames (the last group padded with its last frame) beside an image: each frame group's patches,
+    grid and timestamp text, the token ids, the M-RoPE positions (get_rope_index: a frame group placed as an image),
+    logits within 1e-4 (two chunks cut inside the video) and greedy tokens, against transformers; frames as an
+    array (fps unknown: 24) and as PIL images with their fps (_video_logits_match)."""
+    from PIL import Image
+
+    engine = qwen[3].engine
+    frames = np.random.default_rng(3).integers(0, 256, (5, 45, 100, 3), dtype=np.uint8)
+    for given, fps in ((frames, None), (([Image.fromarray(f) for f in frames], {"fps": 4.0}), 4.0)):
+        patches, grid, placeholder = _video_reference(qwen, frames, fps)
+        mine = engine.video_processor.process(given)
+        assert np.array_equal(np.concatenate([g.pixel_values for g in mine.groups]), patches.numpy())
+        assert [[1, *(2 * n for n in g.grid)] for g in mine.groups] == [[1, *grid[0, 1:].tolist()]] * 3
+        assert engine.video_processor.placeholder_text(mine) == placeholder
+    _video_logits_match(qwen, given, patches, grid, placeholder)
+
+
+def _video_logits_match(qwen, video, patches: torch.Tensor, grid: torch.Tensor, placeholder: str) -> None:
+    """A prompt with `video` (transformers' patches, grid and placeholder text of it) and an image: the token ids,
+    the M-RoPE positions (get_rope_index: a frame group placed as an image), logits within 1e-4 (two chunks cut
+    inside the video) and greedy tokens equal transformers'; run again, every group and the image come from the
+    encoder cache."""
+    _, processor, reference, llm = qwen
+    engine = llm.engine
+    image = _image(*IMAGES[0])
+    text = f"<|im_start|>user\nWatch {VIDEO} then {IMAGE} now<|im_end|>\n<|im_start|>assistant\n"
+    pictures = processor.image_processor(images=[image], return_tensors="pt")
+    rows = int(pictures["image_grid_thw"][0].prod()) // 4
+    ids = processor.tokenizer(text.replace(VIDEO, placeholder).replace("<|image_pad|>", "<|image_pad|>" * rows),
+                              return_tensors="pt")["input_ids"]
+    marks = (ids == reference.config.image_token_id).int() + 2 * (ids == reference.config.video_token_id).int()
+    inputs = dict(input_ids=ids, mm_token_type_ids=marks, pixel_values_videos=patches, video_grid_thw=grid, **pictures)
+    data = {"video": video, "image": [image]}
+    expanded = engine.prompt_with_images(text, data)
+    assert expanded.token_ids == ids[0].tolist()
+    positions, _ = reference.model.get_rope_index(ids, marks, pictures["image_grid_thw"], grid)
+    assert np.array_equal(mrope_positions(np.arange(ids.shape[1]), expanded.images), positions[:, 0].numpy())
+    with torch.no_grad():
+        ref_logits = reference(**inputs).logits[0]
+        ref_tokens = reference.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1]:]
+    cut = expanded.images[0].start + 2  # inside the video's first frame group
+    torch.testing.assert_close(_hearth_logits(engine, text, data, cut)[1], ref_logits, atol=1e-4, rtol=0)
+    misses = engine.runner.encoder_cache.misses
+    out = llm.generate({"prompt": text, "multi_modal_data": data}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens.tolist()
+    assert engine.runner.encoder_cache.misses == misses  # (every group and the image: in the cache already)
+
+
+def _video_file(frames: np.ndarray, codec: str = "mpeg4", container: str = "mp4") -> bytes:
+    """frames (uint8 [T, H, W, 3]) encoded at 24 frames a second by PyAV."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as file:
+        stream = file.add_stream(codec, rate=24)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            file.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        file.mux(stream.encode())
+    return out.getvalue()
+
+
+# a chat template that writes a video part as Qwen3-VL's does
+VIDEO_TEMPLATE = ("{% for m in messages %}{% for p in m.content %}{% if p.type == 'video' %}" + VIDEO +
+                  "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def test_video_files_are_decoded_and_sampled_as_transformers_samples_them(qwen):
+    """6 frames at 24 fps, in mp4 and webm (whose header counts no frames): decoded by PyAV and sampled as
+    transformers' Qwen3VLVideoProcessor.sample_frames samples them (frames 0, 2, 3, 5 at 2 fps, at least 4), each
+    equal to PyAV's own decoding; a file of more frames than allowed refused from its header; frames given to the
+    engine past the processor's max_frames (8), or one frame, refused."""
+    import io
+    from unittest import mock
+
+    av = pytest.importorskip("av")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from hearth.videos import VideoError, VideoLimits, decode_video
+
+    frames = np.random.default_rng(4).integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
+    mp4 = _video_file(frames)
+    with av.open(io.BytesIO(mp4)) as file:
+        every = [f.to_ndarray(format="rgb24") for f in file.decode(video=0)]
+    sampled = Qwen3VLVideoProcessor.from_pretrained(qwen[0]).sample_frames(VideoMetadata(total_num_frames=6, fps=24))
+    limits = qwen[3].engine.video_processor.limits(5000)
+    for data in (mp4, _video_file(frames, "libvpx", "webm")):
+        decoded = decode_video(data, limits)
+        assert decoded.indices.tolist() == sampled.tolist() and decoded.fps == 24
+    assert all(np.array_equal(every[i], f) for i, f in zip(decoded.indices, decode_video(mp4, limits).frames))
+    with pytest.raises(VideoError, match="has 6 frames; this server's limit is 4"):
+        decode_video(mp4, VideoLimits(5000, 10**6, max_source_frames=4))
+    with mock.patch.dict("sys.modules", {"av": None}), pytest.raises(VideoError, match="PyAV is not installed"):
+        decode_video(mp4, limits)
+    for bad, message in ((frames[:1], "has 1 frames"), (np.concatenate([frames, frames]), "has 12 frames")):
+        with pytest.raises(RequestError, match=message):  # (the model's processor takes 2 to 8 frames)
+            qwen[3].engine.add_request(None, VIDEO, GREEDY, multi_modal_data={"video": bad})
+
+
+def test_the_server_takes_a_data_url_video_and_refuses_bad_ones(qwen):
+    """vLLM's `video_url` part with an mp4 data URL: the server counts and answers what LLM.generate does with the
+    file's sampled frames. A truncated file, bytes that are no video, an image's media type, frames past
+    --max-image-pixels: each a 400 in under a second, the server healthy after."""
+    import base64
+
+    pytest.importorskip("av")
+
+    import httpx
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine.engine import LLMEngine
+    from hearth.engine_config import EngineConfig
+    from hearth.server.app import build_app
+    from hearth.server.limits import ServerLimits
+    from hearth.videos import decode_video
+    from test_server import serving
+
+    mp4 = _video_file(np.random.default_rng(4).integers(0, 256, (6, 48, 64, 3), dtype=np.uint8))
+
+    def url(data: bytes, media_type: str = "video/mp4") -> str:
+        return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+    def body(video_url: str) -> dict:
+        return {"model": "qwen", "max_tokens": 4, "temperature": 0, "chat_template": VIDEO_TEMPLATE, "messages": [
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url}},
+                                         {"type": "text", "text": "What happens?"}]}]}
+
+    engine = AsyncEngine(LLMEngine(qwen[0], EngineConfig(), progress=False))
+    server_limits = ServerLimits(max_image_pixels=5000)
+    try:
+        with serving(build_app(engine, "qwen", limits=server_limits, trust_request_chat_template=True),
+                     server_limits) as server, httpx.Client(base_url=server, timeout=60) as client:
+            reply = client.post("/v1/chat/completions", json=body(url(mp4))).json()
+            frames = decode_video(mp4, qwen[3].engine.video_processor.limits(5000))
+            expected = qwen[3].generate({"prompt": VIDEO + "What happens?", "multi_modal_data": {"video": frames}},
+                                        SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+            assert reply["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+            assert reply["choices"][0]["message"]["content"] == expected.outputs[0].text
+            big = _video_file(np.zeros((4, 96, 128, 3), dtype=np.uint8))
+            for video_url, message in ((url(mp4[:len(mp4) // 2]), "damaged, truncated or not a video"),
+                                       (url(b"not a video, only text " * 4), "damaged, truncated or not a video"),
+                                       (url(mp4, "image/png"), "not a video's"),
+                                       (url(big), "128 x 96 = 12,288 pixels; this server's limit is 5,000")):
+                times = []
+                for _ in range(2):  # (the faster of two: the server's time, less a busy machine's noise)
+                    start = time.perf_counter()
+                    answer = client.post("/v1/chat/completions", json=body(video_url))
+                    times.append(time.perf_counter() - start)
+                assert answer.status_code == 400 and message in answer.json()["error"]["message"], answer.text
+                assert min(times) < 1.0
+            assert client.get("/health").status_code == 200
+    finally:
+        engine.shutdown()

@@ -162,6 +162,9 @@ class AsyncEngine:
         self.max_num_seqs: int = engine.max_num_seqs
         self.lora_enabled = engine.lora is not None
         self.accepts_images: bool = engine.accepts_images  # requests may bring images (multi_modal_data)
+        # how the model's processor samples a video file, for a frame's most pixels (None: it takes no videos)
+        videos = getattr(engine, "video_processor", None)
+        self.video_limits = None if videos is None else videos.limits
         # the LoRA adapters loaded at start (lora_modules), by name: their paths (later loads: add_lora)
         self.initial_loras = {a.name: a.path for a in engine.list_loras()}
         self._grammars = engine.grammars  # thread-safe: compiles off the engine thread

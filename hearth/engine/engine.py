@@ -17,7 +17,7 @@ import torch
 from hearth.engine_config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hearth.engine import kv_transfer
 from hearth.engine.draft_runner import load_second_models
-from hearth.engine.images import PromptWithImages, expand_prompt
+from hearth.engine.images import Media, PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
 from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.lora import LoadedAdapter, LoraAdapters
@@ -66,7 +66,7 @@ class LLMEngine:
         loaded, self.workers, shard = load_target(model, config, backend, self.dtype, self.device, progress)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
-        self.image_processor = loaded.image_processor  # None: a text-only model
+        self.image_processor, self.video_processor = loaded.image_processor, loaded.video_processor  # None: none
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
@@ -218,8 +218,8 @@ class LLMEngine:
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
         (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, each named in
-        the text prompt by the model's marker <image> (hearth/engine/images.py); refused by a model without
-        a vision encoder."""
+        the text prompt by the model's marker <image> (hearth/engine/images.py), and Qwen3-VL's and Qwen3.5's
+        {"video": [videos]}; refused by a model without a vision encoder."""
         params = params or SamplingParams()
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
@@ -258,8 +258,10 @@ class LLMEngine:
             raise RequestError(f"{NO_IMAGES}: {self.model_path.name} has no vision encoder "
                                f"(multi_modal_data with {len(images) if isinstance(images, list) else 'no'} images)")
         vision = self.model_config.vision
+        videos = None if self.video_processor is None else Media("video", self.video_processor, vision.video_token_id,
+                                                                  self.video_processor.video_token)
         return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
-                             None if vision is None else vision.image_token_id)
+                             None if vision is None else vision.image_token_id, videos)
 
     def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""

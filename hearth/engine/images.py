@@ -5,7 +5,9 @@ rows of image embeddings, its M-RoPE positions (Qwen3-VL) and the images whose t
 
 A prompt names each image with the model's marker (`<image>`, Qwen3-VL's `<|image_pad|>`, Gemma 3's
 `<start_of_image>`, Gemma 4's `<|image|>`: as its chat template writes an image content part), once per image
-of multi_modal_data["image"], in order. Each marker becomes the text the model's processor makes of it
+of multi_modal_data["image"], in order; Qwen3-VL's and Qwen3.5's videos (multi_modal_data["video"]) each with
+<|vision_start|><|video_pad|><|vision_end|>, a video becoming one span per frame group (each encoded as an image,
+with <|video_pad|> its placeholder: hearth/video_processor_qwen.py). Each marker becomes the text the model's processor makes of it
 (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py, image_processor_gemma4.py)
 before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
@@ -18,6 +20,7 @@ this one) is not encoded again. It is only a cache: a miss encodes.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ import numpy as np
 
 from hearth.engine.request import ImageSpan, Request
 from hearth.errors import RequestError
+from hearth.videos import VideoFrames
 
 if TYPE_CHECKING:
     import torch
@@ -43,67 +47,113 @@ if TYPE_CHECKING:
 ENCODER_CACHE_ROWS = 8192
 
 
-def images_of(multi_modal_data: Any) -> list:
-    """multi_modal_data's images (vLLM's shape: {"image": an image or a list of them})."""
+def media_of(multi_modal_data: Any, kind: str) -> list:
+    """multi_modal_data's images or videos (vLLM's shape: {"image": an image or a list of them, "video": a video
+    or a list of them}; a video itself may be a list of frames: a list of videos is a list of lists, arrays or
+    (frames, metadata) pairs)."""
     if multi_modal_data is None:
         return []
-    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image", "video"}:
         kinds = sorted(multi_modal_data) if isinstance(multi_modal_data, dict) else type(multi_modal_data).__name__
-        raise RequestError(f"multi_modal_data holds {{'image': [images]}}; got {kinds}")
-    images = multi_modal_data.get("image")
-    if images is None:
+        raise RequestError(f"multi_modal_data holds {{'image': [images], 'video': [videos]}}; got {kinds}")
+    items = multi_modal_data.get(kind)
+    if items is None:
         return []
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    if kind == "video":  # one video: an array, a (frames, metadata) pair, or a list of frames (PIL images)
+        single = not isinstance(items, list) or (items and not isinstance(items[0], (list, tuple, np.ndarray,
+                                                                                     VideoFrames)))
+        return [items] if single else list(items)
+    return list(items) if isinstance(items, (list, tuple)) else [items]
 
 
 @dataclass(frozen=True)
 class PromptWithImages:
-    """A prompt's text, its token ids with every image's placeholders, and the images' spans."""
+    """A prompt's text, its token ids with every image's placeholders, and the images' spans (a video's: one
+    span per frame group)."""
 
     text: str
     token_ids: list[int]
     images: list[ImageSpan]
 
 
+@dataclass(frozen=True)
+class Media:
+    """One kind of a prompt's media: the processor that makes its placeholder text, and its placeholder token."""
+
+    kind: str  # "image", "video"
+    processor: Any  # an image processor, or hearth/video_processor_qwen.py's
+    token_id: int | None
+    token: str  # the placeholder token's text
+
+
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
                   processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None,
-                  tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
-    """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
-    engine's own encoding (processor None: a text model, which the engine lets no images reach).
-    RequestError for markers and images that do not pair up, token ids that hold placeholders. Reads
-    no engine state (the AsyncEngine runs it off the engine's thread)."""
+                  tokenizer: Tokenizer, image_token_id: int | None,
+                  videos: Media | None = None) -> PromptWithImages | None:
+    """A prompt with images and videos (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
+    engine's own encoding (processor None: a text model, which the engine lets no images reach; videos None: a
+    model that takes no videos). RequestError for markers and media that do not pair up, token ids that hold
+    placeholders. Reads no engine state (the AsyncEngine runs it off the engine's thread)."""
     if processor is None:
         return None
-    images = images_of(multi_modal_data)
-    marker = processor.marker
+    kinds = [Media("image", processor, image_token_id, processor.image_token)]
+    if multi_modal_data is not None and media_of(multi_modal_data, "video"):
+        if videos is None:
+            raise RequestError("this model takes no videos (multi_modal_data['video']): hearth runs the videos of "
+                               "Qwen3-VL and Qwen3.5")
+        kinds.append(videos)
+    given = {m.kind: media_of(multi_modal_data, m.kind) for m in kinds}
     if not isinstance(prompt, str):
-        if images or image_token_id in prompt:
-            raise RequestError(f"images go with a text prompt that names each with {marker}, not token ids")
+        if any(given.values()) or any(m.token_id in prompt for m in kinds):
+            raise RequestError(f"images go with a text prompt that names each with {processor.marker}, not token ids")
         return None
-    markers = prompt.count(marker)
-    if markers != len(images):
-        raise RequestError(f"the prompt names {markers} image(s) with {marker} and {len(images)} image(s) "
-                           f"were given: each image needs its {marker} in the text, in order")
-    if not images:
+    for m in kinds:
+        markers = prompt.count(m.processor.marker)
+        if markers != len(given[m.kind]):
+            raise RequestError(f"the prompt names {markers} {m.kind}(s) with {m.processor.marker} and "
+                               f"{len(given[m.kind])} {m.kind}(s) were given: each {m.kind} needs its "
+                               f"{m.processor.marker} in the text, in order")
+    if not any(given.values()):
         return None
-    processed = [processor.process(image) for image in images]
-    parts = prompt.split(marker)
-    text = parts[0] + "".join(processor.placeholder_text(p) + after for p, after in zip(processed, parts[1:]))
+    processed = {m.kind: [m.processor.process(item) for item in given[m.kind]] for m in kinds}
+    text = _expanded_text(prompt, kinds, processed)
     ids = tokenizer.encode(text)
-    positions = np.flatnonzero(np.asarray(ids) == image_token_id)
-    needed = sum(image.num_embeds for image in processed)
+    spans = []
+    for m in kinds:
+        pieces = [piece for item in processed[m.kind] for piece in getattr(item, "groups", [item])]
+        spans += _spans(ids, pieces, m)
+    return PromptWithImages(prompt, ids, sorted(spans, key=lambda span: span.start))
+
+
+def _expanded_text(prompt: str, kinds: list[Media], processed: dict[str, list]) -> str:
+    """The prompt with each marker replaced by its item's placeholder text, markers of every kind in their order."""
+    pattern = "|".join(re.escape(m.processor.marker) for m in kinds)
+    by_marker = {m.processor.marker: (m.processor, iter(processed[m.kind])) for m in kinds}
+
+    def placeholder(match: re.Match) -> str:
+        made, items = by_marker[match.group()]
+        return made.placeholder_text(next(items))
+
+    return re.sub(pattern, placeholder, prompt)
+
+
+def _spans(ids: list[int], pieces: list, media: Media) -> list[ImageSpan]:
+    """The spans of `pieces` (images, or videos' frame groups) over their placeholder tokens, in order."""
+    positions = np.flatnonzero(np.asarray(ids) == media.token_id)
+    needed = sum(piece.num_embeds for piece in pieces)
     if len(positions) != needed:  # (the text's own placeholders, or a tokenizer that reads them otherwise)
-        raise RequestError(f"the prompt holds {len(positions)} image placeholder tokens ({image_token_id}) where its "
-                           f"images take {needed}: the text has placeholders of its own, or the tokenizer does not "
-                           f"read {processor.image_token} as that token")
+        raise RequestError(f"the prompt holds {len(positions)} {media.kind} placeholder tokens ({media.token_id}) where "
+                           f"its {media.kind}s take {needed}: the text has placeholders of its own, or the tokenizer "
+                           f"does not read {media.token} as that token")
     spans, used = [], 0
-    for image in processed:
-        mine = positions[used:used + image.num_embeds]
-        used += image.num_embeds
+    for piece in pieces:
+        mine = positions[used:used + piece.num_embeds]
+        used += piece.num_embeds
         runs = np.split(mine, np.flatnonzero(np.diff(mine) > 1) + 1)
-        spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, image.content_hash, image.pixel_values,
-                               image.num_embeds, image.grid, tuple((int(r[0]), int(r[-1]) + 1) for r in runs)))
-    return PromptWithImages(prompt, ids, spans)
+        spans.append(ImageSpan(int(mine[0]), int(mine[-1]) + 1, piece.content_hash, piece.pixel_values,
+                               piece.num_embeds, piece.grid, tuple((int(r[0]), int(r[-1]) + 1) for r in runs),
+                               None if media.kind == "image" else media.token_id))
+    return spans
 
 
 class EncoderCache:
@@ -148,7 +198,8 @@ def step_embeddings(request: Request, start: int, count: int, image_token_id: in
         low, high = max(start, image.start), min(end, image.end)
         if low >= high:
             continue
-        is_image = np.asarray(request.all_token_ids[image.start:high]) == image_token_id
+        placeholder = image_token_id if image.token_id is None else image.token_id  # (a video's: its own)
+        is_image = np.asarray(request.all_token_ids[image.start:high]) == placeholder
         index = np.cumsum(is_image) - 1  # each position's row among the image's embeddings
         local = np.flatnonzero(is_image[low - image.start:]) + (low - image.start)
         if len(local):

@@ -63,6 +63,7 @@ class ImageSpan:
     # with ModelConfig.bidirectional_images each run's tokens attend to each other both ways and no chunk ends
     # inside one; empty: [start, end) is one run
     runs: tuple[tuple[int, int], ...] = ()
+    token_id: int | None = None  # its placeholder token: None, the model's image token; a video's frame group's, its own
 
     def blocks(self) -> tuple[tuple[int, int], ...]:
         """The runs of its placeholders (`runs`), [start, end) where it has none."""

@@ -18,6 +18,7 @@ from hearth.image_processor import ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.image_processor_gemma4 import Gemma4ImageProcessor
 from hearth.image_processor_qwen import QwenImageProcessor
+from hearth.video_processor_qwen import QwenVideoProcessor
 from hearth.loading.activation_thresholds import sparsify_model
 from hearth.loading.mmproj import read_mmproj
 from hearth.model.transformer import Transformer
@@ -37,6 +38,7 @@ class LoadedModel:
     # an image-text model's (hearth/image_processor.py, image_processor_qwen.py, image_processor_gemma.py,
     # image_processor_gemma4.py)
     image_processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None = None
+    video_processor: QwenVideoProcessor | None = None  # Qwen3-VL's and Qwen3.5's (hearth/video_processor_qwen.py)
 
 
 # each image-text family's image processor (the rest: SmolVLM's / Idefics3's)
@@ -86,6 +88,9 @@ def load_model(
     image_processor = None
     if config.vision is not None:
         image_processor = _IMAGE_PROCESSORS.get(config.vision.family, ImageProcessor).from_hf_dir(path, config.vision)
+    video_processor = None
+    if getattr(config.vision, "video_token_id", None) is not None:  # (Qwen3-VL's and Qwen3.5's)
+        video_processor = QwenVideoProcessor.from_hf_dir(path, config.vision)
     if mmproj is not None:
         projector = read_mmproj(mmproj, config, tokenizer)
         config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor
@@ -107,4 +112,4 @@ def load_model(
     model.to(device)
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
-    return LoadedModel(model.eval(), tokenizer, config, path, image_processor)
+    return LoadedModel(model.eval(), tokenizer, config, path, image_processor, video_processor)

@@ -305,6 +305,8 @@ def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> 
         return _qwen3_next_projections(config, name[:m.start()], m.group(1), tensor)
     if architecture == "gemma4" and (m := _GEMMA4_EXPERTS.search(name)):
         return _gemma4_experts(name[:m.start()], m.group(1), tensor)
+    if architecture == "qwen3_moe" and (m := _QWEN3_VL_MOE_EXPERTS.search(name)):
+        return _qwen3_vl_moe_experts(config, canonical_hf_name(name[:m.start()]), m.group(1), tensor)
     if architecture == "granitemoehybrid":
         name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
         if m := _GRANITE_SHARED_MLP.search(name):
@@ -325,9 +327,34 @@ def _gemma4_experts(prefix: str, stack: str, tensor: torch.Tensor) -> list[tuple
     """A gemma4 stack of experts as hearth's ExpertMixture takes it: each expert's projections."""
     if tensor.dim() != 3 or (stack == "gate_up_proj" and tensor.shape[1] % 2):
         raise ModelLoadError(f"{prefix}.experts.{stack}: shape {tuple(tensor.shape)}, expected [experts, rows, columns]")
+    return _each_expert(f"{prefix}.experts.experts", stack, tensor)
+
+
+def _each_expert(stem: str, stack: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stack [experts, rows, columns] as each expert's projections, stem.E.PROJECTION.weight (gate_up_proj's
+    gate rows first)."""
     names = ("gate_proj", "up_proj") if stack == "gate_up_proj" else ("down_proj",)
-    return [(f"{prefix}.experts.experts.{e}.{name}.weight", part) for e, expert in enumerate(tensor.unbind())
+    return [(f"{stem}.{e}.{name}.weight", part.contiguous()) for e, expert in enumerate(tensor.unbind())
             for name, part in zip(names, expert.chunk(len(names)))]
+
+
+# Qwen3-VL-MoE's experts, stacked: transformers 5's layout gate_up_proj [experts, 2 x width, hidden] (gate's rows,
+# then up's), down_proj [experts, hidden, width]; the published checkpoints' each transposed (transformers
+# transposes a stack whose shape is not its own, and so does hearth)
+_QWEN3_VL_MOE_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _qwen3_vl_moe_experts(config: ModelConfig, prefix: str, stack: str,
+                          tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A Qwen3-VL-MoE stack of experts as hearth's qwen3_moe takes it: each expert's projections."""
+    width, hidden = config.moe_intermediate_size, config.hidden_size
+    rows, columns = (2 * width, hidden) if stack == "gate_up_proj" else (hidden, width)
+    if tensor.dim() == 3 and tuple(tensor.shape[1:]) == (columns, rows):
+        tensor = tensor.transpose(1, 2)
+    if tensor.dim() != 3 or tensor.shape[0] != config.num_experts or tuple(tensor.shape[1:]) != (rows, columns):
+        raise ModelLoadError(f"{prefix}.experts.{stack}: shape {tuple(tensor.shape)}, expected "
+                             f"[{config.num_experts}, {rows}, {columns}] or [{config.num_experts}, {columns}, {rows}]")
+    return _each_expert(f"{prefix}.experts", stack, tensor)
 
 
 # qwen3_next's Gated DeltaNet projections, each fused and grouped by key head

@@ -22,6 +22,7 @@ from hearth.server.served import ServedModel, served
 from hearth.server.streaming import Delta, Started, StreamHeader, respond
 from hearth.server.tool_fallback import generic_calling, generic_messages, template_drops_tools
 from hearth.server.tools import ToolCalling, ToolCallStream, tool_calling
+from hearth.videos import VideoFrames
 
 router = APIRouter()
 
@@ -130,12 +131,15 @@ class ChatPrompt:
     images: list[Image.Image]  # decoded, in the order of the conversation's image parts
     calling: ToolCalling | None
     expanded: PromptWithImages | None = None  # with images, after with_image_tokens: what the engine runs
+    videos: list[VideoFrames] = dataclasses.field(default_factory=list)  # decoded, sampled, in the parts' order
 
     def with_images(self, s: ServedModel) -> tuple[str, dict[str, list]] | None:
-        """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images (None: without)."""
-        if not self.images:
+        """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images or videos (None:
+        without)."""
+        if not self.images and not self.videos:
             return None
-        return s.tokenizer.chat_prompt_text(self.text), {"image": self.images}
+        data = {"image": self.images, "video": self.videos} if self.videos else {"image": self.images}
+        return s.tokenizer.chat_prompt_text(self.text), data
 
 
 async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
@@ -153,7 +157,8 @@ async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt
     """The conversation's images read (a bad one: 400), then the conversation through the chat template
     (the BOS added, truncated as asked), and its tool calling."""
     images = await s.images.load(body.image_urls())
-    if images:
+    videos = await s.images.load_videos(body.video_urls(), s.engine.video_limits)
+    if images or videos:
         s.check_images(body.model)
         if body.truncate_prompt_tokens is not None:
             raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
@@ -165,7 +170,7 @@ async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    return ChatPrompt(body.truncate(ids), text, images, calling)
+    return ChatPrompt(body.truncate(ids), text, images, calling, videos=videos)
 
 
 @dataclass

@@ -6,12 +6,14 @@ Every API's image part comes here as one URL: OpenAI's `image_url` parts (chat c
 as a data URL). A remote URL is fetched only from the hosts named by `--allowed-media-domains`
 (exactly, as vLLM's option), redirects not followed, within --image-fetch-timeout and
 --max-image-size; otherwise it gets a 400 that says so. Every failure is an ImageError: a 400 in
-the route's own API shape, raised before anything reaches the engine.
+the route's own API shape, raised before anything reaches the engine. Videos (vLLM's `video_url` parts of
+chat completions) come the same ways and are decoded by hearth/videos.py (a VideoError, a 400 too).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,6 +21,7 @@ from PIL import Image
 
 from hearth.images import ImageError, data_url_bytes, decode_image
 from hearth.server.limits import ServerLimits
+from hearth.videos import VideoError, VideoFrames, VideoLimits, decode_video
 
 
 class ImageSources:
@@ -41,9 +44,27 @@ class ImageSources:
             images.append(await asyncio.to_thread(decode_image, data, self.limits.max_image_pixels, what))
         return images
 
-    async def read(self, url: str, what: str) -> bytes:
+    async def load_videos(self, urls: list[str], limits: Callable[[int], VideoLimits] | None) -> list[VideoFrames]:
+        """The videos (vLLM's `video_url` parts), each decoded in a thread and sampled as the model's processor
+        samples (`limits`: its VideoLimits for a frame's most pixels; None: the model takes no videos), in order;
+        VideoError at the first that fails. They count against --max-images-per-request and --max-image-size."""
+        if not urls:
+            return []
+        if limits is None:
+            raise VideoError("this model takes no videos (video_url): hearth runs the videos of Qwen3-VL and Qwen3.5")
+        if len(urls) > self.limits.max_images_per_request:
+            raise VideoError(f"this request has {len(urls)} videos; this server's limit is "
+                             f"{self.limits.max_images_per_request} (--max-images-per-request)")
+        videos = []
+        for i, url in enumerate(urls, 1):
+            what = f"video {i}" if len(urls) > 1 else "the video"
+            data = await self.read(url, what, "video")
+            videos.append(await asyncio.to_thread(decode_video, data, limits(self.limits.max_image_pixels), what))
+        return videos
+
+    async def read(self, url: str, what: str, kind: str = "image") -> bytes:
         if url[:5].lower() == "data:":
-            return data_url_bytes(url, self.limits.max_image_bytes, what)
+            return data_url_bytes(url, self.limits.max_image_bytes, what, kind)
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             raise ImageError(f"{what}: {url[:60]!r} is neither a data URL (data:image/png;base64,...) "

@@ -140,7 +140,12 @@ class ImageURLPart(OpenAIModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURLPart(OpenAIModel):  # vLLM's extension (Qwen3-VL's and Qwen3.5's videos)
+    type: Literal["video_url"]
+    video_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 def chat_content(parts: list[tuple[str, str]], joiner: str = "\n") -> str | list[dict[str, str | dict]]:
@@ -163,14 +168,18 @@ class ChatMessage(OpenAIModel):
         parts = self.content if isinstance(self.content, list) else []
         return [p.image_url.url for p in parts if isinstance(p, ImageURLPart)]
 
+    def video_urls(self) -> list[str]:
+        parts = self.content if isinstance(self.content, list) else []
+        return [p.video_url.url for p in parts if isinstance(p, VideoURLPart)]
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: text parts joined; with images, a list of parts in
         their order, each image an `{"type": "image"}` part (transformers' convention, which vision
-        models' templates render as their image marker)."""
+        models' templates render as their image marker), each video a `{"type": "video"}` part."""
         content = self.content
-        if isinstance(content, list) and self.image_urls():
-            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
-                       for p in content]
+        if isinstance(content, list) and (self.image_urls() or self.video_urls()):
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
+                       else {"type": "video" if isinstance(p, VideoURLPart) else "image"} for p in content]
         elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         # "" for none (an assistant's turn of tool calls): templates such as Qwen 3's concatenate it
@@ -206,6 +215,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def image_urls(self) -> list[str]:
         """The images' URLs in the order the conversation gives them (the order of its image parts)."""
         return [url for m in self.messages for url in m.image_urls()]
+
+    def video_urls(self) -> list[str]:
+        """The videos' URLs in the order the conversation gives them."""
+        return [url for m in self.messages for url in m.video_urls()]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and self.top_logprobs < 0:

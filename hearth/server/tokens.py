@@ -27,13 +27,15 @@ async def tokenize(body: TokenizeRequest, s: Served):
                                       add_special_tokens=body.add_special_tokens is not False)
     else:  # with images, each one's tokens as the engine would run them (read and checked as a chat's are)
         images = await s.images.load([url for m in body.messages for url in m.image_urls()])
-        if images:
+        videos = await s.images.load_videos([url for m in body.messages for url in m.video_urls()],
+                                            s.engine.video_limits)
+        if images or videos:
             s.check_images(body.model)
         text = await asyncio.to_thread(
             render_chat, s, [m.for_template() for m in body.messages], body.add_generation_prompt is not False,
             bool(body.continue_final_message), body.tools, body.chat_template_kwargs)
         ids = await asyncio.to_thread(s.tokenizer.encode_chat_text, text)
-        ids = (await with_image_tokens(s, ChatPrompt(ids, text, images, None))).ids
+        ids = (await with_image_tokens(s, ChatPrompt(ids, text, images, None, videos=videos))).ids
     strs = [s.tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}
 
