@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from hearth.backend import choose_backend
 from hearth.errors import ModelLoadError
 from hearth.loading.convert import convert_hf_to_gguf
+from hearth.loading.library_quant import read_library_weights
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
 from models import hearth_logits, load_hf_reference, make_hf_model
@@ -134,6 +135,15 @@ def test_checkpoint_loads_as_the_dense_weights_it_stands_for(dense, tmp_path, na
                                                                      progress=False)).tensors}
         got = np.asarray(written["blk.1.ffn_down.weight"].data)
         assert np.array_equal(got, references["model.layers.1.mlp.down_proj.weight"].numpy())
+
+
+def test_8bit_zero_points_beyond_q8_0_stay_dense():
+    """8-bit q - z of [-255, 254] fits no block format exactly: the weight is dense float32 (logged), not an error."""
+    scheme = {"method": "gptq", "bits": 8, "group_size": 32, "sym": False}
+    q, zeros, scales, g_idx, want = integer_projection(torch.ones(64, 96), scheme, np.random.default_rng(1))
+    packed = packed_tensors("proj", q, zeros, scales, g_idx, scheme)
+    got = read_library_weights(packed, {"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False}, "test")
+    assert not isinstance(got["proj.weight"], QuantTensor) and torch.equal(got["proj.weight"], want)
 
 
 def test_fp8_blocks_are_read_dense(dense, tmp_path):
