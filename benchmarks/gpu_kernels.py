@@ -3,7 +3,7 @@
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu/kernels
 
-  quant matmul  x [M, K] bf16 @ W^T with W in GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), the
+  quant matmul  x [M, K] bf16 @ W^T with W in GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), the
                 Llama-3.2-1B projections' shapes; GB/s = weight bytes / time; beside it torch's
                 bf16 matmul of the same shape (cuBLAS reading 2 bytes a weight)
   gemv-sweep    the small-M kernel's launches (quant_matmul.GEMV_CANDIDATES: block_n, block_k, warps,

@@ -285,6 +285,13 @@ def make_spm_tokenizer(folder: Path, prefix_space: bool = True) -> int:
 def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.Tensor:
     """hearth's logits [T, vocab] (float32) for one prompt, run through the paged model runner
     (backend: the reference one by default)."""
+    return hearth_greedy(config, weights, token_ids, 0, backend)[0]
+
+
+def hearth_greedy(config, weights, token_ids: list[int], steps: int, backend=None, device: str = "cpu"):
+    """hearth's logits [T, vocab] (float32, on the CPU) for one prompt, its greedy continuation of `steps`
+    tokens (a decode step each after the first) and the model, run through the paged model runner on
+    `device` (backend: the reference one by default)."""
     from hearth.engine.runner import BatchEntry, ModelRunner
     from hearth.model.transformer import Transformer
 
@@ -292,12 +299,18 @@ def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.
         model = Transformer(config, backend=backend)
     model.load_weights(weights, torch.float32)
     model.backend.prepare(model, torch.float32)
+    model.to(device)
     block_size = 16
-    blocks = (len(token_ids) + block_size - 1) // block_size
-    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device=torch.device("cpu"),
+    blocks = list(range((len(token_ids) + max(steps - 1, 0) + block_size - 1) // block_size))
+    runner = ModelRunner(model, num_blocks=len(blocks), block_size=block_size, device=torch.device(device),
                          kv_dtype=torch.float32)
-    hidden, _ = runner.forward([BatchEntry(list(token_ids), 0, list(range(blocks)))])
-    return model.compute_logits(hidden)
+    hidden, _ = runner.forward([BatchEntry(list(token_ids), 0, blocks)])
+    logits, tokens = model.compute_logits(hidden).cpu(), []
+    for step in range(steps):
+        if step:
+            hidden, _ = runner.forward([BatchEntry(tokens[-1:], len(token_ids) + step - 1, blocks)])
+        tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
+    return logits, tokens, model
 
 
 # SmolVLM-256M's image geometry (tiles of 512 pixels, patches of 16, a pixel shuffle of 4: 64 tokens a

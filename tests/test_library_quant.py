@@ -3,11 +3,13 @@
 Each checkpoint is built here from known integer weights, packed as AutoGPTQ / GPTQModel and
 AutoAWQ document their layouts (written out below in numpy, independently of hearth's unpacking);
 the reference is transformers running the dense weights those integers stand for,
-W[o, i] = s[g(i), o] * (q[i, o] - z[g(i), o]) computed in float32."""
+W[o, i] = s[g(i), o] * (q[i, o] - z[g(i), o]) computed in float32. The gpu backend runs them on a GPU
+or, without one, in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -18,22 +20,28 @@ from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
 from hearth.backend import choose_backend
+from hearth.backend.gpu_linear import TritonQuantLinear
 from hearth.errors import ModelLoadError
 from hearth.loading.convert import convert_hf_to_gguf
+from hearth.loading.library_quant import read_library_weights
 from hearth.loading.loader import read_model
 from hearth.quant import QuantTensor
-from models import hearth_logits, load_hf_reference, make_hf_model
+from hearth.triton_kernels import quant_matmul
+from hearth.triton_kernels.quant_matmul import GemvConfig
+from models import hearth_greedy, hearth_logits, load_hf_reference, make_hf_model
 
 TOKENS = [3, 17, 42, 99, 7, 250, 31, 8, 64, 5]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: the k-th 4 bits of a word hold column AWQ_ORDER[k]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the gpu backend's: without a GPU, Triton's interpreter
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    """A float32 llama with in_features 128 and 256 (groups of 128 fit) and its transformers model."""
+    """A float32 llama of one layer with in_features 128 and 256 (groups of 128 fit) and its transformers model."""
     folder = make_hf_model(tmp_path_factory.mktemp("library") / "dense", "llama", hidden_size=128,
-                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
     return folder, load_hf_reference(folder)
 
 
@@ -115,7 +123,7 @@ SCHEMES = {
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_checkpoint_loads_as_the_dense_weights_it_stands_for(dense, tmp_path, name):
+def test_checkpoint_loads_as_the_dense_weights_it_stands_for(dense, tmp_path, monkeypatch, name):
     scheme, qtype = SCHEMES[name]
     folder, references = quantized_folder(dense[0], tmp_path / name, scheme)
     config, weights, _ = read_model(folder, progress=False)
@@ -125,15 +133,42 @@ def test_checkpoint_loads_as_the_dense_weights_it_stands_for(dense, tmp_path, na
         assert (got.column_order is not None) == scheme.get("desc_act", False)
         assert torch.equal(got.dequantize(), want), hf_name  # bit-exact: the blocks hold the same products
     want = reference_logits(dense[1], references)
-    exact = hearth_logits(config, weights, TOKENS)  # the reference backend: dequantized, float32 matmuls
+    # the reference backend (dequantized, float32 matmuls); for act-order a decode step too (on the gpu backend:
+    # the GEMV, the interpreter's seconds, so for one scheme)
+    exact, tokens, _ = hearth_greedy(config, weights, TOKENS, 2 if scheme.get("desc_act") else 1)
     torch.testing.assert_close(exact, want, rtol=1e-4, atol=1e-4)
     kernels = hearth_logits(config, weights, TOKENS, choose_backend(torch.device("cpu"), torch.float32, "cpu"))
     assert ((kernels - want).abs().max() / want.abs().max()).item() < 0.08  # int8 activations' rounding
+    check_gpu_backend(config, weights, references, qtype, monkeypatch, exact, tokens)
     if scheme.get("desc_act"):  # hearth convert writes the exact dense values
         written = {t.name: t for t in GGUFReader(convert_hf_to_gguf(folder, tmp_path / "out.gguf", "f32",
                                                                      progress=False)).tensors}
-        got = np.asarray(written["blk.1.ffn_down.weight"].data)
-        assert np.array_equal(got, references["model.layers.1.mlp.down_proj.weight"].numpy())
+        got = np.asarray(written["blk.0.ffn_down.weight"].data)
+        assert np.array_equal(got, references["model.layers.0.mlp.down_proj.weight"].numpy())
+
+
+def check_gpu_backend(config, weights, references, qtype, monkeypatch, exact: torch.Tensor, tokens: list[int]) -> None:
+    """On the gpu backend every projection stays in its blocks (Triton kernels); its logits are the
+    reference backend's `exact` (exact weights, fp32 sums; a GPU's tl.dot takes float32 in tf32) and its
+    greedy continuation is the reference's `tokens`."""
+    if INTERPRETED:  # the interpreter runs a program at a time: the GEMV's fewest programs (every launch is tested)
+        for key in list(quant_matmul.GEMV_CONFIGS):
+            monkeypatch.setitem(quant_matmul.GEMV_CONFIGS, key, GemvConfig(block_n=32, block_k=256))
+    logits, gpu_tokens, model = hearth_greedy(config, weights, TOKENS, len(tokens),
+                                              choose_backend(torch.device(DEVICE), torch.float32, "gpu"), DEVICE)
+    kept = [m for m in model.modules() if isinstance(m, TritonQuantLinear) and m.qtype == qtype]
+    assert sum(m.in_features * m.out_features for m in kept) == sum(w.numel() for w in references.values())
+    assert ((logits - exact).abs().max() / exact.abs().max()).item() < (1e-5 if INTERPRETED else 1e-2)
+    assert gpu_tokens == tokens
+
+
+def test_8bit_zero_points_beyond_q8_0_stay_dense():
+    """8-bit q - z of [-255, 254] fits no block format exactly: the weight is dense float32 (logged), not an error."""
+    scheme = {"method": "gptq", "bits": 8, "group_size": 32, "sym": False}
+    q, zeros, scales, g_idx, want = integer_projection(torch.ones(64, 96), scheme, np.random.default_rng(1))
+    packed = packed_tensors("proj", q, zeros, scales, g_idx, scheme)
+    got = read_library_weights(packed, {"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False}, "test")
+    assert not isinstance(got["proj.weight"], QuantTensor) and torch.equal(got["proj.weight"], want)
 
 
 def test_fp8_blocks_are_read_dense(dense, tmp_path):

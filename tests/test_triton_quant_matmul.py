@@ -1,6 +1,6 @@
 """Triton quantized matmul: every kernel against gguf's own dequantizer and a float64 matmul.
 
-Q8_0/Q4_0 blocks come from gguf's quantizer; gguf has none for Q4_K/Q5_K/Q6_K, so their blocks
+Q8_0/Q4_0/Q5_0 blocks come from gguf's quantizer; gguf has none for Q4_K/Q5_K/Q6_K, so their blocks
 are random bytes (every code, scale and min bit pattern) with realistic float16 super-block
 scales. Without a GPU the kernels run in Triton's interpreter (tests/conftest.py).
 
@@ -38,10 +38,16 @@ N, K = 103, 512  # N no multiple of any tile; K two K-quant super-blocks, 16 Q8_
 # byte offsets of each K-quant block's float16 super-block scales, and their ranges (|w| ~ 0.01-0.1)
 _KQUANT_F16 = {Q.Q4_K: ((0, 2), 1e-4), Q.Q5_K: ((0, 2), 5e-5), Q.Q6_K: ((208,), 2e-5)}
 # packed bytes per block after repacking / in the file
-_RATIO = {Q.Q8_0: 1.0, Q.Q4_0: 1.0, Q.Q4_K: 148 / 144, Q.Q5_K: 180 / 176, Q.Q6_K: 1.0}
+_RATIO = {Q.Q8_0: 1.0, Q.Q4_0: 1.0, Q.Q5_0: 1.0, Q.Q4_K: 148 / 144, Q.Q5_K: 180 / 176, Q.Q6_K: 1.0}
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _BF16_UNIT = 2.0 ** -7 if INTERPRETED else 2.0 ** -8
 _UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: _BF16_UNIT, torch.float16: 2.0 ** -11}
+# Q5_0 (GPTQ / AWQ weights with zero points) is Q4_0's path plus a bit plane: its dequantization and a
+# GEMV and a tl.dot product are checked, not every dtype, row count and launch (the interpreter's time)
+SWEPT_QTYPES = tuple(q for q in SUPPORTED_QTYPES if q != Q.Q5_0)
+MATMUL_CASES = [*itertools.product(SWEPT_QTYPES, [1, 3, GEMV_MAX_M, 17, 140],  # 140: two tiles of 128, one partial
+                                   [torch.float32, torch.bfloat16, torch.float16]),
+                (Q.Q5_0, 3, torch.bfloat16), (Q.Q5_0, 17, torch.float16)]
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
@@ -50,7 +56,7 @@ pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
 def make_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     """Real GGUF blocks, uint8 [rows, bytes_per_row]."""
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q8_0, Q.Q4_0):
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
         return gguf_quants.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
@@ -100,15 +106,15 @@ def test_memory_is_the_file_size(weight):
     assert holder.nbytes <= 1.03 * file_bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_M, 17, 140])  # 140: two tiles of 128 rows, the second partial
+@pytest.mark.parametrize("weight, m, dtype", MATMUL_CASES, indirect=["weight"],
+                         ids=[f"{q.name}-{m}-{d}" for q, m, d in MATMUL_CASES])
 def test_matmul(weight, m, dtype):
     holder, ref = weight
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
     check_product(holder.matmul(x), x, ref, tensor_cores=m > GEMV_MAX_M)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SWEPT_QTYPES, ids=lambda q: q.name)
 def test_gemv_split_over_k(qtype):
     """Three K tiles of 512 split two and three ways: partial sums added in fp32."""
     k = 1536
@@ -119,7 +125,7 @@ def test_gemv_split_over_k(qtype):
         check_product(holder.gemv(x, split_k=split_k), x, gguf_quants.dequantize(blocks, qtype), tensor_cores=False)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SWEPT_QTYPES, ids=lambda q: q.name)
 def test_every_gemv_launch_a_sweep_may_pick(qtype):
     """Every (block_n, block_k) of GEMV_CANDIDATES (K split in two where it has two tiles: partial
     tiles, uneven splits) and every launch of GEMV_CONFIGS: within the GEMV's bound."""

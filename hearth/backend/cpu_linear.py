@@ -8,8 +8,9 @@ measurements behind each choice):
   at load) and the codebook formats (IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into 16 int8 values, looked
   up by one shuffle per 32 values and read as Q8_0's signed codes; the grid i-quants IQ3_S, IQ3_XXS,
   IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M: rewritten once at load into nibble blocks, each signed grid
-  value a 4-bit code (`grid_nibbles`: the same weights, 4.6 bits each, read as Q4_K's: 4x faster than
-  loading the grid entries per call)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  value a 4-bit code (IQ3_*: 4.6 bits a weight) or, for the 6-value grids IQ2_* and IQ1_*, a 3-bit one
+  (3.6 bits) (`grid_nibbles`: the same weights, read about as fast as Q4_K: 4x faster than loading the
+  grid entries per call)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead

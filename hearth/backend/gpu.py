@@ -211,7 +211,7 @@ class GpuBackend(Backend):
                          "masked columns yet): use --backend cpu, or --backend reference for its quality alone")
 
     def stored_module(self, module, weight, dtype) -> nn.Module | None:
-        """GGUF matrices in Q8_0, Q4_0, Q4_K, Q5_K, Q6_K stay in their blocks on the device, multiplied
+        """GGUF matrices in Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K stay in their blocks on the device, multiplied
         by Triton kernels; other GGUF types take the reference's tile-by-tile torch path; F16/BF16 become dense."""
         if not isinstance(module, nn.Embedding) and TritonQuantLinear.supports(weight):
             return TritonQuantLinear(weight, module.bias, self.device)

@@ -11,7 +11,7 @@ from hearth.triton_kernels.quant_matmul import SUPPORTED_QTYPES, TritonQuantWeig
 
 
 class TritonQuantLinear(BoundWeights):
-    """y = x W^T (+ b) on a GPU with W kept in its GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K),
+    """y = x W^T (+ b) on a GPU with W kept in its GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K),
     repacked once into the planar arrays of hearth/triton_kernels/quant_matmul.py (about the file's
     bytes) and multiplied by its Triton kernels: dequantized in registers, never expanded."""
 

@@ -10,8 +10,9 @@ backends' block kernels: 4.5 bits a weight for symmetric GPTQ, 5.5 with zero poi
 
 GPTQ's act-order (desc_act) assigns columns to groups by g_idx in any order: the columns are stored
 sorted by group (QuantTensor.column_order) and each matmul takes its input in that order.
-A scale that float16 cannot hold exactly (bf16 scales out of its range) or groups that do not fill
-whole blocks of 32 fall back to the dense matrix, computed exactly in float32.
+A scale that float16 cannot hold exactly (bf16 scales out of its range), groups that do not fill
+whole blocks of 32 or levels beyond Q8_0's [-128, 127] (8-bit with zero points far from 128) fall
+back to the dense matrix, computed exactly in float32.
 
 fp8 (transformers' FineGrainedFP8: float8_e4m3fn weights times `weight_scale_inv` per block of
 weight_block_size, per row or per tensor) is dequantized at load into the model's dtype.
@@ -138,7 +139,7 @@ def integer_weight(weights: dict[str, torch.Tensor], prefix: str, scheme: Intege
     order = np.argsort(groups, kind="stable")
     blocks = _blocks(levels[order].T, scales.float(), groups[order])
     if blocks is None:
-        logger.warning("%s: %s weight kept dense (float32): its scales or groups fit no block format",
+        logger.warning("%s: %s weight kept dense (float32): its scales, groups or levels fit no block format",
                        prefix, scheme.method)
         return scales.float()[torch.from_numpy(groups)].T * torch.from_numpy(levels.T.astype(np.float32))
     trivial = np.array_equal(order, np.arange(cols))
@@ -157,7 +158,10 @@ def _blocks(levels: np.ndarray, scales: torch.Tensor, groups: np.ndarray) -> tup
     if not torch.equal(half.float(), d):
         return None
     low, high = int(levels.min(initial=0)), int(levels.max(initial=0))
-    qtype, offset, top = next(f for f in _BLOCK_FORMATS if -f[1] <= low and high <= f[2] - f[1])
+    fitting = [f for f in _BLOCK_FORMATS if -f[1] <= low and high <= f[2] - f[1]]
+    if not fitting:  # 8-bit with zero points: q - z spans [-255, 255]
+        return None
+    qtype, offset, _ = fitting[0]
     codes = (levels + offset).astype(np.uint8).reshape(rows, cols // _BLOCK, _BLOCK)
     scale_bytes = half.numpy().view(np.uint8).reshape(rows, -1, 2)
     if qtype == Q.Q8_0:

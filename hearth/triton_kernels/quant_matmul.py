@@ -9,6 +9,9 @@ Repacked layouts (K values per row; "bytes" are uint8, byte order within a row a
 - Q8_0 (34 bytes / 32 values, ratio 1.000): `q` [N, K] the int8 codes as uint8; `d` f16 [N, K/32].
 - Q4_0 (18 / 32, ratio 1.000): `q` [N, K/2] the nibble bytes (byte j of a block: value j in the
   low nibble, value j + 16 in the high one); `d` f16 [N, K/32].
+- Q5_0 (22 / 32, ratio 1.000): `q` and `d` as Q4_0, plus `qh` [N, K/8] the blocks' 4 high-bit
+  bytes (a block's little-endian uint32 holds value j's fifth bit at bit j: value k of a row is bit
+  k % 8 of byte k // 8, the planar layout with GROUP 1 and 8 one-bit planes).
 - Q4_K (144 / 256, ratio 148/144 = 1.028): `q` [N, K/2] the nibble bytes (32-byte chunk c of a
   block: values 64c + i low, 64c + 32 + i high); `d`, `dmin` f16 [N, K/256]; `sc`, `mn` uint8
   [N, K/32]: the 6-bit scale and min of each 32-value sub-block, unpacked from the 12 packed bytes
@@ -65,7 +68,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, QK_K
 from hearth.quant.formats import _k_scale_min
 
 Q = GGMLQuantizationType
-SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 GEMV_MAX_M = 8  # most rows of x for the GEMV; more take the tl.dot kernel
 
@@ -124,11 +127,12 @@ DEQUANT_BLOCK_N, DEQUANT_BLOCK_K = 8, 512
 # Format codes inside the kernels (tl.constexpr): the GGML type numbers.
 _Q8_0 = tl.constexpr(int(Q.Q8_0))
 _Q4_0 = tl.constexpr(int(Q.Q4_0))
+_Q5_0 = tl.constexpr(int(Q.Q5_0))
 _Q5_K = tl.constexpr(int(Q.Q5_K))
 _Q6_K = tl.constexpr(int(Q.Q6_K))
 # Values per scale (the tile's last axis) and per `d` entry.
-_SUB_BLOCK = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
-_SUPER_BLOCK = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_K: QK_K, Q.Q5_K: QK_K, Q.Q6_K: QK_K}
+_SUB_BLOCK = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+_SUPER_BLOCK = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q5_0: 32, Q.Q4_K: QK_K, Q.Q5_K: QK_K, Q.Q6_K: QK_K}
 
 
 @triton.jit
@@ -159,6 +163,9 @@ def _dequant(q_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, q_stride, qh_stride
         w = q * d[:, :, None]
     elif FMT == _Q4_0:
         w = _to_float(_field(q_row, k, mask3, 2, 16, 4), 8.0) * d[:, :, None]
+    elif FMT == _Q5_0:
+        high = _field((qh_ptr + n * qh_stride)[:, :, None], k, mask3, 8, 1, 1)
+        w = _to_float(_field(q_row, k, mask3, 2, 16, 4) | (high << 4), 16.0) * d[:, :, None]
     elif FMT == _Q6_K:
         qh_row = (qh_ptr + n * qh_stride)[:, :, None]
         q = _field(q_row, k, mask3, 2, 64, 4) | (_field(qh_row, k, mask3, 4, 32, 2) << 4)
@@ -290,6 +297,8 @@ class TritonQuantWeight:
         blocks = data.to(device).reshape(n, k // block_size, type_size)  # [N, B, type_size]
         if qtype in (Q.Q8_0, Q.Q4_0):
             return cls(qtype, (n, k), q=_codes(blocks, 2, type_size), d=_f16_field(blocks, 0))
+        if qtype == Q.Q5_0:
+            return cls(qtype, (n, k), q=_codes(blocks, 6, type_size), qh=_codes(blocks, 2, 6), d=_f16_field(blocks, 0))
         if qtype == Q.Q6_K:
             return cls(qtype, (n, k), q=_codes(blocks, 0, 128), qh=_codes(blocks, 128, 192),
                        sc=_codes(blocks, 192, 208).view(torch.int8), d=_f16_field(blocks, 208))

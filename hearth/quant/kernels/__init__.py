@@ -19,7 +19,7 @@ from hearth.native import build
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 Q = GGMLQuantizationType
-# the grid i-quants: the int8 kernels read them as nibble blocks (`grid_nibbles`)
+# the grid i-quants: the int8 kernels read them as nibble blocks of 4- or 3-bit codes (`grid_nibbles`)
 GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 
 
@@ -102,11 +102,12 @@ class Kernels:
 
     def grid_nibbles(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, int]:
         """Blocks [n, bytes_per_row] of a grid format (GRID_FORMATS) -> (nibble blocks uint8
-        [n, k / 256 * 148], their type for `int8_matmul` / `dequantize_rows`): the same weights
-        (formats.h's Nibbles), read as fast as Q4_K."""
+        [n, k / 256 * 148] with 4-bit codes (IQ3_*), [n, k / 256 * 116] with 3-bit ones (IQ2_*, IQ1_*),
+        their type for `int8_matmul` / `dequantize_rows`): the same weights (formats.h's Nibbles),
+        read about as fast as Q4_K."""
         self._check(torch.empty(0, k), w, qtype, n)
         nibble_type = self.module.nibble_type(int(qtype))
-        out = torch.empty(n, k // 256 * 148, dtype=torch.uint8)
+        out = torch.empty(n, k // 256 * self.module.block_bytes(nibble_type), dtype=torch.uint8)
         self.module.grid_nibbles(w.data_ptr(), out.data_ptr(), n, k, w.shape[1], int(qtype), torch.get_num_threads())
         return out, nibble_type
 

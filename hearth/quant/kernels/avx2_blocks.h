@@ -197,16 +197,27 @@ template <int QT> struct NibbleBlock {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 4)));
     sc.set(sc16);
     c16 = _mm256_mullo_epi16(sc16, _mm256_set1_epi16(Z));
-    table = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)Nibbles<QT>::values)),
-                            _mm256_set1_epi8(Z));
+    // 3-bit codes: the 8 values twice (an index's fourth bit is another code's)
+    const __m128i values = code_bits<QT>() == 4 ? _mm_loadu_si128((const __m128i*)Nibbles<QT>::values)
+                                                : _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)Nibbles<QT>::values),
+                                                                     _mm_loadl_epi64((const __m128i*)Nibbles<QT>::values));
+    table = _mm256_add_epi8(_mm256_broadcastsi128_si256(values), _mm256_set1_epi8(Z));
   }
   __m256i scales(int c) const { return sc.halves(c); }
-  __m256i codes(int c) const { return _mm256_shuffle_epi8(table, ScaleMinBlock::nibbles(b + 20, c)); }
+  __m256i codes(int c) const {
+    if (code_bits<QT>() == 4 || c < 6) return _mm256_shuffle_epi8(table, ScaleMinBlock::nibbles(b + 20, c));
+    // 3-bit codes of chunks 6 and 7 (formats.h's code3): bits 3 and 7 of the three rows gathered
+    // into bits 3, 2, 1 (chunk 6) and 7, 6, 5 (chunk 7); the shift leaves zeros in bits 3 and 7
+    const __m256i m = _mm256_set1_epi8((char)0x88);
+    const auto bits = [&](int row) { return _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(b + 20 + 32 * row)), m); };
+    const __m256i t = _mm256_or_si256(bits(0), _mm256_or_si256(_mm256_srli_epi16(bits(1), 1), _mm256_srli_epi16(bits(2), 2)));
+    return _mm256_shuffle_epi8(table, _mm256_srli_epi16(t, c == 6 ? 1 : 5));
+  }
 };
-template <> struct Block<NIB_IQ2> : NibbleBlock<NIB_IQ2> { using NibbleBlock::NibbleBlock; };
 template <> struct Block<NIB_IQ3_XXS> : NibbleBlock<NIB_IQ3_XXS> { using NibbleBlock::NibbleBlock; };
 template <> struct Block<NIB_IQ3_S> : NibbleBlock<NIB_IQ3_S> { using NibbleBlock::NibbleBlock; };
-template <> struct Block<NIB_IQ1> : NibbleBlock<NIB_IQ1> { using NibbleBlock::NibbleBlock; };
+template <> struct Block<NIB3_IQ2> : NibbleBlock<NIB3_IQ2> { using NibbleBlock::NibbleBlock; };
+template <> struct Block<NIB3_IQ1> : NibbleBlock<NIB3_IQ1> { using NibbleBlock::NibbleBlock; };
 
 // TQ2_0: the ternary codes as Q2_K lays them out, with no scales: a weight times an activation is
 // the activation, zero or its negative, which is what the integer sums add up (maddubs by codes

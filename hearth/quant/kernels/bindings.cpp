@@ -81,6 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_matmul_address", [] { return reinterpret_cast<uintptr_t>(&sparse_matmul); });
   m.def("dequantize_rows_address", [] { return reinterpret_cast<uintptr_t>(&dequantize_rows); });
   m.def("block_values", &block_values);
+  m.def("block_bytes", &block_bytes);
   m.def("set_grid", &set_grid, "a grid format's entries (int8 values), before any of its blocks is read");
   m.def("int8_paths", [] {
     py::dict paths;

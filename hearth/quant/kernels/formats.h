@@ -51,8 +51,9 @@ enum QType : int {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
   IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30, TQ2_0 = 35, MXFP4 = 39,
-  // hearth's own: the grid formats as 4-bit codes (grid_nibbles.cpp), one per set of grid values
-  NIB_IQ2 = 216, NIB_IQ3_XXS = 218, NIB_IQ1 = 219, NIB_IQ3_S = 221,
+  // hearth's own: the grid formats as 4-bit codes (grid_nibbles.cpp), one per set of grid values; the
+  // 6-value grids (IQ2_*, IQ1_*) as 3-bit codes
+  NIB_IQ3_XXS = 218, NIB_IQ3_S = 221, NIB3_IQ2 = 316, NIB3_IQ1 = 319,
 };
 
 // The codebook formats, read as signed codes like Q8_0's: a 4-bit index into 16 int8 values
@@ -65,7 +66,8 @@ template <int QT> constexpr bool codebook() { return QT == IQ4_NL || QT == IQ4_X
 template <int QT> constexpr bool grid_format() {
   return QT == IQ2_XXS || QT == IQ2_XS || QT == IQ2_S || QT == IQ3_XXS || QT == IQ3_S || QT == IQ1_S || QT == IQ1_M;
 }
-template <int QT> constexpr bool nibble_format() { return QT == NIB_IQ2 || QT == NIB_IQ3_XXS || QT == NIB_IQ1 || QT == NIB_IQ3_S; }
+template <int QT> constexpr bool nibble_format() { return QT == NIB_IQ3_XXS || QT == NIB_IQ3_S || QT == NIB3_IQ2 || QT == NIB3_IQ1; }
+template <int QT> constexpr int code_bits() { return QT == NIB3_IQ2 || QT == NIB3_IQ1 ? 3 : 4; }  // of a nibble format
 alignas(16) constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -136,11 +138,11 @@ template <> struct Fmt<IQ3_XXS> { static constexpr int BS = 256, BYTES = 98, S =
 template <> struct Fmt<IQ3_S> { static constexpr int BS = 256, BYTES = 110, S = 16, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ1_S> { static constexpr int BS = 256, BYTES = 50, S = 16, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<IQ1_M> { static constexpr int BS = 256, BYTES = 56, S = 16, Z = 128; static constexpr bool OFF = false; };
-// nibble blocks (grid_nibbles): d fp32 | scale int8[16] | qs[128] (below)
-template <> struct Fmt<NIB_IQ2> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
+// nibble blocks (grid_nibbles): d fp32 | scale int8[16] | 4-bit codes qs[128] or 3-bit hmask[32] qs[64] (below)
 template <> struct Fmt<NIB_IQ3_XXS> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
-template <> struct Fmt<NIB_IQ1> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
 template <> struct Fmt<NIB_IQ3_S> { static constexpr int BS = 256, BYTES = 148, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<NIB3_IQ2> { static constexpr int BS = 256, BYTES = 116, S = 16, Z = 128; static constexpr bool OFF = false; };
+template <> struct Fmt<NIB3_IQ1> { static constexpr int BS = 256, BYTES = 116, S = 16, Z = 128; static constexpr bool OFF = false; };
 // half arrays: 32 values taken as one "block"
 template <> struct Fmt<F16>  { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
 template <> struct Fmt<BF16> { static constexpr int BS = 32,  BYTES = 64,  S = 32, Z = 0;   static constexpr bool OFF = false; };
@@ -298,27 +300,38 @@ template <> void grid_block<IQ1_M>(const uint8_t* b, GridValues& g) {
   }
 }
 
-// The nibble blocks (NIB_*, grid_nibbles.cpp writes them): the grid formats' GridValues with each
-// v a 4-bit code into its grid's signed values (nibble_values; 6 or 16 of them):
-//   d fp32 | scale int8[16] (per 16 values) | qs[128]: value i of chunk c of 32 in byte 32 (c / 2) + i,
-//   the low nibble for an even c, the high one for an odd c (Q4_K's layout); w = d scale v.
+// The nibble blocks (NIB_*, NIB3_*, grid_nibbles.cpp writes them): the grid formats' GridValues with
+// each v a code into its grid's signed values (Nibbles<QT>::values; 6 or 16 of them); w = d scale v:
+//   4-bit codes (16 values): d fp32 | scale int8[16] (per 16 values) | qs[128]: value i of chunk c
+//     of 32 in byte 32 (c / 2) + i, the low nibble for an even c, the high one for an odd c (Q4_K's);
+//   3-bit codes (6 values): d fp32 | scale int8[16] | qs[96], three rows of 32 bytes: value i of chunk
+//     c < 6 at bits 4 (c % 2) .. 4 (c % 2) + 2 of byte i of row c / 2 (read as Q4_K's nibbles, their
+//     fourth bit ignored); of chunk 6 (7), bit j of the code at bit 3 (7) of byte i of row 2 - j.
 template <int QT> struct Nibbles;
-template <> struct Nibbles<NIB_IQ2> { static constexpr int8_t values[16] = {-43, -25, -8, 8, 25, 43}; };
+template <> struct Nibbles<NIB3_IQ2> { static constexpr int8_t values[16] = {-43, -25, -8, 8, 25, 43}; };
 template <> struct Nibbles<NIB_IQ3_XXS> {
   static constexpr int8_t values[16] = {-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62};
 };
 template <> struct Nibbles<NIB_IQ3_S> { static constexpr int8_t values[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15}; };
-template <> struct Nibbles<NIB_IQ1> { static constexpr int8_t values[16] = {-9, -7, -1, 1, 7, 9}; };
+template <> struct Nibbles<NIB3_IQ1> { static constexpr int8_t values[16] = {-9, -7, -1, 1, 7, 9}; };
 // the nibble format a grid format is rewritten to
 template <int QT> constexpr int nibble_type() {
-  return QT == IQ3_XXS ? NIB_IQ3_XXS : QT == IQ3_S ? NIB_IQ3_S : QT == IQ1_S || QT == IQ1_M ? NIB_IQ1 : NIB_IQ2;
+  return QT == IQ3_XXS ? NIB_IQ3_XXS : QT == IQ3_S ? NIB_IQ3_S : QT == IQ1_S || QT == IQ1_M ? NIB3_IQ1 : NIB3_IQ2;
+}
+inline int code3(const uint8_t* qs, int c, int i) {  // a 3-bit code (above)
+  if (c < 6) return (qs[32 * (c / 2) + i] >> (4 * (c % 2))) & 7;
+  const int at = c == 6 ? 3 : 7;
+  return ((qs[64 + i] >> at) & 1) | (((qs[32 + i] >> at) & 1) << 1) | (((qs[i] >> at) & 1) << 2);
 }
 template <int QT> void unpack_nibbles(const uint8_t* b, uint8_t* q, float* s) {
   float d;
   std::memcpy(&d, b, 4);
   for (int j = 0; j < 16; j++) s[j] = d * float(int8_t(b[4 + j]));
   for (int c = 0; c < 8; c++)
-    for (int i = 0; i < 32; i++) q[32 * c + i] = uint8_t(Nibbles<QT>::values[(b[20 + 32 * (c / 2) + i] >> (4 * (c % 2))) & 15] + 128);
+    for (int i = 0; i < 32; i++) {
+      const int code = code_bits<QT>() == 4 ? (b[20 + 32 * (c / 2) + i] >> (4 * (c % 2))) & 15 : code3(b + 20, c, i);
+      q[32 * c + i] = uint8_t(Nibbles<QT>::values[code] + 128);
+    }
 }
 template <int QT> void unpack_grid(const uint8_t* b, uint8_t* q, float* s) {
   if constexpr (nibble_format<QT>()) return unpack_nibbles<QT>(b, q, s);
@@ -336,10 +349,10 @@ template <> void unpack<IQ3_XXS>(const uint8_t* b, uint8_t* q, float* s, float*)
 template <> void unpack<IQ3_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ3_S>(b, q, s); }
 template <> void unpack<IQ1_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ1_S>(b, q, s); }
 template <> void unpack<IQ1_M>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<IQ1_M>(b, q, s); }
-template <> void unpack<NIB_IQ2>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ2>(b, q, s); }
 template <> void unpack<NIB_IQ3_XXS>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ3_XXS>(b, q, s); }
-template <> void unpack<NIB_IQ1>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ1>(b, q, s); }
 template <> void unpack<NIB_IQ3_S>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB_IQ3_S>(b, q, s); }
+template <> void unpack<NIB3_IQ2>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB3_IQ2>(b, q, s); }
+template <> void unpack<NIB3_IQ1>(const uint8_t* b, uint8_t* q, float* s, float*) { unpack_grid<NIB3_IQ1>(b, q, s); }
 
 // Q2_K: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16.
 // value 128h + 32s + l = (qs[32h + l] >> 2s) & 3; sub-blocks of 16
@@ -448,10 +461,10 @@ inline void decode(const uint8_t* b, float* w) {
     case IQ3_S: { constexpr int QT = IQ3_S; __VA_ARGS__; break; }             \
     case IQ1_S: { constexpr int QT = IQ1_S; __VA_ARGS__; break; }             \
     case IQ1_M: { constexpr int QT = IQ1_M; __VA_ARGS__; break; }             \
-    case NIB_IQ2: { constexpr int QT = NIB_IQ2; __VA_ARGS__; break; }         \
     case NIB_IQ3_XXS: { constexpr int QT = NIB_IQ3_XXS; __VA_ARGS__; break; } \
-    case NIB_IQ1: { constexpr int QT = NIB_IQ1; __VA_ARGS__; break; }         \
     case NIB_IQ3_S: { constexpr int QT = NIB_IQ3_S; __VA_ARGS__; break; }     \
+    case NIB3_IQ2: { constexpr int QT = NIB3_IQ2; __VA_ARGS__; break; }       \
+    case NIB3_IQ1: { constexpr int QT = NIB3_IQ1; __VA_ARGS__; break; }       \
     default: throw std::invalid_argument("hearth qmatmul: unsupported type " + std::to_string(qtype)); \
   }
 
@@ -460,6 +473,11 @@ int64_t block_values(int qtype) {
   if (qtype == F16 || qtype == BF16) return 1;
   HEARTH_DISPATCH(qtype, bs = Fmt<QT>::BS);
   return bs;
+}
+int64_t block_bytes(int qtype) {  // of a block format's block (block_values of them)
+  int64_t bytes = 0;
+  HEARTH_DISPATCH(qtype, bytes = Fmt<QT>::BYTES);
+  return bytes;
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 // The grid formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) rewritten once at load
 // into nibble blocks (formats.h's Nibbles), which the int8 kernels read as they read Q4_K: each
-// grid's signed values number at most 16, so a value is a 4-bit code, and the block keeps the same
-// d, scales and values (lossless: w = d scale v as gguf dequantizes it). In place, a block's 4 or
-// 8 grid entries per 32 values were loaded one by one, 3-5x Q4_K's time per matrix; the nibble
-// blocks cost 148 bytes per 256 values (IQ2_XXS's 66, IQ3_S's 110: more bytes, read faster).
+// grid's signed values number at most 16, so a value is a 4-bit code (IQ2_* and IQ1_*: 6 values, a
+// 3-bit code), and the block keeps the same d, scales and values (lossless: w = d scale v as gguf
+// dequantizes it). In place, a block's 4 or 8 grid entries per 32 values were loaded one by one,
+// 3-5x Q4_K's time per matrix; the nibble blocks cost 148 bytes per 256 values with 4-bit codes, 116
+// with 3-bit ones (IQ2_XXS's file 66, IQ3_S's 110: more bytes, read faster).
 #include "qmatmul.h"
 
 namespace hearth {
@@ -22,12 +23,19 @@ template <int QT>
 void nibble_block(const uint8_t* b, uint8_t* out, const NibbleCodes<nibble_type<QT>()>& codes) {
   GridValues g;
   grid_block<QT>(b, g);
+  constexpr int NT = nibble_type<QT>();
   std::memcpy(out, &g.d, 4);
   std::memcpy(out + 4, g.scale, 16);
-  uint8_t* qs = out + 20;
-  std::memset(qs, 0, 128);
+  std::memset(out + 20, 0, Fmt<NT>::BYTES - 20);
   for (int c = 0; c < 8; c++)
-    for (int i = 0; i < 32; i++) qs[32 * (c / 2) + i] |= uint8_t(codes.of[uint8_t(g.v[32 * c + i])] << (4 * (c % 2)));
+    for (int i = 0; i < 32; i++) {
+      const int code = codes.of[uint8_t(g.v[32 * c + i])];
+      if (code_bits<NT>() == 4 || c < 6) {
+        out[20 + 32 * (c / 2) + i] |= uint8_t(code << (4 * (c % 2)));
+      } else {  // 3-bit codes of chunks 6 and 7: a bit in each row (formats.h's code3)
+        for (int j = 0; j < 3; j++) out[20 + 32 * (2 - j) + i] |= uint8_t(((code >> j) & 1) << (c == 6 ? 3 : 7));
+      }
+    }
 }
 
 }  // namespace
