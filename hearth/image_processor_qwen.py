@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hearth.errors import ModelLoadError, RequestError
-from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, to_rgb
+from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, request_options, to_rgb
 from hearth.vision_config import QwenVisionConfig
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -62,6 +62,11 @@ class QwenImageProcessor:
                                  f"{made.min_pixels} to {made.max_pixels}) do not fit the vision encoder's "
                                  f"{(made.patch, made.merge, made.temporal)}")
         return made
+
+    def with_options(self, options: dict[str, Any]) -> QwenImageProcessor:
+        """Itself, for a request's mm_processor_kwargs: it takes none (RequestError naming what is given)."""
+        request_options(options, (), "Qwen3-VL")
+        return self
 
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its patches [n, 3 * temporal * patch * patch] and token grid; RequestError for

@@ -65,10 +65,12 @@ def two_images(vlm):
     return images, *_reference(vlm, TWO, images)
 
 
-def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
-    """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one)."""
+def _hearth_logits(engine, text: str, images: list, cut: int | None = None, settings: dict | None = None
+                   ) -> tuple[list[int], torch.Tensor]:
+    """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one; the images made with
+    the processor `settings`, a request's mm_processor_kwargs)."""
     vision = engine.model_config.vision
-    expanded = engine.prompt_with_images(text, {"image": images})
+    expanded = engine.prompt_with_images(text, {"image": images}, settings)
     ids = expanded.token_ids
     request = Request("logits", ids, images=expanded.images)
     assert engine.block_manager.allocate_slots(request, len(ids))
@@ -91,9 +93,10 @@ def _image_runs(marks: np.ndarray) -> list[tuple[int, int]]:
     return [(int(run[0]), int(run[-1]) + 1) for run in np.split(marked, np.flatnonzero(np.diff(marked) > 1) + 1)]
 
 
-def _logits_match(engine, text: str, images: list, inputs, ref_logits: torch.Tensor, cut: int | None = None) -> list[int]:
+def _logits_match(engine, text: str, images: list, inputs, ref_logits: torch.Tensor, cut: int | None = None,
+                  settings: dict | None = None) -> list[int]:
     """hearth's prompt ids (returned) are the processor's, its logits transformers' within 1e-4 (fp32)."""
-    ids, logits = _hearth_logits(engine, text, images, cut)
+    ids, logits = _hearth_logits(engine, text, images, cut, settings)
     assert ids == inputs["input_ids"][0].tolist()
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     return ids

@@ -11,7 +11,8 @@ before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
 num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
 
-The encoder cache keeps each image's embeddings by its content hash, least recently used first out
+The encoder cache keeps each image's embeddings by its content hash (of its pixels, and of the processor's settings
+a request may change: the same image made another way is another entry), least recently used first out
 past `max_rows` rows: an image seen again (in this prompt, another request, or the next chunk of
 this one) is not encoded again. It is only a cache: a miss encodes.
 """
@@ -67,13 +68,19 @@ class PromptWithImages:
 
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
                   processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None,
-                  tokenizer: Tokenizer, image_token_id: int | None) -> PromptWithImages | None:
-    """A prompt with images (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
-    engine's own encoding (processor None: a text model, which the engine lets no images reach).
-    RequestError for markers and images that do not pair up, token ids that hold placeholders. Reads
-    no engine state (the AsyncEngine runs it off the engine's thread)."""
+                  tokenizer: Tokenizer, image_token_id: int | None,
+                  mm_processor_kwargs: dict[str, Any] | None = None) -> PromptWithImages | None:
+    """A prompt with images (multi_modal_data, vLLM's) expanded, made by the processor with mm_processor_kwargs'
+    settings (vLLM's: Gemma 3's do_pan_and_scan, ...); None for a prompt without, for the engine's own encoding
+    (processor None: a text model, which the engine lets no images reach). RequestError for markers and images
+    that do not pair up, token ids that hold placeholders, settings the processor does not take. Reads no engine
+    state (the AsyncEngine runs it off the engine's thread)."""
     if processor is None:
+        if mm_processor_kwargs:
+            raise RequestError("mm_processor_kwargs: this model has no image processor (no vision encoder)")
         return None
+    if mm_processor_kwargs is not None:
+        processor = processor.with_options(mm_processor_kwargs)
     images = images_of(multi_modal_data)
     marker = processor.marker
     if not isinstance(prompt, str):

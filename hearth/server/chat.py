@@ -130,12 +130,15 @@ class ChatPrompt:
     images: list[Image.Image]  # decoded, in the order of the conversation's image parts
     calling: ToolCalling | None
     expanded: PromptWithImages | None = None  # with images, after with_image_tokens: what the engine runs
+    mm_processor_kwargs: dict[str, Any] | None = None  # the request's image processor settings (vLLM's)
 
-    def with_images(self, s: ServedModel) -> tuple[str, dict[str, list]] | None:
-        """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images (None: without)."""
-        if not self.images:
+    def with_images(self, s: ServedModel) -> tuple[str, dict[str, list] | None, dict[str, Any] | None] | None:
+        """The text, multi_modal_data and mm_processor_kwargs AsyncEngine.prompt_with_images gets for a prompt with
+        images or settings for them (None: neither; settings without images: only checked)."""
+        if not self.images and self.mm_processor_kwargs is None:
             return None
-        return s.tokenizer.chat_prompt_text(self.text), {"image": self.images}
+        images = {"image": self.images} if self.images else None
+        return s.tokenizer.chat_prompt_text(self.text), images, self.mm_processor_kwargs
 
 
 async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
@@ -146,6 +149,8 @@ async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
     if request is None:
         return prompt
     expanded = await s.engine.prompt_with_images(*request)
+    if expanded is None:
+        return prompt
     return dataclasses.replace(prompt, ids=expanded.token_ids, expanded=expanded)
 
 
@@ -165,7 +170,7 @@ async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    return ChatPrompt(body.truncate(ids), text, images, calling)
+    return ChatPrompt(body.truncate(ids), text, images, calling, mm_processor_kwargs=body.mm_processor_kwargs)
 
 
 @dataclass
