@@ -140,22 +140,26 @@ def test_what_is_refused(qwen):
     assert not qwen[3].engine.has_unfinished_requests()
 
 
-def test_qwen3_5_with_its_vision_tower(tmp_path):
-    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
-    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
-    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
-    first image, and greedy tokens, against transformers."""
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
     import transformers
 
     from hearth import LLM
 
-    folder = make_qwen_vl(tmp_path, family="qwen3_5")
-    processor = qwen_vl_processor(folder)
+    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5")
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), progress=False)
+    return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
+
+
+def test_qwen3_5_with_its_vision_tower(qwen3_5):
+    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
+    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
+    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
+    first image, and greedy tokens, against transformers."""
+    reference, llm = qwen3_5[2], qwen3_5[3]
     assert llm.engine.model_config.vision.deepstack_layers == ()
     images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
-    inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), TWO, images)
+    inputs, ref_logits, ref_tokens = _reference(qwen3_5, TWO, images)
     expanded = llm.engine.prompt_with_images(TWO, {"image": images})
     assert expanded.token_ids == inputs["input_ids"][0].tolist()
     positions, _ = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
@@ -165,3 +169,14 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+
+
+def test_qwen3_5_images_on_the_gpu_backend(qwen3_5):
+    """The gpu backend (its Triton kernels interpreted on the CPU without a GPU): Qwen3.5's hybrid layers, M-RoPE
+    over half of each attention head, one small image (2 x 2 tokens): logits of every position within 1e-4 of
+    transformers'."""
+    from test_vision_gemma import gpu_logits_match
+
+    images = [_image(*IMAGES[2])]
+    inputs, ref_logits, _ = _reference(qwen3_5, ONE, images)
+    gpu_logits_match(qwen3_5[0], ONE, images, inputs, ref_logits)
