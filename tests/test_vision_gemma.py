@@ -212,9 +212,10 @@ def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
     whole and crops pixel for pixel as Gemma3ImageProcessorPil cuts them (a wide image in 3, a tall one in 3, one in
     2, a near-square one and a short wide one (crops under 64 pixels) in none), Gemma3Processor's sentence around
     them token for token, each whole image's and crop's tokens one block both ways (token_type_ids' runs); with
-    two images, crops among them, transformers' logits within 1e-4 (whole and cut at the second crop's start) and
-    greedy tokens. The same images without pan and scan are other entries of the encoder cache (even the one whose
-    pixels and tokens do not change) and no prefix-cache hit; with it again, hits."""
+    two images, crops among them, transformers' logits within 1e-4 (whole and cut at the second crop's start); with
+    one, its greedy tokens. An image that pan and scan leaves whole (its pixels and tokens the same either way) is
+    another entry of the encoder cache and no prefix-cache hit with pan and scan than without; with it again, both
+    hit."""
     import functools
 
     from hearth.image_processor_gemma import GemmaImageProcessor
@@ -239,17 +240,18 @@ def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
     expanded = engine.prompt_with_images(text, {"image": images}, PAN_AND_SCAN)
     assert expanded.token_ids == inputs["input_ids"][0].tolist()
     assert [run for s in expanded.images for run in s.blocks()] == _image_runs(inputs["token_type_ids"][0].numpy())
-    two = [images[0], images[3]]
-    inputs, ref_logits, ref_tokens = _reference(reference, TWO, two)
-    cache, blocks = engine.runner.encoder_cache, engine.block_manager
-    misses, hits = cache.misses, blocks.prefix_cache_hits
-    for settings, new_images in ((None, 2), (PAN_AND_SCAN, 2), (PAN_AND_SCAN, 0)):
-        out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": two}, "mm_processor_kwargs": settings},
-                           GREEDY, use_tqdm=False)
-        assert cache.misses - misses == new_images
-        assert (blocks.prefix_cache_hits > hits) == (new_images == 0)
+    square, cache = [images[3]], engine.runner.encoder_cache  # (no crops: its pixels and tokens the same either way)
+    start = engine.prompt_with_images(ONE, {"image": square}).images[0].start
+    ref_tokens = _reference(reference, ONE, square)[2]
+    for settings, encoded in ((None, 1), (PAN_AND_SCAN, 1), (PAN_AND_SCAN, 0)):
         misses = cache.misses
-    assert out[0].outputs[0].token_ids == ref_tokens
+        out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": square}, "mm_processor_kwargs": settings},
+                           GREEDY, use_tqdm=False)
+        assert cache.misses - misses == encoded
+        assert (out[0].num_cached_tokens > start) == (encoded == 0)  # (a prefix-cache hit into the image or not)
+        assert out[0].outputs[0].token_ids == ref_tokens
+    two = [images[0], images[3]]
+    inputs, ref_logits, _ = _reference(reference, TWO, two)
     ids = _logits_match(engine, TWO, two, inputs, ref_logits, settings=PAN_AND_SCAN)
     expanded = engine.prompt_with_images(TWO, {"image": two}, PAN_AND_SCAN)
     second_crop = expanded.images[0].runs[2][0] - expanded.images[0].start + ids.index(
