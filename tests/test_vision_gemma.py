@@ -201,8 +201,8 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
         "model.multi_modal_projector.mm_input_projection_weight"]
 
 
-# pan and scan's settings (crops of 64 pixels or more, at most 3), given to transformers' processor too (Gemma3Processor's
-# call defaults switch it off whatever the image processor's settings say)
+# pan and scan's settings (crops of 64 pixels or more, at most 3), given to transformers' processor too
+# (Gemma3Processor's call defaults switch it off whatever the image processor's settings say)
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
