@@ -12,6 +12,7 @@ one frame twice). No torch here: the engine's runner makes tensors.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,18 @@ class QwenImageProcessor:
         return made
 
     def with_options(self, options: dict[str, Any]) -> QwenImageProcessor:
-        """Itself, for a request's mm_processor_kwargs: it takes none (RequestError naming what is given)."""
-        request_options(options, (), "Qwen3-VL")
-        return self
+        """This processor with a request's mm_processor_kwargs (min_pixels, max_pixels: an image's area bounds, as
+        vLLM's Qwen-VL requests give them), within this one's max_pixels (a request may ask for smaller images, not
+        larger); RequestError naming a key it does not take or a bound out of range."""
+        request_options(options, ("min_pixels", "max_pixels"), "Qwen3-VL")
+        least, most = options.get("min_pixels", self.min_pixels), options.get("max_pixels", self.max_pixels)
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in (least, most)) \
+                or not 0 < least <= most <= self.max_pixels:
+            raise RequestError(f"mm_processor_kwargs: min_pixels {least!r} and max_pixels {most!r}: expected whole "
+                               f"numbers, 0 < min_pixels <= max_pixels <= {self.max_pixels:,} (the model's)")
+        made = copy.copy(self)
+        made.min_pixels, made.max_pixels = least, most
+        return made
 
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its patches [n, 3 * temporal * patch * patch] and token grid; RequestError for
@@ -87,7 +97,8 @@ class QwenImageProcessor:
         blocks = pixels.reshape(3, rows // m, m, p, cols // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
         patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], self.temporal, p, p))
         grid = (rows // m, cols // m)
-        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), *grid, content_hash(rgb),
+        digest = content_hash(rgb, f"pixels={self.min_pixels},{self.max_pixels}")
+        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), *grid, digest,
                               grid[0] * grid[1], grid)
 
     def smart_resize(self, height: int, width: int) -> tuple[int, int]:

@@ -70,6 +70,36 @@ def test_pixels_grids_token_ids_and_positions_are_transformers(qwen):
     assert model_info(qwen[0])["vision"]["deepstack_layers"] == [0, 2]  # hearth inspect's line
 
 
+PIXELS = {"min_pixels": 64 * 64, "max_pixels": 160 * 160}  # (the folder's: 32 x 32 to 320 x 320)
+
+
+def test_pixel_bounds_per_request(qwen):
+    """mm_processor_kwargs' min_pixels and max_pixels (vLLM's for Qwen-VL) in place of the folder's: every image's
+    patches, grid and the prompt's ids as transformers' processor makes them with those bounds (one image upscaled
+    more, one downscaled more), each image another cache key than without them; bounds past the model's
+    max_pixels, or a key Qwen's processor does not take, refused by name."""
+    _, processor, _, llm = qwen
+    engine = llm.engine
+    images = [_image(*spec) for spec in IMAGES]
+    text = f"a{IMAGE}b{IMAGE}{IMAGE} c{IMAGE}."
+    inputs = processor(text=[text], images=images, return_tensors="pt",  # (transformers' name for them: size)
+                       size={"shortest_edge": PIXELS["min_pixels"], "longest_edge": PIXELS["max_pixels"]})
+    mine = [engine.image_processor.with_options(PIXELS).process(image) for image in images]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    assert [[1, 2 * m.grid[0], 2 * m.grid[1]] for m in mine] == inputs["image_grid_thw"].tolist()
+    expanded = engine.prompt_with_images(text, {"image": images}, PIXELS)
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    plain = engine.prompt_with_images(text, {"image": images})
+    assert not {s.content_hash for s in expanded.images} & {s.content_hash for s in plain.images}
+    for settings, message in (({"max_pixels": 640 * 640}, r"max_pixels <= 102,400 \(the model's\)"),
+                              ({"min_pixels": 0}, "min_pixels 0 and max_pixels 102400"),
+                              ({"size": {"longest_edge": 100}}, r"'size' is not a setting of Qwen3-VL's image processor "
+                                                                r"\(it takes min_pixels, max_pixels\)")):
+        with pytest.raises(RequestError, match=message):
+            engine.add_request(None, ONE, GREEDY, multi_modal_data={"image": images[:1]}, mm_processor_kwargs=settings)
+    assert not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("text, which", [(ONE, (0,)), (TWO, (1, 0))], ids=["one-image", "two-images"])
 def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
     """fp32 logits of every position within 1e-4, whole and in two chunks cut inside the first image
