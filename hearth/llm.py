@@ -114,25 +114,32 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (and the
         LoRA adapter of lora_request: see generate). A message's content may hold images among its parts
         for an image-text model, as vLLM's LLM.chat takes them (hearth/chat_images.py: `image_url` parts
-        with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path)."""
+        with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path), made
+        with mm_processor_kwargs' settings (see generate's prompt dicts)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, mm_processor_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> Prompt:
         """A conversation's prompt for generate: its token ids through the chat template, or with images
-        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images."""
+        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images; with
+        mm_processor_kwargs, a prompt dict that holds them too (checked by the engine even without images)."""
         messages, images = conversation_images(conversation)
+        settings = {} if mm_processor_kwargs is None else {"mm_processor_kwargs": mm_processor_kwargs}
         if not images:
-            return self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            ids = self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            return {"prompt_token_ids": ids, **settings} if settings else ids
         tokenizer = self.engine.tokenizer
         text = tokenizer.chat_text(messages, add_generation_prompt, **(chat_template_kwargs or {}))
-        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}}
+        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}, **settings}
 
     def render_chat(
         self,

@@ -405,7 +405,8 @@ def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
 def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
     """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
     the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
-    tokens; a part of another kind and a remote URL are refused. `hearth chat --mmproj` with /image: the
+    tokens; a part of another kind, a remote URL and image processor settings SmolVLM's does not take per request
+    (mm_processor_kwargs, with or without images) are refused. `hearth chat --mmproj` with /image: the
     processor's count of prompt tokens, and LLM.chat's reply."""
     import base64
     import io
@@ -430,6 +431,11 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
                           ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
         with pytest.raises(RequestError, match=message):
             llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
+    for content in ("Hello", [{"type": "image_pil", "image_pil": images[1]}]):  # (vLLM's LLM.chat keyword)
+        with pytest.raises(RequestError, match=r"'do_image_splitting' is not a setting of SmolVLM / Idefics3's image "
+                                               r"processor \(it takes none per request\)"):
+            llm.chat([{"role": "user", "content": content}], GREEDY, mm_processor_kwargs={"do_image_splitting": False})
+    assert not llm.engine.has_unfinished_requests()
 
     images[0].save(tmp_path / "a.png")
     (tmp_path / "parts.jinja").write_text(IMAGE_PARTS_TEMPLATE)
