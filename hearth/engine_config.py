@@ -364,6 +364,11 @@ class EngineConfig:
     mmproj: str | None = option(
         None, metavar="FILE", help="llama.cpp's mmproj GGUF: the vision projector of a GGUF text model (SmolVLM / "
                                    "Idefics3, Gemma 3, Gemma 4), as llama-server's --mmproj")
+    image_max_tokens: int | None = option(
+        None, metavar="N", help="Gemma 4: the most tokens an image becomes (its processor's max_soft_tokens: 70, 140, "
+                                "280, 560 or 1120; default: the folder's processor settings, 280 for an mmproj file), "
+                                "as llama-server's --image-max-tokens; a request's mm_processor_kwargs may set "
+                                "max_soft_tokens too")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     cascade: CascadeConfig = section(CascadeConfig, "cascade")
@@ -397,6 +402,8 @@ class EngineConfig:
               "tensor or pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
         self.mmproj = None if self.mmproj is None else str(self.mmproj)
+        _need(self.image_max_tokens is None or (isinstance(self.image_max_tokens, int) and self.image_max_tokens > 0),
+              f"image_max_tokens must be a positive number of tokens, got {self.image_max_tokens!r}")
         if self.calm_exit_layers is not None:
             layers = self.calm_exit_layers
             layers = tuple(_layer_counts(layers) if isinstance(layers, str) else layers)

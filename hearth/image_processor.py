@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,29 @@ class ProcessedImage:
     pixel_values: np.ndarray
     rows: int  # tiles down and across (0, 0: the image is one tile, no global image); Qwen3-VL's: its token grid
     cols: int
-    content_hash: bytes  # the image's own pixels and size (not the processed ones): the caches' key
+    content_hash: bytes  # the image's own pixels and size and the processor's settings that vary: the caches' key
     num_embeds: int  # the text-model rows the encoder makes of it
     grid: tuple[int, int] | None = None  # M-RoPE's grid of those rows (ImageSpan.grid); None: no M-RoPE
 
 
-def content_hash(rgb) -> bytes:
-    """16 bytes of an RGB PIL image's pixels and size."""
-    return hashlib.blake2b(f"{rgb.size}".encode() + rgb.tobytes(), digest_size=16).digest()
+def content_hash(rgb, settings: str = "") -> bytes:
+    """16 bytes of an RGB PIL image's pixels and size, and `settings`: those of the processor's settings that a
+    request may change (mm_processor_kwargs), so that the same image made another way is another cache entry."""
+    return hashlib.blake2b(f"{rgb.size}|{settings}|".encode() + rgb.tobytes(), digest_size=16).digest()
+
+
+def request_options(options: Any, accepted: Sequence[str], family: str) -> dict[str, Any]:
+    """A request's mm_processor_kwargs (vLLM's: the image processor's settings for this request's images), checked:
+    RequestError naming each key that `family`'s processor does not take from a request."""
+    if not isinstance(options, dict):
+        raise RequestError(f"mm_processor_kwargs is an object of image processor settings, not "
+                           f"{type(options).__name__}")
+    unknown = [str(key) for key in options if key not in accepted]
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes none per request"
+        raise RequestError(f"mm_processor_kwargs: {', '.join(map(repr, unknown))} is not a setting of {family}'s image "
+                           f"processor ({takes})")
+    return options
 
 
 def normalise(pixels: np.ndarray, rescale_factor: float, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
@@ -82,6 +98,11 @@ class ImageProcessor:
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelLoadError(f"{folder}: malformed image processor settings: {e}") from None
         return made.checked(folder)
+
+    def with_options(self, options: dict[str, Any]) -> ImageProcessor:
+        """Itself, for a request's mm_processor_kwargs: it takes none (RequestError naming what is given)."""
+        request_options(options, (), "SmolVLM / Idefics3")
+        return self
 
     def checked(self, where: object) -> ImageProcessor:
         """Itself, or ModelLoadError (naming `where`) where its settings do not fit its vision encoder."""

@@ -13,6 +13,7 @@ image's soft tokens (its patches / pooling_kernel_size^2) and <image|>. No torch
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hearth.errors import ModelLoadError, RequestError
-from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, to_rgb
+from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, request_options, to_rgb
 from hearth.vision_config import Gemma4VisionConfig
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -36,15 +37,13 @@ class Gemma4ImageProcessor:
     def __init__(self, vision: Gemma4VisionConfig, max_soft_tokens: int = 280, rescale_factor: float = 1 / 255,
                  resample: int = _BICUBIC, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None):
         self.patch, self.pool = vision.patch_size, vision.pooling_kernel_size
+        self.positions = vision.position_embedding_size
         self.max_soft_tokens, self.rescale_factor, self.resample = max_soft_tokens, rescale_factor, resample
         self.mean = None if mean is None else np.array(mean, dtype=np.float32)
         self.std = None if std is None else np.array(std, dtype=np.float32)
-        if max_soft_tokens not in SOFT_TOKENS:
-            raise ModelLoadError(f"max_soft_tokens = {max_soft_tokens}: transformers' Gemma 4 processor takes "
-                                 f"{', '.join(map(str, SOFT_TOKENS))}")
-        if max_soft_tokens * self.pool > vision.position_embedding_size:  # (an image's longest side, in patches)
-            raise ModelLoadError(f"max_soft_tokens = {max_soft_tokens}: an image {max_soft_tokens * self.pool} patches "
-                                 f"long would pass the encoder's {vision.position_embedding_size} positions")
+        problem = self.budget_problem(max_soft_tokens)
+        if problem:
+            raise ModelLoadError(problem)
         if self.std is not None and (self.mean.shape != (3,) or self.std.shape != (3,) or not np.all(self.std > 0)):
             raise ModelLoadError(f"image_mean {self.mean.tolist()}, image_std {self.std.tolist()}: expected three "
                                  "values each, the stds positive")
@@ -75,6 +74,28 @@ class Gemma4ImageProcessor:
                                  f"fit the vision encoder's {(made.patch, made.pool)}")
         return made
 
+    def budget_problem(self, max_soft_tokens: Any) -> str | None:
+        """Why an image token budget cannot be this encoder's (None: it can)."""
+        if max_soft_tokens not in SOFT_TOKENS or isinstance(max_soft_tokens, bool):
+            return (f"max_soft_tokens = {max_soft_tokens!r}: transformers' Gemma 4 processor takes "
+                    f"{', '.join(map(str, SOFT_TOKENS))}")
+        if max_soft_tokens * self.pool > self.positions:  # (an image's longest side, in patches)
+            return (f"max_soft_tokens = {max_soft_tokens}: an image {max_soft_tokens * self.pool} patches long would "
+                    f"pass the encoder's {self.positions} positions")
+        return None
+
+    def with_options(self, options: dict[str, Any]) -> Gemma4ImageProcessor:
+        """This processor with a request's mm_processor_kwargs (max_soft_tokens, as Gemma4ImageProcessor takes it);
+        RequestError naming a key it does not take or a budget it cannot."""
+        request_options(options, ("max_soft_tokens",), "Gemma 4")
+        tokens = options.get("max_soft_tokens", self.max_soft_tokens)
+        problem = self.budget_problem(tokens)
+        if problem:
+            raise RequestError(f"mm_processor_kwargs: {problem}")
+        made = copy.copy(self)
+        made.max_soft_tokens = tokens
+        return made
+
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its patches float32 [rows, cols, patch * patch * 3] and its soft tokens; RequestError
         for anything else."""
@@ -96,7 +117,8 @@ class Gemma4ImageProcessor:
         rows, cols = target[0] // p, target[1] // p
         patches = pixels.reshape(3, rows, p, cols, p).transpose(1, 3, 2, 4, 0).reshape(rows, cols, -1)
         grid = (rows // self.pool, cols // self.pool)
-        return ProcessedImage(np.ascontiguousarray(patches), *grid, content_hash(rgb), grid[0] * grid[1])
+        digest = content_hash(rgb, f"max_soft_tokens={self.max_soft_tokens}")
+        return ProcessedImage(np.ascontiguousarray(patches), *grid, digest, grid[0] * grid[1])
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """The size an image is resized to (transformers' get_aspect_ratio_preserving_size)."""

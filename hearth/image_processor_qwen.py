@@ -12,6 +12,7 @@ one frame twice). No torch here: the engine's runner makes tensors.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hearth.errors import ModelLoadError, RequestError
-from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, to_rgb
+from hearth.image_processor import ProcessedImage, content_hash, normalise, read_optional, request_options, to_rgb
 from hearth.vision_config import QwenVisionConfig
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -63,6 +64,20 @@ class QwenImageProcessor:
                                  f"{(made.patch, made.merge, made.temporal)}")
         return made
 
+    def with_options(self, options: dict[str, Any]) -> QwenImageProcessor:
+        """This processor with a request's mm_processor_kwargs (min_pixels, max_pixels: an image's area bounds, as
+        vLLM's Qwen-VL requests give them), within this one's max_pixels (a request may ask for smaller images, not
+        larger); RequestError naming a key it does not take or a bound out of range."""
+        request_options(options, ("min_pixels", "max_pixels"), "Qwen3-VL")
+        least, most = options.get("min_pixels", self.min_pixels), options.get("max_pixels", self.max_pixels)
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in (least, most)) \
+                or not 0 < least <= most <= self.max_pixels:
+            raise RequestError(f"mm_processor_kwargs: min_pixels {least!r} and max_pixels {most!r}: expected whole "
+                               f"numbers, 0 < min_pixels <= max_pixels <= {self.max_pixels:,} (the model's)")
+        made = copy.copy(self)
+        made.min_pixels, made.max_pixels = least, most
+        return made
+
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its patches [n, 3 * temporal * patch * patch] and token grid; RequestError for
         anything else."""
@@ -82,7 +97,8 @@ class QwenImageProcessor:
         blocks = pixels.reshape(3, rows // m, m, p, cols // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
         patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], self.temporal, p, p))
         grid = (rows // m, cols // m)
-        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), *grid, content_hash(rgb),
+        digest = content_hash(rgb, f"pixels={self.min_pixels},{self.max_pixels}")
+        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), *grid, digest,
                               grid[0] * grid[1], grid)
 
     def smart_resize(self, height: int, width: int) -> tuple[int, int]:

@@ -18,8 +18,10 @@ from hearth.outputs import RequestOutput
 from hearth.sampling_params import BeamSearchParams, SamplingParams
 
 # text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}, either with
-# "multi_modal_data": {"image": [PIL images]} (an image-text model's; the text names each image with <image>)
+# "multi_modal_data": {"image": [PIL images]} (an image-text model's; the text names each image with <image>) and
+# "mm_processor_kwargs": the image processor's settings for them (Gemma 3's {"do_pan_and_scan": True}, ...)
 Prompt = str | list[int] | dict[str, Any]
+_PROMPT_EXTRAS = ("multi_modal_data", "mm_processor_kwargs")
 Conversation = list[dict[str, Any]]
 
 
@@ -63,8 +65,9 @@ class LLM:
             raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for (prompt, images), p, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora, multi_modal_data=images))
+            for (prompt, images, settings), p, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora, multi_modal_data=images,
+                                                   mm_processor_kwargs=settings))
         except RequestError:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -82,8 +85,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (cumulative text)."""
-        prompt, images = _unwrapped(prompt)
-        request_id = self.engine.add_request(None, prompt, sampling_params, multi_modal_data=images)
+        prompt, images, settings = _unwrapped(prompt)
+        request_id = self.engine.add_request(None, prompt, sampling_params, multi_modal_data=images,
+                                             mm_processor_kwargs=settings)
         try:
             while True:
                 for output in self.engine.step():
@@ -97,9 +101,9 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """The `beam_width` best continuations of each prompt (see hearth/engine/beam_search.py)."""
         prompts = _as_list(prompts)
-        if any(images is not None for _, images in prompts):
+        if any(images is not None for _, images, _ in prompts):
             raise RequestError("beam search with images (multi_modal_data) is not implemented by hearth")
-        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p, _ in prompts]
+        prompt_ids = [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p, _, _ in prompts]
         return beam_search(self.engine, prompt_ids, params)
 
     def chat(
@@ -110,25 +114,32 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (and the
         LoRA adapter of lora_request: see generate). A message's content may hold images among its parts
         for an image-text model, as vLLM's LLM.chat takes them (hearth/chat_images.py: `image_url` parts
-        with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path)."""
+        with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path), made
+        with mm_processor_kwargs' settings (see generate's prompt dicts)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, mm_processor_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> Prompt:
         """A conversation's prompt for generate: its token ids through the chat template, or with images
-        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images."""
+        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images; with
+        mm_processor_kwargs, a prompt dict that holds them too (checked by the engine even without images)."""
         messages, images = conversation_images(conversation)
+        settings = {} if mm_processor_kwargs is None else {"mm_processor_kwargs": mm_processor_kwargs}
         if not images:
-            return self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            ids = self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            return {"prompt_token_ids": ids, **settings} if settings else ids
         tokenizer = self.engine.tokenizer
         text = tokenizer.chat_text(messages, add_generation_prompt, **(chat_template_kwargs or {}))
-        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}}
+        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}, **settings}
 
     def render_chat(
         self,
@@ -140,28 +151,29 @@ class LLM:
         return self.engine.tokenizer.encode_chat(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
 
-def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], dict | None]]:
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], dict | None, dict | None]]:
     if isinstance(prompts, (str, dict)):
         return [_unwrapped(prompts)]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):
-        return [(prompts, None)]  # one prompt given as token ids
+        return [(prompts, None, None)]  # one prompt given as token ids
     return [_unwrapped(p) for p in prompts]
 
 
-def _unwrapped(prompt: Prompt) -> tuple[str | list[int], dict | None]:
-    """vLLM's prompt dicts as the text or token ids they hold and their multi_modal_data; other
-    prompts as they are, without."""
+def _unwrapped(prompt: Prompt) -> tuple[str | list[int], dict | None, dict | None]:
+    """vLLM's prompt dicts as the text or token ids they hold, their multi_modal_data and mm_processor_kwargs;
+    other prompts as they are, without."""
     if not isinstance(prompt, dict):
-        return prompt, None
-    images = prompt.get("multi_modal_data")
-    keys = set(prompt) - {"multi_modal_data"}
+        return prompt, None, None
+    extras = [prompt.get(key) for key in _PROMPT_EXTRAS]
+    keys = set(prompt) - set(_PROMPT_EXTRAS)
     if keys == {"prompt"}:
-        return prompt["prompt"], images
+        return prompt["prompt"], *extras
     if keys == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"]), images
+        return list(prompt["prompt_token_ids"]), *extras
     raise RequestError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids' (and maybe "
-                       f"'multi_modal_data'), nothing else; got the keys {sorted(map(str, prompt))}")
+                       f"{' and '.join(map(repr, _PROMPT_EXTRAS))}), nothing else; got the keys "
+                       f"{sorted(map(str, prompt))}")
 
 
 def _params_for(prompts: list[Prompt], params) -> list[SamplingParams]:

@@ -274,12 +274,13 @@ def test_images_reach_the_engine_in_order_with_one_marker_each(engine, clients, 
     expand = engine.engine.prompt_with_images  # where the engine takes a prompt's images (on a worker thread)
     monkeypatch.setattr(engine, "accepts_images", True)
     monkeypatch.setattr(engine.engine, "prompt_with_images",
-                        lambda prompt, data: (seen.append((prompt, data)), expand(prompt, data))[1])
+                        lambda prompt, data, settings: (seen.append((prompt, data, settings)), expand(prompt, data))[1])
     first, second = pixels(3, 17, 29), pixels(4, 40, 8)
     urls = [data_url(encoded(first)), data_url(encoded(second, "BMP"), "image/bmp")]
     expected = f"{NO_IMAGES}: llama has no vision encoder (multi_modal_data with 2 images)"
     assert bad_request(lambda: openai_client.chat.completions.create(
-        model=NAME, extra_body={"chat_template": VISION_TEMPLATE}, messages=[{"role": "user", "content": [
+        model=NAME, extra_body={"chat_template": VISION_TEMPLATE, "mm_processor_kwargs": {"do_pan_and_scan": True}},
+        messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": urls[0]}}, {"type": "text", "text": "and"},
             {"type": "image_url", "image_url": {"url": urls[1]}}]}])) == expected
     assert bad_request(lambda: anthropic_client.messages.create(model=NAME, max_tokens=4, messages=[
@@ -294,18 +295,24 @@ def test_images_reach_the_engine_in_order_with_one_marker_each(engine, clients, 
     # the chat request's own template wrote a marker for each image part; the model's own (for the other two)
     # writes the content as it gets it: the parts in their order
     parts = "[{'type': 'image'}, {'type': 'text', 'text': 'and'}, {'type': 'image'}]"
-    assert [prompt for prompt, _ in seen] == ["<|im_start|>user\n<image>and<image><|im_end|>\n<|im_start|>assistant\n",
+    assert [settings for _, _, settings in seen] == [{"do_pan_and_scan": True}, None, None]
+    assert [prompt for prompt, _, _ in seen] == ["<|im_start|>user\n<image>and<image><|im_end|>\n<|im_start|>assistant\n",
                                               f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n",
                                               f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n"]
-    for _, data in seen:
+    for _, data, _ in seen:
         images = data["image"]
         assert [np.asarray(im).tolist() for im in images] == [first.tolist(), second.tolist()]
 
 
-def test_the_engine_refuses_images_for_a_model_without_vision(engine):
+def test_the_engine_refuses_images_for_a_model_without_vision(engine, clients):
     with pytest.raises(RequestError, match=f"{NO_IMAGES}: llama has no vision encoder"):
         engine.engine.add_request("x", "Once upon a time", multi_modal_data={"image": [Image.fromarray(SMALL)]})
     assert not engine.engine.has_unfinished_requests()
+    # image processor settings (vLLM's mm_processor_kwargs) for a model without one: a 400 that says so
+    assert bad_request(lambda: clients[0].chat.completions.create(
+        model=NAME, max_tokens=2, messages=[{"role": "user", "content": "Once upon a time"}],
+        extra_body={"mm_processor_kwargs": {"do_pan_and_scan": True}})) == \
+        "mm_processor_kwargs: this model has no image processor (no vision encoder)"
 
 
 def test_decoded_images_equal_what_was_encoded():
@@ -388,7 +395,7 @@ def test_the_text_the_engine_gets_encodes_to_the_ids_the_server_counted(engine, 
         for template in (VISION_TEMPLATE, "{{ bos_token }}" + VISION_TEMPLATE):
             text = tok.chat_text(messages, True, False, template)
             prompt = ChatPrompt(tok.encode_chat_text(text), text, [image], None)
-            engine_text, data = prompt.with_images(SimpleNamespace(tokenizer=tok))
+            engine_text, data, _ = prompt.with_images(SimpleNamespace(tokenizer=tok))
             assert tok.encode(engine_text) == prompt.ids and prompt.ids.count(tok.bos_token_id) == (
                 add_bos or template.startswith("{{")) and data == {"image": [image]}
 

@@ -65,11 +65,12 @@ def two_images(vlm):
     return images, *_reference(vlm, TWO, images)
 
 
-def _hearth_logits(engine, text: str, images: list, cut: int | None = None) -> tuple[list[int], torch.Tensor]:
+def _hearth_logits(engine, text: str, images: list, cut: int | None = None, settings: dict | None = None
+                   ) -> tuple[list[int], torch.Tensor]:
     """hearth's logits of every position of the prompt (in two chunks split at `cut`, else one); `images` a list of
-    images, or multi_modal_data (videos too)."""
+    images, or multi_modal_data (videos too), made with the processor `settings` (a request's mm_processor_kwargs)."""
     vision = engine.model_config.vision
-    expanded = engine.prompt_with_images(text, images if isinstance(images, dict) else {"image": images})
+    expanded = engine.prompt_with_images(text, images if isinstance(images, dict) else {"image": images}, settings)
     ids = expanded.token_ids
     request = Request("logits", ids, images=expanded.images)
     assert engine.block_manager.allocate_slots(request, len(ids))
@@ -92,9 +93,10 @@ def _image_runs(marks: np.ndarray) -> list[tuple[int, int]]:
     return [(int(run[0]), int(run[-1]) + 1) for run in np.split(marked, np.flatnonzero(np.diff(marked) > 1) + 1)]
 
 
-def _logits_match(engine, text: str, images: list, inputs, ref_logits: torch.Tensor, cut: int | None = None) -> list[int]:
+def _logits_match(engine, text: str, images: list, inputs, ref_logits: torch.Tensor, cut: int | None = None,
+                  settings: dict | None = None) -> list[int]:
     """hearth's prompt ids (returned) are the processor's, its logits transformers' within 1e-4 (fp32)."""
-    ids, logits = _hearth_logits(engine, text, images, cut)
+    ids, logits = _hearth_logits(engine, text, images, cut, settings)
     assert ids == inputs["input_ids"][0].tolist()
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     return ids
@@ -404,7 +406,8 @@ def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
 def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
     """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
     the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
-    tokens; a part of another kind and a remote URL are refused. `hearth chat --mmproj` with /image: the
+    tokens; a part of another kind, a remote URL and image processor settings SmolVLM's does not take per request
+    (mm_processor_kwargs, with or without images) are refused. `hearth chat --mmproj` with /image: the
     processor's count of prompt tokens, and LLM.chat's reply."""
     import base64
     import io
@@ -429,6 +432,11 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
                           ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
         with pytest.raises(RequestError, match=message):
             llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
+    for content in ("Hello", [{"type": "image_pil", "image_pil": images[1]}]):  # (vLLM's LLM.chat keyword)
+        with pytest.raises(RequestError, match=r"'do_image_splitting' is not a setting of SmolVLM / Idefics3's image "
+                                               r"processor \(it takes none per request\)"):
+            llm.chat([{"role": "user", "content": content}], GREEDY, mm_processor_kwargs={"do_image_splitting": False})
+    assert not llm.engine.has_unfinished_requests()
 
     images[0].save(tmp_path / "a.png")
     (tmp_path / "parts.jinja").write_text(IMAGE_PARTS_TEMPLATE)

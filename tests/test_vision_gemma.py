@@ -201,48 +201,77 @@ def test_published_config_reads_as_transformers_fills_it(gemma):
         "model.multi_modal_projector.mm_input_projection_weight"]
 
 
-# pan and scan's settings in the folder (crops of 64 pixels or more, at most 3), given to transformers' processor too
+# pan and scan's settings (crops of 64 pixels or more, at most 3), given to transformers' processor too
 # (Gemma3Processor's call defaults switch it off whatever the image processor's settings say)
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 3,
                 "pan_and_scan_min_ratio_to_activate": 1.2}
 
 
 def test_pan_and_scan_crops_layout_and_logits_are_transformers(gemma, tmp_path):
-    """With pan and scan on: each image's whole and crops pixel for pixel as Gemma3ImageProcessorPil cuts them (a
-    wide image in 3, a tall one in 3, one in 2, a near-square one and a short wide one (crops under 64 pixels) in
-    none), Gemma3Processor's sentence around them token for token, each whole image's and crop's tokens one block
-    both ways (token_type_ids' runs); with two images, crops among them, transformers' logits within 1e-4 (whole
-    and cut at the second crop's start) and greedy tokens."""
+    """With pan and scan on, asked for per request (mm_processor_kwargs) or by the folder's settings: each image's
+    whole and crops pixel for pixel as Gemma3ImageProcessorPil cuts them (a wide image in 3, a tall one in 3, one in
+    2, a near-square one and a short wide one (crops under 64 pixels) in none), Gemma3Processor's sentence around
+    them token for token, each whole image's and crop's tokens one block both ways (token_type_ids' runs); with
+    two images, crops among them, transformers' logits within 1e-4 (whole and cut at the second crop's start); with
+    one, its greedy tokens. An image that pan and scan leaves whole (its pixels and tokens the same either way) is
+    another entry of the encoder cache and no prefix-cache hit with pan and scan than without; with it again, both
+    hit."""
     import functools
 
-    from hearth import LLM
+    from hearth.image_processor_gemma import GemmaImageProcessor
 
-    for f in gemma[0].iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
+    llm = gemma[3]
+    engine = llm.engine
+    (tmp_path / "processor_config.json").write_text((gemma[0] / "processor_config.json").read_text())
     settings = json.loads((tmp_path / "processor_config.json").read_text())
     settings["image_processor"].update(PAN_AND_SCAN)
     (tmp_path / "processor_config.json").write_text(json.dumps(settings))
-    llm = LLM(str(tmp_path), progress=False)
+    by_folder = GemmaImageProcessor.from_hf_dir(tmp_path, engine.model_config.vision)
     reference = (gemma[0], functools.partial(gemma[1], **PAN_AND_SCAN), gemma[2], llm)
     images = [_image(0, 77, 331), _image(1, 250, 97, "RGBA"), _image(2, 130, 97, "L"), _image(3, 100, 110),
               _image(4, 40, 300)]
     text = "a<start_of_image>b<start_of_image><start_of_image> c<start_of_image>.<start_of_image>"
     inputs = reference[1](text=[text], images=[images], return_tensors="pt")
-    mine = [llm.engine.image_processor.process(image) for image in images]
     crops = gemma[1].image_processor(images, **PAN_AND_SCAN)["num_crops"]
-    assert [m.rows for m in mine] == list(crops) == [3, 3, 2, 0, 0]
-    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
-    expanded = llm.engine.prompt_with_images(text, {"image": images})
+    for processor in (by_folder, engine.image_processor.with_options(PAN_AND_SCAN)):
+        mine = [processor.process(image) for image in images]
+        assert [m.rows for m in mine] == list(crops) == [3, 3, 2, 0, 0]
+        assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    expanded = engine.prompt_with_images(text, {"image": images}, PAN_AND_SCAN)
     assert expanded.token_ids == inputs["input_ids"][0].tolist()
     assert [run for s in expanded.images for run in s.blocks()] == _image_runs(inputs["token_type_ids"][0].numpy())
+    square, cache = [images[3]], engine.runner.encoder_cache  # (no crops: its pixels and tokens the same either way)
+    start = engine.prompt_with_images(ONE, {"image": square}).images[0].start
+    ref_tokens = _reference(reference, ONE, square)[2]
+    for settings, encoded in ((None, 1), (PAN_AND_SCAN, 1), (PAN_AND_SCAN, 0)):
+        misses = cache.misses
+        out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": square}, "mm_processor_kwargs": settings},
+                           GREEDY, use_tqdm=False)
+        assert cache.misses - misses == encoded
+        assert (out[0].num_cached_tokens > start) == (encoded == 0)  # (a prefix-cache hit into the image or not)
+        assert out[0].outputs[0].token_ids == ref_tokens
     two = [images[0], images[3]]
-    inputs, ref_logits, ref_tokens = _reference(reference, TWO, two)
-    ids = _logits_match(llm.engine, TWO, two, inputs, ref_logits)
+    inputs, ref_logits, _ = _reference(reference, TWO, two)
+    ids = _logits_match(engine, TWO, two, inputs, ref_logits, settings=PAN_AND_SCAN)
+    expanded = engine.prompt_with_images(TWO, {"image": two}, PAN_AND_SCAN)
     second_crop = expanded.images[0].runs[2][0] - expanded.images[0].start + ids.index(
-        llm.engine.model_config.vision.image_token_id)
-    _logits_match(llm.engine, TWO, two, inputs, ref_logits, second_crop)
-    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == ref_tokens
+        engine.model_config.vision.image_token_id)
+    _logits_match(engine, TWO, two, inputs, ref_logits, second_crop, PAN_AND_SCAN)
+
+
+def test_per_request_settings_refused_by_name(gemma):
+    """mm_processor_kwargs with a key Gemma 3's processor does not take, or a value out of its bounds: a RequestError
+    (a ValueError) that names it, from LLM.generate, nothing left queued."""
+    llm, image = gemma[3], _image(0, 40, 60)
+    for settings, message in (({"do_pan_and_scan": True, "max_crops": 2}, r"'max_crops' is not a setting of Gemma 3's"),
+                              ({"pan_and_scan_max_num_crops": 1000}, "pan_and_scan_max_num_crops 1000 \\(1 to 16\\)"),
+                              ({"do_pan_and_scan": "yes"}, "do_pan_and_scan 'yes' \\(true or false\\)"),
+                              ({"pan_and_scan_min_ratio_to_activate": float("nan")}, "ratio_to_activate nan"),
+                              ([("do_pan_and_scan", True)], "mm_processor_kwargs is an object")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt": ONE, "multi_modal_data": {"image": [image]}, "mm_processor_kwargs": settings},
+                         GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_what_is_refused(gemma, tmp_path):

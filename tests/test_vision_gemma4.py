@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.errors import ModelLoadError
+from hearth.errors import ModelLoadError, RequestError
 from models import gemma4_vl_processor, make_gemma4_vl
 from test_vision import GREEDY, _hearth_logits, _image, _image_runs, _reference
 from test_vision_gemma import _images_attend_both_ways, gpu_logits_match
@@ -30,7 +30,8 @@ def gemma4(tmp_path_factory):
 
     from hearth import LLM
 
-    folder = make_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl"))
+    # (a position table of 512: room for a budget of 140 tokens, asked for per request, beside the folder's 70)
+    folder = make_gemma4_vl(tmp_path_factory.mktemp("gemma4_vl"), vision={"position_embedding_size": 512})
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, gemma4_vl_processor(folder), reference, LLM(str(folder), progress=False)
 
@@ -89,6 +90,45 @@ def test_gpu_backend_images_both_ways_on_the_sliding_layers(gemma4):
     gpu_logits_match(gemma4[0], ONE, images, inputs, ref_logits)
 
 
+BUDGET = {"max_soft_tokens": 140}  # in place of the folder's 70
+
+
+def test_image_token_budget_per_request_and_by_flag(gemma4):
+    """A budget of 140 soft tokens asked for per request (mm_processor_kwargs' max_soft_tokens) or by the engine's
+    image_max_tokens (--image-max-tokens): every image's patches bit for bit and the prompt's ids as
+    Gemma4ImageProcessorPil and Gemma4Processor make them with that budget; the same image at each budget its own
+    encoder cache entry. A budget transformers does not take, one past the encoder's positions, another family's
+    setting: refused by name."""
+    from hearth.loading.loader import load_model
+
+    folder, processor, _, llm = gemma4
+    engine = llm.engine
+    images = [_image(*IMAGES[i]) for i in (0, 1, 4)]
+    text = "a<|image|>b<|image|> c<|image|>."
+    inputs = processor(text=[text], images=[images], return_tensors="pt", **BUDGET)
+    by_flag = load_model(folder, progress=False, image_max_tokens=140).image_processor
+    for image_processor in (engine.image_processor.with_options(BUDGET), by_flag):
+        mine = [image_processor.process(image) for image in images]
+        for i, image in enumerate(mine):
+            rows, cols, width = image.pixel_values.shape
+            assert np.array_equal(image.pixel_values.reshape(rows * cols, width),
+                                  inputs["pixel_values"][i, :rows * cols])
+        assert [m.num_embeds for m in mine] == [135, 126, 105]  # (at 70: 60, 65, 70)
+    assert engine.prompt_with_images(text, {"image": images}, BUDGET).token_ids == inputs["input_ids"][0].tolist()
+    one, cache = [_image(5, 90, 150)], engine.runner.encoder_cache
+    for settings, encoded in ((None, 1), (BUDGET, 1), (BUDGET, 0)):  # (the image again at 140: a hit)
+        misses = cache.misses
+        _hearth_logits(engine, ONE, one, settings=settings)
+        assert cache.misses - misses == encoded
+    for settings, message in (({"max_soft_tokens": 100}, "max_soft_tokens = 100: transformers' Gemma 4 processor"),
+                              ({"max_soft_tokens": 280}, "840 patches long would pass the encoder's 512 positions"),
+                              ({"do_pan_and_scan": True}, r"'do_pan_and_scan' is not a setting of Gemma 4's image "
+                                                          r"processor \(it takes max_soft_tokens\)")):
+        with pytest.raises(RequestError, match=message):
+            engine.add_request(None, ONE, GREEDY, multi_modal_data={"image": one}, mm_processor_kwargs=settings)
+    assert not engine.has_unfinished_requests()
+
+
 def test_what_is_refused(gemma4, tmp_path):
     """Clipped linears; processor settings that do not fit
     the encoder (another patch size, a budget transformers does not take, a side longer than the position table);
@@ -106,7 +146,7 @@ def test_what_is_refused(gemma4, tmp_path):
     settings = json.loads((gemma4[0] / "preprocessor_config.json").read_text())
     for change, message in (({"patch_size": 14}, "do not fit the vision encoder"),
                             ({"max_soft_tokens": 100}, "max_soft_tokens = 100: transformers' Gemma 4 processor takes"),
-                            ({"max_soft_tokens": 140}, "420 patches long would pass the encoder's 256 positions")):
+                            ({"max_soft_tokens": 280}, "840 patches long would pass the encoder's 512 positions")):
         (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, **change}))
         with pytest.raises(ModelLoadError, match=message):
             Gemma4ImageProcessor.from_hf_dir(tmp_path, model_config.vision)
@@ -203,8 +243,15 @@ def test_gemma4_mmproj_heads_audio_and_bad_files(gemma4, gemma4_gguf, tmp_path):
     fields = gguf.GGUFReader(gqa).fields
     assert [fields[f"clip.vision.attention.{k}"].contents() for k in ("head_count_kv", "head_dim")] == [2, 16]
     patches = gemma4[3].engine.image_processor.process(_image(*IMAGES[0])).pixel_values
-    torch.testing.assert_close(load_model(text, progress=False, mmproj=gqa).model.vision.encode(patches),
-                               gemma4[3].engine.model.vision.encode(patches), atol=1e-5, rtol=0)
+    loaded = load_model(text, progress=False, mmproj=gqa, image_max_tokens=70)  # (the file's table: 140 by default)
+    assert loaded.image_processor.max_soft_tokens == 70
+    torch.testing.assert_close(loaded.model.vision.encode(patches), gemma4[3].engine.model.vision.encode(patches),
+                               atol=1e-5, rtol=0)
+    for model, file, tokens, message in ((text, mmproj, 140, "image_max_tokens = 140: max_soft_tokens = 140: an image "
+                                                            "420 patches long would pass the encoder's 256 positions"),
+                                         ("builtin", None, 70, "not for a model without a vision encoder")):
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(model, progress=False, mmproj=file, image_max_tokens=tokens)
     folder = shutil.copytree(gemma4_gguf[0], tmp_path / "theta")
     config = json.loads((folder / "config.json").read_text())
     config["vision_config"]["rope_parameters"]["rope_theta"] = 10_000.0

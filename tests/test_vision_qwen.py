@@ -71,6 +71,36 @@ def test_pixels_grids_token_ids_and_positions_are_transformers(qwen):
     assert model_info(qwen[0])["vision"]["deepstack_layers"] == [0, 2]  # hearth inspect's line
 
 
+PIXELS = {"min_pixels": 64 * 64, "max_pixels": 160 * 160}  # (the folder's: 32 x 32 to 320 x 320)
+
+
+def test_pixel_bounds_per_request(qwen):
+    """mm_processor_kwargs' min_pixels and max_pixels (vLLM's for Qwen-VL) in place of the folder's: every image's
+    patches, grid and the prompt's ids as transformers' processor makes them with those bounds (one image upscaled
+    more, one downscaled more), each image another cache key than without them; bounds past the model's
+    max_pixels, or a key Qwen's processor does not take, refused by name."""
+    _, processor, _, llm = qwen
+    engine = llm.engine
+    images = [_image(*spec) for spec in IMAGES]
+    text = f"a{IMAGE}b{IMAGE}{IMAGE} c{IMAGE}."
+    inputs = processor(text=[text], images=images, return_tensors="pt",  # (transformers' name for them: size)
+                       size={"shortest_edge": PIXELS["min_pixels"], "longest_edge": PIXELS["max_pixels"]})
+    mine = [engine.image_processor.with_options(PIXELS).process(image) for image in images]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    assert [[1, 2 * m.grid[0], 2 * m.grid[1]] for m in mine] == inputs["image_grid_thw"].tolist()
+    expanded = engine.prompt_with_images(text, {"image": images}, PIXELS)
+    assert expanded.token_ids == inputs["input_ids"][0].tolist()
+    plain = engine.prompt_with_images(text, {"image": images})
+    assert not {s.content_hash for s in expanded.images} & {s.content_hash for s in plain.images}
+    for settings, message in (({"max_pixels": 640 * 640}, r"max_pixels <= 102,400 \(the model's\)"),
+                              ({"min_pixels": 0}, "min_pixels 0 and max_pixels 102400"),
+                              ({"size": {"longest_edge": 100}}, r"'size' is not a setting of Qwen3-VL's image processor "
+                                                                r"\(it takes min_pixels, max_pixels\)")):
+        with pytest.raises(RequestError, match=message):
+            engine.add_request(None, ONE, GREEDY, multi_modal_data={"image": images[:1]}, mm_processor_kwargs=settings)
+    assert not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("text, which", [(ONE, (0,)), (TWO, (1, 0))], ids=["one-image", "two-images"])
 def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
     """fp32 logits of every position within 1e-4, whole and in two chunks cut inside the first image
@@ -141,22 +171,26 @@ def test_what_is_refused(qwen):
     assert not qwen[3].engine.has_unfinished_requests()
 
 
-def test_qwen3_5_with_its_vision_tower(tmp_path):
-    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
-    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
-    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
-    first image, and greedy tokens, against transformers; a video of 4 frames beside an image, the same."""
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
     import transformers
 
     from hearth import LLM
 
-    folder = make_qwen_vl(tmp_path, family="qwen3_5")
-    processor = qwen_vl_processor(folder)
+    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5")
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), progress=False)
+    return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
+
+
+def test_qwen3_5_with_its_vision_tower(qwen3_5):
+    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
+    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
+    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
+    first image, and greedy tokens, against transformers; a video of 4 frames beside an image, the same."""
+    reference, llm = qwen3_5[2], qwen3_5[3]
     assert llm.engine.model_config.vision.deepstack_layers == ()
     images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
-    inputs, ref_logits, ref_tokens = _reference((folder, processor, reference, llm), TWO, images)
+    inputs, ref_logits, ref_tokens = _reference(qwen3_5, TWO, images)
     expanded = llm.engine.prompt_with_images(TWO, {"image": images})
     assert expanded.token_ids == inputs["input_ids"][0].tolist()
     positions, _ = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
@@ -167,8 +201,7 @@ def test_qwen3_5_with_its_vision_tower(tmp_path):
     out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
     frames = np.random.default_rng(5).integers(0, 256, (4, 61, 40, 3), dtype=np.uint8)
-    _video_logits_match((folder, processor, reference, llm), frames,
-                        *_video_reference((folder, processor, reference, llm), frames, None))
+    _video_logits_match(qwen3_5, frames, *_video_reference(qwen3_5, frames, None))
 
 
 def test_qwen3_vl_moe(tmp_path):
@@ -384,3 +417,14 @@ def test_the_server_takes_a_data_url_video_and_refuses_bad_ones(qwen):
             assert client.get("/health").status_code == 200
     finally:
         engine.shutdown()
+
+
+def test_qwen3_5_images_on_the_gpu_backend(qwen3_5):
+    """The gpu backend (its Triton kernels interpreted on the CPU without a GPU): Qwen3.5's hybrid layers, M-RoPE
+    over half of each attention head, one small image (2 x 2 tokens): logits of every position within 1e-4 of
+    transformers'."""
+    from test_vision_gemma import gpu_logits_match
+
+    images = [_image(*IMAGES[2])]
+    inputs, ref_logits, _ = _reference(qwen3_5, ONE, images)
+    gpu_logits_match(qwen3_5[0], ONE, images, inputs, ref_logits)

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -212,9 +213,11 @@ class AsyncEngine:
     async def add_request(
         self, prompt: str | list[int] | PromptWithImages, params: SamplingParams, request_id: str | None = None, priority: int = 0,
         lora_request: LoRARequest | None = None, multi_modal_data: dict[str, list] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request (through the LoRA adapter of lora_request, if any; with images in
-        multi_modal_data, as LLMEngine.add_request takes them) and wait until the engine took it; raises
+        multi_modal_data and mm_processor_kwargs, as LLMEngine.add_request takes them) and wait until the engine
+        took it; raises
         QueueFull, RequestError, EngineStopped. A lower `priority` is served first (LLMEngine.add_request)."""
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFull(
@@ -223,8 +226,8 @@ class AsyncEngine:
             )
         if params.structured_outputs is not None:  # a slow grammar holds up this request only: the engine finds it cached
             await asyncio.to_thread(self._grammars.compile, params.structured_outputs)
-        if multi_modal_data is not None:
-            expanded = await self.prompt_with_images(prompt, multi_modal_data)
+        if multi_modal_data is not None or mm_processor_kwargs is not None:
+            expanded = await self.prompt_with_images(prompt, multi_modal_data, mm_processor_kwargs)
             if expanded is not None:
                 prompt, multi_modal_data = expanded, None
         stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
@@ -239,19 +242,20 @@ class AsyncEngine:
             raise
         return stream
 
-    async def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict[str, list] | None
-                                 ) -> PromptWithImages | None:
+    async def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict[str, list] | None,
+                                 mm_processor_kwargs: dict[str, Any] | None = None) -> PromptWithImages | None:
         """The prompt with each image's placeholder tokens as the engine runs it (LLMEngine.prompt_with_images),
         made beside the steps, not between them (images resized, the prompt tokenized); add_request takes it
         as the prompt. RequestError as add_request."""
-        return await asyncio.to_thread(self.engine.prompt_with_images, prompt, multi_modal_data)
+        return await asyncio.to_thread(self.engine.prompt_with_images, prompt, multi_modal_data, mm_processor_kwargs)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
-        multi_modal_data: dict | None = None,
+        multi_modal_data: dict | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's cumulative outputs; closing or cancelling the iteration aborts it."""
-        stream = await self.add_request(prompt, params, request_id, priority, multi_modal_data=multi_modal_data)
+        stream = await self.add_request(prompt, params, request_id, priority, multi_modal_data=multi_modal_data,
+                                        mm_processor_kwargs=mm_processor_kwargs)
         try:
             async for output in stream:
                 yield output

@@ -11,6 +11,7 @@ import itertools
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -213,13 +214,15 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         multi_modal_data: dict[str, list] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request (with lora_request: through that LoRA adapter, loaded first where it is not);
         raises RequestError (a ValueError) when it cannot be served. A lower `priority` is served first
         (vLLM's semantics): admitted before, and preempted after, requests of a higher value
         (hearth/engine/scheduler.py). multi_modal_data: vLLM's {"image": [PIL images]}, each named in
-        the text prompt by the model's marker <image> (hearth/engine/images.py), and Qwen3-VL's and Qwen3.5's
-        {"video": [videos]}; refused by a model without a vision encoder."""
+        the text prompt by the model's marker <image> (hearth/engine/images.py), made with mm_processor_kwargs'
+        settings (vLLM's), and Qwen3-VL's and Qwen3.5's {"video": [videos]}; refused by a model without a vision
+        encoder."""
         params = params or SamplingParams()
         if lora_request is not None and self.lora is None:
             raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
@@ -228,7 +231,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        expanded = prompt if isinstance(prompt, PromptWithImages) else self.prompt_with_images(prompt, multi_modal_data)
+        expanded = prompt if isinstance(prompt, PromptWithImages) else \
+            self.prompt_with_images(prompt, multi_modal_data, mm_processor_kwargs)
         prompt_text, prompt_ids = self._encode(prompt) if expanded is None else (expanded.text, expanded.token_ids)
         self._check_fits(prompt_ids)
         self._check_params(params)
@@ -250,7 +254,8 @@ class LLMEngine:
         self.output_processor.add_group(group)
         return request_id
 
-    def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict | None) -> PromptWithImages | None:
+    def prompt_with_images(self, prompt: str | list[int], multi_modal_data: dict | None,
+                           mm_processor_kwargs: dict[str, Any] | None = None) -> PromptWithImages | None:
         """The prompt with its images' placeholders and spans (None: no images); RequestError as
         add_request's. Reads no engine state: safe beside a step on another thread."""
         if multi_modal_data is not None and not self.accepts_images:
@@ -261,7 +266,7 @@ class LLMEngine:
         videos = None if self.video_processor is None else Media("video", self.video_processor, vision.video_token_id,
                                                                   self.video_processor.video_token)
         return expand_prompt(prompt, multi_modal_data, self.image_processor, self.tokenizer,
-                             None if vision is None else vision.image_token_id, videos)
+                             None if vision is None else vision.image_token_id, videos, mm_processor_kwargs)
 
     def _new_sequence(self, group: RequestGroup, index: int, grammar, priority: int, lora_id: int) -> SequenceState:
         """Sample number `index` of the group: its request, generators (seeded), detokenizer, matcher."""

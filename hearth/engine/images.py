@@ -13,7 +13,8 @@ before the prompt is tokenized, so the
 token ids are the processor's. The k-th image's embeddings take the places of the next
 num_embeds placeholder tokens (image_token_id), in order, as transformers' masked_scatter fills them.
 
-The encoder cache keeps each image's embeddings by its content hash, least recently used first out
+The encoder cache keeps each image's embeddings by its content hash (of its pixels, and of the processor's settings
+a request may change: the same image made another way is another entry), least recently used first out
 past `max_rows` rows: an image seen again (in this prompt, another request, or the next chunk of
 this one) is not encoded again. It is only a cache: a miss encodes.
 """
@@ -89,13 +90,20 @@ class Media:
 def expand_prompt(prompt: str | list[int], multi_modal_data: Any,
                   processor: ImageProcessor | QwenImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | None,
                   tokenizer: Tokenizer, image_token_id: int | None,
-                  videos: Media | None = None) -> PromptWithImages | None:
-    """A prompt with images and videos (multi_modal_data, vLLM's) expanded; None for a prompt without, for the
+                  videos: Media | None = None, mm_processor_kwargs: dict[str, Any] | None = None
+                  ) -> PromptWithImages | None:
+    """A prompt with images and videos (multi_modal_data, vLLM's) expanded, the images made by the processor with
+    mm_processor_kwargs' settings (vLLM's: Gemma 3's do_pan_and_scan, ...); None for a prompt without, for the
     engine's own encoding (processor None: a text model, which the engine lets no images reach; videos None: a
     model that takes no videos). RequestError for markers and media that do not pair up, token ids that hold
-    placeholders. Reads no engine state (the AsyncEngine runs it off the engine's thread)."""
+    placeholders, settings the processor does not take. Reads no engine state (the AsyncEngine runs it off the
+    engine's thread)."""
     if processor is None:
+        if mm_processor_kwargs:
+            raise RequestError("mm_processor_kwargs: this model has no image processor (no vision encoder)")
         return None
+    if mm_processor_kwargs is not None:
+        processor = processor.with_options(mm_processor_kwargs)
     kinds = [Media("image", processor, image_token_id, processor.image_token)]
     if multi_modal_data is not None and media_of(multi_modal_data, "video"):
         if videos is None:

@@ -13,7 +13,7 @@ from hearth.backend import Backend, choose_backend
 from hearth.config import ModelConfig
 from hearth.engine_config import SparsityConfig
 from hearth.default_model import resolve_model
-from hearth.errors import ModelLoadError
+from hearth.errors import ModelLoadError, RequestError
 from hearth.image_processor import ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.image_processor_gemma4 import Gemma4ImageProcessor
@@ -75,12 +75,14 @@ def load_model(
     shard: TensorShard | PipelineShard | None = None,
     sparsity: SparsityConfig | None = None,
     mmproj: str | Path | None = None,
+    image_max_tokens: int | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
     sparsity: activation sparsity (hearth/loading/activation_thresholds.py; None: dense).
     shard: this process's part of a model split over processes (hearth/engine/workers.py):
     a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers).
-    mmproj: llama.cpp's mmproj file, the vision tower of a text model (hearth/loading/mmproj.py)."""
+    mmproj: llama.cpp's mmproj file, the vision tower of a text model (hearth/loading/mmproj.py).
+    image_max_tokens: the most tokens an image becomes (Gemma 4's max_soft_tokens), in place of the processor's."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
@@ -95,6 +97,8 @@ def load_model(
         projector = read_mmproj(mmproj, config, tokenizer)
         config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor
         weights = weights | projector.weights
+    if image_max_tokens is not None:
+        image_processor = _with_image_max_tokens(image_processor, image_max_tokens, path, config)
     if shard is not None and config.vision is not None:
         raise ModelLoadError(f"{path}: an image-text model split over processes is not implemented by hearth: run it "
                              "with tensor_parallel_size and pipeline_parallel_size 1")
@@ -113,3 +117,16 @@ def load_model(
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
     return LoadedModel(model.eval(), tokenizer, config, path, image_processor, video_processor)
+
+
+def _with_image_max_tokens(processor, tokens: int, path: Path, config: ModelConfig):
+    """The image processor with its token budget `tokens` (image_max_tokens); ModelLoadError for a model whose
+    processor has no such budget, or one it cannot take."""
+    if not isinstance(processor, Gemma4ImageProcessor):
+        family = "a model without a vision encoder" if config.vision is None else f"{config.vision.family}'s"
+        raise ModelLoadError(f"{path}: image_max_tokens (--image-max-tokens) is implemented for Gemma 4's images (its "
+                             f"processor's max_soft_tokens), not for {family}")
+    try:
+        return processor.with_options({"max_soft_tokens": tokens})
+    except RequestError as e:
+        raise ModelLoadError(f"image_max_tokens = {tokens}: {str(e).removeprefix('mm_processor_kwargs: ')}") from None

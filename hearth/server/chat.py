@@ -132,14 +132,16 @@ class ChatPrompt:
     calling: ToolCalling | None
     expanded: PromptWithImages | None = None  # with images, after with_image_tokens: what the engine runs
     videos: list[VideoFrames] = dataclasses.field(default_factory=list)  # decoded, sampled, in the parts' order
+    mm_processor_kwargs: dict[str, Any] | None = None  # the request's image processor settings (vLLM's)
 
-    def with_images(self, s: ServedModel) -> tuple[str, dict[str, list]] | None:
-        """The text and multi_modal_data AsyncEngine.add_request gets for a prompt with images or videos (None:
-        without)."""
-        if not self.images and not self.videos:
+    def with_images(self, s: ServedModel) -> tuple[str, dict[str, list] | None, dict[str, Any] | None] | None:
+        """The text, multi_modal_data and mm_processor_kwargs AsyncEngine.prompt_with_images gets for a prompt with
+        images, videos or settings for them (None: none of those; settings without images: only checked)."""
+        if not self.images and not self.videos and self.mm_processor_kwargs is None:
             return None
         data = {"image": self.images, "video": self.videos} if self.videos else {"image": self.images}
-        return s.tokenizer.chat_prompt_text(self.text), data
+        return s.tokenizer.chat_prompt_text(self.text), data if self.images or self.videos else None, \
+            self.mm_processor_kwargs
 
 
 async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
@@ -150,6 +152,8 @@ async def with_image_tokens(s: ServedModel, prompt: ChatPrompt) -> ChatPrompt:
     if request is None:
         return prompt
     expanded = await s.engine.prompt_with_images(*request)
+    if expanded is None:
+        return prompt
     return dataclasses.replace(prompt, ids=expanded.token_ids, expanded=expanded)
 
 
@@ -170,7 +174,8 @@ async def chat_prompt(s: ServedModel, body: ChatCompletionRequest) -> ChatPrompt
     bos = s.tokenizer.bos_token_id
     if body.add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
-    return ChatPrompt(body.truncate(ids), text, images, calling, videos=videos)
+    return ChatPrompt(body.truncate(ids), text, images, calling, videos=videos,
+                      mm_processor_kwargs=body.mm_processor_kwargs)
 
 
 @dataclass

@@ -206,6 +206,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = False  # the template already wrote the special tokens
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's: this request's own template (--trust-request-chat-template)
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: the image processor's settings for its images
 
     def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
