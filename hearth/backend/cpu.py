@@ -148,6 +148,26 @@ class CpuBackend(Backend):
                                      torch.get_num_threads())
         return out
 
+    def gated_delta_net_step(self, layer, qkv, z, b, a, state, meta):
+        """cpu_kernels/state_ops.cpp's gated_delta_net_step where every row is a decode (one row per sequence)
+        and the tensors are float32 with rows of contiguous values: at batch 1 the layer's ~30 torch ops
+        between its projections cost more than their arithmetic."""
+        conv_state, delta_state = state
+        conv_weight, rows = layer.conv1d.weight[:, 0], qkv.shape[0]
+        weights = (conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight, conv_state, delta_state)
+        if (meta.single_rows.numel() != rows or not _float32_contiguous(*weights) or layer.norm.weight_offset
+                or max(layer.key_dim, layer.value_dim) > 1024
+                or not all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (qkv, z, b, a))):
+            return None
+        out = torch.empty(rows, layer.value_heads * layer.value_dim)
+        self.kernels.gated_delta_net_step(
+            qkv.data_ptr(), qkv.stride(0), z.data_ptr(), z.stride(0), b.data_ptr(), b.stride(0), a.data_ptr(),
+            a.stride(0), conv_weight.data_ptr(), conv_state.data_ptr(), conv_weight.shape[1], layer.A_log.data_ptr(),
+            layer.dt_bias.data_ptr(), layer.norm.weight.data_ptr(), layer.norm.eps, delta_state.data_ptr(),
+            meta.single_slots.data_ptr(), meta.single_fresh.data_ptr(), out.data_ptr(), rows, layer.key_heads,
+            layer.value_heads, layer.key_dim, layer.value_dim, layer.tiled, torch.get_num_threads())
+        return out
+
     def ssm_step(self, q, k, v, g, state, meta):
         """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
