@@ -69,6 +69,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
         self.norm = RMSNorm(self.value_dim, config.rms_norm_eps, ops)  # weights as they are (no 1 + w)
         self.out_proj = Linear(values, config.hidden_size)
+        self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
+
+    def _apply(self, fn, recurse=True):
+        self.backend_state.clear()  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, rotary, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
         qkv, z, b, a = self.in_proj(x)
