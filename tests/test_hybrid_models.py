@@ -461,6 +461,43 @@ def test_cpu_kernels_match_the_torch_steps():
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_delta_net_step_matches_the_layers_torch_ops(tiled):
+    """cpu_kernels/state_ops.cpp's gated_delta_net_step (a decode step's whole Gated DeltaNet layer between its
+    projections) against the layer's torch ops on the reference backend, in a step of three decodes (one
+    starting fresh, its slot holding another sequence's old states), each value head reading its key head in
+    runs (qwen3_5) or tiled (a GGUF's order): outputs and both states. A step with a chunk is declined."""
+    import dataclasses
+
+    from hearth.backend.base import Backend
+    from hearth.backend.cpu import CpuBackend
+    from hearth.backend.state_ops import StateMetadata
+    from hearth.config import ModelConfig
+    from hearth.model.state_layers import GatedDeltaNet
+    from models import hf_config
+
+    config = dataclasses.replace(ModelConfig.from_hf(hf_config("qwen3_5").to_dict()), linear_value_heads_tiled=tiled)
+    layer = GatedDeltaNet(config, Backend())
+    generator = torch.Generator().manual_seed(0)
+    for weight in (layer.conv1d.weight, layer.dt_bias, layer.A_log, layer.norm.weight):
+        weight.copy_(torch.randn(weight.shape, generator=generator))
+    keys, values, heads = 2 * 8, 4 * 12, 4  # hf_config's 2 key heads of 8, 4 value heads of 12
+    # in_proj's outputs, as a merged projection's views of one tensor
+    qkv, z, b, a = torch.randn(3, 2 * keys + 2 * values + 2 * heads, generator=generator).split(
+        [2 * keys + values, values, heads, heads], dim=-1)
+    meta = StateMetadata.from_step(np.array([4, 1, 5]), np.array([0, 1, 2, 3]), np.array([9, 1, 12]), torch.device("cpu"))
+    states = (torch.randn(6, 2 * keys + values, 3, generator=generator), torch.randn(6, heads, 8, 12, generator=generator))
+    theirs = [t.clone() for t in states]
+    expected = layer._mix(qkv, z, b, a, theirs, meta)
+    ours = [t.clone() for t in states]
+    torch.testing.assert_close(CpuBackend().gated_delta_net_step(layer, qkv, z, b, a, ours, meta), expected,
+                               rtol=1e-5, atol=1e-5)
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    chunk = StateMetadata.from_step(np.array([4, 1]), np.array([0, 1, 3]), np.array([9, 2]), torch.device("cpu"))
+    assert CpuBackend().gated_delta_net_step(layer, qkv, z, b, a, ours, chunk) is None
+
+
 def test_qwen3_next_experts_where_transformers_puts_them():
     """qwen3_next's experts in the layers transformers builds them in: every decoder_sparse_step-th layer but
     those of mlp_only_layers (a dense MLP of intermediate_size there)."""

@@ -370,6 +370,12 @@ class Backend:
     def ssm_scan(self, q, k, v, g, state, meta: StateMetadata):
         return state_ops.ssm_scan(q, k, v, g, state, meta, step=self.ssm_step)
 
+    def gated_delta_net_step(self, layer: nn.Module, qkv, z, b, a, state, meta: StateMetadata) -> torch.Tensor | None:
+        """A Gated DeltaNet layer's (hearth/model/state_layers.py) work between in_proj and out_proj in one call, where
+        a backend has a kernel for it and the step is all decodes: its outputs [T, value heads x value dim], its
+        states updated in place; or None (then the layer's own ops run, on this backend's state operations)."""
+        return None
+
     conv1d_step = staticmethod(state_ops.conv1d_step)
     delta_rule_step = staticmethod(state_ops.delta_rule_step)
     ssm_step = staticmethod(state_ops.ssm_step)

@@ -148,6 +148,27 @@ class CpuBackend(Backend):
                                      torch.get_num_threads())
         return out
 
+    def gated_delta_net_step(self, layer, qkv, z, b, a, state, meta):
+        """cpu_kernels/state_ops.cpp's gated_delta_net_step where every row is a decode (one row per sequence)
+        and the tensors are float32 with rows of contiguous values: at batch 1 the layer's ~30 torch ops
+        between its projections cost more than their arithmetic. The layer's weights and shapes are bound
+        once (layer.backend_state): at batch 1 reading them per call is a visible share of the kernel's time."""
+        bound = layer.backend_state.get("delta_net")
+        if bound is None:
+            bound = layer.backend_state["delta_net"] = _delta_net_weights(layer)
+        conv_state, delta_state = state
+        rows = qkv.shape[0]
+        if (not bound or meta.single_rows.numel() != rows or not _float32_contiguous(conv_state, delta_state)
+                or not all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (qkv, z, b, a))):
+            return None
+        out = torch.empty(rows, layer.value_heads * layer.value_dim)
+        self.kernels.gated_delta_net_step(
+            qkv.data_ptr(), qkv.stride(0), z.data_ptr(), z.stride(0), b.data_ptr(), b.stride(0), a.data_ptr(),
+            a.stride(0), bound[0], conv_state.data_ptr(), *bound[1:6], delta_state.data_ptr(),
+            meta.single_slots.data_ptr(), meta.single_fresh.data_ptr(), out.data_ptr(), rows, *bound[6:],
+            torch.get_num_threads())
+        return out
+
     def ssm_step(self, q, k, v, g, state, meta):
         """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
@@ -215,6 +236,19 @@ class CpuBackend(Backend):
         if "decode_path" not in state:
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         return state["decode_path"]
+
+
+def _delta_net_weights(layer) -> tuple:
+    """gated_delta_net_step's arguments that a Gated DeltaNet layer fixes: its convolution's weight and taps,
+    A_log, dt_bias, its norm's weight and eps, then its key and value heads, key and value dims, and whether
+    value heads tile key heads; () where the kernel does not take its weights (then the layer's torch ops run)."""
+    conv_weight = layer.conv1d.weight[:, 0]
+    weights = (conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    if not _float32_contiguous(*weights) or layer.norm.weight_offset or max(layer.key_dim, layer.value_dim) > 1024:
+        return ()
+    return (conv_weight.data_ptr(), conv_weight.shape[1], layer.A_log.data_ptr(), layer.dt_bias.data_ptr(),
+            layer.norm.weight.data_ptr(), layer.norm.eps, layer.key_heads, layer.value_heads, layer.key_dim,
+            layer.value_dim, layer.tiled)
 
 
 def _float32_contiguous(*tensors: torch.Tensor) -> bool:

@@ -69,11 +69,22 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.value_heads), requires_grad=False)
         self.norm = RMSNorm(self.value_dim, config.rms_norm_eps, ops)  # weights as they are (no 1 + w)
         self.out_proj = Linear(values, config.hidden_size)
+        self.backend_state: dict = {}  # what the backend derives from the weights (emptied when they move)
+
+    def _apply(self, fn, recurse=True):
+        self.backend_state.clear()  # weight pointers change when tensors move
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, rotary, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        tokens = x.shape[0]
         qkv, z, b, a = self.in_proj(x)
-        qkv = self.ops.causal_conv1d(qkv, state[0], self.conv1d.weight[:, 0], None, meta.state, "silu")
+        out = self.ops.gated_delta_net_step(self, qkv, z, b, a, state, meta.state)  # a decode step's kernel
+        return self.out_proj(self._mix(qkv, z, b, a, state, meta.state) if out is None else out)
+
+    def _mix(self, qkv, z, b, a, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        """in_proj's outputs to out_proj's input [T, value heads x value dim] in torch ops, the
+        convolution and the delta rule the backend's."""
+        tokens = qkv.shape[0]
+        qkv = self.ops.causal_conv1d(qkv, state[0], self.conv1d.weight[:, 0], None, meta, "silu")
         q, k, v = qkv.float().split(self.split, dim=-1)
         q, k = (_l2_normalised(t.reshape(tokens, self.key_heads, self.key_dim)) for t in (q, k))
         if self.value_heads != self.key_heads:  # each key head serves a run of value heads (or every n-th: tiled)
@@ -81,9 +92,9 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.repeat(1, per_key, 1) if self.tiled else t.repeat_interleave(per_key, dim=1) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, v heads]
         out = self.ops.gated_delta_rule(q * self.key_dim**-0.5, k, v.reshape(tokens, self.value_heads, -1), g,
-                                        b.float().sigmoid(), state[1], meta.state)
-        out = self.norm(out.to(x.dtype)) * F.silu(z.float().view_as(out)).to(x.dtype)
-        return self.out_proj(out.reshape(tokens, -1))
+                                        b.float().sigmoid(), state[1], meta)
+        out = self.norm(out.to(z.dtype)) * F.silu(z.float().view_as(out)).to(z.dtype)
+        return out.reshape(tokens, -1)
 
 
 class Mamba2(nn.Module):

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_step", &conv1d_step, "a causal depthwise convolution's decode step, its windows in place, float32",
         nogil);
   m.def("delta_rule_step", &delta_rule_step, "the gated delta rule's decode step, its states in place, float32", nogil);
+  m.def("gated_delta_net_step", &gated_delta_net_step,
+        "a Gated DeltaNet layer's decode step between in_proj and out_proj, its states in place, float32", nogil);
   m.def("ssm_step", &ssm_step, "Mamba2's selective scan's decode step, its states in place, float32", nogil);
   m.attr("KV_FORMATS") = pybind11::make_tuple("float32", "q8_0", "float16");  // by KVFormat
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;

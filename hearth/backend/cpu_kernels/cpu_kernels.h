@@ -54,7 +54,9 @@
 //
 // conv1d_step, delta_rule_step, ssm_step (hearth/backend/cpu.py, hybrid models' state layers): a decode step
 // of a causal depthwise convolution, of the gated delta rule and of Mamba2's scan, each sequence's state
-// updated in place in its slot of the state cache (torch gathers the states by slot and scatters them back).
+// updated in place in its slot of the state cache (torch gathers the states by slot and scatters them back);
+// gated_delta_net_step: a Gated DeltaNet layer's whole decode step between its projections (convolution,
+// norms, gates and delta rule), where its torch ops cost more than their arithmetic at batch 1.
 //
 // lora_add (decode_layers' LoRA adapters, hearth/model/lora.py): after each projection's matmul,
 // each row's own adapter's term scale B (A x), the rows grouped by adapter so that each adapter's
@@ -65,7 +67,7 @@
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
 // attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
 // logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
-// greedy_passes), lora.cpp (lora_add), state_ops.cpp (conv1d_step, delta_rule_step, ssm_step), bindings.cpp (the Python module).
+// greedy_passes), lora.cpp (lora_add), state_ops.cpp (conv1d_step, delta_rule_step, gated_delta_net_step, ssm_step), bindings.cpp (the Python module).
 #pragma once
 
 #include <cstdint>
@@ -106,6 +108,12 @@ void conv1d_step(uintptr_t x_, uintptr_t state_, uintptr_t slots_, uintptr_t fre
 void delta_rule_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t beta_, uintptr_t state_,
                      uintptr_t slots_, uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t dk,
                      int64_t dv, int threads);
+void gated_delta_net_step(uintptr_t qkv_, int64_t qkv_stride, uintptr_t z_, int64_t z_stride, uintptr_t b_,
+                          int64_t b_stride, uintptr_t a_, int64_t a_stride, uintptr_t conv_weight_,
+                          uintptr_t conv_state_, int64_t taps, uintptr_t a_log_, uintptr_t dt_bias_,
+                          uintptr_t norm_weight_, double eps, uintptr_t state_, uintptr_t slots_, uintptr_t fresh_,
+                          uintptr_t out_, int64_t rows, int64_t key_heads, int64_t value_heads, int64_t dk,
+                          int64_t dv, bool tiled, int threads);
 void ssm_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t state_, uintptr_t slots_,
               uintptr_t fresh_, uintptr_t out_, int64_t rows, int64_t heads, int64_t n, int64_t p, int threads);
 

@@ -88,8 +88,7 @@ void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_strid
   }
 }
 
-// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; silu(x) = x / (1 + exp(-x)) with the exp of
-// -|x| (so never of a positive number): x >= 0: x / (1 + e), x < 0: x e / (1 + e)
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (vector_math.h's silu)
 void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter, int threads) {
   threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, tokens * inter / 65536));
 #pragma omp parallel for num_threads(threads)
@@ -98,10 +97,7 @@ void silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inte
     const float* u = g + inter;
     float* o = out + t * inter;
 #pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = g[i], e = exp_nonpositive(-std::abs(x));
-      o[i] = (x >= 0.f ? x : x * e) / (1.f + e) * u[i];
-    }
+    for (int64_t i = 0; i < inter; ++i) o[i] = silu(g[i]) * u[i];
   }
 }
 

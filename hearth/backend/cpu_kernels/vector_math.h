@@ -1,4 +1,4 @@
-// Loops the kernels share, in forms the compiler vectorises: exp of non-positive numbers, a row's
+// Loops the kernels share, in forms the compiler vectorises: exp of non-positive numbers, SiLU, a row's
 // argmax.
 #pragma once
 
@@ -32,6 +32,13 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// silu(x) = x / (1 + exp(-x)) with the exp of -|x| (so never of a positive number): x >= 0: x / (1 + e),
+// x < 0: x e / (1 + e)
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::abs(x));
+  return (x >= 0.f ? x : x * e) / (1.f + e);
 }
 
 // A row's argmax as torch's: the first of equal maxima, or the first NaN where there is one (a
