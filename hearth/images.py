@@ -5,7 +5,8 @@ pixel is decoded) within `max_pixels`, and its file whole: `verify()` checks wha
 check without decoding (a PNG's chunk CRCs), then `load()` decodes every pixel, so a truncated file
 fails here and not later in a vision encoder. Pillow's decompression-bomb guard stays on behind the
 pixel limit. The server (hearth/server/images.py), LLM.chat (hearth/chat_images.py) and the CLI read
-images through `decode_image`; a data URL's bytes come out of it through `data_url_bytes`.
+images through `decode_image`, files (images' and videos') through `read_file_bytes`; a data URL's bytes come
+out of it through `data_url_bytes`.
 """
 
 from __future__ import annotations
@@ -87,10 +88,14 @@ def data_url_bytes(url: str, max_bytes: int, what: str, kind: str = "image") -> 
         raise ImageError(f"{what}: the data URL's base64 is broken: {e}") from None
 
 
-def read_image_file(path: Path, what: str) -> Image.Image:
-    """An image file, read and decoded as decode_image does (no pixel limit but Pillow's bomb guard)."""
+def read_file_bytes(path: Path, what: str) -> bytes:
+    """A file's bytes (an image's or a video's, given by path); ImageError where it cannot be read."""
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise ImageError(f"{what}: cannot read {path}: {e.strerror}") from None
-    return decode_image(data, Image.MAX_IMAGE_PIXELS, f"{what} ({path})")
+
+
+def read_image_file(path: Path, what: str) -> Image.Image:
+    """An image file, read and decoded as decode_image does (no pixel limit but Pillow's bomb guard)."""
+    return decode_image(read_file_bytes(path, what), Image.MAX_IMAGE_PIXELS, f"{what} ({path})")
