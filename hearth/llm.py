@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hearth.chat_images import conversation_images
+from hearth.chat_images import conversation_media, local_video_limits
 from hearth.engine_config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.cascade import CascadeEngine
@@ -120,7 +120,8 @@ class LLM:
         LoRA adapter of lora_request: see generate). A message's content may hold images among its parts
         for an image-text model, as vLLM's LLM.chat takes them (hearth/chat_images.py: `image_url` parts
         with data URLs or file:// paths, `image_pil` parts, `image` parts with a PIL image or a path), made
-        with mm_processor_kwargs' settings (see generate's prompt dicts)."""
+        with mm_processor_kwargs' settings (see generate's prompt dicts), and videos for Qwen3-VL and Qwen3.5
+        (`video_url` parts with data URLs or file:// paths, sampled as the model's video processor samples)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, mm_processor_kwargs)
                    for c in conversations]
@@ -129,17 +130,19 @@ class LLM:
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
                     mm_processor_kwargs: dict[str, Any] | None = None) -> Prompt:
-        """A conversation's prompt for generate: its token ids through the chat template, or with images
-        (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the images; with
+        """A conversation's prompt for generate: its token ids through the chat template, or with images or
+        videos (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the media; with
         mm_processor_kwargs, a prompt dict that holds them too (checked by the engine even without images)."""
-        messages, images = conversation_images(conversation)
+        limits = local_video_limits(getattr(self.engine, "video_processor", None))
+        messages, images, videos = conversation_media(conversation, limits)
         settings = {} if mm_processor_kwargs is None else {"mm_processor_kwargs": mm_processor_kwargs}
-        if not images:
+        if not images and not videos:
             ids = self.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
             return {"prompt_token_ids": ids, **settings} if settings else ids
         tokenizer = self.engine.tokenizer
         text = tokenizer.chat_text(messages, add_generation_prompt, **(chat_template_kwargs or {}))
-        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": {"image": images}, **settings}
+        data = {"image": images, "video": videos} if videos else {"image": images}
+        return {"prompt": tokenizer.chat_prompt_text(text), "multi_modal_data": data, **settings}
 
     def render_chat(
         self,

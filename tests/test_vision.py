@@ -427,7 +427,7 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
         out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0]
         assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
         assert out.outputs[0].token_ids == ref_tokens
-    for part, message in (({"type": "input_audio", "input_audio": {}}, "text or an image"),
+    for part, message in (({"type": "input_audio", "input_audio": {}}, "text, an image .* or a video"),
                           ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "fetches nothing"),
                           ({"type": "image", "image": str(tmp_path / "missing.png")}, "cannot read")):
         with pytest.raises(RequestError, match=message):
