@@ -1,5 +1,5 @@
-"""`hearth generate` and `hearth chat`: their sampling flags, streaming to the terminal, --image's
-prompts, and the chat loop with its commands (/help, /reset, /system, /image, /exit)."""
+"""`hearth generate` and `hearth chat`: their sampling flags, streaming to the terminal, --image's and
+--video's prompts, and the chat loop with its commands (/help, /reset, /system, /image, /exit)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def add_generate_and_chat(sub) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for an image-text model (repeatable); the prompt names each with <image>, "
                         "in order (without any, the images go before the text)")
+    p.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="a video for Qwen3-VL or Qwen3.5 (repeatable; mp4, webm, mkv... read by PyAV: pip install "
+                        "'hearth[video]'), sampled as the model's video processor samples; the prompt names each "
+                        "with <|vision_start|><|video_pad|><|vision_end|>, in order (without any, the videos go "
+                        "before the text, after the images)")
     p.add_argument("--json", action="store_true")
     _add_sampling(p, max_tokens=128)
     # one sequence at a time: the KV cache holds one context, not a share of memory
@@ -87,25 +92,33 @@ def _stream(llm, prompt, params) -> str:
     return shown if output is None else output.outputs[0].text
 
 
-def _generate_prompt(text: str, images: list | None, processor=None):
-    """--prompt, or with --image the prompt dict with its images (the model's image part, as its chat
-    template writes one, put before the text once per image when the text names none; processor: the
-    model's image processor, None for a model without: its images are refused by the engine)."""
-    if not images:
+def _generate_prompt(text: str, images: list | None, processor=None, videos: list | None = None,
+                     video_processor=None):
+    """--prompt, or with --image / --video the prompt dict with its media (the model's image part, as its chat
+    template writes one, put before the text once per image when the text names none, and likewise each video's
+    part; processor: the model's image processor, None for a model without: its images are refused by the
+    engine; video_processor: its video processor, never None with videos)."""
+    if not images and not videos:
         return text
     from hearth.image_processor import IMAGE_MARKER
 
     marker, part = (IMAGE_MARKER, IMAGE_MARKER) if processor is None else (processor.marker, processor.template_part)
-    return {"prompt": text if marker in text else part * len(images) + text, "multi_modal_data": {"image": images}}
+    if videos and video_processor.marker not in text:
+        text = video_processor.marker * len(videos) + text
+    data = {"image": images or [], "video": videos} if videos else {"image": images}
+    return {"prompt": text if not images or marker in text else part * len(images) + text, "multi_modal_data": data}
 
 
 def cmd_generate(args) -> None:
-    params = _sampling(args)  # a bad option or image fails before the model loads
-    from hearth.images import read_image_file
+    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+    from hearth.images import read_file_bytes, read_image_file
 
     images = [read_image_file(Path(p), "--image") for p in args.image] if args.image else None
+    video_files = [(p, read_file_bytes(Path(p), "--video")) for p in args.video]
     llm = build_llm(args)
-    prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None))
+    videos = _decoded_videos(llm, video_files)
+    prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None), videos,
+                              getattr(llm.engine, "video_processor", None))
     if args.json:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
@@ -122,6 +135,20 @@ def cmd_generate(args) -> None:
     sys.stdout.write(args.prompt)
     _stream(llm, prompt, params)
     sys.stdout.write("\n")
+
+
+def _decoded_videos(llm, files: list[tuple[str, bytes]]) -> list | None:
+    """--video's files decoded and sampled for the loaded model (hearth/videos.py); VideoError for a model that
+    takes no videos, a file that is no video, or PyAV missing."""
+    if not files:
+        return None
+    from hearth.chat_images import local_video_limits
+    from hearth.videos import VideoError, decode_video
+
+    limits = local_video_limits(getattr(llm.engine, "video_processor", None))
+    if limits is None:
+        raise VideoError("--video: this model takes no videos: hearth runs the videos of Qwen3-VL and Qwen3.5")
+    return [decode_video(data, limits, f"--video ({path})") for path, data in files]
 
 
 CHAT_COMMANDS = """commands (not sent to the model):

@@ -428,3 +428,54 @@ def test_qwen3_5_images_on_the_gpu_backend(qwen3_5):
     images = [_image(*IMAGES[2])]
     inputs, ref_logits, _ = _reference(qwen3_5, ONE, images)
     gpu_logits_match(qwen3_5[0], ONE, images, inputs, ref_logits)
+
+
+def test_llm_chat_and_generate_take_videos(qwen, tmp_path, capsys):
+    """LLM.chat with vLLM's `video_url` parts (an mp4 data URL, a webm file:// path): the token ids and greedy tokens
+    LLM.generate gives for the files' sampled frames (compared with transformers in test_videos_are_transformers);
+    `hearth generate --video` the same text (the video's part put before the prompt). A model without videos, PyAV
+    missing, an unreadable file: each refused by name."""
+    import base64
+    import json
+    from unittest import mock
+
+    pytest.importorskip("av")
+    from hearth import LLM
+    from hearth.chat_images import conversation_media
+    from hearth.cli import main
+    from hearth.videos import VideoError, decode_video
+
+    rng = np.random.default_rng(5)
+    mp4 = _video_file(rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8))
+    webm = _video_file(rng.integers(0, 256, (5, 32, 48, 3), dtype=np.uint8), "libvpx", "webm")
+    (tmp_path / "a.mp4").write_bytes(mp4)
+    (tmp_path / "b.webm").write_bytes(webm)
+    limits = qwen[3].engine.video_processor.limits(5000)
+    frames = [decode_video(data, limits) for data in (mp4, webm)]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    expected = qwen[3].generate({"prompt": f"{VIDEO}then{VIDEO}?", "multi_modal_data": {"video": frames}},
+                                params, use_tqdm=False)[0]
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}},
+               {"type": "text", "text": "then"}, {"type": "video_url", "video_url": f"file://{tmp_path / 'b.webm'}"},
+               {"type": "text", "text": "?"}]
+    llm = LLM(str(qwen[0]), chat_template=VIDEO_TEMPLATE, progress=False)
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected.prompt_token_ids and out.outputs[0].token_ids == expected.outputs[0].token_ids
+    with mock.patch.dict("sys.modules", {"av": None}), pytest.raises(VideoError, match="PyAV is not installed"):
+        llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+    with pytest.raises(VideoError, match="video 1: this model takes no videos"):
+        conversation_media([{"role": "user", "content": content}], None)  # (LLM.chat's for a model without)
+    with pytest.raises(RequestError, match="video 2: cannot read"):
+        llm.chat([{"role": "user", "content": content[:2] + [{"type": "video_url", "video_url": "file:///no.mp4"}]}])
+
+    capsys.readouterr()
+    assert main(["generate", str(qwen[0]), "--video", str(tmp_path / "a.mp4"), "--prompt", "What happens?",
+                 "--max-tokens", "4", "--temperature", "0", "--json"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    alone = qwen[3].generate({"prompt": VIDEO + "What happens?", "multi_modal_data": {"video": frames[:1]}}, params,
+                             use_tqdm=False)[0]
+    assert reply["text"] == alone.outputs[0].text and reply["prompt_tokens"] == len(alone.prompt_token_ids)
+    assert main(["generate", "builtin", "--video", str(tmp_path / "missing.mp4"), "--prompt", "x"]) == 1
+    assert "--video: cannot read" in capsys.readouterr().err
+    assert main(["generate", "builtin", "--video", str(tmp_path / "a.mp4"), "--prompt", "x"]) == 1
+    assert "--video: this model takes no videos" in capsys.readouterr().err
