@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 
-import peft
 import pytest
 import torch
 
@@ -29,6 +28,8 @@ MAX_TOKENS = 6
 
 def make_adapter(base, folder, targets, rank, alpha, rslora, seed):
     """A PEFT adapter with random A and B (PEFT starts B at zero: that would add nothing)."""
+    import peft  # here, not at the top: 5 s of CPU for each pytest worker that collects this file
+
     model = peft.get_peft_model(load_hf_reference(base), peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0))
     generator = torch.Generator().manual_seed(seed)
@@ -60,6 +61,8 @@ def reference(base, adapter, prompt: list[int], tokens: list[int]) -> tuple[list
     base model's folder, or the model itself."""
     model = load_hf_reference(base) if not isinstance(base, torch.nn.Module) else base
     if adapter is not None:
+        import peft
+
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()

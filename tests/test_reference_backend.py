@@ -29,6 +29,7 @@ def transformers_model(path: Path):
 
     import gguf
     from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     # transformers parses the file in each of the two calls and builds gguf's tensor-name table
@@ -37,9 +38,11 @@ def transformers_model(path: Path):
         patch.setattr(gguf, "GGUFReader", functools.lru_cache(gguf.GGUFReader))
         patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
         config = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
-        model = LlamaForCausalLM(config).eval()
-        model.load_state_dict(load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"],
-                              strict=False)
+        with no_init_weights():  # every weight comes from the file (3 s of CPU to draw random ones first)
+            model = LlamaForCausalLM(config).eval()
+        keys = model.load_state_dict(load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"],
+                                     strict=False)
+    assert keys.missing_keys == ["lm_head.weight"] and not keys.unexpected_keys
     model.tie_weights()  # the file has no output tensor: lm_head is token_embd
     return model
 

@@ -142,14 +142,31 @@ METHODS = ["ngram", "draft unlike", "draft identical", "ngram tree", "draft unli
            "early-exit", "early-exit tree", "lookahead full"]
 
 
+REPEATING_PROMPT = [7, 8, 9, 10] * 4 + [7, 8]  # its continuation is guessed from the prompt
+
+
+@pytest.fixture(scope="module")
+def plain_draws(folder):
+    """temperature -> 600 draws of the first 4 tokens after REPEATING_PROMPT without speculation (an
+    engine seeded 1: the same draws for every method below, made once per temperature)."""
+    draws = {}
+
+    def plain(params: SamplingParams) -> list[tuple[int, ...]]:
+        if params.temperature not in draws:
+            draws[params.temperature] = first_tokens(LLM(folder, progress=False, seed=1), REPEATING_PROMPT, params, 600)
+        return draws[params.temperature]
+
+    return plain
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike_draft, method):
+def test_sampled_outputs_keep_the_distribution_through_the_engine(folder, unlike_draft, plain_draws, method):
     """Unseeded draws of the first tokens, speculative against plain: the same distribution
     (chi-square on the second to fourth tokens, where guesses were verified). The target as its
     own draft has every guess accepted."""
-    prompt = [7, 8, 9, 10] * 4 + [7, 8]  # its continuation is guessed from the prompt
+    prompt = REPEATING_PROMPT
     params = SamplingParams(temperature=0.15 if method.startswith("ngram") else 0.7, max_tokens=4, ignore_eos=True)
-    plain = first_tokens(LLM(folder, progress=False, seed=1), prompt, params, 600)
+    plain = plain_draws(params)
     llm = LLM(folder, progress=False, seed=2, **speculation(method, folder, unlike_draft))
     speculative = first_tokens(llm, prompt, params, 600)
     counts = llm.engine.spec_decode_totals

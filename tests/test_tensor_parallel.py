@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -10,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hearth import LLM, SamplingParams
 from hearth.distributed.tensor_parallel import TensorShard, VocabParallelEmbedding, VocabParallelHead, _rows
@@ -35,8 +37,7 @@ def greedy_tokens(model, **options) -> list[list[int]]:
     ("llama", {"vocab_size": 321}),  # vocabulary rows 160 and 161 a rank
     ("qwen2", {}),  # q/k/v biases split with their rows
     ("qwen3", {"tie_word_embeddings": True}),  # q/k norms on each rank's heads; tied: the embedding's slice
-    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds the one
-])
+])  # fewer KV heads than ranks: test_a_model_that_does_not_split_is_refused_by_name
 def test_two_ranks_give_one_process_greedy_tokens(tmp_path, arch, overrides):
     folder = make_hf_model(tmp_path / arch, arch, **overrides)
     assert greedy_tokens(folder, tensor_parallel_size=2) == greedy_tokens(folder)
@@ -107,9 +108,10 @@ def test_a_model_that_does_not_split_is_refused_by_name(tmp_path):
                            hidden_size=48)
     with pytest.raises(ModelLoadError, match="num_heads = 3 does not split over 2 ranks"):
         LLM(folder, progress=False, tensor_parallel_size=2)
-    # the workers were ended: the next tensor-parallel engine can start in this process
-    folder = make_hf_model(tmp_path / "ok", "llama")
-    assert greedy_tokens(folder, tensor_parallel_size=2)[0]
+    # the workers were ended: the next tensor-parallel engine can start in this process; with fewer KV
+    # heads than ranks, each rank holds the one, and the tokens are one process's
+    folder = make_hf_model(tmp_path / "ok", "llama", num_key_value_heads=1)
+    assert greedy_tokens(folder, tensor_parallel_size=2) == greedy_tokens(folder)
 
 
 def test_rank_configs_split_heads_and_width():
@@ -121,10 +123,20 @@ def test_rank_configs_split_heads_and_width():
     assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.head_dim) == (2, 1, 32, 8)
 
 
-def _vocabulary_rank(rank: int, address: str, table: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+def _vocabulary_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An odd vocabulary (11 rows: 5 and 6 a rank) of width 8, ids on both sides of the boundary
+    with repeats, and 3 hidden states; the same on every rank (seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    table = torch.randn(11, 8, generator=generator)
+    hidden = torch.randn(3, 8, generator=generator)
+    return table, torch.tensor([10, 0, 4, 5, 6, 5, 1]), hidden
+
+
+def _vocabulary_rank(rank: int, address: str) -> None:
     """One of two gloo ranks: the vocabulary-parallel modules on its rows; rank 0 checks what it gets."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+    table, ids, hidden = _vocabulary_inputs()
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         shares = [TensorShard(r, 2).vocabulary(len(table)) for r in range(2)]
         rows = table[shares[rank].start : shares[rank].stop]
@@ -142,13 +154,18 @@ def _vocabulary_rank(rank: int, address: str, table: torch.Tensor, ids: torch.Te
 
 
 def test_vocabulary_parallel_modules_equal_the_whole_table():
-    """An odd vocabulary (11 rows: 5 and 6 a rank) over two gloo processes: every id's vector from
-    the rank holding it, and the logits of all 11 tokens in order on rank 0."""
-    generator = torch.Generator().manual_seed(0)
-    table = torch.randn(11, 8, generator=generator)
-    ids = torch.tensor([10, 0, 4, 5, 6, 5, 1])  # both sides of the boundary, repeats
-    hidden = torch.randn(3, 8, generator=generator)
+    """Over two gloo ranks (this process rank 0, a child rank 1): every id's vector from the rank
+    holding it, and the logits of all 11 tokens in order on rank 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    mp.spawn(_vocabulary_rank, args=(address, table, ids, hidden), nprocs=2)
+    # a plain child (not torch.multiprocessing's spawn, which imports pytest and this module's imports again)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                              "from test_tensor_parallel import _vocabulary_rank; _vocabulary_rank(1, sys.argv[2])",
+                              str(Path(__file__).parent), address])
+    try:
+        _vocabulary_rank(0, address)
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+        child.wait()
