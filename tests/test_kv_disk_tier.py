@@ -136,6 +136,30 @@ def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llam
     assert second.engine.kv_disk_tier.counts.hits == 4
 
 
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_a_sleep_saves_the_blocks_still_cached_and_the_next_turn_hits(llama, tmp_path, tier):
+    """A level-1 sleep (the KV cache given back, AsyncEngine.release_kv_cache) first saves the blocks the prefix
+    cache holds to the tiers, so that after it the same prompt finds its 4 full blocks there: transformers'
+    greedy tokens, 4 tier hits, 64 cached tokens."""
+    prompt = [random.Random(10).randrange(VOCAB_SIZE) for _ in range(70)]  # 4 full blocks
+    if tier == "disk":
+        llm = tiered_llm(llama, tmp_path / "tier", "cpu")
+    else:
+        llm = ram_tiered_llm(llama, 8 * BLOCK * KV_BYTES_PER_TOKEN)
+    engine = AsyncEngine(llm.engine)
+    try:
+        asyncio.run(served(engine, prompt))
+        asyncio.run(engine.release_kv_cache())  # the sleep
+        counts = llm.engine.kv_tiers.disk.counts if tier == "disk" else llm.engine.kv_tiers.ram.counts
+        assert counts.blocks_written == 4 and counts.hits == 0
+        assert all(not t.any() for t, _ in llm.engine.runner._cache_tensors())  # its pages given back
+    finally:
+        engine.shutdown()
+    before = llm.engine.block_manager.prefix_cache_hits
+    assert greedy_tokens(llm, prompt) == reference_greedy(llama, [prompt])[0]
+    assert counts.hits == 4 and llm.engine.block_manager.prefix_cache_hits - before == 4 * BLOCK
+
+
 async def served(engine: AsyncEngine, prompt: list[int]) -> None:
     async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
         pass

@@ -363,11 +363,15 @@ class LLMEngine:
 
     def release_kv_cache(self) -> int:
         """Forget the prefix cache and give the KV cache's memory back (a sleeping model's: the next request
-        finds an empty cache); the bytes released (ModelRunner.release_kv_memory). RequestError while
-        requests run."""
+        finds an empty cache, and its tiers, where there are any, the blocks it held: saved to them first);
+        the bytes released (ModelRunner.release_kv_memory). RequestError while requests run."""
         self.wait_for_pass()
-        if self.has_unfinished_requests() or not self.block_manager.reset_prefix_cache():
-            raise RequestError("the KV cache cannot be released while requests are running")
+        refused = RequestError("the KV cache cannot be released while requests are running")
+        if self.has_unfinished_requests():
+            raise refused
+        self.save_cache_to_tiers()
+        if not self.block_manager.reset_prefix_cache():
+            raise refused
         return self.runner.release_kv_memory()
 
     def wait_for_pass(self) -> None:
