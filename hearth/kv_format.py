@@ -160,6 +160,34 @@ def unpack_rows(data: torch.Tensor, dtype: torch.dtype, m: int, q8_0: bool) -> t
     return dequantize_q8_0(codes, scales).to(dtype)
 
 
+def block_payloads(tensors: list[tuple[torch.Tensor, bool]], slots: torch.Tensor, num_blocks: int,
+                   q8_0: bool) -> list[bytes]:
+    """Each of num_blocks blocks' K/V as bytes (the KV tiers' payload) from stored_tensors' `tensors` at
+    `slots` (every slot of the blocks, in order): every tensor's rows of the block (a q8_0 cache's codes
+    and scales), raw, in order; with q8_0, a 16- or 32-bit cache's values as q8_0 blocks (pack_rows),
+    quantized on the device, before the copy."""
+    rows = torch.cat([pack_rows(t[slots].reshape(num_blocks, -1), q8_0 and packable) for t, packable in tensors], 1)
+    return [row.numpy().tobytes() for row in rows.cpu()]
+
+
+def write_block_payloads(tensors: list[tuple[torch.Tensor, bool]], slots: torch.Tensor, payloads: list[bytes],
+                         block_size: int, q8_0: bool) -> None:
+    """block_payloads' payloads written back into `tensors` at `slots` (q8_0: as packed with q8_0)."""
+    rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+    rows, start = rows.view(len(payloads), -1).to(slots.device), 0
+    for t, packable in tensors:
+        m = t[0].numel() * block_size
+        width = packed_width(m, t.element_size(), q8_0 and packable)
+        values = unpack_rows(rows[:, start:start + width], t.dtype, m, q8_0 and packable)
+        t[slots] = values.view(len(slots), *t.shape[1:])
+        start += width
+
+
+def block_payload_bytes(tensors: list[tuple[torch.Tensor, bool]], block_size: int, q8_0: bool) -> int:
+    """The bytes of one block's payload (block_payloads)."""
+    return sum(packed_width(t[0].numel() * block_size, t.element_size(), q8_0 and packable) for t, packable in tensors)
+
+
 def packed_width(m: int, itemsize: int, q8_0: bool) -> int:
     """Bytes of one row of m values in pack_rows' payload."""
     return m + m // Q8_BLOCK * 2 if q8_0 else m * itemsize
