@@ -302,6 +302,25 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)
 
 
+def free_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Free the memory of tensors torch allocated (a GPU's KV cache: torch.zeros), the tensor objects kept,
+    each storage resized to 0 bytes; (storage, its bytes) for restore_storages, which gives the memory
+    back. Kernels take the tensors anew each step; CUDA graphs, which hold the old addresses, must be
+    dropped (the weights' move does: Transformer._apply)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}  # (before any is freed)
+    freed = [(storage, storage.nbytes()) for storage in storages.values() if storage.nbytes()]
+    for storage, _ in freed:
+        storage.resize_(0)
+    return freed
+
+
+def restore_storages(freed: list[tuple[torch.UntypedStorage, int]]) -> None:
+    """free_storages' storages given their memory again, zero-filled (unused slots must read as zeros)."""
+    for storage, nbytes in freed:
+        storage.resize_(nbytes)
+        storage.fill_(0)
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)

@@ -138,7 +138,7 @@ def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llam
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])
 def test_a_sleep_saves_the_blocks_still_cached_and_the_next_turn_hits(llama, tmp_path, tier):
-    """A level-1 sleep (the KV cache given back, AsyncEngine.release_kv_cache) first saves the blocks the prefix
+    """A level-1 sleep (the KV cache given back, AsyncEngine.sleep) first saves the blocks the prefix
     cache holds to the tiers, so that after it the same prompt finds its 4 full blocks there: transformers'
     greedy tokens, 4 tier hits, 64 cached tokens."""
     prompt = [random.Random(10).randrange(VOCAB_SIZE) for _ in range(70)]  # 4 full blocks
@@ -149,7 +149,7 @@ def test_a_sleep_saves_the_blocks_still_cached_and_the_next_turn_hits(llama, tmp
     engine = AsyncEngine(llm.engine)
     try:
         asyncio.run(served(engine, prompt))
-        asyncio.run(engine.release_kv_cache())  # the sleep
+        asyncio.run(engine.sleep())
         counts = llm.engine.kv_tiers.disk.counts if tier == "disk" else llm.engine.kv_tiers.ram.counts
         assert counts.blocks_written == 4 and counts.hits == 0
         assert all(not t.any() for t, _ in llm.engine.runner._cache_tensors())  # its pages given back

@@ -27,7 +27,7 @@ from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import (KVCaches, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
-                              release_pages, stored_tensors, with_state_caches, write_block_payloads)
+                              stored_tensors, with_state_caches, write_block_payloads)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import Request, RequestStatus
@@ -87,7 +87,9 @@ class ModelRunner:
             if config.is_hybrid:
                 self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots + num_state_snapshots,
                                                    kv_dtype, device)
+        self.owns_kv_cache = kv_caches is None
         self.state_snapshots = (num_state_slots, num_state_snapshots)  # (the first snapshot row, how many)
+        self.asleep, self._freed_kv = False, []  # (sleep() to wake_up(): the KV storages freed off a CPU)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
@@ -260,12 +262,24 @@ class ModelRunner:
     def _cache_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         return stored_tensors(self.kv_caches, self.block_size)
 
-    def release_kv_memory(self) -> int:
-        """Give the KV cache's memory back to the OS, its tensors kept where they are (kernels and CUDA
-        graphs hold their addresses): on a CPU each cache buffer is an anonymous shared map (`zeroed`),
-        whose pages are removed and read as zeros again, as unused slots must, costing nothing until
-        written. Returns the bytes released: 0 off a CPU, where the memory stays."""
-        return 0 if self.device.type != "cpu" else release_pages([t for t, _ in self._cache_tensors()])
+    def sleep(self) -> int:
+        """A level-1 sleep (vLLM's), with the models beside it: the KV cache's memory given back (its contents
+        forgotten: the engine forgot the prefix cache first) and on a GPU the weights moved to host RAM
+        (Backend.release_memory). Nothing may run until wake_up. Returns the bytes released."""
+        if self.asleep:
+            return 0
+        beside = sum(s.runner.sleep() for s in (self.draft, self.amateur) if s is not None)
+        kv = [t for t, _ in self._cache_tensors()] if self.owns_kv_cache else []
+        (released, self._freed_kv), self.asleep = self.backend.release_memory(self.model, kv), True
+        return beside + released
+
+    def wake_up(self) -> None:
+        """Back from sleep: the weights on the device again, the KV cache's memory back (read as zeros)."""
+        if self.asleep:
+            self.backend.restore_memory(self.model, self._freed_kv)
+            self._freed_kv, self.asleep = [], False
+            for second in (s for s in (self.draft, self.amateur) if s is not None):
+                second.runner.wake_up()
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
