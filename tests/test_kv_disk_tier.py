@@ -26,6 +26,7 @@ from hearth.engine.kv_tiers import KVTiers
 from hearth.engine.request import Request
 from hearth.engine.startup import kv_tiers
 from hearth.errors import HearthError
+from hearth.kv_format import block_payloads
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 
@@ -255,6 +256,9 @@ def test_ram_tier_returns_the_logits_of_blocks_never_evicted(llama):
         greedy_tokens(llm, prompt)  # evict prompt 0's 4 blocks and one of prompt 1's
     assert ram.counts.blocks_written == 5 and ram.total_bytes == 5 * block_bytes
     assert greedy_logprobs(llm, prompts[0]) == never_evicted  # its 4 blocks from RAM: the same floats
+    runner = llm.engine.runner  # its K/V in one allocation: one gather, the bytes of a gather per tensor (copies)
+    copies = [(t.clone(), packable) for t, packable in runner._cache_tensors()]
+    assert runner.block_bytes([2, 5]) == block_payloads(copies, runner._slots([2, 5]), 2, False)
     assert ram.counts.hits == 4 and ram.counts.bytes_read == 4 * block_bytes and ram.counts.read_seconds > 0
     # loading them evicted prompt 2's blocks: into RAM, whose least recently used went (it holds 5 at most)
     assert ram.counts.blocks_written > 5 and ram.total_bytes == 5 * block_bytes
