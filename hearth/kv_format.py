@@ -160,6 +160,52 @@ def unpack_rows(data: torch.Tensor, dtype: torch.dtype, m: int, q8_0: bool) -> t
     return dequantize_q8_0(codes, scales).to(dtype)
 
 
+def block_payloads(tensors: list[tuple[torch.Tensor, bool]], slots: torch.Tensor, num_blocks: int,
+                   q8_0: bool) -> list[bytes]:
+    """Each of num_blocks blocks' K/V as bytes (the KV tiers' payload) from stored_tensors' `tensors` at
+    `slots` (every slot of the blocks, in order): every tensor's rows of the block (a q8_0 cache's codes
+    and scales), raw, in order; with q8_0, a 16- or 32-bit cache's values as q8_0 blocks (pack_rows),
+    quantized on the device, before the copy. Where the tensors are one allocation's (allocate_kv_caches lays
+    each layout's so) and stay as stored, one gather takes every layer's rows: a block of SmolLM2's 60 tensors
+    in a tenth of the time of a gather each (the tiers copy every evicted block in the engine's step)."""
+    stacked = None if q8_0 and any(packable for _, packable in tensors) else _one_allocation([t for t, _ in tensors])
+    if stacked is not None:  # (a block's gather [tensors, block_size, ...] is its payload's layout)
+        return [stacked[:, block].view(torch.uint8).cpu().numpy().tobytes() for block in slots.view(num_blocks, -1)]
+    rows = torch.cat([pack_rows(t[slots].reshape(num_blocks, -1), q8_0 and packable) for t, packable in tensors], 1)
+    return [row.numpy().tobytes() for row in rows.cpu()]
+
+
+def _one_allocation(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one strided view [len(tensors), *shape] where they are alike and evenly spaced in one
+    storage, in order; else None."""
+    first = tensors[0]
+    step = tensors[1].data_ptr() - first.data_ptr() if len(tensors) > 1 else 0
+    if step <= 0 or step % first.element_size() or any(
+            t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+            or t.data_ptr() != first.data_ptr() + i * step
+            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for i, t in enumerate(tensors)):
+        return None
+    return first.as_strided((len(tensors), *first.shape), (step // first.element_size(), *first.stride()))
+
+
+def write_block_payloads(tensors: list[tuple[torch.Tensor, bool]], slots: torch.Tensor, payloads: list[bytes],
+                         block_size: int, q8_0: bool) -> None:
+    """block_payloads' payloads written back into `tensors` at `slots` (q8_0: as packed with q8_0)."""
+    rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+    rows, start = rows.view(len(payloads), -1).to(slots.device), 0
+    for t, packable in tensors:
+        m = t[0].numel() * block_size
+        width = packed_width(m, t.element_size(), q8_0 and packable)
+        values = unpack_rows(rows[:, start:start + width], t.dtype, m, q8_0 and packable)
+        t[slots] = values.view(len(slots), *t.shape[1:])
+        start += width
+
+
+def block_payload_bytes(tensors: list[tuple[torch.Tensor, bool]], block_size: int, q8_0: bool) -> int:
+    """The bytes of one block's payload (block_payloads)."""
+    return sum(packed_width(t[0].numel() * block_size, t.element_size(), q8_0 and packable) for t, packable in tensors)
+
+
 def packed_width(m: int, itemsize: int, q8_0: bool) -> int:
     """Bytes of one row of m values in pack_rows' payload."""
     return m + m // Q8_BLOCK * 2 if q8_0 else m * itemsize
@@ -272,6 +318,25 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=int(np.prod(shape))).view(shape)
+
+
+def free_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Free the memory of tensors torch allocated (a GPU's KV cache: torch.zeros), the tensor objects kept,
+    each storage resized to 0 bytes; (storage, its bytes) for restore_storages, which gives the memory
+    back. Kernels take the tensors anew each step; CUDA graphs, which hold the old addresses, must be
+    dropped (the weights' move does: Transformer._apply)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}  # (before any is freed)
+    freed = [(storage, storage.nbytes()) for storage in storages.values() if storage.nbytes()]
+    for storage, _ in freed:
+        storage.resize_(0)
+    return freed
+
+
+def restore_storages(freed: list[tuple[torch.UntypedStorage, int]]) -> None:
+    """free_storages' storages given their memory again, zero-filled (unused slots must read as zeros)."""
+    for storage, nbytes in freed:
+        storage.resize_(nbytes)
+        storage.fill_(0)
 
 
 @functools.cache

@@ -4,7 +4,9 @@ Triton's interpreter (tests/conftest.py), graphs with capture off; with one, on 
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -202,3 +204,55 @@ def test_a_model_split_over_two_processes_gives_one_process_greedy_tokens(tmp_pa
         assert _greedy(split_llm, prompts, 4) == _greedy(_llm(folder), prompts, 4)
     finally:
         split_llm.engine.close()
+
+
+def test_sleep_level_1_moves_the_weights_out_and_back_and_level_2_lets_the_engine_go(tmp_path):
+    """Level 1 (LLMEngine.sleep, vLLM's): every weight and buffer copied to host RAM (pinned on a GPU) and the
+    device's copies let go, the KV cache's memory given back, the decode graphs dropped; the next step wakes
+    the engine, which decodes transformers' greedy tokens from the weights moved back. (A q8_0 GGUF's
+    TritonQuantLinear, rebound by the same Module._apply as .to(), passes too, at 12 CPU-s a generate under
+    the interpreter: too slow here.) Level 2 drops the engine: once it is, nothing holds its model."""
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    llm = _llm(folder)
+    engine, runner = llm.engine, llm.engine.runner
+    prompt = _prompts(1, seed=5, shortest=8, longest=8)[0]
+    before = _greedy(llm, [prompt], 2)[0]  # a prefill and a decode step (the decode graphs' buffers)
+    assert "decode_graphs" in engine.model.backend_state
+    weights = {n: (t.untyped_storage().data_ptr(), t.numel() * t.element_size())
+               for n, t in [*runner.model.named_parameters(), *runner.model.named_buffers()]}
+    kv_bytes = sum(t.numel() * t.element_size() for t, _ in runner._cache_tensors())
+    assert engine.sleep() == kv_bytes + sum(nbytes for _, nbytes in weights.values()) and runner.asleep
+    moved = dict([*runner.model.named_parameters(), *runner.model.named_buffers()])
+    assert all(moved[n].untyped_storage().data_ptr() != ptr for n, (ptr, _) in weights.items())  # copies
+    assert all(t.device.type == "cpu" and t.is_pinned() == (DEVICE == "cuda") for t in moved.values())
+    assert "decode_graphs" not in engine.model.backend_state
+    if DEVICE == "cpu":  # the cache's pages given back: they read as zeros
+        assert all(not t.any() for t, _ in runner._cache_tensors())
+    else:  # its storages freed, the tensors kept
+        assert all(t.untyped_storage().nbytes() == 0 for t, _ in runner._cache_tensors())
+    after = _greedy(llm, [prompt], 2)[0]  # the step wakes it
+    assert not runner.asleep and after == before
+    assert all(t.device.type == DEVICE for t in runner.model.parameters())
+    _assert_transformers_greedy(load_hf_reference(folder).to(DEVICE), prompt, after)
+    model = weakref.ref(runner.model)
+    del llm, engine, runner, moved
+    gc.collect()
+    assert model() is None
+
+
+def test_freed_storages_come_back_zeroed_under_the_same_tensors():
+    """A GPU's KV cache in a level-1 sleep (kv_format.free_storages, restore_storages), here on CPU tensors
+    torch allocated as it does a GPU's: each storage freed once however many layers' views share it, the
+    tensor objects and views kept, and given back zero-filled (unused slots must read as zeros)."""
+    from hearth.kv_format import free_storages, restore_storages
+
+    layout = torch.ones(4, 3, 2)  # one allocation for two layers' K and V
+    caches = [layout[0], layout[1], layout[2], layout[3]]
+    codes = torch.ones(5, 2, dtype=torch.int8)
+    freed = free_storages([*caches, codes])
+    assert sorted(nbytes for _, nbytes in freed) == [10, 4 * 3 * 2 * 4]
+    assert layout.untyped_storage().nbytes() == 0 and codes.untyped_storage().nbytes() == 0
+    restore_storages(freed)
+    assert not layout.any() and not codes.any() and layout.untyped_storage().nbytes() == 96
+    caches[2][1, 0] = 7  # the views still share the allocation
+    assert layout[2, 1, 0] == 7

@@ -26,6 +26,7 @@ from hearth.engine.kv_tiers import KVTiers
 from hearth.engine.request import Request
 from hearth.engine.startup import kv_tiers
 from hearth.errors import HearthError
+from hearth.kv_format import block_payloads
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 
@@ -136,6 +137,30 @@ def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llam
     assert second.engine.kv_disk_tier.counts.hits == 4
 
 
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_a_sleep_saves_the_blocks_still_cached_and_the_next_turn_hits(llama, tmp_path, tier):
+    """A level-1 sleep (the KV cache given back, AsyncEngine.sleep) first saves the blocks the prefix
+    cache holds to the tiers, so that after it the same prompt finds its 4 full blocks there: transformers'
+    greedy tokens, 4 tier hits, 64 cached tokens."""
+    prompt = [random.Random(10).randrange(VOCAB_SIZE) for _ in range(70)]  # 4 full blocks
+    if tier == "disk":
+        llm = tiered_llm(llama, tmp_path / "tier", "cpu")
+    else:
+        llm = ram_tiered_llm(llama, 8 * BLOCK * KV_BYTES_PER_TOKEN)
+    engine = AsyncEngine(llm.engine)
+    try:
+        asyncio.run(served(engine, prompt))
+        asyncio.run(engine.sleep())
+        counts = llm.engine.kv_tiers.disk.counts if tier == "disk" else llm.engine.kv_tiers.ram.counts
+        assert counts.blocks_written == 4 and counts.hits == 0
+        assert all(not t.any() for t, _ in llm.engine.runner._cache_tensors())  # its pages given back
+    finally:
+        engine.shutdown()
+    before = llm.engine.block_manager.prefix_cache_hits
+    assert greedy_tokens(llm, prompt) == reference_greedy(llama, [prompt])[0]
+    assert counts.hits == 4 and llm.engine.block_manager.prefix_cache_hits - before == 4 * BLOCK
+
+
 async def served(engine: AsyncEngine, prompt: list[int]) -> None:
     async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
         pass
@@ -231,6 +256,9 @@ def test_ram_tier_returns_the_logits_of_blocks_never_evicted(llama):
         greedy_tokens(llm, prompt)  # evict prompt 0's 4 blocks and one of prompt 1's
     assert ram.counts.blocks_written == 5 and ram.total_bytes == 5 * block_bytes
     assert greedy_logprobs(llm, prompts[0]) == never_evicted  # its 4 blocks from RAM: the same floats
+    runner = llm.engine.runner  # its K/V in one allocation: one gather, the bytes of a gather per tensor (copies)
+    copies = [(t.clone(), packable) for t, packable in runner._cache_tensors()]
+    assert runner.block_bytes([2, 5]) == block_payloads(copies, runner._slots([2, 5]), 2, False)
     assert ram.counts.hits == 4 and ram.counts.bytes_read == 4 * block_bytes and ram.counts.read_seconds > 0
     # loading them evicted prompt 2's blocks: into RAM, whose least recently used went (it holds 5 at most)
     assert ram.counts.blocks_written > 5 and ram.total_bytes == 5 * block_bytes

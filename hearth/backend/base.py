@@ -25,7 +25,8 @@ from hearth.backend.sparse_linear import ThresholdedLinear
 from hearth.backend.state_ops import StateMetadata
 from hearth.backend.stored import DequantLinear, QuantEmbedding, swap_stored_weights
 from hearth.config import MAX_DECODE_QUERY_LEN, ModelConfig
-from hearth.kv_format import KVCache, read_rows, write_rows
+from hearth.backend.transfer import move_module, release_unused_device_memory
+from hearth.kv_format import KVCache, free_storages, read_rows, release_pages, restore_storages, write_rows
 from hearth.quant.tensor import HALF_DTYPES, QuantTensor
 
 _ACTIVATIONS = {
@@ -251,6 +252,33 @@ class Backend:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+
+    @property
+    def weights_on_device(self) -> bool:
+        """Whether a level-1 sleep moves the weights to host RAM (release_memory): where they lie in a GPU's."""
+        return self.device.type != "cpu"
+
+    def release_memory(self, model: nn.Module, kv_tensors: list[torch.Tensor]) -> tuple[int, list]:
+        """A level-1 sleep's memory (ModelRunner.sleep): the KV cache's given back, its tensors kept (on a CPU
+        the pages of `zeroed`'s maps, which read as zeros again and keep their addresses, kv_format.release_pages;
+        off a CPU the storages freed, free_storages) and, where weights_on_device, the weights moved to host
+        RAM (move_module), then the freed memory handed back to the driver. The bytes released, and the freed
+        storages for restore_memory."""
+        if self.device.type == "cpu":
+            released, freed = release_pages(kv_tensors), []
+        else:
+            freed = free_storages(kv_tensors)
+            released = sum(nbytes for _, nbytes in freed)
+        if self.weights_on_device:
+            released += move_module(model, torch.device("cpu"))
+        release_unused_device_memory()
+        return released, freed
+
+    def restore_memory(self, model: nn.Module, freed: list) -> None:
+        """Back from release_memory: the weights on the device again, the KV storages' memory back, zeroed."""
+        if self.weights_on_device:
+            move_module(model, self.device)
+        restore_storages(freed)
 
     def takes_token_trees(self, config: ModelConfig) -> bool:
         """Whether decode rows may attend through StepInputs.tree_masks on this model (speculative token trees,

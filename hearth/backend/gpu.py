@@ -73,6 +73,10 @@ class GpuBackend(Backend):
         # (major, minor); None under Triton's interpreter, which converts fp8 in software
         self.capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
 
+    @property
+    def weights_on_device(self) -> bool:
+        return True  # (also under Triton's interpreter on a CPU: the tests run the GPU's path, copies and all)
+
     def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """An fp8 cache needs the e4m3 conversions Triton compiles for sm_89 and newer GPUs (Ada, Hopper)."""
         if kv_cache_dtype == "fp8_e4m3" and self.capability is not None and self.capability < FP8_CAPABILITY:

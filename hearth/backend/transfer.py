@@ -4,11 +4,14 @@ With asynchronous scheduling (hearth/engine/overlap.py) the host lays out the ne
 device still computes the one before: a host-to-device copy that synchronised (torch's default from
 pageable memory) would wait for that step, and a device-to-host copy is started with the step and
 waited for only when its results are processed. On a CPU both are the tensors themselves.
+
+And a model's weights moved to host RAM and back (a level-1 sleep on a GPU: Backend.release_memory).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -47,3 +50,27 @@ class HostCopy:
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy the tensors to the host in one transfer (one synchronisation); each keeps its shape."""
     return HostCopy(tensors).wait()
+
+
+def move_module(module: nn.Module, device: torch.device) -> int:
+    """Copy every parameter and buffer of the module to `device` (to a CPU from a GPU: pinned memory, for a
+    quick way back), the old copies let go; the bytes moved. Through Module._apply, the path of .to(), so
+    that what holds pointers into the weights (BoundWeights' kernel operands, the decode graphs in a model's
+    backend_state) is rebound or dropped; always a copy, also to the same device (the gpu backend's tests
+    on a CPU)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    moved = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    pin = device.type == "cpu" and any(t.is_cuda for t in tensors)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) if pin else t.to(device, copy=True)
+
+    module._apply(copy)
+    return moved
+
+
+def release_unused_device_memory() -> None:
+    """Give the GPU memory torch's allocator keeps for reuse back to the driver (after a sleep, an unload),
+    so that other processes and models can have it. Nothing on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -283,9 +283,13 @@ class AsyncEngine:
         """LLMEngine.remove_lora, between two steps (RequestError)."""
         await self._between_steps(self.engine.remove_lora, lora_name)
 
-    async def release_kv_cache(self) -> int:
-        """LLMEngine.release_kv_cache, between two steps (RequestError while requests run)."""
-        return await self._between_steps(self.engine.release_kv_cache)
+    async def sleep(self) -> int:
+        """LLMEngine.sleep (level 1), between two steps (RequestError while requests run)."""
+        return await self._between_steps(self.engine.sleep)
+
+    async def wake_up(self) -> None:
+        """LLMEngine.wake_up, between two steps."""
+        await self._between_steps(self.engine.wake_up)
 
     async def _between_steps(self, fn, *args):
         """fn(*args) on the engine thread between two steps; what it returns or raises."""

@@ -182,8 +182,12 @@ class CascadeEngine:
 
     # ---- both engines
 
-    def release_kv_cache(self) -> int:
-        return self.small.release_kv_cache() + self.large.release_kv_cache()
+    def sleep(self) -> int:
+        return self.small.sleep() + self.large.sleep()
+
+    def wake_up(self) -> None:
+        self.small.wake_up()
+        self.large.wake_up()
 
     def close(self) -> None:
         self.small.close()

@@ -48,6 +48,7 @@ def embed(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
                                f"of {engine.max_model_len} tokens")
     budget = max(engine.config.scheduler.max_num_batched_tokens, max(map(len, prompts)))
     engine.wait_for_pass()  # (a step in flight may still write into blocks freed for these)
+    engine.wake_up()
     # closing: a batch's blocks go back even when the runner stops in the middle of it
     with closing(_batches(engine, prompts, budget)) as batches:
         return engine.runner.pooled(batches, pooling_of(engine.model_config.architecture))

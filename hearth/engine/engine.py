@@ -380,14 +380,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
 
-    def release_kv_cache(self) -> int:
-        """Forget the prefix cache and give the KV cache's memory back (a sleeping model's: the next request
-        finds an empty cache); the bytes released (ModelRunner.release_kv_memory). RequestError while
-        requests run."""
+    def sleep(self) -> int:
+        """A level-1 sleep (vLLM's): forget the prefix cache and give the KV cache's memory back, and on a GPU
+        move the weights to host RAM (ModelRunner.sleep). The next request finds an empty cache, and its
+        tiers, where there are any, the blocks it held: saved to them first. The bytes released; RequestError
+        while requests run. A step, an embedding or a KV transfer wakes the engine first (wake_up)."""
         self.wait_for_pass()
-        if self.has_unfinished_requests() or not self.block_manager.reset_prefix_cache():
-            raise RequestError("the KV cache cannot be released while requests are running")
-        return self.runner.release_kv_memory()
+        refused = RequestError("the model cannot sleep while requests are running")
+        if self.has_unfinished_requests():
+            raise refused
+        self.save_cache_to_tiers()
+        if not self.block_manager.reset_prefix_cache():
+            raise refused
+        return self.runner.sleep()
+
+    def wake_up(self) -> None:
+        """Back from sleep (the weights on the device again, the KV cache's memory back); awake: nothing."""
+        self.runner.wake_up()
 
     def wait_for_pass(self) -> None:
         """Wait until no model pass runs (with async_scheduling one may, between steps): before the
@@ -435,6 +444,8 @@ class LLMEngine:
 
         If it raises (a kernel error, out of memory), the requests it planned are aborted (their
         KV blocks freed) and StepFailed names them: the engine serves the others on."""
+        if self.runner.asleep:  # a request reached a sleeping engine: it wakes
+            self.wake_up()
         if self.overlap is not None:
             return self.overlap.step()
         try:

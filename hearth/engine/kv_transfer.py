@@ -26,6 +26,7 @@ def export_kv(engine: LLMEngine, token_ids: list[int]) -> dict[str, torch.Tensor
     (runner.state_tensors' names, each [*shape]; none without blocks)."""
     _check_kv_local(engine)
     engine.wait_for_pass()
+    engine.wake_up()
     blocks, checkpoints = engine.block_manager.lookup(token_ids), engine.block_manager.checkpoints
     if engine.model_config.is_hybrid:
         engine.move_cache_contents()  # the checkpoints the last step took, copied in
@@ -50,6 +51,7 @@ def import_kv(engine: LLMEngine, token_ids: list[int], tensors: dict[str, torch.
                            f"({len(caches)} attention layers, blocks of {block_size}, {tuple(caches[0][0].shape[1:])})")
     states = _checked_states(engine, tensors) if kv.shape[2] else {}
     engine.wait_for_pass()
+    engine.wake_up()
     covered = token_ids[: kv.shape[2] + 1]  # the blocks kv holds, and one more token
     entered = engine.block_manager.import_prefix(covered)
     engine.move_cache_contents()  # the blocks it evicted, before their K/V are written over; steps' state copies

@@ -26,8 +26,8 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import (KVCaches, allocate_kv_caches, move_rows, pack_rows, packed_width, release_pages,
-                              stored_tensors, unpack_rows, with_state_caches)
+from hearth.kv_format import (KVCaches, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
+                              stored_tensors, with_state_caches, write_block_payloads)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import Request, RequestStatus
@@ -87,7 +87,9 @@ class ModelRunner:
             if config.is_hybrid:
                 self.kv_caches = with_state_caches(config, self.kv_caches, num_state_slots + num_state_snapshots,
                                                    kv_dtype, device)
+        self.owns_kv_cache = kv_caches is None
         self.state_snapshots = (num_state_slots, num_state_snapshots)  # (the first snapshot row, how many)
+        self.asleep, self._freed_kv = False, []  # (sleep() to wake_up(): the KV storages freed off a CPU)
         # the models beside it: the draft, whose guesses' distributions the verification reads, and
         # contrastive decoding's amateur, a source of logits for the sampler (second_model.py)
         self.draft: DraftRunner | None = None
@@ -245,41 +247,39 @@ class ModelRunner:
         self.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
 
     def block_bytes(self, block_ids: list[int], q8_0: bool = False) -> list[bytes]:
-        """Each block's K/V as bytes (the KV tiers' payload): every layer's cache tensors' rows of the
-        block (a q8_0 cache's codes and scales), raw, in order; with q8_0, a 16- or 32-bit cache's
-        values as q8_0 blocks (kv_format.pack_rows), quantized here, on the device, before the copy."""
-        slots = self._slots(block_ids)
-        rows = torch.cat([pack_rows(t[slots].reshape(len(block_ids), -1), q8_0 and packable)
-                          for t, packable in self._cache_tensors()], 1)
-        return [row.numpy().tobytes() for row in rows.cpu()]
+        """Each block's K/V as bytes (the KV tiers' payload, kv_format.block_payloads)."""
+        return block_payloads(self._cache_tensors(), self._slots(block_ids), len(block_ids), q8_0)
 
     def write_block_bytes(self, payloads: dict[int, bytes], q8_0: bool = False) -> None:
         """Write block_bytes' payloads back, per block id (q8_0: as block_bytes(q8_0=True) packed them)."""
-        block_ids = list(payloads)
-        rows = torch.frombuffer(bytearray(b"".join(payloads.values())), dtype=torch.uint8)
-        rows = rows.view(len(block_ids), -1).to(self.device)
-        slots, start = self._slots(block_ids), 0
-        for t, packable in self._cache_tensors():
-            m = t[0].numel() * self.block_size
-            width = packed_width(m, t.element_size(), q8_0 and packable)
-            values = unpack_rows(rows[:, start:start + width], t.dtype, m, q8_0 and packable)
-            t[slots] = values.view(len(slots), *t.shape[1:])
-            start += width
+        write_block_payloads(self._cache_tensors(), self._slots(list(payloads)), list(payloads.values()),
+                             self.block_size, q8_0)
 
     def tier_block_bytes(self, q8_0: bool = False) -> int:
         """The bytes of one block's K/V in block_bytes' payload."""
-        return sum(packed_width(t[0].numel() * self.block_size, t.element_size(), q8_0 and packable)
-                   for t, packable in self._cache_tensors())
+        return block_payload_bytes(self._cache_tensors(), self.block_size, q8_0)
 
     def _cache_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         return stored_tensors(self.kv_caches, self.block_size)
 
-    def release_kv_memory(self) -> int:
-        """Give the KV cache's memory back to the OS, its tensors kept where they are (kernels and CUDA
-        graphs hold their addresses): on a CPU each cache buffer is an anonymous shared map (`zeroed`),
-        whose pages are removed and read as zeros again, as unused slots must, costing nothing until
-        written. Returns the bytes released: 0 off a CPU, where the memory stays."""
-        return 0 if self.device.type != "cpu" else release_pages([t for t, _ in self._cache_tensors()])
+    def sleep(self) -> int:
+        """A level-1 sleep (vLLM's), with the models beside it: the KV cache's memory given back (its contents
+        forgotten: the engine forgot the prefix cache first) and on a GPU the weights moved to host RAM
+        (Backend.release_memory). Nothing may run until wake_up. Returns the bytes released."""
+        if self.asleep:
+            return 0
+        beside = sum(s.runner.sleep() for s in (self.draft, self.amateur) if s is not None)
+        kv = [t for t, _ in self._cache_tensors()] if self.owns_kv_cache else []
+        (released, self._freed_kv), self.asleep = self.backend.release_memory(self.model, kv), True
+        return beside + released
+
+    def wake_up(self) -> None:
+        """Back from sleep: the weights on the device again, the KV cache's memory back (read as zeros)."""
+        if self.asleep:
+            self.backend.restore_memory(self.model, self._freed_kv)
+            self._freed_kv, self.asleep = [], False
+            for second in (s for s in (self.draft, self.amateur) if s is not None):
+                second.runner.wake_up()
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:  # [blocks x block_size] every slot of the blocks
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -7,9 +7,9 @@ loaded model has requests in flight, a new load waits up to `slot_wait` seconds 
 refused (QueueFull: a 503 with Retry-After). A model that fails to load answers with its name and why
 (500); the others serve on, and its next request tries again.
 
-Sleep (vLLM's levels): level 1 gives back the KV cache's memory and keeps the weights (AsyncEngine.
-release_kv_cache); level 2 drops the engine, weights and all, so waking it is a load. A request for a
-sleeping model wakes it. With `sleep_idle_seconds`, a model idle that long goes to sleep at level 1.
+Sleep (vLLM's levels): level 1 gives back the KV cache's memory and keeps the weights in host RAM (on a GPU
+they move there: AsyncEngine.sleep); level 2 drops the engine, weights and all, so waking it is a load. A
+request for a sleeping model wakes it. With `sleep_idle_seconds`, a model idle that long goes to sleep at level 1.
 LoRA adapters belong to their model: a request naming one goes to that model, and the adapters a model
 had are loaded with it again when it comes back after an unload.
 """
@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from hearth.backend.transfer import release_unused_device_memory
 from hearth.engine.async_engine import QueueFull
 from hearth.errors import RequestError
 from hearth.server.errors import APIError
@@ -177,6 +178,7 @@ class ModelRegistry:
         await asyncio.to_thread(served.engine.shutdown)
         del served
         gc.collect()
+        release_unused_device_memory()
         logger.info("unloaded the model %s", entry.name)
         self._notify()
 
@@ -196,16 +198,18 @@ class ModelRegistry:
         else:  # (set first: a request that comes meanwhile wakes it)
             entry.sleep_level = 1
             try:
-                await entry.served.engine.release_kv_cache()
+                await entry.served.engine.sleep()
             except RequestError:  # a request came and reached the engine first: it is awake
                 raise APIError(409, f"the model `{entry.name}` got a request while going to sleep: retry once "
                                     "its requests end") from None
         logger.info("the model %s sleeps (level %d)", entry.name, level)
 
     async def wake_up(self, entry: ModelEntry) -> None:
+        """Wake a sleeping model now (level 1: its weights and KV cache back on the device; level 2: a load),
+        rather than at its next request."""
         if entry.sleep_level:
-            async with self.lease(entry.name):
-                pass
+            async with self.lease(entry.name) as served:
+                await served.engine.wake_up()
 
     async def sleep_idle(self) -> None:
         """Put models idle for sleep_idle_seconds to sleep (level 1), until cancelled."""
