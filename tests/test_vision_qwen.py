@@ -172,6 +172,86 @@ def test_what_is_refused(qwen):
 
 
 @pytest.fixture(scope="module")
+def qwen_gguf(qwen, tmp_path_factory):
+    """`hearth convert --mmproj`'s F32 text GGUF and mmproj file of the Qwen3-VL folder."""
+    from hearth.cli import main
+
+    root = tmp_path_factory.mktemp("qwen3_vl_gguf")
+    text, mmproj = root / "text.gguf", root / "mmproj.gguf"
+    assert main(["convert", str(qwen[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    return text, mmproj
+
+
+def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf):
+    """`hearth convert --mmproj` writes llama.cpp's qwen3vl text GGUF (its M-RoPE sections, the deepstack count) and
+    qwen3vl_merger file (read back by gguf-py: the Conv3d's two frames as two kernels, the deepstack mergers under
+    the encoder layers they read); the pair gives transformers' fp32 logits within 1e-4 with one image of an odd
+    size, and its greedy tokens. A text model without Qwen's image tokens is refused."""
+    import gguf
+
+    from hearth import LLM
+    from hearth.loading.loader import load_model
+
+    text, mmproj = qwen_gguf
+    fields = gguf.GGUFReader(text).fields
+    assert fields["general.architecture"].contents() == "qwen3vl"
+    assert [fields[f"qwen3vl.{key}"].contents() for key in ("rope.dimension_sections", "n_deepstack_layers")] == \
+        [[4, 2, 2, 0], 2]
+    reader = gguf.GGUFReader(mmproj)
+    assert reader.fields["clip.projector_type"].contents() == "qwen3vl_merger"
+    assert reader.fields["clip.vision.is_deepstack_layers"].contents() == [True, False, True]
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    assert {name for name in tensors if name.startswith("v.deepstack.")} == {
+        f"v.deepstack.{layer}.{part}.{kind}" for layer in (0, 2) for part in ("norm", "fc1", "fc2")
+        for kind in ("weight", "bias")}
+    kernel = qwen[2].model.visual.patch_embed.proj.weight.detach()  # [hidden, 3, 2 frames, patch, patch]
+    for frame, name in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+        assert np.array_equal(tensors[name], kernel[:, :, frame].numpy())
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    images = [_image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference(qwen, ONE, images)
+    ids, logits = _hearth_logits(llm.engine, ONE, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+    with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
+        load_model("builtin", progress=False, mmproj=mmproj)
+
+
+def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from the same folder the same
+    tensors (names, types, shapes, values) as `hearth convert`, the text GGUF's qwen3vl keys and the mmproj file's
+    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    from hearth.loading.mmproj import write_mmproj
+    from optional import llama_cpp_source
+    from test_hybrid_gguf import _CONVERTER
+
+    source = llama_cpp_source()
+    ours = {"text": qwen_gguf[0], "f32": qwen_gguf[1],
+            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False)}
+    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"], "f16": ["--mmproj", "--outtype", "f16"]}
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *("|".join(
+        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str(qwen[0])]) for kind, args in runs.items())],
+        check=True, capture_output=True)
+    for kind, path in ours.items():
+        readers = GGUFReader(path), GGUFReader(tmp_path / f"theirs-{kind}.gguf")
+        keys = [{k: f.contents() for k, f in r.fields.items() if k.startswith("clip.") or k in (
+            "qwen3vl.rope.dimension_sections", "qwen3vl.n_deepstack_layers", "general.architecture")} for r in readers]
+        assert keys[0] == keys[1] and len(keys[0]) > 2, kind
+        tensors = [{t.name: (t.tensor_type, np.array(t.data)) for t in r.tensors} for r in readers]
+        assert sorted(tensors[0]) == sorted(tensors[1])
+        for name, (qtype, values) in tensors[1].items():
+            assert tensors[0][name][0] == qtype, (kind, name)
+            np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=f"{kind} {name}")
+
+
+@pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     import transformers
 
