@@ -288,13 +288,16 @@ def test_qwen3_vl_moe(tmp_path):
     """Qwen3-VL-MoE's folder runs whole: Qwen3-VL's encoder with deepstack before a qwen3_moe text model (its
     router renormalising the top 2 of 8 experts; a dense MLP where mlp_only_layers says), its experts stacked as
     transformers 5 saves them and as the published checkpoints hold them (each stack transposed). One image and
-    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens."""
+    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens; the same
+    logits from `hearth convert --mmproj`'s qwen3vlmoe text GGUF and its mmproj file."""
     import shutil
 
     import transformers
+    from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
 
     from hearth import LLM
+    from hearth.cli import main
 
     folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe")
     processor = qwen_vl_processor(folder)
@@ -313,6 +316,10 @@ def test_qwen3_vl_moe(tmp_path):
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
         assert out[0].outputs[0].token_ids == ref_tokens
     _logits_match(LLM(str(published), progress=False).engine, text, images, inputs, ref_logits)
+    gguf, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"  # (llama.cpp's converter has no dense layer)
+    assert main(["convert", str(folder), str(gguf), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    assert GGUFReader(gguf).fields["general.architecture"].contents() == "qwen3vlmoe"
+    _logits_match(LLM(str(gguf), mmproj=str(mmproj), progress=False).engine, text, images, inputs, ref_logits)
 
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
