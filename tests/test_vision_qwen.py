@@ -219,10 +219,11 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf):
         load_model("builtin", progress=False, mmproj=mmproj)
 
 
-def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, tmp_path):
+def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, qwen3_5, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from the same folder the same
     tensors (names, types, shapes, values) as `hearth convert`, the text GGUF's qwen3vl keys and the mmproj file's
-    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32."""
+    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32;
+    Qwen3.5's mmproj file the same (its text GGUF: tests/test_hybrid_gguf.py)."""
     import subprocess
     import sys
 
@@ -234,11 +235,13 @@ def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, tmp_path):
 
     source = llama_cpp_source()
     ours = {"text": qwen_gguf[0], "f32": qwen_gguf[1],
-            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False)}
-    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"], "f16": ["--mmproj", "--outtype", "f16"]}
+            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False),
+            "qwen3_5": write_mmproj(qwen3_5[0], tmp_path / "qwen3_5.gguf", "f32", progress=False)}
+    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"],
+            "f16": ["--mmproj", "--outtype", "f16"], "qwen3_5": ["--mmproj", "--outtype", "f32"]}
     subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *("|".join(
-        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str(qwen[0])]) for kind, args in runs.items())],
-        check=True, capture_output=True)
+        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str((qwen3_5 if kind == "qwen3_5" else qwen)[0])])
+        for kind, args in runs.items())], check=True, capture_output=True)
     for kind, path in ours.items():
         readers = GGUFReader(path), GGUFReader(tmp_path / f"theirs-{kind}.gguf")
         keys = [{k: f.contents() for k, f in r.fields.items() if k.startswith("clip.") or k in (
@@ -257,7 +260,8 @@ def qwen3_5(tmp_path_factory):
 
     from hearth import LLM
 
-    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5")
+    # (value heads as wide as key heads, as the published models' and llama.cpp's qwen35 have them)
+    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5", text={"linear_value_head_dim": 8})
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
 
@@ -282,6 +286,28 @@ def test_qwen3_5_with_its_vision_tower(qwen3_5):
     assert out[0].outputs[0].token_ids == ref_tokens
     frames = np.random.default_rng(5).integers(0, 256, (4, 61, 40, 3), dtype=np.uint8)
     _video_logits_match(qwen3_5, frames, *_video_reference(qwen3_5, frames, None))
+
+
+def test_qwen3_5_gguf_and_mmproj(qwen3_5, tmp_path):
+    """`hearth convert --mmproj` of Qwen3.5's folder: llama.cpp's qwen35 text GGUF (its M-RoPE sections, read back
+    only with the mmproj file) and a qwen3vl_merger file without deepstack layers; the pair gives transformers' fp32
+    logits within 1e-4 with one image, and its greedy tokens."""
+    from gguf import GGUFReader
+
+    from hearth import LLM
+    from hearth.cli import main
+
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(qwen3_5[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    assert GGUFReader(mmproj).fields["clip.vision.is_deepstack_layers"].contents() == [False] * 3
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    assert llm.engine.model_config.mrope_section == (4, 2, 2)
+    assert LLM(str(text), progress=False).engine.model_config.mrope_section is None  # (a text model alone)
+    images = [_image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference(qwen3_5, ONE, images)
+    _logits_match(llm.engine, ONE, images, inputs, ref_logits)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
 
 
 def test_qwen3_vl_moe(tmp_path):

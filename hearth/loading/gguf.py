@@ -45,7 +45,8 @@ _ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "
 _MROPE = ("qwen3vl", "qwen3vlmoe")
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
 # (gpt-oss: a softmax over the chosen experts' logits, the same)
-_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "olmoe": False, "gpt-oss": True,
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "olmoe": False,
+                   "gpt-oss": True,
                    "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True, "deepseek2": False,
                    "gemma4": True}
 
@@ -102,7 +103,7 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         qk_norm={"qwen3": "head", "qwen3moe": "head", "qwen3vl": "head", "qwen3vlmoe": "head", "gemma3": "head",
                  "olmoe": "all", "lfm2": "head"}.get(arch),
-        mrope_section=_mrope_section(get("rope.dimension_sections"), where) if arch in _MROPE else None,
+        mrope_section=mrope_section_of(md, arch, where) if arch in _MROPE else None,
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
@@ -117,13 +118,14 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _mrope_section(sections: Any, where: str) -> tuple[int, int, int]:
-    """The M-RoPE sections of rope.dimension_sections (time, height, width, and a fourth llama.cpp's qwen3vl leaves
-    0)."""
+def mrope_section_of(md: dict[str, Any], arch: str, where: str) -> tuple[int, int, int]:
+    """The M-RoPE sections of {arch}.rope.dimension_sections (time, height, width, and a fourth llama.cpp's qwen3vl and
+    qwen35 leave 0)."""
+    sections = md.get(f"{arch}.rope.dimension_sections")
     if not isinstance(sections, list) or len(sections) != 4 or sections[3] != 0 \
             or not all(isinstance(n, int) and n >= 0 for n in sections):
-        raise ModelLoadError(f"{where}: rope.dimension_sections = {sections!r}: expected the time, height and width "
-                             "sections and a 0")
+        raise ModelLoadError(f"{where}: {arch}.rope.dimension_sections = {sections!r}: expected the time, height and "
+                             "width sections of M-RoPE and a 0 (an image-text model's text model)")
     return tuple(sections[:3])
 
 

@@ -238,8 +238,8 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
     """Write the vision tower of the image-text folder `hf_dir` as llama.cpp's mmproj file at
     `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel (Gemma3VisionModel,
     Gemma4VisionAudioModel, Qwen3VLVisionModel) writes it, the embeddings and 1-D tensors F32 (gemma3's input
-    projection F16; gemma4's and Qwen's patch projection F16 in an f16 file, F32 otherwise), the other weights in `out_type` (F16 where a row is not
-    whole blocks)."""
+    projection F16; gemma4's and Qwen's patch projection F16 in an f16 file, F32 otherwise), the other weights in
+    `out_type` (F16 where a row is not whole blocks)."""
     file_type, weight_type = out_types(out_type)
     config, weights = load_hf_folder(hf_dir, progress=progress)
     vision = config.vision

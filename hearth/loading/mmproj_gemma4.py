@@ -99,8 +99,8 @@ def image_processor(md: dict[str, Any], vision: Gemma4VisionConfig) -> Gemma4Ima
 
 
 def add_metadata(writer: GGUFWriter, vision: Gemma4VisionConfig, processor: Gemma4ImageProcessor, where: str) -> None:
-    """The converter's keys but the encoder's sizes (mmproj.write_mmproj's) (and the heads' where they are not clip.cpp's defaults); ModelLoadError for an encoder
-    the file cannot hold (clip.cpp would run another)."""
+    """The converter's keys but the encoder's sizes (mmproj.write_mmproj's), and the heads' where they are not
+    clip.cpp's defaults; ModelLoadError for an encoder the file cannot hold (clip.cpp would run another)."""
     if vision.rope_theta != _ROPE_THETA:
         raise ModelLoadError(f"{where}: a Gemma 4 vision tower with rope_theta {vision.rope_theta}: llama.cpp's gemma4v "
                              f"file holds no rope theta (clip.cpp turns its heads at {_ROPE_THETA})")

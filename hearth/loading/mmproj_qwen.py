@@ -113,7 +113,8 @@ def image_size(vision: QwenVisionConfig) -> int:
 
 def add_metadata(writer: GGUFWriter, vision: QwenVisionConfig, processor: QwenImageProcessor, text_rms_norm_eps: float,
                  where: str) -> None:
-    """Qwen3VLVisionModel's keys but the encoder's sizes (mmproj.write_mmproj's); ModelLoadError for an encoder the file cannot hold (clip.cpp would run another)."""
+    """Qwen3VLVisionModel's keys but the encoder's sizes (mmproj.write_mmproj's); ModelLoadError for an encoder the
+    file cannot hold (clip.cpp would run another)."""
     if vision.rope_theta != _ROPE_THETA or vision.temporal_patch_size != 2:
         raise ModelLoadError(f"{where}: a Qwen3-VL vision tower with rope_theta {vision.rope_theta}, "
                              f"temporal_patch_size {vision.temporal_patch_size}: llama.cpp's qwen3vl_merger file holds "
