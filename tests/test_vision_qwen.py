@@ -182,11 +182,12 @@ def qwen_gguf(qwen, tmp_path_factory):
     return text, mmproj
 
 
-def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf):
+def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
     """`hearth convert --mmproj` writes llama.cpp's qwen3vl text GGUF (its M-RoPE sections, the deepstack count) and
     qwen3vl_merger file (read back by gguf-py: the Conv3d's two frames as two kernels, the deepstack mergers under
     the encoder layers they read); the pair gives transformers' fp32 logits within 1e-4 with one image of an odd
-    size, and its greedy tokens. A text model without Qwen's image tokens is refused."""
+    size, and its greedy tokens. Refused by name: a text model without Qwen's image tokens, a file without its
+    position table."""
     import gguf
 
     from hearth import LLM
@@ -217,6 +218,9 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf):
     assert out[0].outputs[0].token_ids == ref_tokens
     with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
         load_model("builtin", progress=False, mmproj=mmproj)
+    (tmp_path / "bad.gguf").write_bytes(mmproj.read_bytes().replace(b"v.position_embd.weight", b"v.position_xxxx.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor v.position_embd.weight \[positions, hidden\]"):
+        load_model(text, progress=False, mmproj=tmp_path / "bad.gguf")
 
 
 def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, qwen3_5, tmp_path):
