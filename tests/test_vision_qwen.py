@@ -218,7 +218,8 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
     assert out[0].outputs[0].token_ids == ref_tokens
     with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
         load_model("builtin", progress=False, mmproj=mmproj)
-    (tmp_path / "bad.gguf").write_bytes(mmproj.read_bytes().replace(b"v.position_embd.weight", b"v.position_xxxx.weight"))
+    (tmp_path / "bad.gguf").write_bytes(mmproj.read_bytes().replace(b"v.position_embd.weight",
+                                                                     b"v.position_xxxx.weight"))
     with pytest.raises(ModelLoadError, match=r"missing tensor v.position_embd.weight \[positions, hidden\]"):
         load_model(text, progress=False, mmproj=tmp_path / "bad.gguf")
 
@@ -350,6 +351,42 @@ def test_qwen3_vl_moe(tmp_path):
     assert main(["convert", str(folder), str(gguf), "--type", "f32", "--mmproj", str(mmproj)]) == 0
     assert GGUFReader(gguf).fields["general.architecture"].contents() == "qwen3vlmoe"
     _logits_match(LLM(str(gguf), mmproj=str(mmproj), progress=False).engine, text, images, inputs, ref_logits)
+
+
+def test_llama_cpp_converts_the_same_qwen3_vl_moe_text(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from a Qwen3-VL-MoE folder in the
+    published layout (each expert stack transposed: the one its converter reads) the same tensors (names, shapes,
+    values) and qwen3vlmoe M-RoPE and deepstack keys as `hearth convert` from transformers 5's layout; experts in
+    every layer (llama.cpp's qwen3vlmoe has no dense one)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+
+    from hearth.loading.convert import convert_hf_to_gguf
+    from optional import llama_cpp_source
+    from test_hybrid_gguf import _CONVERTER
+
+    source = llama_cpp_source()
+    folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe", text={"mlp_only_layers": []})
+    published = shutil.copytree(folder, tmp_path / "published")
+    save_file({name: t.transpose(1, 2).contiguous() if ".experts." in name else t
+               for name, t in load_file(folder / "model.safetensors").items()},
+              published / "model.safetensors", metadata={"format": "pt"})
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), "|".join(
+        ["--outtype", "f32", "--outfile", str(tmp_path / "theirs.gguf"), str(published)])], check=True,
+        capture_output=True)
+    readers = GGUFReader(convert_hf_to_gguf(folder, tmp_path / "ours.gguf", "f32", progress=False)), \
+        GGUFReader(tmp_path / "theirs.gguf")
+    keys = [{k: r.fields[k].contents() for k in ("general.architecture", "qwen3vlmoe.rope.dimension_sections",
+                                                  "qwen3vlmoe.n_deepstack_layers")} for r in readers]
+    assert keys[0] == keys[1] == {**keys[1], "general.architecture": "qwen3vlmoe"}
+    tensors = [{t.name: np.array(t.data) for t in r.tensors} for r in readers]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    for name, values in tensors[1].items():
+        np.testing.assert_array_equal(tensors[0][name], values, err_msg=name)
 
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
