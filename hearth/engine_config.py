@@ -363,7 +363,7 @@ class EngineConfig:
                                    "itself")
     mmproj: str | None = option(
         None, metavar="FILE", help="llama.cpp's mmproj GGUF: the vision projector of a GGUF text model (SmolVLM / "
-                                   "Idefics3, Gemma 3, Gemma 4), as llama-server's --mmproj")
+                                   "Idefics3, Gemma 3, Gemma 4, Qwen3-VL, Qwen3.5), as llama-server's --mmproj")
     image_max_tokens: int | None = option(
         None, metavar="N", help="Gemma 4: the most tokens an image becomes (its processor's max_soft_tokens: 70, 140, "
                                 "280, 560 or 1120; default: the folder's processor settings, 280 for an mmproj file), "

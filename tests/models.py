@@ -353,7 +353,8 @@ def make_vlm(folder: Path, seed: int = 0, text: dict | None = None, vision: dict
 QWEN_VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, family: str = "qwen3_vl") -> Path:
+def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, family: str = "qwen3_vl",
+                 text: dict | None = None) -> Path:
     """A random Qwen3-VL (transformers' Qwen3VLForConditionalGeneration: a ViT of 3 blocks with deepstack
     from two of them, a qwen3 text model with interleaved M-RoPE) in real image shapes (patches of 16,
     merged 2 x 2) with tiny widths, its tokenizer (the vision tokens added) and its image and video processors'
@@ -361,8 +362,8 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
     pixels a video, 8 frames: quick tests). family "qwen3_vl_moe":
     Qwen3VLMoeForConditionalGeneration (8 experts, 2 a token, layer 1 a dense MLP). family "qwen3_5":
     Qwen3_5ForConditionalGeneration (the encoder without deepstack; the hybrid text model of
-    hf_config("qwen3_5") with half its head rotated). Weights spread wider than transformers' init
-    (logits far from uniform)."""
+    hf_config("qwen3_5") with half its head rotated). `text`: changes to the text config (any family). Weights
+    spread wider than transformers' init (logits far from uniform)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # (saved, never run:
@@ -381,16 +382,18 @@ def make_qwen_vl(folder: Path, seed: int = 0, max_pixels: int = 320 * 320, famil
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if family == "qwen3_5":
         text = {**_COMMON, **_hybrid_configs(transformers)["qwen3_5"][1], "head_dim": 32,
-                "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5}}
+                "max_position_embeddings": 4096, "rope_parameters": {**rope, "partial_rotary_factor": 0.5},
+                **(text or {})}
         model = transformers.Qwen3_5ForConditionalGeneration(
             transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens))
     elif family == "qwen3_vl_moe":  # (experts 24 wide: neither stack square, so that a transposed one shows)
         text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope,
-                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1]}
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1],
+                **(text or {})}
         model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
             text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0, 2]}, **tokens))
     else:
-        text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope}
+        text = {**_COMMON, "head_dim": 16, "max_position_embeddings": 4096, "rope_parameters": rope, **(text or {})}
         model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
             text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0, 2]}, **tokens))
     with torch.no_grad():

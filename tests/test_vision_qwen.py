@@ -172,12 +172,101 @@ def test_what_is_refused(qwen):
 
 
 @pytest.fixture(scope="module")
+def qwen_gguf(qwen, tmp_path_factory):
+    """`hearth convert --mmproj`'s F32 text GGUF and mmproj file of the Qwen3-VL folder."""
+    from hearth.cli import main
+
+    root = tmp_path_factory.mktemp("qwen3_vl_gguf")
+    text, mmproj = root / "text.gguf", root / "mmproj.gguf"
+    assert main(["convert", str(qwen[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    return text, mmproj
+
+
+def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
+    """`hearth convert --mmproj` writes llama.cpp's qwen3vl text GGUF (its M-RoPE sections, the deepstack count) and
+    qwen3vl_merger file (read back by gguf-py: the Conv3d's two frames as two kernels, the deepstack mergers under
+    the encoder layers they read); the pair gives transformers' fp32 logits within 1e-4 with one image of an odd
+    size, and its greedy tokens. Refused by name: a text model without Qwen's image tokens, a file without its
+    position table."""
+    import gguf
+
+    from hearth import LLM
+    from hearth.loading.loader import load_model
+
+    text, mmproj = qwen_gguf
+    fields = gguf.GGUFReader(text).fields
+    assert fields["general.architecture"].contents() == "qwen3vl"
+    assert [fields[f"qwen3vl.{key}"].contents() for key in ("rope.dimension_sections", "n_deepstack_layers")] == \
+        [[4, 2, 2, 0], 2]
+    reader = gguf.GGUFReader(mmproj)
+    assert reader.fields["clip.projector_type"].contents() == "qwen3vl_merger"
+    assert reader.fields["clip.vision.is_deepstack_layers"].contents() == [True, False, True]
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    assert {name for name in tensors if name.startswith("v.deepstack.")} == {
+        f"v.deepstack.{layer}.{part}.{kind}" for layer in (0, 2) for part in ("norm", "fc1", "fc2")
+        for kind in ("weight", "bias")}
+    kernel = qwen[2].model.visual.patch_embed.proj.weight.detach()  # [hidden, 3, 2 frames, patch, patch]
+    for frame, name in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+        assert np.array_equal(tensors[name], kernel[:, :, frame].numpy())
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    images = [_image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference(qwen, ONE, images)
+    ids, logits = _hearth_logits(llm.engine, ONE, images)
+    assert ids == inputs["input_ids"][0].tolist()
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+    with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
+        load_model("builtin", progress=False, mmproj=mmproj)
+    (tmp_path / "bad.gguf").write_bytes(mmproj.read_bytes().replace(b"v.position_embd.weight",
+                                                                     b"v.position_xxxx.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor v.position_embd.weight \[positions, hidden\]"):
+        load_model(text, progress=False, mmproj=tmp_path / "bad.gguf")
+
+
+def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, qwen3_5, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from the same folder the same
+    tensors (names, types, shapes, values) as `hearth convert`, the text GGUF's qwen3vl keys and the mmproj file's
+    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32;
+    Qwen3.5's mmproj file the same (its text GGUF: tests/test_hybrid_gguf.py)."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    from hearth.loading.mmproj import write_mmproj
+    from optional import llama_cpp_source
+    from test_hybrid_gguf import _CONVERTER
+
+    source = llama_cpp_source()
+    ours = {"text": qwen_gguf[0], "f32": qwen_gguf[1],
+            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False),
+            "qwen3_5": write_mmproj(qwen3_5[0], tmp_path / "qwen3_5.gguf", "f32", progress=False)}
+    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"],
+            "f16": ["--mmproj", "--outtype", "f16"], "qwen3_5": ["--mmproj", "--outtype", "f32"]}
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *("|".join(
+        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str((qwen3_5 if kind == "qwen3_5" else qwen)[0])])
+        for kind, args in runs.items())], check=True, capture_output=True)
+    for kind, path in ours.items():
+        readers = GGUFReader(path), GGUFReader(tmp_path / f"theirs-{kind}.gguf")
+        keys = [{k: f.contents() for k, f in r.fields.items() if k.startswith("clip.") or k in (
+            "qwen3vl.rope.dimension_sections", "qwen3vl.n_deepstack_layers", "general.architecture")} for r in readers]
+        assert keys[0] == keys[1] and len(keys[0]) > 2, kind
+        tensors = [{t.name: (t.tensor_type, np.array(t.data)) for t in r.tensors} for r in readers]
+        assert sorted(tensors[0]) == sorted(tensors[1])
+        for name, (qtype, values) in tensors[1].items():
+            assert tensors[0][name][0] == qtype, (kind, name)
+            np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=f"{kind} {name}")
+
+
+@pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     import transformers
 
     from hearth import LLM
 
-    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5")
+    # (value heads as wide as key heads, as the published models' and llama.cpp's qwen35 have them)
+    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5", text={"linear_value_head_dim": 8})
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
 
@@ -204,17 +293,42 @@ def test_qwen3_5_with_its_vision_tower(qwen3_5):
     _video_logits_match(qwen3_5, frames, *_video_reference(qwen3_5, frames, None))
 
 
+def test_qwen3_5_gguf_and_mmproj(qwen3_5, tmp_path):
+    """`hearth convert --mmproj` of Qwen3.5's folder: llama.cpp's qwen35 text GGUF (its M-RoPE sections, read back
+    only with the mmproj file) and a qwen3vl_merger file without deepstack layers; the pair gives transformers' fp32
+    logits within 1e-4 with one image, and its greedy tokens."""
+    from gguf import GGUFReader
+
+    from hearth import LLM
+    from hearth.cli import main
+
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(qwen3_5[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    assert GGUFReader(mmproj).fields["clip.vision.is_deepstack_layers"].contents() == [False] * 3
+    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
+    assert llm.engine.model_config.mrope_section == (4, 2, 2)
+    assert LLM(str(text), progress=False).engine.model_config.mrope_section is None  # (a text model alone)
+    images = [_image(*IMAGES[0])]
+    inputs, ref_logits, ref_tokens = _reference(qwen3_5, ONE, images)
+    _logits_match(llm.engine, ONE, images, inputs, ref_logits)
+    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref_tokens
+
+
 def test_qwen3_vl_moe(tmp_path):
     """Qwen3-VL-MoE's folder runs whole: Qwen3-VL's encoder with deepstack before a qwen3_moe text model (its
     router renormalising the top 2 of 8 experts; a dense MLP where mlp_only_layers says), its experts stacked as
     transformers 5 saves them and as the published checkpoints hold them (each stack transposed). One image and
-    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens."""
+    two: logits within 1e-4 of transformers' (two chunks cut inside the first image), greedy tokens; the same
+    logits from `hearth convert --mmproj`'s qwen3vlmoe text GGUF and its mmproj file."""
     import shutil
 
     import transformers
+    from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
 
     from hearth import LLM
+    from hearth.cli import main
 
     folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe")
     processor = qwen_vl_processor(folder)
@@ -233,6 +347,46 @@ def test_qwen3_vl_moe(tmp_path):
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
         assert out[0].outputs[0].token_ids == ref_tokens
     _logits_match(LLM(str(published), progress=False).engine, text, images, inputs, ref_logits)
+    gguf, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"  # (llama.cpp's converter has no dense layer)
+    assert main(["convert", str(folder), str(gguf), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    assert GGUFReader(gguf).fields["general.architecture"].contents() == "qwen3vlmoe"
+    _logits_match(LLM(str(gguf), mmproj=str(mmproj), progress=False).engine, text, images, inputs, ref_logits)
+
+
+def test_llama_cpp_converts_the_same_qwen3_vl_moe_text(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from a Qwen3-VL-MoE folder in the
+    published layout (each expert stack transposed: the one its converter reads) the same tensors (names, shapes,
+    values) and qwen3vlmoe M-RoPE and deepstack keys as `hearth convert` from transformers 5's layout; experts in
+    every layer (llama.cpp's qwen3vlmoe has no dense one)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+
+    from hearth.loading.convert import convert_hf_to_gguf
+    from optional import llama_cpp_source
+    from test_hybrid_gguf import _CONVERTER
+
+    source = llama_cpp_source()
+    folder = make_qwen_vl(tmp_path / "saved", family="qwen3_vl_moe", text={"mlp_only_layers": []})
+    published = shutil.copytree(folder, tmp_path / "published")
+    save_file({name: t.transpose(1, 2).contiguous() if ".experts." in name else t
+               for name, t in load_file(folder / "model.safetensors").items()},
+              published / "model.safetensors", metadata={"format": "pt"})
+    subprocess.run([sys.executable, "-c", _CONVERTER, str(source), "|".join(
+        ["--outtype", "f32", "--outfile", str(tmp_path / "theirs.gguf"), str(published)])], check=True,
+        capture_output=True)
+    readers = GGUFReader(convert_hf_to_gguf(folder, tmp_path / "ours.gguf", "f32", progress=False)), \
+        GGUFReader(tmp_path / "theirs.gguf")
+    keys = [{k: r.fields[k].contents() for k in ("general.architecture", "qwen3vlmoe.rope.dimension_sections",
+                                                  "qwen3vlmoe.n_deepstack_layers")} for r in readers]
+    assert keys[0] == keys[1] == {**keys[1], "general.architecture": "qwen3vlmoe"}
+    tensors = [{t.name: np.array(t.data) for t in r.tensors} for r in readers]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    for name, values in tensors[1].items():
+        np.testing.assert_array_equal(tensors[0][name], values, err_msg=name)
 
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part

@@ -59,6 +59,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "q
                       "lfm2": "lfm2", "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "qwen3_5": "qwen35",
                       "qwen3_next": "qwen3next", "granitemoehybrid": "granitehybrid",
                       "nemotron_h": "nemotron_h", "gemma4": "gemma4"}  # (hybrid_gguf.gguf_architecture)
+# an image-text model's text model with M-RoPE (Qwen3-VL's) -> llama.cpp's architecture for it
+_MROPE_ARCHITECTURES = {"qwen3": "qwen3vl", "qwen3_moe": "qwen3vlmoe"}
 # HF tensors llama.cpp drops on purpose
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -111,10 +113,18 @@ def open_hf_folder(hf_dir: str | Path, file_type: LlamaFileType, weight_type: GG
         gemma4_gguf.check_convertible(config)
         weights = gemma4_gguf.weights_for_gguf(weights)
     plan = list(_plan_tensors(config, weights, weight_type))
-    writer = GGUFWriter(None, gguf_architecture(config) if hybrid else GGUF_ARCHITECTURES[config.architecture])
+    writer = GGUFWriter(None, _gguf_architecture(config, hybrid))
     _add_model_metadata(writer, config, hf_dir.name, file_type)
     add_tokenizer_metadata(writer, hf_dir, config.vocab_size, gemma4=config.architecture == "gemma4")
     return writer, config, plan
+
+
+def _gguf_architecture(config: ModelConfig, hybrid: bool) -> str:
+    if hybrid:
+        return gguf_architecture(config)
+    if config.mrope_section is not None:
+        return _MROPE_ARCHITECTURES[config.architecture]
+    return GGUF_ARCHITECTURES[config.architecture]
 
 
 def write_gguf(writer: GGUFWriter, plan: list[PlannedTensor], out_path: str | Path, description: str,
@@ -350,6 +360,9 @@ def _add_model_metadata(writer: GGUFWriter, config: ModelConfig, name: str, file
         if config.shared_expert_intermediate_size:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _add_rope_scaling(writer, config)
+    if config.mrope_section is not None and config.architecture in _MROPE_ARCHITECTURES:  # (Qwen3-VL's text model)
+        writer.add_rope_dimension_sections([*config.mrope_section, 0])
+        writer.add_num_deepstack_layers(len(config.vision.deepstack_layers))
 
 
 def _add_rope_scaling(writer: GGUFWriter, config: ModelConfig) -> None:

@@ -40,10 +40,13 @@ def config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
 
 # llama.cpp's general.architecture -> hearth's, where they differ (llama with experts is mixtral)
 _ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2",
-                  **GGUF_HYBRIDS}
+                  "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_moe", **GGUF_HYBRIDS}
+# Qwen3-VL's text models: qwen3's and qwen3moe's with M-RoPE (rope.dimension_sections)
+_MROPE = ("qwen3vl", "qwen3vlmoe")
 # whether llama.cpp renormalises the chosen experts' weights, for files without expert_weights_norm
 # (gpt-oss: a softmax over the chosen experts' logits, the same)
-_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True, "olmoe": False,
+                   "gpt-oss": True,
                    "qwen3next": True, "granitehybrid": True, "nemotron_h_moe": True, "deepseek2": False,
                    "gemma4": True}
 
@@ -98,7 +101,9 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         sliding_layers=_sliding_layers(md, arch, int(get("block_count"))) if window else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        qk_norm={"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmoe": "all", "lfm2": "head"}.get(arch),
+        qk_norm={"qwen3": "head", "qwen3moe": "head", "qwen3vl": "head", "qwen3vlmoe": "head", "gemma3": "head",
+                 "olmoe": "all", "lfm2": "head"}.get(arch),
+        mrope_section=mrope_section_of(md, arch, where) if arch in _MROPE else None,
         # llama.cpp's converter already stored gemma's norm weights as (w + 1)
         norm_weight_offset=0.0,
         embedding_scale=float(np.sqrt(hidden)) if gemma else 1.0,
@@ -111,6 +116,17 @@ def _config_from_metadata(md: dict[str, Any], where: str) -> ModelConfig:
     if arch == "deepseek2":  # its attention's sizes and experts replace what the generic keys give
         fields.update(deepseek2.config_fields(md, get, where))
     return ModelConfig(**fields)
+
+
+def mrope_section_of(md: dict[str, Any], arch: str, where: str) -> tuple[int, int, int]:
+    """The M-RoPE sections of {arch}.rope.dimension_sections (time, height, width, and a fourth llama.cpp's qwen3vl and
+    qwen35 leave 0)."""
+    sections = md.get(f"{arch}.rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) != 4 or sections[3] != 0 \
+            or not all(isinstance(n, int) and n >= 0 for n in sections):
+        raise ModelLoadError(f"{where}: {arch}.rope.dimension_sections = {sections!r}: expected the time, height and "
+                             "width sections of M-RoPE and a 0 (an image-text model's text model)")
+    return tuple(sections[:3])
 
 
 def _widest(width: Any) -> int:

@@ -18,9 +18,12 @@ from hearth.image_processor import ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.image_processor_gemma4 import Gemma4ImageProcessor
 from hearth.image_processor_qwen import QwenImageProcessor
+from hearth.vision_config import QwenVisionConfig
 from hearth.video_processor_qwen import QwenVideoProcessor
 from hearth.loading.activation_thresholds import sparsify_model
-from hearth.loading.mmproj import read_mmproj
+from hearth.loading.gguf import mrope_section_of
+from hearth.loading.gguf_reader import read_gguf
+from hearth.loading.mmproj import Mmproj, read_mmproj
 from hearth.model.transformer import Transformer
 from hearth.tokenizer import Tokenizer
 
@@ -95,7 +98,9 @@ def load_model(
         video_processor = QwenVideoProcessor.from_hf_dir(path, config.vision)
     if mmproj is not None:
         projector = read_mmproj(mmproj, config, tokenizer)
-        config, image_processor = dataclasses.replace(config, vision=projector.vision), projector.image_processor
+        config = dataclasses.replace(config, vision=projector.vision,
+                                     mrope_section=config.mrope_section or _text_mrope_section(path, projector))
+        image_processor = projector.image_processor
         weights = weights | projector.weights
     if image_max_tokens is not None:
         image_processor = _with_image_max_tokens(image_processor, image_max_tokens, path, config)
@@ -117,6 +122,18 @@ def load_model(
     # `weights` goes out of scope here: un-permuted Q/K copies and other load-time temporaries
     # are freed once the model holds its own tensors (peak memory while serving).
     return LoadedModel(model.eval(), tokenizer, config, path, image_processor, video_processor)
+
+
+def _text_mrope_section(path: Path, projector: Mmproj) -> tuple[int, int, int] | None:
+    """A Qwen3.5 text GGUF's M-RoPE sections (qwen35.rope.dimension_sections), for an mmproj file's images: read only
+    then, as the HF folder's are only with its vision tower (a text token's three positions are one: plain RoPE)."""
+    if not isinstance(projector.vision, QwenVisionConfig):
+        return None
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: a Qwen3-VL / Qwen3.5 mmproj file goes with a GGUF text model (its M-RoPE "
+                             "sections); run the image-text folder itself")
+    metadata = read_gguf(path).metadata
+    return mrope_section_of(metadata, metadata.get("general.architecture"), str(path))
 
 
 def _with_image_max_tokens(processor, tokens: int, path: Path, config: ModelConfig):

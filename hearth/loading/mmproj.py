@@ -32,29 +32,36 @@ from hearth.errors import ModelLoadError
 from hearth.image_processor import IMAGE_MARKER, ImageProcessor
 from hearth.image_processor_gemma import GemmaImageProcessor
 from hearth.image_processor_gemma4 import Gemma4ImageProcessor
+from hearth.image_processor_qwen import QwenImageProcessor
 from hearth.loading import mmproj_gemma4 as gemma4
+from hearth.loading import mmproj_qwen as qwen
 from hearth.loading.convert import PlannedTensor, out_types, tensor_type, write_gguf
 from hearth.loading.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from hearth.loading.safetensors import load_hf_folder
 from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.gemma4 import Gemma4VisionTower
+from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.tokenizer import Tokenizer
-from hearth.vision_config import Gemma4VisionConfig, VisionConfig
+from hearth.vision_config import Gemma4VisionConfig, QwenVisionConfig, VisionConfig
 
 Q = GGMLQuantizationType
 CLIP = MODEL_ARCH_NAMES[MODEL_ARCH.MMPROJ]  # "clip": every mmproj file's general.architecture
 _V = Keys.ClipVision
 # the projector types hearth reads and writes -> the vision family (vision_config.py)
-_FAMILIES = {VisionProjectorType.IDEFICS3: "idefics3", VisionProjectorType.GEMMA3: "gemma3", gemma4.PROJECTOR: "gemma4"}
-_TOWERS = {"idefics3": VisionTower, "gemma3": GemmaVisionTower, "gemma4": Gemma4VisionTower}
+# (a qwen3vl_merger file's family: "qwen3_5" before a Qwen3.5 text model, mmproj_qwen.vision_config)
+_FAMILIES = {VisionProjectorType.IDEFICS3: "idefics3", VisionProjectorType.GEMMA3: "gemma3", gemma4.PROJECTOR: "gemma4",
+             qwen.PROJECTOR: "qwen3_vl"}
+_QWEN = ("qwen3_vl", "qwen3_5")
+_TOWERS = {"idefics3": VisionTower, "gemma3": GemmaVisionTower, "gemma4": Gemma4VisionTower,
+           "qwen3_vl": QwenVisionTower, "qwen3_5": QwenVisionTower}
 _SCALE_FACTORS = {"idefics3": 2, "gemma3": 4}  # clip.cpp's where the file names none
 # the tokens each family's placeholder text is made of (its processor's placeholder_text), each one token of the
 # text model's vocabulary (the first: the placeholder); without them the prompt would tokenize other than the
 # processor's
 _IMAGE_TOKENS = {"idefics3": (IMAGE_MARKER, "<fake_token_around_image>", "<global-img>", "<row_1_col_1>"),
                  "gemma3": (GemmaImageProcessor.image_token, GemmaImageProcessor.marker, GemmaImageProcessor.end_token),
-                 "gemma4": gemma4.IMAGE_TOKENS}
+                 "gemma4": gemma4.IMAGE_TOKENS, "qwen3_vl": qwen.IMAGE_TOKENS}
 # tensors the file stores shifted from the checkpoint: gemma3's soft-embedding norm, its weight w - 1 in the
 # checkpoint (Gemma's RMSNorm multiplies by 1 + w), whole in the file (clip.cpp's norm multiplies by it)
 _FILE_OFFSETS = {"mm.soft_emb_norm.weight": 1.0}
@@ -68,9 +75,9 @@ class Mmproj:
     checkpoint names (model.vision_model.*, model.connector.*; Gemma 3's model.vision_tower.*,
     model.multi_modal_projector.*; Gemma 4's model.vision_tower.*, model.embed_vision.*) and the images' processor."""
 
-    vision: VisionConfig | Gemma4VisionConfig
+    vision: VisionConfig | Gemma4VisionConfig | QwenVisionConfig
     weights: dict[str, torch.Tensor]
-    image_processor: ImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor
+    image_processor: ImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | QwenImageProcessor
 
 
 def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mmproj:
@@ -85,9 +92,10 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
     family = _family(md, where)
     try:
         token = _image_token(tokenizer, family, where)
-        if family == "gemma4":
-            vision = gemma4.vision_config(md, {t.name: tuple(reversed(t.shape)) for t in file.tensors}, text, token)
-            processor = gemma4.image_processor(md, vision)
+        if family in ("gemma4", "qwen3_vl"):
+            module = gemma4 if family == "gemma4" else qwen
+            vision = module.vision_config(md, {t.name: tuple(reversed(t.shape)) for t in file.tensors}, text, token)
+            processor = module.image_processor(md, vision)
         else:
             vision = _vision_config(md, family, token)
             processor = _image_processor(md, vision, where)
@@ -115,7 +123,8 @@ def _family(md: dict[str, Any], where: str) -> str:
     if kind not in _FAMILIES:
         raise ModelLoadError(f"{where}: projector type {kind!r} ({Keys.Clip.PROJECTOR_TYPE}) is not implemented by "
                              f"hearth; it reads {VisionProjectorType.IDEFICS3!r} projectors (SmolVLM, Idefics3), "
-                             f"{VisionProjectorType.GEMMA3!r} (Gemma 3) and {gemma4.PROJECTOR!r} ones (Gemma 4)")
+                             f"{VisionProjectorType.GEMMA3!r} (Gemma 3), {gemma4.PROJECTOR!r} (Gemma 4) and "
+                             f"{qwen.PROJECTOR!r} ones (Qwen3-VL, Qwen3.5)")
     return _FAMILIES[kind]
 
 
@@ -166,12 +175,14 @@ def tower_tensors(vision: VisionConfig | Gemma4VisionConfig, text_hidden_size: i
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, vision.num_layers)
     tensors = {}
     for name, param in tower.named_parameters():
-        checkpoint = f"model.{name}"
+        checkpoint, shape = f"model.{name}", tuple(param.shape)
+        if vision.family in _QWEN:  # (the patch projection: two tensors in the file)
+            tensors |= {n: (checkpoint, qwen.file_shape(n, shape)) for n in qwen.gguf_names(vision, checkpoint)}
+            continue
         published = gemma4.published_name(checkpoint) if vision.family == "gemma4" else _published_name(checkpoint)
         gguf_name = names.get_name(published, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelLoadError(f"tensor {checkpoint}: gguf-py has no mmproj name for it")
-        shape = tuple(param.shape)
         tensors[gguf_name] = (checkpoint, gemma4.file_shape(gguf_name, shape) if vision.family == "gemma4" else shape)
     return tensors
 
@@ -202,11 +213,12 @@ def _read_tensors(file: GGUFFile, vision: VisionConfig | Gemma4VisionConfig, tex
     if extra:
         raise ModelLoadError(f"{where}: tensor {extra[0]} is not part of the {vision.family} projector hearth "
                              "implements")
-    weights = {checkpoint: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0)
-               for name, (checkpoint, _) in expected.items()}
-    if vision.family == "gemma4":  # (the patch projection: a convolution's kernel in the file)
-        weights = {checkpoint: gemma4.from_file(name, weights[checkpoint]) for name, (checkpoint, _) in expected.items()}
-    return weights
+    values = {name: _float32(file, found[name], where) - _FILE_OFFSETS.get(name, 0.0) for name in expected}
+    if vision.family in _QWEN:  # (the patch projection: a kernel a frame in the file)
+        values = qwen.from_file(values)
+    elif vision.family == "gemma4":  # (the patch projection: a convolution's kernel in the file)
+        values = {name: gemma4.from_file(name, t) for name, t in values.items()}
+    return {checkpoint: values[name] for name, (checkpoint, _) in expected.items() if name in values}
 
 
 def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
@@ -225,25 +237,30 @@ def _float32(file: GGUFFile, t: TensorInfo, where: str) -> torch.Tensor:
 def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16", progress: bool = True) -> Path:
     """Write the vision tower of the image-text folder `hf_dir` as llama.cpp's mmproj file at
     `out_path` (returned): its metadata as convert_hf_to_gguf.py's SmolVLMModel (Gemma3VisionModel,
-    Gemma4VisionAudioModel) writes it, the embeddings and 1-D tensors F32 (gemma3's input projection F16; gemma4's
-    patch projection F16 in an f16 file, F32 otherwise), the other weights in `out_type` (F16 where a row is not
-    whole blocks)."""
+    Gemma4VisionAudioModel, Qwen3VLVisionModel) writes it, the embeddings and 1-D tensors F32 (gemma3's input
+    projection F16; gemma4's and Qwen's patch projection F16 in an f16 file, F32 otherwise), the other weights in
+    `out_type` (F16 where a row is not whole blocks)."""
     file_type, weight_type = out_types(out_type)
     config, weights = load_hf_folder(hf_dir, progress=progress)
     vision = config.vision
     if vision is None:
         raise ModelLoadError(f"{hf_dir}: a text model has no vision tower to write as an mmproj file")
-    if vision.family not in _FAMILIES.values() or vision.hidden_act != "gelu_pytorch_tanh":
+    if vision.family not in _TOWERS or vision.hidden_act != "gelu_pytorch_tanh":
         raise ModelLoadError(f"{hf_dir}: a {vision.family} vision tower with vision_config.hidden_act "
-                             f"{vision.hidden_act!r}: hearth writes llama.cpp's idefics3, gemma3 and gemma4v projectors, "
-                             "which run the tanh GELU (gelu_pytorch_tanh)")
+                             f"{vision.hidden_act!r}: hearth writes llama.cpp's idefics3, gemma3, gemma4v and "
+                             "qwen3vl_merger projectors, which run the tanh GELU (gelu_pytorch_tanh)")
     writer = GGUFWriter(None, CLIP)
     writer.add_type(GGUFType.MMPROJ)
     writer.add_file_type(int(file_type))
     writer.add_clip_has_vision_encoder(True)
     writer.add_vision_projection_dim(config.hidden_size)
+    _add_encoder_sizes(writer, vision, gemma4.IMAGE_SIZE if vision.family == "gemma4"
+                       else qwen.image_size(vision) if vision.family in _QWEN else vision.image_size)
     if vision.family == "gemma4":
         gemma4.add_metadata(writer, vision, Gemma4ImageProcessor.from_hf_dir(Path(hf_dir), vision), str(hf_dir))
+    elif vision.family in _QWEN:
+        qwen.add_metadata(writer, vision, QwenImageProcessor.from_hf_dir(Path(hf_dir), vision), config.rms_norm_eps,
+                          str(hf_dir))
     else:
         _add_siglip_metadata(writer, vision, Path(hf_dir))
     plan = _plan(vision.family, tower_tensors(vision, config.hidden_size), weights, weight_type)
@@ -251,24 +268,28 @@ def write_mmproj(hf_dir: str | Path, out_path: str | Path, out_type: str = "f16"
 
 
 def _add_siglip_metadata(writer: GGUFWriter, vision: VisionConfig, hf_dir: Path) -> None:
-    """SmolVLMModel's and Gemma3VisionModel's keys."""
+    """SmolVLMModel's and Gemma3VisionModel's keys but the encoder's sizes."""
     gemma = vision.family == "gemma3"
     processor = (GemmaImageProcessor if gemma else ImageProcessor).from_hf_dir(hf_dir, vision)
     writer.add_clip_projector_type(VisionProjectorType.GEMMA3 if gemma else VisionProjectorType.IDEFICS3)
-    for add, value in ((writer.add_vision_image_size, vision.image_size),
-                       (writer.add_vision_patch_size, vision.patch_size),
-                       (writer.add_vision_embedding_length, vision.hidden_size),
-                       (writer.add_vision_feed_forward_length, vision.intermediate_size),
-                       (writer.add_vision_block_count, vision.num_layers),
-                       (writer.add_vision_head_count, vision.num_heads),
-                       (writer.add_vision_projector_scale_factor, vision.scale_factor)):
-        add(value)
+    writer.add_vision_projector_scale_factor(vision.scale_factor)
     writer.add_vision_image_mean(processor.mean.tolist())
     writer.add_vision_image_std(processor.std.tolist())
     writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
     writer.add_vision_use_gelu(True)
     if not gemma and processor.do_image_splitting:
         writer.add_vision_preproc_image_size(processor.longest_edge)
+
+
+def _add_encoder_sizes(writer: GGUFWriter, vision: VisionConfig | Gemma4VisionConfig | QwenVisionConfig,
+                       image_size: int) -> None:
+    """The keys every converter's mmproj file has: the image and patch sizes, the encoder's widths, layers, heads."""
+    for add, value in ((writer.add_vision_image_size, image_size), (writer.add_vision_patch_size, vision.patch_size),
+                       (writer.add_vision_embedding_length, vision.hidden_size),
+                       (writer.add_vision_feed_forward_length, vision.intermediate_size),
+                       (writer.add_vision_block_count, vision.num_layers),
+                       (writer.add_vision_head_count, vision.num_heads)):
+        add(value)
 
 
 def _plan(family: str, tensors: dict[str, tuple[str, tuple[int, ...]]], weights: dict[str, torch.Tensor],
@@ -287,9 +308,11 @@ def _plan(family: str, tensors: dict[str, tuple[str, tuple[int, ...]]], weights:
             qtype = Q.F32
         elif family == "gemma3" and name == "mm.input_projection.weight":
             qtype = Q.F16
-        elif family == "gemma4" and name == gemma4.PATCH:
+        elif family in ("gemma4", *_QWEN) and name in (gemma4.PATCH, qwen.PATCH_1):
             qtype = Q.F16 if weight_type == Q.F16 else Q.F32
-        offset, layout = _FILE_OFFSETS.get(name, 0.0), family == "gemma4"  # (gemma4's patch projection: a kernel)
+        # (gemma4's patch projection: a kernel; Qwen's: a kernel a frame)
+        layout = {"gemma4": gemma4.to_file, "qwen3_vl": qwen.to_file, "qwen3_5": qwen.to_file}.get(family)
+        offset = _FILE_OFFSETS.get(name, 0.0)
         plan.append((name, shape, qtype, lambda name=name, tensor=tensor, offset=offset, layout=layout:
-                     gemma4.to_file(name, tensor.float()) if layout else tensor.float() + offset))
+                     layout(name, tensor.float()) if layout else tensor.float() + offset))
     return plan

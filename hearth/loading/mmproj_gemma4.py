@@ -33,7 +33,7 @@ HEAD_COUNT_KV, HEAD_DIM = "clip.vision.attention.head_count_kv", "clip.vision.at
 PROJECTOR = VisionProjectorType.GEMMA4V
 IMAGE_TOKENS = (Gemma4ImageProcessor.image_token, Gemma4ImageProcessor.begin, Gemma4ImageProcessor.end)
 PATCH, POSITIONS = "v.patch_embd.weight", "v.position_embd.weight"
-_IMAGE_SIZE = 224  # the converter's placeholder
+IMAGE_SIZE = 224  # the converter's placeholder (clip.vision.image_size)
 _ROPE_THETA, _POOL = 100.0, 3  # clip.cpp's for gemma4v
 _CAUSAL_TEXT_WIDTHS = (1536, 2560)  # mtmd's: E2B and E4B decode their images causally
 _BUDGET = 280  # transformers' Gemma4ImageProcessor default (max_soft_tokens)
@@ -99,17 +99,11 @@ def image_processor(md: dict[str, Any], vision: Gemma4VisionConfig) -> Gemma4Ima
 
 
 def add_metadata(writer: GGUFWriter, vision: Gemma4VisionConfig, processor: Gemma4ImageProcessor, where: str) -> None:
-    """The converter's keys (and the heads' where they are not clip.cpp's defaults); ModelLoadError for an encoder
-    the file cannot hold (clip.cpp would run another)."""
+    """The converter's keys but the encoder's sizes (mmproj.write_mmproj's), and the heads' where they are not
+    clip.cpp's defaults; ModelLoadError for an encoder the file cannot hold (clip.cpp would run another)."""
     if vision.rope_theta != _ROPE_THETA:
         raise ModelLoadError(f"{where}: a Gemma 4 vision tower with rope_theta {vision.rope_theta}: llama.cpp's gemma4v "
                              f"file holds no rope theta (clip.cpp turns its heads at {_ROPE_THETA})")
-    for add, value in ((writer.add_vision_image_size, _IMAGE_SIZE), (writer.add_vision_patch_size, vision.patch_size),
-                       (writer.add_vision_embedding_length, vision.hidden_size),
-                       (writer.add_vision_feed_forward_length, vision.intermediate_size),
-                       (writer.add_vision_block_count, vision.num_layers),
-                       (writer.add_vision_head_count, vision.num_heads)):
-        add(value)
     normalised = processor.std is not None
     writer.add_vision_image_mean(processor.mean.tolist() if normalised else [0.0] * 3)
     writer.add_vision_image_std(processor.std.tolist() if normalised else [1.0] * 3)
