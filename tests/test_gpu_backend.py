@@ -156,9 +156,9 @@ def test_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
     backend, replays = in_step.engine.runner.backend, []
     run = backend.decode_and_sample
     backend.decode_and_sample = lambda *args: replays.append(args[-1].key) or run(*args)
-    greedy, plain = SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=1.0, max_tokens=6)
-    filtered = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=6)
-    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6)
+    greedy, plain = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)
+    filtered = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=4)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=4)
     batches = [[plain], [filtered, greedy], [greedy, plain, plain, plain], [seeded, plain]]
     for i, params in enumerate(batches):
         prompts = _prompts(len(params), seed=10 + i, longest=12)
@@ -169,7 +169,7 @@ def test_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
         assert tokens[0] == tokens[1], f"batch {i}"
     # (the greedy head: test_decode_graphs_match_the_eager_path)
     assert set(replays) == {("temperature", False), ("filtered", True), ("temperature", True)}
-    assert len(replays) == 5 * 3  # 5 decode steps of the first three batches; none with the seeded request
+    assert len(replays) == 3 * 3  # 3 decode steps of the first three batches; none with the seeded request
 
 
 @pytest.mark.parametrize("arch,out_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen3_moe", "q4_0")])
@@ -192,7 +192,7 @@ def test_gguf_weights_stay_quantized_and_decode_as_the_reference(tmp_path, monke
     quantized = [m for m in ours.engine.model.modules() if isinstance(m, TritonQuantLinear)]
     assert len(quantized) >= 4  # q/k/v, o, gate/up, down of the layer (each expert's, in an MoE)
     prompts = _prompts(3, seed=7, longest=24)
-    assert _greedy(ours, prompts, 4) == _greedy(reference, prompts, 4)
+    assert _greedy(ours, prompts, 3) == _greedy(reference, prompts, 3)  # a prefill, two decode steps
 
 
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
