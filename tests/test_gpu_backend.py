@@ -54,9 +54,10 @@ def _assert_transformers_greedy(reference, prompt: list[int], tokens: list[int])
 
 
 # One layer where a family's layers are all alike (the interpreter runs each layer's kernels: half the
-# cost); gemma2 and gemma3 keep two (a sliding and a global layer), which also index the second
-# layer's KV cache, as the pipeline split below does
-ONE_LAYER = {arch: {"num_hidden_layers": 1} for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen2_moe")}
+# cost; gemma2's one layer a sliding one); gemma3 keeps two (a sliding and a global layer, each with its
+# RoPE), which also index the second layer's KV cache, as the pipeline split below does
+ONE_LAYER = {arch: {"num_hidden_layers": 1}
+             for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "qwen2_moe")}
 
 
 # slow under the interpreter: of the mixtures of experts one (with a shared expert); smollm3's NoPE layers
@@ -127,15 +128,15 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     eager.engine.runner.backend.max_graph_batch = 0  # never a graph
     for size in (1, 3, 5):  # a bucket, between buckets (padded to the largest, 4), past the largest
         prompts = _prompts(size, seed=size, longest=20)
-        assert _greedy(graphs, prompts, 5) == _greedy(eager, prompts, 5), f"batch of {size}"
+        assert _greedy(graphs, prompts, 4) == _greedy(eager, prompts, 4), f"batch of {size}"
     runner = graphs.engine.model.backend_state["decode_graphs"]
     assert runner.capture == (DEVICE == "cuda")
     if runner.capture:
         assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4)}
     assert "decode_graphs" not in eager.engine.model.backend_state
     # greedy rows beside random ones (the random heads captured, on a GPU): the greedy rows' tokens
-    mixed = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.7, top_k=5, max_tokens=5),
-             SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=1.0, max_tokens=5)]
+    mixed = [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0.7, top_k=5, max_tokens=4),
+             SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)]
     prompts = _prompts(4, seed=4, longest=20)
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)] for llm in (graphs, eager)]
     assert tokens[0][::2] == tokens[1][::2]
