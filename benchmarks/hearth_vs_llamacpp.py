@@ -132,10 +132,11 @@ def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_thre
     longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
     # a hybrid model's budget keeps each running sequence's states (and a prefix-cache checkpoint beside
     # them) before K/V: without them here, 32 sequences would get one state slot and run one at a time
-    states = max(batches) * state_bytes_per_slot(config.state_bytes_per_sequence(4), True)
+    states = (max(batches) + 1) * state_bytes_per_slot(config.state_bytes_per_sequence(4), True)
     llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_memory=config.kv_bytes_per_token(4) * longest + states,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill), progress=False)
+              max_model_len=longest, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
+              progress=False)
     engine = llm.engine
     loaded = model_weight_bytes(engine.model)
     kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)

@@ -95,6 +95,40 @@ def test_converted_file_runs_as_the_folder(case, converted):
     assert LLM(path, progress=False).generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == greedy
 
 
+def test_qwen3_5_decode_steps_run_in_one_kernel_call(converted, tmp_path, monkeypatch):
+    """Qwen3.5 in F16 (every projection on the half kernels): its decode steps run cpu_kernels/'s decode_layers,
+    Gated DeltaNet layers and gated attention (q/k norms, partial RoPE, the output gate) in the one call; two
+    sequences' greedy tokens equal the reference backend's, and their log-probabilities the modules' within 1e-5."""
+    from hearth.backend.base import Backend
+    from hearth.backend.cpu_decode import CpuDecodePath
+    from hearth.backend.cpu_linear import cpu_linear
+
+    def cpu_matmuls(backend, module, weight, dtype):  # (the reference backend on the cpu backend's matmuls)
+        embedding = isinstance(module, torch.nn.Embedding)
+        return reference_module(backend, module, weight, dtype) if embedding else cpu_linear(weight, module.bias)
+
+    reference_module, run, kernel_steps = Backend.stored_module, CpuDecodePath.__call__, []
+    monkeypatch.setattr(CpuDecodePath, "__call__", lambda path, x, *args: kernel_steps.append(
+        (out := run(path, x, *args)) is not None) or out)
+    path = convert_hf_to_gguf(converted["qwen3_5"][0], tmp_path / "f16.gguf", "f16", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    runs = {}
+    for name, backend in (("kernel", "cpu"), ("reference", "reference"), ("modules", "cpu")):
+        with monkeypatch.context() as patch:
+            patch.setattr(Backend, "stored_module", cpu_matmuls)
+            if name == "modules":
+                patch.setattr(CpuDecodePath, "for_model", classmethod(lambda cls, model, kernels: None))
+            llm = LLM(path, backend=backend, progress=False)
+            runs[name] = [o.outputs[0] for o in llm.generate([PROMPT, PROMPT[:9]], params, use_tqdm=False)]
+        if name == "kernel":
+            assert kernel_steps.count(True) >= 5 and isinstance(llm.engine.model.backend_state["decode_path"], CpuDecodePath)
+    tokens = {name: [o.token_ids for o in outputs] for name, outputs in runs.items()}
+    assert tokens["kernel"] == tokens["reference"] == tokens["modules"]
+    for ours, theirs in zip(runs["kernel"], runs["modules"]):
+        for step, want in zip(ours.logprobs, theirs.logprobs):
+            assert step.keys() == want.keys() and max(abs(step[t] - want[t]) for t in want) <= 1e-5
+
+
 @pytest.mark.parametrize("case", [case for case, (arch, *_) in CASES.items() if arch in MTP_ARCHITECTURES])
 def test_the_mtp_layer_goes_through_the_file(case, converted):
     """Qwen3.5's and Qwen3-Next's MTP layer (mtp.*) goes into the file as llama.cpp's converter writes it (a block

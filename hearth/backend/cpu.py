@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from hearth.backend.base import AttentionMetadata, Backend
-from hearth.backend.cpu_decode import CpuDecodePath
+from hearth.backend.cpu_decode import CpuDecodePath, delta_net_weights
 from hearth.backend.cpu_experts import GroupedExperts
 from hearth.backend.cpu_linear import cpu_linear
-from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, cpu_kernels, tree_pointers, whole_caches_format
+from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, cpu_kernels, float32_contiguous, tree_pointers, whole_caches_format
 from hearth.backend.sparse_linear import SparseBlocksLinear, SparseColumnsLinear
 from hearth.quant import kernels as quant_kernels
 from hearth.kv_format import data_pointers
@@ -128,7 +128,7 @@ class CpuBackend(Backend):
 
     def conv1d_step(self, x, state, weight, bias, meta):
         """As the reference, each window shifted in place in its slot (cpu_kernels/state_ops.cpp)."""
-        if not _float32_contiguous(x, state, weight, *([] if bias is None else [bias])):
+        if not float32_contiguous(x, state, weight, *([] if bias is None else [bias])):
             return super().conv1d_step(x, state, weight, bias, meta)
         out = torch.empty_like(x)
         self.kernels.conv1d_step(x.data_ptr(), state.data_ptr(), meta.single_slots.data_ptr(),
@@ -139,7 +139,7 @@ class CpuBackend(Backend):
     def delta_rule_step(self, q, k, v, g, beta, state, meta):
         """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        if not _float32_contiguous(q, k, v, g, beta, state) or v.shape[-1] > 1024:
+        if not float32_contiguous(q, k, v, g, beta, state) or v.shape[-1] > 1024:
             return super().delta_rule_step(q, k, v, g, beta, state, meta)
         out = torch.empty_like(v)
         self.kernels.delta_rule_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
@@ -155,10 +155,10 @@ class CpuBackend(Backend):
         once (layer.backend_state): at batch 1 reading them per call is a visible share of the kernel's time."""
         bound = layer.backend_state.get("delta_net")
         if bound is None:
-            bound = layer.backend_state["delta_net"] = _delta_net_weights(layer)
+            bound = layer.backend_state["delta_net"] = delta_net_weights(layer)
         conv_state, delta_state = state
         rows = qkv.shape[0]
-        if (not bound or meta.single_rows.numel() != rows or not _float32_contiguous(conv_state, delta_state)
+        if (not bound or meta.single_rows.numel() != rows or not float32_contiguous(conv_state, delta_state)
                 or not all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (qkv, z, b, a))):
             return None
         out = torch.empty(rows, layer.value_heads * layer.value_dim)
@@ -172,7 +172,7 @@ class CpuBackend(Backend):
     def ssm_step(self, q, k, v, g, state, meta):
         """As the reference, each state updated in place in its slot (cpu_kernels/state_ops.cpp)."""
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-        if not _float32_contiguous(q, k, v, g, state):
+        if not float32_contiguous(q, k, v, g, state):
             return super().ssm_step(q, k, v, g, state, meta)
         out = torch.empty_like(v)
         self.kernels.ssm_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), state.data_ptr(),
@@ -236,23 +236,6 @@ class CpuBackend(Backend):
         if "decode_path" not in state:
             state["decode_path"] = CpuDecodePath.for_model(model, self.kernels)
         return state["decode_path"]
-
-
-def _delta_net_weights(layer) -> tuple:
-    """gated_delta_net_step's arguments that a Gated DeltaNet layer fixes: its convolution's weight and taps,
-    A_log, dt_bias, its norm's weight and eps, then its key and value heads, key and value dims, and whether
-    value heads tile key heads; () where the kernel does not take its weights (then the layer's torch ops run)."""
-    conv_weight = layer.conv1d.weight[:, 0]
-    weights = (conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight)
-    if not _float32_contiguous(*weights) or layer.norm.weight_offset or max(layer.key_dim, layer.value_dim) > 1024:
-        return ()
-    return (conv_weight.data_ptr(), conv_weight.shape[1], layer.A_log.data_ptr(), layer.dt_bias.data_ptr(),
-            layer.norm.weight.data_ptr(), layer.norm.eps, layer.key_heads, layer.value_heads, layer.key_dim,
-            layer.value_dim, layer.tiled)
-
-
-def _float32_contiguous(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

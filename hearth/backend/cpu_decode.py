@@ -5,12 +5,16 @@ calls around them (norms, RoPE, cache writes, attention, splits, SiLU) about a t
 again: each runs with the caches that the weights' stream has just emptied. When every projection
 of every layer is an Int8Linear (any GGUF block format, in place or packed;
 hearth/backend/cpu_linear.py) or a HalfLinear on half_matmul (F16 / BF16 arrays: the built-in model and its draft,
-whose steps are otherwise mostly Python) and the model is plain llama-shaped (SiLU MLP, no experts, no biases,
-no q/k norms, norms without offset, no sandwich norms, one window for every layer if any, RoPE in
-every layer; K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
+whose steps are otherwise mostly Python) and the model is llama-shaped (SiLU MLP, no experts, no biases,
+q/k norms per head if any, no sandwich norms, one window for every layer if any, RoPE in every layer;
+K/V in float32, float16 or q8_0), a step made only of decodes (sequences with a few new
 tokens each: a plain decode's one, a verification's guesses and the token before them;
 config.MAX_DECODE_QUERY_LEN) runs cpu_kernels/'s `decode_layers`: the kernels that the modules
-call, in the same order, with no Python between them. A merged
+call, in the same order, with no Python between them. Qwen3.5's layers run there too (a hybrid model
+whose layers are attention and Gated DeltaNet, in steps of one row a sequence): its gated attention (q/k
+norms, partial RoPE, the output gate) and its Gated DeltaNet layers (in_proj, the gated_delta_net_step
+kernel on the layer's states in place, out_proj), each layer's kind and operands a row of the mixer
+table (mixer_row); at batch 1 its ~290 module calls a step were ~14 ms against llama.cpp's ~70 ms step. A merged
 projection whose parts come in different formats (llama.cpp's Q4_K_M keeps some v and down
 projections in Q6_K) runs part by part into its columns. A projection with activation sparsity
 (hearth/backend/sparse_linear.py's SparseColumnsLinear or SparseBlocksLinear) runs hearth/quant/kernels'
@@ -35,25 +39,32 @@ import torch
 
 from hearth.backend.base import AttentionMetadata, StepInputs
 from hearth.backend.cpu_linear import INT8_QTYPES, HalfLinear, Int8Linear
-from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, tree_pointers, whole_caches_format
+from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, float32_contiguous, tree_pointers, whole_caches_format
 from hearth.backend.sparse_linear import SPARSE_MAX_ROWS, SparseLinear
 from hearth.backend.stored import QuantEmbedding
-from hearth.config import MAX_DECODE_QUERY_LEN
+from hearth.config import ATTENTION, GATED_DELTA_NET, MAX_DECODE_QUERY_LEN
 from hearth.kv_format import data_pointers
 from hearth.quant import kernels as quant_kernels
 from hearth.quant.tensor import HALF_DTYPES
 
+MIXER_KINDS = {"Attention": ATTENTION, "GatedDeltaNet": GATED_DELTA_NET}  # the mixers the kernel runs, by class
 PART_FIELDS = 5  # cpu_kernels/cpu_kernels.h's: weight, packed terms or 0, qtype, output rows, threshold pointer or 0
 
 
 class CpuDecodePath:
     """Runs a decode-only step of `model` through every layer in one kernel call."""
 
-    def __init__(self, model, kernels, layer_table: torch.Tensor, matmul_addresses: tuple[int, int],
+    def __init__(self, model, kernels, tables: tuple[torch.Tensor, torch.Tensor], matmul_addresses: tuple[int, int],
                  vocabulary: tuple | None, lora_table: torch.Tensor | None = None):
         config = model.config
         self.kernels = kernels
-        self.layer_table = layer_table  # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load
+        # int64 [layers, LAYER_FIELDS]: weight pointers, fixed at load; int64 [layers, MIXER_FIELDS]: each
+        # layer's attention or Gated DeltaNet (mixer_row)
+        self.layer_table, self.mixer_table = tables
+        layer_table = self.layer_table
+        # the layers whose caches are a state layer's (conv window, delta rule state), not K/V
+        self.state_layers = [i for i, layer in enumerate(model.layers)
+                             if MIXER_KINDS.get(type(getattr(layer, layer.mixer_name)).__name__) != ATTENTION]
         # with LoRA adapters: int64 [layers, LORA_PART_ROWS, LORA_FIELDS], the wrappers' A and B (fixed
         # buffers, filled and emptied in place), and the model's LoraRows (each step's rows' slots)
         self.lora_table, self.lora_rows = lora_table, getattr(model, "lora_rows", None)
@@ -64,8 +75,8 @@ class CpuDecodePath:
         self.vocabulary = vocabulary  # greedy_passes' operands of the embedding, final norm and lm_head, or None
         self.shape = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                       config.intermediate_size)
-        self.eps = config.rms_norm_eps
-        self.scale = model.layers[0].self_attn.scale
+        self.eps, self.norm_offset = config.rms_norm_eps, config.norm_weight_offset
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5  # (Attention.scale)
         self.window = config.sliding_window or 0  # every layer's (for_model takes no per-layer windows)
         # the KV caches last run and kernel_caches' operands for them: a runner passes the same caches
         # every step, and a small model's step is short enough for their checks to show
@@ -78,16 +89,22 @@ class CpuDecodePath:
         qmatmul = quant_kernels.extension()
         config = model.config
         if (qmatmul is None or model.dtype != torch.float32 or not model.norm.weight.is_cpu
-                or config.hidden_act != "silu" or config.qk_norm or config.attention_bias
-                or config.norm_weight_offset or config.head_dim % 2 or config.num_experts or config.sandwich_norms
-                or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank or config.is_hybrid
-                or not config.uniform_kv_cache):
+                or config.hidden_act != "silu" or config.qk_norm == "all" or config.attention_bias
+                or config.head_dim % 2 or config.head_dim > 1024 or config.num_experts or config.sandwich_norms
+                or config.sliding_layers is not None or config.no_rope_layers or config.kv_lora_rank
+                or not config.uniform_kv_cache or not {*config.layer_types} <= {ATTENTION, GATED_DELTA_NET}):
             return None
-        rows, lora_parts = [], []
+        rows, lora_parts, mixers = [], [], []
         formats = [getattr(torch, name) for name in kernels.LORA_FORMATS]
         for layer in model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            projections = (attention.qkv_proj.parts, [attention.o_proj], mlp.gate_up_proj.parts, [mlp.down_proj])
+            mixer = getattr(layer, layer.mixer_name)
+            kind = MIXER_KINDS.get(type(mixer).__name__)  # (hearth/model's classes: the backend imports none)
+            mixers.append(mixer_row(kind, mixer, kernels.MIXER_FIELDS))
+            if mixers[-1] is None:
+                return None
+            projections = ((mixer.in_proj.parts, [mixer.out_proj]) if kind == GATED_DELTA_NET
+                           else (mixer.qkv_proj.parts, [mixer.o_proj]))
+            projections += (layer.mlp.gate_up_proj.parts, [layer.mlp.down_proj])
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             for parts, most in zip(projections, kernels.PROJECTION_PARTS):
                 if len(parts) > most:
@@ -107,10 +124,11 @@ class CpuDecodePath:
         if table.shape[1] != kernels.LAYER_FIELDS:
             raise RuntimeError("cpu_kernels/'s layer table has other columns than cpu_decode.py fills")
         addresses = (qmatmul.module.int8_matmul_address(), qmatmul.module.sparse_matmul_address())
-        # (a wrapper the table cannot take: None, and a step with adapters takes the modules' path)
-        lora_table = None if None in lora_parts else torch.tensor(lora_parts, dtype=torch.int64).view(
-            len(rows), -1, kernels.LORA_FIELDS)
-        return cls(model, kernels, table, addresses, vocabulary_operands(model, qmatmul), lora_table)
+        # (a wrapper the table cannot take, or a hybrid model's: None, and a step with adapters takes the modules' path)
+        lora_table = None if None in lora_parts or config.is_hybrid else torch.tensor(
+            lora_parts, dtype=torch.int64).view(len(rows), -1, kernels.LORA_FIELDS)
+        vocabulary = None if config.is_hybrid else vocabulary_operands(model, qmatmul)  # (a draft's states: not read)
+        return cls(model, kernels, (table, torch.tensor(mixers, dtype=torch.int64)), addresses, vocabulary, lora_table)
 
     def __call__(
         self,
@@ -125,6 +143,11 @@ class CpuDecodePath:
         if (not (x.is_cpu and x.dtype == torch.float32 and meta.slot_mapping.dtype == torch.int64) or caches is None
                 or (self.max_tokens is not None and x.shape[0] > self.max_tokens)):
             return None
+        states = (0, 0)  # a hybrid model's state slots (int64 [T]) and fresh flags (bool [T]): one row a sequence
+        if self.state_layers:
+            if meta.state.single_rows.numel() != x.shape[0] or not meta.state.single_slots.is_cpu:
+                return None
+            states = (meta.state.single_slots.data_ptr(), meta.state.single_fresh.data_ptr())
         lora = self._lora_operands(x.shape[0])
         if lora is False:
             return None
@@ -137,13 +160,13 @@ class CpuDecodePath:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         threads = torch.get_num_threads()
         self.kernels.decode_layers(
-            *self.matmul_addresses, self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
+            *self.matmul_addresses, self.layer_table.data_ptr(), self.mixer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
             *tree_pointers(meta), 0 if lora is None else lora.ctypes.data,
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
-            DECODE_SPLIT_LEN, self.window, threads,
+            DECODE_SPLIT_LEN, self.window, *states, self.norm_offset, threads,
         )
         return delta, residual
 
@@ -189,7 +212,8 @@ class CpuDecodePath:
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
         cache_table, kv_format = caches
         self.kernels.greedy_passes(
-            *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), cache_table.data_ptr(), kv_format,
+            *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), self.mixer_table.data_ptr(),
+            cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], table.ctypes.data, len(table), first.input_ids.ctypes.data, choices.ctypes.data,
             *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
@@ -210,7 +234,7 @@ class CpuDecodePath:
     def _kernel_caches(self, kv_caches) -> tuple[torch.Tensor, int] | None:
         """kernel_caches(kv_caches), kept while the runner passes the same caches."""
         if self._caches is None or self._caches[0] is not kv_caches:
-            self._caches = kv_caches, kernel_caches(kv_caches)
+            self._caches = kv_caches, kernel_caches(kv_caches, self.state_layers)
         return self._caches[1]
 
 
@@ -245,14 +269,41 @@ def lora_operands(part, most: int, formats: list[torch.dtype]) -> list[int] | No
             *[0] * (most - len(part.out_sizes))]
 
 
-def kernel_caches(kv_caches) -> tuple[torch.Tensor, int] | None:
+def kernel_caches(kv_caches, state_layers: list[int]) -> tuple[torch.Tensor, int] | None:
     """(int64 [layers, 4]: each layer's K and V cache, then their q8_0 scales (0: not q8_0), and
-    their KVFormat, every layer's the same); None where a cache is not one the kernel reads."""
-    formats = {whole_caches_format(k, v) for k, v in kv_caches}
-    if len(formats) != 1 or None in formats:
+    their KVFormat, every layer's the same; a state layer's (state_layers) its convolution's and delta
+    rule's states, float32); None where a cache is not one the kernel reads."""
+    states = set(state_layers)
+    attention = [caches for i, caches in enumerate(kv_caches) if i not in states]
+    formats = {whole_caches_format(k, v) for k, v in attention}
+    if len(formats) != 1 or None in formats or not all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for i in states for t in kv_caches[i]):
         return None
-    pointers = [(data_pointers(k), data_pointers(v)) for k, v in kv_caches]
-    return torch.tensor([[k[0], v[0], k[1], v[1]] for k, v in pointers], dtype=torch.int64), formats.pop()
+    pointers = [(kv_caches[i][0].data_ptr(), kv_caches[i][1].data_ptr(), 0, 0) if i in states else
+                (lambda k, v: (k[0], v[0], k[1], v[1]))(*map(data_pointers, kv_caches[i])) for i in range(len(kv_caches))]
+    return torch.tensor(pointers, dtype=torch.int64), formats.pop()
+
+
+def mixer_row(kind: str, mixer, fields: int) -> list[int] | None:
+    """A layer's row of decode_layers' mixer table (cpu_kernels.h's MixerField) for its mixer of `kind`
+    (hearth/model's Attention or GatedDeltaNet), or None where the kernel cannot run it."""
+    if kind == GATED_DELTA_NET:
+        bound = delta_net_weights(mixer)
+        if not bound:
+            return None
+        conv, taps, a_log, dt_bias, norm, _eps, *shape = bound
+        row = [1, 0, 0, 0, 0, conv, taps, a_log, dt_bias, norm, *map(int, shape)]
+    elif kind == ATTENTION and not (mixer.shares_kv or mixer.sinks is not None or mixer.softcap
+                                                or mixer.value_norm_eps is not None):
+        order = mixer.rope_order
+        norms = (mixer.q_norm.weight, mixer.k_norm.weight) if mixer.qk_norm else ()
+        if not float32_contiguous(*norms):  # (their weight offset: the model's, as every norm's)
+            return None
+        row = [0, *(w.data_ptr() for w in norms), *[0] * (2 - len(norms)), 0 if order is None else order.data_ptr(),
+               int(mixer.output_gate)]
+    else:
+        return None
+    return row + [0] * (fields - len(row))
 
 
 def kernel_weight(module) -> tuple[int, int, int] | None:
@@ -267,3 +318,16 @@ def kernel_weight(module) -> tuple[int, int, int] | None:
 def on_int8_kernel(module) -> bool:
     """An Int8Linear (a block format, not F16/BF16), without bias."""
     return isinstance(module, Int8Linear) and module.bias is None
+
+
+def delta_net_weights(layer) -> tuple:
+    """gated_delta_net_step's arguments that a Gated DeltaNet layer fixes: its convolution's weight and taps,
+    A_log, dt_bias, its norm's weight and eps, then its key and value heads, key and value dims, and whether
+    value heads tile key heads; () where the kernel does not take its weights (then the layer's torch ops run)."""
+    conv_weight = layer.conv1d.weight[:, 0]
+    weights = (conv_weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    if not float32_contiguous(*weights) or layer.norm.weight_offset or max(layer.key_dim, layer.value_dim) > 1024:
+        return ()
+    return (conv_weight.data_ptr(), conv_weight.shape[1], layer.A_log.data_ptr(), layer.dt_bias.data_ptr(),
+            layer.norm.weight.data_ptr(), layer.norm.eps, layer.key_heads, layer.value_heads, layer.key_dim,
+            layer.value_dim, layer.tiled)

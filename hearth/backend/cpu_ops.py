@@ -56,3 +56,7 @@ def whole_caches_format(k_cache: KVCache, v_cache: KVCache) -> int | None:
     if k_format is None or kv_format(v_cache) != k_format or k_cache.shape != v_cache.shape:
         return None
     return k_format
+
+
+def float32_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in tensors)

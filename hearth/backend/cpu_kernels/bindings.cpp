@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("KV_FORMATS") = pybind11::make_tuple("float32", "q8_0", "float16");  // by KVFormat
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PASS_FIELDS") = (int)PASS_FIELDS;
+  m.attr("MIXER_FIELDS") = (int)MIXER_FIELDS;
   m.attr("LORA_FIELDS") = (int)LORA_FIELDS;
   m.attr("MAX_LORA_PARTS") = (int)MAX_LORA_PARTS;
   m.attr("LORA_FORMATS") = pybind11::make_tuple("float32", "bfloat16");  // by LoraFormat

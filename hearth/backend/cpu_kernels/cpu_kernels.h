@@ -24,7 +24,8 @@
 // optionally after x += add in place (the residual stream's add fused into the norm's pass).
 //
 // decode_layers (hearth/backend/cpu_decode.py): a decode step's whole stack of llama layers (its
-// sequences' few new rows each: decodes and verifications), the
+// sequences' few new rows each: decodes and verifications), or of Qwen3.5's gated attention and
+// Gated DeltaNet layers (one row a sequence; the mixer table says each layer's kind), the
 // kernels above and the int8 matmul (passed in from hearth/quant/kernels/int8_dots.cpp) called
 // in sequence, so that no Python runs between them: at batch 1 the ~25 torch ops a layer costs
 // in Python are a fifth of the step, the caches they run in being cold from the weights' stream.
@@ -92,12 +93,13 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
                  int64_t num_rows, uintptr_t bitmask_, int64_t words, int64_t vocab, int threads);
 void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_t row_stride, uintptr_t ids_,
                           uintptr_t lse_, int threads);
-void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
                    uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
-                   int64_t split_len, int64_t window, int threads);
-void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t caches_, int kv_format,
+                   int64_t split_len, int64_t window, uintptr_t state_slots_, uintptr_t state_fresh_, double norm_offset,
+                   int threads);
+void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format,
     int64_t num_layers, uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
     uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
     uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
@@ -124,9 +126,20 @@ void ssm_step(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t g_, uintptr_t 
 // and for activation sparsity (docs/sparsity.md) a pointer to the input's float32 threshold (0: dense),
 // the weight then in sparse_matmul's layout for its qtype.
 enum Projection { QKV, O, GATE_UP, DOWN, PROJECTIONS };
-constexpr int PARTS[PROJECTIONS] = {3, 1, 2, 1};
+constexpr int PARTS[PROJECTIONS] = {4, 1, 2, 1};  // QKV: a Gated DeltaNet's in_proj has 4 (qkv, z, b, a)
 constexpr int PART_FIELDS = 5;
 enum LayerField { IN_NORM, POST_NORM, FIRST_PART };
+// Columns of decode_layers' mixer table (int64 [layers, MIXER_FIELDS]): what mixes the tokens in each
+// layer. ATTENTION: q and k normed per head where Q_NORM / K_NORM point at the norms' weights, their
+// dimensions reordered by ROPE_ORDER (int64 [head_dim], partial RoPE: hearth/model/layers.py's
+// partial_rotary_order) where it is not 0, and with OUTPUT_GATE (Qwen3.5) q_proj's rows are each head's
+// query then its gate, the attention's output times sigmoid(gate); the QKV projection's parts are q, k
+// and v. GATED_DELTA_NET: the QKV projection is in_proj (qkv, z, b, a), gated_delta_net_step's weights
+// and shapes in the fields after it, its caches (decode_layers' caches table) the convolution's and the
+// delta rule's states; the O projection is out_proj.
+enum MixerKind { ATTENTION, GATED_DELTA_NET };
+enum MixerField { KIND, Q_NORM, K_NORM, ROPE_ORDER, OUTPUT_GATE, CONV_WEIGHT, TAPS, A_LOG, DT_BIAS, GATED_NORM, KEY_HEADS,
+                  VALUE_HEADS, KEY_DIM, VALUE_DIM, TILED, MIXER_FIELDS };
 constexpr int LAYER_FIELDS = FIRST_PART + (PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN]) * PART_FIELDS;
 
 // decode_layers' LoRA operands (int64 [LORA_OPERANDS], or none): the LoRA table (int64 [layers,
