@@ -385,7 +385,7 @@ def test_qwen3_5_image_text_folder_runs_its_text_model(tmp_path, caplog):
     torch.manual_seed(0)
     reference = transformers.Qwen3_5ForConditionalGeneration(
         transformers.Qwen3_5Config(text_config=hf_config("qwen3_5").to_dict(), vision_config=vision,
-                                   image_token_id=300)).eval()  # (a token of the tiny vocabulary)
+                                   image_token_id=300, video_token_id=301)).eval()  # (tokens of the tiny vocabulary)
     reference.save_pretrained(tmp_path)
     make_tokenizer(tmp_path)
     with caplog.at_level(logging.INFO, logger="hearth"):
