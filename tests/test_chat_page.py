@@ -480,7 +480,8 @@ def test_attached_images_show_as_thumbnails_and_go_to_the_server_as_data_urls(se
     seen = []
     expand = llm_engine.prompt_with_images  # where the engine takes a prompt's images
     monkeypatch.setattr(engine, "accepts_images", True)
-    monkeypatch.setattr(llm_engine, "prompt_with_images", lambda prompt, data: (seen.append(data), expand(prompt, data))[1])
+    monkeypatch.setattr(llm_engine, "prompt_with_images",
+                        lambda prompt, data, settings=None: (seen.append(data), expand(prompt, data, settings))[1])
     press(browser, ".message.user", "Regenerate")  # the unanswered message is sent again
     browser.until("document.getElementById('error').textContent.includes('multi_modal_data')")
     assert [np.asarray(im).tolist() for im in seen[0]["image"]] == [arrays[0].tolist(), arrays[2].tolist()]

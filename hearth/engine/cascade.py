@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 from hearth.engine.engine import LLMEngine, StepFailed
 from hearth.engine.output_processor import StepStats
@@ -101,10 +102,11 @@ class CascadeEngine:
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
-                    multi_modal_data: dict[str, list] | None = None) -> str:
+                    multi_modal_data: dict[str, list] | None = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> str:
         """LLMEngine.add_request, on the small model; no images (the large model may not read them)."""
-        if multi_modal_data is not None:
-            raise RequestError("a cascade takes text prompts only: no images")
+        if multi_modal_data is not None or mm_processor_kwargs is not None:
+            raise RequestError("a cascade takes text prompts only: no images (multi_modal_data, mm_processor_kwargs)")
         if request_id is not None and request_id in self.records:
             raise RequestError(f"request id {request_id!r} is already in use")
         request_id = self.small.add_request(request_id, prompt, params, arrival_time, priority, lora_request)
