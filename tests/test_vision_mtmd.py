@@ -1,67 +1,79 @@
 """llama.cpp's own multimodal path (libmtmd through llama-cpp-python's mtmd_cpp) on the files `hearth convert --mmproj`
-writes: a random Gemma 3 (tests/models.py) as a gemma3 text GGUF and a gemma3 mmproj, an image already at the
-encoder's 224 x 224 (llama.cpp and transformers both copy it unresized, so no resampling filter enters), the prompt
-tokenized by mtmd_tokenize and run by mtmd_helper_eval_chunks. Skipped where llama-cpp-python or its libmtmd does
-not load (a wheel built without mtmd, or for instructions this CPU lacks)."""
+writes from a random Gemma 3 and a random Qwen3-VL (tests/models.py; the Qwen text model of three layers: llama.cpp's
+qwen3vl graph adds the deepstack rows after the last layer has kept only its output rows, so it aborts where every
+layer takes deepstack, as with two), F32: images already of a size neither llama.cpp nor transformers resizes (so no
+resampling filter enters), the prompt tokenized by mtmd_tokenize and run by mtmd_helper_eval_chunks (flash attention
+off in the encoder). Skipped where llama-cpp-python or its libmtmd does not load (a wheel built without mtmd, or for
+instructions this CPU lacks)."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
+import pytest
 import torch
 
-from models import make_gemma3_vl
+from models import make_gemma3_vl, make_qwen_vl
 from optional import import_llama_cpp, import_llama_mtmd
 from test_vision import _hearth_logits, _image
 
-HEARTH = "user: What is in <start_of_image>? model:"  # as Gemma 3's chat template writes an image part
-# the same prompt as Gemma3Processor expands it, llama.cpp's marker for the image: mtmd adds <start_of_image> and
-# <end_of_image> around the image's 64 embeddings itself, the blank lines around them it leaves to the prompt
-MTMD = "user: What is in \n\n<__media__>\n\n? model:"
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes an image part
+# {family: (the folder's maker, hearth's prompt, the same prompt for mtmd, an image size (height, width) neither
+# resizes, the logits' tolerance as a fraction of the largest)}. mtmd puts the tokens around an image itself
+# (<start_of_image> / <end_of_image>, <|vision_start|> / <|vision_end|>) at its marker; the blank lines
+# Gemma3Processor adds around them are the prompt's.
+CASES = {"gemma3": (make_gemma3_vl, "user: What is in <start_of_image>? model:",
+                    "user: What is in \n\n<__media__>\n\n? model:", (224, 224), 1e-3),
+         "qwen3vl": (functools.partial(make_qwen_vl, text={"num_hidden_layers": 3}),
+                     f"<|im_start|>user\nWhat is in {QWEN_IMAGE}?<|im_end|>\n<|im_start|>assistant\n",
+                     "<|im_start|>user\nWhat is in <__media__>?<|im_end|>\n<|im_start|>assistant\n", (128, 96), 3e-3)}
 STEPS = 6
 
 
-def test_mtmd_runs_hearths_mmproj_as_hearth(tmp_path):
-    """mtmd's chunks are hearth's prompt ids (the image's 64 positions where hearth's image tokens stand); the
-    next-token logits after the prompt within 1e-3 of the largest (its KV cache F32 here; measured 1.4e-4, where
-    another image moves them by ~0.3 of the largest), their five best tokens in the same order, and six greedy
-    tokens equal."""
+@pytest.mark.parametrize("family", list(CASES))
+def test_mtmd_runs_hearths_mmproj_as_hearth(family, tmp_path):
+    """mtmd's chunks are hearth's prompt ids (the image's positions where hearth's image tokens stand); the
+    next-token logits after the prompt within the case's tolerance of the largest (measured: gemma3 1.2e-4, qwen3vl
+    1.7e-3, where llama.cpp's image embeddings and its text-only logits each already differ by ~5e-4 of the largest;
+    another image moves them by ~0.3 of it), their five best tokens in the same order, six greedy tokens equal."""
     mtmd = import_llama_mtmd()
     llama_cpp = import_llama_cpp()
     from hearth import LLM, SamplingParams
     from hearth.cli import main
 
+    make, prompt, mtmd_prompt, size, tolerance = CASES[family]
     text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
-    assert main(["convert", str(make_gemma3_vl(tmp_path / "gemma3_vl")), str(text), "--type", "f32",
-                 "--mmproj", str(mmproj)]) == 0
-    image = _image(5, 224, 224)
+    assert main(["convert", str(make(tmp_path / family)), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    image = _image(5, *size)
     llm = LLM(str(text), mmproj=str(mmproj), progress=False)
-    ids, logits = _hearth_logits(llm.engine, HEARTH, [image])
-    out = llm.generate({"prompt": HEARTH, "multi_modal_data": {"image": [image]}},
+    ids, logits = _hearth_logits(llm.engine, prompt, [image])
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}},
                        SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True), use_tqdm=False)
     theirs = llama_cpp.Llama(model_path=str(text), n_ctx=256, n_threads=1, type_k=0, type_v=0, verbose=False)
-    their_ids, their_logits, their_tokens = _mtmd_run(mtmd, llama_cpp, theirs, mmproj, image,
+    their_ids, their_logits, their_tokens = _mtmd_run(mtmd, llama_cpp, theirs, mmproj, mtmd_prompt, image,
                                                       llm.engine.model_config.vision.image_token_id)
     assert their_ids == ids
-    assert (their_logits - logits[-1]).abs().max().item() <= 1e-3 * logits[-1].abs().max().item()
+    assert (their_logits - logits[-1]).abs().max().item() <= tolerance * logits[-1].abs().max().item()
     assert their_logits.topk(5).indices.tolist() == logits[-1].topk(5).indices.tolist()
     assert their_tokens == out[0].outputs[0].token_ids
 
 
-def _mtmd_run(mtmd, llama_cpp, llm, mmproj, image, image_token_id: int) -> tuple[list[int], torch.Tensor, list[int]]:
+def _mtmd_run(mtmd, llama_cpp, llm, mmproj, prompt: str, image, image_token_id: int
+              ) -> tuple[list[int], torch.Tensor, list[int]]:
     """llama.cpp's prompt ids (image_token_id for each of the image's positions), its logits after the prompt and
     its greedy tokens, through mtmd on `llm`'s context."""
     params = mtmd.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # (its CPU kernel rounds K and V to F16)
     ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)
     assert ctx
     rgb = image.convert("RGB").tobytes()  # [height, width, 3]
     bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb))
     chunks = mtmd.mtmd_input_chunks_init()
     try:
-        prompt = MTMD.encode()
-        text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
+        text = mtmd.mtmd_input_text(prompt.encode(), len(prompt.encode()), True, True)
         assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
         ids = _chunk_ids(mtmd, chunks, image_token_id)
         n_past = llama_cpp.llama_pos(0)
