@@ -13,19 +13,30 @@ import pytest
 
 
 @functools.cache
-def _llama_cpp_runs_here() -> bool:
+def _runs_here(probe: str) -> bool:
     # A wheel built for instructions this CPU lacks (AVX-512, say) dies with SIGILL when llama.cpp
     # starts, taking the test process with it: probed once, in a child process.
-    probe = "import llama_cpp; llama_cpp.llama_backend_init()"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
 def import_llama_cpp():
     """llama-cpp-python, or a skip when it is not installed or cannot run on this CPU."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    if not _llama_cpp_runs_here():
+    if not _runs_here("import llama_cpp; llama_cpp.llama_backend_init()"):
         pytest.skip("llama-cpp-python is installed but its build does not run on this CPU")
     return llama_cpp
+
+
+def import_llama_mtmd():
+    """llama-cpp-python's bindings of llama.cpp's multimodal library (llama_cpp.mtmd_cpp, libmtmd: MTMD_CPP_LIB names
+    its folder), or a skip as import_llama_cpp's or where the build has no libmtmd."""
+    import_llama_cpp()
+    if not _runs_here("from llama_cpp import mtmd_cpp; mtmd_cpp.mtmd_context_params_default()"):
+        pytest.skip("llama-cpp-python's mtmd library does not load here (MTMD_CPP_LIB: the folder of a libmtmd "
+                    "built with the libllama that LLAMA_CPP_LIB_PATH names)")
+    from llama_cpp import mtmd_cpp
+
+    return mtmd_cpp
 
 
 def llama_cpp_quantizer():
