@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +131,14 @@ def _vocabulary_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return table, torch.tensor([10, 0, 4, 5, 6, 5, 1]), hidden
 
 
-def _vocabulary_rank(rank: int, address: str) -> None:
-    """One of two gloo ranks: the vocabulary-parallel modules on its rows; rank 0 checks what it gets."""
+def _vocabulary_rank(rank: int, store) -> None:
+    """One of two gloo ranks (meeting at `store`, rank 0's or the port of it): the vocabulary-parallel modules on its
+    rows; rank 0 checks what it gets."""
+    from hearth.engine.workers import rendezvous
+
     table, ids, hidden = _vocabulary_inputs()
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    store = rendezvous(2, int(store)) if isinstance(store, str) else store
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     try:
         shares = [TensorShard(r, 2).vocabulary(len(table)) for r in range(2)]
         rows = table[shares[rank].start : shares[rank].stop]
@@ -156,15 +158,15 @@ def _vocabulary_rank(rank: int, address: str) -> None:
 def test_vocabulary_parallel_modules_equal_the_whole_table():
     """Over two gloo ranks (this process rank 0, a child rank 1): every id's vector from the rank
     holding it, and the logits of all 11 tokens in order on rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from hearth.engine.workers import rendezvous
+
+    store = rendezvous(2)  # (on a port the system gives it: no race with a test beside this one for a free port)
     # a plain child (not torch.multiprocessing's spawn, which imports pytest and this module's imports again)
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                               "from test_tensor_parallel import _vocabulary_rank; _vocabulary_rank(1, sys.argv[2])",
-                              str(Path(__file__).parent), address])
+                              str(Path(__file__).parent), str(store.port)])
     try:
-        _vocabulary_rank(0, address)
+        _vocabulary_rank(0, store)
         assert child.wait(60) == 0
     finally:
         child.kill()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import signal
-import socket
 import subprocess
 import sys
 import weakref
@@ -56,22 +55,29 @@ def start_split(model_path, tensor_parallel_size: int, pipeline_parallel_size: i
 def start_workers(kind: str, model_path, world_size: int, dtype: torch.dtype, max_positions: int | None,
                   backend: str, device: torch.device) -> "WorkerGroup":
     """Start ranks 1..world_size-1 of a `kind` ("tensor" or "pipeline") split, each loading its
-    shard, and join them as rank 0 (see _join for the devices and the collectives' backend)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    shard, and join them as rank 0 (see _join for the devices and the collectives' backend). Rank 0's
+    store listens on a port the system gives it (not one picked free and bound later: another engine starting
+    beside this one could take it in between), which the workers are told."""
+    store = rendezvous(world_size)
     threads = max(1, torch.get_num_threads() // world_size)
-    processes = [subprocess.Popen([sys.executable, "-m", "hearth.engine.workers", kind, address, str(rank),
+    processes = [subprocess.Popen([sys.executable, "-m", "hearth.engine.workers", kind, str(store.port), str(rank),
                                    str(world_size), str(model_path), str(dtype).removeprefix("torch."),
                                    str(max_positions or 0), backend, str(threads), device.type],
                                   stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
                  for rank in range(1, world_size)]
-    _join(address, 0, world_size, device.type)
+    _join(store, 0, world_size, device.type)
     torch.set_num_threads(threads)
     return WorkerGroup(processes)
 
 
-def _join(address: str, rank: int, world_size: int, device_type: str) -> torch.device:
+def rendezvous(world_size: int, port: int = 0) -> dist.TCPStore:
+    """The store the ranks meet at: rank 0's (port 0: listening on a port the system picks, store.port), or
+    another rank's connection to it."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=port == 0, timeout=TIMEOUT,
+                         wait_for_workers=False)
+
+
+def _join(store: dist.TCPStore, rank: int, world_size: int, device_type: str) -> torch.device:
     """Join the process group; this rank's device. On GPUs rank r is on GPU r, with NCCL; with fewer
     GPUs than ranks they share them (rank r on GPU r mod the count) with gloo, as NCCL takes one
     rank a GPU. On CPUs (the gpu backend under Triton's interpreter included), gloo."""
@@ -81,7 +87,7 @@ def _join(address: str, rank: int, world_size: int, device_type: str) -> torch.d
         device = torch.device("cuda", rank % gpus)
         torch.cuda.set_device(device)
         backend = "nccl" if gpus >= world_size else "gloo"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     return device
 
 
@@ -115,14 +121,14 @@ def _end(processes: list[subprocess.Popen], tell: bool) -> None:
             process.wait()
 
 
-def _worker_main(kind: str, address: str, rank: int, world_size: int, model_path: str, dtype: torch.dtype,
+def _worker_main(kind: str, port: int, rank: int, world_size: int, model_path: str, dtype: torch.dtype,
                  max_positions: int | None, backend: str, threads: int, device_type: str) -> None:
     from hearth.backend import choose_backend
     from hearth.kv_format import allocate_kv_caches
     from hearth.loading.loader import load_model
 
     torch.set_num_threads(threads)
-    device = _join(address, rank, world_size, device_type)
+    device = _join(rendezvous(world_size, port), rank, world_size, device_type)
     shard = shard_class(kind)(rank, world_size)
     # no CUDA graphs in a split model (hearth/engine/engine.py says why)
     model = load_model(model_path, dtype, device, max_positions=max_positions, progress=False,
@@ -145,6 +151,6 @@ def _worker_main(kind: str, address: str, rank: int, world_size: int, model_path
 
 
 if __name__ == "__main__":
-    kind_, address_, rank_, world_, path_, dtype_, max_positions_, backend_, threads_, device_ = sys.argv[1:]
-    _worker_main(kind_, address_, int(rank_), int(world_), path_, getattr(torch, dtype_), int(max_positions_) or None,
+    kind_, port_, rank_, world_, path_, dtype_, max_positions_, backend_, threads_, device_ = sys.argv[1:]
+    _worker_main(kind_, int(port_), int(rank_), int(world_), path_, getattr(torch, dtype_), int(max_positions_) or None,
                  backend_, int(threads_), device_)
