@@ -5,7 +5,8 @@ A message's content is a string, or a list of parts: `{"type": "text", "text": .
 file:// path: nothing is fetched from the network), `{"type": "image_pil", "image_pil": IMAGE}`
 (vLLM's) or `{"type": "image", "image": IMAGE or PATH}` (transformers'); videos (Qwen3-VL's and
 Qwen3.5's) as vLLM's `{"type": "video_url", "video_url": {"url": URL}}`, URL a data:video/... URL or a
-file:// path. The chat template gets each image as an `{"type": "image"}` part in its place and each
+file:// path, or transformers' `{"type": "video", "video": VIDEO or PATH}` (VIDEO decoded frames or any form
+multi_modal_data["video"] takes: hearth/videos.py). The chat template gets each image as an `{"type": "image"}` part in its place and each
 video as a `{"type": "video"}` part (transformers' convention, which the templates of vision models
 render as their markers, as the server's chat completions do), and the images and the videos come out
 in the conversation's order, decoded and checked as the server's are (hearth/images.py,
@@ -22,14 +23,15 @@ from PIL import Image
 
 from hearth.errors import RequestError
 from hearth.images import data_url_bytes, decode_image, read_file_bytes
-from hearth.videos import VideoError, VideoFrames, VideoLimits, decode_video
+from hearth.videos import VideoError, VideoLimits, decode_video
 
 _IMAGE_PARTS = ("image_url", "image_pil", "image")
-_MEDIA_PARTS = (*_IMAGE_PARTS, "video_url")
+_VIDEO_PARTS = ("video_url", "video")
+_MEDIA_PARTS = (*_IMAGE_PARTS, *_VIDEO_PARTS)
 
 
 def conversation_media(conversation: list[dict[str, Any]], video_limits: VideoLimits | None = None
-                       ) -> tuple[list[dict[str, Any]], list[Image.Image], list[VideoFrames]]:
+                       ) -> tuple[list[dict[str, Any]], list[Image.Image], list[Any]]:
     """The conversation as the chat template reads it (each image part an {"type": "image"} part, each video
     part a {"type": "video"} part), its images and its videos in order; a conversation without them as it is.
     video_limits: how the model samples a video file (None: the model takes no videos). RequestError for a
@@ -45,10 +47,10 @@ def conversation_media(conversation: list[dict[str, Any]], video_limits: VideoLi
             if not _is_media(part):
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise RequestError(f"a content part is text, an image ({', '.join(_IMAGE_PARTS)}) or a "
-                                       "video (video_url), not "
+                                       f"video ({', '.join(_VIDEO_PARTS)}), not "
                                        f"{part.get('type') if isinstance(part, dict) else type(part).__name__!r}")
                 parts.append(part)
-            elif part["type"] == "video_url":
+            elif part["type"] in _VIDEO_PARTS:
                 videos.append(_read_video(part, f"video {len(videos) + 1}", video_limits))
                 parts.append({"type": "video"})
             else:
@@ -82,17 +84,20 @@ def _read_image(part: dict[str, Any], what: str) -> Image.Image:
     return decode_image(read_file_bytes(path, what), Image.MAX_IMAGE_PIXELS, f"{what} ({path})")
 
 
-def _read_video(part: dict[str, Any], what: str, limits: VideoLimits | None) -> VideoFrames:
-    """The sampled frames of one video_url part: a data URL or a file decoded (hearth/videos.py)."""
+def _read_video(part: dict[str, Any], what: str, limits: VideoLimits | None) -> Any:
+    """The sampled frames of one video part: a data URL or a file decoded (hearth/videos.py), a `video` part's
+    frames as they are (the engine checks them)."""
     if limits is None:
-        raise VideoError(f"{what}: this model takes no videos (video_url): hearth runs the videos of Qwen3-VL and "
-                         "Qwen3.5")
+        raise VideoError(f"{what}: this model takes no videos ({part['type']}): hearth runs the videos of Qwen3-VL "
+                         "and Qwen3.5")
     value = _url_or_value(part)
-    if not isinstance(value, str):
+    if part["type"] == "video" and not isinstance(value, (str, Path)):
+        return value
+    if not isinstance(value, (str, Path)):
         raise RequestError(f"{what}: a video_url part holds a data URL or a file:// path, not {type(value).__name__}")
-    if value[:5].lower() == "data:":
+    if isinstance(value, str) and value[:5].lower() == "data:":
         return decode_video(data_url_bytes(value, len(value), what, "video"), limits, what)
-    path = _file_path(value, what)
+    path = Path(value) if part["type"] == "video" else _file_path(value, what)
     return decode_video(read_file_bytes(path, what), limits, f"{what} ({path})")
 
 

@@ -1,5 +1,5 @@
 """`hearth generate` and `hearth chat`: their sampling flags, streaming to the terminal, --image's and
---video's prompts, and the chat loop with its commands (/help, /reset, /system, /image, /exit)."""
+--video's prompts, and the chat loop with its commands (/help, /reset, /system, /image, /video, /exit)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ def add_generate_and_chat(sub) -> None:
     p = sub.add_parser("chat", help="talk with the model through its chat template (/help: its commands)")
     add_model_argument(p)
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the first message (repeatable; later ones: /image FILE)")
+    p.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="a video for the first message, for Qwen3-VL or Qwen3.5 (repeatable; later ones: /video FILE)")
     p.add_argument("--json", action="store_true", help="each reply as one JSON line (content, finish_reason, "
                                                        "token counts; reasoning_content with --reasoning-parser)")
     _add_sampling(p, max_tokens=512)
@@ -109,15 +113,21 @@ def _generate_prompt(text: str, images: list | None, processor=None, videos: lis
     return {"prompt": text if not images or marker in text else part * len(images) + text, "multi_modal_data": data}
 
 
-def cmd_generate(args) -> None:
-    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+def _read_media_files(args) -> tuple[list, list[tuple[str, bytes]]]:
+    """--image's files decoded and --video's read (decoded once the model says how to sample them): a bad image or
+    an unreadable file fails before the model loads."""
     from hearth.images import read_file_bytes, read_image_file
 
-    images = [read_image_file(Path(p), "--image") for p in args.image] if args.image else None
-    video_files = [(p, read_file_bytes(Path(p), "--video")) for p in args.video]
+    return ([read_image_file(Path(p), "--image") for p in args.image],
+            [(p, read_file_bytes(Path(p), "--video")) for p in args.video])
+
+
+def cmd_generate(args) -> None:
+    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+    images, video_files = _read_media_files(args)
     llm = build_llm(args)
     videos = _decoded_videos(llm, video_files)
-    prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None), videos,
+    prompt = _generate_prompt(args.prompt, images or None, getattr(llm.engine, "image_processor", None), videos,
                               getattr(llm.engine, "video_processor", None))
     if args.json:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -137,9 +147,9 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
 
 
-def _decoded_videos(llm, files: list[tuple[str, bytes]]) -> list | None:
-    """--video's files decoded and sampled for the loaded model (hearth/videos.py); VideoError for a model that
-    takes no videos, a file that is no video, or PyAV missing."""
+def _decoded_videos(llm, files: list[tuple[str, bytes]], what: str = "--video") -> list | None:
+    """--video's (or /video's) files decoded and sampled for the loaded model (hearth/videos.py); VideoError for a
+    model that takes no videos, a file that is no video, or PyAV missing."""
     if not files:
         return None
     from hearth.chat_images import local_video_limits
@@ -147,8 +157,8 @@ def _decoded_videos(llm, files: list[tuple[str, bytes]]) -> list | None:
 
     limits = local_video_limits(getattr(llm.engine, "video_processor", None))
     if limits is None:
-        raise VideoError("--video: this model takes no videos: hearth runs the videos of Qwen3-VL and Qwen3.5")
-    return [decode_video(data, limits, f"--video ({path})") for path, data in files]
+        raise VideoError(f"{what}: this model takes no videos: hearth runs the videos of Qwen3-VL and Qwen3.5")
+    return [decode_video(data, limits, f"{what} ({path})") for path, data in files]
 
 
 CHAT_COMMANDS = """commands (not sent to the model):
@@ -156,21 +166,20 @@ CHAT_COMMANDS = """commands (not sent to the model):
   /reset         forget the conversation (the system message stays)
   /system TEXT   the system message from now on (/system alone: none)
   /image FILE    an image for your next message (an image-text model's; --mmproj for a GGUF)
+  /video FILE    a video for your next message (Qwen3-VL's, Qwen3.5's)
   /exit          leave (as does end of input)"""
 
 
-def _chat_command(line: str, history: list[dict], images: list) -> bool:
-    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr. /image's
-    images wait in `images` for the next message."""
+def _chat_command(line: str, history: list[dict], media: list[dict], llm) -> bool:
+    """Do a chat command (a line starting with '/'); False: leave. Its messages go to stderr. /image's and
+    /video's media wait in `media` (content parts, in order) for the next message."""
     name, _, text = line.partition(" ")
     if name in ("/exit", "/quit"):
         return False
-    if name == "/image":
+    if name in ("/image", "/video"):
         try:
-            from hearth.images import read_image_file
-
-            images.append(read_image_file(Path(text.strip()), "/image"))
-            print(f"(image {len(images)} attached to your next message)", file=sys.stderr)
+            media.append(_media_part(llm, name, text.strip()))
+            print(f"({name[1:]} attached to your next message: {len(media)} so far)", file=sys.stderr)
         except HearthError as e:
             print(e, file=sys.stderr)
     elif name == "/help":
@@ -187,6 +196,16 @@ def _chat_command(line: str, history: list[dict], images: list) -> bool:
     else:
         print(f"unknown command {name}: /help lists them", file=sys.stderr)
     return True
+
+
+def _media_part(llm, command: str, path: str) -> dict:
+    """The content part of /image's or /video's file: the image decoded, the video decoded and sampled once
+    (LLM.chat_prompt reads the whole history every turn); HearthError where the file cannot be read."""
+    from hearth.images import read_file_bytes, read_image_file
+
+    if command == "/image":
+        return {"type": "image_pil", "image_pil": read_image_file(Path(path), command)}
+    return {"type": "video", "video": _decoded_videos(llm, [(path, read_file_bytes(Path(path), command))], command)[0]}
 
 
 def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
@@ -215,10 +234,13 @@ def _chat_reply(llm, history: list[dict], params, as_json: bool) -> str:
 
 
 def cmd_chat(args) -> None:
-    params = _sampling(args)  # a bad option fails before the model loads
+    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+    images, video_files = _read_media_files(args)
     llm = build_llm(args)
     history: list[dict] = []
-    images: list = []  # /image's, for the next message
+    # content parts for the next message: --image's and --video's, then /image's and /video's
+    media = [{"type": "image_pil", "image_pil": image} for image in images] + \
+        [{"type": "video", "video": video} for video in _decoded_videos(llm, video_files) or []]
     if args.system:
         history.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
@@ -233,12 +255,11 @@ def cmd_chat(args) -> None:
             break
         line = line.rstrip("\n")
         if line.startswith("/"):
-            if not _chat_command(line.strip(), history, images):
+            if not _chat_command(line.strip(), history, media, llm):
                 break
             continue
         if not line.strip():
             continue
-        parts = [{"type": "image_pil", "image_pil": image} for image in images] + [{"type": "text", "text": line}]
-        history.append({"role": "user", "content": parts if images else line})
-        images.clear()
+        history.append({"role": "user", "content": [*media, {"type": "text", "text": line}] if media else line})
+        media.clear()
         history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})

@@ -559,3 +559,40 @@ def test_llm_chat_and_generate_take_videos(qwen, tmp_path, capsys):
     assert "--video: cannot read" in capsys.readouterr().err
     assert main(["generate", "builtin", "--video", str(tmp_path / "a.mp4"), "--prompt", "x"]) == 1
     assert "--video: this model takes no videos" in capsys.readouterr().err
+    _chat_with_media(qwen, tmp_path, frames[0], capsys)
+
+
+def _chat_with_media(qwen, tmp_path, frames, capsys) -> None:
+    """`hearth chat --image` with /video (a.mp4, whose sampled frames are `frames`) before its first message and
+    /image before its second: each reply is what LLM.generate gives for the conversation written out by hand
+    (the first message's image and video before its text, the second's image), and a /video of a missing file
+    is said on stderr, the chat going on."""
+    import io
+    import json
+    import sys
+    from unittest import mock
+
+    from hearth.cli import main
+    from test_vision import IMAGE_PARTS_TEMPLATE
+
+    images = [_image(*IMAGES[0]), _image(*IMAGES[2])]
+    for name, image in zip(("a.png", "b.png"), images):
+        image.save(tmp_path / name)
+    (tmp_path / "chat.jinja").write_text(IMAGE_PARTS_TEMPLATE.replace(
+        "{% if p.type == 'image' %}<image>", f"{{% if p.type == 'image' %}}{IMAGE}{{% elif p.type == 'video' %}}{VIDEO}"))
+    lines = f"/video {tmp_path / 'a.mp4'}\n/video {tmp_path / 'no.mp4'}\nWhat happens?\n/image {tmp_path / 'b.png'}\nNow?\n"
+    capsys.readouterr()
+    with mock.patch.object(sys, "stdin", io.StringIO(lines)):
+        assert main(["chat", str(qwen[0]), "--image", str(tmp_path / "a.png"), "--chat-template",
+                     str(tmp_path / "chat.jinja"), "--temperature", "0", "--max-tokens", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    replies = [json.loads(line) for line in out.splitlines()]
+    assert "/video: cannot read" in err and "video attached to your next message: 2 so far" in err
+    first = f"<|im_start|>user\n{IMAGE}{VIDEO}What happens?<|im_end|>\n<|im_start|>assistant\n"
+    expected = qwen[3].generate({"prompt": first, "multi_modal_data": {"image": images[:1], "video": [frames]}},
+                                SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert replies[0]["content"] == expected.outputs[0].text
+    assert replies[0]["prompt_tokens"] == len(expected.prompt_token_ids)
+    second = f"{first}{replies[0]['content']}<|im_end|>\n<|im_start|>user\n{IMAGE}Now?<|im_end|>\n<|im_start|>assistant\n"
+    ids = qwen[3].engine.prompt_with_images(second, {"image": images, "video": [frames]}).token_ids
+    assert replies[1]["prompt_tokens"] == len(ids)
