@@ -365,10 +365,15 @@ class EngineConfig:
         None, metavar="FILE", help="llama.cpp's mmproj GGUF: the vision projector of a GGUF text model (SmolVLM / "
                                    "Idefics3, Gemma 3, Gemma 4, Qwen3-VL, Qwen3.5), as llama-server's --mmproj")
     image_max_tokens: int | None = option(
-        None, metavar="N", help="Gemma 4: the most tokens an image becomes (its processor's max_soft_tokens: 70, 140, "
-                                "280, 560 or 1120; default: the folder's processor settings, 280 for an mmproj file), "
-                                "as llama-server's --image-max-tokens; a request's mm_processor_kwargs may set "
-                                "max_soft_tokens too")
+        None, metavar="N", help="the most tokens an image becomes, as llama-server's --image-max-tokens: Gemma 4's "
+                                "processor's max_soft_tokens (70, 140, 280, 560 or 1120; default: the folder's, 280 "
+                                "for an mmproj file); Qwen3-VL's and Qwen3.5's max_pixels, N x (patch x merge)^2 "
+                                "(default: the folder's, 4096 tokens for an mmproj file); a request's "
+                                "mm_processor_kwargs may set max_soft_tokens, max_pixels too")
+    image_min_tokens: int | None = option(
+        None, metavar="N", help="Qwen3-VL, Qwen3.5: the fewest tokens an image becomes (min_pixels, N x (patch x "
+                                "merge)^2; default: the folder's, 8 tokens for an mmproj file), as llama-server's "
+                                "--image-min-tokens")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     sparsity: SparsityConfig = section(SparsityConfig, "activation sparsity")
     cascade: CascadeConfig = section(CascadeConfig, "cascade")
@@ -402,8 +407,12 @@ class EngineConfig:
               "tensor or pipeline parallelism")
         self.contrastive_model = None if self.contrastive_model is None else str(self.contrastive_model)  # a Path
         self.mmproj = None if self.mmproj is None else str(self.mmproj)
-        _need(self.image_max_tokens is None or (isinstance(self.image_max_tokens, int) and self.image_max_tokens > 0),
-              f"image_max_tokens must be a positive number of tokens, got {self.image_max_tokens!r}")
+        for name in ("image_max_tokens", "image_min_tokens"):
+            tokens = getattr(self, name)
+            _need(tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0),
+                  f"{name} must be a positive number of tokens, got {tokens!r}")
+        _need(None in (self.image_min_tokens, self.image_max_tokens) or self.image_min_tokens <= self.image_max_tokens,
+              f"image_min_tokens {self.image_min_tokens} is more than image_max_tokens {self.image_max_tokens}")
         if self.calm_exit_layers is not None:
             layers = self.calm_exit_layers
             layers = tuple(_layer_counts(layers) if isinstance(layers, str) else layers)

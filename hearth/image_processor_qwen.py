@@ -78,6 +78,22 @@ class QwenImageProcessor:
         made.min_pixels, made.max_pixels = least, most
         return made
 
+    def with_token_bounds(self, least: int | None, most: int | None) -> QwenImageProcessor:
+        """This processor with an image's fewest and most tokens (the engine's image_min_tokens and image_max_tokens,
+        llama.cpp's --image-min-tokens / --image-max-tokens) as its area bounds, tokens x (patch x merge)^2 pixels
+        each, in place of the folder's (None: the folder's); ModelLoadError where the least passes the most."""
+        area = (self.patch * self.merge) ** 2
+        made = copy.copy(self)
+        made.min_pixels = self.min_pixels if least is None else least * area
+        made.max_pixels = self.max_pixels if most is None else most * area
+        if made.min_pixels > made.max_pixels:
+            least_from = "image_min_tokens" if least is not None else "the processor's min_pixels"
+            most_from = "image_max_tokens" if most is not None else "the processor's max_pixels"
+            raise ModelLoadError(f"images of at least {made.min_pixels:,} pixels ({least_from}) and at most "
+                                 f"{made.max_pixels:,} ({most_from}; a token is {area:,} pixels): the least passes "
+                                 "the most (image_min_tokens, --image-min-tokens, sets the least)")
+        return made
+
     def process(self, image: Any) -> ProcessedImage:
         """One PIL image -> its patches [n, 3 * temporal * patch * patch] and token grid; RequestError for
         anything else."""

@@ -29,7 +29,7 @@ FLAGS = ["--dtype", "--device", "--backend", "--enforce-eager", "--kv-cache-memo
          "--prompt-lookup-max", "--speculative-disable-by-batch-size", "--no-speculative-adaptive",
          "--speculative-tree-width", "--lookahead-mode", "--lookahead-window", "--lookahead-ngram",
          "--lookahead-guesses", "--exit-layer", "--reasoning-parser", "--reasoning-budget", "--chat-template",
-         "--mmproj", "--image-max-tokens", "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--lora-dtype", "--contrastive-model", "--kv-cache-dir",
+         "--mmproj", "--image-max-tokens", "--image-min-tokens", "--enable-lora", "--lora", "--max-loras", "--max-lora-rank", "--lora-dtype", "--contrastive-model", "--kv-cache-dir",
          "--kv-cache-dir-size", "--kv-cache-ram", "--kv-cache-tier-dtype", "--async-scheduling", "--no-async-scheduling",
          "--activation-sparsity", "--activation-thresholds", "--cascade", "--defer-threshold", "--calm-exit-layers"]
 

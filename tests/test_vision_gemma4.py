@@ -252,6 +252,9 @@ def test_gemma4_mmproj_heads_audio_and_bad_files(gemma4, gemma4_gguf, tmp_path):
                                          ("builtin", None, 70, "not for a model without a vision encoder")):
         with pytest.raises(ModelLoadError, match=message):
             load_model(model, progress=False, mmproj=file, image_max_tokens=tokens)
+    with pytest.raises(ModelLoadError, match=r"image_min_tokens \(--image-min-tokens\) is implemented for Qwen3-VL's "
+                                             r"and Qwen3.5's images \(min_pixels\), not for gemma4's"):
+        load_model(text, progress=False, mmproj=mmproj, image_min_tokens=70)
     folder = shutil.copytree(gemma4_gguf[0], tmp_path / "theta")
     config = json.loads((folder / "config.json").read_text())
     config["vision_config"]["rope_parameters"]["rope_theta"] = 10_000.0

@@ -101,6 +101,29 @@ def test_pixel_bounds_per_request(qwen):
     assert not engine.has_unfinished_requests()
 
 
+def test_image_token_bounds_of_the_engine(qwen):
+    """image_min_tokens and image_max_tokens (llama.cpp's --image-min-tokens, --image-max-tokens) as the processor's
+    area bounds, tokens x (16 x 2)^2 pixels (the most past the folder's 100 tokens: the operator's choice): every
+    image's tokens within them, its patches, grid and the prompt's ids as transformers' processor makes them with
+    the derived min_pixels and max_pixels; a least past the most refused by name."""
+    from hearth.engine_config import EngineConfig
+    from hearth.loading.loader import load_model
+
+    least, most = 6, 150
+    processor = load_model(qwen[0], progress=False, image_min_tokens=least, image_max_tokens=most).image_processor
+    images = [_image(*spec) for spec in IMAGES]
+    inputs = qwen[1](text=[IMAGE * len(images)], images=images, return_tensors="pt",
+                     size={"shortest_edge": least * 32 ** 2, "longest_edge": most * 32 ** 2})
+    mine = [processor.process(image) for image in images]
+    assert np.array_equal(np.concatenate([m.pixel_values for m in mine]), inputs["pixel_values"].numpy())
+    assert [[1, 2 * m.grid[0], 2 * m.grid[1]] for m in mine] == inputs["image_grid_thw"].tolist()
+    assert [m.num_embeds for m in mine] == [8, 24, 8, 130]  # (the tiny one up past the least, the large one past 100)
+    assert all(least <= m.num_embeds <= most for m in mine)
+    assert sum(m.num_embeds for m in mine) == (inputs["input_ids"] == qwen[2].config.image_token_id).sum()
+    with pytest.raises(ValueError, match="image_min_tokens 9 is more than image_max_tokens 8"):
+        EngineConfig(image_min_tokens=9, image_max_tokens=8)
+
+
 @pytest.mark.parametrize("text, which", [(ONE, (0,)), (TWO, (1, 0))], ids=["one-image", "two-images"])
 def test_logits_and_greedy_tokens_equal_transformers(qwen, text, which):
     """fp32 logits of every position within 1e-4, whole and in two chunks cut inside the first image
@@ -218,6 +241,9 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
     assert out[0].outputs[0].token_ids == ref_tokens
     with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
         load_model("builtin", progress=False, mmproj=mmproj)
+    with pytest.raises(ModelLoadError, match=r"at least 8,192 pixels \(the processor's min_pixels\) and at most 4,096 "
+                                             r"\(image_max_tokens; .* the least passes the most"):
+        load_model(text, progress=False, mmproj=mmproj, image_max_tokens=4)  # (clip.cpp's least: 8 tokens)
     (tmp_path / "bad.gguf").write_bytes(mmproj.read_bytes().replace(b"v.position_embd.weight",
                                                                      b"v.position_xxxx.weight"))
     with pytest.raises(ModelLoadError, match=r"missing tensor v.position_embd.weight \[positions, hidden\]"):

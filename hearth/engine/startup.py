@@ -54,7 +54,8 @@ def load_target(model: str | Path | None, config: EngineConfig, backend: Backend
     try:
         loaded = load_model(model, dtype, device, max_positions=config.scheduler.max_model_len,
                             progress=progress, backend=backend, shard=shard, sparsity=config.sparsity,
-                            mmproj=config.mmproj, image_max_tokens=config.image_max_tokens)
+                            mmproj=config.mmproj, image_max_tokens=config.image_max_tokens,
+                            image_min_tokens=config.image_min_tokens)
         if config.speculative.token_trees and not backend.takes_token_trees(loaded.config):
             raise ValueError(f"speculative_tree_width > 1 and lookahead_mode full (token-tree verification) are not "
                              f"implemented for {loaded.config.architecture} on the {backend.name} backend (its "

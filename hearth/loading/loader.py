@@ -79,13 +79,15 @@ def load_model(
     sparsity: SparsityConfig | None = None,
     mmproj: str | Path | None = None,
     image_max_tokens: int | None = None,
+    image_min_tokens: int | None = None,
 ) -> LoadedModel:
     """backend: the kernels the model runs (None: choose_backend's choice for device and dtype).
     sparsity: activation sparsity (hearth/loading/activation_thresholds.py; None: dense).
     shard: this process's part of a model split over processes (hearth/engine/workers.py):
     a tensor-parallel slice (its config is the slice's) or a pipeline stage (its layers).
     mmproj: llama.cpp's mmproj file, the vision tower of a text model (hearth/loading/mmproj.py).
-    image_max_tokens: the most tokens an image becomes (Gemma 4's max_soft_tokens), in place of the processor's."""
+    image_max_tokens, image_min_tokens: the most (Gemma 4's max_soft_tokens; Qwen's max_pixels in tokens) and the
+    fewest (Qwen's min_pixels) tokens an image becomes, in place of the processor's."""
     path = resolve_model(path)
     device = torch.device(device)
     backend = backend or choose_backend(device, dtype)
@@ -102,8 +104,8 @@ def load_model(
                                      mrope_section=config.mrope_section or _text_mrope_section(path, projector))
         image_processor = projector.image_processor
         weights = weights | projector.weights
-    if image_max_tokens is not None:
-        image_processor = _with_image_max_tokens(image_processor, image_max_tokens, path, config)
+    if image_max_tokens is not None or image_min_tokens is not None:
+        image_processor = _with_image_tokens(image_processor, image_min_tokens, image_max_tokens, path, config)
     if shard is not None and config.vision is not None:
         raise ModelLoadError(f"{path}: an image-text model split over processes is not implemented by hearth: run it "
                              "with tensor_parallel_size and pipeline_parallel_size 1")
@@ -136,14 +138,21 @@ def _text_mrope_section(path: Path, projector: Mmproj) -> tuple[int, int, int] |
     return mrope_section_of(metadata, metadata.get("general.architecture"), str(path))
 
 
-def _with_image_max_tokens(processor, tokens: int, path: Path, config: ModelConfig):
-    """The image processor with its token budget `tokens` (image_max_tokens); ModelLoadError for a model whose
-    processor has no such budget, or one it cannot take."""
-    if not isinstance(processor, Gemma4ImageProcessor):
-        family = "a model without a vision encoder" if config.vision is None else f"{config.vision.family}'s"
-        raise ModelLoadError(f"{path}: image_max_tokens (--image-max-tokens) is implemented for Gemma 4's images (its "
-                             f"processor's max_soft_tokens), not for {family}")
-    try:
-        return processor.with_options({"max_soft_tokens": tokens})
-    except RequestError as e:
-        raise ModelLoadError(f"image_max_tokens = {tokens}: {str(e).removeprefix('mm_processor_kwargs: ')}") from None
+def _with_image_tokens(processor, least: int | None, most: int | None, path: Path, config: ModelConfig):
+    """The image processor with the engine's image token bounds (image_min_tokens, image_max_tokens); ModelLoadError
+    for a model whose processor has no such bound, or bounds it cannot take."""
+    if isinstance(processor, QwenImageProcessor):
+        try:
+            return processor.with_token_bounds(least, most)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+    if isinstance(processor, Gemma4ImageProcessor) and least is None:
+        try:
+            return processor.with_options({"max_soft_tokens": most})
+        except RequestError as e:
+            raise ModelLoadError(f"image_max_tokens = {most}: {str(e).removeprefix('mm_processor_kwargs: ')}") from None
+    family = "a model without a vision encoder" if config.vision is None else f"{config.vision.family}'s"
+    flag, models = (("image_min_tokens (--image-min-tokens)", "Qwen3-VL's and Qwen3.5's images (min_pixels)")
+                    if least is not None else ("image_max_tokens (--image-max-tokens)", "Gemma 4's images (its "
+                                               "processor's max_soft_tokens) and Qwen3-VL's and Qwen3.5's (max_pixels)"))
+    raise ModelLoadError(f"{path}: {flag} is implemented for {models}, not for {family}")
