@@ -250,29 +250,36 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
         load_model(text, progress=False, mmproj=tmp_path / "bad.gguf")
 
 
-def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, qwen3_5, tmp_path):
+def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (LLAMA_CPP_SOURCE: its source tree) writes from the same folder the same
     tensors (names, types, shapes, values) as `hearth convert`, the text GGUF's qwen3vl keys and the mmproj file's
-    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32;
-    Qwen3.5's mmproj file the same (its text GGUF: tests/test_hybrid_gguf.py)."""
+    keys (but the general ones), in f32 and (the mmproj file) f16: the patch kernels F16, the position table F32
+    (Qwen3.5's: tests/test_vision_qwen3_5.py)."""
+    from hearth.loading.mmproj import write_mmproj
+    from optional import llama_cpp_source
+
+    llama_cpp_source()
+    ours = {"text": qwen_gguf[0], "f32": qwen_gguf[1],
+            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False)}
+    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"], "f16": ["--mmproj", "--outtype", "f16"]}
+    converted_like_llama_cpp(qwen[0], ours, runs, tmp_path)
+
+
+def converted_like_llama_cpp(folder, ours: dict, runs: dict, tmp_path) -> None:
+    """llama.cpp's converter run on `folder` with each of `runs`' arguments writes the clip.* and qwen3vl keys and
+    the tensors of hearth's file of the same kind in `ours` (skipped without LLAMA_CPP_SOURCE)."""
     import subprocess
     import sys
 
     from gguf import GGUFReader
 
-    from hearth.loading.mmproj import write_mmproj
     from optional import llama_cpp_source
     from test_hybrid_gguf import _CONVERTER
 
     source = llama_cpp_source()
-    ours = {"text": qwen_gguf[0], "f32": qwen_gguf[1],
-            "f16": write_mmproj(qwen[0], tmp_path / "f16.gguf", "f16", progress=False),
-            "qwen3_5": write_mmproj(qwen3_5[0], tmp_path / "qwen3_5.gguf", "f32", progress=False)}
-    runs = {"text": ["--outtype", "f32"], "f32": ["--mmproj", "--outtype", "f32"],
-            "f16": ["--mmproj", "--outtype", "f16"], "qwen3_5": ["--mmproj", "--outtype", "f32"]}
     subprocess.run([sys.executable, "-c", _CONVERTER, str(source), *("|".join(
-        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str((qwen3_5 if kind == "qwen3_5" else qwen)[0])])
-        for kind, args in runs.items())], check=True, capture_output=True)
+        [*args, "--outfile", str(tmp_path / f"theirs-{kind}.gguf"), str(folder)]) for kind, args in runs.items())],
+        check=True, capture_output=True)
     for kind, path in ours.items():
         readers = GGUFReader(path), GGUFReader(tmp_path / f"theirs-{kind}.gguf")
         keys = [{k: f.contents() for k, f in r.fields.items() if k.startswith("clip.") or k in (
@@ -283,62 +290,6 @@ def test_llama_cpp_converts_the_same_qwen3_vl_files(qwen, qwen_gguf, qwen3_5, tm
         for name, (qtype, values) in tensors[1].items():
             assert tensors[0][name][0] == qtype, (kind, name)
             np.testing.assert_array_equal(tensors[0][name][1], values, err_msg=f"{kind} {name}")
-
-
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    import transformers
-
-    from hearth import LLM
-
-    # (value heads as wide as key heads, as the published models' and llama.cpp's qwen35 have them)
-    folder = make_qwen_vl(tmp_path_factory.mktemp("qwen3_5_vl"), family="qwen3_5", text={"linear_value_head_dim": 8})
-    reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return folder, qwen_vl_processor(folder), reference, LLM(str(folder), progress=False)
-
-
-def test_qwen3_5_with_its_vision_tower(qwen3_5):
-    """Qwen3.5's image-text folder runs whole: Qwen3-VL's encoder without deepstack before the hybrid text
-    model (Gated DeltaNet and gated attention, half of each head rotated by M-RoPE). Two images: token
-    ids, M-RoPE positions (Qwen3_5Model.get_rope_index), logits within 1e-4 in two chunks cut inside the
-    first image, and greedy tokens, against transformers; a video of 4 frames beside an image, the same."""
-    reference, llm = qwen3_5[2], qwen3_5[3]
-    assert llm.engine.model_config.vision.deepstack_layers == ()
-    images = [_image(*IMAGES[1]), _image(*IMAGES[0])]
-    inputs, ref_logits, ref_tokens = _reference(qwen3_5, TWO, images)
-    expanded = llm.engine.prompt_with_images(TWO, {"image": images})
-    assert expanded.token_ids == inputs["input_ids"][0].tolist()
-    positions, _ = reference.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                                  inputs["image_grid_thw"])
-    assert np.array_equal(mrope_positions(np.arange(len(expanded.token_ids)), expanded.images), positions[:, 0].numpy())
-    cut = expanded.images[0].start + 9
-    torch.testing.assert_close(_hearth_logits(llm.engine, TWO, images, cut)[1], ref_logits, atol=1e-4, rtol=0)
-    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == ref_tokens
-    frames = np.random.default_rng(5).integers(0, 256, (4, 61, 40, 3), dtype=np.uint8)
-    _video_logits_match(qwen3_5, frames, *_video_reference(qwen3_5, frames, None))
-
-
-def test_qwen3_5_gguf_and_mmproj(qwen3_5, tmp_path):
-    """`hearth convert --mmproj` of Qwen3.5's folder: llama.cpp's qwen35 text GGUF (its M-RoPE sections, read back
-    only with the mmproj file) and a qwen3vl_merger file without deepstack layers; the pair gives transformers' fp32
-    logits within 1e-4 with one image, and its greedy tokens."""
-    from gguf import GGUFReader
-
-    from hearth import LLM
-    from hearth.cli import main
-
-    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
-    assert main(["convert", str(qwen3_5[0]), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
-    assert GGUFReader(mmproj).fields["clip.vision.is_deepstack_layers"].contents() == [False] * 3
-    llm = LLM(str(text), mmproj=str(mmproj), progress=False)
-    assert llm.engine.model_config.mrope_section == (4, 2, 2)
-    assert LLM(str(text), progress=False).engine.model_config.mrope_section is None  # (a text model alone)
-    images = [_image(*IMAGES[0])]
-    inputs, ref_logits, ref_tokens = _reference(qwen3_5, ONE, images)
-    _logits_match(llm.engine, ONE, images, inputs, ref_logits)
-    out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == ref_tokens
 
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
@@ -523,17 +474,6 @@ def test_the_server_takes_a_data_url_video_and_refuses_bad_ones(qwen):
             assert client.get("/health").status_code == 200
     finally:
         engine.shutdown()
-
-
-def test_qwen3_5_images_on_the_gpu_backend(qwen3_5):
-    """The gpu backend (its Triton kernels interpreted on the CPU without a GPU): Qwen3.5's hybrid layers, M-RoPE
-    over half of each attention head, one small image (2 x 2 tokens): logits of every position within 1e-4 of
-    transformers'."""
-    from test_vision_gemma import gpu_logits_match
-
-    images = [_image(*IMAGES[2])]
-    inputs, ref_logits, _ = _reference(qwen3_5, ONE, images)
-    gpu_logits_match(qwen3_5[0], ONE, images, inputs, ref_logits)
 
 
 def test_llm_chat_and_generate_take_videos(qwen, tmp_path, capsys):
