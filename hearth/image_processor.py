@@ -7,11 +7,15 @@ tokens each).
 An image: RGB (transparency composited onto white); its longest edge resized to size.longest_edge
 (LANCZOS), then up to whole multiples of max_image_size.longest_edge; split into tiles of that size,
 row by row, plus the whole image resized to one tile (the global image); every tile rescaled by
-1/255 and normalised with image_mean / image_std. No torch here: the engine's runner makes tensors.
+1/255 and normalised with image_mean / image_std. Without do_image_splitting the whole image is one tile.
+A request may set do_image_splitting, size and max_image_size (mm_processor_kwargs, transformers' names): the
+tile only at the encoder's own size, where each tile becomes image_seq_len tokens. No torch here: the engine's
+runner makes tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -56,9 +60,8 @@ def request_options(options: Any, accepted: Sequence[str], family: str) -> dict[
                            f"{type(options).__name__}")
     unknown = [str(key) for key in options if key not in accepted]
     if unknown:
-        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes none per request"
         raise RequestError(f"mm_processor_kwargs: {', '.join(map(repr, unknown))} is not a setting of {family}'s image "
-                           f"processor ({takes})")
+                           f"processor (it takes {', '.join(accepted)})")
     return options
 
 
@@ -100,9 +103,28 @@ class ImageProcessor:
         return made.checked(folder)
 
     def with_options(self, options: dict[str, Any]) -> ImageProcessor:
-        """Itself, for a request's mm_processor_kwargs: it takes none (RequestError naming what is given)."""
-        request_options(options, (), "SmolVLM / Idefics3")
-        return self
+        """This processor with a request's mm_processor_kwargs, as transformers' Idefics3ImageProcessor takes them:
+        do_image_splitting (true / false), size {"longest_edge": N} (the image's longest edge before it is cut into
+        tiles: at most the model's) and max_image_size {"longest_edge": N} (the tile: only the encoder's own, the
+        one size whose tiles become image_seq_len tokens; transformers' model refuses others too); RequestError
+        naming a key it does not take or a value out of range."""
+        request_options(options, ("do_image_splitting", "size", "max_image_size"), "SmolVLM / Idefics3")
+        split = options.get("do_image_splitting", self.do_image_splitting)
+        if not isinstance(split, bool):
+            raise RequestError(f"mm_processor_kwargs: do_image_splitting is true or false, not {split!r}")
+        longest, tile = _longest_edge(options, "size", self.longest_edge), _longest_edge(options, "max_image_size",
+                                                                                          self.tile)
+        if not 0 < longest <= self.longest_edge:
+            raise RequestError(f"mm_processor_kwargs: size {{'longest_edge': {longest}}}: expected 1 to "
+                               f"{self.longest_edge} pixels (the model's: a request may ask for smaller images, not "
+                               "larger)")
+        if tile != self.tile:
+            raise RequestError(f"mm_processor_kwargs: max_image_size {{'longest_edge': {tile}}}: this model's tiles "
+                               f"are {self.tile} pixels, its encoder's image size (a tile of another size would not "
+                               f"become the {self.image_seq_len} tokens its prompt gives it)")
+        made = copy.copy(self)
+        made.do_image_splitting, made.longest_edge = split, longest
+        return made
 
     def checked(self, where: object) -> ImageProcessor:
         """Itself, or ModelLoadError (naming `where`) where its settings do not fit its vision encoder."""
@@ -122,16 +144,13 @@ class ImageProcessor:
         if not isinstance(image, Image.Image):
             raise RequestError(f"an image is a PIL.Image.Image, not {type(image).__name__}")
         rgb = to_rgb(image)
-        digest = content_hash(rgb)
+        digest = content_hash(rgb, f"split={self.do_image_splitting},longest_edge={self.longest_edge}")
         width, height = rgb.size
-        if self.do_image_splitting:
-            height, width = _longest_edge_to(height, width, self.longest_edge)
-            rgb = rgb.resize((width, height), self.resample)
-            height, width = _multiples_of(height, width, self.tile)
-            rgb = rgb.resize((width, height), self.resample)
-        else:
-            rgb = rgb.resize((self.tile, self.tile), self.resample)
-            height = width = self.tile
+        height, width = _longest_edge_to(height, width, self.longest_edge)
+        rgb = rgb.resize((width, height), self.resample)
+        # then whole tiles to split, or one tile (transformers resizes twice either way)
+        height, width = _multiples_of(height, width, self.tile) if self.do_image_splitting else (self.tile,) * 2
+        rgb = rgb.resize((width, height), self.resample)
         pixels = np.moveaxis(np.array(rgb), -1, 0)  # CHW uint8
         rows = cols = 0
         tiles = [pixels]
@@ -163,6 +182,18 @@ def to_rgb(image):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def _longest_edge(options: dict[str, Any], key: str, default: int) -> int:
+    """A request's {"longest_edge": N} setting (size, max_image_size), or `default` where it gives none."""
+    if key not in options:
+        return default
+    value = options[key]
+    edge = value.get("longest_edge") if isinstance(value, dict) and set(value) == {"longest_edge"} else None
+    if not isinstance(edge, int) or isinstance(edge, bool):
+        raise RequestError(f"mm_processor_kwargs: {key} is {{'longest_edge': N}}, N a whole number of pixels; got "
+                           f"{value!r}")
+    return edge
 
 
 def _longest_edge_to(height: int, width: int, longest: int) -> tuple[int, int]:

@@ -116,6 +116,40 @@ def test_pixels_and_token_ids_are_the_processors(vlm):
         assert expanded.images[0].num_embeds == len(mine.pixel_values) * 64
 
 
+def test_processor_settings_per_request(vlm):
+    """mm_processor_kwargs as transformers' Idefics3 processor takes them (do_image_splitting, size, max_image_size
+    at the encoder's tile): every tile's pixels and the prompt's ids as its processor makes them with those
+    settings, and with splitting off fp32 logits within 1e-4 of transformers' model; the settings are part of each
+    image's cache key (the folder's own, given, the same key as none); a key it does not take, a tile or a size it
+    cannot, a setting of the wrong type: refused by name."""
+    _, processor, reference, llm = vlm
+    engine = llm.engine
+    image = _image(*IMAGES[1])  # (517 x 203: 2 x 1 tiles and the global image with the folder's settings)
+    plain = engine.prompt_with_images(PROMPT, {"image": image}).images[0].content_hash
+    for settings in ({"size": {"longest_edge": 700}, "max_image_size": {"longest_edge": 512}},
+                     {"size": {"longest_edge": 300}}, {"do_image_splitting": False}):
+        inputs = processor(text=[PROMPT], images=[[image]], return_tensors="pt", **settings)
+        assert np.array_equal(engine.image_processor.with_options(settings).process(image).pixel_values,
+                              inputs["pixel_values"][0].numpy())
+        expanded = engine.prompt_with_images(PROMPT, {"image": image}, settings)
+        assert expanded.token_ids == inputs["input_ids"][0].tolist() and expanded.images[0].content_hash != plain
+    with torch.no_grad():
+        ref_logits = reference(**inputs).logits[0]  # (one tile)
+    _logits_match(engine, PROMPT, [image], inputs, ref_logits, settings=settings)
+    same = {"do_image_splitting": True, "size": {"longest_edge": 1024}}  # (the folder's)
+    assert engine.prompt_with_images(PROMPT, {"image": image}, same).images[0].content_hash == plain
+    for settings, message in (({"max_image_size": {"longest_edge": 256}}, r"this model's tiles are 512 pixels"),
+                              ({"size": {"longest_edge": 2048}}, r"expected 1 to 1024 pixels \(the model's"),
+                              ({"size": 512}, r"size is \{'longest_edge': N\}"),
+                              ({"do_image_splitting": "no"}, "do_image_splitting is true or false"),
+                              ({"do_pan_and_scan": True}, r"'do_pan_and_scan' is not a setting of SmolVLM / Idefics3's "
+                                                          r"image processor \(it takes do_image_splitting, size, "
+                                                          r"max_image_size\)")):
+        with pytest.raises(RequestError, match=message):
+            engine.add_request(None, PROMPT, GREEDY, multi_modal_data={"image": [image]}, mm_processor_kwargs=settings)
+    assert not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("text, which", [(PROMPT, (0,)), (TWO, (0, 1))], ids=["one-image", "two-images"])
 def test_logits_and_greedy_tokens_equal_transformers(vlm, text, which, request):
     """fp32 logits of every position within 1e-4, whole and in two chunks that cut through the first
@@ -406,7 +440,7 @@ def test_quantized_and_bad_mmproj_files(vlm, gguf_vlm, tmp_path, capsys):
 def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch, capsys):
     """LLM.chat with OpenAI-style image parts (a data URL, a PIL image, a file path) between text parts:
     the processor's token ids (each image's placeholders as it lays them out) and transformers' greedy
-    tokens; a part of another kind, a remote URL and image processor settings SmolVLM's does not take per request
+    tokens; a part of another kind, a remote URL and an image processor setting SmolVLM's does not take
     (mm_processor_kwargs, with or without images) are refused. `hearth chat --mmproj` with /image: the
     processor's count of prompt tokens, and LLM.chat's reply."""
     import base64
@@ -433,9 +467,8 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
         with pytest.raises(RequestError, match=message):
             llm.chat([{"role": "user", "content": [part, {"type": "image_pil", "image_pil": images[1]}]}], GREEDY)
     for content in ("Hello", [{"type": "image_pil", "image_pil": images[1]}]):  # (vLLM's LLM.chat keyword)
-        with pytest.raises(RequestError, match=r"'do_image_splitting' is not a setting of SmolVLM / Idefics3's image "
-                                               r"processor \(it takes none per request\)"):
-            llm.chat([{"role": "user", "content": content}], GREEDY, mm_processor_kwargs={"do_image_splitting": False})
+        with pytest.raises(RequestError, match=r"'max_crops' is not a setting of SmolVLM / Idefics3's image processor"):
+            llm.chat([{"role": "user", "content": content}], GREEDY, mm_processor_kwargs={"max_crops": 2})
     assert not llm.engine.has_unfinished_requests()
 
     images[0].save(tmp_path / "a.png")
@@ -455,7 +488,8 @@ def test_chat_with_image_parts(vlm, gguf_vlm, two_images, tmp_path, monkeypatch,
 def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
     """Served (`hearth serve MODEL --mmproj`'s engine), a conversation with two images counts the tokens its
     processor makes of them: usage.prompt_tokens (OpenAI's SDK), /v1/messages/count_tokens (Anthropic's) and
-    /tokenize equal the processor's input ids, and the reply is transformers' greedy tokens."""
+    /tokenize equal the processor's input ids, and the reply is transformers' greedy tokens; a processor setting
+    SmolVLM's does not take is a 400 that names it."""
     import base64
     import io
 
@@ -499,8 +533,12 @@ def test_the_server_counts_each_images_tokens(gguf_vlm, two_images):
                     {"type": "text", "text": " with"},
                     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data[1]}},
                     {"type": "text", "text": " please"}]}])
+            refused = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": "smolvlm", "mm_processor_kwargs": {"do_image_splitting": False, "max_crops": 2},
+                "messages": [{"role": "user", "content": "Hello"}]})
     finally:
         engine.shutdown()
     assert chat.usage.prompt_tokens == counted.input_tokens == expected
     assert tokenized["tokens"] == inputs["input_ids"][0].tolist()
+    assert refused.status_code == 400 and "'max_crops' is not a setting of SmolVLM" in refused.json()["error"]["message"]
     assert chat.choices[0].message.content == gguf_vlm[2].get_tokenizer().decode(ref_tokens)

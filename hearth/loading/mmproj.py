@@ -157,7 +157,8 @@ def _vision_config(md: dict[str, Any], family: str, image_token_id: int) -> Visi
 def _image_processor(md: dict[str, Any], vision: VisionConfig, where: str) -> ImageProcessor | GemmaImageProcessor:
     """The family's processor with the file's settings: Gemma 3's images resized to the encoder's image_size;
     Idefics3's tiles of it, the longest edge clip.vision.preproc_image_size (without it, as llama.cpp: the
-    image resized to one tile)."""
+    image resized to one tile, through its longest edge at the tile's size as transformers' processor does
+    without splitting)."""
     mean, std = tuple(md.get(_V.IMAGE_MEAN, (0.5, 0.5, 0.5))), tuple(md.get(_V.IMAGE_STD, (0.5, 0.5, 0.5)))
     if vision.family == "gemma3":
         return GemmaImageProcessor(vision, (vision.image_size,) * 2, vision.tokens_per_tile, mean, std)
