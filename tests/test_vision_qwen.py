@@ -239,6 +239,12 @@ def test_mmproj_gguf_equals_transformers(qwen, qwen_gguf, tmp_path):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     out = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref_tokens
+    # a video: the file holds no video settings, so Qwen3VLVideoProcessor's defaults (frames upscaled to its least)
+    frames = np.random.default_rng(6).integers(0, 256, (4, 45, 100, 3), dtype=np.uint8)
+    patches, grid, placeholder = _video_reference(qwen, frames, None, defaults=True)
+    assert np.array_equal(np.concatenate([g.pixel_values for g in llm.engine.video_processor.process(frames).groups]),
+                          patches.numpy())
+    _video_logits_match((*qwen[:3], llm), frames, patches, grid, placeholder)
     with pytest.raises(ModelLoadError, match=r"no <\|image_pad\|> token"):
         load_model("builtin", progress=False, mmproj=mmproj)
     with pytest.raises(ModelLoadError, match=r"at least 8,192 pixels \(the processor's min_pixels\) and at most 4,096 "
@@ -295,16 +301,18 @@ def converted_like_llama_cpp(folder, ours: dict, runs: dict, tmp_path) -> None:
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # as Qwen3-VL's chat template writes a video part
 
 
-def _video_reference(qwen, frames: np.ndarray, fps: float | None):
+def _video_reference(qwen, frames: np.ndarray, fps: float | None, defaults: bool = False):
     """transformers' Qwen3VLVideoProcessor's output for frames taken as they are (do_sample_frames off), from its
     own smart_resize, patchify and Qwen3VLProcessor.replace_video_token; its resize (torchvision's, not installed
-    here) as PIL's bicubic: the pixels, the grid and the video's placeholder text."""
+    here) as PIL's bicubic: the pixels, the grid and the video's placeholder text. defaults: the processor with its
+    class's defaults (the published folders' settings), not the folder's."""
     from PIL import Image
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
     from transformers.video_utils import VideoMetadata
 
     processor = qwen[1]
-    videos = processor.video_processor = Qwen3VLVideoProcessor.from_pretrained(qwen[0])
+    videos = processor.video_processor = Qwen3VLVideoProcessor() if defaults else \
+        Qwen3VLVideoProcessor.from_pretrained(qwen[0])
     count, height, width = frames.shape[:3]
     height, width = smart_resize(count, height, width, temporal_factor=2, factor=32,
                                  min_pixels=videos.size["shortest_edge"], max_pixels=videos.size["longest_edge"])

@@ -102,7 +102,7 @@ def load_model(
         projector = read_mmproj(mmproj, config, tokenizer)
         config = dataclasses.replace(config, vision=projector.vision,
                                      mrope_section=config.mrope_section or _text_mrope_section(path, projector))
-        image_processor = projector.image_processor
+        image_processor, video_processor = projector.image_processor, projector.video_processor
         weights = weights | projector.weights
     if image_max_tokens is not None or image_min_tokens is not None:
         image_processor = _with_image_tokens(image_processor, image_min_tokens, image_max_tokens, path, config)

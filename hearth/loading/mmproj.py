@@ -43,6 +43,7 @@ from hearth.model.vision.gemma4 import Gemma4VisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
 from hearth.tokenizer import Tokenizer
+from hearth.video_processor_qwen import QwenVideoProcessor
 from hearth.vision_config import Gemma4VisionConfig, QwenVisionConfig, VisionConfig
 
 Q = GGMLQuantizationType
@@ -78,6 +79,7 @@ class Mmproj:
     vision: VisionConfig | Gemma4VisionConfig | QwenVisionConfig
     weights: dict[str, torch.Tensor]
     image_processor: ImageProcessor | GemmaImageProcessor | Gemma4ImageProcessor | QwenImageProcessor
+    video_processor: QwenVideoProcessor | None = None  # Qwen3-VL's and Qwen3.5's (mmproj_qwen.with_videos)
 
 
 def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mmproj:
@@ -90,12 +92,15 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
     file = read_gguf(path)
     md = file.metadata
     family = _family(md, where)
+    videos = None
     try:
         token = _image_token(tokenizer, family, where)
         if family in ("gemma4", "qwen3_vl"):
             module = gemma4 if family == "gemma4" else qwen
             vision = module.vision_config(md, {t.name: tuple(reversed(t.shape)) for t in file.tensors}, text, token)
             processor = module.image_processor(md, vision)
+            if family == "qwen3_vl":
+                vision, videos = qwen.with_videos(vision, processor, tokenizer)
         else:
             vision = _vision_config(md, family, token)
             processor = _image_processor(md, vision, where)
@@ -107,7 +112,7 @@ def read_mmproj(path: str | Path, text: ModelConfig, tokenizer: Tokenizer) -> Mm
     if width != text.hidden_size:
         raise ModelLoadError(f"{where}: the projector makes embeddings of {width} ({_V.PROJECTION_DIM}), the text "
                              f"model's are {text.hidden_size}: this mmproj file is another model's")
-    return Mmproj(vision, _read_tensors(file, vision, text.hidden_size, where), processor)
+    return Mmproj(vision, _read_tensors(file, vision, text.hidden_size, where), processor, videos)
 
 
 def _family(md: dict[str, Any], where: str) -> str:

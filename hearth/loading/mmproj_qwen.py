@@ -8,11 +8,15 @@ two frames) as two kernels, one a frame: v.patch_embd.weight and v.patch_embd.we
 The file names no rope theta (clip.cpp's 10000), no activation but clip.use_gelu (the tanh GELU) and as
 clip.vision.attention.layer_norm_epsilon the text model's rms_norm_eps (the converter's); hearth's encoder keeps
 transformers' 1e-6. Images: Qwen's processor with the file's mean and std, the area between clip.cpp's 8 and 4096
-tokens (its limits for Qwen-VL) unless the file names clip.vision.image_min_pixels / image_max_pixels.
+tokens (its limits for Qwen-VL) unless the file names clip.vision.image_min_pixels / image_max_pixels. Videos (the
+file holds no video settings: llama.cpp reads none): transformers' Qwen3VLVideoProcessor's defaults, the settings
+of the published Qwen3-VL and Qwen3.5 folders (2 frames a second, 4 to 768 of them, a video's frames within 128
+to 768 tokens' pixels), normalised with the file's image mean and std, where the text model has <|video_pad|>.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -22,6 +26,8 @@ from gguf import MODEL_ARCH, GGUFWriter, Keys, VisionProjectorType, get_tensor_n
 from hearth.config import ModelConfig
 from hearth.errors import ModelLoadError
 from hearth.image_processor_qwen import QwenImageProcessor
+from hearth.tokenizer import Tokenizer
+from hearth.video_processor_qwen import QwenVideoProcessor
 from hearth.vision_config import QwenVisionConfig
 
 _V = Keys.ClipVision
@@ -104,6 +110,19 @@ def image_processor(md: dict[str, Any], vision: QwenVisionConfig) -> QwenImagePr
                              "0 < min <= max")
     return QwenImageProcessor(vision, least, most, tuple(md.get(_V.IMAGE_MEAN, (0.5,) * 3)),
                               tuple(md.get(_V.IMAGE_STD, (0.5,) * 3)))
+
+
+def with_videos(vision: QwenVisionConfig, image_processor: QwenImageProcessor, tokenizer: Tokenizer
+                ) -> tuple[QwenVisionConfig, QwenVideoProcessor | None]:
+    """The encoder's config with the text model's video placeholder <|video_pad|> and the videos' processor
+    (transformers' Qwen3VLVideoProcessor's defaults, the images' mean and std); without that token (a text model
+    that has none as one special token), the config as it is and no videos."""
+    ids = tokenizer.encode(QwenVideoProcessor.video_token, add_special_tokens=False)
+    if len(ids) != 1 or not tokenizer.is_special(ids[0]):
+        return vision, None
+    vision = dataclasses.replace(vision, video_token_id=ids[0])
+    return vision, QwenVideoProcessor(vision, mean=tuple(image_processor.mean.tolist()),
+                                      std=tuple(image_processor.std.tolist()))
 
 
 def image_size(vision: QwenVisionConfig) -> int:
