@@ -6,7 +6,8 @@ by the next ones (so the tiers take every block: their whole cost, and none of t
 
 One engine per set-up, loaded once and warmed up; then --runs runs, the set-ups interleaved run by run,
 each run new prompts (the same for every set-up). Throughput by the wall clock and by the process's CPU
-time (what a machine shared with other jobs can compare; a background thread's work counts too).
+time (what a machine shared with other jobs can compare; a background thread's work counts too: each run
+ends when the disk tier's writer thread has written its blocks).
 
     python benchmarks/tier_overhead.py ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --runs 5 --threads 1 --out benchmarks/results/threads-1/tier-overhead-smollm2
@@ -34,6 +35,8 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
     copy_before = engine.copy_seconds
     wall, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if engine.kv_tiers is not None:
+        engine.kv_tiers.close()  # the disk tier's writer thread done with this run's blocks, inside its times
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs)
     after = [asdict(c) for c in (engine.kv_ram_totals, engine.kv_disk_totals)]
@@ -41,19 +44,21 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
             "cached_tokens": sum(o.num_cached_tokens for o in outputs),
             "blocks_written": [a["blocks_written"] - b["blocks_written"] for a, b in zip(after, written)],
             "hits": [a["hits"] - b["hits"] for a, b in zip(after, written)],
+            "dropped": after[1]["dropped"] - written[1]["dropped"],  # the disk tier's writer did not keep up
             "tier_write_s": sum(a["write_seconds"] - b["write_seconds"] for a, b in zip(after, written)),
             "copy_s": engine.copy_seconds - copy_before}
 
 
 def time_copies(engine) -> None:
     """engine.copy_seconds: the time in LLMEngine._copy_to_tiers (the evicted blocks' bytes read from the
-    cache and written to the tiers), the tiers' whole cost when nothing hits."""
+    cache and handed to the tiers), the tiers' cost in the engine's step when nothing hits (the disk tier's
+    writer thread hashes and writes the files beside it: its time is the CPU time's, not the step's)."""
     copy, engine.copy_seconds = engine._copy_to_tiers, 0.0
 
-    def timed(blocks):
+    def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return copy(blocks)
+            return copy(*args, **kwargs)
         finally:
             engine.copy_seconds += time.perf_counter() - start
 
