@@ -120,6 +120,7 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
         registry = ServerMetrics(engine, "m").registry
         assert registry.get_sample_value("hearth:kv_disk_tier_hits_total", {"model_name": "m"}) == stats.kv_disk_tier.hits
         assert registry.get_sample_value("hearth:kv_disk_tier_skipped_files_total", {"model_name": "m"}) == 2
+        assert registry.get_sample_value("hearth:kv_disk_tier_dropped_blocks_total", {"model_name": "m"}) == 0
     finally:
         engine.shutdown()
 

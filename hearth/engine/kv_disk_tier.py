@@ -89,9 +89,9 @@ class DiskTier:
             payload = self._pending(block_hash)
             if payload is not None:
                 size = len(payload)
-            elif (found := self._read_file(block_hash)) is not None:
+            elif block_hash in self._files and (found := self._read_file(block_hash)) is not None:
                 size, payload = found
-            else:
+            else:  # (unusable; or removed since the caller found it, past the bound)
                 return None
             self.counts.hits += 1
             self.counts.bytes_read += size

@@ -4,7 +4,9 @@ A block the KV cache evicts goes to every tier (write-through: the disk keeps it
 answers fast while it lasts); a prefix lookup that runs past the cached blocks asks RAM first, then
 disk, block by block along the content-hash chain (kv_cache.py). Each tier holds payloads: a block's
 K/V as bytes, as the runner lays them out (ModelRunner.block_bytes: the cache's own bytes, or q8_0 with
-kv_cache_tier_dtype q8_0). The RAM tier keeps them in an LRU dict bounded in bytes; a hit counts as a use.
+kv_cache_tier_dtype q8_0; bytes or a memoryview over a buffer of the block's own, never written again, so
+that both tiers keep the one copy). The RAM tier keeps them in an LRU dict bounded in bytes; a hit counts as
+a use. The disk tier writes them on a thread of its own (kv_disk_tier.py).
 """
 
 from __future__ import annotations
