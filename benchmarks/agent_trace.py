@@ -86,6 +86,8 @@ def run_setup(setup: str, model: str, args: argparse.Namespace, turns: list[list
         llm = None
         for t, prompt in enumerate(turns):
             if llm is None or setup.startswith("restart"):
+                if llm is not None:
+                    llm.engine.close()  # (as a process's exit: the disk tier's queued blocks written)
                 del llm
                 gc.collect()
                 start = time.perf_counter()

@@ -6,7 +6,10 @@ by the next ones (so the tiers take every block: their whole cost, and none of t
 
 One engine per set-up, loaded once and warmed up; then --runs runs, the set-ups interleaved run by run,
 each run new prompts (the same for every set-up). Throughput by the wall clock and by the process's CPU
-time (what a machine shared with other jobs can compare; a background thread's work counts too).
+time (what a machine shared with other jobs can compare; a background thread's work counts too: each run
+ends when the disk tier's writer thread has written its blocks). The tiers' part of the engine's step, the
+evicted blocks copied out of the cache and handed over (LLMEngine._copy_to_tiers), is timed by the wall clock
+and by its thread's CPU time, as a share of the run's wall and CPU time (the CPU share resolves under load).
 
     python benchmarks/tier_overhead.py ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --runs 5 --threads 1 --out benchmarks/results/threads-1/tier-overhead-smollm2
@@ -31,9 +34,11 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine
     written = [asdict(c) for c in (engine.kv_ram_totals, engine.kv_disk_totals)]
-    copy_before = engine.copy_seconds
+    copy_before, copy_cpu_before = engine.copy_seconds, engine.copy_cpu_seconds
     wall, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if engine.kv_tiers is not None:
+        engine.kv_tiers.close()  # the disk tier's writer thread done with this run's blocks, inside its times
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs)
     after = [asdict(c) for c in (engine.kv_ram_totals, engine.kv_disk_totals)]
@@ -41,21 +46,24 @@ def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
             "cached_tokens": sum(o.num_cached_tokens for o in outputs),
             "blocks_written": [a["blocks_written"] - b["blocks_written"] for a, b in zip(after, written)],
             "hits": [a["hits"] - b["hits"] for a, b in zip(after, written)],
+            "dropped": after[1]["dropped"] - written[1]["dropped"],  # the disk tier's writer did not keep up
             "tier_write_s": sum(a["write_seconds"] - b["write_seconds"] for a, b in zip(after, written)),
-            "copy_s": engine.copy_seconds - copy_before}
+            "copy_s": engine.copy_seconds - copy_before, "copy_cpu_s": engine.copy_cpu_seconds - copy_cpu_before}
 
 
 def time_copies(engine) -> None:
-    """engine.copy_seconds: the time in LLMEngine._copy_to_tiers (the evicted blocks' bytes read from the
-    cache and written to the tiers), the tiers' whole cost when nothing hits."""
-    copy, engine.copy_seconds = engine._copy_to_tiers, 0.0
+    """engine.copy_seconds and copy_cpu_seconds: the time and its thread's CPU time in LLMEngine._copy_to_tiers
+    (the evicted blocks' bytes read from the cache and handed to the tiers), the tiers' cost in the engine's step when nothing hits (the disk tier's
+    writer thread hashes and writes the files beside it: its time is the CPU time's, not the step's)."""
+    copy, engine.copy_seconds, engine.copy_cpu_seconds = engine._copy_to_tiers, 0.0, 0.0
 
-    def timed(blocks):
-        start = time.perf_counter()
+    def timed(*args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return copy(blocks)
+            return copy(*args, **kwargs)
         finally:
             engine.copy_seconds += time.perf_counter() - start
+            engine.copy_cpu_seconds += time.thread_time() - cpu
 
     engine._copy_to_tiers = timed
 
@@ -108,6 +116,7 @@ def main() -> None:
         per_run = [r["tokens_per_cpu_s"] / o["tokens_per_cpu_s"] for r, o in zip(runs, results["off"])]
         rows.append([name, cpu, f"{cpu / base['tokens_per_cpu_s']:.3f}x", f"{median(per_run):.3f}x", wall,
                      f"{wall / base['tokens_per_s']:.3f}x", f"{median([r['copy_s'] / r['wall_s'] for r in runs]):.2%}",
+                     f"{median([r['copy_cpu_s'] / r['cpu_s'] for r in runs]):.2%}",
                      sum(r["cached_tokens"] for r in runs),
                      " / ".join(str(r["blocks_written"]) for r in runs[:1])])
     info = machine()
@@ -116,7 +125,7 @@ def main() -> None:
                 f"each, at most {args.max_num_seqs} at once, a KV budget of {tokens:,} tokens; medians of {args.runs} "
                 f"runs, the set-ups interleaved\n\n"
                 + table(["tiers", "tokens / CPU-s", "ratio", "median of per-run ratios", "tokens / s (wall)",
-                         "ratio (wall)", "copies to the tiers / wall", "cached tokens (all runs)", "blocks written (RAM, disk), run 1"], rows))
+                         "ratio (wall)", "copies to the tiers / wall", "their CPU / CPU", "cached tokens (all runs)", "blocks written (RAM, disk), run 1"], rows))
     write_results(args.out, markdown, {"args": vars(args), "machine": info, "results": results})
     folder.cleanup()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from hearth.engine_config import CacheConfig, EngineConfig
 from hearth.engine.async_engine import AsyncEngine
 from hearth.engine.embedding import embed
 from hearth.engine.kv_cache import BlockManager, chain_hash
-from hearth.engine.kv_disk_tier import DiskTier
+from hearth.engine.kv_disk_tier import SUFFIX, DiskTier
 from hearth.engine.kv_tiers import KVTiers
 from hearth.engine.request import Request
 from hearth.engine.startup import kv_tiers
@@ -79,6 +80,7 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     first = tiered_llm(llama, directory, backend)
     tier = first.engine.kv_disk_tier
     assert [greedy_tokens(first, p) for p in prompts] == expected  # each evicts the one before
+    first.engine.kv_tiers.close()  # the writer thread's files written (it hashes and writes off the step)
     # prompt 1 evicts the last of prompt 0's 4 full blocks, prompt 2 the other 3 and one of prompt 1's
     assert tier.counts.blocks_written == 5 and tier.counts.hits == 0
     assert block_file(first, prompts[0], 3).exists()
@@ -88,12 +90,14 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
     embed(first.engine, [[rng.randrange(VOCAB_SIZE) for _ in range(8 * BLOCK)]])
     assert greedy_tokens(first, prompts[2]) == expected[2] and tier.counts.hits == 8
 
+    first.engine.close()
     second = tiered_llm(llama, directory, backend)  # a restart: the files are all it has
     assert greedy_tokens(second, prompts[1]) == expected[1]
     assert second.engine.kv_disk_tier.counts.hits == 4
     assert second.engine.block_manager.prefix_cache_hits == 4 * BLOCK
 
     # a corrupted block 1 of prompt 1 and a truncated block 0 of prompt 0: skipped, removed, recomputed
+    second.engine.close()
     third = tiered_llm(llama, directory, backend)
     corrupted, truncated = block_file(third, prompts[1], 1), block_file(third, prompts[0], 0)
     data = bytearray(corrupted.read_bytes())
@@ -116,6 +120,7 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
         registry = ServerMetrics(engine, "m").registry
         assert registry.get_sample_value("hearth:kv_disk_tier_hits_total", {"model_name": "m"}) == stats.kv_disk_tier.hits
         assert registry.get_sample_value("hearth:kv_disk_tier_skipped_files_total", {"model_name": "m"}) == 2
+        assert registry.get_sample_value("hearth:kv_disk_tier_dropped_blocks_total", {"model_name": "m"}) == 0
     finally:
         engine.shutdown()
 
@@ -172,19 +177,87 @@ def test_size_bound_and_foreign_files(tmp_path, caplog):
     hashes = [bytes([i]) * 16 for i in range(5)]
     for h in hashes[:3]:
         tier.write(h, payload)
+        tier.close()  # (written now: its writer thread ended)
         time.sleep(0.02)  # (mtimes a file-system clock tick apart: a restart orders the files by them)
     assert tier.read(hashes[0]) == payload  # now the most recently used
     time.sleep(0.02)
     tier.write(hashes[3], payload)  # one too many: the least recently used (1) goes
+    tier.close()
     assert [h in tier for h in hashes] == [True, False, True, True, False]
     assert sorted(p.stem for p in tmp_path.glob("*.kv")) == sorted(h.hex() for h in (hashes[0], hashes[2], hashes[3]))
     reopened = DiskTier(tmp_path, tier.max_bytes, b"a" * 32, len(payload))  # a restart keeps the order
     reopened.write(hashes[4], payload)
+    reopened.close()
     assert [h in reopened for h in hashes] == [True, False, False, True, True]
     foreign = DiskTier(tmp_path, tier.max_bytes, b"b" * 32, len(payload))  # another model's files
     with caplog.at_level(logging.WARNING, logger="hearth"):
         assert foreign.read(hashes[0]) is None
     assert "another model" in caplog.text and hashes[0] not in foreign
+
+
+@pytest.fixture
+def held_writer(monkeypatch):
+    """The disk tier's writer thread held before each file it writes until `go` is set; `holding` is set once
+    it holds a block (taken from the queue, not yet written)."""
+    go, holding = threading.Event(), threading.Event()
+    write_file = DiskTier._write_file
+
+    def held(tier, block_hash, payload):
+        holding.set()
+        go.wait(10)
+        return write_file(tier, block_hash, payload)
+
+    monkeypatch.setattr(DiskTier, "_write_file", held)
+    yield SimpleNamespace(go=go, holding=holding)
+    go.set()
+
+
+def new_writers(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name == "hearth-kv-disk-writer"]
+
+
+def test_the_writer_queue_is_bounded_and_close_writes_it_out(tmp_path, held_writer):
+    """A queue of 2 blocks behind the block being written: a third drops the oldest queued (counted), unless
+    the write waits for room (a shutdown's save); queued blocks are read from memory before any file exists;
+    close() writes the rest and ends the thread; the files read back checked after a restart."""
+    payload, threads = bytes(range(200)), set(threading.enumerate())
+    tier = DiskTier(tmp_path, 2**20, b"a" * 32, len(payload), queue_bytes=2 * len(payload))
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    tier.write(hashes[0], payload)
+    assert held_writer.holding.wait(10)  # block 0 taken from the queue
+    for h in hashes[1:4]:
+        tier.write(h, payload)
+    assert [h in tier for h in hashes] == [True, False, True, True, False] and tier.counts.dropped == 1
+    assert tier.read(hashes[0]) == payload and tier.read(hashes[3]) == payload and not list(tmp_path.iterdir())
+    threading.Timer(0.2, held_writer.go.set).start()
+    tier.write(hashes[4], payload, wait=True)  # waits until the writer took block 2
+    tier.close()
+    assert not new_writers(threads) and tier.counts.dropped == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(h.hex() + SUFFIX for h in hashes if h != hashes[1])
+    assert tier.counts.blocks_written == 4 and tier.counts.hits == 2
+    assert DiskTier(tmp_path, 2**20, b"a" * 32, len(payload)).read(hashes[4]) == payload
+
+
+def test_blocks_still_queued_for_the_disk_are_found_there(llama, tmp_path, held_writer):
+    """While the writer thread holds the first evicted block, a prompt whose 4 blocks were all evicted finds them
+    in memory (the one being written, the others queued; no file yet) and gets transformers' tokens and the
+    logprobs of a prefix-cache hit never evicted, bit for bit; the engine's close writes every block and ends
+    the writer thread."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(70)] for _ in range(3)]
+    llm, threads = tiered_llm(llama, tmp_path, "cpu"), set(threading.enumerate())
+    tier = llm.engine.kv_disk_tier
+    assert greedy_tokens(llm, prompts[0]) == reference_greedy(llama, prompts[:1])[0]
+    never_evicted = greedy_logprobs(llm, prompts[0])  # its 4 full blocks from the cache
+    for prompt in prompts[1:]:
+        greedy_tokens(llm, prompt)  # evict prompt 0's 4 blocks and one of prompt 1's
+    assert held_writer.holding.is_set() and tier.counts.blocks_written == 0
+    assert greedy_logprobs(llm, prompts[0]) == never_evicted
+    assert tier.counts.hits == 4 and not list(tmp_path.glob("*" + SUFFIX))
+    held_writer.go.set()
+    llm.engine.close()
+    assert not new_writers(threads) and tier.counts.dropped == 0
+    assert tier.counts.blocks_written == len(list(tmp_path.glob("*" + SUFFIX))) >= 5
 
 
 def test_off_for_hybrids_and_without_prefix_caching(tmp_path, caplog):

@@ -174,9 +174,12 @@ class LLMEngine:
         return adapters
 
     def close(self) -> None:
-        """Stop the workers of a split model, if any (also done when the engine is collected)."""
+        """Stop the workers of a split model, if any (also done when the engine is collected), and the disk tier's
+        writer thread, its queue written first."""
         if self.workers is not None:
             self.workers.stop()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -190,7 +193,7 @@ class LLMEngine:
     @property
     def kv_disk_totals(self) -> TierCounts:
         """The disk tier's counts since the engine started (zeros without one)."""
-        return TierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.counts.copy()
+        return TierCounts() if self.kv_disk_tier is None else self.kv_disk_tier.totals()
 
     @property
     def kv_ram_totals(self) -> TierCounts:
@@ -500,16 +503,22 @@ class LLMEngine:
 
     def save_cache_to_tiers(self) -> int:
         """Copy every block the prefix cache still holds to the tiers (those they lack), so that a disk tier has
-        them after a restart (a server's shutdown; evicted blocks went there already); how many were copied."""
-        return 0 if self.kv_tiers is None else self._copy_to_tiers(self.block_manager.cached_blocks())
+        them after a restart (a server's shutdown, a sleep; evicted blocks went there already), and wait until
+        its files are written (its writer thread ended); how many were copied."""
+        if self.kv_tiers is None:
+            return 0
+        copied = self._copy_to_tiers(self.block_manager.cached_blocks(), wait=True)
+        self.kv_tiers.close()
+        return copied
 
-    def _copy_to_tiers(self, blocks: list[tuple[bytes, int]]) -> int:
-        """Write each (content hash, block id)'s K/V to the tiers that lack it; how many blocks were written."""
+    def _copy_to_tiers(self, blocks: list[tuple[bytes, int]], wait: bool = False) -> int:
+        """Write each (content hash, block id)'s K/V to the tiers that lack it; how many blocks were written.
+        wait: for room in the disk tier's queue, where a step would drop its oldest blocks (KVTiers.write)."""
         tiers = self.kv_tiers
         blocks = [(content_hash, block) for content_hash, block in blocks if not tiers.held_by_all(content_hash)]
         if blocks:
             for (content_hash, _), payload in zip(blocks, self.runner.block_bytes([b for _, b in blocks], tiers.q8_0)):
-                tiers.write(content_hash, payload)
+                tiers.write(content_hash, payload, wait)
         return len(blocks)
 
     def move_cache_contents(self) -> None:

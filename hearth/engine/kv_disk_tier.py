@@ -7,6 +7,14 @@ of the model and cache it was written for (a hash of the model's path, size and 
 dtype, the block size and the layer count), the payload's length and its SHA-256: a truncated,
 corrupted or foreign file is skipped with a warning and removed, never loaded. Files past the size
 bound are removed least recently used first (a hit counts as a use; after a restart, by mtime).
+
+The engine's step only hands a block's bytes over: a writer thread hashes and writes each file (under a
+temporary name, then renamed, so that no reader sees half of one), oldest first. Until its file is
+complete a block is found in the queue (lookups, reads and uses see it there); the queue is bounded in
+bytes (past it the oldest queued block is dropped, counted, never waited for: a disk slower than the
+evictions loses blocks, not time). The thread ends when the queue stays empty WRITER_IDLE_SECONDS, at
+once on close() (which writes the queue out first), and is not a daemon: the interpreter's exit waits
+for the queue to be written.
 """
 
 from __future__ import annotations
@@ -15,25 +23,35 @@ import hashlib
 import logging
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hearth.engine.kv_tiers import TierCounts
+
+if TYPE_CHECKING:
+    from hearth.kv_format import Payload
 
 logger = logging.getLogger("hearth")
 
 MAGIC = b"HEARTHKV"
 _HEADER = struct.Struct("<8s32sQ32s")  # magic, identity, payload bytes, SHA-256 of the payload
 SUFFIX = ".kv"
+QUEUE_BYTES = 256 << 20  # the most the writer's queue holds (at most the tier's bound)
+WRITER_IDLE_SECONDS = 0.5  # how long the writer thread waits for another block before it ends
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, max_bytes: int, identity: bytes, payload_bytes: int):
-        """identity: 32 bytes naming the model and cache layout; payload_bytes: one block's K/V."""
+    def __init__(self, directory: str | Path, max_bytes: int, identity: bytes, payload_bytes: int,
+                 queue_bytes: int = QUEUE_BYTES):
+        """identity: 32 bytes naming the model and cache layout; payload_bytes: one block's K/V; queue_bytes:
+        the bound of the blocks waiting for the writer thread."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.identity, self.payload_bytes = max_bytes, identity, payload_bytes
+        self.queue_bytes = min(queue_bytes, max_bytes)
         self.counts = TierCounts()
         self._files: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, least recently used first
         found = []
@@ -46,13 +64,42 @@ class DiskTier:
             self._files[block_hash] = size
         self.total_bytes = sum(self._files.values())
         self._trim()
+        # the writer's: every field below and the ones above are read and changed under the lock
+        self._lock = threading.Condition()
+        self._queued: OrderedDict[bytes, Payload] = OrderedDict()  # blocks to write, oldest first
+        self._queued_bytes = 0
+        self._writing: tuple[bytes, Payload] | None = None  # the block the writer is hashing and writing
+        self._writer: threading.Thread | None = None  # the last one started
+        self._writer_running = self._closing = False
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._files
+        with self._lock:
+            return block_hash in self._files or self._pending(block_hash) is not None
 
-    def read(self, block_hash: bytes) -> bytes | None:
-        """The block's payload, checked; None (a warning, the file removed) when it is unusable."""
+    def totals(self) -> TierCounts:
+        """The counts as of now (the writer thread adds to them)."""
+        with self._lock:
+            return self.counts.copy()
+
+    def read(self, block_hash: bytes) -> Payload | None:
+        """The block's payload, from the queue or its file, checked; None (a warning, the file removed) when it
+        is unusable."""
         start = time.perf_counter()
+        with self._lock:
+            payload = self._pending(block_hash)
+            if payload is not None:
+                size = len(payload)
+            elif block_hash in self._files and (found := self._read_file(block_hash)) is not None:
+                size, payload = found
+            else:  # (unusable; or removed since the caller found it, past the bound)
+                return None
+            self.counts.hits += 1
+            self.counts.bytes_read += size
+            self.counts.read_seconds += time.perf_counter() - start
+            return payload
+
+    def _read_file(self, block_hash: bytes) -> tuple[int, memoryview] | None:
+        """(lock held) The file's bytes and its checked payload; None where it is unusable (skipped)."""
         path = self._path(block_hash)
         try:
             data = path.read_bytes()
@@ -61,7 +108,7 @@ class DiskTier:
         if len(data) < _HEADER.size:
             return self._skip(block_hash, "truncated header")
         magic, identity, size, digest = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size:]
+        payload = memoryview(data)[_HEADER.size:]
         if magic != MAGIC:
             return self._skip(block_hash, "not a hearth KV block")
         if identity != self.identity or size != self.payload_bytes:
@@ -72,22 +119,86 @@ class DiskTier:
             return self._skip(block_hash, "checksum mismatch")
         self._files.move_to_end(block_hash)
         os.utime(path)  # its place in the LRU order after a restart
-        self.counts.hits += 1
-        self.counts.bytes_read += len(data)
-        self.counts.read_seconds += time.perf_counter() - start
-        return payload
+        return len(data), payload
 
     def touch(self, block_hash: bytes) -> bool:
-        """Mark a block used; whether the tier holds it."""
-        if block_hash not in self._files:
-            return False
-        self._files.move_to_end(block_hash)
-        return True
+        """Mark a block used; whether the tier holds it (written or queued)."""
+        with self._lock:
+            return self._touch(block_hash)
 
-    def write(self, block_hash: bytes, payload: bytes) -> None:
-        """Store a block (a block already stored is only marked used), then keep under the bound."""
-        if self.touch(block_hash):
-            return
+    def _touch(self, block_hash: bytes) -> bool:
+        if block_hash in self._files:
+            self._files.move_to_end(block_hash)
+            return True
+        return self._pending(block_hash) is not None
+
+    def _pending(self, block_hash: bytes) -> Payload | None:
+        """(lock held) The payload of a block queued or being written."""
+        if self._writing is not None and self._writing[0] == block_hash:
+            return self._writing[1]
+        return self._queued.get(block_hash)
+
+    def write(self, block_hash: bytes, payload: Payload, wait: bool = False) -> None:
+        """Queue a block for the writer thread (one already stored or queued is only marked used). Past the
+        queue's bound the oldest queued blocks are dropped (counts.dropped); with wait (a shutdown's save, not a
+        step) this waits for room instead."""
+        with self._lock:
+            if self._touch(block_hash):
+                return
+            if not self._writer_running:
+                self._writer_running = True
+                self._writer = threading.Thread(target=self._write_queued, name="hearth-kv-disk-writer")
+                self._writer.start()  # (it waits for the lock, then finds this block)
+            if wait:
+                self._lock.wait_for(lambda: not self._queued or self._queued_bytes + len(payload) <= self.queue_bytes)
+            self._queued[block_hash] = payload
+            self._queued_bytes += len(payload)
+            while self._queued_bytes > self.queue_bytes and len(self._queued) > 1:
+                self._queued_bytes -= len(self._queued.popitem(last=False)[1])
+                self.counts.dropped += 1
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Write every queued block, then end the writer thread (a later write starts another)."""
+        with self._lock:
+            writer, self._closing = self._writer, True
+            self._lock.notify_all()
+        if writer is not None:
+            writer.join()
+        with self._lock:
+            self._closing = False
+
+    def _write_queued(self) -> None:
+        """The writer thread: the queued blocks written, oldest first, until the queue stays empty."""
+        try:
+            while (block := self._next_queued()) is not None:
+                written = self._write_file(*block)
+                with self._lock:
+                    self._writing = None
+                    if written is not None:
+                        self._add_file(block[0], *written)
+                    self._lock.notify_all()  # (a write waiting for room)
+        except BaseException:  # (not expected: OSError is handled) the next write starts another writer
+            with self._lock:
+                self._writer_running, self._writing = False, None
+                self._lock.notify_all()
+            raise
+
+    def _next_queued(self) -> tuple[bytes, Payload] | None:
+        """The oldest queued block, now the one being written; None: the writer ends."""
+        with self._lock:
+            if not self._queued and not self._closing:
+                self._lock.wait(WRITER_IDLE_SECONDS)  # (woken by a write or close)
+            if not self._queued:
+                self._writer_running = False
+                return None
+            self._writing = self._queued.popitem(last=False)
+            self._queued_bytes -= len(self._writing[1])
+            return self._writing
+
+    def _write_file(self, block_hash: bytes, payload: Payload) -> tuple[int, float] | None:
+        """(the writer thread, no lock) The block's file, complete under its name: (its bytes, the seconds
+        taken); None where it could not be written."""
         start = time.perf_counter()
         header = _HEADER.pack(MAGIC, self.identity, len(payload), hashlib.sha256(payload).digest())
         path = self._path(block_hash)
@@ -99,13 +210,16 @@ class DiskTier:
             os.replace(partial, path)  # a reader never sees half a file under the real name
         except OSError as e:
             logger.warning("kv disk tier: block %s not written: %s", block_hash.hex(), e)
-            return
-        size = len(header) + len(payload)
+            return None
+        return len(header) + len(payload), time.perf_counter() - start
+
+    def _add_file(self, block_hash: bytes, size: int, seconds: float) -> None:
+        """(lock held) A file written: counted, then the tier kept under its bound."""
         self._files[block_hash] = size
         self.total_bytes += size
         self.counts.blocks_written += 1
         self.counts.bytes_written += size
-        self.counts.write_seconds += time.perf_counter() - start
+        self.counts.write_seconds += seconds
         self._trim()
 
     def _trim(self) -> None:

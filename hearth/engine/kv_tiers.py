@@ -4,7 +4,9 @@ A block the KV cache evicts goes to every tier (write-through: the disk keeps it
 answers fast while it lasts); a prefix lookup that runs past the cached blocks asks RAM first, then
 disk, block by block along the content-hash chain (kv_cache.py). Each tier holds payloads: a block's
 K/V as bytes, as the runner lays them out (ModelRunner.block_bytes: the cache's own bytes, or q8_0 with
-kv_cache_tier_dtype q8_0). The RAM tier keeps them in an LRU dict bounded in bytes; a hit counts as a use.
+kv_cache_tier_dtype q8_0; bytes or a memoryview over a buffer of the block's own, never written again, so
+that both tiers keep the one copy). The RAM tier keeps them in an LRU dict bounded in bytes; a hit counts as
+a use. The disk tier writes them on a thread of its own (kv_disk_tier.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (it imports TierCounts from here)
     from hearth.engine.kv_disk_tier import DiskTier
+    from hearth.kv_format import Payload
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class TierCounts:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     skipped: int = 0  # the disk tier's truncated, corrupted or foreign files
+    dropped: int = 0  # blocks the disk tier's writer did not keep up with, not written (its queue's bound)
 
     def copy(self) -> TierCounts:
         return replace(self)
@@ -39,12 +43,12 @@ class RamTier:
         self.max_bytes = max_bytes
         self.counts = TierCounts()
         self.total_bytes = 0
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # block hash -> payload, least recently used first
+        self._blocks: OrderedDict[bytes, Payload] = OrderedDict()  # block hash -> payload, least recently used first
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
 
-    def read(self, block_hash: bytes) -> bytes | None:
+    def read(self, block_hash: bytes) -> Payload | None:
         start = time.perf_counter()
         payload = self._blocks.get(block_hash)
         if payload is not None:
@@ -61,7 +65,7 @@ class RamTier:
         self._blocks.move_to_end(block_hash)
         return True
 
-    def write(self, block_hash: bytes, payload: bytes) -> None:
+    def write(self, block_hash: bytes, payload: Payload) -> None:
         """Keep a block (one already kept is only marked used), then drop the least recently used past the bound."""
         if self.touch(block_hash) or len(payload) > self.max_bytes:
             return
@@ -87,7 +91,7 @@ class KVTiers:
     def __contains__(self, block_hash: bytes) -> bool:
         return any(block_hash in t for t in self._tiers)
 
-    def read(self, block_hash: bytes) -> bytes | None:
+    def read(self, block_hash: bytes) -> Payload | None:
         """The block's payload from the first tier that holds it; None where none holds it usably."""
         for tier in self._tiers:
             if block_hash in tier:
@@ -98,6 +102,14 @@ class KVTiers:
         """Whether every tier holds the block already (then marked used in each: no copy to make)."""
         return all(block_hash in t for t in self._tiers) and all([t.touch(block_hash) for t in self._tiers])
 
-    def write(self, block_hash: bytes, payload: bytes) -> None:
-        for tier in self._tiers:
-            tier.write(block_hash, payload)
+    def write(self, block_hash: bytes, payload: Payload, wait: bool = False) -> None:
+        """Keep a block in every tier; wait: for room in the disk tier's queue (DiskTier.write)."""
+        if self.ram is not None:
+            self.ram.write(block_hash, payload)
+        if self.disk is not None:
+            self.disk.write(block_hash, payload, wait)
+
+    def close(self) -> None:
+        """The disk tier's queued blocks written, its writer thread ended (the tiers stay usable)."""
+        if self.disk is not None:
+            self.disk.close()

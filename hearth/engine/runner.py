@@ -26,7 +26,7 @@ import torch
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
 from hearth.config import MAX_DECODE_QUERY_LEN
-from hearth.kv_format import (KVCaches, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
+from hearth.kv_format import (KVCaches, Payload, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
                               stored_tensors, with_state_caches, write_block_payloads)
 from hearth.engine import contrastive_search
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
@@ -246,11 +246,11 @@ class ModelRunner:
         rows = torch.cat([torch.arange(i * block_size, (i + 1) * block_size) for i, _ in entered])
         self.write_kv([block_id for _, block_id in entered], kv[:, :, rows])
 
-    def block_bytes(self, block_ids: list[int], q8_0: bool = False) -> list[bytes]:
+    def block_bytes(self, block_ids: list[int], q8_0: bool = False) -> list[Payload]:
         """Each block's K/V as bytes (the KV tiers' payload, kv_format.block_payloads)."""
         return block_payloads(self._cache_tensors(), self._slots(block_ids), len(block_ids), q8_0)
 
-    def write_block_bytes(self, payloads: dict[int, bytes], q8_0: bool = False) -> None:
+    def write_block_bytes(self, payloads: dict[int, Payload], q8_0: bool = False) -> None:
         """Write block_bytes' payloads back, per block id (q8_0: as block_bytes(q8_0=True) packed them)."""
         write_block_payloads(self._cache_tensors(), self._slots(list(payloads)), list(payloads.values()),
                              self.block_size, q8_0)

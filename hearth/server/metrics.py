@@ -64,6 +64,8 @@ class _EngineCollector:
             yield counter(f"{name}_write_seconds", f"Seconds spent writing {what}.", counts.write_seconds)
         yield counter("hearth:kv_disk_tier_skipped_files", "Disk tier files skipped: truncated, corrupted or "
                       "foreign.", stats.kv_disk_tier.skipped)
+        yield counter("hearth:kv_disk_tier_dropped_blocks", "Blocks not written to the disk tier: its writer's queue "
+                      "was full.", stats.kv_disk_tier.dropped)
         yield counter("hearth:num_preemptions", "Requests preempted (blocks taken back, recomputed later).",
                       stats.num_preemptions)
         yield counter("hearth:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
