@@ -30,6 +30,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_CONTRASTIVE_CANDIDATES = MAX_DECODE_QUERY_LEN
 # OpenAI's range for one logit_bias value.
 MAX_ABS_LOGIT_BIAS = 100.0
+# CALM's confidence measures (hearth/model/calm.py): the softmax response, hidden-state saturation, and
+# the softmax response computed only where the saturation reaches a loose bound
+CALM_MEASURES = ("softmax", "saturation", "saturation-softmax")
 
 
 class SamplingType(enum.IntEnum):
@@ -166,9 +169,14 @@ class SamplingParams:
     # of the tokens before; deterministic (temperature, top_p, min_p and seed play no part)
     penalty_alpha: float = 0.0  # [0, 1]; 0: off; > 0 needs top_k in [2, 16]
     # CALM early exit (Schuster et al. 2022; hearth/model/calm.py), lossy by choice: a decode token leaves
-    # the model at the first of the engine's calm_exit_layers where its intermediate prediction's top-1
-    # minus top-2 probability reaches this; None: off (every layer runs)
+    # the model at the first of the engine's calm_exit_layers where its confidence (calm_measure) reaches
+    # this; None: off (every layer runs); 1: never leaves
     calm_threshold: float | None = None  # [0, 1]
+    # "softmax": the intermediate prediction's top-1 minus top-2 probability (an LM head pass per check);
+    # "saturation": the cosine of the hidden states after the exit layer and the layer before (no LM head);
+    # "saturation-softmax": the softmax response, computed only where the saturation reaches calm_saturation_bound
+    calm_measure: str = "softmax"
+    calm_saturation_bound: float = 0.9  # [-1, 1]
 
     @classmethod
     def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
@@ -259,6 +267,10 @@ class SamplingParams:
         _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
                                                and 0.0 <= self.calm_threshold <= 1.0),
                f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
+        _check(self.calm_measure in CALM_MEASURES,
+               f"calm_measure must be one of {', '.join(CALM_MEASURES)}, got {self.calm_measure!r}.")
+        _check(isinstance(self.calm_saturation_bound, (int, float)) and -1.0 <= self.calm_saturation_bound <= 1.0,
+               f"calm_saturation_bound must be a number in [-1, 1], got {self.calm_saturation_bound!r}.")
         _check(self.calm_threshold is None or not self.contrastive_search,
                "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
         if self.max_tokens is not None:
