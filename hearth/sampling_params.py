@@ -264,15 +264,7 @@ class SamplingParams:
                                                       and self.thinking_token_budget >= -1),
                f"thinking_token_budget must be -1 (no limit) or at least 0, got {self.thinking_token_budget!r}.")
         self._verify_contrastive_search()
-        _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
-                                               and 0.0 <= self.calm_threshold <= 1.0),
-               f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
-        _check(self.calm_measure in CALM_MEASURES,
-               f"calm_measure must be one of {', '.join(CALM_MEASURES)}, got {self.calm_measure!r}.")
-        _check(isinstance(self.calm_saturation_bound, (int, float)) and -1.0 <= self.calm_saturation_bound <= 1.0,
-               f"calm_saturation_bound must be a number in [-1, 1], got {self.calm_saturation_bound!r}.")
-        _check(self.calm_threshold is None or not self.contrastive_search,
-               "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
+        self._verify_calm()
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -297,6 +289,17 @@ class SamplingParams:
             )
         if self.temperature < SAMPLING_EPS:
             _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_calm(self) -> None:
+        _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
+                                               and 0.0 <= self.calm_threshold <= 1.0),
+               f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
+        _check(self.calm_measure in CALM_MEASURES,
+               f"calm_measure must be one of {', '.join(CALM_MEASURES)}, got {self.calm_measure!r}.")
+        _check(isinstance(self.calm_saturation_bound, (int, float)) and -1.0 <= self.calm_saturation_bound <= 1.0,
+               f"calm_saturation_bound must be a number in [-1, 1], got {self.calm_saturation_bound!r}.")
+        _check(self.calm_threshold is None or not self.contrastive_search,
+               "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
 
     def _verify_contrastive_search(self) -> None:
         _check(math.isfinite(self.penalty_alpha) and 0.0 <= self.penalty_alpha <= 1.0,
