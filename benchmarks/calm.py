@@ -6,11 +6,13 @@ through the engine's runner: StepInputs, CalmExits.run, the logits the sampler w
 next token's log-probability taken from the logits of the layer it left at: perplexity under CALM
 (teacher-forced), the share of tokens that left at each exit layer, and the step's time in CPU
 time (process_time; the machine is shared) and wall time: the mean step of each run, as each kind
-of step (its exit layer, or none) weighs, its median times its share (mixed_mean). Threshold "off" is the plain pass (no CALM). The
-settings take turns within each run (--runs runs; the median run).
+of step (its exit layer, or none) weighs, its median times its share (mixed_mean). Threshold "off" is the plain pass (no CALM);
+"T" the softmax response's threshold, "MEASURE:T" another measure's (calm_measure: saturation,
+saturation-softmax, the latter's loose bound --saturation-bound). The settings take turns within
+each run (--runs runs; the median run).
 
-    python benchmarks/calm.py --thresholds off,0.9,0.7,0.5 --exit-layers 15,22 --tokens 384 --threads 2 \
-        --out benchmarks/results/threads-2/calm-smollm2
+    python benchmarks/calm.py --thresholds off,0.9,saturation:0.99,saturation-softmax:0.9 --exit-layers 15,22 \
+        --tokens 384 --threads 2 --out benchmarks/results/threads-2/calm-smollm2
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def read_text(llm, setting, ids: list[int], prefix: int) -> dict:
             "wall_ms": mixed_mean(wall, kinds) * 1e3}
 
 
+def check(setting: str, bound: float):
+    """A --thresholds entry's CalmCheck: "T" (softmax response) or "MEASURE:T"."""
+    from hearth.model.calm import CalmCheck
+
+    measure, _, threshold = setting.rpartition(":")
+    return CalmCheck(float(threshold), measure or "softmax", bound)
+
+
+def label(check) -> str:
+    return "off" if check is None else f"{check.threshold}" if check.measure == "softmax" else (
+        f"{check.measure} {check.threshold}" + (f" (bound {check.saturation_bound})"
+                                               if check.measure == "saturation-softmax" else ""))
+
+
 def mixed_mean(times: list[float], kinds: list) -> float:
     """The mean step as its kinds (the exit layer, or none) weigh: each kind's median step times its
     share. Tokens that exit and tokens that pay for every check mix, so throughput follows the mean; on
@@ -69,6 +85,7 @@ def main() -> None:
     p.add_argument("--model", default=str(DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--text", default=str(DATA / "text-apache-2.0.txt"), help="held-out text")
     p.add_argument("--thresholds", default="off,0.9,0.7,0.5", help="comma-separated; off: the plain pass")
+    p.add_argument("--saturation-bound", type=float, default=0.9, help="saturation-softmax's calm_saturation_bound")
     p.add_argument("--exit-layers", default="15,22")
     p.add_argument("--tokens", type=int, default=384, help="tokens of the text read")
     p.add_argument("--prefix", type=int, default=16, help="its first tokens, prefilled")
@@ -80,31 +97,31 @@ def main() -> None:
 
     from hearth import LLM
 
-    settings = [None if t == "off" else float(t) for t in args.thresholds.split(",")]
+    settings = [None if t == "off" else check(t, args.saturation_bound) for t in args.thresholds.split(",")]
     llm = LLM(args.model, progress=False, calm_exit_layers=args.exit_layers)
     ids = llm.get_tokenizer().encode(Path(args.text).read_text(encoding="utf-8"))[: args.tokens]
     runs: dict = {s: [] for s in settings}
     for run in range(args.runs):
         for s in settings:
             runs[s].append(read_text(llm, s, ids, args.prefix))
-            print(f"run {run + 1}: threshold {s}: {runs[s][-1]}", file=sys.stderr)
+            print(f"run {run + 1}: {label(s)}: {runs[s][-1]}", file=sys.stderr)
     layers = [int(n) for n in args.exit_layers.split(",")]
     base = median([r["cpu_ms"] for r in runs[None]]) if None in runs else None
     rows = []
     for s, results in runs.items():
         first, cpu = results[0], median([r["cpu_ms"] for r in results])
         shares = [f"{100 * first['exits'].get(n, 0) / first['tokens']:.0f}%" for n in layers]
-        rows.append(["off" if s is None else s, f"{math.exp(first['nll'] / first['tokens']):.3f}", *shares,
+        rows.append([label(s), f"{math.exp(first['nll'] / first['tokens']):.3f}", *shares,
                      f"{1000 / cpu:.1f}", f"{cpu:.2f}", f"{median([r['wall_ms'] for r in results]):.2f}",
                      "–" if base is None else f"{base / cpu:.2f}x"])
     info = machine()
     markdown = (f"{machine_markdown(info)}\n\n`python benchmarks/calm.py {shlex.join(sys.argv[1:])}`\n\n"
                 f"{Path(args.model).name}; {Path(args.text).name}, {len(ids):,} tokens, read one a step after "
                 f"{args.prefix}; exit layers {args.exit_layers}; mean step (per-kind medians by share), median of {args.runs} interleaved runs\n\n"
-                + table(["threshold", "perplexity", *[f"left after {n}" for n in layers], "tok/s (CPU time)",
+                + table(["measure and threshold", "perplexity", *[f"left after {n}" for n in layers], "tok/s (CPU time)",
                          "step ms (CPU)", "step ms (wall)", "speed-up (CPU)"], rows))
     write_results(args.out, markdown, {"args": vars(args), "machine": info,
-                                       "runs": {str(s): r for s, r in runs.items()}})
+                                       "runs": {label(s): r for s, r in runs.items()}})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hearth.engine_args import add_engine_arguments, add_model_argument, build_llm
 from hearth.errors import HearthError
+from hearth.sampling_params import CALM_MEASURES
 
 
 def add_generate_and_chat(sub) -> None:
@@ -72,10 +73,17 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--penalty-alpha", type=float, default=0.0, metavar="ALPHA",
         help="contrastive search (Su et al.): of the --top-k (2 to 16) likeliest tokens, the one of most "
              "(1 - ALPHA) p - ALPHA x its hidden state's greatest cosine with the text's (0: off; Su et al. use 0.6)")
-    p.add_argument_group("CALM early exit (lossy)").add_argument(
-        "--calm-threshold", type=float, default=None, metavar="T",
-        help="a token leaves the model at the first of --calm-exit-layers where its intermediate prediction's "
-             "top-1 minus top-2 probability is at least T (0 to 1; default: off)")
+    g = p.add_argument_group("CALM early exit (lossy)")
+    g.add_argument("--calm-threshold", type=float, default=None, metavar="T",
+                   help="a token leaves the model at the first of --calm-exit-layers where its confidence "
+                        "(--calm-measure) is at least T (0 to 1; 1: never; default: off)")
+    g.add_argument("--calm-measure", choices=CALM_MEASURES, default="softmax",
+                   help="the confidence: softmax (top-1 minus top-2 probability of the intermediate prediction, "
+                        "an LM head pass per check), saturation (the cosine of the hidden states after the exit "
+                        "layer and the layer before, no LM head), saturation-softmax (the softmax response, computed "
+                        "only where the saturation reaches --calm-saturation-bound)")
+    g.add_argument("--calm-saturation-bound", type=float, default=0.9, metavar="COS",
+                   help="saturation-softmax's loose bound on the saturation (-1 to 1)")
 
 
 def _sampling(args):

@@ -379,8 +379,8 @@ class EngineConfig:
     cascade: CascadeConfig = section(CascadeConfig, "cascade")
     calm_exit_layers: tuple[int, ...] | None = option(
         None, metavar="N,M", parse=_layer_counts, group="CALM early exit",
-        help="the layer counts after which a request with a calm_threshold may leave the model, each check an LM head "
-             "pass (hearth/model/calm.py; default: half and three quarters of the model's layers)")
+        help="the layer counts after which a request with a calm_threshold may leave the model, each softmax check an "
+             "LM head pass (hearth/model/calm.py; default: half and three quarters of the model's layers)")
     # contrastive decoding's amateur (a model with the same vocabulary), for requests with contrastive_weight > 0
     contrastive_model: str | None = option(
         None, metavar="PATH", group="contrastive decoding",

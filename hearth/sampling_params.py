@@ -30,6 +30,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_CONTRASTIVE_CANDIDATES = MAX_DECODE_QUERY_LEN
 # OpenAI's range for one logit_bias value.
 MAX_ABS_LOGIT_BIAS = 100.0
+# CALM's confidence measures (hearth/model/calm.py): the softmax response, hidden-state saturation, and
+# the softmax response computed only where the saturation reaches a loose bound
+CALM_MEASURES = ("softmax", "saturation", "saturation-softmax")
 
 
 class SamplingType(enum.IntEnum):
@@ -166,9 +169,14 @@ class SamplingParams:
     # of the tokens before; deterministic (temperature, top_p, min_p and seed play no part)
     penalty_alpha: float = 0.0  # [0, 1]; 0: off; > 0 needs top_k in [2, 16]
     # CALM early exit (Schuster et al. 2022; hearth/model/calm.py), lossy by choice: a decode token leaves
-    # the model at the first of the engine's calm_exit_layers where its intermediate prediction's top-1
-    # minus top-2 probability reaches this; None: off (every layer runs)
+    # the model at the first of the engine's calm_exit_layers where its confidence (calm_measure) reaches
+    # this; None: off (every layer runs); 1: never leaves
     calm_threshold: float | None = None  # [0, 1]
+    # "softmax": the intermediate prediction's top-1 minus top-2 probability (an LM head pass per check);
+    # "saturation": the cosine of the hidden states after the exit layer and the layer before (no LM head);
+    # "saturation-softmax": the softmax response, computed only where the saturation reaches calm_saturation_bound
+    calm_measure: str = "softmax"
+    calm_saturation_bound: float = 0.9  # [-1, 1]
 
     @classmethod
     def from_openai(cls, body: Mapping[str, Any], **given: Any) -> SamplingParams:
@@ -256,11 +264,7 @@ class SamplingParams:
                                                       and self.thinking_token_budget >= -1),
                f"thinking_token_budget must be -1 (no limit) or at least 0, got {self.thinking_token_budget!r}.")
         self._verify_contrastive_search()
-        _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
-                                               and 0.0 <= self.calm_threshold <= 1.0),
-               f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
-        _check(self.calm_threshold is None or not self.contrastive_search,
-               "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
+        self._verify_calm()
         if self.max_tokens is not None:
             _check(self.max_tokens >= 0, f"max_tokens must be at least 0, got {self.max_tokens}.")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -285,6 +289,17 @@ class SamplingParams:
             )
         if self.temperature < SAMPLING_EPS:
             _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_calm(self) -> None:
+        _check(self.calm_threshold is None or (isinstance(self.calm_threshold, (int, float))
+                                               and 0.0 <= self.calm_threshold <= 1.0),
+               f"calm_threshold must be a number in [0, 1] (or null: off), got {self.calm_threshold!r}.")
+        _check(self.calm_measure in CALM_MEASURES,
+               f"calm_measure must be one of {', '.join(CALM_MEASURES)}, got {self.calm_measure!r}.")
+        _check(isinstance(self.calm_saturation_bound, (int, float)) and -1.0 <= self.calm_saturation_bound <= 1.0,
+               f"calm_saturation_bound must be a number in [-1, 1], got {self.calm_saturation_bound!r}.")
+        _check(self.calm_threshold is None or not self.contrastive_search,
+               "calm_threshold (early exit) does not go with contrastive search (penalty_alpha > 0).")
 
     def _verify_contrastive_search(self) -> None:
         _check(math.isfinite(self.penalty_alpha) and 0.0 <= self.penalty_alpha <= 1.0,

@@ -7,6 +7,7 @@ state (Schuster et al. 2022's state propagation). Requests with and without a th
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -31,10 +32,23 @@ def folder(tmp_path_factory):
     return folder
 
 
-def calm_greedy(model, prompt: list[int], threshold: float, steps: int) -> tuple[list[int], list[float], float]:
+def softmax_response(h_before, h, model) -> float:
+    """CALM's softmax response: top-1 minus top-2 probability of the LM head on the normed hidden state."""
+    top = model.lm_head(model.model.norm(h))[0, -1].softmax(-1).topk(2).values
+    return (top[0] - top[1]).item()
+
+
+def saturation(h_before, h, model) -> float:
+    """CALM's hidden-state saturation: cos(d^(i-1), d^i) of the residual streams of consecutive layers."""
+    return torch.nn.functional.cosine_similarity(h_before[0, -1], h[0, -1], dim=0).item()
+
+
+def calm_greedy(model, prompt: list[int], threshold: float, steps: int, measure=softmax_response,
+                gate: tuple | None = None) -> tuple[list[int], list[float], float]:
     """CALM's greedy decoding: the tokens, each one's log-probability under the logits it came from
     (its exit layer's or the last layer's), and the least |confidence - threshold| seen (a margin
-    that float rounding cannot cross)."""
+    that float rounding cannot cross). measure(d^(i-1), d^i, model): the confidence at exit layer i;
+    gate (measure, bound): the confidence counts only where that measure reaches the bound."""
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -51,21 +65,25 @@ def calm_greedy(model, prompt: list[int], threshold: float, steps: int) -> tuple
             h = inner.embed_tokens(torch.tensor([[token]]))
             rotary = inner.rotary_emb(h, position_ids=position)
             for index, layer in enumerate(inner.layers):
-                h = layer(h, position_ids=position, cache=cache, use_cache=True, position_embeddings=rotary)
-                if index + 1 == len(inner.layers):
-                    logits = model.lm_head(inner.norm(h))[0, -1]
-                elif index + 1 in EXIT_LAYERS:
-                    logits = model.lm_head(inner.norm(h))[0, -1]
-                    top = logits.softmax(-1).topk(2).values
-                    margin = min(margin, abs((top[0] - top[1]).item() - threshold))
-                    if top[0] - top[1] >= threshold:  # exit: the later layers' K/V from this hidden state
-                        for later in inner.layers[index + 1:]:
-                            x, attention = later.input_layernorm(h), later.self_attn
-                            k = attention.k_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
-                            v = attention.v_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
-                            _, k = apply_rotary_pos_emb(k, k, *rotary)
-                            cache.update(k, v, attention.layer_idx)
-                        break
+                h_before, h = h, layer(h, position_ids=position, cache=cache, use_cache=True, position_embeddings=rotary)
+                logits = model.lm_head(inner.norm(h))[0, -1]
+                if index + 1 not in EXIT_LAYERS:
+                    continue
+                if gate is not None:
+                    passed = gate[0](h_before, h, model)
+                    margin = min(margin, abs(passed - gate[1]))
+                    if passed < gate[1]:
+                        continue
+                confidence = measure(h_before, h, model)
+                margin = min(margin, abs(confidence - threshold))
+                if confidence >= threshold:  # exit: the later layers' K/V from this hidden state
+                    for later in inner.layers[index + 1:]:
+                        x, attention = later.input_layernorm(h), later.self_attn
+                        k = attention.k_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
+                        v = attention.v_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)
+                        _, k = apply_rotary_pos_emb(k, k, *rotary)
+                        cache.update(k, v, attention.layer_idx)
+                    break
     return tokens, logprobs, margin
 
 
@@ -123,3 +141,50 @@ def test_calm_is_refused_where_the_engine_cannot_run_it(tmp_path):
     with pytest.raises(RequestError, match="calm_threshold \\(CALM early exit\\) is not implemented for this engine"):
         LLM(folder, progress=False).generate([[5, 6, 7]], SamplingParams(max_tokens=2, calm_threshold=0.5),
                                              use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def half_folder(folder, tmp_path_factory):
+    """folder's model in bfloat16: its decode steps run in the cpu backend's one kernel call
+    (HalfLinear), where the saturation checks run inside the kernel (hearth/backend/cpu_decode.py)."""
+    half = tmp_path_factory.mktemp("calm-bf16")
+    shutil.copytree(folder, half, dirs_exist_ok=True)
+    load_hf_reference(folder).to(torch.bfloat16).save_pretrained(half)
+    return half
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "modules"])
+def test_saturation_measures_equal_the_formula(folder, half_folder, kernel):
+    """Hidden-state saturation (calm_measure "saturation") and the softmax response gated by it
+    ("saturation-softmax") against CALM's formulas on transformers' hidden states, side by side with
+    a softmax-response request and one at threshold 1 (never leaves: plain greedy). The bfloat16
+    model's steps check inside the decode kernel; the float32 model's run the modules, torch measuring."""
+    path = half_folder if kernel else folder
+    reference = load_hf_reference(path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    plain = [calm_greedy(reference, p, 2.0, MAX_TOKENS)[0] for p in prompts]
+    cases = [({"calm_measure": "saturation", "calm_threshold": 0.6}, {"threshold": 0.6, "measure": saturation}),
+             ({"calm_measure": "saturation-softmax", "calm_threshold": 0.5, "calm_saturation_bound": 0.5},
+              {"threshold": 0.5, "gate": (saturation, 0.5)}),
+             ({"calm_threshold": 0.5}, {"threshold": 0.5})]
+    want = [calm_greedy(reference, p, steps=MAX_TOKENS, **formula) for p, (_, formula) in zip(prompts, cases)]
+    assert min(margin for *_, margin in want) > 1e-4, "a confidence within rounding of its threshold"
+    assert sum(w[0] != q for w, q in zip(want, plain)) >= 2, "CALM changes no tokens: the test checks nothing"
+
+    llm = LLM(path, progress=False, calm_exit_layers=",".join(map(str, EXIT_LAYERS)))
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, **given)
+              for given in [given for given, _ in cases] + [{"calm_measure": "saturation", "calm_threshold": 1.0}]]
+    outputs = llm.generate(prompts + prompts[:1], params, use_tqdm=False)
+    for output, (tokens, logprobs, _) in zip(outputs, want + [(plain[0], None, None)]):
+        got = output.outputs[0]
+        assert got.token_ids == tokens
+        if logprobs is not None:  # each token's logprob is that of the layer it left at
+            torch.testing.assert_close(torch.tensor([lp[t] for lp, t in zip(got.logprobs, got.token_ids)]),
+                                       torch.tensor(logprobs), atol=1e-4, rtol=0)
+    views = llm.engine.runner.calm.views
+    assert (views[0, len(reference.model.layers)][0].backend_state.get("decode_path") is not None) == kernel
+    with pytest.raises(ValueError, match="calm_measure must be one of softmax, saturation, saturation-softmax"):
+        SamplingParams(calm_threshold=0.5, calm_measure="entropy")
+    with pytest.raises(ValueError, match="calm_saturation_bound must be a number in \\[-1, 1\\]"):
+        SamplingParams(calm_threshold=0.5, calm_saturation_bound=2)

@@ -149,6 +149,11 @@ def test_from_cli_reads_generates_flags(tmp_path):
     assert SamplingParams.from_cli(parse(["chat", "--calm-threshold", "0.9"])).calm_threshold == 0.9  # CALM early exit
     assert SamplingParams.from_openai({"calm_threshold": 0.5}).calm_threshold == 0.5
     assert SamplingParams.from_cli(parse(["chat"])).calm_threshold is None
+    calm = SamplingParams.from_cli(parse(["chat", "--calm-threshold", "0.95", "--calm-measure", "saturation-softmax",
+                                          "--calm-saturation-bound", "0.8"]))
+    assert (calm.calm_measure, calm.calm_saturation_bound) == ("saturation-softmax", 0.8)
+    calm = SamplingParams.from_openai({"calm_threshold": 0.99, "calm_measure": "saturation"})
+    assert (calm.calm_measure, calm.calm_saturation_bound) == ("saturation", 0.9)
     regex = SamplingParams.from_cli(parse(["generate", "--prompt", "x", "--regex", "[a-z]+"]))
     assert regex.structured_outputs == StructuredOutputsParams(regex="[a-z]+")
     with pytest.raises(HearthError, match="missing.lark: cannot read"):

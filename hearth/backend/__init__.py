@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from hearth.backend.base import Backend, DecodeSampling, StepInputs
+from hearth.backend.base import Backend, DecodeSampling, SaturationChecks, StepInputs
 
 BACKENDS = ("auto", "cpu", "gpu", "reference")
 
@@ -46,4 +46,4 @@ def choose_backend(device: torch.device, dtype: torch.dtype, name: str = "auto",
     return Backend(device)
 
 
-__all__ = ["Backend", "DecodeSampling", "StepInputs", "choose_backend"]
+__all__ = ["Backend", "DecodeSampling", "SaturationChecks", "StepInputs", "choose_backend"]

@@ -110,6 +110,19 @@ class StepInputs:
 
 
 @dataclass
+class SaturationChecks:
+    """CALM's hidden-state saturation checks inside a decode pass (hearth/model/calm.py): after each of
+    `layers` (counts of the pass's layers, increasing, at least 1), each checked row's cosine of its
+    residual stream there and a layer before; the pass stops after the first of them where some row's
+    cosine reaches its threshold. The backend writes `stop` and `cosines`."""
+
+    layers: np.ndarray  # int64
+    thresholds: torch.Tensor  # float32 [T]: +inf, the row is not checked; -inf, the pass stops there whatever
+    stop: int = 0  # the layers the pass ran
+    cosines: torch.Tensor | None = None  # float32 [T], those at the stop (a row not checked: any value)
+
+
+@dataclass
 class DecodeSampling:
     """How a decode step draws its tokens inside the backend's step (Backend.decode_and_sample):
     the rows' sampling parameters and the head that turns logits into tokens, both the engine's
@@ -429,10 +442,12 @@ class Backend:
         [P, hidden], or None (then each chosen expert's modules run on its rows)."""
         return None
 
-    def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta):
+    def decode_layers(self, model: nn.Module, x: torch.Tensor, rotary, kv_caches, meta,
+                      exits: SaturationChecks | None = None):
         """A whole decode step through every layer in one call, where a backend has one: returns
         (the last layer's output, the residual stream) or None (then the modules run). A step whose
-        rows use LoRA adapters (model.lora_rows active, hearth/model/lora.py) must add them, or decline."""
+        rows use LoRA adapters (model.lora_rows active, hearth/model/lora.py) must add them, or decline.
+        With exits, the pass stops where they say (exits.stop: its layers) or the backend declines."""
         return None
 
     # ---- weights -----------------------------------------------------------------------

@@ -214,11 +214,11 @@ class CpuBackend(Backend):
             return None
         return grouped(x, counts)
 
-    def decode_layers(self, model, x, rotary, kv_caches, meta):
+    def decode_layers(self, model, x, rotary, kv_caches, meta, exits=None):
         if meta.prefills:
             return None
         path = self._decode_path(model)
-        return None if path is None else path(x, rotary, kv_caches, meta)
+        return None if path is None else path(x, rotary, kv_caches, meta, exits)
 
     def greedy_passes(self, model, first, later, feeds, kv_caches):
         """A draft model's chained greedy passes in one call (the draft runner's one-call path,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hearth.backend.base import AttentionMetadata, StepInputs
+from hearth.backend.base import AttentionMetadata, SaturationChecks, StepInputs
 from hearth.backend.cpu_linear import INT8_QTYPES, HalfLinear, Int8Linear
 from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, float32_contiguous, tree_pointers, whole_caches_format
 from hearth.backend.sparse_linear import SPARSE_MAX_ROWS, SparseLinear
@@ -136,6 +136,7 @@ class CpuDecodePath:
         rotary: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        exits: SaturationChecks | None = None,  # CALM's checks (cpu_kernels.h's ExitOperand), stop and cosines written
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it), or None where this step's
         tensors do not fit the kernel (then the modules run it)."""
@@ -159,15 +160,22 @@ class CpuDecodePath:
         cos, sin = (t.contiguous() for t in rotary)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         threads = torch.get_num_threads()
-        self.kernels.decode_layers(
+        checks = None
+        if exits is not None:
+            exits.cosines = torch.empty(tokens)
+            checks = np.array([len(exits.layers), exits.layers.ctypes.data, exits.thresholds.data_ptr(),
+                               exits.cosines.data_ptr()], dtype=np.int64)
+        stop = self.kernels.decode_layers(
             *self.matmul_addresses, self.layer_table.data_ptr(), self.mixer_table.data_ptr(), cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], residual.data_ptr(), delta.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), meta.decode_query_start.data_ptr(),
-            *tree_pointers(meta), 0 if lora is None else lora.ctypes.data,
+            *tree_pointers(meta), 0 if lora is None else lora.ctypes.data, 0 if checks is None else checks.ctypes.data,
             meta.num_decodes, tokens, hidden, heads, kv_heads, head_dim, intermediate, self.eps, meta.block_size,
             tables.shape[1], self.scale,
             DECODE_SPLIT_LEN, self.window, *states, self.norm_offset, threads,
         )
+        if exits is not None:
+            exits.stop = stop
         return delta, residual
 
     def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,

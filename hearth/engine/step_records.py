@@ -16,6 +16,7 @@ from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy
 from hearth.engine.request import ImageSpan, Request
 from hearth.engine.sampler import SamplerOutput
+from hearth.model.calm import CalmCheck
 
 Alternatives = tuple[list[int], list[float]]  # top-k (token ids, logprobs), best first
 
@@ -100,14 +101,16 @@ class StagedStep:
     feeds: tuple[torch.Tensor, torch.Tensor] | None
     draw_rows: dict[Request, int]  # each sampling request's draw: its row of the sampler's sampled_token_ids
 
-    def calm_rows(self) -> dict[int, float]:
-        """The rows that may leave the model early (CALM, hearth/model/calm.py) and their thresholds:
+    def calm_rows(self) -> dict[int, CalmCheck]:
+        """The rows that may leave the model early (CALM, hearth/model/calm.py) and their rules:
         each decode's one row whose request has a calm_threshold; none where the step puts image
         embeddings in (CALM's pass takes none)."""
         if self.inputs.embeds is not None:
             return {}
-        return {self.sample_rows[self.draw_rows[s.request]]: s.request.sampling_params.calm_threshold
-                for s in self.sampled if s.request.sampling_params.calm_threshold is not None and s.num_new_tokens == 1}
+        return {self.sample_rows[self.draw_rows[s.request]]: CalmCheck(
+                    params.calm_threshold, params.calm_measure, params.calm_saturation_bound)
+                for s in self.sampled if (params := s.request.sampling_params).calm_threshold is not None
+                and s.num_new_tokens == 1}
 
 
 @dataclass

@@ -73,6 +73,8 @@ class _SamplingRequest(StructuredOutputFields, OpenAIModel):
     thinking_token_budget: int | None = None  # vLLM's: thinking closed after this many tokens (--reasoning-parser)
     penalty_alpha: float | None = None  # transformers' contrastive search (Su et al. 2022), with top_k
     calm_threshold: float | None = None  # hearth's: CALM early exit when this confident (hearth/model/calm.py)
+    calm_measure: str | None = None  # hearth's: CALM's confidence measure (softmax, saturation, saturation-softmax)
+    calm_saturation_bound: float | None = None  # hearth's: saturation-softmax's loose bound
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -93,9 +93,10 @@ void mask_tokens(uintptr_t logits_, uintptr_t out_, int64_t num_logit_rows, int6
                  int64_t num_rows, uintptr_t bitmask_, int64_t words, int64_t vocab, int threads);
 void argmax_and_logsumexp(uintptr_t logits_, int64_t rows, int64_t vocab, int64_t row_stride, uintptr_t ids_,
                           uintptr_t lse_, int threads);
-void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_,
+                   uintptr_t exits_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, uintptr_t state_slots_, uintptr_t state_fresh_, double norm_offset,
                    int threads);
@@ -153,6 +154,14 @@ constexpr int MAX_LORA_PARTS = 3;
 enum LoraField { LORA_A, LORA_B, LORA_FORMAT, LORA_SIZES, LORA_FIELDS = LORA_SIZES + MAX_LORA_PARTS };
 enum LoraFormat { LORA_F32, LORA_BF16 };  // bfloat16 widened to float32 exactly as it is read
 constexpr int LORA_PART_ROWS = PARTS[QKV] + PARTS[O] + PARTS[GATE_UP] + PARTS[DOWN];
+
+// decode_layers' exit checks (int64 [EXIT_OPERANDS], or none), CALM's hidden-state saturation
+// (hearth/model/calm.py): EXIT_COUNT layer counts (EXIT_LAYERS: int64, increasing, in [1, layers));
+// after each, every row t whose threshold (EXIT_THRESHOLDS: float32 [T]) is not +inf gets the cosine
+// of its residual stream there and a layer before (EXIT_COSINES: float32 [T], written), and the call
+// stops after the first of them where some row's cosine reaches its threshold (-inf: always),
+// returning that layer count (else num_layers: it ran through).
+enum ExitOperand { EXIT_COUNT, EXIT_LAYERS, EXIT_THRESHOLDS, EXIT_COSINES, EXIT_OPERANDS };
 
 // A step's rows grouped by their LoRA slot (from the operands above): group g's rows are
 // rows[starts[g]], ..., rows[starts[g + 1] - 1] (group[i]: the group of rows[i]), all of slot[g],

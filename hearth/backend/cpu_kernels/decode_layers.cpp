@@ -61,6 +61,47 @@ void output_gate(float* attn, const float* qkv, int64_t width, int64_t tokens, i
     }
 }
 
+// CALM's saturation checks (ExitOperand) over the rows' residual streams (stream_t = residual_t + delta_t,
+// or residual_t alone before the first layer): `tap` keeps each row's stream a layer before an exit
+// layer; at the exit layer `check` writes the cosines and says whether the pass stops there.
+class ExitChecks {
+ public:
+  ExitChecks(uintptr_t exits, int64_t tokens, int64_t hidden) : tokens_(tokens), hidden_(hidden) {
+    if (!exits) return;
+    const int64_t* e = reinterpret_cast<const int64_t*>(exits);
+    layers_.assign(reinterpret_cast<const int64_t*>(e[EXIT_LAYERS]), reinterpret_cast<const int64_t*>(e[EXIT_LAYERS]) + e[EXIT_COUNT]);
+    thresholds_ = reinterpret_cast<const float*>(e[EXIT_THRESHOLDS]);
+    cosines_ = reinterpret_cast<float*>(e[EXIT_COSINES]);
+    tap_.resize(tokens * hidden);
+  }
+  bool taps_after(int64_t count) const { return std::find(layers_.begin(), layers_.end(), count + 1) != layers_.end(); }
+  bool checks_after(int64_t count) const { return std::find(layers_.begin(), layers_.end(), count) != layers_.end(); }
+  void tap(const float* residual, const float* delta) {
+    for (int64_t i = 0; i < tokens_ * hidden_; ++i) tap_[i] = residual[i] + (delta ? delta[i] : 0.f);
+  }
+  bool check(const float* residual, const float* delta) {
+    bool stop = false;
+    for (int64_t t = 0; t < tokens_; ++t) {
+      if (thresholds_[t] == INFINITY) continue;
+      double dot = 0, before = 0, after = 0;
+      for (int64_t i = t * hidden_; i < (t + 1) * hidden_; ++i) {
+        const double a = tap_[i], b = residual[i] + delta[i];
+        dot += a * b, before += a * a, after += b * b;
+      }
+      cosines_[t] = before > 0 && after > 0 ? (float)(dot / std::sqrt(before * after)) : 0.f;
+      stop |= cosines_[t] >= thresholds_[t];
+    }
+    return stop;
+  }
+
+ private:
+  int64_t tokens_, hidden_;
+  std::vector<int64_t> layers_;
+  const float* thresholds_ = nullptr;
+  float* cosines_ = nullptr;
+  std::vector<float> tap_;
+};
+
 }  // namespace
 
 // rows of sequence s: [query_start[s], query_start[s + 1]), token trees in tree_start and
@@ -68,10 +109,13 @@ void output_gate(float* attn, const float* qkv, int64_t width, int64_t tokens, i
 // residual [T, hidden]: the embeddings in, the stream before the last layer's MLP addition out
 // (in place); delta [T, hidden]: that addition. caches int64 [layers, 4]: K and V cache pointers,
 // then their q8_0 scales' (0: not q8_0), every layer's in kv_format. lora: LoRA operands
-// (LoraOperand) or 0: each part's matmul followed by its rows' adapters' terms (lora_add).
-void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
+// (LoraOperand) or 0: each part's matmul followed by its rows' adapters' terms (lora_add). exits:
+// CALM's saturation checks (ExitOperand) or 0. Returns the layers run (num_layers but where an exit
+// check stopped the pass).
+int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format, int64_t num_layers, uintptr_t residual_,
                    uintptr_t delta_, uintptr_t cos_, uintptr_t sin_, uintptr_t slots_, uintptr_t block_tables_,
-                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                   uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_, uintptr_t tree_masks_, uintptr_t lora_,
+                   uintptr_t exits_, int64_t num_seqs, int64_t tokens, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t inter, double eps, int64_t block_size, int64_t max_blocks, double scale,
                    int64_t split_len, int64_t window, uintptr_t state_slots_, uintptr_t state_fresh_, double norm_offset,
                    int threads) {
@@ -116,6 +160,9 @@ void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintp
     }
   };
   float* delta = reinterpret_cast<float*>(delta_);
+  const float* residual = reinterpret_cast<const float*>(residual_);
+  ExitChecks exits(exits_, tokens, hidden);
+  if (exits.taps_after(0)) exits.tap(residual, nullptr);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* layer = table + l * LAYER_FIELDS;
     const int64_t* mixer = reinterpret_cast<const int64_t*>(mixers_) + l * MIXER_FIELDS;
@@ -161,7 +208,10 @@ void decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, uintp
     project(layer, GATE_UP, ptr(h), gate_up.data(), 2 * inter, hidden);
     silu_and_mul(gate_up.data(), act.data(), tokens, inter, threads);
     project(layer, DOWN, ptr(act), delta, hidden, inter);
+    if (exits.checks_after(l + 1) && exits.check(residual, delta)) return l + 1;
+    if (exits.taps_after(l + 1)) exits.tap(residual, delta);  // (after the check: consecutive exit layers)
   }
+  return num_layers;
 }
 
 // A draft model's greedy passes (hearth/backend/cpu_decode.py): per pass, decode_layers on its
@@ -198,7 +248,7 @@ void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, 
                  embedding_qtype, 1);
     }
     decode_layers(matmul_, sparse_, table_, mixers_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
-                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, 0, seqs, tokens, hidden, num_heads,
+                  pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, 0, 0, seqs, tokens, hidden, num_heads,
                   num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
                   0, 0, 0.0, threads);
     const int32_t* query_start = reinterpret_cast<const int32_t*>(pass[QUERY_START]);
