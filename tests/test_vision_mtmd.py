@@ -8,13 +8,11 @@ instructions this CPU lacks)."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
-import numpy as np
 import pytest
-import torch
 
+from llama_mtmd import MARKER, MtmdRunner
 from models import make_gemma3_vl, make_qwen_vl
 from optional import import_llama_cpp, import_llama_mtmd
 from test_vision import _hearth_logits, _image
@@ -25,10 +23,10 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # as Qwen3-VL's chat
 # (<start_of_image> / <end_of_image>, <|vision_start|> / <|vision_end|>) at its marker; the blank lines
 # Gemma3Processor adds around them are the prompt's.
 CASES = {"gemma3": (make_gemma3_vl, "user: What is in <start_of_image>? model:",
-                    "user: What is in \n\n<__media__>\n\n? model:", (224, 224), 1e-3),
+                    f"user: What is in \n\n{MARKER}\n\n? model:", (224, 224), 1e-3),
          "qwen3vl": (functools.partial(make_qwen_vl, text={"num_hidden_layers": 3}),
                      f"<|im_start|>user\nWhat is in {QWEN_IMAGE}?<|im_end|>\n<|im_start|>assistant\n",
-                     "<|im_start|>user\nWhat is in <__media__>?<|im_end|>\n<|im_start|>assistant\n", (128, 96), 3e-3)}
+                     f"<|im_start|>user\nWhat is in {MARKER}?<|im_end|>\n<|im_start|>assistant\n", (128, 96), 3e-3)}
 STEPS = 6
 
 
@@ -51,59 +49,15 @@ def test_mtmd_runs_hearths_mmproj_as_hearth(family, tmp_path):
     ids, logits = _hearth_logits(llm.engine, prompt, [image])
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}},
                        SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True), use_tqdm=False)
-    theirs = llama_cpp.Llama(model_path=str(text), n_ctx=256, n_threads=1, type_k=0, type_v=0, verbose=False)
-    their_ids, their_logits, their_tokens = _mtmd_run(mtmd, llama_cpp, theirs, mmproj, mtmd_prompt, image,
-                                                      llm.engine.model_config.vision.image_token_id)
+    with MtmdRunner(mtmd, llama_cpp, str(text), str(mmproj)) as theirs:
+        their_ids = theirs.prefill(mtmd_prompt, image, llm.engine.model_config.vision.image_token_id)
+        their_logits = theirs.logits()
+        their_tokens = [int(their_logits.argmax())]
+        while len(their_tokens) < STEPS:
+            theirs.step(their_tokens[-1])
+            their_tokens.append(int(theirs.logits().argmax()))
     assert their_ids == ids
     assert (their_logits - logits[-1]).abs().max().item() <= tolerance * logits[-1].abs().max().item()
     assert their_logits.topk(5).indices.tolist() == logits[-1].topk(5).indices.tolist()
     assert their_tokens == out[0].outputs[0].token_ids
 
-
-def _mtmd_run(mtmd, llama_cpp, llm, mmproj, prompt: str, image, image_token_id: int
-              ) -> tuple[list[int], torch.Tensor, list[int]]:
-    """llama.cpp's prompt ids (image_token_id for each of the image's positions), its logits after the prompt and
-    its greedy tokens, through mtmd on `llm`'s context."""
-    params = mtmd.mtmd_context_params_default()
-    params.use_gpu, params.n_threads, params.print_timings, params.warmup = False, 1, False, False
-    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # (its CPU kernel rounds K and V to F16)
-    ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)
-    assert ctx
-    rgb = image.convert("RGB").tobytes()  # [height, width, 3]
-    bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb))
-    chunks = mtmd.mtmd_input_chunks_init()
-    try:
-        text = mtmd.mtmd_input_text(prompt.encode(), len(prompt.encode()), True, True)
-        assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
-        ids = _chunk_ids(mtmd, chunks, image_token_id)
-        n_past = llama_cpp.llama_pos(0)
-        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
-        logits = _last_logits(llama_cpp, llm)
-        tokens = [int(logits.argmax())]
-        while len(tokens) < STEPS:
-            token = (llama_cpp.llama_token * 1)(tokens[-1])
-            assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(token, 1)) == 0
-            tokens.append(int(_last_logits(llama_cpp, llm).argmax()))
-        return ids, logits, tokens
-    finally:
-        mtmd.mtmd_input_chunks_free(chunks)
-        mtmd.mtmd_bitmap_free(bitmap)
-        mtmd.mtmd_free(ctx)
-
-
-def _chunk_ids(mtmd, chunks, image_token_id: int) -> list[int]:
-    ids = []
-    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-        if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-            n = ctypes.c_size_t()
-            tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-            ids += tokens[:n.value]
-        else:
-            ids += [image_token_id] * mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-    return ids
-
-
-def _last_logits(llama_cpp, llm) -> torch.Tensor:
-    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return torch.from_numpy(np.ctypeslib.as_array(row, (llm.n_vocab(),)).copy())
