@@ -14,6 +14,8 @@ request after another, drawn from this mix:
   malformed  bad JSON or wrong field types (expects 400)
   burst      many requests at once, beyond --max-queue (expects 200s and 503s)
 
+(the first request of client i is of the i-th kind: every kind is sent at least once when --clients >= 7)
+
 and every --sample seconds reads /metrics: resident memory, KV blocks in use, requests running
 and waiting, preemptions. It reports requests served, answers by kind and status, latency
 percentiles per time window, memory and KV blocks over time, and exits 1 on any failure:
@@ -195,17 +197,19 @@ async def run(args, base_url: str) -> dict:
         start = time.monotonic()
         end = start + args.duration
 
-        async def client(seed: int) -> None:
-            crng = random.Random(seed)
+        async def client(index: int, seed: int) -> None:
+            # client i opens with kind i (in turn), then draws: a short run still sends every kind
+            crng, kind = random.Random(seed), kinds[index % len(kinds)]
             while time.monotonic() < end:
-                answers.extend(await one(crng.choices(kinds, weights)[0], http, crng, args, start))
+                answers.extend(await one(kind, http, crng, args, start))
+                kind = crng.choices(kinds, weights)[0]
 
         async def sampler() -> None:
             while time.monotonic() < end:
                 samples.append(await sample(http, start))
                 await asyncio.sleep(args.sample)
 
-        await asyncio.gather(sampler(), *(client(rng.randrange(2**32)) for _ in range(args.clients)))
+        await asyncio.gather(sampler(), *(client(i, rng.randrange(2**32)) for i in range(args.clients)))
         idle_deadline = time.monotonic() + 60  # the stalled and cancelled requests end; the server goes idle
         while True:
             last = await sample(http, start)

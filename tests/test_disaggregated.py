@@ -18,7 +18,7 @@ from hearth.engine.request import Request
 from hearth.fleet.disaggregated import add_role
 from hearth.fleet.router import Router, build_router_app
 from hearth.server.app import build_app
-from hearth.server.served import PREFILL_HEADER
+from hearth.server.protocol import PREFILL_HEADER
 from models import make_hf_model
 from test_distributed import NAME, FixedReplicas, complete_all, hearth_serve, metric_samples
 from test_server import serving

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "hearth.lora_request", "hearth.quant")),
     ("ground", ("hearth.errors", "hearth.kv_format", "hearth.outputs", "hearth.native", "hearth.tool_calls",
                 "hearth.chat_template", "hearth.tokenizer_gguf", "hearth.default_model", "hearth.options",
-                "hearth.reasoning", "hearth.images")),
+                "hearth.reasoning", "hearth.images", "hearth.child_process")),
 ]
 # the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
 TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.mtp_draft",

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
-from anthropic.lib.streaming._messages import accumulate_event
 
 from agent_apis import API_KEY, NAME, TIME, WEATHER, chat_reply, needs_smollm2, reasoning_then_text
 from agent_apis import openai_client, server  # noqa: F401 (the fixtures)
@@ -25,8 +23,13 @@ QUESTION = "What is the capital of France?"
 GREEDY = {"extra_body": {"temperature": 0}}  # the SDK no longer names temperature; the API takes it
 
 
+# the SDK is imported where a test uses it: its import (~2.5 s of CPU) is not paid by every xdist worker's collection
+
+
 @pytest.fixture(scope="module")
 def client(server):
+    import anthropic
+
     return anthropic.Anthropic(base_url=server, api_key=API_KEY, max_retries=0)  # the key as x-api-key
 
 
@@ -117,6 +120,8 @@ def test_a_tool_use_and_tool_result_round_trip(client, openai_client):
 
 
 def test_errors_are_anthropics_shape_and_the_sdks_own_exceptions(client, server):
+    import anthropic
+
     user = [{"role": "user", "content": "Hi"}]
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=NAME, max_tokens=0, messages=user)
@@ -142,6 +147,8 @@ def test_errors_are_anthropics_shape_and_the_sdks_own_exceptions(client, server)
 def test_reasoning_reads_as_a_thinking_block_before_the_text():
     """Where a reasoning parser gives `reasoning_content` (chat completions' name), it is a block of its
     own: the events as the route sends them, accumulated by the anthropic SDK's own stream reader."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
     changes = reasoning_then_text()
     run = ChatRun(NAME, "msg_1", 7, [], None)
     finish = Finish("stop", None, 7, 5, 0)

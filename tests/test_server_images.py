@@ -24,7 +24,6 @@ import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
-import anthropic
 import httpx
 import hypothesis
 import numpy as np
@@ -158,6 +157,8 @@ def server(engine):
 
 @pytest.fixture(scope="module")
 def clients(server):
+    import anthropic  # here, not at collection: its import (~2.5 s of CPU) is paid only where a test uses it
+
     return (openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0),
             anthropic.Anthropic(base_url=server, api_key=API_KEY, max_retries=0))
 
@@ -184,6 +185,8 @@ def chat_image(client: openai.OpenAI, url: str):
 
 def bad_request(call) -> str:
     """The message of the 400 that `call` (an SDK's) gets."""
+    import anthropic
+
     with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as caught:
         call()
     body = caught.value.body

@@ -47,7 +47,7 @@ from hearth.engine.engine import LLMEngine, StepFailed
 from hearth.engine.images import PromptWithImages
 from hearth.engine.kv_tiers import TierCounts
 from hearth.engine.speculation.stats import SpecDecodeCounts
-from hearth.errors import HearthError
+from hearth.errors import EngineStopped, QueueFull, RequestFailed
 from hearth.lora_request import LoRARequest
 from hearth.outputs import RequestOutput
 from hearth.sampling_params import SamplingParams
@@ -55,18 +55,6 @@ from hearth.reasoning import ReasoningFormat
 from hearth.tokenizer import Tokenizer
 
 logger = logging.getLogger("hearth")
-
-
-class QueueFull(HearthError):
-    """More requests are waiting than max_queue allows (HTTP 503)."""
-
-
-class EngineStopped(HearthError):
-    """The engine is shut down, or its thread died; the request cannot go on (HTTP 503)."""
-
-
-class RequestFailed(HearthError):
-    """The engine step that ran this request raised; the request was aborted (HTTP 500)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,7 @@ loses rank 0 fails its next collective and exits.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
-import signal
 import subprocess
 import sys
 import weakref
@@ -22,17 +20,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from hearth.child_process import die_with_parent
 from hearth.distributed.collectives import announce
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waiting longer than this: a rank is gone
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a child process: the kernel sends SIGTERM when the parent goes, however it goes (the
-    parent being the thread that started the child)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def shard_class(kind: str):

@@ -60,13 +60,12 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from hearth.fleet.kv_route import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
 from hearth.sampling_params import SamplingParams
 from hearth.server.protocol import OpenAIModel
 from hearth.server.served import ServedModel, served
 
 logger = logging.getLogger("hearth")
-KV_PATH = "/kv/prefill"
-RAY_SCHEME = "ray://"  # a prefill worker named by its Ray actor: ray://GCS_ADDRESS/NAMESPACE/ACTOR
 SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 prefill_routes = APIRouter()  # what a prefill worker serves besides the OpenAI API
@@ -145,17 +144,6 @@ class RayTransport:
         (kv_ref,) = await actor.prefill_kv.remote(ids)
         answered = time.perf_counter()
         return answered, await kv_ref
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def check_kv_answer(status: int, body: bytes) -> bytes:
-    """A prefill worker's answer to POST /kv/prefill: the body when it is the KV; raises otherwise."""
-    if status != 200:
-        raise RuntimeError(f"status {status}: {body[:200]!r}")
-    return body
 
 
 class KVPuller:

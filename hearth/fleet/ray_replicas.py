@@ -18,7 +18,7 @@ import asyncio
 import os
 from collections.abc import Callable
 
-from hearth.fleet.disaggregated import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
+from hearth.fleet.kv_route import KV_PATH, RAY_SCHEME, auth_headers, check_kv_answer
 from hearth.fleet.replicas import ReplicaProcess
 
 START_TIMEOUT = 600.0  # seconds a replica may take to load its model

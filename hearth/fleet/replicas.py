@@ -17,7 +17,7 @@ import sys
 import threading
 from collections import deque
 
-from hearth.engine.workers import die_with_parent
+from hearth.child_process import die_with_parent
 
 LISTENING = re.compile(r"^listening\s+(http://\S+?)/v1\b")
 

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hearth.fleet.routing import PrefixRouter
 from hearth.server.limits import ServerLimits
 from hearth.server.middleware import install_middleware
-from hearth.server.served import PREFILL_HEADER
+from hearth.server.protocol import PREFILL_HEADER
 from hearth.server.errors import error_body, error_response, install_error_handlers
 
 logger = logging.getLogger("hearth")

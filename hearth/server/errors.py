@@ -13,8 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.engine.async_engine import EngineStopped, QueueFull, RequestFailed
-from hearth.errors import RequestError
+from hearth.errors import EngineStopped, QueueFull, RequestError, RequestFailed
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError",

@@ -25,8 +25,8 @@ from pydantic import Field
 from hearth.errors import RequestError
 from hearth.server.chat import ChatRun, chat_prompt, start_chat, with_image_tokens
 from hearth.server.errors import exception_body
-from hearth.server.protocol import ChatCompletionRequest, OpenAIModel, chat_content
-from hearth.server.served import PREFILL_HEADER, ServedModel, served
+from hearth.server.protocol import PREFILL_HEADER, ChatCompletionRequest, OpenAIModel, chat_content
+from hearth.server.served import ServedModel, served
 from hearth.server.streaming import SSEResponse, cancel_on_disconnect
 from hearth.server.turns import (Block, BlockEvent, Finish, chat_tool, reply_deltas, sse_event, template_call,
                                 whole_reply)

@@ -21,6 +21,7 @@ from hearth.server.tools import template_tool_call
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs (and vLLM's default max_logprobs)
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's stand-in)
+PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from: URL or ray://
 
 
 class OpenAIModel(BaseModel):

@@ -27,8 +27,8 @@ from pydantic import Discriminator, Field, Tag
 from hearth.errors import RequestError
 from hearth.server.chat import ChatRun, start_chat
 from hearth.server.errors import APIError, exception_body
-from hearth.server.protocol import ChatCompletionRequest, OpenAIModel, chat_content
-from hearth.server.served import PREFILL_HEADER, ServedModel, served
+from hearth.server.protocol import PREFILL_HEADER, ChatCompletionRequest, OpenAIModel, chat_content
+from hearth.server.served import ServedModel, served
 from hearth.server.streaming import SSEResponse, cancel_on_disconnect
 from hearth.server.structured import JsonSchemaFormat
 from hearth.server.tools import FunctionDefinition

@@ -28,9 +28,6 @@ from hearth.server.metrics import ServerMetrics
 from hearth.tool_calls import parser_for
 
 
-PREFILL_HEADER = "x-hearth-prefill-url"  # the prefill worker a decode worker pulls a prompt's KV from: URL or ray://
-
-
 # the ServedModel that a model name stands for, held while the context is open (a model with requests in
 # flight is not unloaded); None: the default model. One engine's app leases its one model for every name.
 Lease = Callable[[str | None], AbstractAsyncContextManager["ServedModel"]]

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hearth.engine.async_engine import RequestStream
 from hearth.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from hearth.server.errors import exception_body
-from hearth.server.protocol import hearth_fields, usage
-from hearth.server.served import PREFILL_HEADER, ServedModel
+from hearth.server.protocol import PREFILL_HEADER, hearth_fields, usage
+from hearth.server.served import ServedModel
 
 
 class SSEResponse(StreamingResponse):
