@@ -109,12 +109,19 @@ def _generate_prompt(text: str, images: list | None, processor=None, videos: lis
     return {"prompt": text if not images or marker in text else part * len(images) + text, "multi_modal_data": data}
 
 
-def cmd_generate(args) -> None:
-    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+def _read_media(args) -> tuple[list | None, list[tuple[str, bytes]]]:
+    """--image's images (None: none) and --video's files (name, bytes); PIL is imported for them only."""
+    if not args.image and not args.video:
+        return None, []
     from hearth.images import read_file_bytes, read_image_file
 
     images = [read_image_file(Path(p), "--image") for p in args.image] if args.image else None
-    video_files = [(p, read_file_bytes(Path(p), "--video")) for p in args.video]
+    return images, [(p, read_file_bytes(Path(p), "--video")) for p in args.video]
+
+
+def cmd_generate(args) -> None:
+    params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
+    images, video_files = _read_media(args)
     llm = build_llm(args)
     videos = _decoded_videos(llm, video_files)
     prompt = _generate_prompt(args.prompt, images, getattr(llm.engine, "image_processor", None), videos,
