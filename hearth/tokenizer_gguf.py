@@ -315,8 +315,12 @@ def _library_model(model: dict[str, Any]) -> tokenizers.models.Model:
     options = {k: v for k, v in model.items() if k not in ("type", "vocab", "merges") and v is not None}
     if model["type"] == "WordPiece":
         return tokenizers.models.WordPiece(model["vocab"], **options)
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-              for m in model["merges"] if not (isinstance(m, str) and m.startswith("#version"))]
+    merges = model["merges"]  # all pairs, or all strings (gpt2's, from the file)
+    if merges and isinstance(merges[0], str):
+        if "\n#version" in "\n" + "\n".join(merges):  # (one search; a newline inside a merge only costs the filter)
+            merges = [m for m in merges if not m.startswith("#version")]
+        merges = [m.split(" ") for m in merges]
+    merges = [tuple(m) for m in merges]
     if any(len(m) != 2 for m in merges):
         raise ValueError("a merge is not two tokens parted by one space")
     return tokenizers.models.BPE(model["vocab"], merges, **options)
