@@ -147,7 +147,7 @@ def _pre_tokenizer(pre: str | None) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- GGUF -> tokenizers.Tokenizer
 
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """SentencePiece BPE as merges: (a, b) for every normal token a+b made of two normal tokens,
     best score of a+b first (ties: lower id of a+b, then the longer left part, as transformers)."""
     ids = {}
@@ -164,12 +164,12 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
                 if right in ids:
                     found.append((score, i, -k, left, right))
     found.sort()
-    return [[left, right] for *_, left, right in found]
+    return [(left, right) for *_, left, right in found]
 
 
-def _split_merge(merge: str) -> list[str] | None:
+def _split_merge(merge: str) -> tuple[str, str] | None:
     at = merge.find(" ", 1)  # llama.cpp: the first space after the first character
-    return [merge[:at], merge[at + 1:]] if at > 0 else None
+    return (merge[:at], merge[at + 1:]) if at > 0 else None
 
 
 def _added_token(token_id: int, content: str, special: bool, rstrip: bool = False) -> dict[str, Any]:
@@ -315,12 +315,11 @@ def _library_model(model: dict[str, Any]) -> tokenizers.models.Model:
     options = {k: v for k, v in model.items() if k not in ("type", "vocab", "merges") and v is not None}
     if model["type"] == "WordPiece":
         return tokenizers.models.WordPiece(model["vocab"], **options)
-    merges = model["merges"]  # all pairs, or all strings (gpt2's, from the file)
+    merges = model["merges"]  # all pairs (tuples), or all strings (gpt2's, from the file)
     if merges and isinstance(merges[0], str):
         if "\n#version" in "\n" + "\n".join(merges):  # (one search; a newline inside a merge only costs the filter)
             merges = [m for m in merges if not m.startswith("#version")]
-        merges = [m.split(" ") for m in merges]
-    merges = [tuple(m) for m in merges]
+        merges = [tuple(m.split(" ")) for m in merges]  # (the split's list kept, then made a tuple: ~0.1 s more)
     if any(len(m) != 2 for m in merges):
         raise ValueError("a merge is not two tokens parted by one space")
     return tokenizers.models.BPE(model["vocab"], merges, **options)
