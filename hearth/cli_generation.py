@@ -123,7 +123,9 @@ def _generate_prompt(text: str, images: list | None, processor=None, videos: lis
 
 def _read_media_files(args) -> tuple[list, list[tuple[str, bytes]]]:
     """--image's files decoded and --video's read (decoded once the model says how to sample them): a bad image or
-    an unreadable file fails before the model loads."""
+    an unreadable file fails before the model loads. PIL is imported for them only."""
+    if not args.image and not args.video:
+        return [], []
     from hearth.images import read_file_bytes, read_image_file
 
     return ([read_image_file(Path(p), "--image") for p in args.image],

@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hearth.chat_images import conversation_media, local_video_limits
 from hearth.engine_config import EngineConfig
 from hearth.engine.beam_search import BeamSearchOutput, beam_search
 from hearth.engine.cascade import CascadeEngine
@@ -133,6 +132,8 @@ class LLM:
         """A conversation's prompt for generate: its token ids through the chat template, or with images or
         videos (hearth/chat_images.py) vLLM's prompt dict, the text with their markers and the media; with
         mm_processor_kwargs, a prompt dict that holds them too (checked by the engine even without images)."""
+        from hearth.chat_images import conversation_media, local_video_limits  # (PIL: paid for by chats only)
+
         limits = local_video_limits(getattr(self.engine, "video_processor", None))
         messages, images, videos = conversation_media(conversation, limits)
         settings = {} if mm_processor_kwargs is None else {"mm_processor_kwargs": mm_processor_kwargs}

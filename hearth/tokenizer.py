@@ -43,10 +43,10 @@ from hearth.tokenizer_gguf import (
 logger = logging.getLogger(__name__)
 
 # Tokens that end a turn in chat models; llama.cpp treats them as end-of-generation when present.
-END_OF_GENERATION_TEXTS = (
+END_OF_GENERATION_TEXTS = frozenset((
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
-)
+))
 
 
 def _add_bos_eos(backend: tokenizers.Tokenizer, bos: int | None, eos: int | None) -> None:
@@ -152,7 +152,7 @@ class Tokenizer:
             if types[i] == NORMAL:
                 types[i] = CONTROL
         # harmony's (gpt-oss): <|end|> ends a message, not the reply (llama.cpp's rule for such vocabularies)
-        harmony = {"<|return|>", "<|call|>"} <= set(tokens)
+        harmony = {"<|return|>", "<|call|>"} <= {tokens[i] for i in controls}  # (both are among those texts)
         end_of_turn = [i for i in controls if not (harmony and tokens[i] == "<|end|>")]
         backend = build_gguf_backend(md, tokens, types)
 

@@ -147,7 +147,7 @@ def _pre_tokenizer(pre: str | None) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- GGUF -> tokenizers.Tokenizer
 
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """SentencePiece BPE as merges: (a, b) for every normal token a+b made of two normal tokens,
     best score of a+b first (ties: lower id of a+b, then the longer left part, as transformers)."""
     ids = {}
@@ -164,12 +164,12 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
                 if right in ids:
                     found.append((score, i, -k, left, right))
     found.sort()
-    return [[left, right] for *_, left, right in found]
+    return [(left, right) for *_, left, right in found]
 
 
-def _split_merge(merge: str) -> list[str] | None:
+def _split_merge(merge: str) -> tuple[str, str] | None:
     at = merge.find(" ", 1)  # llama.cpp: the first space after the first character
-    return [merge[:at], merge[at + 1:]] if at > 0 else None
+    return (merge[:at], merge[at + 1:]) if at > 0 else None
 
 
 def _added_token(token_id: int, content: str, special: bool, rstrip: bool = False) -> dict[str, Any]:
@@ -279,7 +279,7 @@ def _from_spec(spec: dict[str, Any], kind: str) -> tokenizers.Tokenizer:
     """The library's tokenizer; gpt2 merges with a space inside a piece, or naming tokens the
     vocabulary lacks, are split and filtered here and the build tried again."""
     try:
-        return tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
+        return _build(spec)
     except Exception as first:
         if kind != "gpt2":
             raise ModelLoadError(f"GGUF tokenizer ({kind}) cannot be built: {first}") from None
@@ -290,9 +290,39 @@ def _from_spec(spec: dict[str, Any], kind: str) -> tokenizers.Tokenizer:
                    len(model["merges"]) - len(usable), len(model["merges"]))
     model["merges"] = usable
     try:
-        return tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
+        return _build(spec)
     except Exception as e:
         raise ModelLoadError(f"GGUF tokenizer ({kind}) cannot be built: {e}") from None
+
+
+def _build(spec: dict[str, Any]) -> tokenizers.Tokenizer:
+    """The tokenizer of a tokenizer.json's fields, its model made from the vocabulary and merges directly
+    and the added tokens put in after it (as the library's reader does): a real vocabulary's JSON costs
+    ~0.1 s to write and read back, a third of a command's start-up before its model loads."""
+    model = spec["model"]
+    empty = {**model, "vocab": {}} | ({"merges": []} if "merges" in model else {})
+    backend = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": [], "model": empty}))
+    backend.model = _library_model(model)
+    backend.add_tokens([tokenizers.AddedToken(a["content"], single_word=a["single_word"], lstrip=a["lstrip"],
+                                              rstrip=a["rstrip"], normalized=a["normalized"], special=a["special"])
+                        for a in spec["added_tokens"]])
+    return backend
+
+
+def _library_model(model: dict[str, Any]) -> tokenizers.models.Model:
+    """The library's BPE or WordPiece of a tokenizer.json's "model" entry. A merge written as one
+    string is read by the library's rule: two tokens parted by one space ("#version" lines skipped)."""
+    options = {k: v for k, v in model.items() if k not in ("type", "vocab", "merges") and v is not None}
+    if model["type"] == "WordPiece":
+        return tokenizers.models.WordPiece(model["vocab"], **options)
+    merges = model["merges"]  # all pairs (tuples), or all strings (gpt2's, from the file)
+    if merges and isinstance(merges[0], str):
+        if "\n#version" in "\n" + "\n".join(merges):  # (one search; a newline inside a merge only costs the filter)
+            merges = [m for m in merges if not m.startswith("#version")]
+        merges = [tuple(m.split(" ")) for m in merges]  # (the split's list kept, then made a tuple: ~0.1 s more)
+    if any(len(m) != 2 for m in merges):
+        raise ValueError("a merge is not two tokens parted by one space")
+    return tokenizers.models.BPE(model["vocab"], merges, **options)
 
 
 def build_gguf_backend(md: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -227,6 +228,17 @@ def test_chat_keeps_the_conversation_and_its_commands_stay_local(llama):
     second = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
     third = llm.chat([system, hello], params, use_tqdm=False)[0].outputs[0].text  # after /reset: the system stays
     assert replies == [first, second, third]
+
+
+def test_the_quick_exit_runs_the_exit_handlers_and_flushes_the_streams():
+    """generate and chat end without the interpreter's teardown (hearth/cli.py, _exit_at_once): the exit
+    handlers still run, what was written (still buffered) comes out, and the exit status is the command's."""
+    code = ("import atexit, sys; from hearth.cli import _exit_at_once; "
+            "atexit.register(lambda: sys.stderr.write('handler ran;')); "
+            "sys.stdout.write('buffered reply'); _exit_at_once(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "buffered reply", "handler ran;")
 
 
 def test_chat_json_with_a_chat_template_file(llama, tmp_path, monkeypatch, capsys):

@@ -64,3 +64,26 @@ def test_damaged_files_raise_clear_errors(converted, tmp_path):
             read_gguf(tmp_path / name)
     with pytest.raises(ModelLoadError, match="cannot read"):
         read_gguf(tmp_path / "missing.gguf")
+
+
+def test_release_pages_gives_back_a_file_mappings_pages_and_nothing_else():
+    """hearth/quant/kernels/memory.py: a mapped GGUF's pages are dropped (the data reads back from the file),
+    memory that is no file mapping is left alone, the mappings found in one read of /proc/self/maps."""
+    import warnings
+
+    import torch
+
+    from hearth.quant.kernels.memory import file_mappings, release_pages
+
+    path = REAL_FILES[0] if REAL_FILES[0].exists() else REAL_FILES[1]
+    if not path.exists() or not Path("/proc/self/maps").exists():
+        pytest.skip("needs ../shared/data and Linux")
+    data = read_gguf(path).data[:1 << 20]  # the file's first MiB, mapped (the mapping starts on a page)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a read-only buffer: never written)
+        mapped = torch.from_numpy(data)
+    copy = mapped.clone()  # anonymous memory: MADV_DONTNEED there would zero it
+    mappings = file_mappings([mapped, copy])
+    assert len(mappings) == 1 and mappings[0][0] <= mapped.data_ptr() < mappings[0][1]
+    assert release_pages([mapped, copy], mappings) == 1 << 20
+    assert torch.equal(mapped, copy) and int(copy.sum()) > 0

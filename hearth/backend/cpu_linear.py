@@ -91,11 +91,11 @@ class Int8Linear(BoundWeights):
         self._kernel, self.kernel_qtype, self._ext = ext.module.int8_matmul, int(self.qtype), ext
         if self.qtype in kernels.GRID_FORMATS:  # the same weights as 4-bit codes (nibble blocks)
             nibbles, self.kernel_qtype = ext.grid_nibbles(data, self.qtype, self.out_features, self.in_features)
-            release_pages(data)
+            release_pages([data])
             data = nibbles
         if self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
             codes, terms = ext.repack(data, self.qtype, self.out_features, self.in_features)
-            release_pages(data)
+            release_pages([data])
             self.qweight = None
             self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, codes of 32 rows]
             self.register_buffer("terms", terms, persistent=False)  # uint8 [tiles, their scales]

@@ -39,7 +39,6 @@ from hearth.engine.startup import (calm_exits, check_hybrid, context_length, eng
 from hearth.engine.state_slots import StateCheckpoints, StateSlots
 from hearth.engine.structured_output import GrammarCompiler
 from hearth.engine.thinking import ThinkingBudget, ThinkingMarkers
-from hearth.chat_template import load_chat_template
 from hearth.errors import NO_IMAGES, RequestError
 from hearth.lora_request import LoRARequest
 from hearth.model.lora import LoraBank
@@ -68,8 +67,6 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         self.image_processor, self.video_processor = loaded.image_processor, loaded.video_processor  # None: none
-        if config.chat_template is not None:
-            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.reasoning = None if config.reasoning.parser is None else FORMATS[config.reasoning.parser]
         self.thinking_markers = None if self.reasoning is None else ThinkingMarkers.of(self.reasoning, self.tokenizer)
         self.max_model_len = context_length(config, self.model_config)

@@ -41,8 +41,9 @@ def engine_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
 
 def load_target(model: str | Path | None, config: EngineConfig, backend: Backend, dtype: torch.dtype,
                 device: torch.device, progress: bool) -> tuple[LoadedModel, object | None, object | None]:
-    """The target model, and with a model split over processes the workers (ranks 1..N-1, processes
-    of their own) and this process's shard; else None and None."""
+    """The target model (its tokenizer's chat template config.chat_template's where given), and with a
+    model split over processes the workers (ranks 1..N-1, processes of their own) and this process's
+    shard; else None and None."""
     workers, shard = None, None
     if config.parallel.split:
         from hearth.engine.workers import start_split
@@ -61,6 +62,10 @@ def load_target(model: str | Path | None, config: EngineConfig, backend: Backend
                              f"implemented for {loaded.config.architecture} on the {backend.name} backend (its "
                              "latent attention kernels take no tree masks): use the cpu or reference backend, or "
                              "speculative_tree_width 1 and lookahead_mode chain")
+        if config.chat_template is not None:  # (Jinja is imported where a template is set or rendered only)
+            from hearth.chat_template import load_chat_template
+
+            loaded.tokenizer.chat_template = load_chat_template(config.chat_template)
     except BaseException:
         if workers is not None:
             workers.kill()

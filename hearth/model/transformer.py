@@ -32,7 +32,7 @@ from hearth.model.vision.gemma3 import GemmaVisionTower
 from hearth.model.vision.gemma4 import Gemma4VisionTower
 from hearth.model.vision.qwen3_vl import QwenVisionTower
 from hearth.model.vision.siglip import VisionTower
-from hearth.quant.kernels.memory import release_mappings, release_pages
+from hearth.quant.kernels.memory import file_mappings, release_mappings, release_pages
 from hearth.quant.tensor import HALF_QTYPES, QuantTensor, stack_rows
 
 
@@ -299,6 +299,7 @@ class Transformer(nn.Module):
         # before the merged copies (and the backend's repacking): drop the pages of the file's mapping
         # that loading touched (reordered Q/K rows were copied out of it), so that resident memory never holds both
         release_mappings([w.data for w in weights.values() if isinstance(w, QuantTensor)])
+        mappings = file_mappings([w.data if isinstance(w, QuantTensor) else w for w in weights.values()])
         merged = self._plan_merges(weights)
 
         def source(hf_name: str) -> torch.Tensor | QuantTensor | None:
@@ -309,7 +310,7 @@ class Transformer(nn.Module):
             missing = [name for name in names if name not in weights]
             if missing:
                 raise ModelLoadError(f"missing tensor {missing[0]}")
-            return concat_rows([weights[name] for name in names])
+            return concat_rows([weights[name] for name in names], mappings)
 
         for name, module in list(self.named_modules()):
             params = dict(module.named_parameters(recurse=False))
@@ -424,9 +425,10 @@ def _storage_format(weight: torch.Tensor | QuantTensor) -> tuple:
     return (weight.qtype,) if order is None else (weight.qtype, order.numpy().tobytes())
 
 
-def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor:
+def concat_rows(parts: list[torch.Tensor | QuantTensor], mappings: list[tuple[int, int]]) -> torch.Tensor | QuantTensor:
     """Weights of one storage format stacked by rows (a QuantTensor's rows are whole blocks), each
-    written once into one buffer. The parts' file pages are given back: the buffer holds the data now."""
+    written once into one buffer. The parts' file pages are given back (mappings: the file mappings
+    that hold them, memory.file_mappings): the buffer holds the data now."""
     if len(parts) == 1:
         return parts[0]
     if isinstance(parts[0], QuantTensor):
@@ -434,8 +436,7 @@ def concat_rows(parts: list[torch.Tensor | QuantTensor]) -> torch.Tensor | Quant
         joined = QuantTensor(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]), parts[0].column_order)
     else:
         joined = stack_rows(parts)
-    for part in parts:
-        release_pages(part.data if isinstance(part, QuantTensor) else part)
+    release_pages([part.data if isinstance(part, QuantTensor) else part for part in parts], mappings)
     return joined
 
 
