@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -395,3 +397,15 @@ def test_ram_tier_flags():
     assert engine_options(parser.parse_args(["serve", *engine_argv(kv_cache_ram=3 << 20)]))["kv_cache_ram"] == 3 << 20
     with pytest.raises(ValueError, match="kv_cache_ram"):
         CacheConfig(kv_cache_ram=-1)
+
+
+def test_queued_blocks_are_written_when_generate_ends_without_teardown(tmp_path):
+    """`hearth generate` and `chat` end with cli._exit_at_once (no thread joins): the exit handlers still write
+    every queued block (a process without torch: no model needed)."""
+    code = ("import sys; from hearth.cli import _exit_at_once; from hearth.engine.kv_disk_tier import DiskTier\n"
+            "tier = DiskTier(sys.argv[1], 2**20, b'a' * 32, 4096)\n"
+            "for i in range(8): tier.write(bytes([i]) * 16, bytes([i]) * 4096)\n"
+            "_exit_at_once(0)\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    tier = DiskTier(tmp_path, 2**20, b"a" * 32, 4096)
+    assert [tier.read(bytes([i]) * 16) for i in range(8)] == [bytes([i]) * 4096 for i in range(8)]

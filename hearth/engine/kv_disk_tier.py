@@ -19,12 +19,14 @@ for the queue to be written.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +73,9 @@ class DiskTier:
         self._writing: tuple[bytes, Payload] | None = None  # the block the writer is hashing and writing
         self._writer: threading.Thread | None = None  # the last one started
         self._writer_running = self._closing = False
+        # queued blocks are written before the process ends, also where it ends without the interpreter's
+        # teardown (hearth generate / chat: cli._exit_at_once runs the exit handlers, not thread joins)
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
@@ -238,3 +243,10 @@ class DiskTier:
 
     def _path(self, block_hash: bytes) -> Path:
         return self.directory / (block_hash.hex() + SUFFIX)
+
+
+def _close_if_alive(tier_ref: weakref.ref) -> None:
+    """The exit handler: a tier still alive writes its queue and ends its writer."""
+    tier = tier_ref()
+    if tier is not None:
+        tier.close()
