@@ -7,8 +7,9 @@ The requests: --lines completions of a text prompt (random token ids of the mode
 --prompt-tokens long before re-tokenization) and --output-len tokens each (greedy, ignore_eos). The server
 runs in a child process with the same engine flags (--max-num-seqs, --threads); its throughput counts the
 tokens of every line over the time from the batch's creation (its input file uploaded before) to its
-`completed` status (polled every --poll seconds, more often once the lines done say it ends sooner), and the server's CPU time over that span (/proc: its
-engine, its event loop and the answers to the polls). The offline run counts the same tokens over
+`completed` status (polled every --poll seconds, more often once the lines done say that it ends sooner),
+and the server's CPU time over that span (/proc: its engine, its event loop and the answers to the polls;
+the event loop's thread, the main one, also apart). The offline run counts the same tokens over
 run_throughput's generate, in this process's CPU time. The set-ups alternate run by run. --before SRC
 adds a server run from another source tree (a checkout of the commit before a change) as a third set-up.
 
@@ -33,28 +34,28 @@ import time
 from common import REPO, hearth_serve, machine, machine_markdown, median, set_threads, table, write_results
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """A process's user and system CPU time (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
+def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """A process's user and system CPU time (all its threads, or the one thread id `thread`), from /proc."""
+    with open(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_batch(client, pid: int, lines: list[str], poll: float) -> dict:
     batch_input = client.files.create(file=("requests.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
-    cpu, wall = process_cpu_seconds(pid), time.perf_counter()
+    cpu, loop, wall = process_cpu_seconds(pid), process_cpu_seconds(pid, pid), time.perf_counter()
     batch = client.batches.create(input_file_id=batch_input.id, endpoint="/v1/completions", completion_window="24h")
     polls = 0
     while batch.status not in ("completed", "failed", "cancelled", "expired"):
         time.sleep(next_poll(batch.request_counts, time.perf_counter() - wall, poll))
         batch, polls = client.batches.retrieve(batch.id), polls + 1
-    wall, cpu = time.perf_counter() - wall, process_cpu_seconds(pid) - cpu
+    wall, cpu, loop = time.perf_counter() - wall, process_cpu_seconds(pid) - cpu, process_cpu_seconds(pid, pid) - loop
     if batch.status != "completed" or batch.request_counts.failed:
         sys.exit(f"the batch ended {batch.status}: {batch.request_counts}")
     usage = [json.loads(line)["response"]["body"]["usage"] for line in client.files.content(batch.output_file_id).text.splitlines()]
     tokens = sum(u["prompt_tokens"] + u["completion_tokens"] for u in usage)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
-            "polls": polls}
+            "polls": polls, "event_loop_cpu_s": loop}
 
 
 def next_poll(counts, elapsed: float, poll: float) -> float:
@@ -131,9 +132,9 @@ def report(args, results: dict, poll_ms: dict, info: dict) -> str:
         cpu, wall = median([r["tokens_per_cpu_s"] for r in runs]), median([r["tokens_per_s"] for r in runs])
         base = base or (cpu, wall)
         per_run = [r["tokens_per_cpu_s"] / o["tokens_per_cpu_s"] for r, o in zip(runs, offline)]
-        polls = median([r["polls"] for r in runs]) if "polls" in runs[0] else None
+        server = [median([r[key] for r in runs]) if key in runs[0] else None for key in ("polls", "event_loop_cpu_s")]
         rows.append([name, cpu, f"{cpu / base[0]:.3f}x", ", ".join(f"{x:.3f}x" for x in per_run), wall,
-                     f"{wall / base[1]:.3f}x", polls, poll_ms.get(name), runs[0]["tokens"]])
+                     f"{wall / base[1]:.3f}x", *server, poll_ms.get(name), runs[0]["tokens"]])
     with open("/proc/loadavg") as f:
         load_end = " ".join(f.read().split()[:3])
     return (f"{machine_markdown(info)}; at the end {load_end}\n\n`python benchmarks/batch_vs_throughput.py "
@@ -141,7 +142,7 @@ def report(args, results: dict, poll_ms: dict, info: dict) -> str:
             f"before re-tokenization), {args.output_len} output tokens each, --max-num-seqs {args.max_num_seqs}, the "
             f"batch polled every {args.poll:g} s (more often near its end); medians of {args.runs} runs, interleaved\n\n"
             + table(["run", "tokens / CPU-s", "ratio", "per-run ratios", "tokens / s (wall)", "ratio (wall)",
-                     "polls", "server CPU ms a poll", "tokens (run 1)"], rows))
+                     "polls", "event loop CPU-s", "server CPU ms a poll", "tokens (run 1)"], rows))
 
 
 def main() -> None:
