@@ -260,14 +260,15 @@ def decode_step_ms(model, context: int, batch: int, steps: int, clock=time.perf_
 
 
 @contextlib.contextmanager
-def hearth_serve(model: str | None, options: list[str]):
+def hearth_serve(model: str | None, options: list[str], source: Path = REPO):
     """`hearth serve MODEL OPTIONS` (served as "m", any free port) as a child process; yields its URL
-    (without /v1), then stops it. model None: the options name the models (--model NAME=PATH)."""
+    (without /v1), then stops it. model None: the options name the models (--model NAME=PATH).
+    source: the hearth source tree it runs (another checkout: a before-and-after comparison)."""
     named = [model, "--served-model-name", "m"] if model is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "hearth.cli", "serve", *named, "--port", "0", "--no-access-log", "--log-level",
          "warning", *options],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        cwd=source, env={**os.environ, "PYTHONPATH": str(source)}, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
     try:
         url = next((line.split()[1].removesuffix("/v1") for line in proc.stdout if line.startswith("listening")), None)

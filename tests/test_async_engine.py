@@ -48,6 +48,23 @@ def test_concurrent_generates_equal_offline_and_grow(engine, folder):
         assert outputs[-1].outputs[0].token_ids == reference.outputs[0].token_ids
         texts = [o.outputs[0].text for o in outputs]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative
+
+    async def final_only():  # beside a streamed twin: the engine hands over its finished output alone
+        final = await engine.add_request(prompts[0], greedy(12), final_only=True)
+        streamed = await engine.add_request(prompts[0], greedy(12))
+        await asyncio.sleep(0.5)  # (not consumed: what the engine thread hands over piles up)
+        for _ in range(600):  # until both finished (30 s at most)
+            if streamed._queue.qsize() and final._queue.qsize() and not engine.num_running:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        handed_over = final._queue.qsize(), streamed._queue.qsize()
+        return handed_over, [o async for o in final]
+
+    (num_final, num_streamed), outputs = asyncio.run(final_only())
+    assert num_final == 1 and num_streamed > 1
+    assert len(outputs) == 1 and outputs[0].finished
+    assert outputs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert engine.engine.block_manager.check_all_free()
 
 

@@ -87,9 +87,11 @@ def call_in(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 class RequestStream:
     """The outputs of one request, as they come from the engine thread."""
 
-    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop,
+                 final_only: bool = False) -> None:
         self.request_id = request_id
         self.finished = False
+        self.final_only = final_only  # the engine thread hands over the finished output only
         self._owner = owner
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -201,12 +203,14 @@ class AsyncEngine:
     async def add_request(
         self, prompt: str | list[int] | PromptWithImages, params: SamplingParams, request_id: str | None = None, priority: int = 0,
         lora_request: LoRARequest | None = None, multi_modal_data: dict[str, list] | None = None,
-        mm_processor_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None, final_only: bool = False,
     ) -> RequestStream:
         """Queue a request (through the LoRA adapter of lora_request, if any; with images in
         multi_modal_data and mm_processor_kwargs, as LLMEngine.add_request takes them) and wait until the engine
         took it; raises
-        QueueFull, RequestError, EngineStopped. A lower `priority` is served first (LLMEngine.add_request)."""
+        QueueFull, RequestError, EngineStopped. A lower `priority` is served first (LLMEngine.add_request).
+        final_only: the stream yields the finished output alone, for a caller that answers whole (no hand-over
+        to the event loop at every step)."""
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFull(
                 f"the server is busy: {self.num_queued} requests are queued for a place in the batch "
@@ -218,7 +222,7 @@ class AsyncEngine:
             expanded = await self.prompt_with_images(prompt, multi_modal_data, mm_processor_kwargs)
             if expanded is not None:
                 prompt, multi_modal_data = expanded, None
-        stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id or uuid.uuid4().hex, asyncio.get_running_loop(), final_only)
         self._command(("add", stream, prompt, params, priority, lora_request, multi_modal_data))
         try:
             await stream.accepted
@@ -364,7 +368,7 @@ class AsyncEngine:
             self._publish(engine.last_step.num_generated, engine.last_step.num_preempted)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is not None:
+                if stream is not None and (output.finished or not stream.final_only):
                     stream._put(output)
                     if output.finished:
                         del self._streams[output.request_id]

@@ -123,7 +123,7 @@ class BatchRunner:
         root None: a fresh temporary directory, made on first use (nothing to resume)."""
         self.lease = lease
         self.root = root
-        self._opened = False
+        self.opened = False
         self.files: FileStore
         self.store: BatchStore
         self.batches: dict[str, dict] = {}
@@ -134,7 +134,7 @@ class BatchRunner:
 
     def open(self) -> None:
         """Take the directory (APIError 503 when another server holds it) and read what it holds."""
-        if self._opened:
+        if self.opened:
             return
         self.root = self.root or Path(tempfile.mkdtemp(prefix="hearth-batches-"))
         try:
@@ -144,7 +144,7 @@ class BatchRunner:
                                 "start this one with its own --batch-dir") from None
         self.files, self.store = FileStore(self.root), BatchStore(self.root)
         self.batches = {b["id"]: b for b in self.store.all()}
-        self._opened = True
+        self.opened = True
 
     def resume(self) -> None:
         """Take up every unfinished batch (at the server's start)."""

@@ -191,8 +191,8 @@ class ChatRun:
 
 
 async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: str,
-                     prefill_source: str | None = None) -> ChatRun:
-    """Render the conversation and add it to the engine."""
+                     prefill_source: str | None = None, final_only: bool = False) -> ChatRun:
+    """Render the conversation and add it to the engine (final_only: for an answer given whole)."""
     model = s.check_model(body.model)
     prompt = await with_image_tokens(s, await chat_prompt(s, body))
     ids, calling = prompt.ids, prompt.calling
@@ -204,14 +204,14 @@ async def start_chat(body: ChatCompletionRequest, s: ServedModel, request_id: st
         params = calling.sampling_params(params)
     params = s.reasoning_params(params)
     streams = await s.add_all([ids], params, request_id, prefill_source, body.priority, model,
-                              prompt.expanded)
+                              prompt.expanded, final_only)
     return ChatRun(model, request_id, len(ids), streams, ChatFormat(s, k, calling, s.thinking_opened(ids)))
 
 
 async def start(body: ChatCompletionRequest, s: ServedModel, prefill_source: str | None = None) -> Started:
     """The request in the engine; the route answers from it, and a batch's lines (batches.py) in this process."""
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    run = await start_chat(body, s, request_id, prefill_source)
+    run = await start_chat(body, s, request_id, prefill_source, final_only=not body.stream)
 
     def reply(final: list[RequestOutput]) -> dict:
         data = {"id": request_id, "object": "chat.completion", "created": created, "model": run.model,

@@ -97,7 +97,8 @@ async def start(body: CompletionRequest, s: ServedModel, prefill_source: str | N
         prompt_k = k if prompt_k is None else max(k, prompt_k)
     params = body.sampling_params(max_tokens, k, prompt_k)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await s.add_all(prompts, params, request_id, prefill_source, body.priority, model)
+    streams = await s.add_all(prompts, params, request_id, prefill_source, body.priority, model,
+                              final_only=not body.stream)
     fmt = CompletionFormat(s, body, texts, params.n)
 
     def reply(final: list[RequestOutput]) -> dict:

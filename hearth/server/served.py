@@ -144,12 +144,13 @@ class ServedModel:
 
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                       prefill_source: str | None = None, priority: int = 0, model: str | None = None,
-                      with_images: PromptWithImages | None = None) -> list[RequestStream]:
+                      with_images: PromptWithImages | None = None, final_only: bool = False) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`, at `priority`), through the LoRA adapter
         `model` names if it names one; all or none are added. On a decode worker, given a prefill worker
         (its URL or its Ray actor), each prompt's KV is pulled from it first. with_images: a one-prompt
         request's prompt with its images, as the engine expanded it (chat.py's with_image_tokens), given
-        to the engine in place of its ids."""
+        to the engine in place of its ids. final_only: the streams yield their finished outputs alone (a
+        non-streaming answer)."""
         self.check_sequences(len(prompts), params)
         if with_images is not None and prefill_source is not None:
             raise APIError(400, "images are not taken by disaggregated prefill and decode workers", "messages")
@@ -160,7 +161,8 @@ class ServedModel:
         try:
             for i, ids in enumerate(prompts):
                 streams.append(await self.engine.add_request(with_images or ids, params, f"{request_id}-{i}",
-                                                             priority, self.lora_of(model) if model else None))
+                                                             priority, self.lora_of(model) if model else None,
+                                                             final_only=final_only))
         except BaseException:
             for s in streams:
                 s.close()
