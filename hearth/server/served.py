@@ -210,9 +210,10 @@ class ServedModel:
                 s.close()
 
 
-def served(request: Request) -> ServedModel:
+async def served(request: Request) -> ServedModel:
     """The route dependency: the ServedModel the request was routed to by its `model` (request.state.served,
-    where the app serves several: hearth/fleet/model_app.py), else the app's one."""
+    where the app serves several: hearth/fleet/model_app.py), else the app's one. Async: FastAPI runs a plain
+    dependency in its thread pool, a hop for every request."""
     routed = getattr(request.state, "served", None)
     if routed is not None:
         return routed
