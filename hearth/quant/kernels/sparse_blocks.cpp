@@ -23,6 +23,10 @@
 // side in 16-bit lanes (maddubs: 4-bit codes) or widened to int16 (madd: 8-bit), 64 output rows at
 // a time with their int32 sums in registers; per sub-block and row n the int32 sum becomes
 //   y[n] += d_x d sc (sum_k xq_k q_kn - Z sum_k xq_k) + dm mn sum_k x_k.
+// Q4_K (Z = 0) regroups it per super-block, as its dense kernel does: y[n] += d t + dm u with
+// t = sum over sub-blocks of d_x (sc sum_k xq_k q_kn), sc applied in int16 by the madd that widens
+// the sums, and u = sum of mn sum_k x_k: the fp16 scales converted once per super-block, not per
+// sub-block (sparse_rows_k).
 #include "qmatmul.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -160,6 +164,10 @@ void mask_rows(const float* x, int64_t M, int64_t K, int S, bool nibble, float t
 #ifdef HEARTH_SPARSE_SIMD
 constexpr int64_t SPARSE_STEP = 64;  // output rows a pass of group_sums covers
 
+// 8 scales of consecutive output rows as fp32: fp16 (the d and dm fields), int8 (sc, mn)
+inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 bytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+
 // Nibble codes of two columns, 64 rows from n (32 bytes each), side by side per 16-bit lane:
 // p[i] holds rows n + 8i .. n + 8i + 7 (lane 0) and n + 32 + 8i .. (lane 1)
 inline void nibble_pairs(const uint8_t* c1, const uint8_t* c2, __m256i (&p)[4]) {
@@ -170,57 +178,91 @@ inline void nibble_pairs(const uint8_t* c1, const uint8_t* c2, __m256i (&p)[4]) 
   p[2] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), low), p[3] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), low);
 }
 
+// Nibble codes' int16 sums over a sub-block's kept columns (kept[0 .. count), 32 at most), 64 output rows
+// from n, activation row m: h[c][m][i] over its c-th 16 kept columns (zero past count), rows as
+// nibble_pairs gives them. Two columns' codes side by side in each 16-bit lane, one maddubs per 16
+// rows and activation row (int16 sums of 8 pairs at most: 8 x 2 x 15 x 127 fits).
+template <int MR>
+inline void nibble_sums(const uint8_t* codes, int64_t N, const int32_t* kept, const int32_t* xv, int32_t count,
+                        int64_t n, __m256i (&h)[2][MR][4]) {
+  for (int c = 0; c < 2; c++) {
+    for (int m = 0; m < MR; m++)
+      for (int i = 0; i < 4; i++) h[c][m][i] = _mm256_setzero_si256();
+    for (int32_t j = 16 * c; j < std::min(count, 16 * c + 16); j += 2) {
+      const uint8_t* c1 = codes + kept[j] * (N / 2) + n / 2;
+      const uint8_t* c2 = j + 1 < count ? codes + kept[j + 1] * (N / 2) + n / 2 : c1;  // (x2 = 0 then)
+      __builtin_prefetch(c1 + 256), __builtin_prefetch(c2 + 256);
+      __m256i p[4];
+      nibble_pairs(c1, c2, p);
+      for (int m = 0; m < MR; m++) {
+        const __m256i x = _mm256_set1_epi32(xv[j * MR + m]);
+        for (int i = 0; i < 4; i++) h[c][m][i] = _mm256_add_epi16(h[c][m][i], _mm256_maddubs_epi16(p[i], x));
+      }
+    }
+  }
+}
+
 // sums[m][i] = for output rows n + 8i .. n + 8i + 7 (i < 8), the int32 sum over the sub-block's kept
-// columns (kept[0 .. count)) of code x int8 value, activation row m. Nibble codes: two columns'
-// codes side by side in each 16-bit lane, one maddubs per 16 rows and activation row (int16 sums
-// of 8 pairs at most: 8 x 2 x 15 x 127 fits); int8 codes: widened to int16, one madd.
+// columns (kept[0 .. count)) of code x int8 value, activation row m. Nibble codes: nibble_sums' two
+// halves widened; int8 codes: widened to int16, one madd per 16 rows.
 template <int MR, bool NIBBLE>
 inline void group_sums(const uint8_t* codes, int64_t N, const int32_t* kept, const int32_t* xv, int32_t count,
                        int64_t n, __m256i (&sums)[MR][8]) {
+  if constexpr (NIBBLE) {
+    __m256i h[2][MR][4];
+    nibble_sums<MR>(codes, N, kept, xv, count, n, h);
+    for (int m = 0; m < MR; m++)
+      for (int i = 0; i < 4; i++) {
+        const __m256i lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(h[0][m][i])),
+                                            _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h[1][m][i])));
+        const __m256i hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(h[0][m][i], 1)),
+                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(h[1][m][i], 1)));
+        sums[m][i] = lo, sums[m][4 + i] = hi;
+      }
+    return;
+  }
   for (int m = 0; m < MR; m++)
     for (int i = 0; i < 8; i++) sums[m][i] = _mm256_setzero_si256();
-  const int64_t stride = NIBBLE ? N / 2 : N, at = NIBBLE ? n / 2 : n;
-  for (int32_t j0 = 0; j0 < count; j0 += 16) {
-    __m256i s16[MR][4];
-    for (int m = 0; m < MR; m++)
-      for (int i = 0; i < 4; i++) s16[m][i] = _mm256_setzero_si256();
-    for (int32_t j = j0; j < std::min(count, j0 + 16); j += 2) {
-      const uint8_t* c1 = codes + kept[j] * stride + at;
-      const uint8_t* c2 = j + 1 < count ? codes + kept[j + 1] * stride + at : c1;  // (x2 = 0 then)
-      __builtin_prefetch(c1 + 256), __builtin_prefetch(c2 + 256);
-      if constexpr (NIBBLE) {
-        __m256i p[4];
-        nibble_pairs(c1, c2, p);
-        for (int m = 0; m < MR; m++) {
-          const __m256i x = _mm256_set1_epi32(xv[j * MR + m]);
-          for (int i = 0; i < 4; i++) s16[m][i] = _mm256_add_epi16(s16[m][i], _mm256_maddubs_epi16(p[i], x));
-        }
-      } else {
-        for (int h = 0; h < 4; h++) {  // rows 16h .. 16h + 15: madd leaves [0-3, 8-11 | 4-7, 12-15]
-          const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(c1 + 16 * h)));
-          const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(c2 + 16 * h)));
-          const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
-          for (int m = 0; m < MR; m++) {
-            const __m256i x = _mm256_set1_epi32(xv[j * MR + m]);
-            sums[m][2 * h] = _mm256_add_epi32(sums[m][2 * h], _mm256_madd_epi16(lo, x));
-            sums[m][2 * h + 1] = _mm256_add_epi32(sums[m][2 * h + 1], _mm256_madd_epi16(hi, x));
-          }
-        }
+  for (int32_t j = 0; j < count; j += 2) {
+    const uint8_t* c1 = codes + kept[j] * N + n;
+    const uint8_t* c2 = j + 1 < count ? codes + kept[j + 1] * N + n : c1;  // (x2 = 0 then)
+    __builtin_prefetch(c1 + 256), __builtin_prefetch(c2 + 256);
+    for (int h = 0; h < 4; h++) {  // rows 16h .. 16h + 15: madd leaves [0-3, 8-11 | 4-7, 12-15]
+      const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(c1 + 16 * h)));
+      const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(c2 + 16 * h)));
+      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+      for (int m = 0; m < MR; m++) {
+        const __m256i x = _mm256_set1_epi32(xv[j * MR + m]);
+        sums[m][2 * h] = _mm256_add_epi32(sums[m][2 * h], _mm256_madd_epi16(lo, x));
+        sums[m][2 * h + 1] = _mm256_add_epi32(sums[m][2 * h + 1], _mm256_madd_epi16(hi, x));
       }
     }
-    if constexpr (NIBBLE)
-      for (int m = 0; m < MR; m++)
-        for (int i = 0; i < 4; i++) {
-          sums[m][i] = _mm256_add_epi32(sums[m][i], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16[m][i])));
-          sums[m][4 + i] = _mm256_add_epi32(sums[m][4 + i], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16[m][i], 1)));
-        }
   }
-  if constexpr (!NIBBLE)
-    for (int m = 0; m < MR; m++)
-      for (int h = 0; h < 8; h += 2) {
-        const __m256i a = sums[m][h], b = sums[m][h + 1];
-        sums[m][h] = _mm256_permute2x128_si256(a, b, 0x20), sums[m][h + 1] = _mm256_permute2x128_si256(a, b, 0x31);
-      }
+  for (int m = 0; m < MR; m++)
+    for (int h = 0; h < 8; h += 2) {
+      const __m256i a = sums[m][h], b = sums[m][h + 1];
+      sums[m][h] = _mm256_permute2x128_si256(a, b, 0x20), sums[m][h + 1] = _mm256_permute2x128_si256(a, b, 0x31);
+    }
+}
+
+// Q4_K: sums[m][i] as group_sums gives them times each row's integer sub-block scale (sc: the
+// sub-block's, per output row): the two halves' int16 sums interleaved so that one madd applies the
+// scale to both and widens them (the dense Q4_K kernel's trick; |sum| <= 2 x 63 x 30480 fits int32)
+template <int MR>
+inline void scaled_sums(const uint8_t* codes, int64_t N, const int32_t* kept, const int32_t* xv, int32_t count,
+                        int64_t n, const uint8_t* sc, __m256i (&sums)[MR][8]) {
+  __m256i h[2][MR][4];
+  nibble_sums<MR>(codes, N, kept, xv, count, n, h);
+  for (int i = 0; i < 4; i++) {  // lanes: rows n + 8i .. n + 8i + 7 | n + 32 + 8i .. n + 32 + 8i + 7
+    const __m256i s = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(sc + n + 8 * i)),
+                                                              _mm_loadl_epi64((const __m128i*)(sc + n + 32 + 8 * i))));
+    const __m256i slo = _mm256_unpacklo_epi16(s, s), shi = _mm256_unpackhi_epi16(s, s);
+    for (int m = 0; m < MR; m++) {  // lo: rows 0-3 of each lane, hi: 4-7
+      const __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi16(h[0][m][i], h[1][m][i]), slo);
+      const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi16(h[0][m][i], h[1][m][i]), shi);
+      sums[m][i] = _mm256_permute2x128_si256(lo, hi, 0x20), sums[m][4 + i] = _mm256_permute2x128_si256(lo, hi, 0x31);
+    }
+  }
 }
 
 // y [MR, N] (rows n0 .. n1, multiples of 64) = the masked product, WIDTH rows at a time: per
@@ -231,8 +273,6 @@ void sparse_rows(const uint8_t* buf, const SparseLayout& L, int64_t N, const Mas
                  float* y) {
   constexpr int64_t WIDTH = MR <= 2 ? 2048 : 512;  // out: 16 KiB at most (L1)
   const int64_t groups = (int64_t)r.first.size() - 1;
-  const auto halves = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); };
-  const auto bytes = [](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); };
   alignas(32) float out[MR * WIDTH];
   for (int64_t c = n0; c < n1; c += WIDTH) {
     const int64_t width = std::min(WIDTH, n1 - c);
@@ -261,6 +301,54 @@ void sparse_rows(const uint8_t* buf, const SparseLayout& L, int64_t N, const Mas
             _mm256_storeu_ps(o, _mm256_fmadd_ps(offset, _mm256_set1_ps(r.xsum[mg]),
                                                 _mm256_fmadd_ps(_mm256_set1_ps(r.dx[mg]), t, _mm256_loadu_ps(o))));
           }
+        }
+      }
+    }
+    for (int64_t m = 0; m < MR; m++) std::memcpy(y + m * N + c, out + m * width, width * 4);
+  }
+}
+
+// Q4_K (zero point 0): per super-block b and output row, t = sum over b's kept sub-blocks of
+// d_x (sc x sum) in fp32, then y += d t + dm (sum over them of mn sum x): the fp16 scales read and
+// applied once per super-block, the integer ones by the madd that widens the sums
+template <int MR>
+void sparse_rows_k(const uint8_t* buf, const SparseLayout& L, int64_t N, const MaskedRows& r, int64_t n0, int64_t n1,
+                   float* y) {
+  constexpr int64_t WIDTH = MR == 1 ? 2048 : MR <= 4 ? 512 : 256;  // out and t: 16 KiB at most (L1)
+  const int64_t groups = (int64_t)r.first.size() - 1, per = L.bs / L.s;
+  alignas(32) float out[MR * WIDTH], t[MR * WIDTH];
+  for (int64_t c = n0; c < n1; c += WIDTH) {
+    const int64_t width = std::min(WIDTH, n1 - c);
+    std::fill(out, out + MR * width, 0.f);
+    for (int64_t b = 0; b < groups / per; b++) {
+      const int64_t g0 = b * per;
+      if (r.first[g0] == r.first[g0 + per]) continue;  // the whole super-block masked: its scales unread too
+      std::fill(t, t + MR * width, 0.f);
+      for (int64_t g = g0; g < g0 + per; g++) {
+        const int32_t begin = r.first[g], count = r.first[g + 1] - begin;
+        if (count == 0) continue;
+        for (int64_t n = c; n < c + width; n += SPARSE_STEP) {
+          __m256i sums[MR][8];
+          scaled_sums<MR>(buf + L.codes, N, r.kept.data() + begin, r.xv.data() + begin * MR, count, n, buf + L.sc + g * N, sums);
+          for (int i = 0; i < 8; i++)
+            for (int m = 0; m < MR; m++) {
+              float* o = t + m * width + (n + 8 * i - c);
+              _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(r.dx[m * groups + g]), _mm256_cvtepi32_ps(sums[m][i]), _mm256_load_ps(o)));
+            }
+        }
+      }
+      for (int64_t at = c; at < c + width; at += 8) {
+        __m256 u[MR];
+        for (int m = 0; m < MR; m++) u[m] = _mm256_setzero_ps();
+        for (int64_t g = g0; g < g0 + per; g++) {
+          if (r.first[g] == r.first[g + 1]) continue;
+          const __m256 mn = bytes(buf + L.mn + g * N + at);
+          for (int m = 0; m < MR; m++) u[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(r.xsum[m * groups + g]), u[m]);
+        }
+        const __m256 d = halves(buf + L.d + 2 * (b * N + at)), dm = halves(buf + L.dm + 2 * (b * N + at));
+        for (int m = 0; m < MR; m++) {
+          float* o = out + m * width + (at - c);
+          _mm256_store_ps(o, _mm256_fmadd_ps(dm, u[m], _mm256_fmadd_ps(d, _mm256_load_ps(t + m * width + (at - c)), _mm256_load_ps(o))));
         }
       }
     }
@@ -300,6 +388,7 @@ template <int MR>
 void sparse_rows_of(const uint8_t* buf, const SparseLayout& L, int64_t N, const MaskedRows& r, int64_t n0, int64_t n1,
                     float* y) {
 #ifdef HEARTH_SPARSE_SIMD
+  if (L.nibble && L.sub()) return sparse_rows_k<MR>(buf, L, N, r, n0, n1, y);
   if (L.nibble) return sparse_rows<MR, true>(buf, L, N, r, n0, n1, y);
   return sparse_rows<MR, false>(buf, L, N, r, n0, n1, y);
 #else
