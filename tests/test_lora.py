@@ -116,6 +116,8 @@ def test_prefix_cache_keeps_adapters_apart(llm, base_and_adapters):
 
 def test_unload_and_reload(llm, base_and_adapters):
     _, adapters = base_and_adapters
+    for name in ADAPTERS:  # (the start loads two; which of the file's tests loaded the others, xdist decides)
+        llm.engine.add_lora(LoRARequest(name, 0, str(adapters[name])))
     names = {a.name for a in llm.engine.list_loras()}
     assert names == set(ADAPTERS)
     with pytest.raises(RequestError, match="max_loras"):
