@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -136,25 +137,26 @@ def cmd_generate(args) -> None:
     params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
     images, video_files = _read_media_files(args)
     llm = build_llm(args)
-    videos = _decoded_videos(llm, video_files)
-    prompt = _generate_prompt(args.prompt, images or None, getattr(llm.engine, "image_processor", None), videos,
-                              getattr(llm.engine, "video_processor", None))
-    if args.json:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        completion = out.outputs[0]
-        print(json.dumps({
-            "prompt": args.prompt,
-            "text": completion.text,
-            "token_ids": completion.token_ids,
-            "finish_reason": completion.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(completion.token_ids),
-            **({} if out.cascade is None else {"cascade": out.cascade.summary(len(completion.token_ids))}),
-        }))
-        return
-    sys.stdout.write(args.prompt)
-    _stream(llm, prompt, params)
-    sys.stdout.write("\n")
+    with contextlib.closing(llm.engine):  # a disk tier (--kv-cache-dir) gets the cached blocks for the next run
+        videos = _decoded_videos(llm, video_files)
+        prompt = _generate_prompt(args.prompt, images or None, getattr(llm.engine, "image_processor", None), videos,
+                                  getattr(llm.engine, "video_processor", None))
+        if args.json:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            completion = out.outputs[0]
+            print(json.dumps({
+                "prompt": args.prompt,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(completion.token_ids),
+                **({} if out.cascade is None else {"cascade": out.cascade.summary(len(completion.token_ids))}),
+            }))
+            return
+        sys.stdout.write(args.prompt)
+        _stream(llm, prompt, params)
+        sys.stdout.write("\n")
 
 
 def _decoded_videos(llm, files: list[tuple[str, bytes]], what: str = "--video") -> list | None:
@@ -247,29 +249,30 @@ def cmd_chat(args) -> None:
     params = _sampling(args)  # a bad option, image or unreadable video file fails before the model loads
     images, video_files = _read_media_files(args)
     llm = build_llm(args)
-    history: list[dict] = []
-    # content parts for the next message: --image's and --video's, then /image's and /video's
-    media = [{"type": "image_pil", "image_pil": image} for image in images] + \
-        [{"type": "video", "video": video} for video in _decoded_videos(llm, video_files) or []]
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print("/help lists the commands", file=sys.stderr)
-    while True:
+    with contextlib.closing(llm.engine):  # a disk tier (--kv-cache-dir) gets the cached blocks for the next run
+        history: list[dict] = []
+        # content parts for the next message: --image's and --video's, then /image's and /video's
+        media = [{"type": "image_pil", "image_pil": image} for image in images] + \
+            [{"type": "video", "video": video} for video in _decoded_videos(llm, video_files) or []]
+        if args.system:
+            history.append({"role": "system", "content": args.system})
+        interactive = sys.stdin.isatty()
         if interactive:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
-            break
-        line = line.rstrip("\n")
-        if line.startswith("/"):
-            if not _chat_command(line.strip(), history, media, llm):
+            print("/help lists the commands", file=sys.stderr)
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
                 break
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": [*media, {"type": "text", "text": line}] if media else line})
-        media.clear()
-        history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})
+            line = line.rstrip("\n")
+            if line.startswith("/"):
+                if not _chat_command(line.strip(), history, media, llm):
+                    break
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": [*media, {"type": "text", "text": line}] if media else line})
+            media.clear()
+            history.append({"role": "assistant", "content": _chat_reply(llm, history, params, args.json)})

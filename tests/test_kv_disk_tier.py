@@ -128,8 +128,8 @@ def test_evicted_blocks_come_back_from_disk_and_after_a_restart(llama, tmp_path,
 
 
 def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llama, tmp_path):
-    """Blocks the cache never evicted reach the disk tier when the async engine (a server) shuts down, so the
-    next start finds the prompt's prefix there: transformers' greedy tokens, every full block a disk hit."""
+    """Blocks the cache never evicted reach the disk tier when the async engine (a server) shuts down, or the
+    engine closes (offline), so the next start finds the prompt's prefix there: transformers' greedy tokens, every full block a disk hit."""
     prompt = [random.Random(9).randrange(VOCAB_SIZE) for _ in range(70)]  # 4 full blocks
     directory = tmp_path / "tier"
     first = tiered_llm(llama, directory, "cpu")
@@ -142,6 +142,13 @@ def test_a_server_shutdown_saves_the_blocks_still_cached_for_the_next_start(llam
     second = tiered_llm(llama, directory, "cpu")
     assert greedy_tokens(second, prompt) == reference_greedy(llama, [prompt])[0]
     assert second.engine.kv_disk_tier.counts.hits == 4
+    # offline (LLM, hearth generate / chat): the engine's close saves them too
+    other = [random.Random(10).randrange(VOCAB_SIZE) for _ in range(70)]
+    greedy_tokens(second, other)
+    second.engine.close()
+    third = tiered_llm(llama, directory, "cpu")
+    assert greedy_tokens(third, other) == reference_greedy(llama, [other])[0]
+    assert third.engine.kv_disk_tier.counts.hits == 4
 
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])

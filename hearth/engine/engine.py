@@ -171,12 +171,16 @@ class LLMEngine:
         return adapters
 
     def close(self) -> None:
-        """Stop the workers of a split model, if any (also done when the engine is collected), and the disk tier's
-        writer thread, its queue written first."""
+        """Save the blocks the prefix cache still holds to a disk tier, if any (the next start finds them, as after
+        a server's shutdown), end its writer thread with its queue written, and stop the workers of a split model
+        (also done when the engine is collected). Idle the engine first: no request runs after."""
+        if self.kv_tiers is not None:
+            if self.kv_tiers.disk is not None:
+                self.wait_for_pass()
+                self.save_cache_to_tiers()
+            self.kv_tiers.close()
         if self.workers is not None:
             self.workers.stop()
-        if self.kv_tiers is not None:
-            self.kv_tiers.close()
 
     @property
     def kv_cache_dtype(self) -> str:
