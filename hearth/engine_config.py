@@ -45,8 +45,8 @@ class CacheConfig:
                                          help="no reuse of the KV blocks of a prompt's cached prefix")
     kv_cache_dir: str | None = option(
         None, metavar="DIR",
-        help="a disk tier under the prefix cache: full blocks the KV cache evicts (and, when a server stops or a model "
-             "sleeps, those still cached) are written to DIR (one checked file each) and loaded back when a prompt's prefix "
+        help="a disk tier under the prefix cache: full blocks the KV cache evicts (and, when a server stops, an engine closes "
+             "or a model sleeps, those still cached) are written to DIR (one checked file each) and loaded back when a prompt's prefix "
              "needs them, also after a restart")
     kv_cache_dir_size: int = option(4 * 2**30, parse=parse_size, metavar="SIZE",
                                     help="the disk tier's bound (4GiB by default; e.g. 512MiB): least recently used "
