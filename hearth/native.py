@@ -45,7 +45,8 @@ except ImportError:  # Windows
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# C++20 whatever torch asks for (torch 2.11 and older build extensions as C++17: the kernels use `requires`)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20"]
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _built: dict[str, ModuleType | None] = {}  # by name and key: what this process built or imported, None if it failed
 _said: set[str] = set()  # the extensions whose absence was logged
