@@ -137,7 +137,7 @@ def stored_tensors(caches: KVCaches, block_size: int) -> list[tuple[torch.Tensor
     cache's codes and scales, fp8 bytes. With each, whether pack_rows may store a block of it as q8_0:
     a cache of 16- or 32-bit values whose block holds whole q8_0 blocks."""
     return [(t, isinstance(cache, torch.Tensor) and t.dtype in Q8_PACKABLE
-             and t[0].numel() * block_size % Q8_BLOCK == 0)
+             and t.shape[1:].numel() * block_size % Q8_BLOCK == 0)  # (no view: a sleeping cache has no storage)
             for layer in caches for cache in layer
             for t in ((cache,) if isinstance(cache, torch.Tensor) else cache if isinstance(cache, Q8Cache)
                       else (cache.values,))]

@@ -112,6 +112,10 @@ def test_hybrid_model_matches_transformers(tmp_path, arch):
     if graphs is not None:  # the last decode step's buffers: three rows' slots, then the padding row's 0
         slots = graphs.inputs.field("state_slots", 4).tolist()
         assert len(set(slots[:3])) == 3 and 0 in slots[:3] and slots[3] == 0
+        # the eager run before a capture (on a GPU) leaves the states as the replay must find them
+        states = {name: t.clone() for name, t in llm.engine.runner.state_tensors().items()}
+        graphs.warm_up(4, None)
+        assert all(torch.equal(states[name], t) for name, t in llm.engine.runner.state_tensors().items())
 
 
 def test_bucket_sizes():
@@ -134,7 +138,7 @@ def test_decode_graphs_match_the_eager_path(tmp_path):
     runner = graphs.engine.model.backend_state["decode_graphs"]
     assert runner.capture == (DEVICE == "cuda")
     if runner.capture:
-        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 2, 4)}
+        assert set(runner.graphs) == {(size, ("greedy", False)) for size in (1, 4)}  # 1 and 3 (padded); 5 eager
     assert "decode_graphs" not in eager.engine.model.backend_state
     # greedy rows beside random ones (the random heads captured, on a GPU): the greedy rows' tokens
     mixed = [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0.7, top_k=5, max_tokens=4),

@@ -89,17 +89,29 @@ class DecodeGraphs:
         return out[:b] if isinstance(out, torch.Tensor) else tuple(t[:b] for t in out)
 
     def _capture(self, key: tuple[int, Hashable], sampling: DecodeSampling | None) -> None:
-        """Record the step at batch key[0] (after one eager run: Triton compiles its kernels
-        and torch's allocator warms up outside the capture). The current buffer contents are a real
-        step's (or padding): the warm-up's K/V writes go where that step's own would."""
+        """Record the step at batch key[0], after one eager run (`warm_up`) outside the capture."""
         size = key[0]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._run_model(size, sampling)
+            self.warm_up(size, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = self._run_model(size, sampling)
         self.pool = graph.pool()
         self.graphs[key] = graph
+
+    def warm_up(self, size: int, sampling: DecodeSampling | None) -> None:
+        """The step over the buffers' first `size` rows run eagerly before its capture, so that Triton compiles
+        its kernels and torch's allocator warms up outside it. The buffers hold a real step (or padding), which
+        the replay then runs again: writing its K/V twice to the same slots is harmless, but a hybrid model's
+        state rows would advance twice, so they are put back as they were."""
+        config, saved = self.model.config, []
+        if config.is_hybrid:
+            slots = self.inputs.field("state_slots", size).long()
+            saved = [(state, state[slots]) for layer, states in enumerate(self.kv_caches) if config.state_shapes(layer)
+                     for state in states]
+        self._run_model(size, sampling)
+        for state, rows in saved:  # (a padding row's slot repeats a live one's: the same rows either way)
+            state[slots] = rows

@@ -123,8 +123,8 @@ def _load_rows(ptr, scale_ptr, slot, kv_head, d, mask, stride_s, stride_h, strid
     if KV_FORMAT == _Q8_0:
         scales = tl.load(scale_ptr + slot[:, None] * stride_ss + kv_head * stride_sh + (d // _Q8_BLOCK)[None, :],
                          mask=mask, other=0.0)
-        return rows.to(tl.float32) * scales.to(tl.float32)
-    return rows
+        rows = rows.to(tl.float32) * scales.to(tl.float32)
+    return rows  # one return: the compiler refuses a second one of another type
 
 
 @triton.jit

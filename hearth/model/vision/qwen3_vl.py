@@ -25,7 +25,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(config.num_channels, config.hidden_size, kernel, kernel)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:  # [n, C * T * P * P] -> [n, hidden]
-        return self.proj(patches.view(len(patches), self.proj.in_channels, *self.proj.kernel_size)).flatten(1)
+        # the convolution over one patch is a matmul: cuBLAS keeps float32 exact, cuDNN's convolutions round
+        # float32 to tf32 by default (torch.backends.cudnn.allow_tf32)
+        return F.linear(patches.reshape(len(patches), -1), self.proj.weight.flatten(1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):

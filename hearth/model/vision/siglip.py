@@ -27,9 +27,15 @@ class VisionEmbeddings(nn.Module):
                                                                        config.hidden_size))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [tiles, 3, H, W] -> [tiles, patches, hidden]
-        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
-        rows, cols = pixels.shape[2] // self.config.patch_size, pixels.shape[3] // self.config.patch_size
-        return patches + self.position_embedding(self.position_ids(rows, cols, pixels.device))
+        size = self.config.patch_size
+        rows, cols = pixels.shape[2] // size, pixels.shape[3] // size
+        # the strided convolution as a matmul over each patch's pixels [tiles, rows x cols, 3 x P x P]: cuBLAS
+        # keeps float32 exact, cuDNN's convolutions round float32 to tf32 by default
+        patches = pixels.unfold(2, size, size).unfold(3, size, size).permute(0, 2, 3, 1, 4, 5).reshape(
+            len(pixels), rows * cols, -1)
+        conv = self.patch_embedding
+        embedded = F.linear(patches, conv.weight.flatten(1), conv.bias)
+        return embedded + self.position_embedding(self.position_ids(rows, cols, pixels.device))
 
     def position_ids(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         """The trained grid's position of each patch of a rows x cols tile: SigLIP's own (Gemma 3's images,
