@@ -282,10 +282,10 @@ def make_spm_tokenizer(folder: Path, prefix_space: bool = True) -> int:
     return len(vocab)
 
 
-def hearth_logits(config, weights, token_ids: list[int], backend=None) -> torch.Tensor:
-    """hearth's logits [T, vocab] (float32) for one prompt, run through the paged model runner
-    (backend: the reference one by default)."""
-    return hearth_greedy(config, weights, token_ids, 0, backend)[0]
+def hearth_logits(config, weights, token_ids: list[int], backend=None, device: str = "cpu") -> torch.Tensor:
+    """hearth's logits [T, vocab] (float32, on the CPU) for one prompt, run through the paged model runner
+    on `device` (backend: the reference one by default)."""
+    return hearth_greedy(config, weights, token_ids, 0, backend, device)[0]
 
 
 def hearth_greedy(config, weights, token_ids: list[int], steps: int, backend=None, device: str = "cpu"):

@@ -74,7 +74,7 @@ def test_gpu_backend_logits_and_greedy_tokens_match_transformers(folder):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config, weights = load_hf_folder(folder, progress=False)
-    got = hearth_logits(config, weights, TOKENS, backend=GpuBackend(device, use_cuda_graphs=False))
+    got = hearth_logits(config, weights, TOKENS, backend=GpuBackend(device, use_cuda_graphs=False), device=device)
     assert _max_error(got.cpu(), _logits_of(folder)) <= 1e-4
     prompts = random_prompts(2, seed=8, shortest=3, longest=14)
     llm = LLM(folder, device=device, dtype="float32", backend="gpu", max_num_batched_tokens=13, progress=False)

@@ -32,6 +32,7 @@ from hearth.errors import HearthError
 from hearth.kv_format import block_payloads
 from hearth.server.metrics import ServerMetrics
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
+from test_gpu_backend import DEVICE
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 kv heads x head_dim 16 x fp32
@@ -363,7 +364,7 @@ def test_ram_tier_on_the_gpu_backend(llama):
     rng = random.Random(8)
     first, second = [rng.randrange(VOCAB_SIZE) for _ in range(9)], [rng.randrange(VOCAB_SIZE) for _ in range(13)]
     kv_bytes = 4 * 4 * KV_BYTES_PER_TOKEN  # 4 blocks of 4 tokens
-    llm = LLM(llama, kv_cache_memory=kv_bytes, kv_cache_ram=kv_bytes, block_size=4, backend="gpu", device="cpu",
+    llm = LLM(llama, kv_cache_memory=kv_bytes, kv_cache_ram=kv_bytes, block_size=4, backend="gpu", device=DEVICE,
               dtype="float32", progress=False)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=3)
     run = lambda prompt: llm.generate([prompt], params)[0].outputs[0]  # noqa: E731

@@ -23,6 +23,7 @@ from hearth.model.layers import SparseMoE
 from hearth.model_info import model_info
 from models import VOCAB_SIZE, load_hf_reference, make_hf_model
 from test_engine import greedy, random_prompts, reference_greedy, token_ids
+from test_gpu_backend import DEVICE, _greedy, _llm
 from test_model import _hearth_logits as paged_logits
 
 TOKENS = torch.randint(0, VOCAB_SIZE, (45,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -143,7 +144,6 @@ def test_gpu_backend_matches_transformers(tmp_path):
     on a CPU) with split-KV and the merge: transformers' greedy tokens. Every layer dense (first_k_dense_replace):
     a mixture of experts keeps a step out of the decode graphs."""
     pytest.importorskip("triton")
-    from test_gpu_backend import _greedy, _llm
 
     folder = make_hf_model(tmp_path / "dense", "deepseek_v2", num_hidden_layers=2, first_k_dense_replace=2)
     prompts = random_prompts(3, seed=4, shortest=10, longest=20)
@@ -180,15 +180,17 @@ def test_triton_latent_kernels_match_the_absorbed_formula():
     cache = torch.randn(33 * 16, 1, width, generator=gen)
     q = torch.randn(13, 4, width, generator=gen)
     starts = [0, 3, 12, 13]  # query rows 3, 9, 1
-    got = kernels.prefill_attention(q, cache, RANK, tables, torch.tensor(starts, dtype=torch.int32),
-                                    torch.tensor(contexts, dtype=torch.int32), scale, 16, 9)
+    on = {name: t.to(DEVICE) for name, t in [("q", q), ("cache", cache), ("tables", tables)]}
+    got = kernels.prefill_attention(on["q"], on["cache"], RANK, on["tables"],
+                                    torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                                    torch.tensor(contexts, dtype=torch.int32, device=DEVICE), scale, 16, 9).cpu()
     want = torch.cat([_absorbed_attention(q[starts[s] : starts[s + 1]], cache, tables[s], contexts[s], RANK, scale)
                       for s in range(3)])
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     last_rows = [2, 11, 12]
     for splits in (1, 3):
-        got = kernels.decode_attention(q[last_rows], cache, RANK, tables, torch.tensor([150, 9, 0], dtype=torch.int32),
-                                       scale, 16, splits)
+        lens = torch.tensor([150, 9, 0], dtype=torch.int32, device=DEVICE)
+        got = kernels.decode_attention(on["q"][last_rows], on["cache"], RANK, on["tables"], lens, scale, 16, splits).cpu()
         torch.testing.assert_close(got[:2].double(), want[last_rows[:2]], rtol=1e-5, atol=1e-5)
         assert (got[2] == 0).all()
 

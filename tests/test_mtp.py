@@ -21,6 +21,7 @@ from hearth.loading.names import mtp_layer_count
 from hearth.model_info import model_info
 from models import add_mtp_weights, load_hf_reference, make_hf_model
 from test_engine import random_prompts
+from test_gpu_backend import DEVICE
 from test_speculative import assert_same_distribution, first_tokens
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 120, 33, 64]
@@ -198,7 +199,7 @@ def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path)
     # of the target's attention layer and the MTP layer (more than a max_model_len request's 17: max_num_seqs given
     # is honoured where its states fit beside one)
     state, kv = _sizes(folder)
-    llm = LLM(folder, device="cpu", dtype="float32", backend="gpu", progress=False, max_num_seqs=2, max_model_len=256,
+    llm = LLM(folder, device=DEVICE, dtype="float32", backend="gpu", progress=False, max_num_seqs=2, max_model_len=256,
               kv_cache_memory=2 * 4 * state + 20 * 16 * (kv + kv), speculative_method="mtp",
               num_speculative_tokens=2, speculative_adaptive=False)
     assert (llm.engine.num_state_slots, llm.engine.num_blocks) == (2, 20)
@@ -223,7 +224,7 @@ def test_gpu_backend_reads_the_target_hidden_states_after_a_plain_step(tmp_path)
         assert got == model.lm_head(hidden[len(PROMPT) - 1 : -1]).argmax(-1).tolist()  # greedy, step by step
     assert len(read) == 2 and llm.engine.spec_decode_totals.num_draft_tokens > 0
     for start, rows in read:
-        assert torch.allclose(rows, hidden[start : start + len(rows)], atol=1e-4)
+        assert torch.allclose(rows.cpu(), hidden[start : start + len(rows)], atol=1e-4)
 
 
 def _sizes(folder) -> tuple[int, int]:
