@@ -40,7 +40,7 @@ def random_blocks(qtype, n: int, k: int):
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    fields = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    fields = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
     for start in fields:
         blocks[..., start:start + 2] = scale
     return torch.from_numpy(blocks.reshape(n, -1))
