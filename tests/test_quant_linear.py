@@ -22,7 +22,7 @@ from torch import nn
 
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import load_model
-from hearth.backend.cpu_linear import PACKED_QTYPES, Q8_0_INT8_MAX_ROWS, HalfLinear, Int8Linear, cpu_linear
+from hearth.backend.cpu_linear import PACKED_QTYPES, WIDENED_PAST_ROWS, HalfLinear, Int8Linear, cpu_linear
 from hearth.backend.stored import DequantLinear, QuantEmbedding
 from hearth.model.layers import Linear
 from hearth.quant import QuantTensor, kernels
@@ -221,11 +221,12 @@ def test_int8_linear_module_bias_and_storage(ext, qtype):
     assert torch.equal(w, dense(data, qtype, 64))  # packed or not, the same weight
     x = torch.randn(6, 64, generator=g)
     assert_within(layer(x), F.linear(x, w, bias).double(), q8_tolerance(x, w))
-    # a prefill chunk's rows: Q8_0's blocks in place (no VNNI) widened to fp32 tiles, the activations unrounded
-    assert layer.widens_tiles == (qtype == Q.Q8_0 and layer.codes is None)
-    x = torch.randn(Q8_0_INT8_MAX_ROWS + 1, 64, generator=g)
-    tolerance = fp32_tolerance(x, w) if layer.widens_tiles else q8_tolerance(x, w)
-    assert_within(layer(x), F.linear(x, w, bias).double(), tolerance)
+    # a prefill chunk's rows: 32-value blocks in place (no VNNI) widened to fp32 tiles, the activations unrounded
+    assert layer.widened_past_rows == (None if layer.codes is not None or ext.vnni else WIDENED_PAST_ROWS[qtype])
+    for rows in (WIDENED_PAST_ROWS[qtype], WIDENED_PAST_ROWS[qtype] + 1):
+        x = torch.randn(rows, 64, generator=g)
+        widened = layer.widened_past_rows is not None and rows > layer.widened_past_rows
+        assert_within(layer(x), F.linear(x, w, bias).double(), fp32_tolerance(x, w) if widened else q8_tolerance(x, w))
     if layer.codes is None:
         assert layer.qweight.data_ptr() == data.data_ptr()  # the blocks themselves, not a copy
     else:  # on a CPU with VNNI: repacked, the same number of bytes (one 32-row tile here + padding)

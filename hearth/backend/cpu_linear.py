@@ -17,8 +17,8 @@ measurements behind each choice):
   repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
   stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding
   per call at any batch size; the file's pages are then released from this process (they stay in
-  the page cache). Without VNNI, Q8_0 past Q8_0_INT8_MAX_ROWS rows (prefill chunks) takes tiles of
-  the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
+  the page cache). Without VNNI, the 32-value block formats past WIDENED_PAST_ROWS rows (prefill chunks)
+  take tiles of the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
@@ -51,12 +51,15 @@ INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q
                *CODEBOOK_QTYPES)
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
 PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
-# Most activation rows that `int8_matmul` takes against Q8_0 blocks read in place (builds without AVX-512 VNNI):
-# past them (prefill chunks) tiles of the weight widened to fp32 by the kernels' `dequantize_rows` and torch's
-# fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a convert and a multiply-add
-# per 32-value block and row (1 thread, 3584 x 1024: 512 rows 47 against 94 ms, 128 rows 18 against 26, 32 rows
-# 7.9 against 7.1; docs/benchmarks.md, the Qwen3.5-0.8B shape). Activations are then not rounded to int8.
-Q8_0_INT8_MAX_ROWS = 64
+# Most activation rows that `int8_matmul` takes against 32-value blocks read in place (builds without AVX-512
+# VNNI), by format: past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
+# `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a
+# convert and a multiply-add per 32-value block and row, the signed codes (Q8_0, IQ4_NL, MXFP4) two `sign`s
+# more. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): Q8_0 3584 x 1024 at 32 rows 7.1 / 7.9, 128
+# rows 26 / 18, 512 rows 94 / 47; at 128 rows on 1536 x 576 and 3072 x 1024 IQ4_NL 1.29-1.55x, MXFP4 1.35-1.69x,
+# Q4_0 / Q4_1 / Q5_0 / Q5_1 0.99-1.31x faster widened, at 512 rows 1.05-1.99x; at 72 rows 0.75-1.47x (mixed).
+# Activations are then not rounded to int8.
+WIDENED_PAST_ROWS = {Q.Q8_0: 64, **{q: 96 for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4)}}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
@@ -103,7 +106,8 @@ class Int8Linear(BoundWeights):
             self.codes = self.terms = None
             self.register_buffer("qweight", data, persistent=False)  # uint8 [out_features, bytes_per_row]
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.widens_tiles = self.qtype == Q.Q8_0 and self.codes is None  # past Q8_0_INT8_MAX_ROWS rows
+        # blocks in place on a build without VNNI: prefill chunks past these rows as fp32 tiles (None: never)
+        self.widened_past_rows = None if self.codes is not None or ext.vnni else WIDENED_PAST_ROWS.get(self.qtype)
         self._bind()
 
     def _bind(self) -> None:
@@ -111,7 +115,7 @@ class Int8Linear(BoundWeights):
         self.kernel_weight = (weight.data_ptr(), 0 if self.terms is None else self.terms.data_ptr(), self.kernel_qtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
-        if self.widens_tiles and x.shape[0] > Q8_0_INT8_MAX_ROWS:  # a prefill chunk: fp32 tiles, torch's GEMM
+        if self.widened_past_rows is not None and x.shape[0] > self.widened_past_rows:  # fp32 tiles, torch's GEMM
             y = tiled_linear(x, self.out_features, self._widened_rows)
             return y if self.bias is None else y.add_(self.bias)
         x = x.contiguous()
