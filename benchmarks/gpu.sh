@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# hearth on a GPU in one command: the GPU tests compiled for real (Triton kernels, the gpu backend
-# against transformers, CUDA graphs against the eager path), then every benchmark figure.
+# hearth on a GPU in one command: every gpu-backend test compiled for real (benchmarks/gpu_tests.sh: Triton
+# kernels, the gpu backend against transformers, CUDA graphs against the eager path), then every benchmark figure.
 #
 #   benchmarks/gpu.sh [OUT_DIR]        (default benchmarks/results/gpu)
 #
@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
-python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_quant_matmul.py \
-    tests/test_gpu_backend.py tests/test_decode_inputs.py tests/test_kv_fp8.py 2>&1 | tee "$out/tests.log"
+benchmarks/gpu_tests.sh -n 6 2>&1 | tee "$out/tests.log"
 python3 benchmarks/gpu_kernels.py --out "$out/kernels"
 python3 benchmarks/gpu.py --out "$out/engine"
 python3 benchmarks/gpu_trace.py --out "$out/trace"
