@@ -202,6 +202,11 @@ def _read_files(sources: list[Path]) -> set[Path]:
     return seen
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports `flag` (/proc/cpuinfo's name, e.g. avx512_vnni)."""
+    return flag in _cpu_flags().split()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
