@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from hearth.backend import choose_backend
-from hearth.backend.cpu_linear import WIDENED_PAST_ROWS, Int8Linear, cpu_linear
+from hearth.backend.cpu_linear import Int8Linear, cpu_linear
 from hearth.backend.stored import DequantLinear
 from hearth.loading.convert import convert_hf_to_gguf
 from hearth.loading.loader import load_model
@@ -64,17 +64,18 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
     w = gguf_dense(data, qtype, k)
     assert torch.equal(ext.dequantize_rows(data, int(qtype), k), w)
     layer = cpu_linear(QuantTensor(data, qtype, (n, k)))
-    assert isinstance(layer, Int8Linear) and layer.codes is None  # read in place, never repacked
-    # without VNNI, prefill chunks of the 32-value formats as fp32 tiles (IQ4_XS's int8 kernel is faster)
-    assert layer.widened_past_rows == (None if ext.vnni else WIDENED_PAST_ROWS.get(qtype))
+    assert isinstance(layer, Int8Linear) and layer.codes is None  # never in VNNI tiles
+    # IQ4_NL and MXFP4 on AVX2 builds: in groups of 8 rows (37 rows: the last group padded), the same weights
+    rows8 = qtype in kernels.ROWS8_QTYPES and "avx2" in ext.int8_paths
+    assert layer.kernel_qtype == (kernels.ROWS8 + int(qtype) if rows8 else int(qtype))
+    assert torch.equal(layer.dequantize(), w) and layer.widened_past_rows is None
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T
         bound = q8_tolerance(x, w, GGML_QUANT_SIZES[qtype][0])  # q8_K for IQ4_XS, q8_0 for the others
         for path in ext.int8_paths:
             assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, bound)
-        widened = layer.widened_past_rows is not None and m > layer.widened_past_rows
-        assert_within(layer(x), ref, fp32_tolerance(x, w) if widened else bound)
+        assert_within(layer(x), ref, bound)
 
 
 @pytest.mark.parametrize("qtype", GRID_QTYPES, ids=lambda q: q.name)

@@ -21,6 +21,10 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 Q = GGMLQuantizationType
 # the grid i-quants: the int8 kernels read them as nibble blocks of 4- or 3-bit codes (`grid_nibbles`)
 GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+# the 32-value codebook formats: on AVX2 builds repacked at load into groups of 8 rows (`rows8_repack`),
+# int8_matmul's type for them ROWS8 + the format's (formats.h)
+ROWS8_QTYPES = (Q.IQ4_NL, Q.MXFP4)
+ROWS8 = 1000
 
 
 class Kernels:
@@ -110,6 +114,24 @@ class Kernels:
         out = torch.empty(n, k // 256 * self.module.block_bytes(nibble_type), dtype=torch.uint8)
         self.module.grid_nibbles(w.data_ptr(), out.data_ptr(), n, k, w.shape[1], int(qtype), torch.get_num_threads())
         return out, nibble_type
+
+    def rows8_repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, int]:
+        """Blocks [n, bytes_per_row] of IQ4_NL or MXFP4 (ROWS8_QTYPES, AVX2 builds) -> (groups of 8 rows
+        uint8 [ceil(n / 8), rows8_bytes(k)], their type for `int8_matmul`): rows8.cpp's layout."""
+        self._check(torch.empty(0, k), w, qtype, n)
+        out = torch.empty(-(-n // 8), self.module.rows8_bytes(k), dtype=torch.uint8)
+        self.module.rows8_repack(w.data_ptr(), out.data_ptr(), n, k, int(qtype), torch.get_num_threads())
+        return out, ROWS8 + int(qtype)
+
+    def rows8_dequantize(self, groups: torch.Tensor, kernel_qtype: int, k: int) -> torch.Tensor:
+        """Groups of 8 rows (rows8_repack's) -> fp32 [8 x groups, k], rows past the weight's as zeros."""
+        if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous() \
+                or groups.shape[1] != self.module.rows8_bytes(k):
+            raise ValueError(f"groups: contiguous uint8 [groups, {self.module.rows8_bytes(k)}] expected")
+        out = torch.empty(8 * groups.shape[0], k, dtype=torch.float32)
+        self.module.rows8_dequantize(groups.data_ptr(), out.data_ptr(), groups.shape[0], k, kernel_qtype - ROWS8,
+                                     torch.get_num_threads())
+        return out
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks [n, bytes_per_row] of any block format but TQ2_0 -> the packed tiles `packed_matmul`
