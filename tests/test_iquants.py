@@ -69,6 +69,7 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
     rows8 = qtype in kernels.ROWS8_QTYPES and "avx2" in ext.int8_paths
     assert layer.kernel_qtype == (kernels.ROWS8 + int(qtype) if rows8 else int(qtype))
     assert torch.equal(layer.dequantize(), w) and layer.widened_past_rows is None
+    assert torch.equal(layer.gguf_blocks(), data)  # the file's bytes back, for activation sparsity
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T

@@ -208,7 +208,7 @@ def test_dequant_linear_module_shapes_bias_and_dtype(qtype):
     assert layer.qweight.data_ptr() == data.data_ptr()  # the blocks themselves, not a copy
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0], ids=lambda q: q.name)
 def test_int8_linear_module_bias_and_storage(ext, qtype):
     """The cpu backend's module: the same weight packed or not, with its bias, within the
     int8-activation bound; the blocks in place, or repacked into as many bytes."""
@@ -221,14 +221,19 @@ def test_int8_linear_module_bias_and_storage(ext, qtype):
     assert torch.equal(w, dense(data, qtype, 64))  # packed or not, the same weight
     x = torch.randn(6, 64, generator=g)
     assert_within(layer(x), F.linear(x, w, bias).double(), q8_tolerance(x, w))
-    # a prefill chunk's rows: 32-value blocks in place (no VNNI) widened to fp32 tiles, the activations unrounded
-    assert layer.widened_past_rows == (None if layer.codes is not None or ext.vnni else WIDENED_PAST_ROWS[qtype])
-    for rows in (WIDENED_PAST_ROWS[qtype], WIDENED_PAST_ROWS[qtype] + 1):
+    # a prefill chunk's rows: Q8_0 / Q5_0 blocks in place (no VNNI) widened to fp32 tiles, the activations unrounded
+    in_place = layer.codes is None and layer.kernel_qtype < kernels.ROWS8
+    assert layer.widened_past_rows == (WIDENED_PAST_ROWS.get(qtype) if in_place and not ext.vnni else None)
+    for rows in (95, 97):
         x = torch.randn(rows, 64, generator=g)
         widened = layer.widened_past_rows is not None and rows > layer.widened_past_rows
         assert_within(layer(x), F.linear(x, w, bias).double(), fp32_tolerance(x, w) if widened else q8_tolerance(x, w))
-    if layer.codes is None:
+    if in_place:
         assert layer.qweight.data_ptr() == data.data_ptr()  # the blocks themselves, not a copy
+    elif layer.codes is None:  # Q4_0 / Q4_1 on AVX2: groups of 8 rows (5 here), terms as fp32 (20 / 24 bytes a block)
+        assert layer.qweight.shape == (5, 2 * (160 if qtype == Q.Q4_0 else 192))
+    if layer.codes is None:  # the blocks for what reads them as stored (activation sparsity): the file's bytes
+        assert torch.equal(layer.gguf_blocks(), data)
     else:  # on a CPU with VNNI: repacked, the same number of bytes (one 32-row tile here + padding)
         assert layer.codes.numel() + layer.terms.numel() == data.numel() * 64 // 40
 
@@ -359,7 +364,8 @@ def test_gguf_model_stays_quantized_and_matches_the_dense_path(tiny_ggufs, monke
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == qtype
     assert all(p.dim() == 1 for p in model.parameters())  # norms only: no dense matrix
     packed = getattr(model.lm_head, "codes", None) is not None
-    if not packed:  # tied: one table (packed, the lm_head holds the only resident copy)
+    in_groups = getattr(model.lm_head, "kernel_qtype", 0) > kernels.ROWS8  # Q4_0 on AVX2: groups of 8 rows
+    if not packed and not in_groups:  # tied: one table (packed or in groups, the lm_head holds the only resident copy)
         assert model.lm_head.qweight.data_ptr() == model.embed_tokens.qweight.data_ptr()
     assert packed == (compiled and kernels.extension().vnni)  # packed where it pays
 

@@ -10,9 +10,9 @@ measurements behind each choice):
   IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M: rewritten once at load into nibble blocks, each signed grid
   value a 4-bit code (IQ3_*: 4.6 bits a weight) or, for the 6-value grids IQ2_* and IQ1_*, a 3-bit one
   (3.6 bits) (`grid_nibbles`: the same weights, read about as fast as Q4_K: 4x faster than loading the
-  grid entries per call); IQ4_NL and MXFP4 on AVX2 builds: repacked once into groups of 8 rows whose
-  4-bit indices one maddubs multiplies 4 of each row's values at a time (`rows8_repack`: 2-3.8x the
-  blocks in place)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  grid entries per call); the 4-bit 32-value formats Q4_0, Q4_1, IQ4_NL and MXFP4 on AVX2 builds
+  without VNNI tiles: repacked once into groups of 8 rows whose codes one maddubs multiplies 4 of each
+  row's values at a time (`rows8_repack`: 2-3.8x the blocks in place)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
@@ -58,10 +58,10 @@ PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTY
 # `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a
 # convert and a multiply-add per 32-value block and row, the signed codes (Q8_0, IQ4_NL, MXFP4) two `sign`s
 # more. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): Q8_0 3584 x 1024 at 32 rows 7.1 / 7.9, 128
-# rows 26 / 18, 512 rows 94 / 47; at 128 rows on 1536 x 576 and 3072 x 1024 Q4_0 / Q4_1 / Q5_0 / Q5_1 0.99-1.31x
-# faster widened, at 512 rows 1.05-1.58x; at 72 rows 0.86-1.06x (mixed). Activations are then not rounded to
-# int8. (IQ4_NL and MXFP4 in groups of 8 rows beat the fp32 tiles up to 512 rows: 1.3-2.3x.)
-WIDENED_PAST_ROWS = {Q.Q8_0: 64, **{q: 96 for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)}}
+# rows 26 / 18, 512 rows 94 / 47; at 128 rows on 1536 x 576 and 3072 x 1024 Q5_0 / Q5_1 1.00-1.23x faster
+# widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8. (Q4_0, Q4_1, IQ4_NL and MXFP4, in
+# groups of 8 rows on AVX2 builds, beat the fp32 tiles up to 512 rows: 1.3-3.2x.)
+WIDENED_PAST_ROWS = {Q.Q8_0: 64, Q.Q5_0: 96, Q.Q5_1: 96}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,
@@ -98,7 +98,8 @@ class Int8Linear(BoundWeights):
             nibbles, self.kernel_qtype = ext.grid_nibbles(data, self.qtype, self.out_features, self.in_features)
             release_pages([data])
             data = nibbles
-        elif self.qtype in kernels.ROWS8_QTYPES and "avx2" in ext.int8_paths:  # groups of 8 rows (rows8.cpp)
+        elif (self.qtype in kernels.ROWS8_QTYPES and "avx2" in ext.int8_paths
+              and not (self.qtype in PACKED_QTYPES and ext.vnni)):  # groups of 8 rows (rows8.cpp)
             groups, self.kernel_qtype = ext.rows8_repack(data, self.qtype, self.out_features, self.in_features)
             release_pages([data])
             data = groups
@@ -139,6 +140,15 @@ class Int8Linear(BoundWeights):
             rows = self._ext.rows8_dequantize(self.qweight[first : -(-end // 8)], self.kernel_qtype, self.in_features)
             return rows[start - 8 * first : end - 8 * first]
         return self._ext.dequantize_rows(self.qweight[start:end], self.kernel_qtype, self.in_features)
+
+    def gguf_blocks(self) -> torch.Tensor | None:
+        """The weight as GGUF blocks, uint8 [out_features, bytes_per_row] (those in place, or a copy rebuilt
+        from the groups of 8 rows), or None: packed tiles, a grid format's nibble blocks."""
+        if self.codes is not None or self.kernel_qtype not in (int(self.qtype), kernels.ROWS8 + int(self.qtype)):
+            return None
+        if self.kernel_qtype == int(self.qtype):
+            return self.qweight
+        return self._ext.rows8_blocks(self.qweight, self.kernel_qtype, self.out_features, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""

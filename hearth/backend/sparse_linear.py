@@ -112,14 +112,16 @@ class SparseBlocksLinear(SparseLinear):
 
     @classmethod
     def of(cls, module: nn.Module, threshold: float, kernels) -> SparseBlocksLinear | None:
-        """From an Int8Linear holding its blocks as stored (not packed tiles, AVX-512 VNNI builds, nor nibble blocks), re-laid
-        out if in SPARSE_BLOCK_QTYPES with N a multiple of 64, else kept; None for another module."""
-        if not isinstance(module, Int8Linear) or module.qweight is None or module.kernel_qtype != module.qtype:
+        """From an Int8Linear whose weight is GGUF blocks (as stored, or rebuilt from its groups of 8 rows; not
+        packed tiles, AVX-512 VNNI builds, nor nibble blocks), re-laid out if in SPARSE_BLOCK_QTYPES with N a
+        multiple of 64, else kept; None for another module."""
+        blocks = module.gguf_blocks() if isinstance(module, Int8Linear) else None
+        if blocks is None:
             return None  # packed tiles, or a grid format's nibble blocks
         shape = (module.out_features, module.in_features)
         skips = module.qtype in SPARSE_BLOCK_QTYPES and module.out_features % 64 == 0
-        layout = kernels.sparse_repack(module.qweight, module.qtype, *shape) if skips else module.qweight
-        return cls(layout, module.qweight, shape, module.bias, threshold, module.qtype, kernels)
+        layout = kernels.sparse_repack(blocks, module.qtype, *shape) if skips else blocks
+        return cls(layout, blocks, shape, module.bias, threshold, module.qtype, kernels)
 
     @property
     def skips_columns(self) -> bool:

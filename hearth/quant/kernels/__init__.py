@@ -21,9 +21,9 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 Q = GGMLQuantizationType
 # the grid i-quants: the int8 kernels read them as nibble blocks of 4- or 3-bit codes (`grid_nibbles`)
 GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
-# the 32-value codebook formats: on AVX2 builds repacked at load into groups of 8 rows (`rows8_repack`),
+# the 4-bit 32-value formats: on AVX2 builds repacked at load into groups of 8 rows (`rows8_repack`),
 # int8_matmul's type for them ROWS8 + the format's (formats.h)
-ROWS8_QTYPES = (Q.IQ4_NL, Q.MXFP4)
+ROWS8_QTYPES = (Q.IQ4_NL, Q.MXFP4, Q.Q4_0, Q.Q4_1)
 ROWS8 = 1000
 
 
@@ -116,21 +116,31 @@ class Kernels:
         return out, nibble_type
 
     def rows8_repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, int]:
-        """Blocks [n, bytes_per_row] of IQ4_NL or MXFP4 (ROWS8_QTYPES, AVX2 builds) -> (groups of 8 rows
-        uint8 [ceil(n / 8), rows8_bytes(k)], their type for `int8_matmul`): rows8.cpp's layout."""
+        """Blocks [n, bytes_per_row] of a ROWS8_QTYPES format (AVX2 builds) -> (groups of 8 rows uint8
+        [ceil(n / 8), rows8_bytes(qtype, k)], their type for `int8_matmul`): rows8.cpp's layout."""
         self._check(torch.empty(0, k), w, qtype, n)
-        out = torch.empty(-(-n // 8), self.module.rows8_bytes(k), dtype=torch.uint8)
+        out = torch.empty(-(-n // 8), self.module.rows8_bytes(int(qtype), k), dtype=torch.uint8)
         self.module.rows8_repack(w.data_ptr(), out.data_ptr(), n, k, int(qtype), torch.get_num_threads())
         return out, ROWS8 + int(qtype)
 
     def rows8_dequantize(self, groups: torch.Tensor, kernel_qtype: int, k: int) -> torch.Tensor:
         """Groups of 8 rows (rows8_repack's) -> fp32 [8 x groups, k], rows past the weight's as zeros."""
-        if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous() \
-                or groups.shape[1] != self.module.rows8_bytes(k):
-            raise ValueError(f"groups: contiguous uint8 [groups, {self.module.rows8_bytes(k)}] expected")
+        size = self.module.rows8_bytes(kernel_qtype - ROWS8, k)
+        if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous() or groups.shape[1] != size:
+            raise ValueError(f"groups: contiguous uint8 [groups, {size}] expected")
         out = torch.empty(8 * groups.shape[0], k, dtype=torch.float32)
         self.module.rows8_dequantize(groups.data_ptr(), out.data_ptr(), groups.shape[0], k, kernel_qtype - ROWS8,
                                      torch.get_num_threads())
+        return out
+
+    def rows8_blocks(self, groups: torch.Tensor, kernel_qtype: int, n: int, k: int) -> torch.Tensor:
+        """Groups of 8 rows (rows8_repack's, of a weight [n, k]) -> the GGUF blocks uint8 [n, bytes_per_row]
+        they were repacked from, byte for byte."""
+        qtype = kernel_qtype - ROWS8
+        if groups.dtype != torch.uint8 or not groups.is_contiguous() or groups.shape != (-(-n // 8), self.module.rows8_bytes(qtype, k)):
+            raise ValueError(f"groups: contiguous uint8 [{-(-n // 8)}, {self.module.rows8_bytes(qtype, k)}] expected")
+        out = torch.empty(n, k // 32 * self.module.block_bytes(qtype), dtype=torch.uint8)
+        self.module.rows8_blocks(groups.data_ptr(), out.data_ptr(), n, k, qtype, torch.get_num_threads())
         return out
 
     def repack(self, w: torch.Tensor, qtype: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

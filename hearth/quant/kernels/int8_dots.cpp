@@ -193,7 +193,7 @@ void int8_matmul_blocks(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int
 void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t M, int64_t N, int64_t K, int qtype,
                  int path, int threads) {
   if (terms) return packed_matmul(x, w, terms, y, M, N, K, qtype, path == PORTABLE, threads);
-  if (qtype == ROWS8_IQ4_NL || qtype == ROWS8_MXFP4) return rows8_matmul(x, w, y, M, N, K, qtype - ROWS8, threads);
+  if (qtype > ROWS8) return rows8_matmul(x, w, y, M, N, K, qtype - ROWS8, threads);
   if (qtype == F16 || qtype == BF16) return half_matmul(x, w, y, M, N, K, 2 * K, qtype, false, path == PORTABLE, threads);
   int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
 }
