@@ -10,7 +10,7 @@ measurements behind each choice):
   IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M: rewritten once at load into nibble blocks, each signed grid
   value a 4-bit code (IQ3_*: 4.6 bits a weight) or, for the 6-value grids IQ2_* and IQ1_*, a 3-bit one
   (3.6 bits) (`grid_nibbles`: the same weights, read about as fast as Q4_K: 4x faster than loading the
-  grid entries per call); the 4-bit 32-value formats Q4_0, Q4_1, IQ4_NL and MXFP4 on AVX2 builds
+  grid entries per call); the 32-value formats Q8_0, Q4_0, Q4_1, IQ4_NL and MXFP4 on AVX2 builds
   without VNNI tiles: repacked once into groups of 8 rows whose codes one maddubs multiplies 4 of each
   row's values at a time (`rows8_repack`: 2-3.8x the blocks in place)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
@@ -57,11 +57,11 @@ PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTY
 # VNNI), by format: past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
 # `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a
 # convert and a multiply-add per 32-value block and row, the signed codes (Q8_0, IQ4_NL, MXFP4) two `sign`s
-# more. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): Q8_0 3584 x 1024 at 32 rows 7.1 / 7.9, 128
-# rows 26 / 18, 512 rows 94 / 47; at 128 rows on 1536 x 576 and 3072 x 1024 Q5_0 / Q5_1 1.00-1.23x faster
-# widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8. (Q4_0, Q4_1, IQ4_NL and MXFP4, in
-# groups of 8 rows on AVX2 builds, beat the fp32 tiles up to 512 rows: 1.3-3.2x.)
-WIDENED_PAST_ROWS = {Q.Q8_0: 64, Q.Q5_0: 96, Q.Q5_1: 96}
+# more. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024
+# Q5_0 / Q5_1 1.00-1.23x faster widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8.
+# (Q8_0, Q4_0, Q4_1, IQ4_NL and MXFP4, in groups of 8 rows on AVX2 builds, beat the fp32 tiles up to 512 rows:
+# 1.3-5x.)
+WIDENED_PAST_ROWS = {Q.Q5_0: 96, Q.Q5_1: 96}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size (measured,

@@ -1,4 +1,4 @@
-// The 4-bit 32-value formats (IQ4_NL, MXFP4, Q4_0, Q4_1) repacked once at load into groups of 8
+// The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1 and Q8_0 repacked once at load into groups of 8
 // weight rows (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
 // in one vector, converted, scaled by its own d and added (and a horizontal sum per row at the end).
 // In groups, each 32-bit lane of a vector holds 4 indices of one of the 8 rows, so that one maddubs
@@ -11,19 +11,23 @@
 //   Q4_1 only: m float32[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, computed);
 //   codes uint8[4][32]: chunk k, byte 4r + t: row r's code (IQ4_NL, MXFP4: its index into the
 //   format's 16 values; Q4_0, Q4_1: its unsigned value) of value 8k + t in its low nibble, of value
-//   8k + 4 + t in its high one.
+//   8k + 4 + t in its high one; Q8_0: int8 [8][32], chunk k, byte 4r + t: row r's code of value 4k + t.
 #include "avx2_blocks.h"
 
 namespace hearth {
 
 namespace {
 
-bool rows8_format(int qtype) { return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1; }
+bool rows8_format(int qtype) { return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
+// the scales (Q4_1: and minimums) as fp32 per row, then the codes: 4 bits (Q8_0: 8) for 8 rows x 32 values
 int64_t rows8_group_bytes(int qtype) {
-  if (!rows8_format(qtype)) throw std::invalid_argument("rows of 8: IQ4_NL, MXFP4, Q4_0 or Q4_1, got type " + std::to_string(qtype));
-  return qtype == Q4_1 ? 64 + 128 : 32 + 128;
+  if (!rows8_format(qtype)) throw std::invalid_argument("rows of 8: IQ4_NL, MXFP4, Q4_0, Q4_1 or Q8_0, got type " + std::to_string(qtype));
+  return qtype == Q8_0 ? 32 + 256 : qtype == Q4_1 ? 64 + 128 : 32 + 128;
 }
+
+// bytes of a group's terms before its codes: the scales, and Q4_1's minimums
+inline int64_t rows8_terms(int qtype) { return qtype == Q4_1 ? 64 : 32; }
 
 // the 16 values an index stands for (IQ4_NL, MXFP4), or nullptr: the code is the value (Q4_0, Q4_1)
 const int8_t* rows8_table(int qtype) { return qtype == IQ4_NL ? IQ4_NL_VALUES : qtype == MXFP4 ? MXFP4_VALUES : nullptr; }
@@ -32,8 +36,16 @@ const int8_t* rows8_table(int qtype) { return qtype == IQ4_NL ? IQ4_NL_VALUES : 
 inline float block_scale(const uint8_t* b, int qtype) { return qtype == MXFP4 ? e8m0_half(b[0]) : h2f(b); }
 inline float block_min(const uint8_t* b) { return h2f(b + 2); }
 inline int block_index(const uint8_t* b, int qtype, int v) {
+  if (qtype == Q8_0) return b[2 + v];  // the int8 code's byte
   const uint8_t* qs = b + (qtype == MXFP4 ? 1 : qtype == Q4_1 ? 4 : 2);
   return v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4;
+}
+// where value v's code sits in a group's codes (terms excluded), for row i: Q8_0's byte, or the 4-bit
+// formats' byte and whether in its high nibble
+inline int code_byte(int qtype, int i, int v) { return qtype == Q8_0 ? 32 * (v / 4) + 4 * i + v % 4 : 32 * (v / 8) + 4 * i + v % 4; }
+inline int group_code(const uint8_t* codes, int qtype, int i, int v) {
+  const uint8_t byte = codes[code_byte(qtype, i, v)];
+  return qtype == Q8_0 ? byte : v % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
 
 // an fp32 that an fp16 holds exactly (a scale rows8_repack widened) back to its fp16 bits
@@ -72,22 +84,32 @@ inline __m256i step_dot(__m256i w, __m256i abs_w, int32_t x) {
 template <int QT, int MR>
 void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
                float out[][8]) {
-  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4, MIN = QT == Q4_1;
-  constexpr int64_t TERMS = MIN ? 64 : 32, BYTES = TERMS + 128;
+  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0, MIN = QT == Q4_1;
+  constexpr int64_t TERMS = MIN ? 64 : 32, BYTES = TERMS + (QT == Q8_0 ? 256 : 128);  // (rows8_group_bytes)
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i table = SIGNED ? _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)rows8_table(QT)))
+  const __m256i table = rows8_table(QT) ? _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)rows8_table(QT)))
                                : _mm256_setzero_si256();
   __m256 acc[MR];
   for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* p = group + b * BYTES;
-    if constexpr (MR == 1) _mm_prefetch((const char*)(p + INT8_PREFETCH), _MM_HINT_T0);
+    if constexpr (MR == 1)  // decode: the groups stream from DRAM, so ask for each line ahead
+      for (int64_t line = 0; line < BYTES; line += 64) _mm_prefetch((const char*)(p + INT8_PREFETCH + line), _MM_HINT_T0);
     __m256i sum[MR];
     for (int r = 0; r < MR; r++) sum[r] = _mm256_setzero_si256();
-    for (int k = 0; k < 4; k++) {
+    if constexpr (QT == Q8_0) {  // 4 int8 codes of each row per step, 8 steps
+      for (int k = 0; k < 8; k++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(p + TERMS + 32 * k)), abs_w = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < MR; r++) {
+          int32_t x;
+          std::memcpy(&x, a.q.data() + (m0 + r) * K + b * 32 + 4 * k, 4);
+          sum[r] = _mm256_add_epi32(sum[r], step_dot<true>(w, abs_w, x));
+        }
+      }
+    } else for (int k = 0; k < 4; k++) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + TERMS + 32 * k));
       __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      if constexpr (SIGNED) wl = _mm256_shuffle_epi8(table, wl), wh = _mm256_shuffle_epi8(table, wh);
+      if constexpr (SIGNED) wl = _mm256_shuffle_epi8(table, wl), wh = _mm256_shuffle_epi8(table, wh);  // (the tables')
       const __m256i al = SIGNED ? _mm256_sign_epi8(wl, wl) : wl, ah = SIGNED ? _mm256_sign_epi8(wh, wh) : wh;
       for (int r = 0; r < MR; r++) {
         const int8_t* xb = a.q.data() + (m0 + r) * K + b * 32 + 8 * k;
@@ -137,7 +159,7 @@ int64_t rows8_bytes(int qtype, int64_t K) { return K / 32 * rows8_group_bytes(qt
 
 // GGUF blocks uint8 [N, K / 32 * block bytes] -> groups uint8 [ceil(N / 8), rows8_bytes(K)]
 void rows8_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype, int threads) {
-  const int64_t bytes = rows8_group_bytes(qtype), terms = bytes - 128;
+  const int64_t bytes = rows8_group_bytes(qtype), terms = rows8_terms(qtype);
   const uint8_t* w = (const uint8_t*)w_;
   uint8_t* out = (uint8_t*)out_;
   const int64_t nb = K / 32, row_bytes = nb * block_bytes(qtype);
@@ -151,10 +173,8 @@ void rows8_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
           const float d = block_scale(blk, qtype), m = qtype == Q4_1 ? block_min(blk) : 0.f;
           std::memcpy(p + 4 * i, &d, 4);
           if (qtype == Q4_1) std::memcpy(p + 32 + 4 * i, &m, 4);
-          for (int k = 0; k < 4; k++)
-            for (int t = 0; t < 4; t++)
-              p[terms + 32 * k + 4 * i + t] = uint8_t(block_index(blk, qtype, 8 * k + t) |
-                                                      (block_index(blk, qtype, 8 * k + 4 + t) << 4));
+          for (int v = 0; v < 32; v++)  // Q8_0: its byte; else a nibble (or'ed into a zeroed byte)
+            p[terms + code_byte(qtype, i, v)] |= uint8_t(block_index(blk, qtype, v) << (qtype != Q8_0 && v % 8 >= 4 ? 4 : 0));
         }
       }
   });
@@ -163,7 +183,7 @@ void rows8_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
 // groups -> the GGUF blocks they were repacked from, uint8 [N, K / 32 * block bytes], byte for byte (for
 // what reads blocks as stored: activation sparsity's column layout)
 void rows8_blocks(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype, int threads) {
-  const int64_t bytes = rows8_group_bytes(qtype), terms = bytes - 128, nb = K / 32, bb = block_bytes(qtype);
+  const int64_t bytes = rows8_group_bytes(qtype), terms = rows8_terms(qtype), nb = K / 32, bb = block_bytes(qtype);
   const uint8_t* w = (const uint8_t*)w_;
   uint8_t* out = (uint8_t*)out_;
   parallel_ranges(N, threads, 8, [&](int64_t n0, int64_t n1) {
@@ -183,18 +203,18 @@ void rows8_blocks(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
           std::memcpy(blk, &hd, 2);
           if (qtype == Q4_1) std::memcpy(blk + 2, &hm, 2), qs = blk + 4;
         }
-        auto code = [&](int v) {
-          const uint8_t byte = p[terms + 32 * (v / 8) + 4 * i + v % 4];
-          return v % 8 < 4 ? byte & 0x0F : byte >> 4;
-        };
-        for (int v = 0; v < 16; v++) qs[v] = uint8_t(code(v) | (code(v + 16) << 4));
+        if (qtype == Q8_0)
+          for (int v = 0; v < 32; v++) qs[v] = uint8_t(group_code(p + terms, qtype, i, v));
+        else
+          for (int v = 0; v < 16; v++)
+            qs[v] = uint8_t(group_code(p + terms, qtype, i, v) | (group_code(p + terms, qtype, i, v + 16) << 4));
       }
   });
 }
 
 // groups -> fp32 [8 x groups, K] (rows past N: zeros), bit-exact as dequantize_rows of the blocks
 void rows8_dequantize(uintptr_t w_, uintptr_t out_, int64_t groups, int64_t K, int qtype, int threads) {
-  const int64_t bytes = rows8_group_bytes(qtype), terms = bytes - 128;
+  const int64_t bytes = rows8_group_bytes(qtype), terms = rows8_terms(qtype);
   const int8_t* table = rows8_table(qtype);
   const uint8_t* w = (const uint8_t*)w_;
   float* out = (float*)out_;
@@ -208,11 +228,10 @@ void rows8_dequantize(uintptr_t w_, uintptr_t out_, int64_t groups, int64_t K, i
           std::memcpy(&d, p + 4 * i, 4);
           if (qtype == Q4_1) std::memcpy(&m, p + 32 + 4 * i, 4);
           for (int v = 0; v < 32; v++) {
-            const uint8_t byte = p[terms + 32 * (v / 8) + 4 * i + v % 4];
-            const int code = v % 8 < 4 ? byte & 0x0F : byte >> 4;
-            // as dequantize_rows: Q4_0 d (q - 8), Q4_1 d q + m, the tables' d value
-            out[(8 * g + i) * K + 32 * b + v] = table ? d * float(table[code])
-                                              : qtype == Q4_0 ? d * float(code - 8) : d * float(code) + m;
+            const int code = group_code(p + terms, qtype, i, v);
+            // as dequantize_rows: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q, the tables' d value
+            out[(8 * g + i) * K + 32 * b + v] = table ? d * float(table[code]) : qtype == Q4_0 ? d * float(code - 8)
+                                              : qtype == Q8_0 ? d * float(int8_t(code)) : d * float(code) + m;
           }
         }
       }
@@ -232,6 +251,7 @@ void rows8_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N
       case IQ4_NL: return rows8_groups<IQ4_NL>(w, g0, g1, a, y, M, N, K);
       case MXFP4: return rows8_groups<MXFP4>(w, g0, g1, a, y, M, N, K);
       case Q4_0: return rows8_groups<Q4_0>(w, g0, g1, a, y, M, N, K);
+      case Q8_0: return rows8_groups<Q8_0>(w, g0, g1, a, y, M, N, K);
       default: return rows8_groups<Q4_1>(w, g0, g1, a, y, M, N, K);
     }
   });
