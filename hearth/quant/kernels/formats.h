@@ -474,6 +474,7 @@ inline void decode(const uint8_t* b, float* w) {
 int64_t block_values(int qtype) {
   int64_t bs = 0;
   if (qtype == F16 || qtype == BF16) return 1;
+  if (qtype > ROWS8) return 32;  // groups of 8 rows of a 32-value format (rows8.cpp)
   HEARTH_DISPATCH(qtype, bs = Fmt<QT>::BS);
   return bs;
 }

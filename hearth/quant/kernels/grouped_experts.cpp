@@ -15,22 +15,27 @@ namespace {
 // rows of K values, against the piece's weight rows).
 constexpr int64_t GROUPED_READ_COST = 2;  // reading a tile, in rows' worth of its dot products
 
-// Where rows [n0, ...) of a weight start: GGUF rows in place, or (terms non-zero) packed 32-row
-// tiles' codes and terms (repack's layout), n0 a multiple of NR.
+// Where rows [n0, ...) of a weight start: GGUF rows in place, groups of 8 rows (the ROWS8 types,
+// rows8.cpp), or (terms non-zero) packed 32-row tiles' codes and terms (repack's layout), n0 a
+// multiple of NR.
 struct WeightRows {
   uintptr_t w, terms;
   int qtype;
-  int64_t row_bytes, term_bytes;  // in place: bytes per row; packed: code and term bytes per tile
+  int64_t row_bytes, term_bytes;  // in place: bytes per row; groups: per group; packed: code and term bytes per tile
 
   WeightRows(const int64_t* expert, int64_t K) : w((uintptr_t)expert[0]), terms((uintptr_t)expert[1]), qtype((int)expert[2]) {
+    term_bytes = 0;
     if (terms) {
       std::tie(row_bytes, term_bytes) = packed_bytes(qtype, K);
+    } else if (qtype > ROWS8) {
+      row_bytes = rows8_bytes(qtype - ROWS8, K);
     } else {
-      term_bytes = 0;
       HEARTH_DISPATCH(qtype, row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES);
     }
   }
-  uintptr_t weight_at(int64_t n0) const { return terms ? w + n0 / NR * row_bytes : w + n0 * row_bytes; }
+  uintptr_t weight_at(int64_t n0) const {
+    return terms ? w + n0 / NR * row_bytes : qtype > ROWS8 ? w + n0 / 8 * row_bytes : w + n0 * row_bytes;
+  }
   uintptr_t terms_at(int64_t n0) const { return terms ? terms + n0 / NR * term_bytes : 0; }
 };
 
