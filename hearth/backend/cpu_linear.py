@@ -19,8 +19,8 @@ measurements behind each choice):
   repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
   stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding
   per call at any batch size; the file's pages are then released from this process (they stay in
-  the page cache). Without VNNI, the 32-value block formats past WIDENED_PAST_ROWS rows (prefill chunks)
-  take tiles of the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
+  the page cache). Without VNNI, Q5_0 / Q5_1 past WIDENED_PAST_ROWS rows (prefill chunks) take tiles of
+  the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
@@ -53,11 +53,10 @@ INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q
                *CODEBOOK_QTYPES)
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
 PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
-# Most activation rows that `int8_matmul` takes against 32-value blocks read in place (builds without AVX-512
-# VNNI), by format: past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
-# `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a
-# convert and a multiply-add per 32-value block and row, the signed codes (Q8_0, IQ4_NL, MXFP4) two `sign`s
-# more. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024
+# Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds without AVX-512
+# VNNI): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels' `dequantize_rows` and
+# torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a convert and a
+# multiply-add per 32-value block and row. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024
 # Q5_0 / Q5_1 1.00-1.23x faster widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8.
 # (Q8_0, Q4_0, Q4_1, IQ4_NL and MXFP4, in groups of 8 rows on AVX2 builds, beat the fp32 tiles up to 512 rows:
 # 1.3-5x.)
@@ -135,10 +134,6 @@ class Int8Linear(BoundWeights):
 
     def _widened_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows start..end - 1 of the weight (blocks in place) as float32, the kernels' own decoding."""
-        if self.kernel_qtype > kernels.ROWS8:  # groups of 8 rows: those holding start..end - 1
-            first = start // 8
-            rows = self._ext.rows8_dequantize(self.qweight[first : -(-end // 8)], self.kernel_qtype, self.in_features)
-            return rows[start - 8 * first : end - 8 * first]
         return self._ext.dequantize_rows(self.qweight[start:end], self.kernel_qtype, self.in_features)
 
     def gguf_blocks(self) -> torch.Tensor | None:
@@ -152,8 +147,8 @@ class Int8Linear(BoundWeights):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""
-        if self.kernel_qtype > kernels.ROWS8:
-            return self._widened_rows(0, self.out_features).to(dtype)
+        if self.kernel_qtype > kernels.ROWS8:  # groups of 8 rows: the blocks rebuilt, the kernels' own decoding
+            return self._ext.dequantize_rows(self.gguf_blocks(), self.qtype, self.in_features).to(dtype)
         if self.kernel_qtype != self.qtype:  # nibble blocks: the kernels' own decoding (bit-exact)
             return self._ext.dequantize_rows(self.qweight, self.kernel_qtype, self.in_features).to(dtype)
         if self.codes is None:

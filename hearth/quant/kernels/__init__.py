@@ -123,16 +123,6 @@ class Kernels:
         self.module.rows8_repack(w.data_ptr(), out.data_ptr(), n, k, int(qtype), torch.get_num_threads())
         return out, ROWS8 + int(qtype)
 
-    def rows8_dequantize(self, groups: torch.Tensor, kernel_qtype: int, k: int) -> torch.Tensor:
-        """Groups of 8 rows (rows8_repack's) -> fp32 [8 x groups, k], rows past the weight's as zeros."""
-        size = self.module.rows8_bytes(kernel_qtype - ROWS8, k)
-        if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous() or groups.shape[1] != size:
-            raise ValueError(f"groups: contiguous uint8 [groups, {size}] expected")
-        out = torch.empty(8 * groups.shape[0], k, dtype=torch.float32)
-        self.module.rows8_dequantize(groups.data_ptr(), out.data_ptr(), groups.shape[0], k, kernel_qtype - ROWS8,
-                                     torch.get_num_threads())
-        return out
-
     def rows8_blocks(self, groups: torch.Tensor, kernel_qtype: int, n: int, k: int) -> torch.Tensor:
         """Groups of 8 rows (rows8_repack's, of a weight [n, k]) -> the GGUF blocks uint8 [n, bytes_per_row]
         they were repacked from, byte for byte."""

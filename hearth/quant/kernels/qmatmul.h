@@ -15,7 +15,7 @@
 //   sparse_matmul: activation sparsity's matmul: activations under a threshold count as zero and
 //                  the weight, kept transposed (F32 / F16 / BF16) or its block format's codes
 //                  re-laid out column by column (`sparse_repack`), is read only at the kept columns.
-//   rows8_matmul:  IQ4_NL, MXFP4, Q4_0, Q4_1 on AVX2 builds, repacked once at load into groups of 8 rows
+//   rows8_matmul:  Q8_0, Q4_0, Q4_1, IQ4_NL, MXFP4 on AVX2 builds, repacked once at load into groups of 8 rows
 //                  (`rows8_repack`): one maddubs multiplies 4 values of each of the 8 rows.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
 //
@@ -123,7 +123,6 @@ void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t
                  int path, int threads);
 int64_t rows8_bytes(int qtype, int64_t K);
 void rows8_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype, int threads);
-void rows8_dequantize(uintptr_t w_, uintptr_t out_, int64_t groups, int64_t K, int qtype, int threads);
 void rows8_blocks(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype, int threads);
 void rows8_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype, int threads);
 #ifdef HEARTH_VNNI

@@ -29,7 +29,7 @@ int64_t rows8_group_bytes(int qtype) {
 // bytes of a group's terms before its codes: the scales, and Q4_1's minimums
 inline int64_t rows8_terms(int qtype) { return qtype == Q4_1 ? 64 : 32; }
 
-// the 16 values an index stands for (IQ4_NL, MXFP4), or nullptr: the code is the value (Q4_0, Q4_1)
+// the 16 values an index stands for (IQ4_NL, MXFP4), or nullptr: the code is the value (Q4_0, Q4_1, Q8_0)
 const int8_t* rows8_table(int qtype) { return qtype == IQ4_NL ? IQ4_NL_VALUES : qtype == MXFP4 ? MXFP4_VALUES : nullptr; }
 
 // a GGUF block's scale, minimum (Q4_1) or offset, and 4-bit code of value v (codes as Q4_0's nibbles)
@@ -40,8 +40,8 @@ inline int block_index(const uint8_t* b, int qtype, int v) {
   const uint8_t* qs = b + (qtype == MXFP4 ? 1 : qtype == Q4_1 ? 4 : 2);
   return v < 16 ? qs[v] & 0x0F : qs[v - 16] >> 4;
 }
-// where value v's code sits in a group's codes (terms excluded), for row i: Q8_0's byte, or the 4-bit
-// formats' byte and whether in its high nibble
+// where value v's code sits in a group's codes (terms excluded), for row i: Q8_0's byte, or the byte
+// of a 4-bit code (in its high nibble for v % 8 >= 4)
 inline int code_byte(int qtype, int i, int v) { return qtype == Q8_0 ? 32 * (v / 4) + 4 * i + v % 4 : 32 * (v / 8) + 4 * i + v % 4; }
 inline int group_code(const uint8_t* codes, int qtype, int i, int v) {
   const uint8_t byte = codes[code_byte(qtype, i, v)];
@@ -208,32 +208,6 @@ void rows8_blocks(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
         else
           for (int v = 0; v < 16; v++)
             qs[v] = uint8_t(group_code(p + terms, qtype, i, v) | (group_code(p + terms, qtype, i, v + 16) << 4));
-      }
-  });
-}
-
-// groups -> fp32 [8 x groups, K] (rows past N: zeros), bit-exact as dequantize_rows of the blocks
-void rows8_dequantize(uintptr_t w_, uintptr_t out_, int64_t groups, int64_t K, int qtype, int threads) {
-  const int64_t bytes = rows8_group_bytes(qtype), terms = rows8_terms(qtype);
-  const int8_t* table = rows8_table(qtype);
-  const uint8_t* w = (const uint8_t*)w_;
-  float* out = (float*)out_;
-  const int64_t nb = K / 32;
-  parallel_ranges(groups, threads, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g++)
-      for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* p = w + (g * nb + b) * bytes;
-        for (int i = 0; i < 8; i++) {
-          float d, m = 0.f;
-          std::memcpy(&d, p + 4 * i, 4);
-          if (qtype == Q4_1) std::memcpy(&m, p + 32 + 4 * i, 4);
-          for (int v = 0; v < 32; v++) {
-            const int code = group_code(p + terms, qtype, i, v);
-            // as dequantize_rows: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q, the tables' d value
-            out[(8 * g + i) * K + 32 * b + v] = table ? d * float(table[code]) : qtype == Q4_0 ? d * float(code - 8)
-                                              : qtype == Q8_0 ? d * float(int8_t(code)) : d * float(code) + m;
-          }
-        }
       }
   });
 }
