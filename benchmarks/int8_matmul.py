@@ -8,6 +8,10 @@ jobs still gives each call's own cost), GB/s of the weight's bytes and GOP/s. Th
     python benchmarks/int8_matmul.py --rows 1,4,16,64,512
     python benchmarks/int8_matmul.py --paths avx512-vnni,avx2 --types Q4_K,Q6_K
     python benchmarks/int8_matmul.py --rows 1 --repeats 40 --types Q4_K,IQ4_XS,IQ3_S,IQ3_XXS,IQ2_S,IQ2_XS,IQ2_XXS,IQ1_M,IQ1_S
+    python benchmarks/int8_matmul.py --paths avx2,module --types Q8_0,Q4_0,Q4_1,IQ4_NL,MXFP4 --rows 1,4,32
+
+The path `module` times the cpu backend's own module for the weight (Int8Linear: where it repacks the blocks,
+e.g. into groups of 8 rows, those), beside int8_matmul's paths on the blocks as stored.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64,512", help="activation rows M")
     ap.add_argument("--shape", default="5632,2048", help="N,K of the weight")
     ap.add_argument("--paths", default=None,
-                    help="the kernel's code paths to time, comma-separated (default: the fastest; see int8_paths)")
+                    help="the kernel's code paths to time, comma-separated (default: the fastest; see int8_paths), "
+                         "or module: the cpu backend's module")
     ap.add_argument("--repeats", type=int, default=9, help="calls per cell (median)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
@@ -37,7 +42,8 @@ def main() -> None:
     from test_iquants import random_iquant
     from test_quant_linear import random_weight
 
-    from hearth.quant import kernels
+    from hearth.backend.cpu_linear import cpu_linear
+    from hearth.quant import QuantTensor, kernels
 
     torch.set_num_threads(1)
     ext = kernels.extension()
@@ -51,22 +57,26 @@ def main() -> None:
     for name in args.types.split(","):
         qtype = kernel_qtype = GGMLQuantizationType[name]
         grid = qtype in kernels.GRID_FORMATS
-        weight = (random_iquant if grid or qtype.name.startswith("IQ4") else random_weight)(qtype, n, k, g)
+        weight = (random_iquant if grid or qtype.name.startswith(("IQ4", "MX")) else random_weight)(qtype, n, k, g)
         file_bytes = f"{weight.numel() / 1e6:.2f} MB"
+        module = cpu_linear(QuantTensor(weight.clone(), qtype, (n, k))) if "module" in paths else None
         if grid:
             weight, kernel_qtype = ext.grid_nibbles(weight, qtype, n, k)
         for path in paths:
-            row = [name, path, file_bytes, f"{weight.numel() / 1e6:.2f} MB"]
+            held = sum(b.numel() for b in module.buffers()) if path == "module" else weight.numel()
+            row = [name, path, file_bytes, f"{held / 1e6:.2f} MB"]
             for m in rows:
                 x = torch.randn(m, k, generator=g)
-                ext.int8_matmul(x, weight, int(kernel_qtype), n, path)
+                call = (lambda x=x: module(x)) if path == "module" else \
+                    (lambda x=x, path=path: ext.int8_matmul(x, weight, int(kernel_qtype), n, path))
+                call()
                 times = []
                 for _ in range(args.repeats):
                     start = time.process_time()
-                    ext.int8_matmul(x, weight, int(kernel_qtype), n, path)
+                    call()
                     times.append(time.process_time() - start)
                 t = sorted(times)[len(times) // 2]
-                row.append(f"{t * 1e3:.2f} ms, {weight.numel() / t / 1e9:.1f} GB/s, {2 * m * n * k / t / 1e9:.0f} GOP/s")
+                row.append(f"{t * 1e3:.2f} ms, {held / t / 1e9:.1f} GB/s, {2 * m * n * k / t / 1e9:.0f} GOP/s")
                 data.append({"type": name, "path": path, "rows": m, "cpu_seconds": t})
             cells.append(row)
     command = "python " + " ".join(sys.argv)
