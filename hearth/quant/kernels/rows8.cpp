@@ -7,8 +7,9 @@
 // repacking of IQ4_NL does the same for its AVX2 GEMV).
 //
 // Layout, per group g of rows 8g..8g+7 (rows past N: zeros) and block b, rows8_group_bytes(qtype) bytes:
-//   d float32[8], the rows' scales (MXFP4's e8m0 halved: the table holds the e2m1 values doubled);
-//   Q4_1 only: m float32[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, computed);
+//   d float16[8], the rows' scales as the blocks hold them (MXFP4: float32[8], its e8m0 halved, which
+//   float16 cannot hold: the table holds the e2m1 values doubled);
+//   Q4_1 only: m float16[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, computed);
 //   codes uint8[4][32]: chunk k, byte 4r + t: row r's code (IQ4_NL, MXFP4: its index into the
 //   format's 16 values; Q4_0, Q4_1: its unsigned value) of value 8k + t in its low nibble, of value
 //   8k + 4 + t in its high one; Q8_0: int8 [8][32], chunk k, byte 4r + t: row r's code of value 4k + t.
@@ -20,21 +21,20 @@ namespace {
 
 bool rows8_format(int qtype) { return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
-// the scales (Q4_1: and minimums) as fp32 per row, then the codes: 4 bits (Q8_0: 8) for 8 rows x 32 values
+// bytes of a group's terms before its codes: the scales (float16, MXFP4's float32), and Q4_1's minimums;
+// but for MXFP4 as many bytes a row as its GGUF blocks hold
+constexpr int64_t rows8_terms(int qtype) { return qtype == Q4_1 || qtype == MXFP4 ? 32 : 16; }
+
+// the terms, then the codes: 4 bits (Q8_0: 8) for 8 rows x 32 values
 int64_t rows8_group_bytes(int qtype) {
   if (!rows8_format(qtype)) throw std::invalid_argument("rows of 8: IQ4_NL, MXFP4, Q4_0, Q4_1 or Q8_0, got type " + std::to_string(qtype));
-  return qtype == Q8_0 ? 32 + 256 : qtype == Q4_1 ? 64 + 128 : 32 + 128;
+  return rows8_terms(qtype) + (qtype == Q8_0 ? 256 : 128);
 }
-
-// bytes of a group's terms before its codes: the scales, and Q4_1's minimums
-inline int64_t rows8_terms(int qtype) { return qtype == Q4_1 ? 64 : 32; }
 
 // the 16 values an index stands for (IQ4_NL, MXFP4), or nullptr: the code is the value (Q4_0, Q4_1, Q8_0)
 const int8_t* rows8_table(int qtype) { return qtype == IQ4_NL ? IQ4_NL_VALUES : qtype == MXFP4 ? MXFP4_VALUES : nullptr; }
 
-// a GGUF block's scale, minimum (Q4_1) or offset, and 4-bit code of value v (codes as Q4_0's nibbles)
-inline float block_scale(const uint8_t* b, int qtype) { return qtype == MXFP4 ? e8m0_half(b[0]) : h2f(b); }
-inline float block_min(const uint8_t* b) { return h2f(b + 2); }
+// a GGUF block's 4-bit code of value v (codes as Q4_0's nibbles)
 inline int block_index(const uint8_t* b, int qtype, int v) {
   if (qtype == Q8_0) return b[2 + v];  // the int8 code's byte
   const uint8_t* qs = b + (qtype == MXFP4 ? 1 : qtype == Q4_1 ? 4 : 2);
@@ -46,19 +46,6 @@ inline int code_byte(int qtype, int i, int v) { return qtype == Q8_0 ? 32 * (v /
 inline int group_code(const uint8_t* codes, int qtype, int i, int v) {
   const uint8_t byte = codes[code_byte(qtype, i, v)];
   return qtype == Q8_0 ? byte : v % 8 < 4 ? byte & 0x0F : byte >> 4;
-}
-
-// an fp32 that an fp16 holds exactly (a scale rows8_repack widened) back to its fp16 bits
-inline uint16_t exact_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
-  const int e = int((x >> 23) & 0xFF) - 127;
-  const uint32_t mant = x & 0x7FFFFF;
-  if ((x & 0x7FFFFFFF) == 0) return sign;
-  if (e == 128) return uint16_t(sign | 0x7C00 | (mant >> 13));  // inf, nan
-  if (e >= -14) return uint16_t(sign | ((e + 15) << 10) | (mant >> 13));
-  return uint16_t(sign | ((mant | 0x800000) >> (-e - 1)));  // subnormal: (1.mant) 2^e = m 2^-24
 }
 
 // MXFP4's e8m0 exponent back from e8m0_half(e)
@@ -85,7 +72,7 @@ template <int QT, int MR>
 void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
                float out[][8]) {
   constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0, MIN = QT == Q4_1;
-  constexpr int64_t TERMS = MIN ? 64 : 32, BYTES = TERMS + (QT == Q8_0 ? 256 : 128);  // (rows8_group_bytes)
+  constexpr int64_t TERMS = rows8_terms(QT), BYTES = TERMS + (QT == Q8_0 ? 256 : 128);  // (rows8_group_bytes)
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i table = rows8_table(QT) ? _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)rows8_table(QT)))
                                : _mm256_setzero_si256();
@@ -119,9 +106,9 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
         sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(step_dot<SIGNED>(wl, al, xl), step_dot<SIGNED>(wh, ah, xh)));
       }
     }
-    const __m256 d = _mm256_loadu_ps((const float*)p);
+    const __m256 d = QT == MXFP4 ? _mm256_loadu_ps((const float*)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
     // the offset per row: Q4_1's minimum m, Q4_0's -8 d (w = d q + offset), times the block's d_x sum(x_q)
-    const __m256 offset = MIN ? _mm256_loadu_ps((const float*)(p + 32)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    const __m256 offset = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     for (int r = 0; r < MR; r++) {
       const int64_t at = (m0 + r) * nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[r]);
@@ -170,9 +157,13 @@ void rows8_repack(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
         std::memset(p, 0, bytes);
         for (int i = 0; i < 8 && 8 * g + i < N; i++) {
           const uint8_t* blk = w + (8 * g + i) * row_bytes + b * block_bytes(qtype);
-          const float d = block_scale(blk, qtype), m = qtype == Q4_1 ? block_min(blk) : 0.f;
-          std::memcpy(p + 4 * i, &d, 4);
-          if (qtype == Q4_1) std::memcpy(p + 32 + 4 * i, &m, 4);
+          if (qtype == MXFP4) {
+            const float d = e8m0_half(blk[0]);
+            std::memcpy(p + 4 * i, &d, 4);
+          } else {  // d's float16 bits (Q4_1: and m's, at 16)
+            std::memcpy(p + 2 * i, blk, 2);
+            if (qtype == Q4_1) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
+          }
           for (int v = 0; v < 32; v++)  // Q8_0: its byte; else a nibble (or'ed into a zeroed byte)
             p[terms + code_byte(qtype, i, v)] |= uint8_t(block_index(blk, qtype, v) << (qtype != Q8_0 && v % 8 >= 4 ? 4 : 0));
         }
@@ -192,16 +183,14 @@ void rows8_blocks(uintptr_t w_, uintptr_t out_, int64_t N, int64_t K, int qtype,
         const uint8_t* p = w + ((n / 8) * nb + b) * bytes;
         const int i = int(n % 8);
         uint8_t* blk = out + n * nb * bb + b * bb;
-        float d, m;
-        std::memcpy(&d, p + 4 * i, 4);
-        std::memcpy(&m, p + 32 + 4 * i, 4);  // (Q4_1's minimum; read only for it)
         uint8_t* qs = blk + 2;
         if (qtype == MXFP4) {
+          float d;
+          std::memcpy(&d, p + 4 * i, 4);
           blk[0] = e8m0_of(d), qs = blk + 1;
         } else {
-          const uint16_t hd = exact_half(d), hm = exact_half(m);
-          std::memcpy(blk, &hd, 2);
-          if (qtype == Q4_1) std::memcpy(blk + 2, &hm, 2), qs = blk + 4;
+          std::memcpy(blk, p + 2 * i, 2);
+          if (qtype == Q4_1) std::memcpy(blk + 2, p + 16 + 2 * i, 2), qs = blk + 4;
         }
         if (qtype == Q8_0)
           for (int v = 0; v < 32; v++) qs[v] = uint8_t(group_code(p + terms, qtype, i, v));
