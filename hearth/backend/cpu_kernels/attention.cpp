@@ -314,16 +314,25 @@ void for_each_ancestor(const Attention& a, const Lanes& w, F f) {
   }
 }
 
-// Every lane's scores, SCORE_LANES lanes a pass (two where more are left), a tree's each lane's
-// ancestors' at their positions; then -inf where a lane's row does not look: outside its [lo, hi)
+// Every lane's scores, a pass 4, 8, 16 or 32 lanes, the fewest that hold the lanes left (wider passes
+// for one query row spill their sums out of the registers; a lane's sum is the same in any pass), a
+// tree's each lane's ancestors' at their positions; then -inf where a lane's row does not look:
+// outside its [lo, hi)
 void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
   for (int64_t first = 0; first < w.lanes_total;) {
-    if (w.lanes_total - first > SCORE_LANES) {
+    const int64_t left = w.lanes_total - first;
+    if (left > SCORE_LANES) {
       score_lanes<2 * SCORE_LANES>(a, w, first, s);
       first += 2 * SCORE_LANES;
-    } else {
+    } else if (left > 8) {
       score_lanes<SCORE_LANES>(a, w, first, s);
       first += SCORE_LANES;
+    } else if (left > 4) {
+      score_lanes<8>(a, w, first, s);
+      first += 8;
+    } else {
+      score_lanes<4>(a, w, first, s);
+      first += 4;
     }
   }
   const int64_t n = w.n, stride = w.stride;

@@ -19,7 +19,7 @@ namespace {  // each source's own copies, internal as when the kernels were one 
 // and each holds one KV head of a token (a 1/kv_heads slice of the token's row), a pattern the
 // hardware prefetcher does not follow; after a step's matmuls have streamed the weights through
 // the caches every row comes from DRAM, and without this the kernel runs at its latency.
-constexpr int64_t PREFETCH_ROWS = 8;
+constexpr int64_t PREFETCH_ROWS = 16;
 
 inline void prefetch_bytes(const void* row, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i);
