@@ -306,3 +306,38 @@ def test_one_sequence_cache_holds_a_full_context_prompt(model_folders):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
     with pytest.raises(RequestError, match="context window"):
         llm.engine.add_request("too-long", list(range(65)), greedy())
+
+
+def test_cpu_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
+    """The cpu backend's plain decode steps draw by the step's head (Backend.decode_and_sample,
+    hearth/engine/step_sampling.py) instead of the runner's sampler: greedy, temperature and
+    filtered rows give the eager sampler's tokens with the global RNG seeded alike; a seeded
+    request (its own generator) and a step asking for logprobs take the eager way."""
+    folder = make_hf_model(tmp_path / "llama", "llama", num_hidden_layers=1)
+    in_step, eager = (LLM(folder, dtype="float32", backend="cpu", kv_cache_memory=1 << 22, progress=False)
+                      for _ in range(2))
+    eager.engine.runner.backend.decode_and_sample = lambda *args: None  # (the base's: no such path)
+    backend, heads = in_step.engine.runner.backend, []
+    run = backend.decode_and_sample
+
+    def traced(*args):  # the head of each step drawn by it
+        out = run(*args)
+        heads.append(None if out is None else args[-1].key)
+        return out
+
+    backend.decode_and_sample = traced
+    greedy, plain = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)
+    filtered = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=4)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=4)
+    batches = [[plain], [filtered, greedy], [greedy, plain, plain], [seeded, plain],
+               [SamplingParams(temperature=0, max_tokens=4, logprobs=2)]]
+    rng = random.Random(3)
+    for i, params in enumerate(batches):
+        prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(2, 12))] for _ in params]
+        tokens = []
+        for llm in (in_step, eager):
+            torch.manual_seed(i)
+            tokens.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                           for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert tokens[0] == tokens[1], f"batch {i}"
+    assert heads == [("temperature", False)] * 3 + [("filtered", True)] * 3 + [("temperature", True)] * 3

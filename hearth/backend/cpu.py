@@ -180,6 +180,13 @@ class CpuBackend(Backend):
                               v.shape[1], q.shape[-1], v.shape[-1], torch.get_num_threads())
         return out
 
+    def decode_and_sample(self, model, step, kv_caches, sampling):
+        """The forward pass, LM head and draws of a decode step, the draws by the step's head
+        (engine/step_sampling.py) rather than the runner's general sampler: a small model's decode
+        step is ~8 ms, and building and running the sampler's batch for it is ~0.5 ms of that."""
+        logits = model.compute_logits(self.forward(model, step, kv_caches))
+        return sampling.head(logits, torch.from_numpy(sampling.params))
+
     def argmax_and_logsumexp(self, logits):
         """As the reference, both in one kernel call (a row's second pass reads it from the caches)."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.shape[1]:
