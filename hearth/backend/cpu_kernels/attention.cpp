@@ -99,17 +99,7 @@ inline void lanes_softmax(float* x, int64_t n, int64_t stride, float* m, float* 
     for (int64_t k = j; k < P; k += stride) m[j] = std::max(m[j], top[k]);
   }
   for (int64_t k = 0; k < P; ++k) top[k] = m[k % stride] == NEG_INF ? 0.f : m[k % stride];
-  for (int64_t c = 0; c < vectors; ++c) {
-    const float* shift = top + c % (P / V) * V;
-    float* s = sum + c % (P / V) * V;
-    float* xc = x + c * V;
-#pragma omp simd
-    for (int64_t k = 0; k < V; ++k) {
-      const float e = xc[k] == NEG_INF ? 0.f : exp_nonpositive(xc[k] - shift[k]);
-      xc[k] = e;
-      s[k] += e;
-    }
-  }
+  for (int64_t c = 0; c < vectors; ++c) exp_shifted(x + c * V, top + c % (P / V) * V, sum + c % (P / V) * V, V);
   for (int64_t j = 0; j < stride; ++j) {
     l[j] = 0.f;
     for (int64_t k = j; k < P; k += stride) l[j] += sum[k];

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace hearth {
 namespace {  // each source's own copies, internal as when the kernels were one file
@@ -39,6 +42,57 @@ inline float exp_nonpositive(float x) {
 inline float silu(float x) {
   const float e = exp_nonpositive(-std::abs(x));
   return (x >= 0.f ? x : x * e) / (1.f + e);
+}
+
+#ifdef __AVX2__
+// exp_nonpositive of 8 values with the same operations (its multiply-adds contracted, as GCC does the
+// scalar form's): GCC leaves loops of the scalar form unvectorised (its clamp and rounding make
+// control flow), one value at a time
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+  const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 y = _mm256_mul_ps(_mm256_sub_ps(t, i), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// silu of 8 values, as silu's
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp_nonpositive8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // exp(-|x|)
+  const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif
+
+// x[k] = exp(x[k] - shift[k]), 0 where x[k] is -inf, and sum[k] += that, for k < n
+inline void exp_shifted(float* x, const float* shift, float* sum, int64_t n) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  for (; k + 8 <= n; k += 8) {
+    const __m256 xk = _mm256_loadu_ps(x + k);
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(xk, _mm256_loadu_ps(shift + k)));
+    const __m256 w = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(xk, _mm256_set1_ps(NEG_INF), _CMP_EQ_OQ));
+    _mm256_storeu_ps(x + k, w);
+    _mm256_storeu_ps(sum + k, _mm256_add_ps(_mm256_loadu_ps(sum + k), w));
+  }
+#endif
+  for (; k < n; ++k) {
+    const float e = x[k] == NEG_INF ? 0.f : exp_nonpositive(x[k] - shift[k]);
+    x[k] = e;
+    sum[k] += e;
+  }
+}
+
+// out[i] = silu(gate[i]) * up[i], i < n
+inline void silu_times(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+#endif
+  for (; i < n; ++i) out[i] = silu(gate[i]) * up[i];
 }
 
 // A row's argmax as torch's: the first of equal maxima, or the first NaN where there is one (a
