@@ -279,12 +279,17 @@ def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16], ids=lambda q: q.name)
 def test_quant_embedding_dequantizes_only_the_rows_looked_up(qtype):
+    """Torch's dequantizer, and the cpu backend's embedding (the kernels' decoding for block formats)."""
+    from hearth.backend.cpu import CpuBackend
+
     g = torch.Generator().manual_seed(5)
     n, k = 50, 256
     data = random_weight(qtype, n, k, g)
-    embedding = QuantEmbedding(stored(data, qtype, k), torch.float32)
     ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
-    assert torch.equal(embedding(ids), dense(data, qtype, k)[ids])
+    on_kernels = CpuBackend().stored_module(nn.Embedding(n, k), stored(data, qtype, k), torch.float32)
+    assert (on_kernels.dequantize_rows == kernels.extension().dequantize_rows) == (qtype not in HALF)
+    for embedding in (QuantEmbedding(stored(data, qtype, k), torch.float32), on_kernels):
+        assert torch.equal(embedding(ids), dense(data, qtype, k)[ids])
 
 
 class _RoundedInputLinear(Linear):

@@ -113,16 +113,18 @@ class DequantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Token embeddings kept in their storage format: only the rows looked up are dequantized."""
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype,
+                 dequantize: Callable[[torch.Tensor, int, int], torch.Tensor] = dequantize_rows):
         super().__init__()
         self.qtype = weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.register_buffer("qweight", weight.matrix(), persistent=False)  # uint8 [rows, bytes_per_row]
         self.dtype = dtype
+        self.dequantize_rows = dequantize  # (rows, qtype, columns) -> float32 [rows, columns], as dequantize_rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
-        return dequantize_rows(rows, self.qtype, self.embedding_dim).to(self.dtype).reshape(*ids.shape, -1)
+        return self.dequantize_rows(rows, self.qtype, self.embedding_dim).to(self.dtype).reshape(*ids.shape, -1)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
