@@ -217,10 +217,11 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     else:
         assert {(m.qtype, m.skips_columns) for m in projections} == {(Q.Q4_K, True), (Q.Q6_K, True), (Q.Q5_K, False)}
     assert CpuDecodePath.for_model(model, cpu_kernels()) is not None
-    # each projection's weight as gguf dequantizes the file's blocks (from a fresh copy: not re-laid out)
+    # each projection's weight as gguf dequantizes the file's blocks (from a fresh copy: not re-laid out for
+    # sparsity; in groups of 8 rows on AVX2 builds, whose blocks gguf_blocks rebuilds byte for byte)
     originals = dict(dense.named_modules())
     weights = {p: p.weight_t.T.float() if isinstance(p, SparseColumnsLinear) else
-               torch.from_numpy(gguf_dequantize(originals[name].qweight.numpy(), p.qtype)).reshape(p.out_features, -1)
+               torch.from_numpy(gguf_dequantize(originals[name].gguf_blocks().numpy(), p.qtype)).reshape(p.out_features, -1)
                for name, p in modules_only.named_modules() if p in projections}
     checked = []
 

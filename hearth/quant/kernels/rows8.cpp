@@ -1,6 +1,6 @@
-// The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1 and Q8_0, and IQ4_XS (IQ4_NL's codes with a 6-bit
-// scale per 32 values under one float16 per 256), repacked once at load into groups of 8 weight rows
-// (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
+// The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1 and Q8_0, IQ4_XS (IQ4_NL's codes with a 6-bit scale
+// per 32 values under one float16 per 256) and Q4_K (Q4_1's codes, a 6-bit scale and minimum per 32
+// values under two float16 per 256), repacked once at load into groups of 8 weight rows (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
 // in one vector, converted, scaled by its own d and added (and a horizontal sum per row at the end).
 // In groups, each 32-bit lane of a vector holds 4 indices of one of the 8 rows, so that one maddubs
 // multiplies 4 values of every row by the same 4 activations, broadcast: each lane sums one row's
@@ -16,6 +16,9 @@
 //   8k + 4 + t in its high one; Q8_0: int8 [8][32], chunk k, byte 4r + t: row r's code of value 4k + t.
 // IQ4_XS, per group and 256-value block: d float16[8]; the 8 sub-blocks' scales less 32, int8 [8][8]
 // (sub-block j's of row r at 8j + r); then each sub-block's codes as an IQ4_NL block's.
+// Q4_K, per group and 256-value block: d float16[8], dmin float16[8]; the sub-blocks' 6-bit scales,
+// uint8 [8][8], then their minimums, uint8 [8][8]; then each sub-block's codes as a Q4_1 block's
+// (w = d scale q - dmin minimum).
 #include "avx2_blocks.h"
 
 namespace hearth {
@@ -23,20 +26,26 @@ namespace hearth {
 namespace {
 
 bool rows8_format(int qtype) {
-  return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == IQ4_XS;
+  return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == IQ4_XS ||
+         qtype == Q4_K;
 }
 
 // bytes of a group's terms before its codes: the scales (float16, MXFP4's float32), and Q4_1's minimums
-// (IQ4_XS: and the sub-blocks' scales); but for MXFP4 as many bytes a row as its GGUF blocks hold
-constexpr int64_t rows8_terms(int qtype) { return qtype == IQ4_XS ? 16 + 64 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16; }
-constexpr int64_t IQ4_XS_CODES = 16 + 64;  // where an IQ4_XS group's codes start
-constexpr int64_t rows8_block(int qtype) { return qtype == IQ4_XS ? 256 : 32; }  // values of a GGUF block
+// (IQ4_XS, Q4_K: and the sub-blocks' scales and minimums); but for MXFP4 as many bytes a row as its
+// GGUF blocks hold
+constexpr int64_t rows8_terms(int qtype) {
+  return qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
+}
+constexpr bool rows8_super(int qtype) { return qtype == IQ4_XS || qtype == Q4_K; }  // 256-value blocks
+constexpr int64_t rows8_block(int qtype) { return rows8_super(qtype) ? 256 : 32; }  // values of a GGUF block
+// a 256-value block's sub-blocks: read as blocks of this 32-value format (their codes' layout and signs)
+constexpr int sub_block_format(int qtype) { return qtype == IQ4_XS ? IQ4_NL : Q4_1; }
 
 // the terms, then the codes: 4 bits (Q8_0: 8) for 8 rows x 32 values (IQ4_XS: x 256) of a GGUF block
 int64_t rows8_group_bytes(int qtype) {
   if (!rows8_format(qtype))
-    throw std::invalid_argument("rows of 8: IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q4_1 or Q8_0, got type " + std::to_string(qtype));
-  return rows8_terms(qtype) + (qtype == Q8_0 ? 256 : qtype == IQ4_XS ? 8 * 128 : 128);
+    throw std::invalid_argument("rows of 8: IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q4_1, Q4_K or Q8_0, got type " + std::to_string(qtype));
+  return rows8_terms(qtype) + (qtype == Q8_0 ? 256 : rows8_super(qtype) ? 8 * 128 : 128);
 }
 
 // the 16 values an index stands for (IQ4_NL, MXFP4), or nullptr: the code is the value (Q4_0, Q4_1, Q8_0)
@@ -146,27 +155,37 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
   for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], acc[r]);
 }
 
-// The same for IQ4_XS's groups (nb: 256-value blocks): each sub-block an IQ4_NL block whose scale is
-// d (its 6-bit scale - 32), exact in float32
-template <int MR>
-void rows8_dot_iq4_xs(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
-                      float out[][8]) {
-  constexpr int64_t BYTES = IQ4_XS_CODES + 8 * 128;  // (rows8_group_bytes)
-  const __m256i table = table_of(IQ4_NL);
+// The same for the 256-value formats' groups (nb: their blocks): each sub-block a block of
+// sub_block_format(QT) whose scale is d (6-bit scale - 32) (IQ4_XS) or d times its 6-bit scale and
+// whose minimum is -dmin times its 6-bit minimum (Q4_K), both exact in float32
+template <int QT, int MR>
+void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
+                     float out[][8]) {
+  constexpr bool MIN = QT == Q4_K;
+  constexpr int SUB = sub_block_format(QT);
+  constexpr int64_t CODES = rows8_terms(QT), BYTES = CODES + 8 * 128;  // (rows8_group_bytes)
+  const __m256i table = table_of(SUB);
+  const auto row_bytes = [](const uint8_t* at) {  // 8 rows' 6-bit numbers as float: Q4_K's unsigned, IQ4_XS's less 32
+    const __m128i v = _mm_loadl_epi64((const __m128i*)at);
+    return _mm256_cvtepi32_ps(MIN ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v));
+  };
   __m256 acc[MR];
   for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* p = group + b * BYTES;
     prefetch_block<MR, BYTES>(p);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 dmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
     for (int j = 0; j < 8; j++) {
       __m256i sum[MR];
-      block_sums<IQ4_NL, MR>(p + IQ4_XS_CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum);
-      const __m256i scale_j = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 16 + 8 * j)));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_j));
+      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum);
+      const __m256 scale = _mm256_mul_ps(d, row_bytes(p + (MIN ? 32 : 16) + 8 * j));
+      const __m256 offset = MIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, row_bytes(p + 96 + 8 * j)))
+                                : _mm256_setzero_ps();
       for (int r = 0; r < MR; r++) {
         const int64_t at = (m0 + r) * nb * 8 + b * 8 + j;  // (activations quantized per 32 values)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(a.d[at])), acc[r]);
+        if constexpr (MIN) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.dsum[at]), acc[r]);
       }
     }
   }
@@ -175,7 +194,7 @@ void rows8_dot_iq4_xs(const uint8_t* group, int64_t nb, const QuantizedActivatio
 
 template <int QT, int MR>
 void group_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K, float out[][8]) {
-  if constexpr (QT == IQ4_XS) rows8_dot_iq4_xs<MR>(group, nb, a, m0, K, out);
+  if constexpr (rows8_super(QT)) rows8_dot_super<QT, MR>(group, nb, a, m0, K, out);
   else rows8_dot<QT, MR>(group, nb, a, m0, K, out);
 }
 
@@ -202,19 +221,33 @@ void rows8_groups(const uint8_t* w, int64_t g0, int64_t g1, const QuantizedActiv
 #endif  // __AVX2__
 
 
+// a nibble `code` of value v of row i or'ed into a group's codes (a 4-bit format's), or Q8_0's byte
+inline void put_code(uint8_t* codes, int qtype, int i, int v, int code) {
+  codes[code_byte(qtype, i, v)] |= uint8_t(code << (qtype != Q8_0 && v % 8 >= 4 ? 4 : 0));
+}
+
+// A 256-value block (IQ4_XS, Q4_K) into row i of a group's block p (its bytes zeroed before)
+void pack_super_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
+  uint8_t* codes = p + rows8_terms(qtype);
+  std::memcpy(p + 2 * i, blk, 2);
+  if (qtype == Q4_K) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
+  for (int j = 0; j < 8; j++) {
+    if (qtype == Q4_K) {
+      int scale, minimum;
+      k_scale_min(blk + 4, j, scale, minimum);
+      p[32 + 8 * j + i] = uint8_t(scale), p[96 + 8 * j + i] = uint8_t(minimum);
+    } else {
+      p[16 + 8 * j + i] = uint8_t(int8_t(iq4_xs_scale(blk, j)));
+    }
+    for (int v = 0; v < 32; v++)  // Q4_K: sub-blocks 2c and 2c + 1 in the low and high nibbles of 32 bytes
+      put_code(codes + 128 * j, sub_block_format(qtype), i, v,
+               qtype == Q4_K ? (blk[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 0x0F : nibble_code(blk + 8 + 16 * j, v));
+  }
+}
+
 // A GGUF block's terms and codes into row i of a group's block p (its bytes zeroed before)
 void pack_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
-  const auto put = [&](uint8_t* codes, int code_type, int v, int code) {  // a byte (Q8_0), or a nibble or'ed in
-    codes[code_byte(code_type, i, v)] |= uint8_t(code << (code_type != Q8_0 && v % 8 >= 4 ? 4 : 0));
-  };
-  if (qtype == IQ4_XS) {
-    std::memcpy(p + 2 * i, blk, 2);
-    for (int j = 0; j < 8; j++) {
-      p[16 + 8 * j + i] = uint8_t(int8_t(iq4_xs_scale(blk, j)));
-      for (int v = 0; v < 32; v++) put(p + IQ4_XS_CODES + 128 * j, IQ4_NL, v, nibble_code(blk + 8 + 16 * j, v));
-    }
-    return;
-  }
+  if (rows8_super(qtype)) return pack_super_block(blk, qtype, i, p);
   if (qtype == MXFP4) {
     const float d = e8m0_half(blk[0]);
     std::memcpy(p + 4 * i, &d, 4);
@@ -222,27 +255,40 @@ void pack_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
     std::memcpy(p + 2 * i, blk, 2);
     if (qtype == Q4_1) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
   }
-  for (int v = 0; v < 32; v++) put(p + rows8_terms(qtype), qtype, v, block_index(blk, qtype, v));
+  for (int v = 0; v < 32; v++) put_code(p + rows8_terms(qtype), qtype, i, v, block_index(blk, qtype, v));
+}
+
+// Row i of a group's 256-value block p back into the GGUF block blk (zeroed before)
+void unpack_super_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
+  const uint8_t* codes = p + rows8_terms(qtype);
+  const auto code = [&](int j, int v) { return group_code(codes + 128 * j, sub_block_format(qtype), i, v); };
+  std::memcpy(blk, p + 2 * i, 2);
+  if (qtype == Q4_K) {
+    std::memcpy(blk + 2, p + 16 + 2 * i, 2);
+    uint8_t* packed = blk + 4;  // k_scale_min's 12 bytes: j < 4 in bytes j, j + 4; j >= 4 split over three
+    for (int j = 0; j < 4; j++) {
+      const int s0 = p[32 + 8 * j + i], m0 = p[96 + 8 * j + i], s1 = p[32 + 8 * (j + 4) + i], m1 = p[96 + 8 * (j + 4) + i];
+      packed[j] = uint8_t(s0 | ((s1 >> 4) << 6)), packed[j + 4] = uint8_t(m0 | ((m1 >> 4) << 6));
+      packed[j + 8] = uint8_t((s1 & 0x0F) | ((m1 & 0x0F) << 4));
+    }
+    for (int c = 0; c < 4; c++)
+      for (int v = 0; v < 32; v++) blk[16 + 32 * c + v] = uint8_t(code(2 * c, v) | (code(2 * c + 1, v) << 4));
+    return;
+  }
+  uint16_t high = 0;
+  for (int j = 0; j < 8; j++) {
+    const int scale = int8_t(p[16 + 8 * j + i]) + 32;
+    high |= uint16_t(((scale >> 4) & 3) << (2 * j));
+    blk[4 + j / 2] |= uint8_t((scale & 0x0F) << (4 * (j % 2)));
+    for (int v = 0; v < 16; v++) blk[8 + 16 * j + v] = uint8_t(code(j, v) | (code(j, v + 16) << 4));
+  }
+  std::memcpy(blk + 2, &high, 2);
 }
 
 // Row i of a group's block p back into the GGUF block blk it was packed from (zeroed before)
 void unpack_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
-  const auto nibbles = [&](const uint8_t* codes, int code_type, uint8_t* qs) {  // 32 codes, as Q4_0's qs
-    for (int v = 0; v < 16; v++)
-      qs[v] = uint8_t(group_code(codes, code_type, i, v) | (group_code(codes, code_type, i, v + 16) << 4));
-  };
-  if (qtype == IQ4_XS) {
-    std::memcpy(blk, p + 2 * i, 2);
-    uint16_t high = 0;
-    for (int j = 0; j < 8; j++) {
-      const int scale = int8_t(p[16 + 8 * j + i]) + 32;
-      high |= uint16_t(((scale >> 4) & 3) << (2 * j));
-      blk[4 + j / 2] |= uint8_t((scale & 0x0F) << (4 * (j % 2)));
-      nibbles(p + IQ4_XS_CODES + 128 * j, IQ4_NL, blk + 8 + 16 * j);
-    }
-    std::memcpy(blk + 2, &high, 2);
-    return;
-  }
+  if (rows8_super(qtype)) return unpack_super_block(p, qtype, i, blk);
+  const uint8_t* codes = p + rows8_terms(qtype);
   uint8_t* qs = blk + 2;
   if (qtype == MXFP4) {
     float d;
@@ -253,9 +299,9 @@ void unpack_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
     if (qtype == Q4_1) std::memcpy(blk + 2, p + 16 + 2 * i, 2), qs = blk + 4;
   }
   if (qtype == Q8_0)
-    for (int v = 0; v < 32; v++) qs[v] = uint8_t(group_code(p + rows8_terms(qtype), qtype, i, v));
+    for (int v = 0; v < 32; v++) qs[v] = uint8_t(group_code(codes, qtype, i, v));
   else
-    nibbles(p + rows8_terms(qtype), qtype, qs);
+    for (int v = 0; v < 16; v++) qs[v] = uint8_t(group_code(codes, qtype, i, v) | (group_code(codes, qtype, i, v + 16) << 4));
 }
 
 }  // namespace
@@ -308,6 +354,7 @@ void rows8_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N
       case Q4_0: return rows8_groups<Q4_0>(w, g0, g1, a, y, M, N, K);
       case Q8_0: return rows8_groups<Q8_0>(w, g0, g1, a, y, M, N, K);
       case IQ4_XS: return rows8_groups<IQ4_XS>(w, g0, g1, a, y, M, N, K);
+      case Q4_K: return rows8_groups<Q4_K>(w, g0, g1, a, y, M, N, K);
       default: return rows8_groups<Q4_1>(w, g0, g1, a, y, M, N, K);
     }
   });
