@@ -1,6 +1,7 @@
 // The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1 and Q8_0, IQ4_XS (IQ4_NL's codes with a 6-bit scale
-// per 32 values under one float16 per 256) and Q4_K (Q4_1's codes, a 6-bit scale and minimum per 32
-// values under two float16 per 256), repacked once at load into groups of 8 weight rows (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
+// per 32 values under one float16 per 256), Q4_K (Q4_1's codes, a 6-bit scale and minimum per 32
+// values under two float16 per 256) and Q5_K (Q4_K with a fifth bit per value), repacked once at load
+// into groups of 8 weight rows (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
 // in one vector, converted, scaled by its own d and added (and a horizontal sum per row at the end).
 // In groups, each 32-bit lane of a vector holds 4 indices of one of the 8 rows, so that one maddubs
 // multiplies 4 values of every row by the same 4 activations, broadcast: each lane sums one row's
@@ -18,7 +19,8 @@
 // (sub-block j's of row r at 8j + r); then each sub-block's codes as an IQ4_NL block's.
 // Q4_K, per group and 256-value block: d float16[8], dmin float16[8]; the sub-blocks' 6-bit scales,
 // uint8 [8][8], then their minimums, uint8 [8][8]; then each sub-block's codes as a Q4_1 block's
-// (w = d scale q - dmin minimum).
+// (w = d scale q - dmin minimum). Q5_K: the same, with before the codes each sub-block's fifth bits,
+// uint32 [8] (row r's at 4r: bit v, value v's), or'ed into the codes as bit 4.
 #include "avx2_blocks.h"
 
 namespace hearth {
@@ -27,24 +29,24 @@ namespace {
 
 bool rows8_format(int qtype) {
   return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == IQ4_XS ||
-         qtype == Q4_K;
+         qtype == Q4_K || qtype == Q5_K;
 }
 
 // bytes of a group's terms before its codes: the scales (float16, MXFP4's float32), and Q4_1's minimums
 // (IQ4_XS, Q4_K: and the sub-blocks' scales and minimums); but for MXFP4 as many bytes a row as its
 // GGUF blocks hold
 constexpr int64_t rows8_terms(int qtype) {
-  return qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
+  return qtype == Q5_K ? 32 + 128 + 256 : qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
 }
-constexpr bool rows8_super(int qtype) { return qtype == IQ4_XS || qtype == Q4_K; }  // 256-value blocks
+constexpr bool rows8_super(int qtype) { return qtype == IQ4_XS || qtype == Q4_K || qtype == Q5_K; }  // 256-value blocks
 constexpr int64_t rows8_block(int qtype) { return rows8_super(qtype) ? 256 : 32; }  // values of a GGUF block
 // a 256-value block's sub-blocks: read as blocks of this 32-value format (their codes' layout and signs)
-constexpr int sub_block_format(int qtype) { return qtype == IQ4_XS ? IQ4_NL : Q4_1; }
+constexpr int sub_block_format(int qtype) { return qtype == IQ4_XS ? IQ4_NL : qtype == Q5_K ? Q5_1 : Q4_1; }
 
 // the terms, then the codes: 4 bits (Q8_0: 8) for 8 rows x 32 values (IQ4_XS: x 256) of a GGUF block
 int64_t rows8_group_bytes(int qtype) {
   if (!rows8_format(qtype))
-    throw std::invalid_argument("rows of 8: IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q4_1, Q4_K or Q8_0, got type " + std::to_string(qtype));
+    throw std::invalid_argument("rows of 8: IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q4_1, Q4_K, Q5_K or Q8_0, got type " + std::to_string(qtype));
   return rows8_terms(qtype) + (qtype == Q8_0 ? 256 : rows8_super(qtype) ? 8 * 128 : 128);
 }
 
@@ -85,13 +87,27 @@ inline __m256i step_dot(__m256i w, __m256i abs_w, int32_t x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), ones);
 }
 
-// The int32 products of one 32-value block's codes (`codes`, a group's layout) of 8 rows with MR activation
-// rows from m0, values x0.. of each: sum[r], lane i row i's
+// Step k's fifth bits (Q5_*: `high`, lane r row r's 32 bits, bit v value v's) as bit 4 of the bytes of the
+// step's low and high nibbles' values (8k + t, 8k + 4 + t in lane byte t): byte k of each lane spread
+// over the lane's bytes, each byte's own bit picked
+inline void fifth_bits(__m256i high, int k, __m256i& wl, __m256i& wh) {
+  const __m256i spread = _mm256_shuffle_epi8(high, _mm256_add_epi8(
+      _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+      _mm256_set1_epi8(char(k))));
+  const __m256i bits_low = _mm256_set1_epi32(0x08040201), bits_high = _mm256_set1_epi32(int(0x80402010u));
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  wl = _mm256_or_si256(wl, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits_low), bits_low), bit4));
+  wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits_high), bits_high), bit4));
+}
+
+// The int32 products of one 32-value block's codes (`codes`, a group's layout; Q5_*: and `high`, its fifth
+// bits) of 8 rows with MR activation rows from m0, values x0.. of each: sum[r], lane i row i's
 template <int QT, int MR>
 inline void block_sums(const uint8_t* codes, __m256i table, const QuantizedActivations& a, int64_t m0, int64_t K,
-                       int64_t x0, __m256i sum[MR]) {
-  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0;
+                       int64_t x0, __m256i sum[MR], const uint8_t* high = nullptr) {
+  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0, FIFTH = QT == Q5_0 || QT == Q5_1;
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i high_bits = FIFTH ? _mm256_loadu_si256((const __m256i*)high) : _mm256_setzero_si256();
   for (int r = 0; r < MR; r++) sum[r] = _mm256_setzero_si256();
   if constexpr (QT == Q8_0) {  // 4 int8 codes of each row per step, 8 steps
     for (int k = 0; k < 8; k++) {
@@ -106,6 +122,7 @@ inline void block_sums(const uint8_t* codes, __m256i table, const QuantizedActiv
     const __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + 32 * k));
     __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     if constexpr (SIGNED) wl = _mm256_shuffle_epi8(table, wl), wh = _mm256_shuffle_epi8(table, wh);  // (the tables')
+    if constexpr (FIFTH) fifth_bits(high_bits, k, wl, wh);
     const __m256i al = SIGNED ? _mm256_sign_epi8(wl, wl) : wl, ah = SIGNED ? _mm256_sign_epi8(wh, wh) : wh;
     for (int r = 0; r < MR; r++) {
       const int8_t* xb = a.q.data() + (m0 + r) * K + x0 + 8 * k;
@@ -157,11 +174,11 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
 
 // The same for the 256-value formats' groups (nb: their blocks): each sub-block a block of
 // sub_block_format(QT) whose scale is d (6-bit scale - 32) (IQ4_XS) or d times its 6-bit scale and
-// whose minimum is -dmin times its 6-bit minimum (Q4_K), both exact in float32
+// whose minimum is -dmin times its 6-bit minimum (Q4_K, Q5_K), both exact in float32
 template <int QT, int MR>
 void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
                      float out[][8]) {
-  constexpr bool MIN = QT == Q4_K;
+  constexpr bool MIN = QT == Q4_K || QT == Q5_K;
   constexpr int SUB = sub_block_format(QT);
   constexpr int64_t CODES = rows8_terms(QT), BYTES = CODES + 8 * 128;  // (rows8_group_bytes)
   const __m256i table = table_of(SUB);
@@ -178,7 +195,7 @@ void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivation
     const __m256 dmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
     for (int j = 0; j < 8; j++) {
       __m256i sum[MR];
-      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum);
+      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum, p + 160 + 32 * j);
       const __m256 scale = _mm256_mul_ps(d, row_bytes(p + (MIN ? 32 : 16) + 8 * j));
       const __m256 offset = MIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, row_bytes(p + 96 + 8 * j)))
                                 : _mm256_setzero_ps();
@@ -228,20 +245,26 @@ inline void put_code(uint8_t* codes, int qtype, int i, int v, int code) {
 
 // A 256-value block (IQ4_XS, Q4_K) into row i of a group's block p (its bytes zeroed before)
 void pack_super_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
+  const bool k_quant = qtype != IQ4_XS;  // Q4_K, Q5_K: d, dmin, 6-bit scales and minimums
+  const uint8_t* qs = blk + (qtype == Q5_K ? 48 : 16);  // (K-quants': sub-blocks 2c, 2c + 1 the nibbles of 32 bytes)
   uint8_t* codes = p + rows8_terms(qtype);
   std::memcpy(p + 2 * i, blk, 2);
-  if (qtype == Q4_K) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
+  if (k_quant) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
   for (int j = 0; j < 8; j++) {
-    if (qtype == Q4_K) {
+    if (k_quant) {
       int scale, minimum;
       k_scale_min(blk + 4, j, scale, minimum);
       p[32 + 8 * j + i] = uint8_t(scale), p[96 + 8 * j + i] = uint8_t(minimum);
     } else {
       p[16 + 8 * j + i] = uint8_t(int8_t(iq4_xs_scale(blk, j)));
     }
-    for (int v = 0; v < 32; v++)  // Q4_K: sub-blocks 2c and 2c + 1 in the low and high nibbles of 32 bytes
+    uint32_t high = 0;  // Q5_K's fifth bits of the sub-block (qh[v] bit j: value v's)
+    for (int v = 0; v < 32; v++) {
       put_code(codes + 128 * j, sub_block_format(qtype), i, v,
-               qtype == Q4_K ? (blk[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 0x0F : nibble_code(blk + 8 + 16 * j, v));
+               k_quant ? (qs[32 * (j / 2) + v] >> (4 * (j % 2))) & 0x0F : nibble_code(blk + 8 + 16 * j, v));
+      high |= qtype == Q5_K ? uint32_t((blk[16 + v] >> j) & 1) << v : 0;
+    }
+    if (qtype == Q5_K) std::memcpy(p + 160 + 32 * j + 4 * i, &high, 4);
   }
 }
 
@@ -263,7 +286,7 @@ void unpack_super_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
   const uint8_t* codes = p + rows8_terms(qtype);
   const auto code = [&](int j, int v) { return group_code(codes + 128 * j, sub_block_format(qtype), i, v); };
   std::memcpy(blk, p + 2 * i, 2);
-  if (qtype == Q4_K) {
+  if (qtype != IQ4_XS) {  // Q4_K, Q5_K
     std::memcpy(blk + 2, p + 16 + 2 * i, 2);
     uint8_t* packed = blk + 4;  // k_scale_min's 12 bytes: j < 4 in bytes j, j + 4; j >= 4 split over three
     for (int j = 0; j < 4; j++) {
@@ -271,8 +294,14 @@ void unpack_super_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
       packed[j] = uint8_t(s0 | ((s1 >> 4) << 6)), packed[j + 4] = uint8_t(m0 | ((m1 >> 4) << 6));
       packed[j + 8] = uint8_t((s1 & 0x0F) | ((m1 & 0x0F) << 4));
     }
+    uint8_t* qs = blk + (qtype == Q5_K ? 48 : 16);
     for (int c = 0; c < 4; c++)
-      for (int v = 0; v < 32; v++) blk[16 + 32 * c + v] = uint8_t(code(2 * c, v) | (code(2 * c + 1, v) << 4));
+      for (int v = 0; v < 32; v++) qs[32 * c + v] = uint8_t(code(2 * c, v) | (code(2 * c + 1, v) << 4));
+    for (int j = 0; j < 8 && qtype == Q5_K; j++) {  // qh[v] bit j: the fifth bit of sub-block j's value v
+      uint32_t high;
+      std::memcpy(&high, p + 160 + 32 * j + 4 * i, 4);
+      for (int v = 0; v < 32; v++) blk[16 + v] |= uint8_t(((high >> v) & 1) << j);
+    }
     return;
   }
   uint16_t high = 0;
@@ -355,6 +384,7 @@ void rows8_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N
       case Q8_0: return rows8_groups<Q8_0>(w, g0, g1, a, y, M, N, K);
       case IQ4_XS: return rows8_groups<IQ4_XS>(w, g0, g1, a, y, M, N, K);
       case Q4_K: return rows8_groups<Q4_K>(w, g0, g1, a, y, M, N, K);
+      case Q5_K: return rows8_groups<Q5_K>(w, g0, g1, a, y, M, N, K);
       default: return rows8_groups<Q4_1>(w, g0, g1, a, y, M, N, K);
     }
   });
