@@ -10,17 +10,18 @@ measurements behind each choice):
   IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M: rewritten once at load into nibble blocks, each signed grid
   value a 4-bit code (IQ3_*: 4.6 bits a weight) or, for the 6-value grids IQ2_* and IQ1_*, a 3-bit one
   (3.6 bits) (`grid_nibbles`: the same weights, read about as fast as Q4_K: 4x faster than loading the
-  grid entries per call); the 32-value formats Q8_0, Q4_0, Q4_1, IQ4_NL and MXFP4 on AVX2 builds
-  without VNNI tiles: repacked once into groups of 8 rows whose codes one maddubs multiplies 4 of each
-  row's values at a time (`rows8_repack`: 2-3.8x the blocks in place)): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
+  grid entries per call); the 32-value formats, IQ4_XS, Q4_K and Q5_K on AVX2 builds without VNNI
+  tiles: repacked once into groups of 8 rows whose codes one maddubs multiplies 4 of each row's values
+  at a time (`rows8_repack`: 1.4-3.8x the blocks in place at one row), activations rounded per 32
+  values): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
   for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
   repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
   stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding
   per call at any batch size; the file's pages are then released from this process (they stay in
-  the page cache). Without VNNI, Q5_0 / Q5_1 past WIDENED_PAST_ROWS rows (prefill chunks) take tiles of
-  the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
+  the page cache). On a build with neither (no AVX2), Q5_0 / Q5_1 past WIDENED_PAST_ROWS rows (prefill
+  chunks) take tiles of the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM.
@@ -54,12 +55,11 @@ INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
 PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
 # Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds without AVX-512
-# VNNI): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels' `dequantize_rows` and
+# VNNI or AVX2; with AVX2 they are in groups of 8 rows since 2026-11-27, 1.2-2.3x this from 1 to 512 rows): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels' `dequantize_rows` and
 # torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a convert and a
 # multiply-add per 32-value block and row. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024
 # Q5_0 / Q5_1 1.00-1.23x faster widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8.
-# (Q8_0, Q4_0, Q4_1, IQ4_NL and MXFP4, in groups of 8 rows on AVX2 builds, beat the fp32 tiles up to 512 rows:
-# 1.3-5x.)
+# (The 32-value formats in groups of 8 rows on AVX2 builds beat the fp32 tiles up to 512 rows: 1.2-5x.)
 WIDENED_PAST_ROWS = {Q.Q5_0: 96, Q.Q5_1: 96}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
@@ -114,7 +114,8 @@ class Int8Linear(BoundWeights):
             self.register_buffer("qweight", data, persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         # blocks in place on a build without VNNI: prefill chunks past these rows as fp32 tiles (None: never)
-        self.widened_past_rows = None if self.codes is not None or ext.vnni else WIDENED_PAST_ROWS.get(self.qtype)
+        in_place = self.codes is None and self.kernel_qtype == int(self.qtype)
+        self.widened_past_rows = WIDENED_PAST_ROWS.get(self.qtype) if in_place and not ext.vnni else None
         self._bind()
 
     def _bind(self) -> None:

@@ -21,9 +21,9 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 Q = GGMLQuantizationType
 # the grid i-quants: the int8 kernels read them as nibble blocks of 4- or 3-bit codes (`grid_nibbles`)
 GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
-# the 32-value formats but Q5_0 / Q5_1, and IQ4_XS, Q4_K and Q5_K: on AVX2 builds repacked at load into groups of 8 rows (`rows8_repack`),
+# the 32-value formats, IQ4_XS, Q4_K and Q5_K: on AVX2 builds repacked at load into groups of 8 rows (`rows8_repack`),
 # int8_matmul's type for them ROWS8 + the format's (formats.h)
-ROWS8_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q8_0)
+ROWS8_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0)
 ROWS8 = 1000
 
 

@@ -1,4 +1,4 @@
-// The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1 and Q8_0, IQ4_XS (IQ4_NL's codes with a 6-bit scale
+// The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, IQ4_XS (IQ4_NL's codes with a 6-bit scale
 // per 32 values under one float16 per 256), Q4_K (Q4_1's codes, a 6-bit scale and minimum per 32
 // values under two float16 per 256) and Q5_K (Q4_K with a fifth bit per value), repacked once at load
 // into groups of 8 weight rows (AVX2 builds). In place, each row pays per 32-value block a horizontal step: its products summed
@@ -11,7 +11,9 @@
 // Layout, per group g of rows 8g..8g+7 (rows past N: zeros) and block b, rows8_group_bytes(qtype) bytes:
 //   d float16[8], the rows' scales as the blocks hold them (MXFP4: float32[8], its e8m0 halved, which
 //   float16 cannot hold: the table holds the e2m1 values doubled);
-//   Q4_1 only: m float16[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, computed);
+//   Q4_1, Q5_1 only: m float16[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, Q5_0's -16 d);
+//   Q5_0, Q5_1 only: the rows' fifth bits, uint32 [8] (row r's at 4r: bit v, value v's), or'ed into the
+//   codes as bit 4;
 //   codes uint8[4][32]: chunk k, byte 4r + t: row r's code (IQ4_NL, MXFP4: its index into the
 //   format's 16 values; Q4_0, Q4_1: its unsigned value) of value 8k + t in its low nibble, of value
 //   8k + 4 + t in its high one; Q8_0: int8 [8][32], chunk k, byte 4r + t: row r's code of value 4k + t.
@@ -28,15 +30,16 @@ namespace hearth {
 namespace {
 
 bool rows8_format(int qtype) {
-  return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == IQ4_XS ||
-         qtype == Q4_K || qtype == Q5_K;
+  return qtype == IQ4_NL || qtype == MXFP4 || qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 ||
+         qtype == Q8_0 || qtype == IQ4_XS || qtype == Q4_K || qtype == Q5_K;
 }
 
 // bytes of a group's terms before its codes: the scales (float16, MXFP4's float32), and Q4_1's minimums
 // (IQ4_XS, Q4_K: and the sub-blocks' scales and minimums); but for MXFP4 as many bytes a row as its
 // GGUF blocks hold
 constexpr int64_t rows8_terms(int qtype) {
-  return qtype == Q5_K ? 32 + 128 + 256 : qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
+  return qtype == Q5_K ? 32 + 128 + 256 : qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q5_1 ? 32 + 32
+       : qtype == Q5_0 ? 16 + 32 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
 }
 constexpr bool rows8_super(int qtype) { return qtype == IQ4_XS || qtype == Q4_K || qtype == Q5_K; }  // 256-value blocks
 constexpr int64_t rows8_block(int qtype) { return rows8_super(qtype) ? 256 : 32; }  // values of a GGUF block
@@ -58,7 +61,7 @@ inline int nibble_code(const uint8_t* qs, int v) { return v < 16 ? qs[v] & 0x0F 
 // a 32-value GGUF block's code of value v (Q8_0: its int8 code's byte)
 inline int block_index(const uint8_t* b, int qtype, int v) {
   if (qtype == Q8_0) return b[2 + v];
-  return nibble_code(b + (qtype == MXFP4 ? 1 : qtype == Q4_1 ? 4 : 2), v);
+  return nibble_code(b + (qtype == MXFP4 ? 1 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : qtype == Q5_1 ? 8 : 2), v);
 }
 // where value v's code sits in a group's codes (terms excluded), for row i: Q8_0's byte, or the byte
 // of a 4-bit code (in its high nibble for v % 8 >= 4)
@@ -150,8 +153,10 @@ inline __m256i table_of(int qtype) {
 template <int QT, int MR>
 void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
                float out[][8]) {
-  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0, MIN = QT == Q4_1;
+  constexpr bool SIGNED = QT == IQ4_NL || QT == MXFP4 || QT == Q8_0, MIN = QT == Q4_1 || QT == Q5_1;
   constexpr int64_t TERMS = rows8_terms(QT), BYTES = TERMS + (QT == Q8_0 ? 256 : 128);  // (rows8_group_bytes)
+  constexpr float ZERO = QT == Q5_0 ? -16.f : -8.f;  // Q4_0's, Q5_0's offset in units of d
+  constexpr bool FIFTH = QT == Q5_0 || QT == Q5_1;  // (their fifth bits just before the codes)
   const __m256i table = table_of(QT);
   __m256 acc[MR];
   for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
@@ -159,10 +164,11 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
     const uint8_t* p = group + b * BYTES;
     prefetch_block<MR, BYTES>(p);
     __m256i sum[MR];
-    block_sums<QT, MR>(p + TERMS, table, a, m0, K, b * 32, sum);
+    block_sums<QT, MR>(p + TERMS, table, a, m0, K, b * 32, sum, FIFTH ? p + TERMS - 32 : nullptr);
     const __m256 d = QT == MXFP4 ? _mm256_loadu_ps((const float*)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-    // the offset per row: Q4_1's minimum m, Q4_0's -8 d (w = d q + offset), times the block's d_x sum(x_q)
-    const __m256 offset = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    // the offset per row: Q4_1's, Q5_1's minimum m, Q4_0's -8 d, Q5_0's -16 d (w = d q + offset), times the
+    // block's d_x sum(x_q)
+    const __m256 offset = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(ZERO));
     for (int r = 0; r < MR; r++) {
       const int64_t at = (m0 + r) * nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[r]);
@@ -195,7 +201,7 @@ void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivation
     const __m256 dmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
     for (int j = 0; j < 8; j++) {
       __m256i sum[MR];
-      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum, p + 160 + 32 * j);
+      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum, QT == Q5_K ? p + 160 + 32 * j : nullptr);
       const __m256 scale = _mm256_mul_ps(d, row_bytes(p + (MIN ? 32 : 16) + 8 * j));
       const __m256 offset = MIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, row_bytes(p + 96 + 8 * j)))
                                 : _mm256_setzero_ps();
@@ -274,9 +280,10 @@ void pack_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
   if (qtype == MXFP4) {
     const float d = e8m0_half(blk[0]);
     std::memcpy(p + 4 * i, &d, 4);
-  } else {  // d's float16 bits (Q4_1: and m's, at 16)
+  } else {  // d's float16 bits (Q4_1, Q5_1: and m's, at 16; Q5_*: the fifth bits before the codes)
     std::memcpy(p + 2 * i, blk, 2);
-    if (qtype == Q4_1) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
+    if (qtype == Q4_1 || qtype == Q5_1) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
+    if (qtype == Q5_0 || qtype == Q5_1) std::memcpy(p + rows8_terms(qtype) - 32 + 4 * i, blk + (qtype == Q5_1 ? 4 : 2), 4);
   }
   for (int v = 0; v < 32; v++) put_code(p + rows8_terms(qtype), qtype, i, v, block_index(blk, qtype, v));
 }
@@ -325,7 +332,8 @@ void unpack_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
     blk[0] = e8m0_of(d), qs = blk + 1;
   } else {
     std::memcpy(blk, p + 2 * i, 2);
-    if (qtype == Q4_1) std::memcpy(blk + 2, p + 16 + 2 * i, 2), qs = blk + 4;
+    if (qtype == Q4_1 || qtype == Q5_1) std::memcpy(blk + 2, p + 16 + 2 * i, 2), qs = blk + 4;
+    if (qtype == Q5_0 || qtype == Q5_1) std::memcpy(qs, codes - 32 + 4 * i, 4), qs += 4;  // qh, then qs
   }
   if (qtype == Q8_0)
     for (int v = 0; v < 32; v++) qs[v] = uint8_t(group_code(codes, qtype, i, v));
@@ -385,6 +393,8 @@ void rows8_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N
       case IQ4_XS: return rows8_groups<IQ4_XS>(w, g0, g1, a, y, M, N, K);
       case Q4_K: return rows8_groups<Q4_K>(w, g0, g1, a, y, M, N, K);
       case Q5_K: return rows8_groups<Q5_K>(w, g0, g1, a, y, M, N, K);
+      case Q5_0: return rows8_groups<Q5_0>(w, g0, g1, a, y, M, N, K);
+      case Q5_1: return rows8_groups<Q5_1>(w, g0, g1, a, y, M, N, K);
       default: return rows8_groups<Q4_1>(w, g0, g1, a, y, M, N, K);
     }
   });
