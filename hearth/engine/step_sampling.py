@@ -1,5 +1,6 @@
 """Draws made inside the backend's decode step (Backend.decode_and_sample): the sampler's math as a
-head that the gpu backend records in the step's CUDA graph, after the LM head.
+head that the gpu backend records in the step's CUDA graph, after the LM head (the cpu backend runs
+it after its pass, sparing a small model's step the building of the Sampler's batch).
 
 What such a head can do is what needs no host work and nothing per request kept on the host:
 greedy rows, and random rows with temperature, top-k, top-p and min-p drawn with the global RNG's
