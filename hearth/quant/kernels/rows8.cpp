@@ -9,8 +9,8 @@
 // repacking of IQ4_NL does the same for its AVX2 GEMV).
 //
 // Layout, per group g of rows 8g..8g+7 (rows past N: zeros) and block b, rows8_group_bytes(qtype) bytes:
-//   d float16[8], the rows' scales as the blocks hold them (MXFP4: float32[8], its e8m0 halved, which
-//   float16 cannot hold: the table holds the e2m1 values doubled);
+//   d float16[8], the rows' scales as the blocks hold them (MXFP4: its e8m0 exponent bytes [8], read as
+//   their power of 2 halved: the table holds the e2m1 values doubled);
 //   Q4_1, Q5_1 only: m float16[8], the rows' minimums (w = d q + m; Q4_0's offset is -8 d, Q5_0's -16 d);
 //   Q5_0, Q5_1 only: the rows' fifth bits, uint32 [8] (row r's at 4r: bit v, value v's), or'ed into the
 //   codes as bit 4;
@@ -34,12 +34,11 @@ bool rows8_format(int qtype) {
          qtype == Q8_0 || qtype == IQ4_XS || qtype == Q4_K || qtype == Q5_K;
 }
 
-// bytes of a group's terms before its codes: the scales (float16, MXFP4's float32), and Q4_1's minimums
-// (IQ4_XS, Q4_K: and the sub-blocks' scales and minimums); but for MXFP4 as many bytes a row as its
-// GGUF blocks hold
+// bytes of a group's terms before its codes: the scales (float16, MXFP4's exponent bytes), and Q4_1's
+// minimums (IQ4_XS, Q4_K: and the sub-blocks' scales and minimums)
 constexpr int64_t rows8_terms(int qtype) {
   return qtype == Q5_K ? 32 + 128 + 256 : qtype == Q4_K ? 32 + 128 : qtype == IQ4_XS ? 16 + 64 : qtype == Q5_1 ? 32 + 32
-       : qtype == Q5_0 ? 16 + 32 : qtype == Q4_1 || qtype == MXFP4 ? 32 : 16;
+       : qtype == Q5_0 ? 16 + 32 : qtype == Q4_1 ? 32 : qtype == MXFP4 ? 8 : 16;
 }
 constexpr bool rows8_super(int qtype) { return qtype == IQ4_XS || qtype == Q4_K || qtype == Q5_K; }  // 256-value blocks
 constexpr int64_t rows8_block(int qtype) { return rows8_super(qtype) ? 256 : 32; }  // values of a GGUF block
@@ -71,14 +70,15 @@ inline int group_code(const uint8_t* codes, int qtype, int i, int v) {
   return qtype == Q8_0 ? byte : v % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
 
-// MXFP4's e8m0 exponent back from e8m0_half(e)
-inline uint8_t e8m0_of(float half_scale) {
-  uint32_t x;
-  std::memcpy(&x, &half_scale, 4);
-  return x >= (1u << 23) ? uint8_t((x >> 23) + 1) : uint8_t(__builtin_ctz(x) - 21);
+#ifdef __AVX2__
+// e8m0_half of 8 exponent bytes (2^(e - 128): a float's exponent field e - 1, but for e < 2 a subnormal)
+inline __m256 e8m0_half8(const uint8_t* e) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)e));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v)));
 }
 
-#ifdef __AVX2__
 // The products of one 4-byte step of 8 rows' codes w with 4 activations x (broadcast), per row's lane:
 // signed codes (a table's values) through |w| and w's sign moved onto x; unsigned ones (Q4_0, Q4_1)
 // as they are. Summed as int16 pairs by maddubs, widened to int32 (two pairs of 127 x 127 would
@@ -165,7 +165,7 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
     prefetch_block<MR, BYTES>(p);
     __m256i sum[MR];
     block_sums<QT, MR>(p + TERMS, table, a, m0, K, b * 32, sum, FIFTH ? p + TERMS - 32 : nullptr);
-    const __m256 d = QT == MXFP4 ? _mm256_loadu_ps((const float*)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 d = QT == MXFP4 ? e8m0_half8(p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
     // the offset per row: Q4_1's, Q5_1's minimum m, Q4_0's -8 d, Q5_0's -16 d (w = d q + offset), times the
     // block's d_x sum(x_q)
     const __m256 offset = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_mul_ps(d, _mm256_set1_ps(ZERO));
@@ -278,8 +278,7 @@ void pack_super_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
 void pack_block(const uint8_t* blk, int qtype, int i, uint8_t* p) {
   if (rows8_super(qtype)) return pack_super_block(blk, qtype, i, p);
   if (qtype == MXFP4) {
-    const float d = e8m0_half(blk[0]);
-    std::memcpy(p + 4 * i, &d, 4);
+    p[i] = blk[0];  // the exponent byte
   } else {  // d's float16 bits (Q4_1, Q5_1: and m's, at 16; Q5_*: the fifth bits before the codes)
     std::memcpy(p + 2 * i, blk, 2);
     if (qtype == Q4_1 || qtype == Q5_1) std::memcpy(p + 16 + 2 * i, blk + 2, 2);
@@ -327,9 +326,7 @@ void unpack_block(const uint8_t* p, int qtype, int i, uint8_t* blk) {
   const uint8_t* codes = p + rows8_terms(qtype);
   uint8_t* qs = blk + 2;
   if (qtype == MXFP4) {
-    float d;
-    std::memcpy(&d, p + 4 * i, 4);
-    blk[0] = e8m0_of(d), qs = blk + 1;
+    blk[0] = p[i], qs = blk + 1;
   } else {
     std::memcpy(blk, p + 2 * i, 2);
     if (qtype == Q4_1 || qtype == Q5_1) std::memcpy(blk + 2, p + 16 + 2 * i, 2), qs = blk + 4;
