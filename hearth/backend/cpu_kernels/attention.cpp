@@ -242,6 +242,9 @@ Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s
   s.node_rows.resize(nodes);
   s.node_scores.resize(nodes * stride);
   slot_rows(a, it, tree, nodes, s.node_rows.data());
+  // every K and V row the item reads asked for at once (kv_rows.h: rows one at a time wait on DRAM's latency)
+  for (int64_t t = 0; t < context; ++t) a.k_cache.prefetch(s.cache_rows[t]), a.v_cache.prefetch(s.cache_rows[t]);
+  for (int64_t t = 0; t < nodes; ++t) a.k_cache.prefetch(s.node_rows[t]), a.v_cache.prefetch(s.node_rows[t]);
   const float* q_seq = a.q + a.query_start[it.seq] * a.num_heads * a.D + it.kv_head * a.group * a.D;
   return {it, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, context, nodes, q_seq};
 }
@@ -254,14 +257,11 @@ template <int64_t LANES>
 void score_rows(const Attention& a, const int64_t* rows, int64_t n, int64_t stride, int64_t first, Scratch& s,
                 float* out) {
   const int64_t D = a.D;
-  for (int64_t t = 0; t < std::min(n, PREFETCH_ROWS); ++t) a.k_cache.prefetch(rows[t]);
   for (int64_t t0 = 0; t0 < n; t0 += SCORE_TOKENS) {
     const int64_t count = std::min(SCORE_TOKENS, n - t0);
     const float* k[SCORE_TOKENS];
     for (int64_t u = 0; u < SCORE_TOKENS; ++u) {  // past the end: the last row again (not stored)
       const int64_t t = t0 + std::min(u, count - 1);
-      if (u < count && t + PREFETCH_ROWS < n) a.k_cache.prefetch(rows[t + PREFETCH_ROWS]);
-      if (u < count && first == 0) a.v_cache.prefetch(rows[t]);  // read after the scores
       k[u] = a.k_cache.get(rows[t], s.row_buf.data() + u * D);
     }
     float acc[SCORE_TOKENS][LANES] = {};
