@@ -123,3 +123,17 @@ def test_queue_full_and_shutdown(folder):
 
     asyncio.run(main())
     assert llm_engine.block_manager.check_all_free() and not llm_engine.has_unfinished_requests()
+
+
+def test_build_on_passing_thread_returns_or_raises_on_the_callers_thread():
+    """The engine built on a thread that has exited when it returns (its OpenMP team let go), the
+    builder's value back, its exception raised here."""
+    import threading
+
+    from hearth.engine.async_engine import build_on_passing_thread
+
+    seen = []
+    assert build_on_passing_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="no model"):
+        build_on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("no model")))

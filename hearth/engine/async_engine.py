@@ -34,10 +34,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,6 +55,7 @@ from hearth.reasoning import ReasoningFormat
 from hearth.tokenizer import Tokenizer
 
 logger = logging.getLogger("hearth")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,31 @@ class EngineStats:
     num_generation_tokens: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     cascade: CascadeCounts | None = None  # a cascade's (hearth/engine/cascade.py); None: one model
+
+
+def build_on_passing_thread(build: Callable[[], T]) -> T:
+    """build() run on a thread of its own that then exits, for an engine whose steps run on the engine
+    thread. On a CPU, every thread that runs an OpenMP parallel region keeps a team of threads; once
+    the process holds more of them than it has cores, libgomp (torch's OpenMP) lets a team's idle
+    threads spin only ~1,000 times before sleeping, so each of a decode step's ~150 parallel regions
+    wakes them from the kernel: a model loaded on the main thread (its load's regions) and stepped on
+    the engine thread decoded SmolLM2 at 2 threads 2.5x slower than on one thread (docs/benchmarks.md).
+    A team is let go when its thread exits."""
+    built: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            built.append(build())
+        except BaseException as e:  # (re-raised on the caller's thread)
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="hearth-load")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return built[0]
 
 
 def call_in(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

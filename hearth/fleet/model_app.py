@@ -236,12 +236,13 @@ def model_builder(args: argparse.Namespace, limits, presets: dict[str, dict] | N
     """The registry's Build: a model's engine from the serve command's engine flags, as `hearth serve
     PATH` would build it, with its own from --models-preset (`presets`, by model) and its LoRA adapters."""
     def build(name: str, path: str, adapters: dict[str, str]):
-        from hearth.engine.async_engine import AsyncEngine
+        from hearth.engine.async_engine import AsyncEngine, build_on_passing_thread
         from hearth.engine_args import build_llm
         from hearth.server.served import ServedModel
 
         loras = tuple(f"{n}={p}" for n, p in adapters.items())
-        engine = build_llm(model_args(args, path, (presets or {}).get(name, {})), lora_modules=loras).engine
+        engine = build_on_passing_thread(  # (its OpenMP team let go: serve.py)
+            lambda: build_llm(model_args(args, path, (presets or {}).get(name, {})), lora_modules=loras).engine)
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
         return ServedModel(async_engine, [name], limits, args.tool_call_parser, args.trust_request_chat_template,
                            tuple(args.allowed_media_domains or ()))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 def run_server(args, extend_app: Callable | None = None) -> None:
     """Serve one engine; extend_app(app), when given, adds to the app before it serves (the fleet's
     additions: a disaggregated worker's role)."""
-    from hearth.engine.async_engine import AsyncEngine
+    from hearth.engine.async_engine import AsyncEngine, build_on_passing_thread
     from hearth.engine_args import build_llm
     from hearth.server.app import build_app
     from hearth.server.batch_store import default_batch_dir
@@ -30,7 +30,7 @@ def run_server(args, extend_app: Callable | None = None) -> None:
         limits = ServerLimits.from_args(args)
     except ValueError as e:
         sys.exit(f"hearth serve: {e}")
-    engine = build_llm(args).engine
+    engine = build_on_passing_thread(lambda: build_llm(args).engine)  # (the engine thread its only OpenMP team)
     name = args.served_model_name or args.model or engine.model_path.name
     async_engine = AsyncEngine(engine, max_queue=args.max_queue, step_timeout=args.step_timeout)
     batch_dir = args.batch_dir or default_batch_dir()
