@@ -12,9 +12,9 @@ measurements behind each choice):
   (3.6 bits) (`grid_nibbles`: the same weights, read about as fast as Q4_K: 4x faster than loading the
   grid entries per call); the 32-value formats, IQ4_XS, Q4_K and Q5_K on AVX2 builds without VNNI
   tiles: repacked once into groups of 8 rows whose codes one maddubs multiplies 4 of each row's values
-  at a time (`rows8_repack`: 1.4-3.8x the blocks in place at one row), activations rounded per 32
-  values): `Int8Linear`, activations rounded to int8 per block of the weight's format (256 values
-  for K-quants: llama.cpp's q8_K; 32 for the others: q8_0) and integer dot products (AVX2 maddubs)
+  at a time (`rows8_repack`: 1.4-3.8x the blocks in place at one row)): `Int8Linear`, activations
+  rounded to int8 per block of the weight's format (256 values for K-quants read in place or packed:
+  llama.cpp's q8_K; 32 for the others and for any format in groups: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
   bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and the codebooks is instead
   repacked once, at load, into tiles of 32 rows (the codes at their own bits, the block's scales as
@@ -54,12 +54,12 @@ INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q
                *CODEBOOK_QTYPES)
 # of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
 PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
-# Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds without AVX-512
-# VNNI or AVX2; with AVX2 they are in groups of 8 rows since 2026-11-27, 1.2-2.3x this from 1 to 512 rows): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels' `dequantize_rows` and
-# torch's fp32 GEMM win, the widening spread over the rows: AVX2's int8 dot products pay a convert and a
-# multiply-add per 32-value block and row. 1 thread, CPU ms, int8 / fp32 tiles (docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024
-# Q5_0 / Q5_1 1.00-1.23x faster widened, at 512 rows 1.18-1.58x. Activations are then not rounded to int8.
-# (The 32-value formats in groups of 8 rows on AVX2 builds beat the fp32 tiles up to 512 rows: 1.2-5x.)
+# Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds with neither
+# AVX-512 VNNI nor AVX2): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
+# `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows. Measured on AVX2 before its
+# groups of 8 rows (1 thread, CPU ms, docs/benchmarks.md): at 128 rows on 1536 x 576 and 3072 x 1024 Q5_0 / Q5_1
+# 1.00-1.23x faster widened, at 512 rows 1.18-1.58x; the groups beat the widening at 1-512 rows (1.2-2.3x).
+# Activations are then not rounded to int8.
 WIDENED_PAST_ROWS = {Q.Q5_0: 96, Q.Q5_1: 96}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion

@@ -81,8 +81,8 @@ def build_on_passing_thread(build: Callable[[], T]) -> T:
     """build() run on a thread of its own that then exits, for an engine whose steps run on the engine
     thread. On a CPU, every thread that runs an OpenMP parallel region keeps a team of threads; once
     the process holds more of them than it has cores, libgomp (torch's OpenMP) throttles a team's idle
-    threads' spin-wait (as OMP_WAIT_POLICY=PASSIVE, measured the same), so each of a decode step's ~150 parallel regions
-    wakes them from the kernel: a model loaded on the main thread (its load's regions) and stepped on
+    threads' spin-wait (as OMP_WAIT_POLICY=PASSIVE, measured the same), so each of a decode step's
+    ~150 parallel regions wakes them from the kernel: a model loaded on the main thread (its load's regions) and stepped on
     the engine thread decoded SmolLM2 at 2 threads 2.3x slower than on one thread (docs/benchmarks.md).
     A team is let go when its thread exits."""
     built: list[T] = []

@@ -74,7 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_matmul", &packed_matmul, "y = x W^T, W packed tiles, x rounded to int8 per block", nogil);
   m.def("dequantize_packed", &dequantize_packed, "packed tiles as fp32", nogil);
   m.def("rows8_bytes", &rows8_bytes, "bytes of one group of 8 rows of a format (rows8_repack)");
-  m.def("rows8_repack", &rows8_repack, "Q8_0 / Q4_0 / Q4_1 / IQ4_NL / MXFP4 blocks -> groups of 8 rows (int8_matmul's ROWS8 types)", nogil);
+  m.def("rows8_repack", &rows8_repack, "blocks of the 32-value formats, IQ4_XS, Q4_K, Q5_K -> groups of 8 rows (int8_matmul's ROWS8 types)", nogil);
   m.def("rows8_blocks", &rows8_blocks, "groups of 8 rows -> the GGUF blocks they were repacked from", nogil);
   m.def("int8_matmul", &int8_matmul, "y = x W^T, x rounded to int8 per block; W packed or GGUF blocks in place", nogil);
   // for hearth/backend/cpu_kernels/decode_layers.cpp, which calls it between its own kernels

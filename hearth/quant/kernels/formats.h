@@ -55,9 +55,7 @@ enum QType : int {
   // 6-value grids (IQ2_*, IQ1_*) as 3-bit codes
   NIB_IQ3_XXS = 218, NIB_IQ3_S = 221, NIB3_IQ2 = 316, NIB3_IQ1 = 319,
   // the 32-value formats, IQ4_XS, Q4_K and Q5_K in groups of 8 rows (rows8.cpp): ROWS8 + the format's type
-  ROWS8 = 1000, ROWS8_IQ4_NL = ROWS8 + IQ4_NL, ROWS8_MXFP4 = ROWS8 + MXFP4, ROWS8_Q4_0 = ROWS8 + Q4_0,
-  ROWS8_Q4_1 = ROWS8 + Q4_1, ROWS8_Q8_0 = ROWS8 + Q8_0, ROWS8_IQ4_XS = ROWS8 + IQ4_XS, ROWS8_Q4_K = ROWS8 + Q4_K,
-  ROWS8_Q5_K = ROWS8 + Q5_K, ROWS8_Q5_0 = ROWS8 + Q5_0, ROWS8_Q5_1 = ROWS8 + Q5_1,
+  ROWS8 = 1000,
 };
 
 // The codebook formats, read as signed codes like Q8_0's: a 4-bit index into 16 int8 values

@@ -15,7 +15,7 @@
 //   sparse_matmul: activation sparsity's matmul: activations under a threshold count as zero and
 //                  the weight, kept transposed (F32 / F16 / BF16) or its block format's codes
 //                  re-laid out column by column (`sparse_repack`), is read only at the kept columns.
-//   rows8_matmul:  Q8_0, Q4_0, Q4_1, IQ4_NL, MXFP4 on AVX2 builds, repacked once at load into groups of 8 rows
+//   rows8_matmul:  the 32-value formats, IQ4_XS, Q4_K, Q5_K on AVX2 builds, repacked once at load into groups of 8 rows
 //                  (`rows8_repack`): one maddubs multiplies 4 values of each of the 8 rows.
 //   dequantize_rows: the kernels' own decoding, tested bit-exact against hearth.quant.formats.
 //
