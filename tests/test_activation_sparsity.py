@@ -15,7 +15,6 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from hearth import LLM, SamplingParams
 from hearth.backend.base import Backend
-from hearth.backend.cpu_linear import cpu_linear
 from hearth.backend.sparse_linear import SPARSE_BLOCK_QTYPES, SPARSE_MAX_ROWS, SparseBlocksLinear, SparseColumnsLinear
 from hearth.cli import main
 from hearth.engine_config import SparsityConfig
@@ -103,7 +102,7 @@ def test_sparse_block_kernel_equals_the_masked_dequantized_matmul():
     activations to int8 (each off by at most amax / 254 of its sub-block of S values and row); a
     column every row masks is never read (its codes overwritten: the same output bit for bit);
     threshold 0 is the whole product, a threshold over every |x| gives 0."""
-    from test_quant_linear import random_weight, stored
+    from test_quant_linear import random_weight
 
     g = torch.Generator().manual_seed(11)
     for qtype in SPARSE_BLOCK_QTYPES:
@@ -114,7 +113,7 @@ def test_sparse_block_kernel_equals_the_masked_dequantized_matmul():
             x = torch.randn(m, k, generator=g)
             x[:, 40] = 1e-3  # under the threshold in every row
             for threshold in (0.0, float(x.abs().flatten().kthvalue(int(0.4 * x.numel())).values), 99.0):
-                module = SparseBlocksLinear.of(cpu_linear(stored(data, qtype, k)), threshold, ext)
+                module = SparseBlocksLinear.from_blocks(data, qtype, (n, k), None, threshold, ext)
                 assert module.layout.numel() * 8 == LAYOUT_BITS[qtype] * n * k
                 kept = x * (x.abs() >= threshold)
                 got = module(x)
@@ -192,12 +191,14 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     modules' path every projection's output equals the masked reference on its own input (the
     dequantized weight, the activations under the threshold zeroed, float64) within the int8 bound
     (F16: fp32 rounding). (A whole-model comparison with a masked reference amplifies tiny
-    differences: an activation near a threshold masked on one side and kept on the other.)"""
+    differences: an activation near a threshold masked on one side and kept on the other.) On AVX-512 VNNI
+    builds the K-quants are packed tiles, which have no re-layout: each masked by ThresholdedLinear, off the
+    one-call path (docs/sparsity.md), its output still the masked reference's."""
     from test_quant_linear import _assert_close, _batch_decode, _decode_path_builder, _logits
 
     from hearth.backend.cpu import cpu_kernels
     from hearth.backend.cpu_decode import CpuDecodePath
-    from hearth.backend.sparse_linear import SparseLinear
+    from hearth.backend.sparse_linear import SparseLinear, ThresholdedLinear
 
     if out_type == "builtin":
         build = lambda: load_model("builtin", progress=False).model  # noqa: E731
@@ -211,24 +212,32 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
         apply_activation_sparsity(m, thresholds)
     modules_only.backend_state["decode_path"] = None
     projections = [m for m in modules_only.modules() if hasattr(m, "threshold")]
-    assert len(projections) >= 4 * len(model.layers) and all(isinstance(m, SparseLinear) for m in projections)
-    if out_type == "builtin":
+    tiles = out_type != "builtin" and kernels.extension().vnni
+    assert len(projections) >= 4 * len(model.layers)
+    if tiles:
+        assert all(isinstance(m, ThresholdedLinear) and m.inner.codes is not None for m in projections)
+    elif out_type == "builtin":
         assert all(isinstance(m, SparseColumnsLinear) for m in projections)
     else:
+        assert all(isinstance(m, SparseLinear) for m in projections)
         assert {(m.qtype, m.skips_columns) for m in projections} == {(Q.Q4_K, True), (Q.Q6_K, True), (Q.Q5_K, False)}
-    assert CpuDecodePath.for_model(model, cpu_kernels()) is not None
+    assert (CpuDecodePath.for_model(model, cpu_kernels()) is None) == tiles
     # each projection's weight as gguf dequantizes the file's blocks (from a fresh copy: not re-laid out for
     # sparsity; in groups of 8 rows on AVX2 builds, whose blocks gguf_blocks rebuilds byte for byte)
     originals = dict(dense.named_modules())
-    weights = {p: p.weight_t.T.float() if isinstance(p, SparseColumnsLinear) else
-               torch.from_numpy(gguf_dequantize(originals[name].gguf_blocks().numpy(), p.qtype)).reshape(p.out_features, -1)
+    # (packed tiles: their own decoding, tested against gguf's in test_quant_linear)
+    weights = {p: p.weight_t.T.float() if isinstance(p, SparseColumnsLinear) else originals[name].dequantize() if tiles
+               else torch.from_numpy(gguf_dequantize(originals[name].gguf_blocks().numpy(), p.qtype)).reshape(p.out_features, -1)
                for name, p in modules_only.named_modules() if p in projections}
     checked = []
 
     def check(module, args, out):
         kept, w = args[0] * (args[0].abs() >= module.threshold), weights[module]
-        bound = (1e-5 * kept.abs().double() @ w.abs().double().T if isinstance(module, SparseColumnsLinear)
-                 else int8_bound(kept, w, activation_group(module, kept.shape[0])))
+        if isinstance(module, SparseColumnsLinear):
+            bound = 1e-5 * kept.abs().double() @ w.abs().double().T
+        else:
+            bound = int8_bound(kept, w, GGML_QUANT_SIZES[module.inner.qtype][0] if tiles else
+                               activation_group(module, kept.shape[0]))
         assert ((out.double() - kept.double() @ w.double().T).abs() - bound).max() <= 1e-9
         checked.append(module)
 
@@ -238,7 +247,7 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     for hook in hooks:
         hook.remove()
     assert set(checked) == set(projections)
-    assert model.backend_state["decode_path"] is not None
+    assert (model.backend_state["decode_path"] is None) == tiles
     _assert_close(ours[16:], modules[16:])
     _assert_close(_batch_decode(model, tokens), _batch_decode(modules_only, tokens))  # three sequences at once
 

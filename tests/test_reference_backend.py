@@ -61,6 +61,8 @@ def test_reference_backend_equals_transformers_fp32_logits():
     ours = model.compute_logits(hidden)
     assert (ours - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     # 1e-4 absolute is below float32's own precision at logits of ~38: transformers' fp32 logits sit
-    # 1.7e-4 from its float64 ones (hearth's 1.5e-4 on the AMD EPYC). The reference backend stays within
-    # that float32 error of float64 (1.5x of it: summation order differs by CPU kind).
-    assert (ours.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max()
+    # 1.0-1.7e-4 from its float64 ones, hearth's 1.5-2.0e-4 (summation orders differ by CPU kind: AVX2 or AVX-512
+    # EPYC, Xeon). The reference backend stays within float32's error of float64: 1e-5 of the largest logit
+    # (~100 float32 steps after 30 layers); int8 activations sit ~0.5 off.
+    assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (want.double() - exact).abs().max() <= 1e-5 * exact.abs().max()  # the bound holds transformers' own

@@ -78,7 +78,9 @@ def test_smollm2_calls_the_weather_tool_for_paris(client, caplog):
 
 
 def test_auto_answers_with_text_and_the_conversation_goes_on_after_a_result(client):
-    hello = [{"role": "user", "content": "Hello! How are you?"}]
+    # greedy's first choice here leads the next by ~0.4 nats on every kernel path (AVX2 groups, VNNI tiles, cold or
+    # after a prefix hit); "Hello! How are you?" was a near-tie (0.04) that the int8 activations' rounding flipped
+    hello = [{"role": "user", "content": "What is 2 + 2?"}]
     res = client.chat.completions.create(model="smollm2", messages=hello, tools=[WEATHER], temperature=0,
                                          max_tokens=60)
     message = res.choices[0].message

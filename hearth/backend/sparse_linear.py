@@ -18,8 +18,9 @@ an activation only if |x| >= the input's calibrated threshold (TEAL's magnitude 
   to SPARSE_MAX_ROWS rows; more rows (prefill chunks): the masked input through int8_matmul on the
   blocks as stored (kept too: a view of the file, read only by prefills). Other block formats (and matrices whose N is no multiple of 64):
   the blocks as stored, the masked input through their int8 kernel (nothing skipped), in the same
-  module and entry. Packed tiles (AVX-512 VNNI builds, which drop the file's blocks) and anything
-  else: `ThresholdedLinear`.
+  module and entry. On AVX-512 VNNI builds (packed tiles) the blocks are the file's, read back through
+  its mapping; packed tiles of blocks that were not a file's (quantized at load), and anything else:
+  `ThresholdedLinear`.
 
 Both sparse modules give the cpu backend's one-call decode path (cpu_decode.py) their operands
 (`kernel_weight`, `qtype`, `threshold_pointer`), so a sparse model keeps that path.
@@ -112,16 +113,23 @@ class SparseBlocksLinear(SparseLinear):
 
     @classmethod
     def of(cls, module: nn.Module, threshold: float, kernels) -> SparseBlocksLinear | None:
-        """From an Int8Linear whose weight is GGUF blocks (as stored, or rebuilt from its groups of 8 rows; not
-        packed tiles, AVX-512 VNNI builds, nor nibble blocks), re-laid out if in SPARSE_BLOCK_QTYPES with N a
-        multiple of 64, else kept; None for another module."""
+        """From an Int8Linear whose weight is GGUF blocks (as stored, rebuilt from its groups of 8 rows, or a
+        file's behind packed tiles); None for another module, packed tiles of blocks not read from a file or
+        a grid format's nibble blocks."""
         blocks = module.gguf_blocks() if isinstance(module, Int8Linear) else None
         if blocks is None:
-            return None  # packed tiles, or a grid format's nibble blocks
-        shape = (module.out_features, module.in_features)
-        skips = module.qtype in SPARSE_BLOCK_QTYPES and module.out_features % 64 == 0
-        layout = kernels.sparse_repack(blocks, module.qtype, *shape) if skips else blocks
-        return cls(layout, blocks, shape, module.bias, threshold, module.qtype, kernels)
+            return None
+        return cls.from_blocks(blocks, module.qtype, (module.out_features, module.in_features), module.bias,
+                               threshold, kernels)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, qtype: int, shape: tuple[int, int], bias: torch.Tensor | None,
+                    threshold: float, kernels) -> SparseBlocksLinear:
+        """GGUF blocks uint8 [N, bytes_per_row] of `shape` (N, K): re-laid out if `qtype` is in
+        SPARSE_BLOCK_QTYPES and N a multiple of 64, else kept."""
+        skips = qtype in SPARSE_BLOCK_QTYPES and shape[0] % 64 == 0
+        layout = kernels.sparse_repack(blocks, qtype, *shape) if skips else blocks
+        return cls(layout, blocks, shape, bias, threshold, qtype, kernels)
 
     @property
     def skips_columns(self) -> bool:
