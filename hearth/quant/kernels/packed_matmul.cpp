@@ -93,6 +93,11 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
   return v;
 }
 
+inline bool software_prefetch() {
+  static const bool on = !__builtin_cpu_is("amd");
+  return on;
+}
+
 // MR activation rows from m0 against one tile. Per sub-block j and 16 rows: S/4 vpdpbusd from the
 // zero point's -Z sum(xq_j), then t += cvt(dot) (d sc_j) - (f mn_j) sum(xq_j); per block y += t dx.
 // stream: the call's first pass over the tile, with few rows (M <= 2 PACKED_MR: decode, a verification's).
@@ -108,8 +113,10 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
     const uint8_t* tt = terms + b * P::TERMS;
     const uint8_t* cb = codes + b * (F::BS / 32) * P::CHUNK;
     // the tile streams from memory (L3 at best), so ask for both arrays as far ahead: at 3-8 rows too,
-    // where the dot products would otherwise wait for it (SmolLM2 Q4_1, 1 thread: 5 rows 7.2 -> 6.1 ms)
-    if (stream) {
+    // where the dot products would otherwise wait for it (SmolLM2 Q4_1, 1 thread: 5 rows 7.2 -> 6.1 ms, on the
+    // Xeon). Not on AMD: an AVX-512 EPYC's own prefetchers stream the tiles faster alone (TinyLlama Q4_K_M
+    // decode at 2 threads 32-35 -> 44-47 tok/s)
+    if (stream && software_prefetch()) {
       constexpr int64_t CODES = (F::BS / 32) * P::CHUNK, AHEAD = (INT8_PREFETCH + CODES - 1) / CODES;  // blocks
       for (int64_t at = 0; at < CODES; at += 64) _mm_prefetch((const char*)(cb + at + AHEAD * CODES), _MM_HINT_T0);
       for (int64_t at = 0; at < P::TERMS; at += 64) _mm_prefetch((const char*)(tt + at + AHEAD * P::TERMS), _MM_HINT_T0);
