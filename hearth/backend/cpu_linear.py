@@ -52,8 +52,9 @@ Q = GGMLQuantizationType
 CODEBOOK_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, *kernels.GRID_FORMATS)
 INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0,
                *CODEBOOK_QTYPES)
-# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 and the codebook formats are read in place)
-PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, *CODEBOOK_QTYPES))
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 read in place, MXFP4 in groups of 8 rows, the
+# grid formats as nibble blocks)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.MXFP4, *kernels.GRID_FORMATS))
 # Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds with neither
 # AVX-512 VNNI nor AVX2): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
 # `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows. Measured on AVX2 before its

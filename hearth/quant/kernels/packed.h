@@ -7,7 +7,7 @@ namespace hearth {
 namespace {  // this source's own copies, internal as when the kernels were one file
 
 // ------------------------------------------------------------------ packed tiles
-// Every block format but TQ2_0, the codebook formats (both read in place) and the grid formats
+// Every block format but TQ2_0 (read in place), MXFP4 (groups of 8 rows) and the grid formats
 // (nibble blocks, grid_nibbles.cpp), repacked once at
 // load on AVX-512 VNNI builds (`repack`; the file's pages are then released: one copy): tiles of NR rows (the last one padded with zero rows), each
 // tile two arrays that run block after block along K, so a thread reads each as one stream.
@@ -16,7 +16,8 @@ namespace {  // this source's own copies, internal as when the kernels were one 
 //     [8 groups of 4 values][32 rows][4] (one 64-byte vector: 4 codes of 16 rows, what one vpdpbusd
 //     multiplies by 4 activation codes), kept at the format's bits:
 //       8 bits (Q8_0): the bytes themselves (code + 128), 1024 bytes;
-//       4 bits (Q4_*, Q5_*, Q6_K): [4][32][4] bytes, low nibble group g, high nibble group g + 4, 512;
+//       4 bits (Q4_*, Q5_*, Q6_K; IQ4_NL / IQ4_XS: their table indices): [4][32][4] bytes, low nibble
+//         group g, high nibble group g + 4, 512;
 //       2 bits (Q2_K, Q3_K): [2][32][4] bytes, bits 2s, 2s + 1 group g + 2s, 256;
 //     then the bits above those: Q5_*, Q3_K's one as [8 groups][2 halves of 16 rows] uint64 masks,
 //     bit i = that bit of byte i of the group's vector, 128 bytes (AVX-512BW adds it back with one
@@ -43,7 +44,12 @@ template <int QT> struct Packed {
   static constexpr int64_t F_AT = 2 * NR, SC_AT = 2 * NR * (1 + MIN), MN_AT = SC_AT + NR * NS;  // in a block's terms
   static constexpr int64_t TERMS = SC_AT + (SC ? NR * NS * (1 + MIN) : 0);                          // bytes per block
 };
-template <int QT> constexpr bool packable() { return QT != TQ2_0 && !codebook<QT>() && !grid_format<QT>() && !nibble_format<QT>(); }
+// IQ4_NL, IQ4_XS: their 4-bit indices packed as Q4_0's codes, looked up per call as value + 128 (one byte
+// shuffle a vector; Z = 128). MXFP4's e8m0 scales have no float16 term: it stays in groups of 8 rows.
+template <int QT> constexpr bool table_packed() { return QT == IQ4_NL || QT == IQ4_XS; }
+template <int QT> constexpr bool packable() {
+  return QT != TQ2_0 && (!codebook<QT>() || table_packed<QT>()) && !grid_format<QT>() && !nibble_format<QT>();
+}
 
 // ... and back: chunk `in` -> byte codes [8][32 rows][4]
 template <int QT>
@@ -61,7 +67,7 @@ void unpack_chunk(const uint8_t* in, uint8_t* v) {
         std::memcpy(&m, in + P::PLANE + (e * 16 + g * 2 + i / 64) * 8, 8);
         q |= uint8_t(((m >> (i % 64)) & 1) << (P::BITS + e));
       }
-      v[g * 128 + i] = q;
+      v[g * 128 + i] = table_packed<QT>() ? uint8_t(IQ4_NL_VALUES[q] + 128) : q;
     }
 }
 

@@ -74,6 +74,9 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
   } else if constexpr (P::BITS == 4) {
     const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 4) + h) * 64));
     v = _mm512_and_si512(g < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+    if constexpr (table_packed<QT>())  // indices -> values + 128
+      v = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_NL_VALUES)),
+                                               _mm512_set1_epi8(char(0x80))), v);
   } else {
     const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 2) + h) * 64));
     v = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (g / 2)), _mm512_set1_epi8(3));

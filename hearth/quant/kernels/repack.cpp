@@ -2,6 +2,8 @@
 #include "avx2_blocks.h"
 #include "packed.h"
 
+#include <array>
+
 namespace hearth {
 namespace {
 
@@ -23,6 +25,10 @@ void block_ints(const uint8_t* b, uint16_t& d, uint16_t& f, int8_t* sc, int8_t* 
       k_scale_min(b + 4, j, s, m);
       sc[j] = int8_t(s), mn[j] = int8_t(m);
     }
+  } else if constexpr (QT == IQ4_XS) {  // d | scales_h u16 | scales_l[4] | qs: 6-bit scales less 32
+    d = bits(b);
+    const int high = b[2] | (b[3] << 8);
+    for (int j = 0; j < 8; j++) sc[j] = int8_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32);
   } else if constexpr (QT == Q6_K) {
     d = bits(b + 208);
     for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
@@ -30,6 +36,16 @@ void block_ints(const uint8_t* b, uint16_t& d, uint16_t& f, int8_t* sc, int8_t* 
     d = bits(b);
     if constexpr (Fmt<QT>::OFF) f = bits(b + 2) ^ 0x8000;
   }
+}
+
+// IQ4_NL's values + 128 (block_codes) back to their table indices, in place
+inline void table_indices(uint8_t* q, int n) {
+  static const auto index = [] {
+    std::array<uint8_t, 256> at{};
+    for (int i = 0; i < 16; i++) at[uint8_t(IQ4_NL_VALUES[i] + 128)] = uint8_t(i);
+    return at;
+  }();
+  for (int i = 0; i < n; i++) q[i] = index[q[i]];
 }
 
 // bit `bit` of each of 64 bytes
@@ -89,6 +105,7 @@ void repack_impl(const uint8_t* w, uint8_t* codes, uint8_t* terms, int64_t N, in
           int8_t sc[P::NS] = {}, mn[P::NS] = {};
           if (n < N) {
             block_codes<QT>(w + n * rb + b * F::BYTES, q[j]);
+            if constexpr (table_packed<QT>()) table_indices(q[j], F::BS);
             block_ints<QT>(w + n * rb + b * F::BYTES, d, f, sc, mn);
           } else {
             std::memset(q[j], 0, F::BS);
