@@ -198,7 +198,6 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
 
     from hearth.backend.cpu import cpu_kernels
     from hearth.backend.cpu_decode import CpuDecodePath
-    from hearth.backend.sparse_linear import SparseLinear, ThresholdedLinear
 
     if out_type == "builtin":
         build = lambda: load_model("builtin", progress=False).model  # noqa: E731
@@ -214,13 +213,7 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     projections = [m for m in modules_only.modules() if hasattr(m, "threshold")]
     tiles = out_type != "builtin" and kernels.extension().vnni
     assert len(projections) >= 4 * len(model.layers)
-    if tiles:
-        assert all(isinstance(m, ThresholdedLinear) and m.inner.codes is not None for m in projections)
-    elif out_type == "builtin":
-        assert all(isinstance(m, SparseColumnsLinear) for m in projections)
-    else:
-        assert all(isinstance(m, SparseLinear) for m in projections)
-        assert {(m.qtype, m.skips_columns) for m in projections} == {(Q.Q4_K, True), (Q.Q6_K, True), (Q.Q5_K, False)}
+    _assert_sparse_modules(projections, out_type, tiles)
     assert (CpuDecodePath.for_model(model, cpu_kernels()) is None) == tiles
     # each projection's weight as gguf dequantizes the file's blocks (from a fresh copy: not re-laid out for
     # sparsity; in groups of 8 rows on AVX2 builds, whose blocks gguf_blocks rebuilds byte for byte)
@@ -250,6 +243,20 @@ def test_a_sparse_model_keeps_the_one_call_decode_path(tmp_path, out_type):
     assert (model.backend_state["decode_path"] is None) == tiles
     _assert_close(ours[16:], modules[16:])
     _assert_close(_batch_decode(model, tokens), _batch_decode(modules_only, tokens))  # three sequences at once
+
+
+def _assert_sparse_modules(projections: list, out_type: str, tiles: bool) -> None:
+    """The built-in model's F16: SparseColumnsLinear; the k-quant mix's Q4_K, Q6_K re-laid out, Q5_K masked
+    (SparseBlocksLinear); VNNI tiles: ThresholdedLinear around the packed module."""
+    from hearth.backend.sparse_linear import SparseLinear, ThresholdedLinear
+
+    if tiles:
+        assert all(isinstance(m, ThresholdedLinear) and m.inner.codes is not None for m in projections)
+    elif out_type == "builtin":
+        assert all(isinstance(m, SparseColumnsLinear) for m in projections)
+    else:
+        assert all(isinstance(m, SparseLinear) for m in projections)
+        assert {(m.qtype, m.skips_columns) for m in projections} == {(Q.Q4_K, True), (Q.Q6_K, True), (Q.Q5_K, False)}
 
 
 def test_bad_values_get_clear_errors(thresholds_file, tmp_path, capsys):
