@@ -73,7 +73,7 @@ def test_release_pages_gives_back_a_file_mappings_pages_and_nothing_else():
 
     import torch
 
-    from hearth.quant.kernels.memory import file_mappings, release_pages
+    from hearth.quant.kernels.memory import file_mappings, mappings_snapshot, release_pages
 
     path = REAL_FILES[0] if REAL_FILES[0].exists() else REAL_FILES[1]
     if not path.exists() or not Path("/proc/self/maps").exists():
@@ -87,3 +87,8 @@ def test_release_pages_gives_back_a_file_mappings_pages_and_nothing_else():
     assert len(mappings) == 1 and mappings[0][0] <= mapped.data_ptr() < mappings[0][1]
     assert release_pages([mapped, copy], mappings) == 1 << 20
     assert torch.equal(mapped, copy) and int(copy.sum()) > 0
+    with mappings_snapshot():  # one read of the maps for a model's preparation; anonymous memory made since
+        assert file_mappings([mapped]) == mappings and file_mappings([copy]) == []  # is read again: never a file's
+        later = torch.ones(1 << 22, dtype=torch.uint8)
+        assert file_mappings([later]) == [] and release_pages([later, copy]) == 0
+    assert int(later.sum()) == 1 << 22 and torch.equal(mapped, copy)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.quant.kernels.memory import mappings_snapshot
 from hearth.quant.tensor import QuantTensor, dequantize_rows
 
 # Rows of the weight dequantized per step of DequantLinear: bounds its temporary to ~16 MB fp32.
@@ -29,19 +30,24 @@ def swap_stored_weights(model: nn.Module, make: Callable[[nn.Module, QuantTensor
                         dtype: torch.dtype) -> None:
     """Every module of `model` whose weight is a QuantTensor replaced by make(module, weight), or,
     where that gives None, kept with its weight dense (a Parameter of the compute dtype `dtype`)."""
-    for name, module in list(model.named_modules()):
-        weight = module.__dict__.get("weight")
-        if not isinstance(weight, QuantTensor):
-            continue
-        replacement = make(module, weight)
-        if replacement is None:
-            del module.weight
-            module.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
-            continue
-        if weight.column_order is not None:
-            replacement = ReorderedInput(replacement, weight.column_order, weight.shape[0])
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, replacement)
+    with mappings_snapshot():  # (a repacking module releases its weight's file pages: one read of the maps)
+        for name, module in list(model.named_modules()):
+            _swap(model, name, module, make, dtype)
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module, make, dtype: torch.dtype) -> None:
+    weight = module.__dict__.get("weight")
+    if not isinstance(weight, QuantTensor):
+        return
+    replacement = make(module, weight)
+    if replacement is None:
+        del module.weight
+        module.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
+        return
+    if weight.column_order is not None:
+        replacement = ReorderedInput(replacement, weight.column_order, weight.shape[0])
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, replacement)
 
 
 class ReorderedInput(nn.Module):
