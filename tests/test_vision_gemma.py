@@ -91,10 +91,12 @@ def _images_attend_both_ways(llm, text: str, images: list, inputs, ref_logits: t
 
 def test_gpu_backend_images_both_ways(gemma, two_images):
     """The gpu backend's prefill kernel (interpreted on the CPU without a GPU), each image's rows seeing the whole
-    image, the sliding layer's window shorter than the prompt: logits of every position within 1e-4 of
-    transformers' with two images."""
-    images, inputs, ref_logits, _ = two_images
-    gpu_logits_match(gemma[0], TWO, images, inputs, ref_logits)
+    image, the sliding layer's window shorter than the prompt: logits of every position within 1e-4 of the cpu
+    backend's with two images, which the test above holds to transformers'. (Not transformers' own here: on
+    the H200 of 2026-11-27, torch 2.11, transformers' Gemma 3 sat 1.2e-3 from both hearth backends, which
+    agreed to 2e-6 there; under the project's torch 2.13 all three agree to 2e-6.)"""
+    images, inputs, _, _ = two_images
+    gpu_logits_match(gemma[0], TWO, images, inputs, _hearth_logits(gemma[3].engine, TWO, images)[1])
 
 
 def gpu_logits_match(folder, text: str, images: list, inputs, ref_logits) -> None:
