@@ -86,7 +86,8 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
 def test_grid_formats_multiply_as_nibble_blocks(ext, qtype):
     """37 rows of 3 blocks: the kernels' decoding of the file's blocks and of the nibble blocks
     (`grid_nibbles`) both bit-exact against gguf's; every int8 path on the nibble blocks and the cpu
-    backend's module (which rewrites them at load) within the int8 bound at 1 to 300 rows; the
+    backend's module (which rewrites them at load; with AVX-512 VNNI, then into the VNNI tiles, the codes as
+    table indices, the scales as the nibble blocks': bit-exact too) within the int8 bound at 1 to 300 rows; the
     reference's dequantizing module within fp32 rounding. The file's blocks are refused by the int8
     kernels, by name."""
     g = torch.Generator().manual_seed(int(qtype))
@@ -102,6 +103,7 @@ def test_grid_formats_multiply_as_nibble_blocks(ext, qtype):
     weight = QuantTensor(data, qtype, (n, k))
     layer = cpu_linear(weight)
     assert isinstance(layer, Int8Linear) and layer.kernel_qtype == nibble_type and torch.equal(layer.dequantize(), w)
+    assert (layer.codes is not None) == ext.vnni
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T

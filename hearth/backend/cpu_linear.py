@@ -53,9 +53,9 @@ Q = GGMLQuantizationType
 CODEBOOK_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, *kernels.GRID_FORMATS)
 INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0,
                *CODEBOOK_QTYPES)
-# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 read in place, MXFP4 in groups of 8 rows, the
-# grid formats as nibble blocks)
-PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.MXFP4, *kernels.GRID_FORMATS))
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 read in place, MXFP4 in groups of 8 rows; the
+# grid formats from their nibble blocks)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.MXFP4))
 # Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds with neither
 # AVX-512 VNNI nor AVX2): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
 # `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows. Measured on AVX2 before its
@@ -105,7 +105,7 @@ class Int8Linear(BoundWeights):
             release_pages([data])
             data = groups
         if self.qtype in PACKED_QTYPES and ext.vnni:  # the tiles pay only with VNNI
-            codes, terms = ext.repack(data, self.qtype, self.out_features, self.in_features)
+            codes, terms = ext.repack(data, self.kernel_qtype, self.out_features, self.in_features)
             release_pages([data])
             self.qweight = None
             self.register_buffer("codes", codes, persistent=False)  # uint8 [tiles, codes of 32 rows]
@@ -152,12 +152,12 @@ class Int8Linear(BoundWeights):
         """The whole weight as a dense matrix (for tests and tools, not the forward pass)."""
         if self.kernel_qtype > kernels.ROWS8:  # groups of 8 rows: the blocks rebuilt, the kernels' own decoding
             return self._ext.dequantize_rows(self.gguf_blocks(), self.qtype, self.in_features).to(dtype)
+        if self.codes is not None:  # packed tiles (a grid format's from its nibble blocks)
+            rows = self._ext.dequantize_packed(self.codes, self.terms, self.kernel_qtype, self.in_features)
+            return rows[: self.out_features].to(dtype)
         if self.kernel_qtype != self.qtype:  # nibble blocks: the kernels' own decoding (bit-exact)
             return self._ext.dequantize_rows(self.qweight, self.kernel_qtype, self.in_features).to(dtype)
-        if self.codes is None:
-            return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
-        rows = self._ext.dequantize_packed(self.codes, self.terms, self.qtype, self.in_features)
-        return rows[: self.out_features].to(dtype)
+        return dequantize_rows(self.qweight, self.qtype, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "

@@ -34,21 +34,28 @@ namespace {  // this source's own copies, internal as when the kernels were one 
 // at batch 1 reads one vector per 16 rows x 4 values (in place: one per 32 values of one row).
 template <int QT> struct Packed {
   using F = Fmt<QT>;
-  static constexpr int BITS = QT == Q8_0 ? 8 : (QT == Q2_K || QT == Q3_K) ? 2 : 4;
-  static constexpr int EXTRA = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q3_K) ? 1 : 0;
+  static constexpr bool CODE3 = QT == NIB3_IQ2 || QT == NIB3_IQ1;  // 3-bit codes: a 2-bit plane and a mask
+  static constexpr int BITS = QT == Q8_0 ? 8 : (QT == Q2_K || QT == Q3_K || CODE3) ? 2 : 4;
+  static constexpr int EXTRA = QT == Q6_K ? 2 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q3_K || CODE3) ? 1 : 0;
   static constexpr bool HIGH_PLANE = EXTRA == 2;  // the extra bits as a 2-bit plane, not masks
   static constexpr int MASKS = HIGH_PLANE ? 0 : EXTRA;
   static constexpr int NS = F::BS / F::S;
   static constexpr bool SC = F::BS == 256, MIN = F::OFF;
   static constexpr int64_t PLANE = 32 * NR * BITS / 8, CHUNK = PLANE + EXTRA * 16 * 8;  // bytes per chunk
-  static constexpr int64_t F_AT = 2 * NR, SC_AT = 2 * NR * (1 + MIN), MN_AT = SC_AT + NR * NS;  // in a block's terms
+  static constexpr int D_BYTES = nibble_format<QT>() ? 4 : 2;  // d float16, the nibble blocks' float32
+  static constexpr int64_t F_AT = D_BYTES * NR, SC_AT = F_AT + 2 * NR * MIN, MN_AT = SC_AT + NR * NS;  // in a block's terms
   static constexpr int64_t TERMS = SC_AT + (SC ? NR * NS * (1 + MIN) : 0);                          // bytes per block
 };
-// IQ4_NL, IQ4_XS: their 4-bit indices packed as Q4_0's codes, looked up per call as value + 128 (one byte
-// shuffle a vector; Z = 128). MXFP4's e8m0 scales have no float16 term: it stays in groups of 8 rows.
-template <int QT> constexpr bool table_packed() { return QT == IQ4_NL || QT == IQ4_XS; }
+// IQ4_NL, IQ4_XS and the nibble blocks of the grid formats: their indices (4 bits; IQ2_*, IQ1_*: 3) packed as
+// codes, looked up per call as value + 128 (one byte shuffle a vector; Z = 128); the nibble blocks' d as
+// float32. MXFP4's e8m0 scales have no float16 term: it stays in groups of 8 rows.
+template <int QT> constexpr bool table_packed() { return QT == IQ4_NL || QT == IQ4_XS || nibble_format<QT>(); }
+template <int QT> constexpr const int8_t* table_values() {
+  if constexpr (nibble_format<QT>()) return Nibbles<QT>::values;
+  else return IQ4_NL_VALUES;
+}
 template <int QT> constexpr bool packable() {
-  return QT != TQ2_0 && (!codebook<QT>() || table_packed<QT>()) && !grid_format<QT>() && !nibble_format<QT>();
+  return QT != TQ2_0 && (!codebook<QT>() || table_packed<QT>()) && !grid_format<QT>();
 }
 
 // ... and back: chunk `in` -> byte codes [8][32 rows][4]
@@ -67,7 +74,7 @@ void unpack_chunk(const uint8_t* in, uint8_t* v) {
         std::memcpy(&m, in + P::PLANE + (e * 16 + g * 2 + i / 64) * 8, 8);
         q |= uint8_t(((m >> (i % 64)) & 1) << (P::BITS + e));
       }
-      v[g * 128 + i] = table_packed<QT>() ? uint8_t(IQ4_NL_VALUES[q] + 128) : q;
+      v[g * 128 + i] = table_packed<QT>() ? uint8_t(table_values<QT>()[q] + 128) : q;
     }
 }
 
@@ -76,7 +83,10 @@ template <int QT>
 void tile_block_terms(const uint8_t* tt, float (*s)[NR], float (*o)[NR]) {
   using P = Packed<QT>;
   for (int j = 0; j < NR; j++) {
-    const float d = h2f(tt + 2 * j), f = P::MIN ? h2f(tt + P::F_AT + 2 * j) : 0.f;
+    float d;
+    if constexpr (P::D_BYTES == 4) std::memcpy(&d, tt + 4 * j, 4);
+    else d = h2f(tt + 2 * j);
+    const float f = P::MIN ? h2f(tt + P::F_AT + 2 * j) : 0.f;
     for (int i = 0; i < P::NS; i++) {
       s[i][j] = P::SC ? d * float(int8_t(tt[P::SC_AT + i * NR + j])) : d;
       o[i][j] = P::MIN ? -(f * (P::SC ? float(int8_t(tt[P::MN_AT + i * NR + j])) : 1.f)) : 0.f;

@@ -74,9 +74,6 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
   } else if constexpr (P::BITS == 4) {
     const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 4) + h) * 64));
     v = _mm512_and_si512(g < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
-    if constexpr (table_packed<QT>())  // indices -> values + 128
-      v = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_NL_VALUES)),
-                                               _mm512_set1_epi8(char(0x80))), v);
   } else {
     const __m512i raw = _mm512_loadu_si512((const void*)(chunk + (2 * (g % 2) + h) * 64));
     v = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (g / 2)), _mm512_set1_epi8(3));
@@ -93,6 +90,9 @@ inline __m512i packed_codes(const uint8_t* chunk, int g, int h) {
     std::memcpy(&m, chunk + P::PLANE + (e * 16 + 2 * g + h) * 8, 8);
     v = _mm512_mask_add_epi8(v, _cvtu64_mask64(m), v, _mm512_set1_epi8((char)(1 << (P::BITS + e))));
   }
+  if constexpr (table_packed<QT>())  // indices -> values + 128
+    v = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)table_values<QT>())),
+                                             _mm512_set1_epi8(char(0x80))), v);
   return v;
 }
 
@@ -126,7 +126,8 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
     }
     __m512 d[2], f[2], t[MR][2];
     for (int h = 0; h < 2; h++) {
-      d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
+      d[h] = P::D_BYTES == 4 ? _mm512_loadu_ps((const float*)(tt + 64 * h))
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
       f[h] = P::MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + P::F_AT + 32 * h))) : _mm512_setzero_ps();
       for (int r = 0; r < MR; r++) t[r][h] = _mm512_setzero_ps();
     }

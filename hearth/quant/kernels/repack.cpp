@@ -7,12 +7,16 @@
 namespace hearth {
 namespace {
 
-// A block's terms as the tiles keep them: d, f as float16 bits, sc and mn per sub-block.
+// A block's terms as the tiles keep them: d as float16 bits (the nibble blocks': float32 bits), f as float16
+// bits, sc and mn per sub-block.
 template <int QT>
-void block_ints(const uint8_t* b, uint16_t& d, uint16_t& f, int8_t* sc, int8_t* mn) {
+void block_ints(const uint8_t* b, uint32_t& d, uint16_t& f, int8_t* sc, int8_t* mn) {
   auto bits = [](const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return h; };
   f = 0;
-  if constexpr (QT == Q2_K) {
+  if constexpr (nibble_format<QT>()) {  // d float32 | scale int8[16]
+    std::memcpy(&d, b, 4);
+    for (int j = 0; j < 16; j++) sc[j] = int8_t(b[4 + j]);
+  } else if constexpr (QT == Q2_K) {
     d = bits(b + 80), f = bits(b + 82);
     for (int j = 0; j < 16; j++) sc[j] = int8_t(b[j] & 0x0F), mn[j] = int8_t(b[j] >> 4);
   } else if constexpr (QT == Q3_K) {
@@ -38,11 +42,12 @@ void block_ints(const uint8_t* b, uint16_t& d, uint16_t& f, int8_t* sc, int8_t* 
   }
 }
 
-// IQ4_NL's values + 128 (block_codes) back to their table indices, in place
-inline void table_indices(uint8_t* q, int n) {
+// A table format's values + 128 (block_codes, unpack) back to their indices, in place
+template <int QT>
+void table_indices(uint8_t* q, int n) {
   static const auto index = [] {
     std::array<uint8_t, 256> at{};
-    for (int i = 0; i < 16; i++) at[uint8_t(IQ4_NL_VALUES[i] + 128)] = uint8_t(i);
+    for (int i = 15; i >= 0; i--) at[uint8_t(table_values<QT>()[i] + 128)] = uint8_t(i);  // (6-value tables: zeros after)
     return at;
   }();
   for (int i = 0; i < n; i++) q[i] = index[q[i]];
@@ -101,16 +106,22 @@ void repack_impl(const uint8_t* w, uint8_t* codes, uint8_t* terms, int64_t N, in
         uint8_t* tt = terms + t * term_bytes + b * P::TERMS;
         for (int j = 0; j < NR; j++) {
           const int64_t n = t * NR + j;
-          uint16_t d = 0, f = 0;
+          uint32_t d = 0;
+          uint16_t f = 0;
           int8_t sc[P::NS] = {}, mn[P::NS] = {};
           if (n < N) {
-            block_codes<QT>(w + n * rb + b * F::BYTES, q[j]);
-            if constexpr (table_packed<QT>()) table_indices(q[j], F::BS);
+            if constexpr (nibble_format<QT>()) {  // (read in place by their own kernel: no Block<QT>)
+              float s[P::NS], o[P::NS];
+              unpack<QT>(w + n * rb + b * F::BYTES, q[j], s, o);
+            } else {
+              block_codes<QT>(w + n * rb + b * F::BYTES, q[j]);
+            }
+            if constexpr (table_packed<QT>()) table_indices<QT>(q[j], F::BS);
             block_ints<QT>(w + n * rb + b * F::BYTES, d, f, sc, mn);
           } else {
             std::memset(q[j], 0, F::BS);
           }
-          std::memcpy(tt + 2 * j, &d, 2);
+          std::memcpy(tt + P::D_BYTES * j, &d, P::D_BYTES);  // (little-endian: float16 bits in d's low bytes)
           if constexpr (P::MIN) std::memcpy(tt + P::F_AT + 2 * j, &f, 2);
           if constexpr (P::SC)
             for (int s = 0; s < P::NS; s++) {
