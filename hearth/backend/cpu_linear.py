@@ -16,10 +16,10 @@ measurements behind each choice):
   rounded to int8 per block of the weight's format (256 values for K-quants read in place or packed:
   llama.cpp's q8_K; 32 for the others and for any format in groups: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
-  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0, MXFP4 and the grid formats
-  is instead repacked once, at load, into tiles of 32 rows (the codes at their own bits, IQ4_NL's and
-  IQ4_XS's indices looked up per call by one byte shuffle; the block's scales as stored: about the
-  file's size) that one VNNI instruction multiplies 16 rows of, with no decoding per call at any batch
+  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and MXFP4 (the grid
+  formats from their nibble blocks) is instead repacked once, at load, into tiles of 32 rows (the codes at
+  their own bits, IQ4_NL's, IQ4_XS's and the nibble blocks' indices looked up per call by one byte shuffle;
+  the block's scales as stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding per call at any batch
   size; the file's pages are then released from this process (they stay in
   the page cache). On a build with neither (no AVX2), Q5_0 / Q5_1 past WIDENED_PAST_ROWS rows (prefill
   chunks) take tiles of the weight widened to fp32 and torch's fp32 GEMM instead, as F16/BF16 do.

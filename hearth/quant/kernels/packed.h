@@ -7,8 +7,8 @@ namespace hearth {
 namespace {  // this source's own copies, internal as when the kernels were one file
 
 // ------------------------------------------------------------------ packed tiles
-// Every block format but TQ2_0 (read in place), MXFP4 (groups of 8 rows) and the grid formats
-// (nibble blocks, grid_nibbles.cpp), repacked once at
+// Every block format but TQ2_0 (read in place) and MXFP4 (groups of 8 rows), the grid formats from their nibble
+// blocks (grid_nibbles.cpp), repacked once at
 // load on AVX-512 VNNI builds (`repack`; the file's pages are then released: one copy): tiles of NR rows (the last one padded with zero rows), each
 // tile two arrays that run block after block along K, so a thread reads each as one stream.
 //
