@@ -34,7 +34,7 @@ def gemma(tmp_path_factory):
 
     folder = make_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl"))
     reference = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return folder, transformers.AutoProcessor.from_pretrained(folder), reference, LLM(str(folder), progress=False)
+    return folder, transformers.AutoProcessor.from_pretrained(folder), reference, LLM(str(folder), device="cpu", progress=False)
 
 
 @pytest.fixture(scope="module")
