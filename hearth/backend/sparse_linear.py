@@ -18,9 +18,8 @@ an activation only if |x| >= the input's calibrated threshold (TEAL's magnitude 
   to SPARSE_MAX_ROWS rows; more rows (prefill chunks): the masked input through int8_matmul on the
   blocks as stored (kept too: a view of the file, read only by prefills). Other block formats (and matrices whose N is no multiple of 64):
   the blocks as stored, the masked input through their int8 kernel (nothing skipped), in the same
-  module and entry. On AVX-512 VNNI builds (packed tiles) the blocks are the file's, read back through
-  its mapping; packed tiles of blocks that were not a file's (quantized at load), and anything else:
-  `ThresholdedLinear`.
+  module and entry. Packed tiles (AVX-512 VNNI builds, which drop the file's blocks) and anything
+  else: `ThresholdedLinear`.
 
 Both sparse modules give the cpu backend's one-call decode path (cpu_decode.py) their operands
 (`kernel_weight`, `qtype`, `threshold_pointer`), so a sparse model keeps that path.
@@ -113,9 +112,8 @@ class SparseBlocksLinear(SparseLinear):
 
     @classmethod
     def of(cls, module: nn.Module, threshold: float, kernels) -> SparseBlocksLinear | None:
-        """From an Int8Linear whose weight is GGUF blocks (as stored, rebuilt from its groups of 8 rows, or a
-        file's behind packed tiles); None for another module, packed tiles of blocks not read from a file or
-        a grid format's nibble blocks."""
+        """From an Int8Linear whose weight is GGUF blocks (as stored, or rebuilt from its groups of 8 rows; not
+        packed tiles, AVX-512 VNNI builds, nor nibble blocks); None for another module."""
         blocks = module.gguf_blocks() if isinstance(module, Int8Linear) else None
         if blocks is None:
             return None

@@ -16,9 +16,10 @@ namespace {  // this source's own copies, internal as when the kernels were one 
 //     [8 groups of 4 values][32 rows][4] (one 64-byte vector: 4 codes of 16 rows, what one vpdpbusd
 //     multiplies by 4 activation codes), kept at the format's bits:
 //       8 bits (Q8_0): the bytes themselves (code + 128), 1024 bytes;
-//       4 bits (Q4_*, Q5_*, Q6_K; IQ4_NL / IQ4_XS: their table indices): [4][32][4] bytes, low nibble
-//         group g, high nibble group g + 4, 512;
-//       2 bits (Q2_K, Q3_K): [2][32][4] bytes, bits 2s, 2s + 1 group g + 2s, 256;
+//       4 bits (Q4_*, Q5_*, Q6_K; IQ4_NL, IQ4_XS, the IQ3_* nibble blocks: their table indices): [4][32][4]
+//         bytes, low nibble group g, high nibble group g + 4, 512;
+//       2 bits (Q2_K, Q3_K; the IQ2_* / IQ1_* nibble blocks' 3-bit indices, their third bit a mask below):
+//         [2][32][4] bytes, bits 2s, 2s + 1 group g + 2s, 256;
 //     then the bits above those: Q5_*, Q3_K's one as [8 groups][2 halves of 16 rows] uint64 masks,
 //     bit i = that bit of byte i of the group's vector, 128 bytes (AVX-512BW adds it back with one
 //     masked add); Q6_K's two as a 2-bit plane of their own laid out as Q2_K's, 256 bytes (a shift

@@ -82,7 +82,8 @@ inline __m256 e8m0_half8(const uint8_t* e) {
 // With AVX-512 VNNI a table's signed values are looked up as unsigned bytes, value + 128 (the table's top
 // bits flipped), which one vpdpbusd multiplies by 4 signed activations and sums into each row's lane; the
 // block's 128 sum(x) comes off with the offset term, as Q4_0's 8 sum(x) does (the codes' zero point).
-// IQ4_XS prefill on an AVX-512 EPYC: ~1.6x (three instructions a step fewer).
+// IQ4_XS prefill on an AVX-512 EPYC, 2 threads: ~1.6x (three instructions a step fewer; measured before IQ4_XS
+// moved to the VNNI tiles, which MXFP4 alone of these formats does not).
 #ifdef HEARTH_VNNI
 constexpr bool UNSIGNED_TABLES = true;
 #else
@@ -240,7 +241,7 @@ void group_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
 }
 
 // activation rows per pass over a group: 4 in AVX2's 16 vector registers; 8 in AVX-512's 32 (IQ4_XS prefill on
-// an AVX-512 EPYC 1.2x over 4)
+// an AVX-512 EPYC, 2 threads, 1.2x over 4, before it moved to the VNNI tiles)
 #ifdef HEARTH_AVX512
 constexpr int ROWS8_MR = 8;
 #else
