@@ -14,6 +14,9 @@ a sample is an estimate.
         --static-sample 1 --out benchmarks/results/batching-tinyllama
     python benchmarks/batching.py --model tinyllama-1.1b --dtype bfloat16 --input-len 16-512 \\
         --output-len 16-256 --sequential-sample 1 --threads 1 --cpu-time --out benchmarks/results/batching-mixed
+
+--hearth-dtype auto runs hearth as a user's `hearth serve FOLDER` does (on a CPU: float32 activations,
+the weights kept in the folder's bf16) against transformers in --dtype.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sequential-sample", type=int, default=0, help="one-at-a-time requests timed (0: all)")
     ap.add_argument("--static-sample", type=int, default=0, help="static batches timed (0: all)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--hearth-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                    help="hearth's compute dtype (default: --dtype; auto: hearth's default, float32 on a CPU with "
+                         "the weights kept in the folder's dtype)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--also-gguf", default=None, metavar="TYPE",
                     help="also run hearth on the model's GGUF of this type (q8_0...), its quantized path")
@@ -143,13 +149,14 @@ def run_transformers(args: argparse.Namespace, work: SimpleNamespace, folder: st
 
 def report(args: argparse.Namespace, description: str, info: dict, results: dict) -> str:
     n = args.num_prompts
-    base = results[f"hearth, {n} concurrent (continuous batching)"]["output_tokens_per_s"]  # the same dtype as transformers
+    base = results[f"hearth, {n} concurrent (continuous batching)"]["output_tokens_per_s"]
     rows = [[name, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.2f}x", r["seconds"], r["note"]]
             for name, r in results.items()]
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     lengths = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in (args.input_len, args.output_len)]
     return "\n".join([
-        f"### {n} requests of {lengths[0]} prompt + {lengths[1]} output tokens: {description}, {args.dtype}, "
+        f"### {n} requests of {lengths[0]} prompt + {lengths[1]} output tokens: {description}, {args.dtype}"
+        + (f" (hearth: {args.hearth_dtype})" if args.hearth_dtype else "") + ", "
         f"{plural(threads(), 'thread')}" + (", CPU seconds" if args.cpu_time else ""),
         "",
         f"`{command}`",
@@ -176,7 +183,7 @@ def main() -> None:
     info = machine()
     work = make_workload(args, folder)
     results: dict = {}
-    run_hearth(args, work, source, args.dtype, "", clock, results)
+    run_hearth(args, work, source, args.hearth_dtype or args.dtype, "", clock, results)
     if args.also_gguf:  # the same weights as a quantized GGUF, in hearth's own compute dtype
         gguf = bench_model(args.model, (args.also_gguf,))[args.also_gguf]
         run_hearth(args, work, gguf, "auto", f" on the {args.also_gguf} GGUF (float32 activations)", clock, results)

@@ -56,7 +56,8 @@ class Kernels:
 
     def half_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
         """x [M, K] W^T -> float32 [M, n] for F16 / BF16 W, any M. x float32: exact up to summation
-        order. x bfloat16 (bf16 compute): widened to fp32 once, the same fp32 products (exact for bf16 x bf16)."""
+        order, but for BF16 W from `half_bf16_min_rows()` rows (where not 0; not `portable`) rounded to
+        bf16 first. x bfloat16 (bf16 compute): the same fp32 products (exact for bf16 x bf16)."""
         x, k = self._check(x, w, qtype, n, (torch.float32, torch.bfloat16))
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         self.module.half_matmul(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),

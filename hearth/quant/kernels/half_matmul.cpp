@@ -39,29 +39,48 @@ inline float half_value(int qt, const uint8_t* p) {
 #if defined(HEARTH_AVX512)
 #define HEARTH_HALF_SIMD 1
 template <int QT> struct Fp32Lanes {
-  using V = __m512; using W = __m512; using X = __m512;
-  static constexpr int STEP = 16, NR = 4;  // 24 accumulators (4 x HALF_MR), 4 weights, 1 activation
+  using V = __m512; using W = __m512; using X = __m512; using XT = float;
+  static constexpr int STEP = 16, NR = 4, MR = 6;  // 24 accumulators, 4 weights, 1 activation
   static V zero() { return _mm512_setzero_ps(); }
   static W w(const uint8_t* p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
     return QT == F16 ? _mm512_cvtph_ps(raw) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   static X x(const float* p) { return _mm512_loadu_ps(p); }
+  static float x_at(const float* p) { return *p; }
   static V madd(W a, X b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
 };
+#if defined(__AVX512BF16__)
+// BF16 weights against activations rounded to bf16: AVX512_BF16's vdpbf16ps takes 32 values of
+// each (16 pairs) and adds each pair's two exact products to an fp32 lane, twice the FLOPs of an
+// fp32 FMA, and the weights need no widening. Where that pays is the CPU's (bf16_dots_pay).
+#define HEARTH_BF16_DOTS 1
+struct Bf16Lanes {
+  using V = __m512; using W = __m512bh; using X = __m512bh; using XT = uint16_t;
+  static constexpr int STEP = 32, NR = 6, MR = 4;  // 24 accumulators, 6 weights, 1 activation
+  static V zero() { return _mm512_setzero_ps(); }
+  static W w(const uint8_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static X x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static float x_at(const uint16_t* p) { return bf16_to_float(*p); }
+  static V madd(W a, X b, V c) { return _mm512_dpbf16_ps(c, a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+};
+#endif
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define HEARTH_HALF_SIMD 1
 template <int QT> struct Fp32Lanes {
-  using V = __m256; using W = __m256; using X = __m256;
-  static constexpr int STEP = 8, NR = 2;  // 16 registers: 2 x HALF_MR accumulators, 2 weights, 1 activation
+  using V = __m256; using W = __m256; using X = __m256; using XT = float;
+  static constexpr int STEP = 8, NR = 2, MR = 6;  // 16 registers: 12 accumulators, 2 weights, 1 activation
   static V zero() { return _mm256_setzero_ps(); }
   static W w(const uint8_t* p) {
     const __m128i raw = _mm_loadu_si128((const __m128i*)p);
     return QT == F16 ? _mm256_cvtph_ps(raw) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
   static X x(const float* p) { return _mm256_loadu_ps(p); }
+  static float x_at(const float* p) { return *p; }
   static V madd(W a, X b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V a) { return hsum8(a); }
@@ -74,10 +93,10 @@ template <int QT> struct Fp32Lanes {
 // `nr` / `mr` repeat the last one (computed, not stored), so one instantiation serves the edges.
 // U > 1 (decode, one activation row): U accumulator sets over alternate steps, to hide latency.
 template <class L, int QT, int NR, int MR, int U>
-inline void half_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t x_stride, int64_t K, int nr, int mr,
-                      float* y, int64_t N, bool accumulate) {
+inline void half_tile(const uint8_t* w, int64_t row_bytes, const typename L::XT* x, int64_t x_stride, int64_t K, int nr,
+                      int mr, float* y, int64_t N, bool accumulate) {
   const uint8_t* rows[NR];
-  const float* xs[MR];
+  const typename L::XT* xs[MR];
   for (int j = 0; j < NR; j++) rows[j] = w + std::min(j, nr - 1) * row_bytes;
   for (int i = 0; i < MR; i++) xs[i] = x + std::min(i, mr - 1) * x_stride;
   typename L::V acc[U][MR][NR];
@@ -105,7 +124,7 @@ inline void half_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64
       typename L::V a = acc[0][i][j];
       for (int u = 1; u < U; u++) a = L::add(a, acc[u][i][j]);
       float tail = 0.f;  // K need not be a multiple of STEP
-      for (int64_t t = k; t < K; t++) tail += half_value(QT, rows[j] + 2 * t) * xs[i][t];
+      for (int64_t t = k; t < K; t++) tail += half_value(QT, rows[j] + 2 * t) * L::x_at(xs[i] + t);
       y[i * N + j] = (accumulate ? y[i * N + j] : 0.f) + L::sum(a) + tail;
     }
 }
@@ -115,14 +134,13 @@ inline void half_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64
 // that range of K) pass over the block's rows, NR at a time. Partial sums over K add up in y.
 // Six rows a tile: a verification of up to 5 guesses is one pass over the weights (each weight
 // widened once), where 4 rows a tile made 5 rows cost 1.33x 4 (the built-in model's layers).
-constexpr int HALF_MR = 6;
-constexpr int64_t HALF_KC = 2048, HALF_BLOCK_BYTES = 1 << 20;
+constexpr int64_t HALF_KC = 2048, HALF_BLOCK_BYTES = 1 << 19;
 
 // half_tile for the last mr < MR activation rows with a tile of mr rows, not MR (a tile computes
 // all its rows: 7 rows would cost 12 where they cost 6 + 1)
-template <class L, int QT, int MR = HALF_MR>
-inline void half_tile_rows(int mr, const uint8_t* w, int64_t row_bytes, const float* x, int64_t x_stride, int64_t K,
-                           int nr, float* y, int64_t N, bool accumulate) {
+template <class L, int QT, int MR = L::MR>
+inline void half_tile_rows(int mr, const uint8_t* w, int64_t row_bytes, const typename L::XT* x, int64_t x_stride,
+                           int64_t K, int nr, float* y, int64_t N, bool accumulate) {
   if constexpr (MR > 1)
     if (mr < MR) return half_tile_rows<L, QT, MR - 1>(mr, w, row_bytes, x, x_stride, K, nr, y, N, accumulate);
   half_tile<L, QT, L::NR, MR, 1>(w, row_bytes, x, x_stride, K, nr, MR, y, N, accumulate);
@@ -132,8 +150,8 @@ inline void half_tile_rows(int mr, const uint8_t* w, int64_t row_bytes, const fl
 // row (decode): one weight row at a time, each thread reading one sequential stream (the
 // hardware prefetchers follow it).
 template <class L, int QT>
-void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M, float* y, int64_t N,
-                      int64_t n0, int64_t n1) {
+void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const typename L::XT* x, int64_t M, float* y,
+                      int64_t N, int64_t n0, int64_t n1) {
   if (M == 1) {
     for (int64_t n = n0; n < n1; n++)
       half_tile<L, QT, 1, 1, 4>(w + n * row_bytes, row_bytes, x, K, K, 1, 1, y + n, N, false);
@@ -144,9 +162,9 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const floa
     const int64_t block = std::max<int64_t>(L::NR, HALF_BLOCK_BYTES / (2 * kc) / L::NR * L::NR);
     for (int64_t b0 = n0; b0 < n1; b0 += block) {
       const int64_t b1 = std::min(n1, b0 + block);
-      for (int64_t m = 0; m < M; m += HALF_MR)
+      for (int64_t m = 0; m < M; m += L::MR)
         for (int64_t n = b0; n < b1; n += L::NR)
-          half_tile_rows<L, QT>((int)std::min<int64_t>(HALF_MR, M - m), w + n * row_bytes + 2 * k0, row_bytes,
+          half_tile_rows<L, QT>((int)std::min<int64_t>(L::MR, M - m), w + n * row_bytes + 2 * k0, row_bytes,
                                 x + m * K + k0, K, kc, (int)std::min<int64_t>(L::NR, b1 - n), y + m * N + n, N,
                                 k0 > 0);
     }
@@ -155,15 +173,67 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const floa
 }
 #endif  // HEARTH_HALF_SIMD
 
+#ifdef HEARTH_BF16_DOTS
+// Fewer rows read the weights at the memory's rate either way: their activations stay fp32.
+constexpr int64_t HALF_BF16_MIN_ROWS = 4;
+
+// Whether bf16 pairs beat widening to fp32: on AMD's AVX512_BF16 (Zen 4) vdpbf16ps issues at the
+// fp32 FMA's rate with twice its FLOPs (torch's bf16 GEMM there: ~420 GFLOP/s at 512 rows against
+// ~170 for the widening, 2 threads); on the Intel Xeon measured it issued at a quarter of vfmadd's
+// rate (docs/quantized-matmul.md), so Intel keeps the widening.
+bool bf16_dots_pay() {
+  static const bool pays = __builtin_cpu_is("amd");
+  return pays;
+}
+
+// x [M, K] fp32 rounded to bf16 (to nearest even, as torch's .bfloat16()), 16 at a time; the rows
+// split between threads where there are many (a prefill chunk's: ~8% of its matmul on one thread)
+std::vector<uint16_t> round_to_bf16(const float* x, int64_t M, int64_t K, int threads) {
+  std::vector<uint16_t> out(M * K);
+  parallel_ranges(M, threads, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    int64_t i = m0 * K;
+    for (; i + 16 <= m1 * K; i += 16)
+      _mm256_storeu_si256((__m256i*)(out.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i < m1 * K; i++) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i, 4);
+      out[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
-// y [M, N] = x [M, K] W^T for F16 / BF16 W [N, K] as uint8 [N, row_bytes], any M, fp32 products
-// (exact up to summation order). x fp32, or bf16 bits (x_bf16: bf16 compute), widened once.
+int64_t half_bf16_min_rows() {
+#ifdef HEARTH_BF16_DOTS
+  return bf16_dots_pay() ? HALF_BF16_MIN_ROWS : 0;
+#else
+  return 0;
+#endif
+}
+
+// y [M, N] = x [M, K] W^T for F16 / BF16 W [N, K] as uint8 [N, row_bytes], any M. fp32 products
+// (exact up to summation order) of x fp32, or bf16 bits (x_bf16: bf16 compute) widened once; for
+// BF16 weights and at least half_bf16_min_rows() rows (where not 0), x rounded to bf16 and
+// bf16 pairs (vdpbf16ps: exact products, fp32 sums).
 void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
                  bool x_bf16, bool portable, int threads) {
   if (qtype != F16 && qtype != BF16) throw std::invalid_argument("half_matmul: F16 and BF16 only");
   const uint8_t* wp = (const uint8_t*)w_;
   float* yp = (float*)y_;
+#ifdef HEARTH_BF16_DOTS
+  if (qtype == BF16 && M >= HALF_BF16_MIN_ROWS && !portable && bf16_dots_pay()) {
+    std::vector<uint16_t> rounded;
+    if (!x_bf16) rounded = round_to_bf16((const float*)x_, M, K, threads);
+    const uint16_t* xb = x_bf16 ? (const uint16_t*)x_ : rounded.data();
+    parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
+      half_matmul_simd<Bf16Lanes, BF16>(wp, rb, K, xb, M, yp, N, n0, n1);
+    });
+    return;
+  }
+#endif
   std::vector<float> widened;
   if (x_bf16) {
     widened.resize(M * K);

@@ -110,6 +110,7 @@ enum Int8Path : int { FASTEST = 0, AVX2 = 1, PORTABLE = 2 };
 // The entries, each defined in the source of its job (the comments there say what they compute).
 void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
                  bool x_bf16, bool portable, int threads);
+int64_t half_bf16_min_rows();  // rows from which half_matmul takes bf16 pairs for BF16 weights; 0: never
 void dequantize_rows(uintptr_t w_, uintptr_t out_, int64_t rows, int64_t K, int64_t rb, int qtype, int threads);
 void sparse_matmul(uintptr_t x_, uintptr_t wt_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
                    float threshold, int threads);
