@@ -145,11 +145,13 @@ def test_calm_is_refused_where_the_engine_cannot_run_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def half_folder(folder, tmp_path_factory):
-    """folder's model in bfloat16: its decode steps run in the cpu backend's one kernel call
-    (HalfLinear), where the saturation checks run inside the kernel (hearth/backend/cpu_decode.py)."""
-    half = tmp_path_factory.mktemp("calm-bf16")
+    """folder's model in float16: its decode steps run in the cpu backend's one kernel call
+    (HalfLinear), where the saturation checks run inside the kernel (hearth/backend/cpu_decode.py).
+    (float16, not bfloat16: F16 weights' products stay exact on every CPU; BF16 ones take bf16 pairs,
+    their activations rounded, on AMD's AVX512_BF16.)"""
+    half = tmp_path_factory.mktemp("calm-f16")
     shutil.copytree(folder, half, dirs_exist_ok=True)
-    load_hf_reference(folder).to(torch.bfloat16).save_pretrained(half)
+    load_hf_reference(folder).to(torch.float16).save_pretrained(half)
     return half
 
 
@@ -157,7 +159,7 @@ def half_folder(folder, tmp_path_factory):
 def test_saturation_measures_equal_the_formula(folder, half_folder, kernel):
     """Hidden-state saturation (calm_measure "saturation") and the softmax response gated by it
     ("saturation-softmax") against CALM's formulas on transformers' hidden states, side by side with
-    a softmax-response request and one at threshold 1 (never leaves: plain greedy). The bfloat16
+    a softmax-response request and one at threshold 1 (never leaves: plain greedy). The float16
     model's steps check inside the decode kernel; the float32 model's run the modules, torch measuring."""
     path = half_folder if kernel else folder
     reference = load_hf_reference(path)

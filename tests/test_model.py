@@ -104,9 +104,13 @@ def test_bf16_folder_matches_transformers_bf16(tmp_path):
     as transformers' own bf16 run does: at most twice its logit error, a tolerance on logits rather
     than on tokens because two bf16 computations that round in different places may split a near
     tie differently. In float32 (the default on a CPU) the cpu backend keeps the weights in bf16
-    (HalfLinear on half_matmul) and multiplies them exactly: within 1e-4."""
+    (HalfLinear on half_matmul) and multiplies them exactly: within 1e-4; where the kernels take bf16
+    pairs, by the activations rounded to bf16: then closer than transformers' bf16 run (which rounds
+    those and every result). (Not within 1e-4 of transformers' float32 model with its Linear inputs
+    rounded: fp32 values 1e-7 apart round to bf16 values one unit apart, about once per 10^4.)"""
     from hearth.backend.cpu_linear import HalfLinear
     from hearth.loading.safetensors import load_hf_folder
+    from hearth.quant import kernels
 
     folder = _bf16_folder(tmp_path)
     model = load_model(folder, dtype=torch.bfloat16, progress=False).model
@@ -119,7 +123,9 @@ def test_bf16_folder_matches_transformers_bf16(tmp_path):
     assert _relative_error(_hearth_logits(model, TOKENS), exact) <= 2 * bf16_error
     model32 = load_model(folder, progress=False).model
     assert any(isinstance(m, HalfLinear) and m.qtype.name == "BF16" for m in model32.modules())
-    assert _relative_error(_hearth_logits(model32, TOKENS), exact) <= 1e-4
+    pairs_from = kernels.extension().module.half_bf16_min_rows() if kernels.extension() is not None else 0
+    bound = bf16_error if 0 < pairs_from <= len(TOKENS) else 1e-4
+    assert _relative_error(_hearth_logits(model32, TOKENS), exact) <= bound
 
 
 def test_bf16_folder_greedy_equals_transformers_bf16_generate(tmp_path):

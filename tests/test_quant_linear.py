@@ -1,10 +1,8 @@
 """Quantized matmul: every path against dequantize-then-matmul, and models that stay quantized.
 
 Tolerances (docs/quantized-matmul.md):
-- half_matmul (F16/BF16 weights; fp32 activations, or bf16 ones against the float64 product of
-  those bf16 values: their products are exact in fp32; where the kernels take bf16 pairs, fp32
-  activations against BF16 weights rounded to bf16 first) and the torch path: |y - ref| <= 1e-5 *
-  (|x| @ |W|^T), fp32 rounding;
+- half_matmul (F16/BF16 weights; fp32 activations, or bf16 ones, exact products in fp32; with bf16
+  pairs, fp32 activations rounded to bf16 first) and the torch path: |y - ref| <= 1e-5 (|x| @ |W|^T);
 - int8_matmul and packed_matmul (blocks in place, or repacked into tiles; activations rounded to
   int8 per block b of the weight's format, 32 values or 256 for K-quants: llama.cpp's q8_0 / q8_K): each activation is off
   by at most half its block's step amax_b / 127, so |y - ref| <= sum_b (amax_b / 254) sum_b |w|,
@@ -83,24 +81,17 @@ def fp32_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6
 
 
-def half_activations(ext, x: torch.Tensor, qtype, portable: bool = False) -> torch.Tensor:
-    """The activations half_matmul multiplies: x, or x rounded to bf16 (torch's rounding, to nearest
-    even) where the kernels take bf16 pairs for BF16 weights (`half_bf16_min_rows`)."""
-    rows = ext.module.half_bf16_min_rows()
-    return x.bfloat16() if qtype == Q.BF16 and not portable and 0 < rows <= x.shape[0] else x
-
-
-def half_linear_bound(x: torch.Tensor, w: torch.Tensor, qtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """HalfLinear's reference and bound for x: the float64 product of the activations its kernel
-    multiplies, within fp32 rounding; where it hands a prefill chunk to torch's bf16 GEMM (bf16
-    pairs, past HALF_MAX_ROWS), also that result's rounding to bf16 (half a unit: 2^-9 of it)."""
+def half_reference(x: torch.Tensor, w: torch.Tensor, qtype, portable: bool = False, linear: bool = False):
+    """half_matmul's (linear: HalfLinear's) reference and bound for x: the float64 product of the
+    activations it multiplies (x, or x rounded to bf16 by torch where the kernels take bf16 pairs for
+    BF16 weights: `half_bf16_min_rows`) within fp32 rounding; HalfLinear's prefill chunks through torch's
+    bf16 GEMM there (past HALF_MAX_ROWS) also within that result's rounding to bf16 (2^-9 of it)."""
     ext = kernels.extension()
-    xa = half_activations(ext, x, qtype) if ext is not None else x
-    ref = xa.double() @ w.double().T
-    bound = fp32_tolerance(xa.float(), w)
-    if xa is not x and x.shape[0] > HALF_MAX_ROWS:
-        bound = bound + 2.0 ** -8 * ref.abs()
-    return ref, bound
+    rows = ext.module.half_bf16_min_rows() if ext is not None else 0
+    rounded = qtype == Q.BF16 and not portable and 0 < rows <= x.shape[0]
+    xa = x.bfloat16().double() if rounded else x.double()
+    ref, bound = xa @ w.double().T, 1e-5 * (xa.abs() @ w.abs().double().T) + 1e-6
+    return ref, bound + 2.0 ** -8 * ref.abs() if linear and rounded and x.shape[0] > HALF_MAX_ROWS else bound
 
 
 def q8_tolerance(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -142,12 +133,8 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
         int8_bound = q8_tolerance(x, w, activation_block(qtype)) if qtype not in HALF else None
         for portable in (False, True):  # SIMD paths and the plain C++ loops
             if qtype in HALF:
-                xa = half_activations(ext, x, qtype, portable)
-                assert_within(ext.half_matmul(x, data, int(qtype), n, portable), xa.double() @ w.double().T,
-                              fp32_tolerance(xa.float(), w))
-                xb = x.bfloat16()  # bf16 compute: the same kernel on activations that are bf16 already
-                assert_within(ext.half_matmul(xb, data, int(qtype), n, portable), xb.double() @ w.double().T,
-                              fp32_tolerance(xb.float(), w))
+                for xs in (x, x.bfloat16()):  # fp32, and bf16 compute: activations that are bf16 already
+                    assert_within(ext.half_matmul(xs, data, int(qtype), n, portable), *half_reference(xs, w, qtype, portable))
             if packed is not None:
                 assert_within(ext.packed_matmul(x, *packed, int(qtype), n, portable), ref, int8_bound)
         if qtype not in HALF:
@@ -155,7 +142,8 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
                 assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, int8_bound)
         weight = stored(data, qtype, k)
         assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))  # the reference's tiles
-        assert_within(cpu_linear(weight)(x), *((ref, int8_bound) if qtype not in HALF else half_linear_bound(x, w, qtype)))
+        assert_within(cpu_linear(weight)(x), *((ref, int8_bound) if qtype not in HALF else
+                                              half_reference(x, w, qtype, linear=True)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
@@ -267,7 +255,7 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
     """bf16 / f16 compute against a weight of that dtype (the reference's module), at every batch
     size: within that dtype's rounding of the result (119 products accumulated in fp32, rounded
     once); float32 activations (the cpu backend's module where the kernels built): exact products, but
-    for a prefill chunk through torch's bf16 GEMM where the kernels take bf16 pairs (half_linear_bound)."""
+    for a prefill chunk through torch's bf16 GEMM where the kernels take bf16 pairs (half_reference)."""
     g = torch.Generator().manual_seed(13)
     n, k = shape_for(qtype)
     data = random_weight(qtype, n, k, g)
@@ -282,13 +270,13 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
         assert y.dtype == HALF[qtype]
         unit = 2.0 ** -8 if qtype == Q.BF16 else 2.0 ** -11  # the dtype's rounding unit
         assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
-        assert_within(layer32(x.float()), *half_linear_bound(x.float(), w, qtype))
+        assert_within(layer32(x.float()), *half_reference(x.float(), w, qtype, linear=True))
 
 
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
 def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
     """The kernel's blocking: K cut into ranges of 2048 whose partial sums add up (K = 4200: two
-    whole ranges and a short one with a tail of 8 values), weight rows cut into blocks of 256
+    whole ranges and a short one with a tail of 8 values), weight rows cut into blocks of 128
     (N = 300), threads splitting the rows."""
     g = torch.Generator().manual_seed(19)
     n, k = 300, 4200
@@ -297,9 +285,7 @@ def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
     for m in (1, 7, 33):
         x = torch.randn(m, k, generator=g)
         for xs in (x, x.bfloat16()):
-            xa = half_activations(ext, xs, qtype)
-            assert_within(ext.half_matmul(xs, data, int(qtype), n), xa.double() @ w.double().T,
-                          fp32_tolerance(xa.float(), w))
+            assert_within(ext.half_matmul(xs, data, int(qtype), n), *half_reference(xs, w, qtype))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16], ids=lambda q: q.name)
