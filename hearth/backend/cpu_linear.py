@@ -26,7 +26,7 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM. Where bf16 pairs pay (AMD's AVX512_BF16:
-  `half_bf16_min_rows`), BF16 weights' activations are rounded to bf16 from 4 rows: `half_matmul`
+  `half_bf16_min_rows`), BF16 weights' activations are rounded to bf16 from 2 rows: `half_matmul`
   takes AVX512_BF16's dot products (2x the fp32 FMA's FLOPs there; fp32 results), and past
   HALF_MAX_ROWS torch's bf16 GEMM (oneDNN's, 10-25% faster than half_matmul there; its results
   rounded to bf16, as bf16 compute's).

@@ -174,8 +174,9 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const type
 #endif  // HEARTH_HALF_SIMD
 
 #ifdef HEARTH_BF16_DOTS
-// Fewer rows read the weights at the memory's rate either way: their activations stay fp32.
-constexpr int64_t HALF_BF16_MIN_ROWS = 4;
+// One row (decode) streams the weights faster widened (31 against 28 GB/s, cold): its activations stay
+// fp32. From 2 rows the pairs are faster (2-3 rows: 27-28 against 22-24 GB/s).
+constexpr int64_t HALF_BF16_MIN_ROWS = 2;
 
 // Whether bf16 pairs beat widening to fp32: on AMD's AVX512_BF16 (Zen 4) vdpbf16ps issues at the
 // fp32 FMA's rate with twice its FLOPs (torch's bf16 GEMM there: ~420 GFLOP/s at 512 rows against
