@@ -347,7 +347,9 @@ class EngineConfig:
     come from here); every field validated loudly."""
 
     dtype: str = option("auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="the compute dtype (auto: float32 on a CPU, bfloat16 on a GPU)")
+                        help="the compute dtype (auto: float32 on a CPU, bfloat16 on a GPU; on a CPU "
+                             "auto keeps bf16 / f16 weights as stored for hearth's kernels, where bfloat16 and "
+                             "float16 run the reference backend's torch ops)")
     device: str = option("auto", help="auto, cpu or cuda")
     backend: str = option("auto", choices=["auto", "cpu", "gpu", "reference"],
                           help="the kernels the model runs (auto: gpu on CUDA, cpu for float32 on a CPU)")
