@@ -81,17 +81,14 @@ def fp32_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6
 
 
-def half_reference(x: torch.Tensor, w: torch.Tensor, qtype, portable: bool = False, linear: bool = False):
-    """half_matmul's (linear: HalfLinear's) reference and bound for x: the float64 product of the
+def half_reference(x: torch.Tensor, w: torch.Tensor, qtype, portable: bool = False):
+    """half_matmul's (and HalfLinear's) reference and bound for x: the float64 product of the
     activations it multiplies (x, or x rounded to bf16 by torch where the kernels take bf16 pairs for
-    BF16 weights: `half_bf16_min_rows`) within fp32 rounding; HalfLinear's prefill chunks through torch's
-    bf16 GEMM there (past HALF_MAX_ROWS) also within that result's rounding to bf16 (2^-9 of it)."""
+    BF16 weights: `half_bf16_min_rows`), within fp32 rounding."""
     ext = kernels.extension()
     rows = ext.module.half_bf16_min_rows() if ext is not None else 0
-    rounded = qtype == Q.BF16 and not portable and 0 < rows <= x.shape[0]
-    xa = x.bfloat16().double() if rounded else x.double()
-    ref, bound = xa @ w.double().T, 1e-5 * (xa.abs() @ w.abs().double().T) + 1e-6
-    return ref, bound + 2.0 ** -8 * ref.abs() if linear and rounded and x.shape[0] > HALF_MAX_ROWS else bound
+    xa = x.bfloat16().double() if qtype == Q.BF16 and not portable and 0 < rows <= x.shape[0] else x.double()
+    return xa @ w.double().T, 1e-5 * (xa.abs() @ w.abs().double().T) + 1e-6
 
 
 def q8_tolerance(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -142,8 +139,7 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
                 assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, int8_bound)
         weight = stored(data, qtype, k)
         assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))  # the reference's tiles
-        assert_within(cpu_linear(weight)(x), *((ref, int8_bound) if qtype not in HALF else
-                                              half_reference(x, w, qtype, linear=True)))
+        assert_within(cpu_linear(weight)(x), *((ref, int8_bound) if qtype not in HALF else half_reference(x, w, qtype)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
@@ -254,8 +250,8 @@ def test_int8_linear_module_bias_and_storage(ext, qtype):
 def test_half_weights_with_activations_of_their_dtype(qtype):
     """bf16 / f16 compute against a weight of that dtype (the reference's module), at every batch
     size: within that dtype's rounding of the result (119 products accumulated in fp32, rounded
-    once); float32 activations (the cpu backend's module where the kernels built): exact products, but
-    for a prefill chunk through torch's bf16 GEMM where the kernels take bf16 pairs (half_reference)."""
+    once); float32 activations (the cpu backend's module where the kernels built): exact products of
+    them (rounded to bf16 first where the kernels take bf16 pairs: half_reference)."""
     g = torch.Generator().manual_seed(13)
     n, k = shape_for(qtype)
     data = random_weight(qtype, n, k, g)
@@ -270,19 +266,20 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
         assert y.dtype == HALF[qtype]
         unit = 2.0 ** -8 if qtype == Q.BF16 else 2.0 ** -11  # the dtype's rounding unit
         assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
-        assert_within(layer32(x.float()), *half_reference(x.float(), w, qtype, linear=True))
+        assert_within(layer32(x.float()), *half_reference(x.float(), w, qtype))
 
 
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
 def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
     """The kernel's blocking: K cut into ranges of 2048 whose partial sums add up (K = 4200: two
     whole ranges and a short one with a tail of 8 values), weight rows cut into blocks of 128
-    (N = 300), threads splitting the rows."""
+    (N = 300), threads splitting the rows; 300 activation rows: with bf16 pairs, the layout of pairs of
+    16 rows made per call (N not a multiple of 16)."""
     g = torch.Generator().manual_seed(19)
     n, k = 300, 4200
     data = random_weight(qtype, n, k, g)
     w = dense(data, qtype, k)
-    for m in (1, 7, 33):
+    for m in (1, 7, 33, 300):
         x = torch.randn(m, k, generator=g)
         for xs in (x, x.bfloat16()):
             assert_within(ext.half_matmul(xs, data, int(qtype), n), *half_reference(xs, w, qtype))

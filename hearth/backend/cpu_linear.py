@@ -26,10 +26,9 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM. Where bf16 pairs pay (AMD's AVX512_BF16:
-  `half_bf16_min_rows`), BF16 weights' activations are rounded to bf16 from 2 rows: `half_matmul`
-  takes AVX512_BF16's dot products (2x the fp32 FMA's FLOPs there; fp32 results), and past
-  HALF_MAX_ROWS torch's bf16 GEMM (oneDNN's, 10-25% faster than half_matmul there; its results
-  rounded to bf16, as bf16 compute's).
+  `half_bf16_min_rows`), BF16 weights take `half_matmul` at every size, from 2 rows with the
+  activations rounded to bf16 and AVX512_BF16's dot products (2x the fp32 FMA's FLOPs there; fp32
+  results); prefill chunks through a layout of pairs of 16 rows made per call (as fast as oneDNN's bf16 GEMM).
 - anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
 
 The cpu backend computes in float32: these modules take x float32 [M, K] (what the model's layers
@@ -43,7 +42,6 @@ plus fp32 rounding.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
@@ -71,8 +69,8 @@ WIDENED_PAST_ROWS = {Q.Q5_0: 96, Q.Q5_1: 96}
 # Most activation rows that `half_matmul` takes against F16/BF16 weights (decode steps): past them
 # (prefill chunks) tiles of the weight converted to fp32 and torch's fp32 GEMM win, the conversion
 # spread over the rows; torch's bf16 GEMM is slower than both at every size on the Intel Xeon
-# measured (docs/quantized-matmul.md). Where the kernels take bf16 pairs for BF16, past them torch's bf16
-# GEMM (~400 GFLOP/s at 512-2048 rows on EPYC-512, 2 threads: 2.5x the fp32 tiles, 1.1-1.25x half_matmul).
+# measured (docs/quantized-matmul.md). Not for BF16 where the kernels take bf16 pairs: there half_matmul
+# runs 2.5x the fp32 tiles at every size (~380-425 GFLOP/s at 512-2048 rows on EPYC-512, 2 threads).
 HALF_MAX_ROWS = 128
 
 
@@ -172,26 +170,22 @@ class Int8Linear(BoundWeights):
 
 class HalfLinear(BoundWeights, DequantLinear):
     """y = x W^T (+ b), W an F16/BF16 matrix as stored (`qweight`, its bytes): `half_matmul` for a
-    decode step's few rows; for more (HALF_MAX_ROWS, prefill chunks) torch's bf16 GEMM where the
-    kernels take bf16 pairs for the format, else the reference's fp32 tiles and torch's fp32 GEMM."""
+    decode step's few rows, the reference's fp32 tiles and torch's GEMM for more (HALF_MAX_ROWS);
+    half_matmul at every size where it takes bf16 pairs for the format."""
 
     def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, ext: kernels.Kernels):
         super().__init__(weight, bias)
         self._kernel, self._qtype = ext.module.half_matmul, int(self.qtype)
         bf16_pairs = self.qtype == Q.BF16 and ext.module.half_bf16_min_rows() > 0
-        self._many_rows = self._bf16_gemm if bf16_pairs else super().forward
+        self._max_rows = None if bf16_pairs else HALF_MAX_ROWS
         self._bind()
 
     def _bind(self) -> None:  # as Int8Linear's: the weight's pointer, no packed terms, its type
         self.kernel_weight = (self.qweight.data_ptr(), 0, self._qtype)
 
-    def _bf16_gemm(self, x: torch.Tensor) -> torch.Tensor:  # bf16 compute: its result rounded to bf16
-        y = F.linear(x.to(torch.bfloat16), self.qweight.view(torch.bfloat16)).float()
-        return y if self.bias is None else y.add_(self.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
-        if x.shape[0] > HALF_MAX_ROWS:  # a prefill chunk
-            return self._many_rows(x)
+        if self._max_rows is not None and x.shape[0] > self._max_rows:  # a prefill chunk: the conversion spread over its rows
+            return super().forward(x)
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
         self._kernel(x.data_ptr(), self.kernel_weight[0], y.data_ptr(), x.shape[0], self.out_features,

@@ -203,6 +203,85 @@ std::vector<uint16_t> round_to_bf16(const float* x, int64_t M, int64_t K, int th
   });
   return out;
 }
+
+// Prefill chunks (HALF_BF16_PACKED_ROWS rows and more, K even): each block of BF16_BLOCK_ROWS weight rows x
+// HALF_KC values is first laid out as pairs of 16 rows ([groups of 16 rows][K / 2][16] uint32: one vector
+// holds 16 rows' pair of values), then tiles of 6 activation rows x 64 weight rows take each activation
+// pair broadcast: no sums across lanes, the block read from L2 as one stream a group. The layout is
+// made per call (by gathers), so it pays only where many rows reuse it: 405-425 GFLOP/s at 512-2048
+// rows against 362-382 for the tiles above (EPYC-512, 2 threads), 317 against 364 at 128.
+constexpr int64_t HALF_BF16_PACKED_ROWS = 256, BF16_BLOCK_ROWS = 128, BF16_MR = 6;
+
+// rows [r0, r0 + rows) of W [N, K] (BF16, K even) x values [k0, k0 + kc) as [groups][kc / 2][16] pairs
+// (rows past N repeat its last: computed, not stored)
+void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t r0, int64_t rows, int64_t k0, int64_t kc,
+                uint32_t* out) {
+  const int64_t pairs = kc / 2;
+  for (int64_t g = 0; g < (rows + 15) / 16; g++) {
+    const int64_t base = r0 + 16 * g;
+    alignas(64) int32_t offsets[16];
+    for (int r = 0; r < 16; r++) offsets[r] = int32_t((std::min<int64_t>(base + r, N - 1) - base) * (K / 2));
+    const __m512i index = _mm512_load_si512(offsets);
+    const int32_t* src = (const int32_t*)(w + base * K + k0);
+    uint32_t* dst = out + g * pairs * 16;
+    for (int64_t p = 0; p < pairs; p++) _mm512_storeu_si512(dst + p * 16, _mm512_i32gather_epi32(index, src + p, 4));
+  }
+}
+
+// MR activation rows (bf16, row stride K; mr of them real) against up to 4 groups of packed rows
+// (`cols` real columns): y [mr, cols] (+)= x W^T over the block's K range
+template <int MR>
+inline void pairs_tile(const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, int mr, float* y, int64_t N,
+                       int cols, bool accumulate) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; i++)
+    for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+  const int32_t* xs[MR];
+  for (int i = 0; i < MR; i++) xs[i] = (const int32_t*)(x + std::min(i, mr - 1) * K);
+  const int groups = (cols + 15) / 16;
+  const uint32_t* wg[4];
+  for (int v = 0; v < 4; v++) wg[v] = packed + std::min(v, groups - 1) * pairs * 16;
+  for (int64_t p = 0; p < pairs; p++) {
+    __m512bh wv[4];
+    for (int v = 0; v < 4; v++) wv[v] = (__m512bh)_mm512_loadu_si512(wg[v] + p * 16);
+    for (int i = 0; i < MR; i++) {
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(xs[i][p]);
+      for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv[v], xp);
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int v = 0; v < groups; v++) {
+      const int c = std::min(16, cols - 16 * v);
+      const __mmask16 lanes = c >= 16 ? 0xFFFF : (__mmask16)((1u << c) - 1);
+      float* out = y + i * N + 16 * v;
+      _mm512_mask_storeu_ps(out, lanes, accumulate ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(lanes, out)) : acc[i][v]);
+    }
+}
+
+template <int MR = BF16_MR>
+inline void pairs_tile_rows(int mr, const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, float* y,
+                            int64_t N, int cols, bool accumulate) {
+  if constexpr (MR > 1)
+    if (mr < MR) return pairs_tile_rows<MR - 1>(mr, packed, pairs, x, K, y, N, cols, accumulate);
+  pairs_tile<MR>(packed, pairs, x, K, MR, y, N, cols, accumulate);
+}
+
+// rows [n0, n1) of y [M, N] = x [M, K] W^T, x bf16 and K even, through packed pairs
+void packed_pairs_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                       int64_t n1) {
+  std::vector<uint32_t> scratch(BF16_BLOCK_ROWS / 2 * HALF_KC);
+  for (int64_t k0 = 0; k0 < K; k0 += HALF_KC) {
+    const int64_t kc = std::min(HALF_KC, K - k0), pairs = kc / 2;
+    for (int64_t b0 = n0; b0 < n1; b0 += BF16_BLOCK_ROWS) {
+      const int64_t rows = std::min(BF16_BLOCK_ROWS, n1 - b0);
+      pack_pairs(w, K, N, b0, rows, k0, kc, scratch.data());
+      for (int64_t m = 0; m < M; m += BF16_MR)
+        for (int64_t g = 0; 16 * g < rows; g += 4)
+          pairs_tile_rows((int)std::min(BF16_MR, M - m), scratch.data() + g * pairs * 16, pairs, x + m * K + k0, K,
+                          y + m * N + b0 + 16 * g, N, (int)std::min<int64_t>(64, rows - 16 * g), k0 > 0);
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -229,8 +308,10 @@ void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N,
     std::vector<uint16_t> rounded;
     if (!x_bf16) rounded = round_to_bf16((const float*)x_, M, K, threads);
     const uint16_t* xb = x_bf16 ? (const uint16_t*)x_ : rounded.data();
+    const bool packed = M >= HALF_BF16_PACKED_ROWS && K % 2 == 0;
     parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
-      half_matmul_simd<Bf16Lanes, BF16>(wp, rb, K, xb, M, yp, N, n0, n1);
+      if (packed) packed_pairs_rows((const uint16_t*)wp, xb, yp, M, N, K, n0, n1);
+      else half_matmul_simd<Bf16Lanes, BF16>(wp, rb, K, xb, M, yp, N, n0, n1);
     });
     return;
   }
