@@ -308,7 +308,7 @@ void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N,
     std::vector<uint16_t> rounded;
     if (!x_bf16) rounded = round_to_bf16((const float*)x_, M, K, threads);
     const uint16_t* xb = x_bf16 ? (const uint16_t*)x_ : rounded.data();
-    const bool packed = M >= HALF_BF16_PACKED_ROWS && K % 2 == 0;
+    const bool packed = M >= HALF_BF16_PACKED_ROWS && K % 2 == 0 && rb == 2 * K;  // (rows as dense arrays)
     parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
       if (packed) packed_pairs_rows((const uint16_t*)wp, xb, yp, M, N, K, n0, n1);
       else half_matmul_simd<Bf16Lanes, BF16>(wp, rb, K, xb, M, yp, N, n0, n1);
