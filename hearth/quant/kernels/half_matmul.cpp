@@ -1,6 +1,8 @@
 // F16 / BF16 arrays times fp32 or bf16 activations, weights widened to fp32 in registers.
 #include "qmatmul.h"
 
+#include <type_traits>
+
 namespace hearth {
 namespace {
 
@@ -132,21 +134,20 @@ inline void half_tile(const uint8_t* w, int64_t row_bytes, const typename L::XT*
 // Blocking for M > 1: a range of K of at most HALF_KC values, and of the thread's weight rows as
 // many as fill about HALF_BLOCK_BYTES (they stay in L2); every MR activation rows (in L1 for
 // that range of K) pass over the block's rows, NR at a time. Partial sums over K add up in y.
-// Six rows a tile: a verification of up to 5 guesses is one pass over the weights (each weight
-// widened once), where 4 rows a tile made 5 rows cost 1.33x 4 (the built-in model's layers).
+// Six rows a tile (Fp32Lanes): a verification of up to 5 guesses is one pass over the weights (each
+// weight widened once), where 4 rows a tile made 5 rows cost 1.33x 4 (the built-in model's layers).
 constexpr int64_t HALF_KC = 2048, HALF_BLOCK_BYTES = 1 << 19;
 
-// half_tile for the last mr < MR activation rows with a tile of mr rows, not MR (a tile computes
-// all its rows: 7 rows would cost 12 where they cost 6 + 1)
-template <class L, int QT, int MR = L::MR>
-inline void half_tile_rows(int mr, const uint8_t* w, int64_t row_bytes, const typename L::XT* x, int64_t x_stride,
-                           int64_t K, int nr, float* y, int64_t N, bool accumulate) {
+// fn(std::integral_constant<int, R>) for R = mr <= MR: the last mr < MR activation rows take a tile of
+// mr rows, not MR (a tile computes all its rows: 7 rows would cost 12 where they cost 6 + 1)
+template <int MR, class Fn>
+inline void with_tile_rows(int mr, const Fn& fn) {
   if constexpr (MR > 1)
-    if (mr < MR) return half_tile_rows<L, QT, MR - 1>(mr, w, row_bytes, x, x_stride, K, nr, y, N, accumulate);
-  half_tile<L, QT, L::NR, MR, 1>(w, row_bytes, x, x_stride, K, nr, MR, y, N, accumulate);
+    if (mr < MR) return with_tile_rows<MR - 1>(mr, fn);
+  fn(std::integral_constant<int, MR>{});
 }
 
-// rows [n0, n1) against all M activation rows (fp32, laid out as L reads them). One activation
+// rows [n0, n1) against all M activation rows (L::XT: fp32, or bf16 for the pairs). One activation
 // row (decode): one weight row at a time, each thread reading one sequential stream (the
 // hardware prefetchers follow it).
 template <class L, int QT>
@@ -164,9 +165,11 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const type
       const int64_t b1 = std::min(n1, b0 + block);
       for (int64_t m = 0; m < M; m += L::MR)
         for (int64_t n = b0; n < b1; n += L::NR)
-          half_tile_rows<L, QT>((int)std::min<int64_t>(L::MR, M - m), w + n * row_bytes + 2 * k0, row_bytes,
-                                x + m * K + k0, K, kc, (int)std::min<int64_t>(L::NR, b1 - n), y + m * N + n, N,
-                                k0 > 0);
+          with_tile_rows<L::MR>((int)std::min<int64_t>(L::MR, M - m), [&](auto rows) {
+            half_tile<L, QT, L::NR, rows.value, 1>(w + n * row_bytes + 2 * k0, row_bytes, x + m * K + k0, K, kc,
+                                                   (int)std::min<int64_t>(L::NR, b1 - n), rows.value, y + m * N + n,
+                                                   N, k0 > 0);
+          });
     }
     if (kc != HALF_KC) break;
   }
@@ -210,7 +213,8 @@ std::vector<uint16_t> round_to_bf16(const float* x, int64_t M, int64_t K, int th
 // pair broadcast: no sums across lanes, the block read from L2 as one stream a group. The layout is
 // made per call (by gathers), so it pays only where many rows reuse it: 405-425 GFLOP/s at 512-2048
 // rows against 362-382 for the tiles above (EPYC-512, 2 threads), 317 against 364 at 128.
-constexpr int64_t HALF_BF16_PACKED_ROWS = 256, BF16_BLOCK_ROWS = 128, BF16_MR = 6;
+constexpr int64_t HALF_BF16_PACKED_ROWS = 256, BF16_BLOCK_ROWS = 128;
+constexpr int BF16_MR = 6;
 
 // rows [r0, r0 + rows) of W [N, K] (BF16, K even) x values [k0, k0 + kc) as [groups][kc / 2][16] pairs
 // (rows past N repeat its last: computed, not stored)
@@ -230,9 +234,10 @@ void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t r0, int64_t row
 
 // MR activation rows (bf16, row stride K; mr of them real) against up to 4 groups of packed rows
 // (`cols` real columns): y [mr, cols] (+)= x W^T over the block's K range
+// (not inlined: inside with_tile_rows' lambda GCC kept the accumulators in memory, 2.5x slower)
 template <int MR>
-inline void pairs_tile(const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, int mr, float* y, int64_t N,
-                       int cols, bool accumulate) {
+__attribute__((noinline)) void pairs_tile(const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, int mr,
+                                          float* y, int64_t N, int cols, bool accumulate) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; i++)
     for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
@@ -258,14 +263,6 @@ inline void pairs_tile(const uint32_t* packed, int64_t pairs, const uint16_t* x,
     }
 }
 
-template <int MR = BF16_MR>
-inline void pairs_tile_rows(int mr, const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, float* y,
-                            int64_t N, int cols, bool accumulate) {
-  if constexpr (MR > 1)
-    if (mr < MR) return pairs_tile_rows<MR - 1>(mr, packed, pairs, x, K, y, N, cols, accumulate);
-  pairs_tile<MR>(packed, pairs, x, K, MR, y, N, cols, accumulate);
-}
-
 // rows [n0, n1) of y [M, N] = x [M, K] W^T, x bf16 and K even, through packed pairs
 void packed_pairs_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                        int64_t n1) {
@@ -277,8 +274,10 @@ void packed_pairs_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t M
       pack_pairs(w, K, N, b0, rows, k0, kc, scratch.data());
       for (int64_t m = 0; m < M; m += BF16_MR)
         for (int64_t g = 0; 16 * g < rows; g += 4)
-          pairs_tile_rows((int)std::min(BF16_MR, M - m), scratch.data() + g * pairs * 16, pairs, x + m * K + k0, K,
-                          y + m * N + b0 + 16 * g, N, (int)std::min<int64_t>(64, rows - 16 * g), k0 > 0);
+          with_tile_rows<BF16_MR>((int)std::min<int64_t>(BF16_MR, M - m), [&](auto tile_rows) {
+            pairs_tile<tile_rows.value>(scratch.data() + g * pairs * 16, pairs, x + m * K + k0, K, tile_rows.value,
+                                        y + m * N + b0 + 16 * g, N, (int)std::min<int64_t>(64, rows - 16 * g), k0 > 0);
+          });
     }
   }
 }
