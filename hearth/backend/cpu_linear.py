@@ -26,9 +26,9 @@ measurements behind each choice):
 - F16/BF16 matrices: `HalfLinear`, `half_matmul` up to HALF_MAX_ROWS rows (decode steps), the
   weight read as stored and widened to fp32 in registers (fp32 FMA); past those (prefill chunks),
   tiles converted to fp32 and torch's fp32 GEMM. Where bf16 pairs pay (AMD's AVX512_BF16:
-  `half_bf16_min_rows`), BF16 weights take `half_matmul` at every size, from 2 rows with the
-  activations rounded to bf16 and AVX512_BF16's dot products (2x the fp32 FMA's FLOPs there; fp32
-  results); prefill chunks through a layout of pairs of 16 rows made per call (as fast as oneDNN's bf16 GEMM).
+  `half_bf16_min_rows`), BF16 weights are laid out once at load as pairs of 16 rows (bf16_pairs.py) and
+  take `half_matmul` at every size: one row in fp32, from 2 rows the activations rounded to bf16 and
+  AVX512_BF16's dot products (2x the fp32 FMA's FLOPs there; fp32 results; as fast as oneDNN's bf16 GEMM).
 - anything else, or no compiled kernels: the reference's DequantLinear (stored.py).
 
 The cpu backend computes in float32: these modules take x float32 [M, K] (what the model's layers
@@ -48,6 +48,7 @@ from torch import nn
 from hearth.backend.stored import BoundWeights, DequantLinear, tiled_linear
 from hearth.quant import kernels
 from hearth.quant.formats import tq1_0_to_tq2_0
+from hearth.quant.kernels.bf16_pairs import pairs_layout, rows_of_pairs
 from hearth.quant.kernels.memory import release_pages
 from hearth.quant.tensor import HALF_DTYPES, QuantTensor, dequantize_rows
 
@@ -169,19 +170,32 @@ class Int8Linear(BoundWeights):
 
 
 class HalfLinear(BoundWeights, DequantLinear):
-    """y = x W^T (+ b), W an F16/BF16 matrix as stored (`qweight`, its bytes): `half_matmul` for a
-    decode step's few rows, the reference's fp32 tiles and torch's GEMM for more (HALF_MAX_ROWS);
-    half_matmul at every size where it takes bf16 pairs for the format."""
+    """y = x W^T (+ b), W an F16/BF16 matrix (`qweight`, its bytes): `half_matmul` for a decode step's few
+    rows, the reference's fp32 tiles and torch's GEMM for more (HALF_MAX_ROWS). Where bf16 pairs pay
+    (`half_bf16_min_rows`), a BF16 W is laid out once as pairs of 16 rows (bf16_pairs.py) and half_matmul
+    takes every size."""
 
     def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, ext: kernels.Kernels):
         super().__init__(weight, bias)
-        self._kernel, self._qtype = ext.module.half_matmul, int(self.qtype)
-        bf16_pairs = self.qtype == Q.BF16 and ext.module.half_bf16_min_rows() > 0
-        self._max_rows = None if bf16_pairs else HALF_MAX_ROWS
+        self._kernel, self._qtype, self._max_rows = ext.module.half_matmul, int(self.qtype), HALF_MAX_ROWS
+        if self.qtype == Q.BF16 and ext.module.half_bf16_min_rows() > 0:
+            rows = self.qweight
+            self.qweight = pairs_layout(rows, self.out_features, self.in_features)  # uint8 [groups of 16 rows, ...]
+            release_pages([rows])
+            self._qtype, self._max_rows = kernels.BF16_PAIRS, None
         self._bind()
 
-    def _bind(self) -> None:  # as Int8Linear's: the weight's pointer, no packed terms, its type
+    def _bind(self) -> None:  # as Int8Linear's: the weight's pointer, no packed terms, the type the kernel reads
         self.kernel_weight = (self.qweight.data_ptr(), 0, self._qtype)
+
+    def half_rows(self) -> torch.Tensor:
+        """The weight's bytes as rows, uint8 [out_features, 2 in_features] (a copy where laid out in pairs)."""
+        if self._qtype == kernels.BF16_PAIRS:
+            return rows_of_pairs(self.qweight, self.out_features, self.in_features)
+        return self.qweight
+
+    def _dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        return dequantize_rows(self.half_rows()[start:end], self.qtype, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x float32 [M, K]
         if self._max_rows is not None and x.shape[0] > self._max_rows:  # a prefill chunk: the conversion spread over its rows

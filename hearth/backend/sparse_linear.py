@@ -158,8 +158,8 @@ class SparseColumnsLinear(SparseLinear):
     def of(cls, module: nn.Module, threshold: float, kernels) -> SparseColumnsLinear | None:
         """From a dense Linear (fp32) or the cpu backend's HalfLinear (F16 / BF16 bytes); None for another module."""
         qtype = getattr(module, "qtype", None)
-        if qtype in HALF_DTYPES and hasattr(module, "qweight"):
-            weight = module.qweight.view(HALF_DTYPES[qtype])
+        if qtype in HALF_DTYPES and hasattr(module, "half_rows"):
+            weight = module.half_rows().view(HALF_DTYPES[qtype])
         elif isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dtype == torch.float32:
             weight = module.weight.detach()
         else:

@@ -25,6 +25,8 @@ GRID_FORMATS = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1
 # int8_matmul's type for them ROWS8 + the format's (formats.h)
 ROWS8_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0)
 ROWS8 = 1000
+# half_matmul's type for BF16 weights laid out as pairs of 16 rows (formats.h, bf16_pairs.py)
+BF16_PAIRS = 900
 
 
 class Kernels:
@@ -55,10 +57,12 @@ class Kernels:
         return x.contiguous(), k
 
     def half_matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: int, n: int, portable: bool = False) -> torch.Tensor:
-        """x [M, K] W^T -> float32 [M, n] for F16 / BF16 W, any M. x float32: exact up to summation
-        order, but for BF16 W from `half_bf16_min_rows()` rows (where not 0; not `portable`) rounded to
-        bf16 first. x bfloat16 (bf16 compute): the same fp32 products (exact for bf16 x bf16)."""
-        x, k = self._check(x, w, qtype, n, (torch.float32, torch.bfloat16))
+        """x [M, K] W^T -> float32 [M, n] for F16 / BF16 W (rows) or BF16_PAIRS W (bf16_pairs.py's layout),
+        any M. x float32: exact up to summation order, but against BF16_PAIRS from `half_bf16_min_rows()`
+        rows (where not 0; not `portable`) rounded to bf16 first. x bfloat16 (bf16 compute): the same fp32
+        products (exact for bf16 x bf16)."""
+        rows = -(-n // 16) if qtype == BF16_PAIRS else n  # BF16_PAIRS: groups of 16 rows (bf16_pairs.py)
+        x, k = self._check(x, w, qtype, rows, (torch.float32, torch.bfloat16))
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         self.module.half_matmul(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.shape[1], int(qtype),
                                 x.dtype == torch.bfloat16, portable, torch.get_num_threads())

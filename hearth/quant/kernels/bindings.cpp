@@ -63,7 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("half_matmul", &half_matmul, "y = x W^T, F16 / BF16 weights, fp32 or bf16 activations", nogil);
   m.def("half_bf16_min_rows", &half_bf16_min_rows,
-        "rows from which half_matmul rounds activations to bf16 against BF16 weights (bf16 pairs); 0: never");
+        "rows from which half_matmul rounds activations to bf16 against BF16_PAIRS weights; 0: that layout does not pay here");
   m.def("dequantize_rows", &dequantize_rows, "W as fp32", nogil);
   m.def("sparse_matmul", &sparse_matmul, "y = mask(x) W^T, W transposed, only the kept columns read", nogil);
   m.def("sparse_blocks_bytes", &sparse_blocks_bytes, "bytes of sparse_repack's layout (throws: no layout for the type)");

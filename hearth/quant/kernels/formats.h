@@ -54,6 +54,8 @@ enum QType : int {
   // hearth's own: the grid formats as 4-bit codes (grid_nibbles.cpp), one per set of grid values; the
   // 6-value grids (IQ2_*, IQ1_*) as 3-bit codes
   NIB_IQ3_XXS = 218, NIB_IQ3_S = 221, NIB3_IQ2 = 316, NIB3_IQ1 = 319,
+  // BF16 weights as pairs of 16 rows, laid out once at load where AVX512_BF16's pairs pay (half_matmul.cpp)
+  BF16_PAIRS = 900,
   // the 32-value formats, IQ4_XS, Q4_K and Q5_K in groups of 8 rows (rows8.cpp): ROWS8 + the format's type
   ROWS8 = 1000,
 };
@@ -472,7 +474,7 @@ inline void decode(const uint8_t* b, float* w) {
 
 int64_t block_values(int qtype) {
   int64_t bs = 0;
-  if (qtype == F16 || qtype == BF16) return 1;
+  if (qtype == F16 || qtype == BF16 || qtype == BF16_PAIRS) return 1;
   if (qtype > ROWS8) return block_values(qtype - ROWS8);  // groups of 8 rows of a format's blocks (rows8.cpp)
   HEARTH_DISPATCH(qtype, bs = Fmt<QT>::BS);
   return bs;

@@ -35,9 +35,8 @@ inline float half_value(int qt, const uint8_t* p) {
 
 // The SIMD products of half-array matmuls: F16 / BF16 weights widened to fp32 in registers, STEP
 // values at a time, and fp32 FMA (exact up to summation order), on AVX-512 (16 lanes) or AVX2
-// with F16C and FMA (8 lanes); NR weight rows per tile. (bf16 pairs by AVX512_BF16's vdpbf16ps
-// were measured and lost: on this project's machine they ran at half the FLOP rate of fp32 FMA,
-// docs/quantized-matmul.md.)
+// with F16C and FMA (8 lanes); NR weight rows per tile. (BF16 weights where AVX512_BF16's pairs pay take a
+// layout of their own, made once at load: BF16_PAIRS below.)
 #if defined(HEARTH_AVX512)
 #define HEARTH_HALF_SIMD 1
 template <int QT> struct Fp32Lanes {
@@ -55,21 +54,7 @@ template <int QT> struct Fp32Lanes {
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
 };
 #if defined(__AVX512BF16__)
-// BF16 weights against activations rounded to bf16: AVX512_BF16's vdpbf16ps takes 32 values of
-// each (16 pairs) and adds each pair's two exact products to an fp32 lane, twice the FLOPs of an
-// fp32 FMA, and the weights need no widening. Where that pays is the CPU's (bf16_dots_pay).
-#define HEARTH_BF16_DOTS 1
-struct Bf16Lanes {
-  using V = __m512; using W = __m512bh; using X = __m512bh; using XT = uint16_t;
-  static constexpr int STEP = 32, NR = 6, MR = 4;  // 24 accumulators, 6 weights, 1 activation
-  static V zero() { return _mm512_setzero_ps(); }
-  static W w(const uint8_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static X x(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static float x_at(const uint16_t* p) { return bf16_to_float(*p); }
-  static V madd(W a, X b, V c) { return _mm512_dpbf16_ps(c, a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static float sum(V a) { return _mm512_reduce_add_ps(a); }
-};
+#define HEARTH_BF16_DOTS 1  // AVX512_BF16's vdpbf16ps: the BF16 pairs layout below
 #endif
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define HEARTH_HALF_SIMD 1
@@ -176,76 +161,90 @@ void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const type
 }
 #endif  // HEARTH_HALF_SIMD
 
-#ifdef HEARTH_BF16_DOTS
-// One row (decode) streams the weights faster widened (31 against 28 GB/s, cold): its activations stay
-// fp32. From 2 rows the pairs are faster (2-3 rows: 27-28 against 22-24 GB/s).
-constexpr int64_t HALF_BF16_MIN_ROWS = 2;
+// BF16_PAIRS: BF16 weights laid out once at load (hearth/quant/kernels/bf16_pairs.py) as pairs of 16 rows,
+// [groups of 16 rows][Kp / 2 pairs][16 rows] uint32 (one 64-byte vector holds 16 rows' values 2p and 2p + 1;
+// Kp: K, odd K padded with a zero value; rows past N zero), where AVX512_BF16's pairs pay (bf16_dots_pay).
+// One activation row (decode) stays fp32 (each pair's two values widened, two FMAs: exact products) and
+// reads each group as one sequential stream; from HALF_BF16_MIN_ROWS rows the activations are rounded to
+// bf16 and vdpbf16ps multiplies a pair of 16 rows by an activation pair, broadcast (twice the fp32 FMA's
+// FLOPs; fp32 sums). The layout made per call by gathers, as before, cost 10-30% at 8-128 rows.
+constexpr int64_t HALF_BF16_MIN_ROWS = 2, BF16_BLOCK_GROUPS = 8;  // a block: 128 rows x HALF_KC values (L2)
+constexpr int BF16_MR = 6;
 
 // Whether bf16 pairs beat widening to fp32: on AMD's AVX512_BF16 (Zen 4) vdpbf16ps issues at the
 // fp32 FMA's rate with twice its FLOPs (torch's bf16 GEMM there: ~420 GFLOP/s at 512 rows against
 // ~170 for the widening, 2 threads); on the Intel Xeon measured it issued at a quarter of vfmadd's
 // rate (docs/quantized-matmul.md), so Intel keeps the widening.
 bool bf16_dots_pay() {
+#ifdef HEARTH_BF16_DOTS
   static const bool pays = __builtin_cpu_is("amd");
   return pays;
+#else
+  return false;
+#endif
 }
 
-// x [M, K] fp32 rounded to bf16 (to nearest even, as torch's .bfloat16()), 16 at a time; the rows
-// split between threads where there are many (a prefill chunk's: ~8% of its matmul on one thread)
-std::vector<uint16_t> round_to_bf16(const float* x, int64_t M, int64_t K, int threads) {
-  std::vector<uint16_t> out(M * K);
+// A BF16_PAIRS weight's value (n, k)
+inline float pairs_value(const uint32_t* packed, int64_t pairs, int64_t n, int64_t k) {
+  const uint32_t word = packed[((n / 16) * pairs + k / 2) * 16 + n % 16];
+  return bf16_to_float(uint16_t(k % 2 ? word >> 16 : word & 0xFFFF));
+}
+
+// Portable: rows [g0 * 16, g1 * 16) (those under N) against all M activation rows (rows of Kp values), fp32 products
+void pairs_generic(const uint32_t* packed, int64_t K, int64_t Kp, const float* x, int64_t M, float* y, int64_t N,
+                   int64_t g0, int64_t g1) {
+  const int64_t pairs = Kp / 2;
+  std::vector<float> v(K);
+  for (int64_t n = 16 * g0; n < std::min(N, 16 * g1); n++) {
+    for (int64_t k = 0; k < K; k++) v[k] = pairs_value(packed, pairs, n, k);
+    for (int64_t m = 0; m < M; m++) {
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; k++) a += v[k] * x[m * Kp + k];
+      y[m * N + n] = a;
+    }
+  }
+}
+
+#ifdef HEARTH_BF16_DOTS
+// x [M, K] (fp32, or bf16 bits) -> bf16 [M, Kp], rounded to nearest even as torch's .bfloat16(), a zero past K;
+// the rows split between threads where there are many (a prefill chunk's: ~8% of its matmul on one thread)
+std::vector<uint16_t> bf16_rows(const void* x, bool x_bf16, int64_t M, int64_t K, int64_t Kp, int threads) {
+  std::vector<uint16_t> out(M * Kp, 0);
   parallel_ranges(M, threads, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
-    int64_t i = m0 * K;
-    for (; i + 16 <= m1 * K; i += 16)
-      _mm256_storeu_si256((__m256i*)(out.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-    for (; i < m1 * K; i++) {
-      uint32_t bits;
-      std::memcpy(&bits, x + i, 4);
-      out[i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    for (int64_t m = m0; m < m1; m++) {
+      uint16_t* o = out.data() + m * Kp;
+      if (x_bf16) {
+        std::memcpy(o, (const uint16_t*)x + m * K, 2 * K);
+        continue;
+      }
+      const float* r = (const float*)x + m * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + k)));
+      for (; k < K; k++) {
+        uint32_t bits;
+        std::memcpy(&bits, r + k, 4);
+        o[k] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+      }
     }
   });
   return out;
 }
 
-// Prefill chunks (HALF_BF16_PACKED_ROWS rows and more, K even): each block of BF16_BLOCK_ROWS weight rows x
-// HALF_KC values is first laid out as pairs of 16 rows ([groups of 16 rows][K / 2][16] uint32: one vector
-// holds 16 rows' pair of values), then tiles of 6 activation rows x 64 weight rows take each activation
-// pair broadcast: no sums across lanes, the block read from L2 as one stream a group. The layout is
-// made per call (by gathers), so it pays only where many rows reuse it: 405-425 GFLOP/s at 512-2048
-// rows against 362-382 for the tiles above (EPYC-512, 2 threads), 317 against 364 at 128.
-constexpr int64_t HALF_BF16_PACKED_ROWS = 256, BF16_BLOCK_ROWS = 128;
-constexpr int BF16_MR = 6;
-
-// rows [r0, r0 + rows) of W [N, K] (BF16, K even) x values [k0, k0 + kc) as [groups][kc / 2][16] pairs
-// (rows past N repeat its last: computed, not stored)
-void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t r0, int64_t rows, int64_t k0, int64_t kc,
-                uint32_t* out) {
-  const int64_t pairs = kc / 2;
-  for (int64_t g = 0; g < (rows + 15) / 16; g++) {
-    const int64_t base = r0 + 16 * g;
-    alignas(64) int32_t offsets[16];
-    for (int r = 0; r < 16; r++) offsets[r] = int32_t((std::min<int64_t>(base + r, N - 1) - base) * (K / 2));
-    const __m512i index = _mm512_load_si512(offsets);
-    const int32_t* src = (const int32_t*)(w + base * K + k0);
-    uint32_t* dst = out + g * pairs * 16;
-    for (int64_t p = 0; p < pairs; p++) _mm512_storeu_si512(dst + p * 16, _mm512_i32gather_epi32(index, src + p, 4));
-  }
-}
-
-// MR activation rows (bf16, row stride K; mr of them real) against up to 4 groups of packed rows
-// (`cols` real columns): y [mr, cols] (+)= x W^T over the block's K range
+// MR activation rows (bf16 [., Kp]; mr of them real) against up to 4 groups (`cols` real columns), `pairs`
+// pairs from each group's start (groups `stride` uint32 apart): y [mr, cols] (+)= x W^T over that range
 // (not inlined: inside with_tile_rows' lambda GCC kept the accumulators in memory, 2.5x slower)
 template <int MR>
-__attribute__((noinline)) void pairs_tile(const uint32_t* packed, int64_t pairs, const uint16_t* x, int64_t K, int mr,
-                                          float* y, int64_t N, int cols, bool accumulate) {
+__attribute__((noinline)) void pairs_tile(const uint32_t* packed, int64_t stride, int64_t pairs, const uint16_t* x,
+                                          int64_t Kp, int mr, float* y, int64_t N, int cols, bool accumulate) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; i++)
     for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
   const int32_t* xs[MR];
-  for (int i = 0; i < MR; i++) xs[i] = (const int32_t*)(x + std::min(i, mr - 1) * K);
+  for (int i = 0; i < MR; i++) xs[i] = (const int32_t*)(x + std::min(i, mr - 1) * Kp);
   const int groups = (cols + 15) / 16;
   const uint32_t* wg[4];
-  for (int v = 0; v < 4; v++) wg[v] = packed + std::min(v, groups - 1) * pairs * 16;
+  for (int v = 0; v < 4; v++) wg[v] = packed + std::min(v, groups - 1) * stride;
   for (int64_t p = 0; p < pairs; p++) {
     __m512bh wv[4];
     for (int v = 0; v < 4; v++) wv[v] = (__m512bh)_mm512_loadu_si512(wg[v] + p * 16);
@@ -263,58 +262,96 @@ __attribute__((noinline)) void pairs_tile(const uint32_t* packed, int64_t pairs,
     }
 }
 
-// rows [n0, n1) of y [M, N] = x [M, K] W^T, x bf16 and K even, through packed pairs
-void packed_pairs_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                       int64_t n1) {
-  std::vector<uint32_t> scratch(BF16_BLOCK_ROWS / 2 * HALF_KC);
-  for (int64_t k0 = 0; k0 < K; k0 += HALF_KC) {
-    const int64_t kc = std::min(HALF_KC, K - k0), pairs = kc / 2;
-    for (int64_t b0 = n0; b0 < n1; b0 += BF16_BLOCK_ROWS) {
-      const int64_t rows = std::min(BF16_BLOCK_ROWS, n1 - b0);
-      pack_pairs(w, K, N, b0, rows, k0, kc, scratch.data());
+// groups [g0, g1) of y [M, N] = x W^T, x bf16 [M, Kp]: per range of HALF_KC values, blocks of
+// BF16_BLOCK_GROUPS groups that every MR activation rows pass over, 4 groups a tile
+void pairs_rows(const uint32_t* packed, int64_t Kp, const uint16_t* x, int64_t M, float* y, int64_t N, int64_t g0,
+                int64_t g1) {
+  const int64_t pairs = Kp / 2;
+  for (int64_t k0 = 0; k0 < Kp; k0 += HALF_KC) {
+    const int64_t range = std::min(HALF_KC, Kp - k0) / 2;
+    for (int64_t b0 = g0; b0 < g1; b0 += BF16_BLOCK_GROUPS) {
+      const int64_t b1 = std::min(g1, b0 + BF16_BLOCK_GROUPS);
       for (int64_t m = 0; m < M; m += BF16_MR)
-        for (int64_t g = 0; 16 * g < rows; g += 4)
+        for (int64_t g = b0; g < b1; g += 4)
           with_tile_rows<BF16_MR>((int)std::min<int64_t>(BF16_MR, M - m), [&](auto tile_rows) {
-            pairs_tile<tile_rows.value>(scratch.data() + g * pairs * 16, pairs, x + m * K + k0, K, tile_rows.value,
-                                        y + m * N + b0 + 16 * g, N, (int)std::min<int64_t>(64, rows - 16 * g), k0 > 0);
+            pairs_tile<tile_rows.value>(packed + (g * pairs + k0 / 2) * 16, pairs * 16, range, x + m * Kp + k0, Kp,
+                                        tile_rows.value, y + m * N + 16 * g, N,
+                                        (int)std::min<int64_t>(64, std::min(N, 16 * b1) - 16 * g), k0 > 0);
           });
     }
   }
 }
+
+// G groups from g of y [1, N] = x W^T, x fp32 [Kp]: each pair's values widened (the low half by a shift, the high
+// by a mask), two FMAs by the broadcast activations
+template <int G>
+void pairs_row_groups(const uint32_t* packed, int64_t pairs, const float* x, float* y, int64_t N, int64_t g) {
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 a[G][2];
+  for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p++) {
+    const __m512 x0 = _mm512_set1_ps(x[2 * p]), x1 = _mm512_set1_ps(x[2 * p + 1]);
+    for (int j = 0; j < G; j++) {
+      const __m512i v = _mm512_loadu_si512(packed + ((g + j) * pairs + p) * 16);
+      a[j][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), x0, a[j][0]);
+      a[j][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high)), x1, a[j][1]);
+    }
+  }
+  for (int j = 0; j < G; j++) {
+    const int c = (int)std::min<int64_t>(16, N - 16 * (g + j));
+    _mm512_mask_storeu_ps(y + 16 * (g + j), c >= 16 ? 0xFFFF : (__mmask16)((1u << c) - 1), _mm512_add_ps(a[j][0], a[j][1]));
+  }
+}
+
+// groups [g0, g1) of y [1, N] = x W^T: 4 groups at a time, 4 streams from memory (a row's weights stream from
+// DRAM: 33-36 GB/s at 2 threads on EPYC-512 against 29-30 for one group at a time, 31-35 for 8)
+void pairs_row(const uint32_t* packed, int64_t Kp, const float* x, float* y, int64_t N, int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) pairs_row_groups<4>(packed, Kp / 2, x, y, N, g);
+  for (; g < g1; g++) pairs_row_groups<1>(packed, Kp / 2, x, y, N, g);
+}
+#endif  // HEARTH_BF16_DOTS
+
+// y [M, N] = x W^T, W BF16_PAIRS (groups of 16 rows split between threads)
+void pairs_matmul(const void* x, bool x_bf16, const uint32_t* packed, float* y, int64_t M, int64_t N, int64_t K,
+                  bool portable, int threads) {
+  const int64_t groups = (N + 15) / 16, Kp = K + K % 2;
+  if (M == 0) return;
+  [[maybe_unused]] const bool pairs = !portable && bf16_dots_pay();
+#ifdef HEARTH_BF16_DOTS
+  if (pairs && M >= HALF_BF16_MIN_ROWS) {
+    const std::vector<uint16_t> xb = bf16_rows(x, x_bf16, M, K, Kp, threads);
+    return parallel_ranges(groups, threads, 1, [&](int64_t g0, int64_t g1) { pairs_rows(packed, Kp, xb.data(), M, y, N, g0, g1); });
+  }
 #endif
+  std::vector<float> widened;  // fp32 activations [M, Kp]: bf16 ones widened, a zero past an odd K
+  if (x_bf16 || Kp != K) {
+    widened.assign(M * Kp, 0.f);
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++)
+        widened[m * Kp + k] = x_bf16 ? bf16_to_float(((const uint16_t*)x)[m * K + k]) : ((const float*)x)[m * K + k];
+  }
+  const float* xf = widened.empty() ? (const float*)x : widened.data();  // rows of Kp values
+#ifdef HEARTH_BF16_DOTS
+  if (pairs) return parallel_ranges(groups, threads, 1, [&](int64_t g0, int64_t g1) { pairs_row(packed, Kp, xf, y, N, g0, g1); });
+#endif
+  parallel_ranges(groups, threads, 1, [&](int64_t g0, int64_t g1) { pairs_generic(packed, K, Kp, xf, M, y, N, g0, g1); });
+}
 
 }  // namespace
 
-int64_t half_bf16_min_rows() {
-#ifdef HEARTH_BF16_DOTS
-  return bf16_dots_pay() ? HALF_BF16_MIN_ROWS : 0;
-#else
-  return 0;
-#endif
-}
+int64_t half_bf16_min_rows() { return bf16_dots_pay() ? HALF_BF16_MIN_ROWS : 0; }
 
-// y [M, N] = x [M, K] W^T for F16 / BF16 W [N, K] as uint8 [N, row_bytes], any M. fp32 products
+// y [M, N] = x [M, K] W^T for F16 / BF16 W [N, K] as uint8 [N, row_bytes], any M, fp32 products
 // (exact up to summation order) of x fp32, or bf16 bits (x_bf16: bf16 compute) widened once; for
-// BF16 weights and at least half_bf16_min_rows() rows (where not 0), x rounded to bf16 and
-// bf16 pairs (vdpbf16ps: exact products, fp32 sums).
+// BF16_PAIRS W (the layout above, where half_bf16_min_rows() is not 0) from that many rows, x rounded
+// to bf16 and bf16 pairs (vdpbf16ps: exact products, fp32 sums).
 void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
                  bool x_bf16, bool portable, int threads) {
-  if (qtype != F16 && qtype != BF16) throw std::invalid_argument("half_matmul: F16 and BF16 only");
+  if (qtype == BF16_PAIRS) return pairs_matmul((const void*)x_, x_bf16, (const uint32_t*)w_, (float*)y_, M, N, K, portable, threads);
+  if (qtype != F16 && qtype != BF16) throw std::invalid_argument("half_matmul: F16, BF16 and BF16_PAIRS only");
   const uint8_t* wp = (const uint8_t*)w_;
   float* yp = (float*)y_;
-#ifdef HEARTH_BF16_DOTS
-  if (qtype == BF16 && M >= HALF_BF16_MIN_ROWS && !portable && bf16_dots_pay()) {
-    std::vector<uint16_t> rounded;
-    if (!x_bf16) rounded = round_to_bf16((const float*)x_, M, K, threads);
-    const uint16_t* xb = x_bf16 ? (const uint16_t*)x_ : rounded.data();
-    const bool packed = M >= HALF_BF16_PACKED_ROWS && K % 2 == 0 && rb == 2 * K;  // (rows as dense arrays)
-    parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
-      if (packed) packed_pairs_rows((const uint16_t*)wp, xb, yp, M, N, K, n0, n1);
-      else half_matmul_simd<Bf16Lanes, BF16>(wp, rb, K, xb, M, yp, N, n0, n1);
-    });
-    return;
-  }
-#endif
   std::vector<float> widened;
   if (x_bf16) {
     widened.resize(M * K);

@@ -194,7 +194,7 @@ void int8_matmul(uintptr_t x, uintptr_t w, uintptr_t terms, uintptr_t y, int64_t
                  int path, int threads) {
   if (terms) return packed_matmul(x, w, terms, y, M, N, K, qtype, path == PORTABLE, threads);
   if (qtype > ROWS8) return rows8_matmul(x, w, y, M, N, K, qtype - ROWS8, threads);
-  if (qtype == F16 || qtype == BF16) return half_matmul(x, w, y, M, N, K, 2 * K, qtype, false, path == PORTABLE, threads);
+  if (qtype == F16 || qtype == BF16 || qtype == BF16_PAIRS) return half_matmul(x, w, y, M, N, K, 2 * K, qtype, false, path == PORTABLE, threads);
   int8_matmul_blocks(x, w, y, M, N, K, qtype, path, threads);
 }
 

@@ -11,7 +11,8 @@
 //   grouped_int8_matmul: a mixture-of-experts layer's chosen experts in one call, rows grouped
 //                  by expert, each group through int8_matmul against its own expert's weight.
 //   half_matmul:   F16 / BF16 arrays, every batch size, read as stored: weights widened to fp32
-//                  in registers, fp32 FMA; fp32 or bf16 activations.
+//                  in registers, fp32 FMA; fp32 or bf16 activations; where AVX512_BF16's pairs pay, BF16
+//                  laid out once at load as pairs of 16 rows (BF16_PAIRS) and multiplied by vdpbf16ps.
 //   sparse_matmul: activation sparsity's matmul: activations under a threshold count as zero and
 //                  the weight, kept transposed (F32 / F16 / BF16) or its block format's codes
 //                  re-laid out column by column (`sparse_repack`), is read only at the kept columns.
@@ -110,7 +111,7 @@ enum Int8Path : int { FASTEST = 0, AVX2 = 1, PORTABLE = 2 };
 // The entries, each defined in the source of its job (the comments there say what they compute).
 void half_matmul(uintptr_t x_, uintptr_t w_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int64_t rb, int qtype,
                  bool x_bf16, bool portable, int threads);
-int64_t half_bf16_min_rows();  // rows from which half_matmul takes bf16 pairs for BF16 weights; 0: never
+int64_t half_bf16_min_rows();  // rows from which half_matmul takes bf16 pairs for BF16_PAIRS weights; 0: no such layout
 void dequantize_rows(uintptr_t w_, uintptr_t out_, int64_t rows, int64_t K, int64_t rb, int qtype, int threads);
 void sparse_matmul(uintptr_t x_, uintptr_t wt_, uintptr_t y_, int64_t M, int64_t N, int64_t K, int qtype,
                    float threshold, int threads);
