@@ -92,3 +92,25 @@ def test_release_pages_gives_back_a_file_mappings_pages_and_nothing_else():
         later = torch.ones(1 << 22, dtype=torch.uint8)
         assert file_mappings([later]) == [] and release_pages([later, copy]) == 0
     assert int(later.sum()) == 1 << 22 and torch.equal(mapped, copy)
+
+
+def test_release_pages_of_a_private_writable_mapping_loses_nothing(tmp_path):
+    """A writable private file mapping (safetensors maps its files so): its pages are given back by
+    MADV_PAGEOUT, which drops a page never written (it reads back from the file) and keeps one written (no swap
+    here: it stays, its new contents intact)."""
+    import numpy as np
+    import torch
+
+    from hearth.quant.kernels.memory import file_mappings, release_pages
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs Linux")
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))  # MAP_PRIVATE, writable
+    expected = mapped.clone()
+    mapped[:4096] = 7  # one page written (copied on write: now anonymous memory of the mapping)
+    expected[:4096] = 7
+    assert len(file_mappings([mapped])) == 1 and file_mappings([expected]) == []
+    assert release_pages([mapped]) == 1 << 20 and release_pages([expected]) == 0
+    assert torch.equal(mapped, expected)

@@ -1,12 +1,12 @@
 """Give a memory-mapped weight's pages back once its contents live elsewhere (repacked).
-
 A page of a file mapping that the process has read counts in its resident memory until the
-mapping goes away, though the data is safe in the page cache. After the cpu backend's Int8Linear repacks a
-weight, `release_pages` drops those pages from this process with madvise(MADV_DONTNEED): the
-mapping stays valid (a later read faults the page back in from the cache), and resident memory
-holds the packed copy alone. Only file-backed, read-only mappings are touched: on anonymous
-memory MADV_DONTNEED would discard data.
-
+mapping goes away, though the data is safe in the file. After the cpu backend's Int8Linear repacks a
+weight (or HalfLinear lays a BF16 one out in pairs), `release_pages` drops those pages from this process:
+from a read-only mapping (a GGUF file) with madvise(MADV_DONTNEED), the mapping staying valid (a later read
+faults the page back in from the cache); from a writable private one (safetensors maps its files so) with
+MADV_PAGEOUT, which drops a page the process never wrote and would only swap out one it did (no data lost
+either way). Resident memory then holds the new copy alone. Anonymous memory is never touched: MADV_DONTNEED
+there would discard data.
 The mappings are found in /proc/self/maps, a few hundred lines in a process that imported torch
 (~1-2 ms a read): a model's load reads it once for all its weights (`file_mappings`), not once a tensor.
 """
@@ -22,23 +22,26 @@ import threading
 
 import torch
 
-_MADV_DONTNEED = 4
+_MADV_DONTNEED, _MADV_PAGEOUT = 4, 21
 
 
 def _on_linux_cpu(tensor: torch.Tensor) -> bool:
     return sys.platform.startswith("linux") and tensor.device.type == "cpu" and tensor.numel() > 0
 
 
-def _read_maps() -> list[tuple[int, int, bool]]:
-    """Every mapping of this process: (start, end, whether it is a read-only file mapping), by address
-    ([] where /proc/self/maps cannot be read)."""
+def _read_maps() -> list[tuple[int, int, int]]:
+    """Every mapping of this process: (start, end, the advice that gives its pages back: MADV_DONTNEED for a
+    read-only file mapping, MADV_PAGEOUT for a writable private one, 0 for any other), by address ([] where
+    /proc/self/maps cannot be read)."""
     spans = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split()
                 start, end = (int(v, 16) for v in fields[0].split("-"))
-                spans.append((start, end, "w" not in fields[1] and fields[4] != "0" and len(fields) >= 6))
+                file, perms = fields[4] != "0" and len(fields) >= 6, fields[1]
+                advice = 0 if not file else _MADV_DONTNEED if "w" not in perms else _MADV_PAGEOUT if perms[3] == "p" else 0
+                spans.append((start, end, advice))
     except OSError:
         return []
     return spans
@@ -60,10 +63,10 @@ def mappings_snapshot():
         _snapshot.spans = None
 
 
-def file_mappings(tensors) -> list[tuple[int, int]]:
-    """(start, end) of the read-only file mappings that hold any of `tensors`, by address, from one
-    read of /proc/self/maps (or the open mappings_snapshot's; [] where it cannot be read). They stay
-    valid while those tensors live."""
+def file_mappings(tensors) -> list[tuple[int, int, int]]:
+    """(start, end, advice) of the file mappings that hold any of `tensors` and can give pages back
+    (_read_maps), by address, from one read of /proc/self/maps (or the open mappings_snapshot's; [] where it
+    cannot be read). They stay valid while those tensors live."""
     addresses = sorted(t.data_ptr() for t in tensors if _on_linux_cpu(t))
     if not addresses:
         return []
@@ -73,29 +76,29 @@ def file_mappings(tensors) -> list[tuple[int, int]]:
     elif not all(any(start <= a < end for start, end, _ in spans) for a in addresses):
         spans = _snapshot.spans = _read_maps()
     found = []
-    for start, end, file_backed in spans:
+    for start, end, advice in spans:
         i = bisect.bisect_left(addresses, start)
-        if file_backed and i < len(addresses) and addresses[i] < end:
-            found.append((start, end))
+        if advice and i < len(addresses) and addresses[i] < end:
+            found.append((start, end, advice))
     return found
 
 
 def release_mappings(tensors) -> int:
-    """Drop every resident page of the read-only file mappings that hold any of `tensors` (e.g. a
-    GGUF file whose weights are about to be repacked, or were copied when reordered). Returns bytes
-    advised away. The mappings stay valid: a later read faults its page back in."""
-    return sum(_madvise_dontneed(start, end) for start, end in file_mappings(tensors))
+    """Give back every resident page of the file mappings that hold any of `tensors` (e.g. a GGUF file
+    whose weights are about to be repacked, or were copied when reordered). Returns bytes advised away.
+    The mappings stay valid: a later read faults its page back in."""
+    return sum(_madvise(start, end, advice) for start, end, advice in file_mappings(tensors))
 
 
-def _madvise_dontneed(start: int, end: int) -> int:
+def _madvise(start: int, end: int, advice: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return end - start if libc.madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
+    return end - start if libc.madvise(start, end - start, advice) == 0 else 0
 
 
-def release_pages(tensors: list[torch.Tensor], mappings: list[tuple[int, int]] | None = None) -> int:
-    """Drop the whole pages of each of `tensors` that is a view of a read-only file mapping from this
-    process's resident memory. mappings: file_mappings of these tensors, read earlier while they lived
+def release_pages(tensors: list[torch.Tensor], mappings: list[tuple[int, int, int]] | None = None) -> int:
+    """Give back the whole pages of each of `tensors` that is a view of a file mapping (file_mappings) from
+    this process's resident memory. mappings: file_mappings of these tensors, read earlier while they lived
     (None: read now). Returns the bytes released."""
     mappings = file_mappings(tensors) if mappings is None else mappings
     page, released = mmap.PAGESIZE, 0
@@ -104,9 +107,8 @@ def release_pages(tensors: list[torch.Tensor], mappings: list[tuple[int, int]] |
             continue
         first = tensor.data_ptr()
         last = first + tensor.numel() * tensor.element_size()
-        if not any(start <= first and last <= end for start, end in mappings):
-            continue
+        advice = next((a for start, end, a in mappings if start <= first and last <= end), 0)
         start, end = -(-first // page) * page, last // page * page
-        if end > start:
-            released += _madvise_dontneed(start, end)
+        if advice and end > start:
+            released += _madvise(start, end, advice)
     return released
