@@ -84,10 +84,13 @@ def file_mappings(tensors) -> list[tuple[int, int, int]]:
 
 
 def release_mappings(tensors) -> int:
-    """Give back every resident page of the file mappings that hold any of `tensors` (e.g. a GGUF file
+    """Drop every resident page of the read-only file mappings that hold any of `tensors` (e.g. a GGUF file
     whose weights are about to be repacked, or were copied when reordered). Returns bytes advised away.
-    The mappings stay valid: a later read faults its page back in."""
-    return sum(_madvise(start, end, advice) for start, end, advice in file_mappings(tensors))
+    The mappings stay valid: a later read faults its page back in from the page cache. (Not the writable
+    private ones: MADV_PAGEOUT may evict a page from the cache, and weights read in place would come back from
+    the disk; release_pages gives those back tensor by tensor, once copied.)"""
+    return sum(_madvise(start, end, advice) for start, end, advice in file_mappings(tensors)
+               if advice == _MADV_DONTNEED)
 
 
 def _madvise(start: int, end: int, advice: int) -> int:
