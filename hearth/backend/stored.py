@@ -30,9 +30,13 @@ def swap_stored_weights(model: nn.Module, make: Callable[[nn.Module, QuantTensor
                         dtype: torch.dtype) -> None:
     """Every module of `model` whose weight is a QuantTensor replaced by make(module, weight), or,
     where that gives None, kept with its weight dense (a Parameter of the compute dtype `dtype`)."""
+    # by name, holding no module: each replaced module and its weight go as soon as their replacement is made (a
+    # list of the modules kept every merged projection's buffer alive beside the copies made of them: +55% of a
+    # bf16 model at its load's peak)
+    names = [name for name, module in model.named_modules() if isinstance(module.__dict__.get("weight"), QuantTensor)]
     with mappings_snapshot():  # (a repacking module releases its weight's file pages: one read of the maps)
-        for name, module in list(model.named_modules()):
-            _swap(model, name, module, make, dtype)
+        for name in names:
+            _swap(model, name, model.get_submodule(name), make, dtype)
 
 
 def _swap(model: nn.Module, name: str, module: nn.Module, make, dtype: torch.dtype) -> None:
