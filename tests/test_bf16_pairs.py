@@ -56,3 +56,18 @@ def test_half_linear_lays_bf16_out_where_the_pairs_pay(ext):
     assert layer.kernel_weight[2] == (kernels.BF16_PAIRS if pairs else int(Q.BF16))
     assert torch.equal(layer.half_rows(), data)
     assert torch.equal(layer.dequantize(), dense(data, Q.BF16, k))
+
+
+def test_activation_sparsity_reads_a_laid_out_weight_as_its_rows(ext):
+    """SparseColumnsLinear.of a HalfLinear takes the weight's rows (half_rows: unpacked where laid out in pairs):
+    the masked product of the dense weight."""
+    from hearth.backend.sparse_linear import SparseColumnsLinear
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 37, 119
+    data = random_weight(Q.BF16, n, k, g)
+    w = dense(data, Q.BF16, k).double()
+    sparse = SparseColumnsLinear.of(cpu_linear(QuantTensor.of_half(data.view(torch.bfloat16))), 0.5, ext)
+    x = torch.randn(3, k, generator=g)
+    masked = torch.where(x.abs() >= 0.5, x, torch.zeros(())).double()
+    assert_within(sparse(x), masked @ w.T, 1e-5 * (masked.abs() @ w.abs().T) + 1e-6)
