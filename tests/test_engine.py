@@ -341,3 +341,31 @@ def test_cpu_draws_in_the_decode_step_match_the_eager_sampler(tmp_path):
                            for o in llm.generate(prompts, params, use_tqdm=False)])
         assert tokens[0] == tokens[1], f"batch {i}"
     assert heads == [("temperature", False)] * 3 + [("filtered", True)] * 3 + [("temperature", True)] * 3
+
+
+def test_cpu_greedy_decode_step_in_one_call_gives_the_modules_tokens_and_logprobs(tmp_path):
+    """An all-greedy decode step of a model on the cpu backend's decode path (a q8_0 GGUF: its embedding, layers
+    and LM head on the kernels) runs as one greedy pass (CpuBackend._greedy_step: embedding, layers, norm, LM head,
+    argmax and log-probability in one kernel call): the tokens and log-probabilities of the modules' path, bit for
+    bit, at batch 1 and 4."""
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.loading.convert import convert_hf_to_gguf
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    folder = make_hf_model(tmp_path / "llama", "llama", intermediate_size=128)
+    path = convert_hf_to_gguf(folder, tmp_path / "model.gguf", "q8_0", progress=False)
+    one_call, modules = (LLM(path, progress=False) for _ in range(2))
+    modules.engine.runner.backend._greedy_step = lambda *args: None
+    backend, fused = one_call.engine.runner.backend, []
+    step = backend._greedy_step
+    backend._greedy_step = lambda *args: fused.append(step(*args)) or fused[-1]
+    rng = random.Random(11)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for batch in (1, 4):
+        prompts = [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(2, 12))] for _ in range(batch)]
+        outputs = [[(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                    for o in llm.generate(prompts, greedy, use_tqdm=False)] for llm in (one_call, modules)]
+        assert outputs[0] == outputs[1]
+    assert len(fused) >= 20 and all(drawn is not None for drawn in fused)

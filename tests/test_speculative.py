@@ -518,6 +518,20 @@ def test_greedy_draft_passes_run_in_one_kernel_call(tmp_path, pair):
     assert engine.runner.draft.block_manager.check_all_free()
 
 
+class CountingPath:
+    """A CpuDecodePath whose layer calls note their rows (its other calls, as greedy_passes, go to the path)."""
+
+    def __init__(self, path, rows: list[int]):
+        self.path, self.rows = path, rows
+
+    def __call__(self, x, *rest):
+        self.rows.append(x.shape[0])
+        return self.path(x, *rest)
+
+    def __getattr__(self, name: str):
+        return getattr(self.path, name)
+
+
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_quantized_model_verifies_in_the_one_call_path(tmp_path, tree_width):
     """A GGUF with every matmul on the int8 kernel: verification steps run the CPU backend's
@@ -544,7 +558,7 @@ def test_quantized_model_verifies_in_the_one_call_path(tmp_path, tree_width):
     spec.generate([prompts[0]], greedy, use_tqdm=False)  # builds the path
     path_of_model = model.backend_state["decode_path"]
     assert path_of_model is not None
-    model.backend_state["decode_path"] = lambda x, *rest: steps.append(x.shape[0]) or path_of_model(x, *rest)
+    model.backend_state["decode_path"] = CountingPath(path_of_model, steps)
     for batch in (prompts[:1], prompts):
         expected = [o.outputs[0].token_ids for o in plain.generate(batch, greedy, use_tqdm=False)]
         assert [o.outputs[0].token_ids for o in spec.generate(batch, greedy, use_tqdm=False)] == expected

@@ -134,6 +134,9 @@ class DecodeSampling:
     key: Hashable  # the head's variant (one captured graph per batch bucket and key)
     # (logits [B, V] float32, params [num_params, B] float64 on the device) -> tensors [B, ...]; no host reads
     head: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+    # every row takes its argmax (the head's (token ids, their log-probabilities): a backend may draw them with the
+    # model's pass, in one kernel call)
+    all_greedy: bool = False
 
 
 @dataclass

@@ -179,13 +179,14 @@ class CpuDecodePath:
         return delta, residual
 
     def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,
-                      kv_caches) -> np.ndarray | None:
-        """A draft model's greedy passes in one kernel call (cpu_kernels/'s greedy_passes): the
-        first pass's sequences (decodes: a few rows each, causal), then pass 1 + p of `feeds[p]`'s
-        rows, laid out end to end in `later` (a row each, causal), row i fed the token pass p chose
-        at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns the passes' choices end to
-        end, int64 [their sequences]: the argmax of each sequence's last-row logits. None where the
-        kernel does not run these (then the modules do)."""
+                      kv_caches, logprobs: np.ndarray | None = None) -> np.ndarray | None:
+        """Greedy passes in one kernel call (cpu_kernels/'s greedy_passes: a draft model's chain, or the
+        model's own greedy decode step): the first pass's sequences (decodes: a few rows each, causal), then
+        pass 1 + p of `feeds[p]`'s rows, laid out end to end in `later` (a row each, causal), row i fed the
+        token pass p chose at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns the passes'
+        choices end to end, int64 [their sequences]: the argmax of each sequence's last-row logits; their
+        log-probabilities written to `logprobs` (float32 [the same]) where given. None where the kernel does
+        not run these (then the modules do)."""
         caches = self._kernel_caches(kv_caches)
         steps = [first] if later is None else [first, later]
         if (self.vocabulary is None or caches is None or any(step.tree_masks is not None for step in steps)
@@ -218,12 +219,15 @@ class CpuDecodePath:
         if table.shape[1] != self.kernels.PASS_FIELDS:
             raise RuntimeError("cpu_kernels/'s pass table has other columns than cpu_decode.py fills")
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
+        ids = first.input_ids  # (a tensor where the step before's draws were fed in: engine/overlap.py)
+        ids = ids.contiguous() if isinstance(ids, torch.Tensor) else ids
+        first_ids = ids.data_ptr() if isinstance(ids, torch.Tensor) else ids.ctypes.data
         cache_table, kv_format = caches
         self.kernels.greedy_passes(
             *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), self.mixer_table.data_ptr(),
             cache_table.data_ptr(), kv_format,
-            self.layer_table.shape[0], table.ctypes.data, len(table), first.input_ids.ctypes.data, choices.ctypes.data,
-            *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
+            self.layer_table.shape[0], table.ctypes.data, len(table), first_ids, choices.ctypes.data,
+            0 if logprobs is None else logprobs.ctypes.data, *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
         )
         return choices

@@ -54,7 +54,8 @@ def decode_sampling(params: list[SamplingParams], vocab_size: int, backend: Back
         key = (FILTERED, bool(values[1].any()))
     else:
         key = (PLAIN, bool(values[1].any()))
-    return DecodeSampling(values, (1.0, 0.0, V, 1.0, 0.0), key, functools.partial(_head, *key, backend))
+    return DecodeSampling(values, (1.0, 0.0, V, 1.0, 0.0), key, functools.partial(_head, *key, backend),
+                          all_greedy=key == (GREEDY, False))
 
 
 def _head(key: str, any_greedy: bool, backend: Backend, logits: torch.Tensor, params: torch.Tensor

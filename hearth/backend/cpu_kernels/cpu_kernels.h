@@ -35,7 +35,8 @@
 // call: per pass decode_layers, the final norm, lm_head and argmax of each sequence's last row,
 // and the chosen tokens' embeddings as the next pass's rows. At batch 1 a draft pass's layers are
 // ~0.13 ms, and the Python and torch dispatch around them (norm, lm_head, argmax, the next
-// pass's inputs) was ~0.3 ms more.
+// pass's inputs) was ~0.3 ms more. One such pass is also the model's own all-greedy decode step
+// (CpuBackend._greedy_step), the chosen tokens' log-probabilities written beside them.
 //
 // mask_tokens (hearth/backend/cpu.py, the sampler's grammar masks): a copy of the logits with, in
 // the given rows, -inf for every token whose bit is clear in the row's bitmask (bit t of word
@@ -102,7 +103,7 @@ int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, ui
                    int threads);
 void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format,
     int64_t num_layers, uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
-    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
+    uintptr_t logprobs_, uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
     uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t inter, double eps, int64_t block_size, double scale, int64_t window, int threads);
 

@@ -214,15 +214,16 @@ int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, ui
   return num_layers;
 }
 
-// A draft model's greedy passes (hearth/backend/cpu_decode.py): per pass, decode_layers on its
-// rows, then for each sequence's last row the final norm, lm_head (matmul: the weight, its terms
-// or 0, its qtype and rows `vocab`) and the argmax (row_argmax, as torch's), written
-// to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
+// Greedy passes (hearth/backend/cpu_decode.py; a draft model's chain, or one pass of the model's own greedy
+// decode step): per pass, decode_layers on its rows, then for each sequence's last row the final norm, lm_head
+// (matmul: the weight, its terms or 0, its qtype and rows `vocab`) and the argmax (row_argmax, as torch's),
+// written to choices; a later pass's rows are the embeddings of the choices they are fed (rows of
 // embedding_row_bytes in embedding_qtype, widened by hearth/quant/kernels' dequantize_rows).
-// first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end].
+// first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end]; logprobs float32 [the same]
+// (0: none): each choice's log-probability, its logit less the row's log-sum-exp (argmax_and_logsumexp's).
 void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format,
                    int64_t num_layers,
-                   uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
+                   uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_, uintptr_t logprobs_,
                    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
                    uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps,
@@ -259,7 +260,14 @@ void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, 
     }
     logits.resize(seqs * vocab);
     matmul(ptr(last), head_, head_terms_, ptr(logits), seqs, vocab, hidden, head_qtype, 0, threads);
-    for (int64_t s = 0; s < seqs; ++s) choices[s] = row_argmax(logits.data() + s * vocab, vocab).at;
+    if (logprobs_) {
+      float* logprobs = reinterpret_cast<float*>(logprobs_) + (choices - reinterpret_cast<int64_t*>(choices_));
+      argmax_and_logsumexp(ptr(logits), seqs, vocab, vocab, reinterpret_cast<uintptr_t>(choices),
+                           reinterpret_cast<uintptr_t>(logprobs), threads);  // the log-sum-exp, then less the logit
+      for (int64_t s = 0; s < seqs; ++s) logprobs[s] = logits[s * vocab + choices[s]] - logprobs[s];
+    } else {
+      for (int64_t s = 0; s < seqs; ++s) choices[s] = row_argmax(logits.data() + s * vocab, vocab).at;
+    }
     fed = choices;
     choices += seqs;
   }
