@@ -103,8 +103,11 @@ def test_release_pages_of_a_private_writable_mapping_loses_nothing(tmp_path):
 
     from hearth.quant.kernels.memory import file_mappings, release_pages
 
-    if not Path("/proc/self/maps").exists():
-        pytest.skip("needs Linux")
+    import os
+
+    release = tuple(int(part) for part in os.uname().release.split("-")[0].split(".")[:2] if part.isdigit())
+    if not Path("/proc/self/maps").exists() or release < (5, 4):
+        pytest.skip("needs Linux 5.4 or newer (MADV_PAGEOUT)")
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))  # MAP_PRIVATE, writable
