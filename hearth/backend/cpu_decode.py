@@ -220,13 +220,13 @@ class CpuDecodePath:
             raise RuntimeError("cpu_kernels/'s pass table has other columns than cpu_decode.py fills")
         choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
         ids = first.input_ids  # (a tensor where the step before's draws were fed in: engine/overlap.py)
-        ids = ids.contiguous() if isinstance(ids, torch.Tensor) else ids
-        first_ids = ids.data_ptr() if isinstance(ids, torch.Tensor) else ids.ctypes.data
+        if isinstance(ids, torch.Tensor):
+            ids = ids.contiguous().numpy()
         cache_table, kv_format = caches
         self.kernels.greedy_passes(
             *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), self.mixer_table.data_ptr(),
             cache_table.data_ptr(), kv_format,
-            self.layer_table.shape[0], table.ctypes.data, len(table), first_ids, choices.ctypes.data,
+            self.layer_table.shape[0], table.ctypes.data, len(table), ids.ctypes.data, choices.ctypes.data,
             0 if logprobs is None else logprobs.ctypes.data, *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
         )

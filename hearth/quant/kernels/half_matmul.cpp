@@ -40,7 +40,7 @@ inline float half_value(int qt, const uint8_t* p) {
 #if defined(HEARTH_AVX512)
 #define HEARTH_HALF_SIMD 1
 template <int QT> struct Fp32Lanes {
-  using V = __m512; using W = __m512; using X = __m512; using XT = float;
+  using V = __m512; using W = __m512; using X = __m512;
   static constexpr int STEP = 16, NR = 4, MR = 6;  // 24 accumulators, 4 weights, 1 activation
   static V zero() { return _mm512_setzero_ps(); }
   static W w(const uint8_t* p) {
@@ -48,7 +48,6 @@ template <int QT> struct Fp32Lanes {
     return QT == F16 ? _mm512_cvtph_ps(raw) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   static X x(const float* p) { return _mm512_loadu_ps(p); }
-  static float x_at(const float* p) { return *p; }
   static V madd(W a, X b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
@@ -59,7 +58,7 @@ template <int QT> struct Fp32Lanes {
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define HEARTH_HALF_SIMD 1
 template <int QT> struct Fp32Lanes {
-  using V = __m256; using W = __m256; using X = __m256; using XT = float;
+  using V = __m256; using W = __m256; using X = __m256;
   static constexpr int STEP = 8, NR = 2, MR = 6;  // 16 registers: 12 accumulators, 2 weights, 1 activation
   static V zero() { return _mm256_setzero_ps(); }
   static W w(const uint8_t* p) {
@@ -67,7 +66,6 @@ template <int QT> struct Fp32Lanes {
     return QT == F16 ? _mm256_cvtph_ps(raw) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
   static X x(const float* p) { return _mm256_loadu_ps(p); }
-  static float x_at(const float* p) { return *p; }
   static V madd(W a, X b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V a) { return hsum8(a); }
@@ -80,10 +78,10 @@ template <int QT> struct Fp32Lanes {
 // `nr` / `mr` repeat the last one (computed, not stored), so one instantiation serves the edges.
 // U > 1 (decode, one activation row): U accumulator sets over alternate steps, to hide latency.
 template <class L, int QT, int NR, int MR, int U>
-inline void half_tile(const uint8_t* w, int64_t row_bytes, const typename L::XT* x, int64_t x_stride, int64_t K, int nr,
-                      int mr, float* y, int64_t N, bool accumulate) {
+inline void half_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t x_stride, int64_t K, int nr, int mr,
+                      float* y, int64_t N, bool accumulate) {
   const uint8_t* rows[NR];
-  const typename L::XT* xs[MR];
+  const float* xs[MR];
   for (int j = 0; j < NR; j++) rows[j] = w + std::min(j, nr - 1) * row_bytes;
   for (int i = 0; i < MR; i++) xs[i] = x + std::min(i, mr - 1) * x_stride;
   typename L::V acc[U][MR][NR];
@@ -111,7 +109,7 @@ inline void half_tile(const uint8_t* w, int64_t row_bytes, const typename L::XT*
       typename L::V a = acc[0][i][j];
       for (int u = 1; u < U; u++) a = L::add(a, acc[u][i][j]);
       float tail = 0.f;  // K need not be a multiple of STEP
-      for (int64_t t = k; t < K; t++) tail += half_value(QT, rows[j] + 2 * t) * L::x_at(xs[i] + t);
+      for (int64_t t = k; t < K; t++) tail += half_value(QT, rows[j] + 2 * t) * xs[i][t];
       y[i * N + j] = (accumulate ? y[i * N + j] : 0.f) + L::sum(a) + tail;
     }
 }
@@ -132,12 +130,12 @@ inline void with_tile_rows(int mr, const Fn& fn) {
   fn(std::integral_constant<int, MR>{});
 }
 
-// rows [n0, n1) against all M activation rows (L::XT: fp32, or bf16 for the pairs). One activation
+// rows [n0, n1) against all M activation rows (fp32). One activation
 // row (decode): one weight row at a time, each thread reading one sequential stream (the
 // hardware prefetchers follow it).
 template <class L, int QT>
-void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const typename L::XT* x, int64_t M, float* y,
-                      int64_t N, int64_t n0, int64_t n1) {
+void half_matmul_simd(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t M, float* y, int64_t N,
+                      int64_t n0, int64_t n1) {
   if (M == 1) {
     for (int64_t n = n0; n < n1; n++)
       half_tile<L, QT, 1, 1, 4>(w + n * row_bytes, row_bytes, x, K, K, 1, 1, y + n, N, false);
