@@ -149,6 +149,7 @@ class PrefillSequence:
     # [query_len, context_len] bool, True = may attend: causal, and both ways within an image (StepInputs.image_blocks)
     sees: torch.Tensor
     sliding_only: bool = False  # the images' blocks on sliding-window layers only (StepInputs.image_blocks_sliding_only)
+    causal: bool = True  # no image blocks: `sees` is the causal mask
 
     def mask(self, window: int | None) -> torch.Tensor:
         """The mask, and with a sliding window only the positions after each row's last `window` (an image's
@@ -201,7 +202,8 @@ class AttentionMetadata:
             mask = _prefill_mask(seq_len, end - start, None if s not in both_ways else
                                  step.image_blocks[step.image_blocks[:, 0] == s, 1:])
             prefills.append(PrefillSequence(start, end, torch.from_numpy(context).to(device),
-                                            torch.from_numpy(mask).to(device), step.image_blocks_sliding_only))
+                                            torch.from_numpy(mask).to(device), step.image_blocks_sliding_only,
+                                            causal=s not in both_ways))
         lens = step.seq_lens[decode_seqs]
         query_start = np.zeros(len(decode_seqs) + 1, dtype=np.int32)
         np.cumsum(step.query_lens[decode_seqs], out=query_start[1:])
@@ -372,17 +374,24 @@ class Backend:
             return self.decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window, sinks=sinks)
         out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for seq in meta.prefills:
-            # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
-            query = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)
-            keys = read_rows(k_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            values = read_rows(v_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            head_sinks = None if sinks is None else sinks.view(-1, 1, 1)  # [heads, 1, 1]
-            o = _attend(query, keys, values, seq.mask(window), scale, softcap, head_sinks)
-            out[seq.token_start : seq.token_end] = o[0].transpose(0, 1)
+            out[seq.token_start : seq.token_end] = self.prefill_attention(
+                q[seq.token_start : seq.token_end], k_cache, v_cache, seq, scale, softcap, window, sinks)
         if meta.num_decodes:
             out[meta.decode_token_index] = self.decode_attention(q[meta.decode_token_index], k_cache, v_cache, meta,
                                                                  scale, softcap=softcap, window=window, sinks=sinks)
         return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, seq: PrefillSequence,
+                          scale: float, softcap: float | None = None, window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """One prefill's rows q [query_len, heads, head_dim] over its context (attention's arguments) ->
+        [query_len, heads, V's head_dim]."""
+        # [1, heads, query_len, head_dim] against [1, kv_heads, context_len, head_dim]
+        query = q.transpose(0, 1).unsqueeze(0)
+        keys = read_rows(k_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        values = read_rows(v_cache, seq.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+        head_sinks = None if sinks is None else sinks.view(-1, 1, 1)  # [heads, 1, 1]
+        return _attend(query, keys, values, seq.mask(window), scale, softcap, head_sinks)[0].transpose(0, 1)
 
     def decode_attention(self, q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                          meta: AttentionMetadata, scale: float, softcap: float | None = None,

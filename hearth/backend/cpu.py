@@ -8,8 +8,10 @@ with the K/V cache write, are one call each. A float16 or q8_0 KV cache (hearth/
 quantized by that write and widened row by row inside the decode kernel. Weights kept in their
 storage format run hearth/quant/kernels' C++ kernels (cpu_linear.py, bound once by `prepare`). Where every
 matmul is on them, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
-experts on it runs its chosen experts in one call per projection (cpu_experts.py). Prompts take the
-reference path (per-sequence SDPA). Chosen only where the kernels built and the compute dtype is float32.
+experts on it runs its chosen experts in one call per projection (cpu_experts.py). A prompt's attention
+runs the causal prefill kernel over its gathered K/V (blocks past each row's position never computed); an
+image's both-ways blocks, soft-capping and sinks take the reference path (SDPA). Chosen only where the
+kernels built and the compute dtype is float32.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hearth.backend.base import AttentionMetadata, Backend
+from hearth.backend.base import AttentionMetadata, Backend, PrefillSequence
 from hearth.backend.cpu_decode import CpuDecodePath, delta_net_weights
 from hearth.backend.cpu_experts import GroupedExperts
 from hearth.backend.cpu_linear import INT8_QTYPES, cpu_linear
@@ -25,7 +27,7 @@ from hearth.backend.cpu_ops import DECODE_SPLIT_LEN, cpu_kernels, float32_contig
 from hearth.backend.sparse_linear import SparseBlocksLinear, SparseColumnsLinear
 from hearth.backend.stored import QuantEmbedding
 from hearth.quant import kernels as quant_kernels
-from hearth.kv_format import data_pointers
+from hearth.kv_format import data_pointers, read_rows
 
 
 class CpuBackend(Backend):
@@ -95,6 +97,20 @@ class CpuBackend(Backend):
             tokens, heads, k.shape[1], head_dim, torch.get_num_threads(),
         )
         return q_out
+
+    def prefill_attention(self, q, k_cache, v_cache, seq: PrefillSequence, scale: float, softcap=None, window=None,
+                          sinks=None):
+        heads, kv_heads = q.shape[1], k_cache.shape[1]
+        if not seq.causal or softcap is not None or sinks is not None or heads // kv_heads > 32:
+            return super().prefill_attention(q, k_cache, v_cache, seq, scale, softcap, window, sinks)
+        keys = read_rows(k_cache, seq.context_slots, torch.float32).contiguous()  # [L, kv_heads, D]
+        values = read_rows(v_cache, seq.context_slots, torch.float32).contiguous()
+        q = q.contiguous()
+        out = q.new_empty(*q.shape[:-1], values.shape[-1])
+        self.kernels.prefill_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), q.shape[0],
+                                       keys.shape[0], heads, kv_heads, q.shape[2], values.shape[2], scale, window or 0,
+                                       torch.get_num_threads())
+        return out
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                          split_len: int = DECODE_SPLIT_LEN,

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_attention", &decode_attention,
         "paged attention of a few query rows per sequence, split-KV, float32, float16 or q8_0 K/V", nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a prompt's rows over its gathered context, float32", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (after an optional in-place add), float32", nogil);
   m.def("rope_and_store_kv", &rope_and_store_kv, "RoPE on q and k, k and v into their cache slots, float32, float16 or q8_0", nogil);
   m.def("argmax_and_logsumexp", &argmax_and_logsumexp, "each row's argmax and log-sum-exp, float32", nogil);

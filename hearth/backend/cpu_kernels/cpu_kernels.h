@@ -20,6 +20,9 @@
 // merges the splits, in order, by log-sum-exp:
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 //
+// prefill_attention (hearth/backend/cpu.py): a prompt's (or chunk's) new rows against its context gathered in
+// position order, causal (and within a sliding window): prefill_attention.cpp says how.
+//
 // rms_norm (hearth/backend/cpu.py): out = x / sqrt(mean(x^2) + eps) * (w + offset) per row,
 // optionally after x += add in place (the residual stream's add fused into the norm's pass).
 //
@@ -67,7 +70,7 @@
 // adapters is the same whole-layer call.
 //
 // A source per job: kv_rows.h (the KV caches' formats), vector_math.h (exp, a row's argmax),
-// attention.cpp (decode_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
+// attention.cpp (decode_attention), prefill_attention.cpp (prefill_attention), layer_ops.cpp (rms_norm, rope_and_store_kv, silu_and_mul),
 // logits.cpp (mask_tokens, argmax_and_logsumexp), decode_layers.cpp (decode_layers,
 // greedy_passes), lora.cpp (lora_add), state_ops.cpp (conv1d_step, delta_rule_step, gated_delta_net_step, ssm_step), bindings.cpp (the Python module).
 #pragma once
@@ -83,6 +86,9 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                       uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
+void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t out_, int64_t T, int64_t L,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
+                       int64_t window, int threads);
 void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,
               double offset, int threads);
 void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,
