@@ -20,8 +20,8 @@ namespace hearth {
 namespace {
 
 constexpr int64_t KEYS = 64;       // keys a block: one score row's slice is 4 vectors
-constexpr int64_t ROW_GROUP = 4;   // rows whose sums sit in registers together (4 x 64 floats: 16 vectors)
-constexpr int64_t ITEM_ROWS = 32;  // rows (positions x the KV head's query heads) a work item, at most
+constexpr int64_t ROW_GROUP = 6;   // rows whose sums sit in registers together (6 x 64 floats: 24 vectors)
+constexpr int64_t ITEM_ROWS = 48;  // rows (positions x the KV head's query heads) a work item, at most
 constexpr int64_t VALUE_SLICE = 64;
 
 struct Prefill {
@@ -168,7 +168,7 @@ void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t out_,
   Prefill a{reinterpret_cast<const float*>(q_), reinterpret_cast<const float*>(k_), reinterpret_cast<const float*>(v_),
             reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
             value_dim, window, (float)scale, {}};
-  if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 32 query heads a KV head");
+  if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 48 query heads a KV head");
   transpose_keys(a, threads);
   const int64_t per_item = std::max<int64_t>(1, ITEM_ROWS / a.G);  // positions a work item
   const int64_t spans = (T + per_item - 1) / per_item, items = spans * a.KH;
