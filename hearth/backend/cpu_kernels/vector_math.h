@@ -58,19 +58,6 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-#ifdef __AVX512F__
-// exp_nonpositive of 16 values, the same operations again
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, i), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
 // silu of 8 values, as silu's
 inline __m256 silu8(__m256 x) {
   const __m256 e = exp_nonpositive8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // exp(-|x|)
@@ -86,7 +73,9 @@ inline void exp_shifted(float* x, const float* shift, float* sum, int64_t n) {
   for (; k + 16 <= n; k += 16) {
     const __m512 xk = _mm512_loadu_ps(x + k);
     const __mmask16 finite = _mm512_cmp_ps_mask(xk, _mm512_set1_ps(NEG_INF), _CMP_NEQ_OQ);
-    const __m512 w = _mm512_maskz_mov_ps(finite, exp_nonpositive16(_mm512_sub_ps(xk, _mm512_loadu_ps(shift + k))));
+    const __m512 e = _mm512_sub_ps(xk, _mm512_loadu_ps(shift + k));  // exp of each half: 8 values' operations
+    const __m512 w = _mm512_maskz_mov_ps(finite, _mm512_insertf32x8(_mm512_castps256_ps512(exp_nonpositive8(_mm512_castps512_ps256(e))),
+                                                                     exp_nonpositive8(_mm512_extractf32x8_ps(e, 1)), 1));
     _mm512_storeu_ps(x + k, w);
     _mm512_storeu_ps(sum + k, _mm512_add_ps(_mm512_loadu_ps(sum + k), w));
   }
