@@ -2,7 +2,7 @@
 // as flash attention does it on a CPU. A work item is (KV head, a few consecutive query positions): its rows are
 // those positions' query heads that share the KV head (GQA), up to ITEM_ROWS of them, so that each key and
 // value is read once for all of them. It walks the keys in blocks of KEYS: the block's scores as a small matrix
-// product (ROW_GROUP rows x KEYS keys of sums in registers, a key vector and a broadcast query value a step),
+// product (ROW_GROUP rows x SCORE_SLICE keys of sums in registers, key vectors and a broadcast query value a step),
 // the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m')),
 // then the weighted values (ROW_GROUP rows x a value slice in registers). Blocks past an item's last position
 // are never read: about half of a prompt's score matrix is skipped (torch's CPU SDPA splits keys by 512 and
@@ -19,10 +19,15 @@
 namespace hearth {
 namespace {
 
-constexpr int64_t KEYS = 64;       // keys a block: one score row's slice is 4 vectors
-constexpr int64_t ROW_GROUP = 6;   // rows whose sums sit in registers together (6 x 64 floats: 24 vectors)
+constexpr int64_t KEYS = 64;       // keys a block
 constexpr int64_t ITEM_ROWS = 48;  // rows (positions x the KV head's query heads) a work item, at most
-constexpr int64_t VALUE_SLICE = 64;
+// rows whose sums sit in registers together, and how many sums of each: AVX-512's 32 registers hold 6 x 64 floats
+// (24 vectors) beside the keys' 4; AVX2's 16 hold 4 x 16 (8 vectors; 6 x 64 spills: no faster than SDPA)
+#ifdef __AVX512F__
+constexpr int64_t ROW_GROUP = 6, SCORE_SLICE = 64, VALUE_SLICE = 64;
+#else
+constexpr int64_t ROW_GROUP = 4, SCORE_SLICE = 16, VALUE_SLICE = 16;
+#endif
 
 struct Prefill {
   const float *q, *k, *v;
@@ -59,22 +64,25 @@ struct Item {
   float shift[KEYS], sum[KEYS];
 };
 
-// s[r][j] = scale q_r . k_j over the key block, for ROW_GROUP rows from r0 (rows past the item: its last again)
+// s[r][j] = scale q_r . k_j over the key block, for ROW_GROUP rows from r0 (rows past the item: its last again),
+// SCORE_SLICE keys at a time
 inline void group_scores(const Prefill& a, Item& it, int64_t r0, const float* kt) {
-  float acc[ROW_GROUP][KEYS] = {};
   const float* q[ROW_GROUP];
   for (int64_t r = 0; r < ROW_GROUP; ++r) q[r] = it.q[std::min(r0 + r, it.rows - 1)];
-  for (int64_t d = 0; d < a.D; ++d) {
-    const float* kd = kt + d * KEYS;
-    for (int64_t r = 0; r < ROW_GROUP; ++r) {
-      const float x = q[r][d];
+  for (int64_t j0 = 0; j0 < KEYS; j0 += SCORE_SLICE) {
+    float acc[ROW_GROUP][SCORE_SLICE] = {};
+    for (int64_t d = 0; d < a.D; ++d) {
+      const float* kd = kt + d * KEYS + j0;
+      for (int64_t r = 0; r < ROW_GROUP; ++r) {
+        const float x = q[r][d];
 #pragma omp simd
-      for (int64_t j = 0; j < KEYS; ++j) acc[r][j] += x * kd[j];
+        for (int64_t j = 0; j < SCORE_SLICE; ++j) acc[r][j] += x * kd[j];
+      }
     }
-  }
-  for (int64_t r = 0; r < std::min(ROW_GROUP, it.rows - r0); ++r)
+    for (int64_t r = 0; r < std::min(ROW_GROUP, it.rows - r0); ++r)
 #pragma omp simd
-    for (int64_t j = 0; j < KEYS; ++j) it.s[r0 + r][j] = acc[r][j] * a.scale;
+      for (int64_t j = 0; j < SCORE_SLICE; ++j) it.s[r0 + r][j0 + j] = acc[r][j] * a.scale;
+  }
 }
 
 // o[r][d0, d0 + W) += sum_j p[r][j] v_j[d0, d0 + W) over the block's n keys, for ROW_GROUP rows from r0
