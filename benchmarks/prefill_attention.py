@@ -5,8 +5,10 @@
            backend's before prefill_attention.cpp)
   kernel   hearth/backend/cpu_kernels/prefill_attention.cpp over the same gathered K/V (the cpu backend's)
 
-Milliseconds per call, medians of interleaved runs, and GFLOP/s of the causal half (what has to be computed:
-2 x 2 x heads x head_dim x sum of each row's context); float32; the whole prompt new (no cached prefix).
+The shapes: decode_attention.py's three, and gpt-oss's (64 heads, 8 KV heads, 64) with its sinks, whole and in its
+128-token sliding window (the reference path writes that softmax out: repeated K/V, the whole score matrix).
+Milliseconds per call, medians of interleaved runs, and GFLOP/s of what has to be computed (the causal half, the window:
+2 x 2 x heads x head_dim x the keys each row sees); float32; the whole prompt new (no cached prefix).
 
     python benchmarks/prefill_attention.py --threads 2 --out benchmarks/results/threads-2/prefill-attention
 """
@@ -22,7 +24,11 @@ from common import machine, machine_markdown, median, set_threads, table, thread
 from decode_attention import SHAPES
 
 
-def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, prompt: int, runs: int) -> dict[str, float]:
+GPT_OSS = {"gpt-oss (64 heads, 8 KV heads, sinks)": None, "gpt-oss, sliding layers (window 128)": 128}
+
+
+def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, prompt: int, runs: int, sinks: bool = False,
+              window: int | None = None) -> dict[str, float]:
     import torch
 
     from hearth.backend.base import PrefillSequence
@@ -33,8 +39,9 @@ def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, prompt: 
     v_cache = torch.randn(prompt, kv_heads, head_dim, generator=g)
     q = torch.randn(prompt, heads, head_dim, generator=g)
     seq = PrefillSequence(0, prompt, slots, torch.ones(prompt, prompt, dtype=torch.bool).tril())
-    ways = {"sdpa": lambda: reference.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5),
-            "kernel": lambda: cpu.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5)}
+    options = {"window": window, "sinks": torch.randn(heads, generator=g) if sinks else None}
+    ways = {"sdpa": lambda: reference.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5, **options),
+            "kernel": lambda: cpu.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5, **options)}
     times = {name: [] for name in ways}
     for fn in ways.values():
         fn()
@@ -61,10 +68,13 @@ def main() -> None:
         sys.exit("the C++ attention kernels cannot be built here")
     cpu, reference = CpuBackend(), Backend()
     rows, data = [], []
-    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+    shapes = {name: (*shape, False, None) for name, shape in SHAPES.items()}
+    shapes.update({name: (64, 8, 64, True, window) for name, window in GPT_OSS.items()})
+    for shape, (heads, kv_heads, head_dim, sinks, window) in shapes.items():
         for prompt in map(int, args.prompts.split(",")):
-            ms = time_cell(cpu, reference, heads, kv_heads, head_dim, prompt, args.runs)
-            flops = 4 * heads * head_dim * prompt * (prompt + 1) / 2
+            ms = time_cell(cpu, reference, heads, kv_heads, head_dim, prompt, args.runs, sinks, window)
+            seen = [min(p + 1, window or p + 1) for p in range(prompt)]  # keys each row sees
+            flops = 4 * heads * head_dim * sum(seen)
             rows.append([shape, prompt, ms["sdpa"], ms["kernel"], ms["sdpa"] / ms["kernel"],
                          flops / (ms["kernel"] * 1e-3) / 1e9])
             data.append({"shape": shape, "prompt": prompt, "ms": ms, "causal_flops": flops})
@@ -74,7 +84,7 @@ def main() -> None:
         f"### Prefill attention, one layer, float32 ({threads()} threads)", "",
         f"`{command}` — medians of {args.runs} interleaved runs.", "",
         machine_markdown(info), "",
-        table(["shape", "prompt", "sdpa ms", "kernel ms", "kernel vs sdpa", "kernel GFLOP/s (causal)"], rows),
+        table(["shape", "prompt", "sdpa ms", "kernel ms", "kernel vs sdpa", "kernel GFLOP/s (keys seen)"], rows),
     ])
     write_results(args.out, markdown, {"machine": info, "command": command, "rows": data})
 

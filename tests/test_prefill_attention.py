@@ -73,8 +73,18 @@ def test_prefill_kernel_reads_a_q8_0_cache_as_its_values():
     torch.testing.assert_close(out.double(), _reference(q, *widened, seq, 0.125), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_kernel_with_attention_sinks(window):
+    """gpt-oss's sinks (a logit per query head in each row's softmax, no value), with its sliding window too."""
+    q, k_cache, v_cache, seq = _prompt(50, 70, 8, 2, 64, 64, seed=4)
+    sinks = torch.randn(8) * 3
+    out = _backend().prefill_attention(q, k_cache, v_cache, seq, 0.125, window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, seq, 0.125, window, sinks=sinks),
+                               atol=2e-6, rtol=1e-5)
+
+
 def test_images_soft_capping_and_sinks():
-    """Rows that see an image both ways, soft-capped scores and sinks (the reference path's: not the kernel's)."""
+    """Rows that see an image both ways and soft-capped scores (the reference path's), sinks (the kernel's)."""
     backend = _backend()
     q, k_cache, v_cache, seq = _prompt(30, 30, 8, 2, 64, 64, seed=2, images=[(4, 12)])
     torch.testing.assert_close(backend.prefill_attention(q, k_cache, v_cache, seq, 0.125).double(),

@@ -86,7 +86,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                       uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
-void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t out_, int64_t T, int64_t L,
+void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
                        int64_t window, int threads);
 void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,

@@ -3,7 +3,8 @@
 // those positions' query heads that share the KV head (GQA), up to ITEM_ROWS of them, so that each key and
 // value is read once for all of them. It walks the keys in blocks of KEYS: the block's scores as a small matrix
 // product (ROW_GROUP rows x SCORE_SLICE keys of sums in registers, key vectors and a broadcast query value a step),
-// the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m')),
+// the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m');
+// with sinks, m and l start at the row's sink and 1),
 // then the weighted values (ROW_GROUP rows x a value slice in registers). Blocks past an item's last position
 // are never read: about half of a prompt's score matrix is skipped (torch's CPU SDPA splits keys by 512 and
 // computes the whole square for shorter prompts). Keys are transposed once per call into blocks [D][KEYS],
@@ -31,6 +32,7 @@ constexpr int64_t ROW_GROUP = 4, SCORE_SLICE = 16, VALUE_SLICE = 16;
 
 struct Prefill {
   const float *q, *k, *v;
+  const float* sinks;  // [H] or null
   float* out;
   int64_t T, L, H, KH, G, D, Dv, window;
   float scale;
@@ -141,8 +143,9 @@ inline void row_softmax(const Prefill& a, Item& it, int64_t r, int64_t j0, int64
 void run_item(const Prefill& a, Item& it) {
   for (int64_t r = 0; r < it.rows; ++r) {
     it.q[r] = a.q + ((it.i0 + r / a.G) * a.H + it.h * a.G + r % a.G) * a.D;
-    it.m[r] = NEG_INF;
-    it.l[r] = 0.f;
+    // a sink: a logit in the softmax with no value, its share exp(sink - m) in l from the start
+    it.m[r] = a.sinks ? a.sinks[it.h * a.G + r % a.G] : NEG_INF;
+    it.l[r] = a.sinks ? 1.f : 0.f;
   }
   std::fill_n(it.o.begin(), it.rows * a.Dv, 0.f);
   const int64_t last = a.position(it.i0 + it.positions - 1);
@@ -169,12 +172,13 @@ void run_item(const Prefill& a, Item& it) {
 
 // q [T, H, D], k [L, KH, D], v [L, KH, Dv] contiguous float32 (the context's K/V gathered in position order, the
 // T new rows the last of them) -> out [T, H, Dv]; new row i at position L - T + i sees positions [p - window + 1, p]
-// (window 0: [0, p]); query head x uses KV head x / (H / KH).
-void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t out_, int64_t T, int64_t L,
+// (window 0: [0, p]); query head x uses KV head x / (H / KH). sinks: float [H] (0: none), a logit per query head
+// that joins each row's softmax with no value (gpt-oss's attention sinks).
+void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
                        int64_t window, int threads) {
   Prefill a{reinterpret_cast<const float*>(q_), reinterpret_cast<const float*>(k_), reinterpret_cast<const float*>(v_),
-            reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
+            reinterpret_cast<const float*>(sinks_), reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
             value_dim, window, (float)scale, {}};
   if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 48 query heads a KV head");
   transpose_keys(a, threads);
