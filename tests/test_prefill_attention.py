@@ -74,22 +74,20 @@ def test_prefill_kernel_reads_a_q8_0_cache_as_its_values():
 
 
 @pytest.mark.parametrize("window", [None, 20])
-def test_prefill_kernel_with_attention_sinks(window):
-    """gpt-oss's sinks (a logit per query head in each row's softmax, no value), with its sliding window too."""
+@pytest.mark.parametrize("options", [{"sinks": torch.randn(8, generator=torch.Generator().manual_seed(5)) * 3},
+                                     {"softcap": 5.0}])
+def test_prefill_kernel_with_sinks_and_soft_capping(window, options):
+    """gpt-oss's sinks (a logit per query head in each row's softmax, no value) and gemma2's soft-capped scores,
+    each with a sliding window too."""
     q, k_cache, v_cache, seq = _prompt(50, 70, 8, 2, 64, 64, seed=4)
-    sinks = torch.randn(8) * 3
-    out = _backend().prefill_attention(q, k_cache, v_cache, seq, 0.125, window=window, sinks=sinks)
-    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, seq, 0.125, window, sinks=sinks),
-                               atol=2e-6, rtol=1e-5)
+    scale = 0.5  # scores of several units: the cap bends them
+    out = _backend().prefill_attention(q, k_cache, v_cache, seq, scale, window=window, **options)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, seq, scale, window, **options),
+                               atol=4e-6, rtol=1e-5)
 
 
-def test_images_soft_capping_and_sinks():
-    """Rows that see an image both ways and soft-capped scores (the reference path's), sinks (the kernel's)."""
-    backend = _backend()
+def test_images_take_the_reference_path():
+    """Rows that see an image both ways: causal elsewhere, the image's tokens each other (the reference path's)."""
     q, k_cache, v_cache, seq = _prompt(30, 30, 8, 2, 64, 64, seed=2, images=[(4, 12)])
-    torch.testing.assert_close(backend.prefill_attention(q, k_cache, v_cache, seq, 0.125).double(),
+    torch.testing.assert_close(_backend().prefill_attention(q, k_cache, v_cache, seq, 0.125).double(),
                                _reference(q, k_cache, v_cache, seq, 0.125), atol=2e-6, rtol=1e-5)
-    q, k_cache, v_cache, seq = _prompt(30, 30, 8, 2, 64, 64, seed=3)
-    for kwargs in ({"softcap": 5.0}, {"sinks": torch.randn(8)}):
-        torch.testing.assert_close(backend.prefill_attention(q, k_cache, v_cache, seq, 0.125, **kwargs).double(),
-                                   _reference(q, k_cache, v_cache, seq, 0.125, **kwargs), atol=2e-6, rtol=1e-5)

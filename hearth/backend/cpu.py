@@ -10,7 +10,7 @@ storage format run hearth/quant/kernels' C++ kernels (cpu_linear.py, bound once 
 matmul is on them, a step of decodes only runs all layers in one call (cpu_decode.py); a mixture of
 experts on it runs its chosen experts in one call per projection (cpu_experts.py). A prompt's attention
 runs the causal prefill kernel over its gathered K/V (blocks past each row's position never computed); an
-image's both-ways blocks and soft-capping take the reference path (SDPA). Chosen only where the
+image's both-ways blocks take the reference path (SDPA). Chosen only where the
 kernels built and the compute dtype is float32.
 """
 
@@ -101,7 +101,7 @@ class CpuBackend(Backend):
     def prefill_attention(self, q, k_cache, v_cache, seq: PrefillSequence, scale: float, softcap=None, window=None,
                           sinks=None):
         heads, kv_heads = q.shape[1], k_cache.shape[1]
-        if not seq.causal or softcap is not None or heads // kv_heads > 48:  # (the kernel's ITEM_ROWS)
+        if not seq.causal or heads // kv_heads > 48:  # (the kernel's ITEM_ROWS)
             return super().prefill_attention(q, k_cache, v_cache, seq, scale, softcap, window, sinks)
         keys = read_rows(k_cache, seq.context_slots, torch.float32).contiguous()  # [L, kv_heads, D]
         values = read_rows(v_cache, seq.context_slots, torch.float32).contiguous()
@@ -110,8 +110,8 @@ class CpuBackend(Backend):
         out = q.new_empty(*q.shape[:-1], values.shape[-1])
         self.kernels.prefill_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(),
                                        0 if sinks is None else sinks.data_ptr(), out.data_ptr(), q.shape[0],
-                                       keys.shape[0], heads, kv_heads, q.shape[2], values.shape[2], scale, window or 0,
-                                       torch.get_num_threads())
+                                       keys.shape[0], heads, kv_heads, q.shape[2], values.shape[2], scale,
+                                       softcap or 0.0, window or 0, torch.get_num_threads())
         return out
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -88,7 +88,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                       int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
 void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
-                       int64_t window, int threads);
+                       double softcap, int64_t window, int threads);
 void rms_norm(uintptr_t x_, uintptr_t add_, uintptr_t w_, uintptr_t out_, int64_t rows, int64_t dim, double eps,
               double offset, int threads);
 void rope_and_store_kv(uintptr_t q_, uintptr_t k_, uintptr_t v_, int64_t q_stride, int64_t k_stride,

@@ -3,7 +3,7 @@
 // those positions' query heads that share the KV head (GQA), up to ITEM_ROWS of them, so that each key and
 // value is read once for all of them. It walks the keys in blocks of KEYS: the block's scores as a small matrix
 // product (ROW_GROUP rows x SCORE_SLICE keys of sums in registers, key vectors and a broadcast query value a step),
-// the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m');
+// soft-capping, the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m');
 // with sinks, m and l start at the row's sink and 1),
 // then the weighted values (ROW_GROUP rows x a value slice in registers). Blocks past an item's last position
 // are never read: about half of a prompt's score matrix is skipped (torch's CPU SDPA splits keys by 512 and
@@ -35,7 +35,7 @@ struct Prefill {
   const float* sinks;  // [H] or null
   float* out;
   int64_t T, L, H, KH, G, D, Dv, window;
-  float scale;
+  float scale, softcap;  // softcap 0: none
   std::vector<float> kt;  // [KH][blocks][D][KEYS], zero past L
 
   int64_t position(int64_t i) const { return L - T + i; }  // of new row i
@@ -118,6 +118,7 @@ inline void row_softmax(const Prefill& a, Item& it, int64_t r, int64_t j0, int64
     std::fill_n(s, KEYS, 0.f);
     return;
   }
+  if (a.softcap > 0.f) soft_cap_all(s + lo, hi - lo, a.softcap);
   std::fill(s, s + lo, NEG_INF);
   std::fill(s + hi, s + KEYS, NEG_INF);
   float lanes[16];  // the maximum as 16 running ones (a reduction GCC leaves scalar otherwise)
@@ -173,13 +174,14 @@ void run_item(const Prefill& a, Item& it) {
 // q [T, H, D], k [L, KH, D], v [L, KH, Dv] contiguous float32 (the context's K/V gathered in position order, the
 // T new rows the last of them) -> out [T, H, Dv]; new row i at position L - T + i sees positions [p - window + 1, p]
 // (window 0: [0, p]); query head x uses KV head x / (H / KH). sinks: float [H] (0: none), a logit per query head
-// that joins each row's softmax with no value (gpt-oss's attention sinks).
+// that joins each row's softmax with no value (gpt-oss's attention sinks). softcap > 0: scores become
+// softcap tanh(scores / softcap) before the softmax (gemma2).
 void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
-                       int64_t window, int threads) {
+                       double softcap, int64_t window, int threads) {
   Prefill a{reinterpret_cast<const float*>(q_), reinterpret_cast<const float*>(k_), reinterpret_cast<const float*>(v_),
             reinterpret_cast<const float*>(sinks_), reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
-            value_dim, window, (float)scale, {}};
+            value_dim, window, (float)scale, (float)softcap, {}};
   if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 48 query heads a KV head");
   transpose_keys(a, threads);
   const int64_t per_item = std::max<int64_t>(1, ITEM_ROWS / a.G);  // positions a work item

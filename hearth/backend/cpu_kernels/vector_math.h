@@ -96,6 +96,27 @@ inline void exp_shifted(float* x, const float* shift, float* sum, int64_t n) {
   }
 }
 
+// x[k] = cap tanh(x[k] / cap), k < n (gemma2's soft-capped scores): tanh(y) = sign(y) (1 - e) / (1 + e),
+// e = exp(-2 |y|) (an exp of a non-positive number)
+inline float soft_cap(float x, float cap) {
+  const float e = exp_nonpositive(std::abs(x) * (-2.f / cap));
+  return std::copysign(cap * (1.f - e) / (1.f + e), x);
+}
+
+inline void soft_cap_all(float* x, int64_t n, float cap) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  for (; k + 8 <= n; k += 8) {
+    const __m256 xk = _mm256_loadu_ps(x + k);
+    const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_andnot_ps(sign, xk), _mm256_set1_ps(-2.f / cap)));
+    const __m256 t = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(cap), _mm256_sub_ps(one, e)), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(x + k, _mm256_or_ps(t, _mm256_and_ps(sign, xk)));
+  }
+#endif
+  for (; k < n; ++k) x[k] = soft_cap(x[k], cap);
+}
+
 // out[i] = silu(gate[i]) * up[i], i < n
 inline void silu_times(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
