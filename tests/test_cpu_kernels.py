@@ -117,27 +117,33 @@ def test_decode_kernel_with_several_rows_per_sequence(heads, kv_heads, split_len
                                expected, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_kernel_with_attention_sinks():
-    """gpt-oss's sinks: a logit per query head in each row's softmax, with no value. The kernel (across
-    splits, several rows per sequence, a window) and the reference backend against the softmax over
-    [scores, sink] written out in float64."""
-    lens, rows, window, scale = [1, 17, 300], [1, 3, 2], 20, 0.125
+@pytest.mark.parametrize("options", [{"sinks": torch.randn(8, generator=torch.Generator().manual_seed(1)) * 3},
+                                     {"softcap": 5.0}])
+def test_decode_kernel_with_sinks_and_soft_capping(options):
+    """gpt-oss's sinks (a logit per query head in each row's softmax, with no value) and gemma2's soft-capped
+    scores. The kernel (across splits, several rows per sequence, a window) and the reference backend against
+    the softmax written out in float64."""
+    lens, rows, window, scale = [1, 17, 300], [1, 3, 2], 20, 0.5
     q, k_cache, v_cache, tables, meta = _case(lens, 8, 2, head_dim=32, rows=rows)
-    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 3
+    sinks, softcap = options.get("sinks"), options.get("softcap")
     expected, row = [], 0
     for i, n in enumerate(lens):
         for r in range(rows[i]):
             end = n - rows[i] + 1 + r
             slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(max(0, end - window), end)])
             k, v = (c[slots].double().repeat_interleave(4, dim=1).transpose(0, 1) for c in (k_cache, v_cache))
-            scores = torch.cat([q[row].double()[:, None] @ k.transpose(1, 2) * scale, sinks.double()[:, None, None]], -1)
-            expected.append((scores.softmax(-1)[..., :-1] @ v)[:, 0])
+            scores = q[row].double()[:, None] @ k.transpose(1, 2) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double()[:, None, None]], -1)
+            expected.append((scores.softmax(-1)[..., : k.shape[1]] @ v)[:, 0])
             row += 1
     expected = torch.stack(expected)
     for split_len in (7, DECODE_SPLIT_LEN):
-        out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, scale, split_len, window=window, sinks=sinks)
+        out = _cpu_backend().decode_attention(q, k_cache, v_cache, meta, scale, split_len, window=window, **options)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    reference = Backend().decode_attention(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks)
+    reference = Backend().decode_attention(q, k_cache, v_cache, meta, scale, window=window, **options)
     torch.testing.assert_close(reference.double(), expected, rtol=1e-5, atol=1e-5)
 
 

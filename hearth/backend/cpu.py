@@ -118,7 +118,7 @@ class CpuBackend(Backend):
                          split_len: int = DECODE_SPLIT_LEN,
                          softcap: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None):
         kv_format = whole_caches_format(k_cache, v_cache)
-        if softcap is not None or kv_format is None:  # the kernel has no soft-capping
+        if kv_format is None:
             return super().decode_attention(q, k_cache, v_cache, meta, scale, softcap=softcap, window=window,
                                             sinks=sinks)
         sinks = None if sinks is None else sinks.float().contiguous()
@@ -133,7 +133,7 @@ class CpuBackend(Backend):
             q.data_ptr(), k_data, v_data, k_scales, v_scales, kv_format, tables.data_ptr(), lens.data_ptr(),
             meta.decode_query_start.data_ptr(), *tree_pointers(meta), 0 if sinks is None else sinks.data_ptr(),
             out.data_ptr(), meta.num_decodes, heads, kv_heads, head_dim,
-            meta.block_size, tables.shape[1], scale, split_len, window or 0, threads,
+            meta.block_size, tables.shape[1], scale, softcap or 0.0, split_len, window or 0, threads,
         )
         return out
 

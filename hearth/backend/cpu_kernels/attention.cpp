@@ -114,7 +114,7 @@ struct Attention {
   const uint64_t* tree_masks;
   const float* sinks;  // [num_heads] or null
   int64_t num_heads, num_kv_heads, group, D, block_size, max_blocks, window;
-  float scale;
+  float scale, softcap;  // softcap 0: none
 
   int64_t rows(int64_t s) const { return query_start[s + 1] - query_start[s]; }
   // one past the position of row r of sequence s
@@ -328,6 +328,7 @@ void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
   const int64_t n = w.n, stride = w.stride;
   if (w.nodes)
     for_each_ancestor(a, w, [&](int64_t j, int64_t t, int64_t node) { s.scores[t * stride + j] = s.node_scores[node * stride + j]; });
+  if (a.softcap > 0.f) soft_cap_all(s.scores.data(), n * stride, a.softcap);
   for (int64_t j = 0; j < w.lanes_total; ++j) {
     const int64_t r = j / a.group;
     for (int64_t t = 0; t < std::min(s.lo[r], n); ++t) s.scores[t * stride + j] = NEG_INF;
@@ -418,20 +419,21 @@ void merge_splits(const Attention& a, const Splits& p, const Parts& parts, int64
 // ancestor at depth k (its k-th bit set) at position tree_start + k, and its own position is
 // tree_start + its bits set - 1 (its depth: the window counts from there).
 // sinks float [H] (0: none): a logit per query head that joins each row's softmax with no value
-// (gpt-oss's attention sinks).
+// (gpt-oss's attention sinks). softcap > 0: scores become softcap tanh(scores / softcap) before the softmax
+// (gemma2).
 // A work item reads each K/V row once for every query row and head of its group.
 void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scales_, uintptr_t v_scales_,
                       int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
                       uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads) {
+                      int64_t max_blocks, double scale, double softcap, int64_t split_len, int64_t window, int threads) {
   const Attention a{reinterpret_cast<const float*>(q_),
                     {reinterpret_cast<const void*>(k_), reinterpret_cast<const _Float16*>(k_scales_), head_dim, kv_format},
                     {reinterpret_cast<const void*>(v_), reinterpret_cast<const _Float16*>(v_scales_), head_dim, kv_format},
                     reinterpret_cast<const int32_t*>(tables_), reinterpret_cast<const int32_t*>(lens_),
                     reinterpret_cast<const int32_t*>(query_start_), reinterpret_cast<const int32_t*>(tree_start_),
                     reinterpret_cast<const uint64_t*>(tree_masks_), reinterpret_cast<const float*>(sinks_), num_heads, num_kv_heads, num_heads / num_kv_heads,
-                    head_dim, block_size, max_blocks, window, (float)scale};
+                    head_dim, block_size, max_blocks, window, (float)scale, (float)softcap};
   float* out = reinterpret_cast<float*>(out_);
   const int64_t num_rows = a.query_start[num_seqs];
   const Splits p = plan_splits(a, num_seqs, split_len);

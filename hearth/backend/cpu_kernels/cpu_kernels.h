@@ -85,7 +85,8 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                       int kv_format, uintptr_t tables_, uintptr_t lens_, uintptr_t query_start_, uintptr_t tree_start_,
                       uintptr_t tree_masks_, uintptr_t sinks_, uintptr_t out_, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t max_blocks, double scale, int64_t split_len, int64_t window, int threads);
+                      int64_t max_blocks, double scale, double softcap, int64_t split_len, int64_t window,
+                      int threads);
 void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
                        double softcap, int64_t window, int threads);

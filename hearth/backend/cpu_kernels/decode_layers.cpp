@@ -200,7 +200,7 @@ int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, ui
                         cache[2], cache[3], kv_format, tokens, num_heads, num_kv_heads, head_dim, threads);
       decode_attention(ptr(q), cache[0], cache[1], cache[2], cache[3], kv_format, block_tables_, lens_, query_start_,
                        tree_start_, tree_masks_, 0, ptr(attn), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       max_blocks, scale, split_len, window, threads);
+                       max_blocks, scale, 0.0, split_len, window, threads);
       if (mixer[OUTPUT_GATE]) output_gate(attn.data(), qkv.data(), width, tokens, num_heads, head_dim);
     }
     project(layer, O, ptr(attn), delta, hidden, mixed);

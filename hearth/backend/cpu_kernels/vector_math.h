@@ -96,9 +96,10 @@ inline void exp_shifted(float* x, const float* shift, float* sum, int64_t n) {
   }
 }
 
-// x[k] = cap tanh(x[k] / cap), k < n (gemma2's soft-capped scores): tanh(y) = sign(y) (1 - e) / (1 + e),
-// e = exp(-2 |y|) (an exp of a non-positive number)
+// x[k] = cap tanh(x[k] / cap), k < n (gemma2's soft-capped scores; -inf, a masked score, stays): tanh(y) =
+// sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) (an exp of a non-positive number)
 inline float soft_cap(float x, float cap) {
+  if (x == NEG_INF) return x;
   const float e = exp_nonpositive(std::abs(x) * (-2.f / cap));
   return std::copysign(cap * (1.f - e) / (1.f + e), x);
 }
@@ -111,7 +112,8 @@ inline void soft_cap_all(float* x, int64_t n, float cap) {
     const __m256 xk = _mm256_loadu_ps(x + k);
     const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_andnot_ps(sign, xk), _mm256_set1_ps(-2.f / cap)));
     const __m256 t = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(cap), _mm256_sub_ps(one, e)), _mm256_add_ps(one, e));
-    _mm256_storeu_ps(x + k, _mm256_or_ps(t, _mm256_and_ps(sign, xk)));
+    const __m256 masked = _mm256_cmp_ps(xk, _mm256_set1_ps(NEG_INF), _CMP_EQ_OQ);
+    _mm256_storeu_ps(x + k, _mm256_blendv_ps(_mm256_or_ps(t, _mm256_and_ps(sign, xk)), xk, masked));
   }
 #endif
   for (; k < n; ++k) x[k] = soft_cap(x[k], cap);
