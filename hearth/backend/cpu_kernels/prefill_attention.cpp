@@ -2,16 +2,15 @@
 // as flash attention does it on a CPU. A work item is (KV head, a few consecutive query positions): its rows are
 // those positions' query heads that share the KV head (GQA), up to ITEM_ROWS of them, so that each key and
 // value is read once for all of them. It walks the keys in blocks of KEYS: the block's scores as a small matrix
-// product (ROW_GROUP rows x SCORE_SLICE keys of sums in registers, key vectors and a broadcast query value a step),
-// soft-capping, the causal and window masks, an online softmax (running max m, sum l, the output rescaled by exp(m - m');
-// with sinks, m and l start at the row's sink and 1),
-// then the weighted values (ROW_GROUP rows x a value slice in registers). Blocks past an item's last position
-// are never read: about half of a prompt's score matrix is skipped (torch's CPU SDPA splits keys by 512 and
-// computes the whole square for shorter prompts). Keys are transposed once per call into blocks [D][KEYS],
-// shared by every item.
+// product (ROW_GROUP rows x SCORE_SLICE keys of sums in registers, key vectors and a broadcast query value a
+// step), soft-capping, the causal and window masks, an online softmax (running max m, sum l, the output
+// rescaled by exp(m - m'); with sinks, m and l start at the row's sink and 1), then the weighted values
+// (ROW_GROUP rows x a value slice in registers). Blocks past an item's last position are never read: about
+// half of a prompt's score matrix is skipped (torch's CPU SDPA splits keys by 512 and computes the whole
+// square for shorter prompts). Keys are transposed once per call into blocks [D][KEYS], shared by every item.
 #include <algorithm>
-#include <stdexcept>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu_kernels.h"
