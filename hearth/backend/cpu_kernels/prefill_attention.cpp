@@ -179,8 +179,8 @@ void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
                        double softcap, int64_t window, int threads) {
   Prefill a{reinterpret_cast<const float*>(q_), reinterpret_cast<const float*>(k_), reinterpret_cast<const float*>(v_),
-            reinterpret_cast<const float*>(sinks_), reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
-            value_dim, window, (float)scale, (float)softcap, {}};
+            reinterpret_cast<const float*>(sinks_), reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads,
+            num_heads / num_kv_heads, head_dim, value_dim, window, (float)scale, (float)softcap, {}};
   if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 48 query heads a KV head");
   transpose_keys(a, threads);
   const int64_t per_item = std::max<int64_t>(1, ITEM_ROWS / a.G);  // positions a work item
