@@ -74,7 +74,8 @@ inline void exp_shifted(float* x, const float* shift, float* sum, int64_t n) {
     const __m512 xk = _mm512_loadu_ps(x + k);
     const __mmask16 finite = _mm512_cmp_ps_mask(xk, _mm512_set1_ps(NEG_INF), _CMP_NEQ_OQ);
     const __m512 y = _mm512_sub_ps(xk, _mm512_loadu_ps(shift + k));  // exp of each half: 8 values' operations
-    const __m256 low = exp_nonpositive8(_mm512_castps512_ps256(y)), high = exp_nonpositive8(_mm512_extractf32x8_ps(y, 1));
+    const __m256 low = exp_nonpositive8(_mm512_castps512_ps256(y));
+    const __m256 high = exp_nonpositive8(_mm512_extractf32x8_ps(y, 1));
     const __m512 w = _mm512_maskz_mov_ps(finite, _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1));
     _mm512_storeu_ps(x + k, w);
     _mm512_storeu_ps(sum + k, _mm512_add_ps(_mm512_loadu_ps(sum + k), w));
