@@ -198,6 +198,18 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_medians(ways: dict, runs: int) -> dict[str, float]:
+    """Seconds per call of each way (a function of no arguments), medians of `runs` rounds that call every way in
+    turn, after one warm-up call each."""
+    times = {name: [] for name in ways}
+    for fn in ways.values():
+        fn()
+    for _ in range(runs):
+        for name, fn in ways.items():
+            times[name].append(timed(fn))
+    return {name: median(t) for name, t in times.items()}
+
+
 def plural(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 
-from common import machine, machine_markdown, median, set_threads, table, threads, write_results
+from common import interleaved_medians, machine, machine_markdown, set_threads, table, threads, write_results
 
 SHAPES = {  # name: (heads, kv_heads, head_dim)
     "smollm2-135m (9 heads, 3 KV heads)": (9, 3, 64),
@@ -63,15 +62,8 @@ def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, batch: i
         "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
         "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125),
     }
-    times = {name: [] for name in ways}
-    for fn in ways.values():
-        fn()  # warm-up (and the SDPA path's slots, computed once per step)
-    for _ in range(runs):
-        for name, fn in ways.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: median(t) * 1e6 for name, t in times.items()}
+    # (the warm-up call also computes the SDPA path's slots, once per step)
+    return {name: seconds * 1e6 for name, seconds in interleaved_medians(ways, runs).items()}
 
 
 def main() -> None:

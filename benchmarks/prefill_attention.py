@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 
-from common import machine, machine_markdown, median, set_threads, table, threads, write_results
+from common import interleaved_medians, machine, machine_markdown, set_threads, table, threads, write_results
 from decode_attention import SHAPES
 
 
@@ -42,15 +41,7 @@ def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, prompt: 
     options = {"window": window, "sinks": torch.randn(heads, generator=g) if sinks else None}
     ways = {"sdpa": lambda: reference.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5, **options),
             "kernel": lambda: cpu.prefill_attention(q, k_cache, v_cache, seq, head_dim ** -0.5, **options)}
-    times = {name: [] for name in ways}
-    for fn in ways.values():
-        fn()
-    for _ in range(runs):
-        for name, fn in ways.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: median(t) * 1e3 for name, t in times.items()}
+    return {name: seconds * 1e3 for name, seconds in interleaved_medians(ways, runs).items()}
 
 
 def main() -> None:
