@@ -101,7 +101,7 @@ class CpuBackend(Backend):
     def prefill_attention(self, q, k_cache, v_cache, seq: PrefillSequence, scale: float, softcap=None, window=None,
                           sinks=None):
         heads, kv_heads = q.shape[1], k_cache.shape[1]
-        if not seq.causal or heads // kv_heads > 48:  # (the kernel's ITEM_ROWS)
+        if not seq.causal or heads // kv_heads > self.kernels.PREFILL_MAX_GROUP:
             return super().prefill_attention(q, k_cache, v_cache, seq, scale, softcap, window, sinks)
         keys = read_rows(k_cache, seq.context_slots, torch.float32).contiguous()  # [L, kv_heads, D]
         values = read_rows(v_cache, seq.context_slots, torch.float32).contiguous()

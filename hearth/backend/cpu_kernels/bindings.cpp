@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a Gated DeltaNet layer's decode step between in_proj and out_proj, its states in place, float32", nogil);
   m.def("ssm_step", &ssm_step, "Mamba2's selective scan's decode step, its states in place, float32", nogil);
   m.attr("KV_FORMATS") = pybind11::make_tuple("float32", "q8_0", "float16");  // by KVFormat
+  m.attr("PREFILL_MAX_GROUP") = (int)PREFILL_MAX_GROUP;
   m.attr("LAYER_FIELDS") = (int)LAYER_FIELDS;
   m.attr("PASS_FIELDS") = (int)PASS_FIELDS;
   m.attr("MIXER_FIELDS") = (int)MIXER_FIELDS;

@@ -87,6 +87,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, double scale, double softcap, int64_t split_len, int64_t window,
                       int threads);
+constexpr int64_t PREFILL_MAX_GROUP = 48;  // query heads a KV head prefill_attention takes: a work item's rows
 void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks_, uintptr_t out_, int64_t T, int64_t L,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t value_dim, double scale,
                        double softcap, int64_t window, int threads);

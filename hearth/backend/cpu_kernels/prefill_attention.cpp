@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -20,7 +21,7 @@ namespace hearth {
 namespace {
 
 constexpr int64_t KEYS = 64;       // keys a block
-constexpr int64_t ITEM_ROWS = 48;  // rows (positions x the KV head's query heads) a work item, at most
+constexpr int64_t ITEM_ROWS = PREFILL_MAX_GROUP;  // rows (positions x the KV head's query heads) a work item
 // rows whose sums sit in registers together, and how many sums of each: AVX-512's 32 registers hold 6 x 64 floats
 // (24 vectors) beside the keys' 4; AVX2's 16 hold 4 x 16 (8 vectors; 6 x 64 spills: no faster than SDPA)
 #ifdef __AVX512F__
@@ -181,7 +182,8 @@ void prefill_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t sinks
   Prefill a{reinterpret_cast<const float*>(q_), reinterpret_cast<const float*>(k_), reinterpret_cast<const float*>(v_),
             reinterpret_cast<const float*>(sinks_), reinterpret_cast<float*>(out_), T, L, num_heads, num_kv_heads,
             num_heads / num_kv_heads, head_dim, value_dim, window, (float)scale, (float)softcap, {}};
-  if (a.G > ITEM_ROWS) throw std::invalid_argument("prefill_attention: more than 48 query heads a KV head");
+  if (a.G > ITEM_ROWS)
+    throw std::invalid_argument("prefill_attention: more than " + std::to_string(ITEM_ROWS) + " query heads a KV head");
   transpose_keys(a, threads);
   const int64_t per_item = std::max<int64_t>(1, ITEM_ROWS / a.G);  // positions a work item
   const int64_t spans = (T + per_item - 1) / per_item, items = spans * a.KH;
