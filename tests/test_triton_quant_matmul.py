@@ -160,7 +160,7 @@ def test_each_weight_takes_the_launch_of_its_shape_class(monkeypatch):
         == ["square", "square", "wide", "long_rows", "vocab"]
     tuned = GemvConfig(16, 1024, 8, 2)
     monkeypatch.setitem(GEMV_CONFIGS, ("long_rows", "Q4_K"), tuned)
-    for qtype, expected in ((Q.Q4_K, tuned), (Q.Q8_0, GEMV_CONFIGS[("long_rows", "*")])):
+    for qtype, expected in ((Q.Q4_K, tuned), (Q.Q4_0, GEMV_CONFIGS[("long_rows", "*")])):
         holder = TritonQuantWeight.from_blocks(torch.from_numpy(make_blocks(qtype, 16, 512, seed=1)), qtype, (16, 512),
                                                DEVICE)
         assert holder.gemv_config == expected

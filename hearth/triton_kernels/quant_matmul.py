@@ -113,6 +113,14 @@ GEMV_CONFIGS: dict[tuple[str, str], GemvConfig] = {
     ("wide", "Q4_K"): GemvConfig(block_n=8, block_k=512, warps=8, programs_per_sm=4),  # 92.9 us (was 124.5)
     ("vocab", "Q4_K"): GemvConfig(block_n=16, block_k=256, warps=4, programs_per_sm=2),  # 137.5 us (was 148.6)
     ("square", "Q5_0"): GemvConfig(block_n=4, block_k=1024, warps=8, programs_per_sm=4),  # 59.9 us (was 155.9)
+    ("square", "Q8_0"): GemvConfig(block_n=4, block_k=1024, warps=8, programs_per_sm=4),  # 54.1 us (was 153.6; H200)
+    ("long_rows", "Q8_0"): GemvConfig(block_n=4, block_k=512, warps=4, programs_per_sm=4),  # 55.5 us (was 159.1)
+    ("wide", "Q8_0"): GemvConfig(block_n=8, block_k=1024, warps=4, programs_per_sm=16),  # 80.2 us (was 88.8)
+    ("vocab", "Q8_0"): GemvConfig(block_n=32, block_k=256, warps=4, programs_per_sm=2),  # 109.8 us (was 128.9)
+    ("square", "Q6_K"): GemvConfig(block_n=4, block_k=512, warps=2, programs_per_sm=4),  # 75.4 us (was 302.2)
+    ("long_rows", "Q6_K"): GemvConfig(block_n=4, block_k=1024, warps=8, programs_per_sm=4),  # 79.7 us (was 154.2)
+    ("wide", "Q6_K"): GemvConfig(block_n=4, block_k=1024, warps=4, programs_per_sm=2),  # 126.4 us (was 137.8)
+    ("vocab", "Q6_K"): GemvConfig(block_n=16, block_k=256, warps=4, programs_per_sm=8),  # 199.1 us (was 215.9)
     **{(c, "*"): GemvConfig() for c in SHAPE_CLASSES},
 }
 
