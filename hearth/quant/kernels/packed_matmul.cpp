@@ -5,11 +5,12 @@ namespace hearth {
 namespace {
 
 // Activation terms per row and sub-block j of S values: dx (the row's block scale) and the sum of
-// the sub-block's codes, as the zero point's integer term -Z sum (a dot product's start) and in fp32.
+// the sub-block's codes, as the zero point's integer term -Z sum (a dot product's start) and as
+// int16 (|sum| <= 32 x 128: pairs of them are one vpdpwssd word against two sub-blocks' minima).
 struct PackedActivations {
   QuantizedActivations a;
   std::vector<int32_t> zsum;  // [M, K/S]
-  std::vector<float> sum;     // [M, K/S]
+  std::vector<int16_t> sum;   // [M, K/S]
 };
 
 template <int QT>
@@ -24,7 +25,7 @@ void packed_activations(const float* x, int64_t M, int64_t K, PackedActivations&
       int32_t sum = 0;
       for (int h = 0; h < F::S / 16; h++) sum += p.a.s16[m * (K / 16) + j * (F::S / 16) + h];
       p.zsum[m * ns + j] = -F::Z * sum;
-      p.sum[m * ns + j] = float(sum);
+      p.sum[m * ns + j] = int16_t(sum);
     }
 }
 
@@ -53,7 +54,7 @@ void packed_tile_generic(int mr, const uint8_t* codes, const uint8_t* terms, int
               const int at = 32 * c + k * F::S + i;  // in the block
               dot += int(v[((at % 32) / 4 * NR + j) * 4 + at % 4]) * int(p.a.q[m * K + b * F::BS + at]);
             }
-            block[j] += s[sub % P::NS][j] * float(dot) + o[sub % P::NS][j] * p.sum[m * ns + sub];
+            block[j] += s[sub % P::NS][j] * float(dot) + o[sub % P::NS][j] * float(p.sum[m * ns + sub]);
           }
         }
       }
@@ -101,8 +102,21 @@ inline bool software_prefetch() {
   return on;
 }
 
+// The minima of a K-quant block's sub-blocks 2q, 2q + 1 for rows 16h..16h+15 as int16 pairs, one
+// vpdpwssd against a row's two sub-block sums
+template <int QT>
+inline __m512i minima_pair(const uint8_t* tt, int q, int h) {
+  using P = Packed<QT>;
+  const __m128i even = _mm_loadu_si128((const __m128i*)(tt + P::MN_AT + 2 * q * NR + 16 * h));
+  const __m128i odd = _mm_loadu_si128((const __m128i*)(tt + P::MN_AT + (2 * q + 1) * NR + 16 * h));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd)));
+}
+
 // MR activation rows from m0 against one tile. Per sub-block j and 16 rows: S/4 vpdpbusd from the
-// zero point's -Z sum(xq_j), then t += cvt(dot) (d sc_j) - (f mn_j) sum(xq_j); per block y += t dx.
+// zero point's -Z sum(xq_j), summed over the block in int32 as sum_j sc_j dot_j (exact: under 2^30 for
+// every format); per block t = d cvt(that) - f cvt(sum_j mn_j sum(xq_j)) and y += t dx. Two conversions
+// and three FP operations a block and row where a conversion and two FMAs a sub-block went (they share
+// the vector pipes the vpdpbusd are bound by).
 // stream: the call's first pass over the tile, with few rows (M <= 2 PACKED_MR: decode, a verification's).
 template <int QT, int MR>
 void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p, int64_t m0,
@@ -124,13 +138,10 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
       for (int64_t at = 0; at < CODES; at += 64) _mm_prefetch((const char*)(cb + at + AHEAD * CODES), _MM_HINT_T0);
       for (int64_t at = 0; at < P::TERMS; at += 64) _mm_prefetch((const char*)(tt + at + AHEAD * P::TERMS), _MM_HINT_T0);
     }
-    __m512 d[2], f[2], t[MR][2];
-    for (int h = 0; h < 2; h++) {
+    __m512 d[2], t[MR][2];  // t: sum_j d sc_j dot_j
+    for (int h = 0; h < 2; h++)
       d[h] = P::D_BYTES == 4 ? _mm512_loadu_ps((const float*)(tt + 64 * h))
                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
-      f[h] = P::MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + P::F_AT + 32 * h))) : _mm512_setzero_ps();
-      for (int r = 0; r < MR; r++) t[r][h] = _mm512_setzero_ps();
-    }
 #pragma GCC unroll 16
     for (int j = 0; j < P::NS; j++) {
       const int64_t sub = b * P::NS + j;
@@ -150,20 +161,39 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
         }
       }
       for (int h = 0; h < 2; h++) {
-        auto int8s = [&](int64_t at) {  // 16 int8 terms of this half as fp32
-          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(tt + at + j * NR + 16 * h))));
-        };
-        const __m512 s = P::SC ? _mm512_mul_ps(d[h], int8s(P::SC_AT)) : d[h];
-        const __m512 c = P::MIN ? (P::SC ? _mm512_mul_ps(f[h], int8s(P::MN_AT)) : f[h]) : _mm512_setzero_ps();
-        for (int r = 0; r < MR; r++) {
-          t[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), s, t[r][h]);
-          if constexpr (P::MIN) t[r][h] = _mm512_fnmadd_ps(c, _mm512_set1_ps(p.sum[(m0 + r) * ns + sub]), t[r][h]);
-        }
+        const __m512 s = P::SC ? _mm512_mul_ps(d[h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128((const __m128i*)(tt + P::SC_AT + j * NR + 16 * h)))))
+                               : d[h];
+        for (int r = 0; r < MR; r++)
+          t[r][h] = j == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][h]), s)
+                           : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][h]), s, t[r][h]);
       }
     }
-    for (int r = 0; r < MR; r++) {
-      const __m512 dx = _mm512_set1_ps(p.a.d[(m0 + r) * nb + b]);
-      for (int h = 0; h < 2; h++) _mm512_store_ps(acc[r] + 16 * h, _mm512_fmadd_ps(t[r][h], dx, _mm512_load_ps(acc[r] + 16 * h)));
+    for (int h = 0; h < 2; h++) {
+      const __m512 f = P::MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + P::F_AT + 32 * h))) : d[h];
+      constexpr int PAIRS = P::SC && P::MIN ? P::NS / 2 : 0;
+      __m512i minima[PAIRS > 0 ? PAIRS : 1];
+      for (int q = 0; q < PAIRS; q++) minima[q] = minima_pair<QT>(tt, q, h);
+      for (int r = 0; r < MR; r++) {
+        if constexpr (P::MIN) {
+          const int16_t* sums = p.sum.data() + (m0 + r) * ns + b * P::NS;
+          __m512 offset;  // sum_j mn_j sum(xq_j)
+          if constexpr (P::SC) {
+            __m512i im = _mm512_setzero_si512();
+            for (int q = 0; q < PAIRS; q++) {
+              int32_t pair;
+              std::memcpy(&pair, sums + 2 * q, 4);
+              im = _mm512_dpwssd_epi32(im, minima[q], _mm512_set1_epi32(pair));
+            }
+            offset = _mm512_cvtepi32_ps(im);
+          } else {
+            offset = _mm512_set1_ps(float(sums[0]));
+          }
+          t[r][h] = _mm512_fnmadd_ps(f, offset, t[r][h]);
+        }
+        _mm512_store_ps(acc[r] + 16 * h, _mm512_fmadd_ps(t[r][h], _mm512_set1_ps(p.a.d[(m0 + r) * nb + b]),
+                                                         _mm512_load_ps(acc[r] + 16 * h)));
+      }
     }
   }
   const __mmask16 k0 = nvalid >= 16 ? 0xFFFF : (__mmask16)((1u << nvalid) - 1);
