@@ -64,9 +64,9 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
     w = gguf_dense(data, qtype, k)
     assert torch.equal(ext.dequantize_rows(data, int(qtype), k), w)
     layer = cpu_linear(QuantTensor(data, qtype, (n, k)))
-    # IQ4_NL and IQ4_XS in VNNI tiles on AVX-512 VNNI builds (their indices, looked up per call); else, and
-    # MXFP4 always, on AVX2 builds in groups of 8 rows (37 rows: the last group padded): the same weights
-    tiles = qtype in (Q.IQ4_NL, Q.IQ4_XS) and ext.vnni
+    # VNNI tiles on AVX-512 VNNI builds (their indices, looked up per call); else, on AVX2 builds, groups of 8
+    # rows (37 rows: the last group padded): the same weights
+    tiles = ext.vnni
     assert isinstance(layer, Int8Linear) and (layer.codes is not None) == tiles
     rows8 = not tiles and qtype in kernels.ROWS8_QTYPES and "avx2" in ext.int8_paths
     assert layer.kernel_qtype == (kernels.ROWS8 + int(qtype) if rows8 else int(qtype))
@@ -80,6 +80,21 @@ def test_codebook_kernels_equal_dequantize_then_matmul(ext, qtype):
         for path in ext.int8_paths:
             assert_within(ext.int8_matmul(x, data, int(qtype), n, path), ref, bound)
         assert_within(layer(x), ref, bound)
+
+
+def test_mxfp4_tiles_keep_every_scale_exactly(ext):
+    """MXFP4's 256 e8m0 exponents (2^-128..2^127, the two smallest subnormal in float32) kept in the VNNI
+    tiles' bfloat16 terms: the tiles decoded back bit-exact against gguf's dequantizer."""
+    if not ext.vnni:
+        pytest.skip("the tiles are laid out on AVX-512 VNNI builds only")
+    g = torch.Generator().manual_seed(39)
+    n, k = 64, 128  # 256 blocks: one of each exponent
+    data = random_iquant(Q.MXFP4, n, k, g)
+    data.view(-1, GGML_QUANT_SIZES[Q.MXFP4][1])[:, 0] = torch.arange(256, dtype=torch.uint8)
+    codes, terms = ext.repack(data, int(Q.MXFP4), n, k)
+    with np.errstate(over="ignore"):  # 2^127 x 12: infinite in both
+        dense = gguf_dense(data, Q.MXFP4, k)
+    assert torch.equal(ext.dequantize_packed(codes, terms, int(Q.MXFP4), k), dense)
 
 
 @pytest.mark.parametrize("qtype", GRID_QTYPES, ids=lambda q: q.name)

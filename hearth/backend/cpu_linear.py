@@ -16,9 +16,9 @@ measurements behind each choice):
   rounded to int8 per block of the weight's format (256 values for K-quants read in place or packed:
   llama.cpp's q8_K; 32 for the others and for any format in groups: q8_0) and integer dot products (AVX2 maddubs)
   against the blocks where they lie: their layout already puts a sub-block's codes in consecutive
-  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 and MXFP4 (the grid
+  bytes, one vector load per 32 weights. With AVX-512 VNNI, every format but TQ2_0 (the grid
   formats from their nibble blocks) is instead repacked once, at load, into tiles of 32 rows (the codes at
-  their own bits, IQ4_NL's, IQ4_XS's and the nibble blocks' indices looked up per call by one byte shuffle;
+  their own bits, IQ4_NL's, IQ4_XS's, MXFP4's and the nibble blocks' indices looked up per call by one byte shuffle;
   the block's scales as stored: about the file's size) that one VNNI instruction multiplies 16 rows of, with no decoding per call at any batch
   size; the file's pages are then released from this process (they stay in
   the page cache). On a build with neither (no AVX2), Q5_0 / Q5_1 past WIDENED_PAST_ROWS rows (prefill
@@ -57,9 +57,9 @@ Q = GGMLQuantizationType
 CODEBOOK_QTYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, *kernels.GRID_FORMATS)
 INT8_QTYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0,
                *CODEBOOK_QTYPES)
-# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 read in place, MXFP4 in groups of 8 rows; the
-# grid formats from their nibble blocks)
-PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q not in (Q.TQ2_0, Q.MXFP4))
+# of those, repacked at load where the build has AVX-512 VNNI (TQ2_0 read in place; the grid formats from their
+# nibble blocks)
+PACKED_QTYPES = tuple(q for q in INT8_QTYPES if q != Q.TQ2_0)
 # Most activation rows that `int8_matmul` takes against Q5_0 / Q5_1 blocks read in place (builds with neither
 # AVX-512 VNNI nor AVX2): past them (prefill chunks) tiles of the weight widened to fp32 by the kernels'
 # `dequantize_rows` and torch's fp32 GEMM win, the widening spread over the rows. Measured on AVX2 before its

@@ -7,8 +7,8 @@ namespace hearth {
 namespace {  // this source's own copies, internal as when the kernels were one file
 
 // ------------------------------------------------------------------ packed tiles
-// Every block format but TQ2_0 (read in place) and MXFP4 (groups of 8 rows), the grid formats from their nibble
-// blocks (grid_nibbles.cpp), repacked once at
+// Every block format but TQ2_0 (read in place), the grid formats from their nibble blocks (grid_nibbles.cpp),
+// repacked once at
 // load on AVX-512 VNNI builds (`repack`; the file's pages are then released: one copy): tiles of NR rows (the last one padded with zero rows), each
 // tile two arrays that run block after block along K, so a thread reads each as one stream.
 //
@@ -43,20 +43,22 @@ template <int QT> struct Packed {
   static constexpr int NS = F::BS / F::S;
   static constexpr bool SC = F::BS == 256, MIN = F::OFF;
   static constexpr int64_t PLANE = 32 * NR * BITS / 8, CHUNK = PLANE + EXTRA * 16 * 8;  // bytes per chunk
-  static constexpr int D_BYTES = nibble_format<QT>() ? 4 : 2;  // d float16, the nibble blocks' float32
+  // d float16; the nibble blocks' float32; MXFP4's bfloat16, which holds its e8m0 scales (2^-128..2^127) exactly
+  static constexpr int D_BYTES = nibble_format<QT>() ? 4 : 2;
+  static constexpr bool D_BF16 = QT == MXFP4;
   static constexpr int64_t F_AT = D_BYTES * NR, SC_AT = F_AT + 2 * NR * MIN, MN_AT = SC_AT + NR * NS;  // in a block's terms
   static constexpr int64_t TERMS = SC_AT + (SC ? NR * NS * (1 + MIN) : 0);                          // bytes per block
 };
-// IQ4_NL, IQ4_XS and the nibble blocks of the grid formats: their indices (4 bits; IQ2_*, IQ1_*: 3) packed as
-// codes, looked up per call as value + 128 (one byte shuffle a vector; Z = 128); the nibble blocks' d as
-// float32. MXFP4's e8m0 scales have no float16 term: it stays in groups of 8 rows.
-template <int QT> constexpr bool table_packed() { return QT == IQ4_NL || QT == IQ4_XS || nibble_format<QT>(); }
+// IQ4_NL, IQ4_XS, MXFP4 and the nibble blocks of the grid formats: their indices (4 bits; IQ2_*, IQ1_*: 3)
+// packed as codes, looked up per call as value + 128 (one byte shuffle a vector; Z = 128).
+template <int QT> constexpr bool table_packed() { return codebook<QT>() || nibble_format<QT>(); }
 template <int QT> constexpr const int8_t* table_values() {
   if constexpr (nibble_format<QT>()) return Nibbles<QT>::values;
+  else if constexpr (QT == MXFP4) return MXFP4_VALUES;
   else return IQ4_NL_VALUES;
 }
 template <int QT> constexpr bool packable() {
-  return QT != TQ2_0 && (!codebook<QT>() || table_packed<QT>()) && !grid_format<QT>();
+  return QT != TQ2_0 && !grid_format<QT>();
 }
 
 // ... and back: chunk `in` -> byte codes [8][32 rows][4]
@@ -86,6 +88,7 @@ void tile_block_terms(const uint8_t* tt, float (*s)[NR], float (*o)[NR]) {
   for (int j = 0; j < NR; j++) {
     float d;
     if constexpr (P::D_BYTES == 4) std::memcpy(&d, tt + 4 * j, 4);
+    else if constexpr (P::D_BF16) d = bf16_to_float(uint16_t(tt[2 * j] | tt[2 * j + 1] << 8));
     else d = h2f(tt + 2 * j);
     const float f = P::MIN ? h2f(tt + P::F_AT + 2 * j) : 0.f;
     for (int i = 0; i < P::NS; i++) {

@@ -141,6 +141,8 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
     __m512 d[2], t[MR][2];  // t: sum_j d sc_j dot_j
     for (int h = 0; h < 2; h++)
       d[h] = P::D_BYTES == 4 ? _mm512_loadu_ps((const float*)(tt + 64 * h))
+             : P::D_BF16     ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(tt + 32 * h))), 16))
                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tt + 32 * h)));
 #pragma GCC unroll 16
     for (int j = 0; j < P::NS; j++) {

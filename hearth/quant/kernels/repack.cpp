@@ -7,7 +7,7 @@
 namespace hearth {
 namespace {
 
-// A block's terms as the tiles keep them: d as float16 bits (the nibble blocks': float32 bits), f as float16
+// A block's terms as the tiles keep them: d as float16 bits (the nibble blocks': float32; MXFP4's: bfloat16), f as float16
 // bits, sc and mn per sub-block.
 template <int QT>
 void block_ints(const uint8_t* b, uint32_t& d, uint16_t& f, int8_t* sc, int8_t* mn) {
@@ -36,6 +36,10 @@ void block_ints(const uint8_t* b, uint32_t& d, uint16_t& f, int8_t* sc, int8_t* 
   } else if constexpr (QT == Q6_K) {
     d = bits(b + 208);
     for (int j = 0; j < 16; j++) sc[j] = int8_t(b[192 + j]);
+  } else if constexpr (QT == MXFP4) {  // e8m0 | qs: d bfloat16 bits (a float32's top half: its low one is 0)
+    const float e = e8m0_half(b[0]);
+    std::memcpy(&d, &e, 4);
+    d >>= 16;
   } else {  // 32-value blocks: d first; Q4_1 / Q5_1's m after it, kept negated (w = d q - f)
     d = bits(b);
     if constexpr (Fmt<QT>::OFF) f = bits(b + 2) ^ 0x8000;

@@ -1,7 +1,7 @@
 // The 32-value formats IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, IQ4_XS (IQ4_NL's codes with a 6-bit scale
 // per 32 values under one float16 per 256), Q4_K (Q4_1's codes, a 6-bit scale and minimum per 32
 // values under two float16 per 256) and Q5_K (Q4_K with a fifth bit per value), repacked once at load
-// into groups of 8 weight rows (AVX2 builds without VNNI tiles; MXFP4 with them too). In place, each row pays per 32-value block a horizontal step: its products summed
+// into groups of 8 weight rows (AVX2 builds without VNNI tiles). In place, each row pays per 32-value block a horizontal step: its products summed
 // in one vector, converted, scaled by its own d and added (and a horizontal sum per row at the end).
 // In groups, each 32-bit lane of a vector holds 4 indices of one of the 8 rows, so that one maddubs
 // multiplies 4 values of every row by the same 4 activations, broadcast: each lane sums one row's
@@ -83,7 +83,7 @@ inline __m256 e8m0_half8(const uint8_t* e) {
 // bits flipped), which one vpdpbusd multiplies by 4 signed activations and sums into each row's lane; the
 // block's 128 sum(x) comes off with the offset term, as Q4_0's 8 sum(x) does (the codes' zero point).
 // IQ4_XS prefill on an AVX-512 EPYC, 2 threads: ~1.6x (three instructions a step fewer; measured before IQ4_XS
-// moved to the VNNI tiles, which MXFP4 alone of these formats does not).
+// moved to the VNNI tiles, as every format of these has since: the groups run there only when called directly).
 #ifdef HEARTH_VNNI
 constexpr bool UNSIGNED_TABLES = true;
 #else
