@@ -127,16 +127,22 @@ def cmd_perplexity(args) -> None:
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     sparsity = SparsityConfig(args.activation_sparsity, args.activation_thresholds)
-    loaded = load_model(args.model, dtype, device, progress=not args.json,
-                        backend=choose_backend(device, dtype, args.backend), sparsity=sparsity)
+    backend = choose_backend(device, dtype, args.backend)
+    loaded = load_model(args.model, dtype, device, progress=not args.json, backend=backend, sparsity=sparsity)
+    reference = None if args.kl_divergence is None else load_model(args.kl_divergence, dtype, device,
+                                                                   progress=not args.json, backend=backend)
     context = min(args.context or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
     ids = loaded.tokenizer.encode(text)
-    result = perplexity(loaded.model, ids, context, device, kv_cache_dtype=args.kv_cache_dtype)
+    result = perplexity(loaded.model, ids, context, device, kv_cache_dtype=args.kv_cache_dtype,
+                        reference=reference and reference.model)
     result["context"] = context
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"perplexity {result['perplexity']:.4f}  (nll {result['nll']:.4f} over {result['tokens']} tokens, context {context})")
+        return
+    print(f"perplexity {result['perplexity']:.4f}  (nll {result['nll']:.4f} over {result['tokens']} tokens, context {context})")
+    if reference is not None:
+        print(f"KL divergence from {args.kl_divergence}: {result['kld']:.6f} nats a token (mean); "
+              f"the same top token {100 * result['same_top']:.2f}% of the time")
 
 
 def _read_text(args) -> str:
@@ -327,6 +333,10 @@ def _add_inspect_perplexity_convert(sub) -> None:
     src.add_argument("--text-file")
     src.add_argument("--text")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: the model's)")
+    p.add_argument("--kl-divergence", metavar="REFERENCE", default=None,
+                   help="also the mean KL divergence of MODEL's next-token distributions from REFERENCE's (the "
+                        "original a quantized MODEL was made from) on the same windows, and how often both rank "
+                        "the same token first")
     for keyword in ("dtype", "device", "backend", "kv_cache_dtype", "activation_sparsity", "activation_thresholds"):
         add_option(p, keyword)
     p.add_argument("--json", action="store_true")

@@ -52,3 +52,38 @@ def test_smollm2_perplexity_equals_llama_cpp(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] == expected["tokens"]
     assert abs(result["perplexity"] - expected["perplexity"]) / expected["perplexity"] <= 0.005
+
+
+def test_kl_divergence_from_a_reference_equals_transformers(tmp_path, capsys):
+    """`hearth perplexity MODEL --kl-divergence REFERENCE`: the mean KL divergence and the share of rows
+    whose top tokens agree, against the same windows through transformers and torch's kl_div; a model
+    against itself: 0 and every row. A reference of another vocabulary: a clean error."""
+    from models import load_hf_reference
+
+    model, reference = (make_hf_model(tmp_path / name, "llama", seed=seed) for name, seed in (("a", 0), ("b", 1)))
+    ids = load_model(model, progress=False).tokenizer.encode(TEXT)
+    kld, same, count = 0.0, 0, 0
+    with torch.no_grad():
+        hf_model, hf_reference = load_hf_reference(model), load_hf_reference(reference)
+        for start in range(0, len(ids) - 1, 24):
+            window = torch.tensor([ids[start:start + 24]])
+            if window.shape[1] < 2:
+                break
+            q = hf_model(window).logits[0, :-1].log_softmax(-1)
+            p = hf_reference(window).logits[0, :-1].log_softmax(-1)
+            kld += torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item()
+            same += int((p.argmax(-1) == q.argmax(-1)).sum())
+            count += window.shape[1] - 1
+    assert main(["perplexity", str(model), "--text", TEXT, "--context", "24", "--kl-divergence", str(reference),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == count and kld / count > 0.01
+    assert result["kld"] == pytest.approx(kld / count, rel=1e-4)
+    assert result["same_top"] == same / count
+    assert main(["perplexity", str(model), "--text", TEXT, "--context", "24", "--kl-divergence", str(model),
+                 "--json"]) == 0
+    itself = json.loads(capsys.readouterr().out)
+    assert abs(itself["kld"]) < 1e-6 and itself["same_top"] == 1.0
+    other = make_hf_model(tmp_path / "other", "llama", vocab_size=1000)
+    assert main(["perplexity", str(model), "--text", TEXT, "--kl-divergence", str(other)]) == 1
+    assert "vocabulary" in capsys.readouterr().err
