@@ -46,9 +46,11 @@ def bench_model(arch: str, gguf_types=("f16", "q8_0", "q4_0")) -> dict:
     return files
 
 
-def llama_cpp_quantize(source: str, target: str, kind: str) -> str:
+def llama_cpp_quantize(source: str, target: str, kind: str, imatrix: dict | None = None) -> str:
     """`target`, written from `source` by llama.cpp's quantizer as llama-quantize SOURCE TARGET
-    {LLAMA_CPP_TYPES[kind]} would (kept if it exists)."""
+    {LLAMA_CPP_TYPES[kind]} would (kept if it exists); with `imatrix` (importance by tensor name, as
+    hearth.loading.imatrix_file.read_imatrix gives it) as with --imatrix, else for the mixes llama.cpp
+    writes only with one a uniform one."""
     if Path(target).exists():
         return target
     import llama_cpp
@@ -56,8 +58,10 @@ def llama_cpp_quantize(source: str, target: str, kind: str) -> str:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_CPP_TYPES[kind]}")
     params.nthread = os.cpu_count() or 1
-    if kind in UNIFORM_IMATRIX_TYPES:
-        entries = uniform_imatrix(llama_cpp, source)
+    if imatrix is None and kind in UNIFORM_IMATRIX_TYPES:
+        imatrix = uniform_imatrix(source)
+    if imatrix is not None:
+        entries = llama_cpp_imatrix(llama_cpp, imatrix)
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     print(f"llama.cpp quantizing {source} to {LLAMA_CPP_TYPES[kind]}", file=sys.stderr)
     if llama_cpp.llama_model_quantize(source.encode(), target.encode(), params) != 0:
@@ -66,16 +70,23 @@ def llama_cpp_quantize(source: str, target: str, kind: str) -> str:
     return target
 
 
-def uniform_imatrix(llama_cpp, source: str):
-    """llama.cpp's importance entries (a null-terminated array, as llama-quantize passes what it read)
-    of ones for every matrix of `source`; the arrays stay alive with the returned array."""
+def uniform_imatrix(source: str) -> dict:
+    """Importance of ones for every column of every matrix of `source`."""
     import gguf
     import numpy as np
 
-    matrices = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(source).tensors if len(t.shape) >= 2}
-    entries = (llama_cpp.llama_model_imatrix_data * (len(matrices) + 1))()
-    entries._arrays = [np.ones(cols, dtype=np.float32) for cols in matrices.values()]
-    for entry, name, values in zip(entries, matrices, entries._arrays):
+    return {t.name: np.ones(int(t.shape[0]), dtype=np.float32) for t in gguf.GGUFReader(source).tensors
+            if len(t.shape) >= 2}
+
+
+def llama_cpp_imatrix(llama_cpp, importance: dict):
+    """llama.cpp's importance entries (a null-terminated array, as llama-quantize passes what it read)
+    of `importance` (tensor name -> float32 per column); the arrays stay alive with the returned array."""
+    import numpy as np
+
+    entries = (llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()
+    entries._arrays = [np.ascontiguousarray(values, dtype=np.float32) for values in importance.values()]
+    for entry, name, values in zip(entries, importance, entries._arrays):
         entry.name, entry.data, entry.size = name.encode(), values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(values)
     return entries
 

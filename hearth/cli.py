@@ -134,7 +134,7 @@ def cmd_perplexity(args) -> None:
     context = min(args.context or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
     ids = loaded.tokenizer.encode(text)
     result = perplexity(loaded.model, ids, context, device, kv_cache_dtype=args.kv_cache_dtype,
-                        reference=reference and reference.model)
+                        reference=None if reference is None else reference.model)
     result["context"] = context
     if args.json:
         print(json.dumps(result))
