@@ -155,6 +155,15 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
+def vector_isa(flags: list[str]) -> str:
+    """The vector instructions the kernels build for, as the figures' machine kinds are told apart: "AVX-512
+    (VNNI, BF16)", "AVX2", ... (a ratio from one kind does not carry to another)."""
+    if "avx512f" not in flags:
+        return "AVX2" if "avx2" in flags else "no AVX2"
+    extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if flag in flags]
+    return "AVX-512" + (f" ({', '.join(extras)})" if extras else "")
+
+
 def machine() -> dict:
     """CPU model, cores, memory, and the versions of everything measured."""
     info = {"python": platform.python_version(), "platform": platform.platform()}
@@ -163,7 +172,7 @@ def machine() -> dict:
         fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
         info["cpu"] = fields.get("Model name", "?").strip()
         info["cpus"] = fields.get("CPU(s)", "?").strip()
-        info["flags_avx512"] = "avx512f" in fields.get("Flags", "")
+        info["vector_isa"] = vector_isa(fields.get("Flags", "").split())
     except (OSError, subprocess.CalledProcessError):
         info["cpu"] = platform.processor()
     try:
@@ -196,7 +205,8 @@ def machine() -> dict:
 
 
 def machine_markdown(info: dict) -> str:
-    return (f"- machine: {info.get('cpu')}, {info.get('cpus')} CPUs, {info.get('memory_gib')} GiB; "
+    return (f"- machine: {info.get('cpu')} with {info.get('vector_isa', '?')}, {info.get('cpus')} CPUs, "
+            f"{info.get('memory_gib')} GiB; "
             f"{plural(info['threads'], 'thread')} for every engine; load average at the start "
             f"{' '.join(info.get('load_average', ['?']))} (the machine is shared)\n"
             f"- versions: Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "

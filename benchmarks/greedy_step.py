@@ -50,7 +50,7 @@ def main() -> None:
     rows = [[name, f"{median(v):.3f}", ", ".join(f"{x:.2f}" for x in v)] for name, v in ms.items()]
     command = "python benchmarks/greedy_step.py --gguf " + args.gguf
     md = "\n".join([f"`{command}` (medians of {args.rounds} alternated rounds)", "",
-                    machine_markdown(info) + f"; AVX-512: {'yes' if info.get('flags_avx512') else 'no'}", "",
+                    machine_markdown(info), "",
                     table(["greedy step", "ms a step", "rounds"], rows), "",
                     f"one call / modules: {median(ms['one kernel call']) / median(ms['the modules']):.3f}"])
     write_results(args.out, md, {"gguf": args.gguf, "machine": info, "ms_per_step": ms})
