@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -229,6 +230,17 @@ def interleaved_medians(ways: dict, runs: int) -> dict[str, float]:
         for name, fn in ways.items():
             times[name].append(timed(fn))
     return {name: median(t) for name, t in times.items()}
+
+
+def write_interleaved_table(out: str | None, title: str, runs: int, header: list[str], rows: list[list],
+                            data: list[dict]) -> None:
+    """A one-layer kernel comparison's result files (interleaved_medians' figures): the title with the thread
+    count, the command that ran, the machine, the table; `data` as the JSON's rows."""
+    info = machine()
+    command = "python " + shlex.join(sys.argv)
+    markdown = "\n".join([f"### {title} ({threads()} threads)", "", f"`{command}` — medians of {runs} interleaved runs.",
+                          "", machine_markdown(info), "", table(header, rows)])
+    write_results(out, markdown, {"machine": info, "command": command, "rows": data})
 
 
 def plural(count: int, word: str) -> str:

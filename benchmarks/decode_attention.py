@@ -14,10 +14,9 @@ Microseconds per call, medians of interleaved runs; float32.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
-from common import interleaved_medians, machine, machine_markdown, set_threads, table, threads, write_results
+from common import interleaved_medians, set_threads, write_interleaved_table
 
 SHAPES = {  # name: (heads, kv_heads, head_dim)
     "smollm2-135m (9 heads, 3 KV heads)": (9, 3, 64),
@@ -86,16 +85,9 @@ def main() -> None:
                              kv_bytes / (us["split"] * 1e-6) / 1e9])
                 data.append({"shape": shape, "batch": batch, "context": context, "split_len": DECODE_SPLIT_LEN, "us": us,
                              "kv_bytes": kv_bytes})
-    info = machine()
-    command = "python benchmarks/decode_attention.py " + shlex.join(sys.argv[1:])
-    markdown = "\n".join([
-        f"### Decode attention, one layer, float32 ({threads()} threads)", "",
-        f"`{command}` — medians of {args.runs} interleaved runs.", "",
-        machine_markdown(info), "",
-        table(["shape", "batch", "context", "splits", "sdpa us", "kernel us", "split-KV us", "kernel vs sdpa",
-               "split-KV vs kernel", "split-KV GB/s of K/V"], rows),
-    ])
-    write_results(args.out, markdown, {"machine": info, "command": command, "rows": data})
+    write_interleaved_table(args.out, "Decode attention, one layer, float32", args.runs,
+                            ["shape", "batch", "context", "splits", "sdpa us", "kernel us", "split-KV us",
+                             "kernel vs sdpa", "split-KV vs kernel", "split-KV GB/s of K/V"], rows, data)
 
 
 if __name__ == "__main__":

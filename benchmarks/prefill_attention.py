@@ -16,10 +16,9 @@ Milliseconds per call, medians of interleaved runs, and GFLOP/s of what has to b
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
-from common import interleaved_medians, machine, machine_markdown, set_threads, table, threads, write_results
+from common import interleaved_medians, set_threads, write_interleaved_table
 from decode_attention import SHAPES
 
 
@@ -69,15 +68,9 @@ def main() -> None:
             rows.append([shape, prompt, ms["sdpa"], ms["kernel"], ms["sdpa"] / ms["kernel"],
                          flops / (ms["kernel"] * 1e-3) / 1e9])
             data.append({"shape": shape, "prompt": prompt, "ms": ms, "causal_flops": flops})
-    info = machine()
-    command = "python benchmarks/prefill_attention.py " + shlex.join(sys.argv[1:])
-    markdown = "\n".join([
-        f"### Prefill attention, one layer, float32 ({threads()} threads)", "",
-        f"`{command}` — medians of {args.runs} interleaved runs.", "",
-        machine_markdown(info), "",
-        table(["shape", "prompt", "sdpa ms", "kernel ms", "kernel vs sdpa", "kernel GFLOP/s (keys seen)"], rows),
-    ])
-    write_results(args.out, markdown, {"machine": info, "command": command, "rows": data})
+    write_interleaved_table(args.out, "Prefill attention, one layer, float32", args.runs,
+                            ["shape", "prompt", "sdpa ms", "kernel ms", "kernel vs sdpa", "kernel GFLOP/s (keys seen)"],
+                            rows, data)
 
 
 if __name__ == "__main__":

@@ -62,16 +62,23 @@ def make_files(original: Path, mix: str, work: Path, calibration: Path, imatrix_
     return files
 
 
-def score(path: Path, reference, held_out: list[int], ctx: int) -> dict:
+def load_cpu(path: Path):
+    """The model at `path` on hearth's cpu backend, float32."""
     import torch
 
     from hearth.backend import choose_backend
     from hearth.loading.loader import load_model
-    from hearth.perplexity import perplexity
 
     cpu = torch.device("cpu")
-    model = load_model(path, torch.float32, cpu, progress=False, backend=choose_backend(cpu, torch.float32, "auto"))
-    result = perplexity(model.model, held_out, ctx, cpu, reference=reference)
+    return load_model(path, torch.float32, cpu, progress=False, backend=choose_backend(cpu, torch.float32, "auto"))
+
+
+def score(path: Path, reference, held_out: list[int], ctx: int) -> dict:
+    import torch
+
+    from hearth.perplexity import perplexity
+
+    result = perplexity(load_cpu(path).model, held_out, ctx, torch.device("cpu"), reference=reference)
     return {**result, "bytes": path.stat().st_size}
 
 
@@ -83,15 +90,9 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="where the files go (default: a temporary folder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import torch
-
-    from hearth.backend import choose_backend
     from hearth.cli import main as hearth
-    from hearth.loading.loader import load_model
 
-    cpu = torch.device("cpu")
-    original = load_model(args.original, torch.float32, cpu, progress=False,
-                          backend=choose_backend(cpu, torch.float32, "auto"))
+    original = load_cpu(Path(args.original))
     calibration_ids, held_out = split_texts(original.tokenizer)
     work = Path(args.work or tempfile.mkdtemp(prefix="quant-quality-"))
     work.mkdir(parents=True, exist_ok=True)
