@@ -219,12 +219,9 @@ class CpuBackend(Backend):
         the LM head and each row's argmax and log-probability, the same kernels in the same order as the
         modules' path (the same tokens and log-probabilities, bit for bit) with none of its Python between
         them (~0.5 ms of a 4-layer TinyLlama's 7 ms step at batch 1). None where the kernel does not run the
-        step (a model with states, a norm with an offset, logits divided: then the modules run it)."""
-        path = self._decode_path(model)
-        if path is None or path.state_layers or path.norm_offset or model.config.logits_divisor != 1.0:
-            return None
+        step (then the modules do)."""
         logprobs = np.empty(step.num_seqs, dtype=np.float32)
-        choices = path.greedy_passes(step, None, [], model.rope, kv_caches, logprobs)
+        choices = self.greedy_passes(model, step, None, [], kv_caches, logprobs)
         return None if choices is None else (torch.from_numpy(choices), torch.from_numpy(logprobs))
 
     def argmax_and_logsumexp(self, logits):
@@ -267,15 +264,26 @@ class CpuBackend(Backend):
         path = self._decode_path(model)
         return None if path is None else path(x, rotary, kv_caches, meta, exits)
 
-    def greedy_passes(self, model, first, later, feeds, kv_caches):
-        """A draft model's chained greedy passes in one call (the draft runner's one-call path,
-        hearth/engine/draft_runner.py): the first pass's sequences, then each later pass's rows (a
-        row a sequence, laid out end to end in `later`), row i of pass 1 + p fed the token chosen at
-        row feeds[p][i] of the pass before; every choice the argmax of the logits of a sequence's
-        last row. Returns the passes' choices end to end (int64 [their sequences]) or None where the
-        model's layers do not fit the decode path (then the runner runs the passes one by one)."""
+    def greedy_passes(self, model, first, later, feeds, kv_caches, logprobs: np.ndarray | None = None
+                      ) -> np.ndarray | None:
+        """Chained greedy passes in one call (a draft model's, hearth/engine/draft_runner.py; the target's
+        multi-step decoding, hearth/engine/multi_step.py; a plain greedy decode step, one pass): the first
+        pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in `later`),
+        row i of pass 1 + p fed the token chosen at row feeds[p][i] of the pass before; every choice the
+        argmax of the logits of a sequence's last row. Returns the passes' choices end to end (int64 [their
+        sequences]), their log-probabilities written to `logprobs` where given; None where the kernel does
+        not run the model (layers off the decode path, states, a norm with an offset, logits divided: then
+        the runner runs the passes one by one)."""
+        path = self.greedy_path(model)
+        return None if path is None else path.greedy_passes(first, later, feeds, model.rope, kv_caches, logprobs)
+
+    def greedy_path(self, model):
+        """The model's CpuDecodePath where greedy_passes can run it, else None."""
         path = self._decode_path(model)
-        return None if path is None else path.greedy_passes(first, later, feeds, model.rope, kv_caches)
+        if (path is None or path.vocabulary is None or path.state_layers or path.norm_offset
+                or model.config.logits_divisor != 1.0):
+            return None
+        return path
 
     def _decode_path(self, model):
         """The model's CpuDecodePath, or None where its layers do not fit it."""
