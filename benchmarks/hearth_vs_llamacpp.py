@@ -45,14 +45,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cpu-time", action="store_true",
                     help="count CPU seconds, not wall time (1 thread only): on a machine shared with other jobs, "
                          "what each engine's own work costs")
+    ap.add_argument("--multi-step", type=int, default=0, metavar="K",
+                    help="also decode with a second hearth engine, --speculative-method multi-step "
+                         "--num-speculative-tokens K (interleaved with the others: rows 'decode ... multi-step K')")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     return ap.parse_args()
 
 
 def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches: list[int],
-                     clock) -> dict[tuple[str, str, int], list[float]]:
-    """A warm-up, then args.runs rounds of prefill and each batch's decode, hearth and llama.cpp in turn:
-    {(engine, test, batch): tokens/s of each run}."""
+                     clock, multi_step=None) -> dict[tuple[str, str, int], list[float]]:
+    """A warm-up, then args.runs rounds of prefill and each batch's decode, hearth and llama.cpp in turn
+    (and hearth's multi_step engine's decode, where given): {(engine, test, batch): tokens/s of each run}."""
     from hearth.bench.latency import one_run, random_prompts
 
     rng = random.Random(0)
@@ -62,7 +65,9 @@ def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches:
         times.setdefault((engine_name, test, b), []).append(tok_s)
         print(f"{engine_name} {test} B={b}: {tok_s:.2f} tok/s", file=sys.stderr, flush=True)  # progress
 
-    one_run(engine, random_prompts(1, 32, vocab, rng), 4)
+    for warm in (engine, multi_step):
+        if warm is not None:
+            one_run(warm, random_prompts(1, 32, vocab, rng), 4)
     cpp.clear()
     cpp.prefill(random_prompts(1, 32, vocab, rng)[0])
     for _ in range(args.runs):
@@ -75,6 +80,9 @@ def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches:
             # hearth: the first step after prefill is the first decode; D + 1 tokens gives D decode steps
             record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
             record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
+            if multi_step is not None:
+                record("hearth", "decode multi-step", b,
+                       one_run(multi_step, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
     return times
 
 
@@ -86,12 +94,14 @@ def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_
 
     rows, results = [], []
     name = path.rsplit("/", 1)[-1]
-    for test, b in [("prefill", 1)] + [("decode", b) for b in batches]:
+    tests = [("prefill", 1)] + [("decode", b) for b in batches]
+    for test, b in tests + [("decode multi-step", b) for b in batches if args.multi_step]:
+        multi, test = test.endswith("multi-step"), test.split()[0]
         context = args.prefill if test == "prefill" else args.context + args.decode // 2
         ceiling = roofline_row(step_cost(config, stored, test, b, context, kv_element), roof)
         file_cost = step_cost(config, stored, test, b, context, kv_element)
         held_cost = step_cost(config, loaded, test, b, context, kv_element)
-        h = median(times[("hearth", test, b)])
+        h = median(times[("hearth", test + " multi-step" * multi, b)])
         c = median(times[("llama.cpp", test, b)])
         if test == "decode":  # bytes per step x steps per second
             h_rate = held_cost.bytes * h / b / 1e9
@@ -101,13 +111,14 @@ def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_
             h_rate = held_cost.flops / held_cost.tokens * h / 1e9
             c_rate = file_cost.flops / file_cost.tokens * c / 1e9
             unit = "GFLOP/s"
-        label = f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
+        label = (f"prefill {args.prefill}" if test == "prefill" else f"decode B={b} (context {args.context})"
+                 + f", multi-step {args.multi_step}" * multi)
         rows.append([name, label, h, c, f"{h / c:.2f}x", f"{h_rate:.1f} / {c_rate:.1f} {unit}",
                      ceiling["bound"], ceiling["ceiling_tokens_per_s"],
                      f"{h / ceiling['ceiling_tokens_per_s']:.1%} / {c / ceiling['ceiling_tokens_per_s']:.1%}"])
         results.append({
-            "file": path, "test": test, "batch_size": b, "context": context,
-            "hearth_tokens_per_s": times[("hearth", test, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
+            "file": path, "test": test, "batch_size": b, "context": context, "multi_step": args.multi_step * multi,
+            "hearth_tokens_per_s": times[("hearth", test + " multi-step" * multi, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
             "hearth_median": h, "llamacpp_median": c, "ratio": h / c, "bound": ceiling["bound"],
             "ceiling_tokens_per_s": ceiling["ceiling_tokens_per_s"],
             "hearth_rate": h_rate, "llamacpp_rate": c_rate, "rate_unit": unit,
@@ -138,10 +149,14 @@ def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_thre
               max_model_len=longest, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
               progress=False)
     engine = llm.engine
+    multi_step = None if not args.multi_step else LLM(
+        path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest, max_num_seqs=max(batches),
+        kv_cache_memory=config.kv_bytes_per_token(4) * longest + states, progress=False,
+        speculative_method="multi-step", num_speculative_tokens=args.multi_step).engine
     loaded = model_weight_bytes(engine.model)
     kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
     cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
-    times = interleaved_runs(args, engine, cpp, config.vocab_size, batches, clock)
+    times = interleaved_runs(args, engine, cpp, config.vocab_size, batches, clock, multi_step)
     cpp.close()
     return result_rows(args, path, config, stored, loaded, kv_element, roof, times, batches)
 

@@ -124,7 +124,7 @@ class ParallelConfig:
         return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
 
 
-SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit", "mtp")
+SPECULATIVE_METHODS = ("ngram", "lookahead", "draft", "early-exit", "mtp", "multi-step")
 LOOKAHEAD_MODES = ("chain", "full")
 
 
@@ -137,14 +137,17 @@ class SpeculativeConfig:
     # None (off), "ngram" (prompt lookup), "lookahead" (Jacobi window and n-gram pool), "draft" (a
     # smaller model with the target's vocabulary guesses: model), "early-exit" (the model's own first
     # exit_layer layers guess) or "mtp" (the multi-token-prediction layer Qwen3.5's and Qwen3-Next's
-    # checkpoints ship guesses from the model's hidden states: hearth/engine/mtp_draft.py)
+    # checkpoints ship guesses from the model's hidden states: hearth/engine/mtp_draft.py) or "multi-step" (no
+    # guesses: a greedy request's next k + 1 tokens in one call of the cpu backend: hearth/engine/multi_step.py)
     method: str | None = option(
         None, keyword="speculative_method", choices=list(SPECULATIVE_METHODS),
         help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "
              "earlier guesses (a Jacobi window and an n-gram pool); draft: guesses from --speculative-model; "
              "early-exit: from the model's first --exit-layer layers (self-speculation); mtp: from the "
              "multi-token-prediction layer the model's checkpoint ships (Qwen3.5, Qwen3-Next); all verified by the "
-             "model in one pass")
+             "model in one pass. multi-step: no guesses; a greedy request's next --num-speculative-tokens + 1 tokens, "
+             "each the model's own, in one kernel call of the cpu backend (the host's work between steps once per "
+             "call)")
     model: str | None = option(  # draft: a GGUF file, HF folder or "builtin"-style name
         None, keyword="speculative_model", metavar="PATH",
         help="draft: the draft model (GGUF file or HF folder with the model's vocabulary)")

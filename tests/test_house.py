@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "hearth.reasoning", "hearth.images", "hearth.child_process")),
 ]
 # the engine's modules that build tensors; the others keep the engine's bookkeeping, tensor-free
-TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.draft_runner", "hearth.engine.mtp_draft",
+TENSOR_MODULES = ("hearth.engine.runner", "hearth.engine.chain_passes", "hearth.engine.draft_runner", "hearth.engine.mtp_draft",
                   "hearth.engine.sampler", "hearth.engine.step_sampling")
 TENSOR_BUILDERS = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "empty", "zeros", "ones", "full",
                    "arange", "linspace", "eye", "rand", "randn", "randint", "randperm", "stack", "cat", "concat",

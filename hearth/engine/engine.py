@@ -7,6 +7,7 @@ add_request / step / abort_request.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 
 from hearth.engine_config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hearth.engine import kv_transfer
+from hearth.engine.chain_passes import can_chain, multi_step_on
 from hearth.engine.draft_runner import load_second_models
 from hearth.engine.images import Media, PromptWithImages, expand_prompt
 from hearth.engine.kv_cache import BlockManager
@@ -110,8 +112,9 @@ class LLMEngine:
             self.runner.draft = EarlyExitDraft(self.runner, config.speculative.exit_layer, self.block_manager)
         elif config.speculative.method == "mtp":  # the model's own multi-token-prediction layer drafts
             self.runner.draft = MtpDraft(self.runner, self.block_manager)
+        self.runner.chains_guesses = multi_step_on(self.runner, config.speculative.method)
         self.speculator = build_speculator(config.speculative, self.runner.draft, self.max_model_len,
-                                           self.output_processor.sequences)
+                                           self.output_processor.sequences, functools.partial(can_chain, self.runner))
         self.overlap = one_step_ahead(self)  # asynchronous scheduling (None: off)
         self.last_step = StepStats()
         self._ids = itertools.count()

@@ -1,17 +1,16 @@
 """ModelRunner: owns the KV cache tensors and the whole tensor side of a step.
 
 The engine's tensors are built here and in the sampler (the models beside the target, a speculative draft and a
-contrastive amateur, run runners of their own: draft_runner.py, second_model.py). `execute` takes the step's
-scheduled requests (how many new tokens each, its guesses, its generator and grammar matcher) and returns plain
-host results: per request that reached the end of its tokens, the tokens it keeps (verified guesses, then one
-sampled token) with their logprobs, and the prompt logprobs asked for. On the way: the batch laid out as one
-`StepInputs` (host arrays), which the backend (chosen once per engine, hearth/backend) turns into its tensors
-and attention metadata to run the model; logits of the rows that are sampled or scored (and, for contrastive
-requests, the amateur's); one SamplingBatch, with the draft's distributions of the guesses it verifies; the
-Sampler; and exactly one copy to the host. Guesses that form a token tree (speculation/token_tree.py) go in as
-rows with ancestor masks and their depths' positions; after the draws, the kept path's K/V are moved into the
-slots after the context. `forward` is the bare model pass, for callers that want hidden states (perplexity,
-kernels' benchmarks, tests).
+contrastive amateur, run runners of their own: draft_runner.py, second_model.py). `execute` takes the step's scheduled
+requests (how many new tokens each, its guesses, its generator and grammar matcher) and returns plain host results:
+per request that reached the end of its tokens, the tokens it keeps (verified guesses, then one sampled token) with
+their logprobs, and the prompt logprobs asked for. On the way: the batch laid out as one `StepInputs` (host arrays),
+which the backend (chosen once per engine, hearth/backend) turns into its tensors and attention metadata to run the
+model; logits of the rows that are sampled or scored (and, for contrastive requests, the amateur's); one
+SamplingBatch, with the draft's distributions of the guesses it verifies; the Sampler; and exactly one copy to the
+host. Guesses that form a token tree (speculation/token_tree.py) go in as rows with ancestor masks and their depths'
+positions; after the draws, the kept path's K/V are moved into the slots after the context. `forward` is the bare
+model pass, for callers that want hidden states (perplexity, kernels' benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import (KVCaches, Payload, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
                               stored_tensors, with_state_caches, write_block_payloads)
 from hearth.engine import contrastive_search
+from hearth.engine.chain_passes import chained_draws
 from hearth.engine.images import ENCODER_CACHE_ROWS, EncoderCache, image_blocks, mrope_positions, step_embeddings
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.step_records import (BatchEntry, LaunchedStep, SampledTokens, ScheduledSequence, StagedStep,
@@ -95,6 +95,7 @@ class ModelRunner:
         self.draft: DraftRunner | None = None
         self.amateur: SecondModel | None = None
         self.calm: CalmExits | None = None  # CALM's early exits (hearth/model/calm.py), where the engine runs them
+        self.chains_guesses = False  # multi-step decoding: guesses are placeholders its passes fill (chain_passes.py)
         # contrastive search's requests: the final hidden states of their computed tokens [t, hidden]
         self.hidden_states: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
         # with LoRA adapters (hearth/engine/lora.py): the model's LoraBank and each load's slot by Request.lora_id
@@ -319,10 +320,10 @@ class ModelRunner:
             rows, sources = staged.feeds
             step.input_ids = to_device(torch.from_numpy(step.input_ids), self.device)
             step.input_ids[to_device(rows, self.device)] = draws_before[to_device(sources, draws_before.device)]
-        drawn = None if exits else self._draws_in_step(staged)
+        drawn = None if exits else (self.chains_guesses and chained_draws(self, staged)) or self._draws_in_step(staged)
         if drawn is not None:
-            return LaunchedStep(sampled, drawn, {}, [], HostCopy([drawn.sampled_token_ids, drawn.logprobs]),
-                                staged.draw_rows)
+            copies = [drawn.sampled_token_ids, drawn.logprobs] + ([] if drawn.accepted is None else [drawn.accepted])
+            return LaunchedStep(sampled, drawn, {}, [], HostCopy(copies), staged.draw_rows)
         amateur_logits = self._amateur_logits(sampled)
         # seeded requests with guesses: where their generators stood, to keep only kept tokens' draws
         rewinds = {s.request: s.generator.get_state() for s in sampled if s.request.spec_token_ids
@@ -375,11 +376,10 @@ class ModelRunner:
         return result
 
     def _draws_in_step(self, staged: StagedStep) -> SamplerOutput | None:
-        """A step of plain decodes, each drawing its next token as step_sampling.py's head can: the
-        backend runs the model, the LM head and the draws in one go (the gpu backend: one CUDA graph
-        replay; its outputs hold until that graph's next replay, after the next step's inputs took
-        them). None: not such a step (one whose requests' guesses the MTP layer makes from its hidden states
-        is not), or the backend has no such path (then the step takes the eager way)."""
+        """A step of plain decodes, each drawing its next token as step_sampling.py's head can: the backend runs the model,
+        the LM head and the draws in one go (the gpu backend: one CUDA graph replay; its outputs hold until that graph's
+        next replay, after the next step's inputs took them). None: not such a step (one whose requests' guesses the MTP
+        layer makes from its hidden states is not), or the backend has no such path (then the step takes the eager way)."""
         sampled, step = staged.sampled, staged.inputs
         reads_hidden = self.draft is not None and self.draft.reads_target_hidden
         if (len(sampled) != len(staged.sequences) or not step.decode_only or not self.own_pass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -33,6 +33,7 @@ from hearth.engine.scheduler import SchedulerOutput
 from hearth.engine.speculation.draft import DraftProposer
 from hearth.engine.speculation.guess_count import AcceptanceRate, num_guesses
 from hearth.engine.speculation.lookahead import LookaheadProposer
+from hearth.engine.speculation.multi_step import MultiStepProposer
 from hearth.engine.speculation.ngram import NgramProposer
 from hearth.engine.speculation.speed_gate import SpeedGate
 from hearth.engine.speculation.stats import SpecDecodeCounts
@@ -124,8 +125,9 @@ class Speculator:
 
 
 def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_model_len: int,
-                     sequences: Mapping[str, SequenceState]) -> Speculator:
-    """The engine's speculator for its config (draft: the draft runner, with method draft, early-exit or mtp)."""
+                     sequences: Mapping[str, SequenceState], chains: Callable[[Request], bool]) -> Speculator:
+    """The engine's speculator for its config (draft: the draft runner, with method draft, early-exit or mtp;
+    chains: whether the target runner's chained passes decode a request, multi-step's)."""
     proposer: Proposer | None = None
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.tree_width)
@@ -134,4 +136,6 @@ def build_speculator(config: SpeculativeConfig, draft: DraftRunner | None, max_m
                                      config.lookahead_guesses)
     elif config.method in ("draft", "early-exit", "mtp"):
         proposer = DraftProposer(draft, config.tree_width)
+    elif config.method == "multi-step":
+        proposer = MultiStepProposer(chains)
     return Speculator(config, proposer, max_model_len, sequences)

@@ -1,0 +1,110 @@
+"""Multi-step decoding (speculative_method "multi-step": hearth/engine/speculation/multi_step.py and
+hearth/engine/chain_passes.py): a greedy request's next k + 1 tokens in one kernel call.
+
+Its tokens must be plain greedy decoding's, which test_engine holds to transformers and test_smollm2
+to llama.cpp; here the same engine without it is the reference, on the built-in model (F16, lm_head
+tied to the embedding), a q8_0 GGUF and, where ../shared has it, SmolLM2's Q4_1 file: alone and
+batched, cut by max_tokens, stop tokens and stop strings in the middle of a step's tokens, beside
+requests that sample; every KV block free at the end. Models the kernel cannot run are refused by name.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hearth import LLM, SamplingParams
+from hearth.errors import HearthError
+from models import VOCAB_SIZE, make_hf_model
+
+SMOLLM2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "smollm2-135m-instruct" / \
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+STEPS = 4  # guesses a step: 5 tokens a kernel call
+
+
+def kernels_or_skip() -> None:
+    from hearth.backend.cpu import cpu_kernels
+    from hearth.quant import kernels
+
+    if kernels.extension() is None or cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+
+
+@pytest.fixture(scope="module")
+def q8_0_model(tmp_path_factory) -> str:
+    from hearth.loading.convert import convert_hf_to_gguf
+
+    root = tmp_path_factory.mktemp("multi-step")
+    folder = make_hf_model(root / "llama", "llama", intermediate_size=128)  # whole q8_0 blocks
+    return str(convert_hf_to_gguf(folder, root / "model.gguf", "q8_0", progress=False))
+
+
+def prompts_for(model: str) -> list:
+    if model in ("builtin",) or model.endswith("Q4_1.gguf"):
+        return ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "The capital of France is",
+                "class Stack:\n    def push(self, item):", "1, 2, 3, 4,"]
+    rng = random.Random(3)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(2, 30))] for _ in range(5)]
+
+
+def outputs(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[tuple[list[int], str, str | None]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("model", ["builtin", "q8_0", "smollm2"])
+def test_multi_step_keeps_plain_greedy_outputs(model, q8_0_model):
+    """Greedy requests of several lengths (max_tokens ending inside a step's tokens), alone and five at
+    once: plain decoding's tokens, texts and finish reasons; every guess kept, in steps of k + 1 tokens."""
+    kernels_or_skip()
+    if model == "smollm2" and not SMOLLM2.exists():
+        pytest.skip(f"reference data not found: {SMOLLM2}")
+    path = {"builtin": "builtin", "q8_0": q8_0_model, "smollm2": str(SMOLLM2)}[model]
+    prompts = prompts_for(path)
+    params = [SamplingParams(temperature=0, max_tokens=9 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    expected = outputs(LLM(path, progress=False), prompts, params)
+    llm = LLM(path, progress=False, speculative_method="multi-step", num_speculative_tokens=STEPS,
+              speculative_adaptive=False)
+    assert outputs(llm, prompts, params) == expected
+    assert [outputs(llm, [p], [q])[0] for p, q in zip(prompts, params)] == expected
+    totals = llm.engine.spec_decode_totals
+    assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
+    assert totals.num_draft_tokens >= sum(q.max_tokens for q in params) // 2  # (two runs: most tokens chained)
+    assert llm.engine.block_manager.check_all_free()
+
+
+def test_stops_inside_a_step_keep_plain_outputs(q8_0_model):
+    """A stop token, a stop string and EOS (the model's own) reached in the middle of a step's tokens
+    end the request where plain decoding ends it; beside them a seeded sampled request and one with a
+    repetition penalty (the sampler draws theirs: no step guesses while they run) keep plain decoding's too."""
+    kernels_or_skip()
+    plain = LLM(q8_0_model, progress=False)
+    prompts = prompts_for(q8_0_model)
+    free_run = outputs(plain, prompts[:3], [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3)
+    stop_token = free_run[0][0][6]  # the seventh token: inside the second step of five
+    stop_text = plain.get_tokenizer().decode(free_run[1][0][8:10])
+    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop=[stop_text], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3)]
+    expected = outputs(plain, prompts, params)
+    assert expected[0][2] == "stop" and len(expected[0][0]) <= 7
+    assert expected[1][2] == "stop"
+    llm = LLM(q8_0_model, progress=False, speculative_method="multi-step", num_speculative_tokens=STEPS,
+              speculative_adaptive=False)
+    assert outputs(llm, prompts, params) == expected
+    assert [outputs(llm, [p], [q])[0] for p, q in zip(prompts, params)] == expected
+    assert llm.engine.spec_decode_totals.num_accepted_tokens > 0
+    assert llm.engine.block_manager.check_all_free()
+
+
+def test_a_model_off_the_greedy_kernel_is_refused(tmp_path):
+    """A float32 HF folder (a dense embedding: the greedy kernel does not read it) is refused by name
+    rather than verifying placeholder guesses every step."""
+    kernels_or_skip()
+    folder = make_hf_model(tmp_path / "llama", "llama")
+    with pytest.raises(HearthError, match="multi-step"):
+        LLM(folder, progress=False, speculative_method="multi-step")
