@@ -42,7 +42,7 @@ def q8_0_model(tmp_path_factory) -> str:
 
 
 def prompts_for(model: str) -> list:
-    if model in ("builtin",) or model.endswith("Q4_1.gguf"):
+    if model == "builtin" or model.endswith("Q4_1.gguf"):  # text prompts for real vocabularies
         return ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "The capital of France is",
                 "class Stack:\n    def push(self, item):", "1, 2, 3, 4,"]
     rng = random.Random(3)
