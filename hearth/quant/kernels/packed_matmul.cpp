@@ -4,6 +4,9 @@
 namespace hearth {
 namespace {
 
+// A chunk of 32 values of a tile unpacked (unpack_tile): bytes as Q8_0's codes, [8 groups][32 rows][4]
+constexpr int64_t UNPACKED_CHUNK = 8 * NR * 4;
+
 // Activation terms per row and sub-block j of S values: dx (the row's block scale) and the sum of
 // the sub-block's codes, as the zero point's integer term -Z sum (a dot product's start) and as
 // int16 (|sum| <= 32 x 128: pairs of them are one vpdpwssd word against two sub-blocks' minima).
@@ -102,6 +105,7 @@ inline bool software_prefetch() {
   return on;
 }
 
+
 // The minima of a K-quant block's sub-blocks 2q, 2q + 1 for rows 16h..16h+15 as int16 pairs, one
 // vpdpwssd against a row's two sub-block sums
 template <int QT>
@@ -118,17 +122,19 @@ inline __m512i minima_pair(const uint8_t* tt, int q, int h) {
 // and row, on the vector pipes the vpdpbusd are bound by (Q4_K / Q5_K +4-6%, Q2_K +15% at 128 rows);
 // the scales the same way in int32 (vpmulld) cost Q6_K and Q3_K 20-23% on an AVX-512 EPYC.
 // stream: the call's first pass over the tile, with few rows (M <= 2 PACKED_MR: decode, a verification's).
-template <int QT, int MR>
+// UNPACKED: the codes are the tile's as unpack_tile left them (bytes, Q8_0's layout), not the format's.
+template <int QT, int MR, bool UNPACKED = false>
 void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p, int64_t m0,
                       float* y, int64_t N, int64_t nvalid, bool stream) {
   using F = Fmt<QT>;
   using P = Packed<QT>;
+  constexpr int64_t CHUNK = UNPACKED ? UNPACKED_CHUNK : P::CHUNK;
   const int64_t nb = K / F::BS, ns = K / F::S;
   const int8_t* xq = p.a.q.data() + m0 * K;
   alignas(64) float acc[MR][NR] = {};  // in L1, not registers: those hold 4 x MR x 16 lanes of sums
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* tt = terms + b * P::TERMS;
-    const uint8_t* cb = codes + b * (F::BS / 32) * P::CHUNK;
+    const uint8_t* cb = codes + b * (F::BS / 32) * CHUNK;
     // the tile streams from memory (L3 at best), so ask for both arrays as far ahead: at 3-8 rows too,
     // where the dot products would otherwise wait for it (SmolLM2 Q4_1, 1 thread: 5 rows 7.2 -> 6.1 ms, on the
     // Xeon). Not on AMD: an AVX-512 EPYC's own prefetchers stream the tiles faster alone (TinyLlama Q4_K_M
@@ -147,13 +153,14 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
 #pragma GCC unroll 16
     for (int j = 0; j < P::NS; j++) {
       const int64_t sub = b * P::NS + j;
-      const uint8_t* chunk = cb + (j * F::S / 32) * P::CHUNK;
+      const uint8_t* chunk = cb + (j * F::S / 32) * CHUNK;
       const int g0 = (j * F::S % 32) / 4;  // the sub-block's first group in its chunk
       __m512i dot[MR][2];
       for (int r = 0; r < MR; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(p.zsum[(m0 + r) * ns + sub]);
 #pragma GCC unroll 8
       for (int g = g0; g < g0 + F::S / 4; g++) {
-        const __m512i w0 = packed_codes<QT>(chunk, g, 0), w1 = packed_codes<QT>(chunk, g, 1);
+        const __m512i w0 = UNPACKED ? _mm512_loadu_si512((const void*)(chunk + 128 * g)) : packed_codes<QT>(chunk, g, 0);
+        const __m512i w1 = UNPACKED ? _mm512_loadu_si512((const void*)(chunk + 128 * g + 64)) : packed_codes<QT>(chunk, g, 1);
         for (int r = 0; r < MR; r++) {
           int32_t word;
           std::memcpy(&word, xq + r * K + b * F::BS + j * F::S + 4 * (g - g0), 4);
@@ -212,21 +219,44 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
 // 4.4 at 6, 4.1 at 8; Q6_K 6.9 / 6.4 / 5.8)
 constexpr int PACKED_MR = 8;
 
+// Rows from which a call unpacks each tile once (unpack_tile) rather than decoding it in every pass of PACKED_MR
+// rows: where the decoding costs more than a load (the extra bits' masks, 2-bit codes; Q6_K's plane only from
+// ~100 rows). 1 thread, EPYC-512, against decoding in every pass: Q5_K +5% at 24 rows, +11% at 256; Q3_K +10%,
+// Q5_0 +7% at 256; Q6_K -12% at 24, +6% at 128, +11% at 512; Q4_K +2%, IQ4_XS +1%, Q4_0 / Q8_0 / MXFP4 -3% (never)
+template <int QT>
+constexpr int64_t unpack_rows() {
+  using P = Packed<QT>;
+  return QT == Q6_K ? 12 * PACKED_MR : (P::MASKS > 0 || P::BITS == 2) ? 3 * PACKED_MR : INT64_MAX;
+}
+
 #ifdef HEARTH_VNNI
-template <int QT, int MR = PACKED_MR>
+// A tile's codes -> bytes in Q8_0's layout (UNPACKED_CHUNK a chunk, the table formats' values + 128): the passes
+// over it then load them where each would decode them again (the decoding costs about what its dot products do)
+template <int QT>
+void unpack_tile(const uint8_t* codes, int64_t K, uint8_t* out) {
+  for (int64_t c = 0; c < K / 32; c++)
+    for (int g = 0; g < 8; g++)
+      for (int h = 0; h < 2; h++)
+        _mm512_storeu_si512((void*)(out + c * UNPACKED_CHUNK + 128 * g + 64 * h),
+                            packed_codes<QT>(codes + c * Packed<QT>::CHUNK, g, h));
+}
+
+template <int QT, bool UNPACKED, int MR = PACKED_MR>
 void packed_tile_vnni_mr(int mr, const uint8_t* codes, const uint8_t* terms, int64_t K, const PackedActivations& p,
                          int64_t m0, float* y, int64_t N, int64_t nvalid, bool stream) {
   if constexpr (MR > 1)
-    if (mr < MR) return packed_tile_vnni_mr<QT, MR - 1>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
-  packed_tile_vnni<QT, MR>(codes, terms, K, p, m0, y, N, nvalid, stream);
+    if (mr < MR) return packed_tile_vnni_mr<QT, UNPACKED, MR - 1>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
+  packed_tile_vnni<QT, MR, UNPACKED>(codes, terms, K, p, m0, y, N, nvalid, stream);
 }
 #endif
 
+// unpacked: the tile's codes as unpack_tile left them, or null
 template <int QT>
-void packed_tile(bool portable, int mr, const uint8_t* codes, const uint8_t* terms, int64_t K,
+void packed_tile(bool portable, int mr, const uint8_t* codes, const uint8_t* unpacked, const uint8_t* terms, int64_t K,
                  const PackedActivations& p, int64_t m0, float* y, int64_t N, int64_t nvalid, bool stream) {
 #ifdef HEARTH_VNNI
-  if (!portable) return packed_tile_vnni_mr<QT>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
+  if (!portable && unpacked) return packed_tile_vnni_mr<QT, true>(mr, unpacked, terms, K, p, m0, y, N, nvalid, stream);
+  if (!portable) return packed_tile_vnni_mr<QT, false>(mr, codes, terms, K, p, m0, y, N, nvalid, stream);
 #endif
   packed_tile_generic<QT>(mr, codes, terms, K, p, m0, y, N, nvalid);
 }
@@ -245,12 +275,23 @@ void packed_matmul(uintptr_t x_, uintptr_t codes_, uintptr_t terms_, uintptr_t y
       const uint8_t* codes = (const uint8_t*)codes_;
       const uint8_t* terms = (const uint8_t*)terms_;
       float* y = (float*)y_;
+#ifdef HEARTH_VNNI
+      const bool unpack = !portable && M >= unpack_rows<QT>();
+#else
+      const bool unpack = false;
+#endif
       parallel_ranges((N + NR - 1) / NR, threads, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++)
+        std::vector<uint8_t> unpacked(unpack ? K / 32 * UNPACKED_CHUNK : 0);
+        for (int64_t t = t0; t < t1; t++) {
+          const uint8_t* tile = codes + t * code_bytes;
+#ifdef HEARTH_VNNI
+          if (unpack) unpack_tile<QT>(tile, K, unpacked.data());
+#endif
           for (int64_t m = 0; m < M; m += PACKED_MR)
-            packed_tile<QT>(portable, (int)std::min<int64_t>(PACKED_MR, M - m), codes + t * code_bytes,
+            packed_tile<QT>(portable, (int)std::min<int64_t>(PACKED_MR, M - m), tile, unpack ? unpacked.data() : nullptr,
                             terms + t * term_bytes, K, p, m, y + m * N + t * NR, N, std::min<int64_t>(NR, N - t * NR),
                             m == 0 && M <= 2 * PACKED_MR);
+        }
       });
     }
   });
