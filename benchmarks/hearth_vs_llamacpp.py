@@ -140,22 +140,24 @@ def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_thre
     config, weights, _ = read_model(path, progress=False)
     stored = file_weight_bytes(config, weights)
     del weights
-    longest = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    # tokens cached at once (every sequence of the largest batch), and the longest sequence (within the model's context)
+    cached = max(args.prefill, max(batches) * (args.context + args.decode + 2)) + 64
+    longest = min(max(args.prefill, args.context + args.decode + 2) + 64, config.max_position_embeddings)
     # a hybrid model's budget keeps each running sequence's states (and a prefix-cache checkpoint beside
     # them) before K/V: without them here, 32 sequences would get one state slot and run one at a time
     states = (max(batches) + 1) * state_bytes_per_slot(config.state_bytes_per_sequence(4), True)
     llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_memory=config.kv_bytes_per_token(4) * longest + states,
+              kv_cache_memory=config.kv_bytes_per_token(4) * cached + states,
               max_model_len=longest, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
               progress=False)
     engine = llm.engine
     multi_step = None if not args.multi_step else LLM(
         path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest, max_num_seqs=max(batches),
-        kv_cache_memory=config.kv_bytes_per_token(4) * longest + states, progress=False,
+        kv_cache_memory=config.kv_bytes_per_token(4) * cached + states, progress=False,
         speculative_method="multi-step", num_speculative_tokens=args.multi_step).engine
     loaded = model_weight_bytes(engine.model)
     kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
-    cpp = LlamaCpp(path, n_threads, n_ctx=longest, n_seq_max=max(batches), clock=clock)
+    cpp = LlamaCpp(path, n_threads, n_ctx=cached, n_seq_max=max(batches), clock=clock)
     times = interleaved_runs(args, engine, cpp, config.vocab_size, batches, clock, multi_step)
     cpp.close()
     return result_rows(args, path, config, stored, loaded, kv_element, roof, times, batches)
