@@ -108,3 +108,33 @@ def test_a_model_off_the_greedy_kernel_is_refused(tmp_path):
     folder = make_hf_model(tmp_path / "llama", "llama")
     with pytest.raises(HearthError, match="multi-step"):
         LLM(folder, progress=False, speculative_method="multi-step")
+
+
+def test_preempted_and_aborted_requests_keep_plain_outputs_and_free_every_block(q8_0_model):
+    """A cache of 10 blocks for 8 requests (preemption: their chained slots taken back and recomputed) and
+    aborts mid-way: the requests that finish get plain decoding's tokens, and every block is free at the end."""
+    kernels_or_skip()
+    kv_bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head_dim 16 x float32
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(3, 12))] * 3 for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(q8_0_model, progress=False).generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    engine = LLM(q8_0_model, progress=False, kv_cache_memory=10 * 16 * kv_bytes_per_token,
+                 speculative_method="multi-step", num_speculative_tokens=STEPS, speculative_adaptive=False).engine
+    ids = [engine.add_request(None, prompt, params) for prompt in prompts]
+    finished, preempted = {}, 0
+    for step in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        preempted += engine.last_step.num_preempted
+        if step == 6:
+            for request_id in ids[::4]:
+                engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests() and preempted > 0
+    kept = [i for i in range(len(ids)) if i % 4]
+    assert {ids[i]: list(finished[ids[i]]) for i in kept} == {ids[i]: expected[i] for i in kept}
+    counts = engine.spec_decode_totals  # (a step with a recomputed prompt in it verifies its placeholders instead)
+    assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens >= counts.num_draft_tokens // 2
+    assert engine.block_manager.check_all_free()
