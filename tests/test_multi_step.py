@@ -138,3 +138,24 @@ def test_preempted_and_aborted_requests_keep_plain_outputs_and_free_every_block(
     counts = engine.spec_decode_totals  # (a step with a recomputed prompt in it verifies its placeholders instead)
     assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens >= counts.num_draft_tokens // 2
     assert engine.block_manager.check_all_free()
+
+
+def test_prefix_cache_keeps_the_blocks_chained_steps_wrote(q8_0_model):
+    """Blocks filled by chained steps (their K/V written by the kernel's later passes) reach the prefix
+    cache: requests that share them afterwards get plain decoding's tokens from the hits."""
+    kernels_or_skip()
+    rng = random.Random(4)
+    shared = [rng.randrange(VOCAB_SIZE) for _ in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    llm = LLM(q8_0_model, progress=False, enable_prefix_caching=True, speculative_method="multi-step",
+              num_speculative_tokens=STEPS, speculative_adaptive=False)
+    first = llm.generate([shared], params, use_tqdm=False)[0].outputs[0].token_ids  # 48 tokens: 3 full blocks
+    # the next prompts begin with the first request's whole text: blocks its chained steps wrote
+    prompts = [shared + list(first) + [rng.randrange(VOCAB_SIZE)] for _ in range(3)]
+    plain = LLM(q8_0_model, progress=False, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    hits = llm.engine.block_manager.prefix_cache_hits
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert llm.engine.block_manager.prefix_cache_hits - hits >= 3 * 32  # two blocks each, the second chained steps wrote
+    assert llm.engine.block_manager.check_all_free()
