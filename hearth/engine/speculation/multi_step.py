@@ -7,7 +7,8 @@ after the weights streamed through them). vLLM's multi-step scheduling ran sever
 per schedule for that cost on a GPU; here the cpu backend's greedy kernel already chains passes
 (a draft model's guesses, draft_runner.py), so a step of the target can run k + 1 of them in one
 call. The speculation machinery carries it: the proposer gives each request it can chain k
-placeholder guesses (its last token; never read), the scheduler allots their slots, the runner's
+placeholder guesses (its last token: verified as guesses only where a step cannot chain, say with
+a prompt chunk in it), the scheduler allots their slots, the runner's
 chained passes (engine/chain_passes.py) fill them with the model's argmax after each, all kept,
 and the output processing keeps the tokens up to a stop (an EOS, a stop string, max_tokens),
 giving the slots after it back. The tokens are plain greedy decoding's; what a stop costs is the
