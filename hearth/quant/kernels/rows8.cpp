@@ -118,15 +118,26 @@ inline void fifth_bits(__m256i high, int k, __m256i& wl, __m256i& wh) {
   wh = _mm256_or_si256(wh, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits_high), bits_high), bit4));
 }
 
+// Step k of a 32-value block's codes (`codes`, a group's layout; Q5_*: `high_bits`, its fifth bits) as
+// bytes: the 8 rows' values 8k + t (wl) and 8k + 4 + t (wh) in lane bytes t (a table's looked up)
+template <int QT>
+inline void step_codes(const uint8_t* codes, __m256i high_bits, __m256i table, int k, __m256i& wl, __m256i& wh) {
+  constexpr bool TABLE = QT == IQ4_NL || QT == MXFP4, FIFTH = QT == Q5_0 || QT == Q5_1;
+  const __m256i low = _mm256_set1_epi8(0x0F), raw = _mm256_loadu_si256((const __m256i*)(codes + 32 * k));
+  wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  if constexpr (TABLE) wl = _mm256_shuffle_epi8(table, wl), wh = _mm256_shuffle_epi8(table, wh);  // (the tables')
+  if constexpr (FIFTH) fifth_bits(high_bits, k, wl, wh);
+}
+
 // The int32 products of one 32-value block's codes (`codes`, a group's layout; Q5_*: and `high`, its fifth
-// bits) of 8 rows with MR activation rows from m0, values x0.. of each: sum[r], lane i row i's
-template <int QT, int MR>
+// bits; UNPACKED: the block's steps as rows8_unpack left them) of 8 rows with MR activation rows from m0,
+// values x0.. of each: sum[r], lane i row i's
+template <int QT, int MR, bool UNPACKED = false>
 inline void block_sums(const uint8_t* codes, __m256i table, const QuantizedActivations& a, int64_t m0, int64_t K,
                        int64_t x0, __m256i sum[MR], const uint8_t* high = nullptr) {
   constexpr bool TABLE = QT == IQ4_NL || QT == MXFP4, FIFTH = QT == Q5_0 || QT == Q5_1;
   constexpr bool SIGNED = QT == Q8_0 || (TABLE && !UNSIGNED_TABLES);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i high_bits = FIFTH ? _mm256_loadu_si256((const __m256i*)high) : _mm256_setzero_si256();
+  const __m256i high_bits = FIFTH && !UNPACKED ? _mm256_loadu_si256((const __m256i*)high) : _mm256_setzero_si256();
   for (int r = 0; r < MR; r++) sum[r] = _mm256_setzero_si256();
   if constexpr (QT == Q8_0) {  // 4 int8 codes of each row per step, 8 steps
     for (int k = 0; k < 8; k++) {
@@ -138,10 +149,11 @@ inline void block_sums(const uint8_t* codes, __m256i table, const QuantizedActiv
       }
     }
   } else for (int k = 0; k < 4; k++) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + 32 * k));
-    __m256i wl = _mm256_and_si256(raw, low), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    if constexpr (TABLE) wl = _mm256_shuffle_epi8(table, wl), wh = _mm256_shuffle_epi8(table, wh);  // (the tables')
-    if constexpr (FIFTH) fifth_bits(high_bits, k, wl, wh);
+    __m256i wl, wh;
+    if constexpr (UNPACKED)
+      wl = _mm256_loadu_si256((const __m256i*)(codes + 64 * k)), wh = _mm256_loadu_si256((const __m256i*)(codes + 64 * k + 32));
+    else
+      step_codes<QT>(codes, high_bits, table, k, wl, wh);
     const __m256i al = SIGNED ? _mm256_sign_epi8(wl, wl) : wl, ah = SIGNED ? _mm256_sign_epi8(wh, wh) : wh;
     for (int r = 0; r < MR; r++) {
       const int8_t* xb = a.q.data() + (m0 + r) * K + x0 + 8 * k;
@@ -152,6 +164,9 @@ inline void block_sums(const uint8_t* codes, __m256i table, const QuantizedActiv
     }
   }
 }
+
+// A 32-value block's codes unpacked (rows8_unpack): its 4 steps' low and high values, 32 bytes each
+constexpr int64_t UNPACKED_BLOCK = 4 * 64;
 
 // decode: the groups stream from DRAM, so ask for each line of the block ahead
 template <int MR, int64_t BYTES>
@@ -167,9 +182,9 @@ inline __m256i table_of(int qtype) {  // (UNSIGNED_TABLES: value + 128)
 }
 
 // MR activation rows against one group of a 32-value format: out[r][i] = row 8g + i . activation row m0 + r
-template <int QT, int MR>
-void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
-               float out[][8]) {
+template <int QT, int MR, bool UNPACKED>
+void rows8_dot(const uint8_t* group, const uint8_t* unpacked, int64_t nb, const QuantizedActivations& a, int64_t m0,
+               int64_t K, float out[][8]) {
   constexpr bool TABLE = QT == IQ4_NL || QT == MXFP4, MIN = QT == Q4_1 || QT == Q5_1;
   constexpr bool SIGNED = QT == Q8_0 || (TABLE && !UNSIGNED_TABLES);
   constexpr int64_t TERMS = rows8_terms(QT), BYTES = TERMS + (QT == Q8_0 ? 256 : 128);  // (rows8_group_bytes)
@@ -182,7 +197,8 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
     const uint8_t* p = group + b * BYTES;
     prefetch_block<MR, BYTES>(p);
     __m256i sum[MR];
-    block_sums<QT, MR>(p + TERMS, table, a, m0, K, b * 32, sum, FIFTH ? p + TERMS - 32 : nullptr);
+    block_sums<QT, MR, UNPACKED>(UNPACKED ? unpacked + b * UNPACKED_BLOCK : p + TERMS, table, a, m0, K, b * 32, sum,
+                                 FIFTH ? p + TERMS - 32 : nullptr);
     const __m256 d = QT == MXFP4 ? e8m0_half8(p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
     // the offset per row: Q4_1's, Q5_1's minimum m, Q4_0's -8 d, Q5_0's -16 d, unsigned tables' -128 d
     // (w = d q + offset), times the block's d_x sum(x_q)
@@ -199,9 +215,9 @@ void rows8_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, 
 // The same for the 256-value formats' groups (nb: their blocks): each sub-block a block of
 // sub_block_format(QT) whose scale is d (6-bit scale - 32) (IQ4_XS) or d times its 6-bit scale and
 // whose minimum is -dmin times its 6-bit minimum (Q4_K, Q5_K), both exact in float32
-template <int QT, int MR>
-void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
-                     float out[][8]) {
+template <int QT, int MR, bool UNPACKED>
+void rows8_dot_super(const uint8_t* group, const uint8_t* unpacked, int64_t nb, const QuantizedActivations& a,
+                     int64_t m0, int64_t K, float out[][8]) {
   constexpr bool MIN = QT == Q4_K || QT == Q5_K;
   constexpr int SUB = sub_block_format(QT);
   constexpr int64_t CODES = rows8_terms(QT), BYTES = CODES + 8 * 128;  // (rows8_group_bytes)
@@ -219,7 +235,8 @@ void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivation
     const __m256 dmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
     for (int j = 0; j < 8; j++) {
       __m256i sum[MR];
-      block_sums<SUB, MR>(p + CODES + 128 * j, table, a, m0, K, b * 256 + 32 * j, sum, QT == Q5_K ? p + 160 + 32 * j : nullptr);
+      block_sums<SUB, MR, UNPACKED>(UNPACKED ? unpacked + (8 * b + j) * UNPACKED_BLOCK : p + CODES + 128 * j, table, a,
+                                    m0, K, b * 256 + 32 * j, sum, QT == Q5_K ? p + 160 + 32 * j : nullptr);
       const __m256 scale = _mm256_mul_ps(d, row_bytes(p + (MIN ? 32 : 16) + 8 * j));
       // -dmin times the minimum (Q4_K, Q5_K); IQ4_XS's unsigned table: -128 times the scale
       const __m256 offset = MIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, row_bytes(p + 96 + 8 * j)))
@@ -234,10 +251,11 @@ void rows8_dot_super(const uint8_t* group, int64_t nb, const QuantizedActivation
   for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], acc[r]);
 }
 
-template <int QT, int MR>
-void group_dot(const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K, float out[][8]) {
-  if constexpr (rows8_super(QT)) rows8_dot_super<QT, MR>(group, nb, a, m0, K, out);
-  else rows8_dot<QT, MR>(group, nb, a, m0, K, out);
+template <int QT, int MR, bool UNPACKED>
+void group_dot(const uint8_t* group, const uint8_t* unpacked, int64_t nb, const QuantizedActivations& a, int64_t m0,
+               int64_t K, float out[][8]) {
+  if constexpr (rows8_super(QT)) rows8_dot_super<QT, MR, UNPACKED>(group, unpacked, nb, a, m0, K, out);
+  else rows8_dot<QT, MR, UNPACKED>(group, unpacked, nb, a, m0, K, out);
 }
 
 // activation rows per pass over a group: 4 in AVX2's 16 vector registers; 8 in AVX-512's 32 (IQ4_XS prefill on
@@ -248,27 +266,63 @@ constexpr int ROWS8_MR = 8;
 constexpr int ROWS8_MR = 4;
 #endif
 
-template <int QT, int MR = ROWS8_MR>
-void group_dot_mr(int mr, const uint8_t* group, int64_t nb, const QuantizedActivations& a, int64_t m0, int64_t K,
-                  float out[][8]) {
+// A call of ROWS8_UNPACK_ROWS rows or more unpacks each group once (rows8_unpack) where spreading the fifth bits
+// (Q5_0, Q5_1, Q5_K) costs each pass ~11 operations a step, a third of its dot products at 4 rows; the passes
+// then load the bytes
+constexpr int64_t ROWS8_UNPACK_ROWS = 4 * ROWS8_MR;
+constexpr bool rows8_unpacks(int qtype) { return qtype != Q8_0; }
+
+template <int QT, bool UNPACKED, int MR = ROWS8_MR>
+void group_dot_mr(int mr, const uint8_t* group, const uint8_t* unpacked, int64_t nb, const QuantizedActivations& a,
+                  int64_t m0, int64_t K, float out[][8]) {
   if constexpr (MR > 1)
-    if (mr < MR) return group_dot_mr<QT, MR - 1>(mr, group, nb, a, m0, K, out);
-  group_dot<QT, MR>(group, nb, a, m0, K, out);
+    if (mr < MR) return group_dot_mr<QT, UNPACKED, MR - 1>(mr, group, unpacked, nb, a, m0, K, out);
+  group_dot<QT, MR, UNPACKED>(group, unpacked, nb, a, m0, K, out);
+}
+
+// A group's codes as bytes, each 32-value block's steps (step_codes) one after the other, UNPACKED_BLOCK bytes
+// a block (a 256-value format's: its 8 sub-blocks')
+template <int QT>
+void rows8_unpack(const uint8_t* group, int64_t nb, uint8_t* out) {
+  constexpr int SUB = rows8_super(QT) ? sub_block_format(QT) : QT;
+  constexpr bool FIFTH = SUB == Q5_0 || SUB == Q5_1;
+  constexpr int64_t TERMS = rows8_terms(QT), BYTES = TERMS + (rows8_super(QT) ? 8 * 128 : 128);  // (rows8_group_bytes)
+  const __m256i table = table_of(SUB);
+  for (int64_t b = 0; b < nb; b++)
+    for (int j = 0; j < (rows8_super(QT) ? 8 : 1); j++) {
+      const uint8_t* p = group + b * BYTES;
+      const uint8_t* codes = rows8_super(QT) ? p + TERMS + 128 * j : p + TERMS;
+      const uint8_t* high = QT == Q5_K ? p + 160 + 32 * j : p + TERMS - 32;
+      const __m256i high_bits = FIFTH ? _mm256_loadu_si256((const __m256i*)high) : _mm256_setzero_si256();
+      uint8_t* to = out + ((rows8_super(QT) ? 8 : 1) * b + j) * UNPACKED_BLOCK;
+      for (int k = 0; k < 4; k++) {
+        __m256i wl, wh;
+        step_codes<SUB>(codes, high_bits, table, k, wl, wh);
+        _mm256_storeu_si256((__m256i*)(to + 64 * k), wl);
+        _mm256_storeu_si256((__m256i*)(to + 64 * k + 32), wh);
+      }
+    }
 }
 
 template <int QT>
 void rows8_groups(const uint8_t* w, int64_t g0, int64_t g1, const QuantizedActivations& a, float* y, int64_t M,
                   int64_t N, int64_t K) {
   const int64_t nb = K / rows8_block(QT), group_bytes = nb * rows8_group_bytes(QT);
+  const bool unpack = rows8_unpacks(QT) && M >= ROWS8_UNPACK_ROWS;
+  std::vector<uint8_t> unpacked(unpack ? K / 32 * UNPACKED_BLOCK : 0);
   alignas(32) float out[ROWS8_MR][8];
-  for (int64_t g = g0; g < g1; g++)
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t* group = w + g * group_bytes;
+    if (unpack) rows8_unpack<QT>(group, nb, unpacked.data());
     for (int64_t m = 0; m < M; m += ROWS8_MR) {
       const int mr = (int)std::min<int64_t>(ROWS8_MR, M - m);
-      group_dot_mr<QT>(mr, w + g * group_bytes, nb, a, m, K, out);
+      if (unpack) group_dot_mr<QT, true>(mr, group, unpacked.data(), nb, a, m, K, out);
+      else group_dot_mr<QT, false>(mr, group, nullptr, nb, a, m, K, out);
       const int rows = (int)std::min<int64_t>(8, N - 8 * g);
       for (int r = 0; r < mr; r++)
         for (int i = 0; i < rows; i++) y[(m + r) * N + 8 * g + i] = out[r][i];
     }
+  }
 }
 #endif  // __AVX2__
 
