@@ -59,10 +59,41 @@ void int8_dot_rows_generic(const uint8_t* row, int64_t K, const QuantizedActivat
 
 #ifdef __AVX2__
 
-// One weight row against MR activation rows from m0: y[r * N] for r < MR.
-template <int QT, int MR, bool VNNI>
+// A 256-value block as Block<QT> decodes it, stored once for the passes of many activation rows
+// (int8_matmul_impl, from INT8_UNPACK_ROWS rows): d, f | c16 | per chunk c its codes and scales, 32 bytes
+// each. The passes then load what each of them decoded again (Q6_K's planes, Q3_K's scales, the nibble
+// blocks' lookups)
+template <int QT>
+struct UnpackedBlock {
+  static constexpr int64_t BYTES = 64 + 8 * 64;
+  const uint8_t* p;
+  float d, f;
+  __m256i c16;
+  explicit UnpackedBlock(const uint8_t* at) : p(at), c16(_mm256_loadu_si256((const __m256i*)(at + 32))) {
+    std::memcpy(&d, at, 4);
+    std::memcpy(&f, at + 4, 4);
+  }
+  __m256i codes(int c) const { return _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * c)); }
+  __m256i scales(int c) const { return _mm256_loadu_si256((const __m256i*)(p + 96 + 64 * c)); }
+  static void write(const uint8_t* block, uint8_t* out) {
+    const Block<QT> blk(block);
+    std::memcpy(out, &blk.d, 4);
+    std::memcpy(out + 4, &blk.f, 4);
+    _mm256_storeu_si256((__m256i*)(out + 32), blk.c16);
+    for (int c = 0; c < 8; c++) {
+      _mm256_storeu_si256((__m256i*)(out + 64 + 64 * c), blk.codes(c));
+      _mm256_storeu_si256((__m256i*)(out + 96 + 64 * c), blk.scales(c));
+    }
+  }
+};
+
+// One weight row against MR activation rows from m0: y[r * N] for r < MR. UNPACKED: the row's blocks as
+// UnpackedBlock wrote them.
+template <int QT, int MR, bool VNNI, bool UNPACKED = false>
 void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y, int64_t N) {
   using F = Fmt<QT>;
+  using B = std::conditional_t<UNPACKED, UnpackedBlock<QT>, Block<QT>>;
+  constexpr int64_t ROW_BLOCK = UNPACKED ? UnpackedBlock<QT>::BYTES : F::BYTES;  // bytes a block of the row
   // one or two rows: the products' sum is one chain per row, and vpdpwssd's latency (5 cycles
   // where add's is 1) would set the pace (Q4_K at one row 0.49 -> 0.76 ms per 5632 x 2048)
   using D = I8Dot<VNNI && MR >= 3>;
@@ -73,9 +104,9 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
   for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
   float off[MR] = {};
   for (int64_t b = 0; b < nb; b++) {
-    const Block<QT> blk(row + b * F::BYTES);
+    const B blk(row + b * ROW_BLOCK);
     const int8_t* xb = xq + b * BS;
-    if constexpr (MR <= 2)  // decode: the stream of rows runs from DRAM, so ask for it ahead
+    if constexpr (MR <= 2 && !UNPACKED)  // decode: the stream of rows runs from DRAM, so ask for it ahead
       for (int off = 0; off < F::BYTES; off += 64) _mm_prefetch((const char*)(row + b * F::BYTES + off + INT8_PREFETCH), _MM_HINT_T0);
     if constexpr (BS == 256) {
       __m256i dot[MR];
@@ -120,14 +151,14 @@ void int8_dot_rows_avx2(const uint8_t* row, int64_t K, const QuantizedActivation
   for (int r = 0; r < MR; r++) y[r * N] = hsum8(acc[r]) + off[r];
 }
 
-template <int QT, bool VNNI>
+template <int QT, bool VNNI, bool UNPACKED>
 void int8_dot_rows_simd(int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0, float* y,
                         int64_t N) {
   switch (mr) {
-    case 4: return int8_dot_rows_avx2<QT, 4, VNNI>(row, K, a, m0, y, N);
-    case 3: return int8_dot_rows_avx2<QT, 3, VNNI>(row, K, a, m0, y, N);
-    case 2: return int8_dot_rows_avx2<QT, 2, VNNI>(row, K, a, m0, y, N);
-    default: return int8_dot_rows_avx2<QT, 1, VNNI>(row, K, a, m0, y, N);
+    case 4: return int8_dot_rows_avx2<QT, 4, VNNI, UNPACKED>(row, K, a, m0, y, N);
+    case 3: return int8_dot_rows_avx2<QT, 3, VNNI, UNPACKED>(row, K, a, m0, y, N);
+    case 2: return int8_dot_rows_avx2<QT, 2, VNNI, UNPACKED>(row, K, a, m0, y, N);
+    default: return int8_dot_rows_avx2<QT, 1, VNNI, UNPACKED>(row, K, a, m0, y, N);
   }
 }
 #endif  // __AVX2__
@@ -135,20 +166,49 @@ void int8_dot_rows_simd(int mr, const uint8_t* row, int64_t K, const QuantizedAc
 // Activation rows handled per pass over a weight row: its codes are decoded once for all of them.
 constexpr int INT8_MR = 4;
 
-template <int QT>
+// unpacked: the row's blocks as UnpackedBlock wrote them (a SIMD path), else the row as stored
+template <int QT, bool UNPACKED = false>
 void int8_dot_rows(int path, int mr, const uint8_t* row, int64_t K, const QuantizedActivations& a, int64_t m0,
                    float* y, int64_t N) {
 #ifdef HEARTH_VNNI
-  if (path == FASTEST) return int8_dot_rows_simd<QT, true>(mr, row, K, a, m0, y, N);
+  if (path == FASTEST) return int8_dot_rows_simd<QT, true, UNPACKED>(mr, row, K, a, m0, y, N);
 #endif
 #ifdef __AVX2__
-  if (path != PORTABLE) return int8_dot_rows_simd<QT, false>(mr, row, K, a, m0, y, N);
+  if (path != PORTABLE) return int8_dot_rows_simd<QT, false, UNPACKED>(mr, row, K, a, m0, y, N);
 #endif
-  int8_dot_rows_generic<QT>(row, K, a, m0, mr, y, N);
+  if constexpr (!UNPACKED) int8_dot_rows_generic<QT>(row, K, a, m0, mr, y, N);
 }
+
+// Activation rows from which a call decodes each weight row's 256-value blocks once (UnpackedBlock) on the
+// SIMD paths, rather than in each pass of INT8_MR rows
+constexpr int64_t INT8_UNPACK_ROWS = 4 * INT8_MR;
 
 // Weight rows per group: their blocks stay in L1 while every INT8_MR activation rows pass over them.
 constexpr int64_t INT8_ROW_GROUP = 16;
+
+#ifdef __AVX2__
+// int8_matmul_impl's groups of weight rows, each row's blocks decoded once (UnpackedBlock) before the passes
+template <int QT>
+void int8_matmul_unpacked(int path, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
+                          int64_t N, int threads) {
+  const int64_t nb = K / 256, row_bytes = nb * Fmt<QT>::BYTES, unpacked_row = nb * UnpackedBlock<QT>::BYTES;
+  parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> unpacked(INT8_ROW_GROUP * unpacked_row);
+    for (int64_t g = n0; g < n1; g += INT8_ROW_GROUP) {
+      const int64_t rows = std::min(n1, g + INT8_ROW_GROUP) - g;
+      for (int64_t i = 0; i < rows; i++)
+        for (int64_t b = 0; b < nb; b++)
+          UnpackedBlock<QT>::write(w + (g + i) * row_bytes + b * Fmt<QT>::BYTES,
+                                   unpacked.data() + i * unpacked_row + b * UnpackedBlock<QT>::BYTES);
+      for (int64_t m = 0; m < M; m += INT8_MR) {
+        const int mr = (int)std::min<int64_t>(INT8_MR, M - m);
+        for (int64_t i = 0; i < rows; i++)
+          int8_dot_rows<QT, true>(path, mr, unpacked.data() + i * unpacked_row, K, a, m, y + m * N + g + i, N);
+      }
+    }
+  });
+}
+#endif
 
 template <int QT>
 void int8_matmul_impl(int path, const uint8_t* w, int64_t K, const QuantizedActivations& a, int64_t M, float* y,
@@ -157,6 +217,10 @@ void int8_matmul_impl(int path, const uint8_t* w, int64_t K, const QuantizedActi
   if (path == FASTEST && M >= INT8_TILE_MIN_ROWS && !codebook<QT>()) return int8_tiles_matmul(QT, w, K, a, M, y, N, threads);
 #endif
   const int64_t row_bytes = K / Fmt<QT>::BS * Fmt<QT>::BYTES;
+#ifdef __AVX2__
+  if constexpr (Fmt<QT>::BS == 256)
+    if (path != PORTABLE && M >= INT8_UNPACK_ROWS) return int8_matmul_unpacked<QT>(path, w, K, a, M, y, N, threads);
+#endif
   parallel_ranges(N, threads, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t g = n0; g < n1; g += INT8_ROW_GROUP)
       for (int64_t m = 0; m < M; m += INT8_MR) {
