@@ -131,7 +131,11 @@ void packed_tile_vnni(const uint8_t* codes, const uint8_t* terms, int64_t K, con
   constexpr int64_t CHUNK = UNPACKED ? UNPACKED_CHUNK : P::CHUNK;
   const int64_t nb = K / F::BS, ns = K / F::S;
   const int8_t* xq = p.a.q.data() + m0 * K;
-  alignas(64) float acc[MR][NR] = {};  // in L1, not registers: those hold 4 x MR x 16 lanes of sums
+  // in L1, not registers: those hold 4 x MR x 16 lanes of sums. Zeroed by vector stores: as `= {}` the compiler
+  // called memset, 1 KB a tile and pass (2% of a prefill's samples; Q8_0 at 512 rows 20% slower)
+  alignas(64) float acc[MR][NR];
+  for (int r = 0; r < MR; r++)
+    for (int h = 0; h < 2; h++) _mm512_store_ps(acc[r] + 16 * h, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* tt = terms + b * P::TERMS;
     const uint8_t* cb = codes + b * (F::BS / 32) * CHUNK;
