@@ -81,7 +81,7 @@ def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches:
             record("hearth", "decode", b, one_run(engine, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
             record("llama.cpp", "decode", b, b * args.decode / cpp.decode(prompts, args.decode))
             if multi_step is not None:
-                record("hearth", "decode multi-step", b,
+                record("hearth multi-step", "decode", b,
                        one_run(multi_step, prompts, args.decode + 1, clock)["decode_tokens_per_s"])
     return times
 
@@ -94,14 +94,14 @@ def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_
 
     rows, results = [], []
     name = path.rsplit("/", 1)[-1]
-    tests = [("prefill", 1)] + [("decode", b) for b in batches]
-    for test, b in tests + [("decode multi-step", b) for b in batches if args.multi_step]:
-        multi, test = test.endswith("multi-step"), test.split()[0]
+    hearths = ["hearth"] + ["hearth multi-step"] * bool(args.multi_step)  # (the second engine: decode only)
+    for engine, test, b in [("hearth", "prefill", 1)] + [(e, "decode", b) for e in hearths for b in batches]:
+        multi = engine != "hearth"
         context = args.prefill if test == "prefill" else args.context + args.decode // 2
         ceiling = roofline_row(step_cost(config, stored, test, b, context, kv_element), roof)
         file_cost = step_cost(config, stored, test, b, context, kv_element)
         held_cost = step_cost(config, loaded, test, b, context, kv_element)
-        h = median(times[("hearth", test + " multi-step" * multi, b)])
+        h = median(times[(engine, test, b)])
         c = median(times[("llama.cpp", test, b)])
         if test == "decode":  # bytes per step x steps per second
             h_rate = held_cost.bytes * h / b / 1e9
@@ -118,7 +118,7 @@ def result_rows(args: argparse.Namespace, path: str, config, stored, loaded, kv_
                      f"{h / ceiling['ceiling_tokens_per_s']:.1%} / {c / ceiling['ceiling_tokens_per_s']:.1%}"])
         results.append({
             "file": path, "test": test, "batch_size": b, "context": context, "multi_step": args.multi_step * multi,
-            "hearth_tokens_per_s": times[("hearth", test + " multi-step" * multi, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
+            "hearth_tokens_per_s": times[(engine, test, b)], "llamacpp_tokens_per_s": times[("llama.cpp", test, b)],
             "hearth_median": h, "llamacpp_median": c, "ratio": h / c, "bound": ceiling["bound"],
             "ceiling_tokens_per_s": ceiling["ceiling_tokens_per_s"],
             "hearth_rate": h_rate, "llamacpp_rate": c_rate, "rate_unit": unit,
@@ -146,15 +146,12 @@ def measure_file(args: argparse.Namespace, path: str, batches: list[int], n_thre
     # a hybrid model's budget keeps each running sequence's states (and a prefix-cache checkpoint beside
     # them) before K/V: without them here, 32 sequences would get one state slot and run one at a time
     states = (max(batches) + 1) * state_bytes_per_slot(config.state_bytes_per_sequence(4), True)
-    llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_memory=config.kv_bytes_per_token(4) * cached + states,
-              max_model_len=longest, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill),
-              progress=False)
-    engine = llm.engine
+    options = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest,
+                   kv_cache_memory=config.kv_bytes_per_token(4) * cached + states, max_num_seqs=max(batches),
+                   max_num_batched_tokens=max(2048, args.prefill), progress=False)
+    engine = LLM(path, **options).engine
     multi_step = None if not args.multi_step else LLM(
-        path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest, max_num_seqs=max(batches),
-        kv_cache_memory=config.kv_bytes_per_token(4) * cached + states, progress=False,
-        speculative_method="multi-step", num_speculative_tokens=args.multi_step).engine
+        path, **options, speculative_method="multi-step", num_speculative_tokens=args.multi_step).engine
     loaded = model_weight_bytes(engine.model)
     kv_element = kv_bytes_per_element(args.kv_cache_dtype, engine.dtype.itemsize)
     cpp = LlamaCpp(path, n_threads, n_ctx=cached, n_seq_max=max(batches), clock=clock)

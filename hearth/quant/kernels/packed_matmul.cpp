@@ -105,7 +105,6 @@ inline bool software_prefetch() {
   return on;
 }
 
-
 // The minima of a K-quant block's sub-blocks 2q, 2q + 1 for rows 16h..16h+15 as int16 pairs, one
 // vpdpwssd against a row's two sub-block sums
 template <int QT>
