@@ -159,3 +159,17 @@ def test_prefix_cache_keeps_the_blocks_chained_steps_wrote(q8_0_model):
     assert [o.outputs[0].token_ids for o in got] == expected
     assert llm.engine.block_manager.prefix_cache_hits - hits >= 3 * 32  # two blocks each, the second chained steps wrote
     assert llm.engine.block_manager.check_all_free()
+
+
+def test_greedy_kernel_refuses_a_position_past_the_rope_table():
+    """The greedy kernel reads each row's cos and sin from the model's rope tables at the row's position
+    (cpu_kernels/decode_layers.cpp's greedy_passes): a position past the tables' end is an IndexError that
+    names them, not a read past their end."""
+    from hearth.engine.step_records import BatchEntry
+
+    kernels_or_skip()
+    runner = LLM("builtin", progress=False).engine.runner
+    position = runner.model.rope.max_positions
+    entry = BatchEntry([5], position, [0] * (position // runner.block_size + 1))
+    with pytest.raises(IndexError, match=f"position {position} outside the rope table's {position} rows"):
+        runner.backend.greedy_passes(runner.model, runner.prepare([entry]), None, [], runner.kv_caches)

@@ -190,19 +190,19 @@ class CpuDecodePath:
         caches = self._kernel_caches(kv_caches)
         steps = [first] if later is None else [first, later]
         if (self.vocabulary is None or caches is None or any(step.tree_masks is not None for step in steps)
-                or first.query_lens.max() > MAX_DECODE_QUERY_LEN
+                or (not first.decode_only and first.query_lens.max() > MAX_DECODE_QUERY_LEN)
                 or (self.max_tokens is not None and max(first.positions.shape[-1], *map(len, feeds)) > self.max_tokens)):
             return None
         hidden, heads, kv_heads, head_dim, intermediate = self.shape
         threads = torch.get_num_threads()
         positions = first.positions if later is None else np.concatenate((first.positions, later.positions), axis=-1)
-        cos, sin = (t.contiguous() for t in rope(torch.from_numpy(positions), torch.float32))
-        half = cos.shape[-1]
+        cos, sin, rope_rows = rope.tables(positions)
+        rope_rows = np.ascontiguousarray(rope_rows, dtype=np.int64)
 
         tokens = first.positions.shape[-1]
         # a pass's row of cpu_kernels/'s pass table (PassField): pointers, then counts
         rows = [(first.slot_mapping.ctypes.data, first.block_tables.ctypes.data, first.seq_lens.ctypes.data,
-                 first.query_start_loc.ctypes.data, cos.data_ptr(), sin.data_ptr(), 0, first.num_seqs, tokens,
+                 first.query_start_loc.ctypes.data, rope_rows.ctypes.data, 0, first.num_seqs, tokens,
                  first.block_tables.shape[1], DECODE_SPLIT_LEN)]
         feeds = [np.asarray(f, dtype=np.int64) for f in feeds]
         if later is not None:
@@ -212,8 +212,7 @@ class CpuDecodePath:
             for f in feeds:
                 n, row = len(f), tokens + start
                 rows.append((slots + 8 * start, tables + 4 * width * start, lens + 4 * start, one_row_each.ctypes.data,
-                             cos.data_ptr() + 4 * half * row, sin.data_ptr() + 4 * half * row, f.ctypes.data, n, n,
-                             width, DECODE_SPLIT_LEN))
+                             rope_rows.ctypes.data + 8 * row, f.ctypes.data, n, n, width, DECODE_SPLIT_LEN))
                 start += n
         table = np.array(rows, dtype=np.int64)
         if table.shape[1] != self.kernels.PASS_FIELDS:
@@ -227,7 +226,8 @@ class CpuDecodePath:
             *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), self.mixer_table.data_ptr(),
             cache_table.data_ptr(), kv_format,
             self.layer_table.shape[0], table.ctypes.data, len(table), ids.ctypes.data, choices.ctypes.data,
-            0 if logprobs is None else logprobs.ctypes.data, *self.vocabulary[1:], hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
+            0 if logprobs is None else logprobs.ctypes.data, *self.vocabulary[1:], cos.data_ptr(), sin.data_ptr(), len(cos),
+            hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
         )
         return choices

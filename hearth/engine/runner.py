@@ -24,7 +24,6 @@ import torch
 
 from hearth.backend import StepInputs
 from hearth.backend.transfer import HostCopy, to_device
-from hearth.config import MAX_DECODE_QUERY_LEN
 from hearth.kv_format import (KVCaches, Payload, allocate_kv_caches, block_payload_bytes, block_payloads, move_rows,
                               stored_tensors, with_state_caches, write_block_payloads)
 from hearth.engine import contrastive_search
@@ -37,7 +36,7 @@ from hearth.engine.sampler import (GrammarBitmask, Guesses, Sampler, SamplerOutp
                                    apply_penalties_and_bias, prompt_logprobs, skip_draws)
 from hearth.engine.step_sampling import decode_sampling, drawn_in_step
 from hearth.engine.structured_output import GrammarCompiler
-from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth
+from hearth.engine.speculation.token_tree import accepted_path, ancestor_masks, chain, depth, tree_rows
 from hearth.model.lora import LoraBank
 from hearth.model.transformer import Transformer
 from hearth.sampling_params import SamplingType
@@ -112,40 +111,32 @@ class ModelRunner:
             del self.hidden_states[request]
 
     def prepare(self, entries: list[BatchEntry]) -> StepInputs:
-        """The step's batch as host arrays: every entry's new tokens end to end."""
-        query_lens = np.array([len(e.token_ids) for e in entries], dtype=np.int32)
+        """The step's batch as host arrays: every entry's new tokens end to end, laid out a cache block at a time
+        (list += range runs at C speed; numpy's small operations cost more, cold from the weights' stream)."""
+        size = self.block_size
+        positions, slot_list, query_start, ends = [], [], [0], []  # (lists: ~0.1 ms less at batch 1)
+        for e in entries:
+            start, end = e.num_computed_tokens, e.num_computed_tokens + len(e.token_ids)
+            positions += range(start, end)
+            for b in range(start // size, -(-end // size)):  # the blocks its rows land in (NO_BLOCK, < 0: block 0)
+                base = max(e.block_table[b], 0) * size - b * size
+                slot_list += range(base + max(start, b * size), base + min(end, (b + 1) * size))
+            query_start.append(query_start[-1] + end - start)
+            ends.append(end)
+        query_start_loc, ends = np.array(query_start, dtype=np.int32), np.array(ends, dtype=np.int64)
         starts = np.array([e.num_computed_tokens for e in entries], dtype=np.int64)
-        ends = starts + query_lens
-        query_start_loc = np.zeros(len(entries) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        # where every row's K/V go: its sequence's start + its index among the sequence's new rows
-        seq_of_row = np.repeat(np.arange(len(entries)), query_lens)
-        row_in_seq = np.arange(len(seq_of_row)) - query_start_loc[seq_of_row]
-        slot_positions = starts[seq_of_row] + row_in_seq
-        positions, tree_start, tree_masks = slot_positions, None, None
+        positions, slot_mapping = np.array(positions, dtype=np.int64), np.array(slot_list, dtype=np.int64)
+        tree_start, tree_masks = None, None
         if any(e.tree is not None for e in entries):  # a tree row's position is its depth's
-            positions = slot_positions.copy()
-            tree_start = starts.astype(np.int32)
-            tree_masks = (np.int64(2) << np.minimum(row_in_seq, 62)) - 1  # causal (read only in decodes)
-            for i, entry in enumerate(entries):
-                if entry.tree is not None:
-                    if len(entry.token_ids) > MAX_DECODE_QUERY_LEN:
-                        raise ValueError(f"a token tree step of {len(entry.token_ids)} rows: at most "
-                                         f"{MAX_DECODE_QUERY_LEN} go through the decode kernels")
-                    rows = slice(query_start_loc[i], query_start_loc[i + 1])
-                    tree_start[i], tree_masks[rows] = entry.tree[0], entry.tree[1]
-                    positions[rows] = [entry.tree[0] + mask.bit_count() - 1 for mask in entry.tree[1]]
+            tree_start, tree_masks = tree_rows([e.tree for e in entries], starts, query_start_loc, positions)
         if self.model.config.mrope_section is not None:  # [3, T]: each row's time, height and width positions
             positions = np.concatenate([mrope_positions(positions[query_start_loc[i]:query_start_loc[i + 1]], e.images)
                                         for i, e in enumerate(entries)], axis=1)
-        used_blocks = -(-ends // self.block_size)
-        block_tables = np.zeros((len(entries), int(used_blocks.max())), dtype=np.int32)
+        used_blocks = [-(-end // size) for end in ends.tolist()]
+        block_tables = np.zeros((len(entries), max(used_blocks, default=0)), dtype=np.int32)
         for i, (entry, used) in enumerate(zip(entries, used_blocks)):
             block_tables[i, :used] = entry.block_table[:used]
-        # blocks freed behind a sliding window (NO_BLOCK, < 0) read as block 0: no kernel reads them
-        np.maximum(block_tables, 0, out=block_tables)
-        slot_mapping = (block_tables[seq_of_row, slot_positions // self.block_size].astype(np.int64)
-                        * self.block_size + slot_positions % self.block_size)
+        np.maximum(block_tables, 0, out=block_tables)  # blocks freed behind a sliding window: no kernel reads them
         state_slots = None
         if self.model.config.is_hybrid:
             if any(e.state_slot is None for e in entries):
@@ -156,7 +147,7 @@ class ModelRunner:
             [-1 if e.state_snapshot is None else e.state_snapshot for e in entries], dtype=np.int64)
         both_ways = self.model.config.bidirectional_images
         return StepInputs(
-            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_positions)),
+            input_ids=np.fromiter((t for e in entries for t in e.token_ids), dtype=np.int64, count=len(slot_mapping)),
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,

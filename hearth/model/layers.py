@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -370,14 +371,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """What the backend's rope_and_store_kv needs of positions [T] (M-RoPE: [3, T], each token's time,
         height and width positions): looked up once per step, used by every layer."""
+        return self.ops.rotary(*self.tables(positions), dtype)
+
+    def tables(self, positions: torch.Tensor | np.ndarray):
+        """(cos, sin, rows): float32 tables [R, head_dim / 2] and each token's row in them ([T], the type of
+        positions): the whole tables and the positions themselves, or with M-RoPE the step's own tables (each
+        frequency's angle at the position of its axis) and rows 0..T-1."""
         if self.mrope_axes is None:
-            return self.ops.rotary(self.cos, self.sin, positions, dtype)
-        # each frequency's angle at the position of its axis: the step's own table [T, head_dim / 2],
-        # which the backend reads at rows 0..T-1
-        rows = positions[self.mrope_axes.to(positions.device)].T
-        columns = torch.arange(rows.shape[1], device=rows.device)
-        table = (self.cos[rows, columns], self.sin[rows, columns])
-        return self.ops.rotary(*table, torch.arange(len(rows), device=rows.device), dtype)
+            return self.cos, self.sin, positions
+        given = torch.as_tensor(positions)
+        step_rows = given[self.mrope_axes.to(given.device)].T
+        columns = torch.arange(step_rows.shape[1], device=step_rows.device)
+        rows = torch.arange(len(step_rows), device=step_rows.device)
+        return (self.cos[step_rows, columns], self.sin[step_rows, columns],
+                rows.numpy() if isinstance(positions, np.ndarray) else rows)
 
 
 def mrope_axes(section: tuple[int, int, int], half: int) -> torch.Tensor:

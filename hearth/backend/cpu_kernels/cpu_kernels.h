@@ -112,8 +112,9 @@ int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, ui
 void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format,
     int64_t num_layers, uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_,
     uintptr_t logprobs_, uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_, uintptr_t head_,
-    uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t inter, double eps, int64_t block_size, double scale, int64_t window, int threads);
+    uintptr_t head_terms_, int head_qtype, int64_t vocab, uintptr_t cos_table_, uintptr_t sin_table_,
+    int64_t rope_table_rows, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps,
+    int64_t block_size, double scale, int64_t window, int threads);
 
 void conv1d_step(uintptr_t x_, uintptr_t state_, uintptr_t slots_, uintptr_t fresh_, uintptr_t weight_,
                  uintptr_t bias_, uintptr_t out_, int64_t rows, int64_t channels, int64_t taps, int threads);
@@ -187,10 +188,10 @@ void lora_add(const LoraGroups& groups, const int64_t* part, const float* x, int
 
 // Columns of greedy_passes' pass table (int64 [passes, PASS_FIELDS]), a row per pass: pointers to
 // its rows' cache slots (int64 [T]), its sequences' block tables (int32 [S, max_blocks]), context
-// lengths (int32 [S]) and query starts (int32 [S + 1]), its rows' cos and sin (float32 [T, D/2]),
+// lengths (int32 [S]) and query starts (int32 [S + 1]), its rows' rows of the rope tables (int64 [T]),
 // and per row the choice of the pass before whose token it is fed (int64 [T]; the first pass's
 // tokens are given); then S, T, max_blocks and split_len (decode_layers' arguments).
-enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, COS, SIN, FEEDS, SEQS, TOKENS, MAX_BLOCKS, SPLIT_LEN,
+enum PassField { SLOTS, BLOCK_TABLES, LENS, QUERY_START, ROPE_ROWS, FEEDS, SEQS, TOKENS, MAX_BLOCKS, SPLIT_LEN,
                  PASS_FIELDS };
 
 }  // namespace hearth

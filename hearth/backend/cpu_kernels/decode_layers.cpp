@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 #include "cpu_kernels.h"
 #include "vector_math.h"
@@ -221,18 +223,24 @@ int64_t decode_layers(uintptr_t matmul_, uintptr_t sparse_, uintptr_t table_, ui
 // embedding_row_bytes in embedding_qtype, widened by hearth/quant/kernels' dequantize_rows).
 // first_ids int64 [the first pass's T]; choices int64 [the passes' S, end to end]; logprobs float32 [the same]
 // (0: none): each choice's log-probability, its logit less the row's log-sum-exp (argmax_and_logsumexp's).
+// cos_table / sin_table float32 [rope_table_rows, head_dim / 2]: a row's cos and sin are the rows of them its
+// pass's ROPE_ROWS name (gathered here: in Python, torch's indexing cost ~80 us of a small model's step).
 void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, uintptr_t table_, uintptr_t mixers_, uintptr_t caches_, int kv_format,
                    int64_t num_layers,
                    uintptr_t passes_, int64_t num_passes, uintptr_t first_ids_, uintptr_t choices_, uintptr_t logprobs_,
                    uintptr_t embedding_, int64_t embedding_row_bytes, int embedding_qtype, uintptr_t norm_,
-                   uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, int64_t hidden,
+                   uintptr_t head_, uintptr_t head_terms_, int head_qtype, int64_t vocab, uintptr_t cos_table_,
+                   uintptr_t sin_table_, int64_t rope_table_rows, int64_t hidden,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter, double eps,
                    int64_t block_size, double scale, int64_t window, int threads) {
   const Int8Matmul matmul = reinterpret_cast<Int8Matmul>(matmul_);
   const DequantizeRows dequantize = reinterpret_cast<DequantizeRows>(dequantize_);
   const int64_t* first_ids = reinterpret_cast<const int64_t*>(first_ids_);
   int64_t* choices = reinterpret_cast<int64_t*>(choices_);
-  std::vector<float> residual, delta, last, logits;
+  const float* cos_table = reinterpret_cast<const float*>(cos_table_);
+  const float* sin_table = reinterpret_cast<const float*>(sin_table_);
+  const int64_t half = head_dim / 2;
+  std::vector<float> residual, delta, last, logits, cos, sin;
   const auto ptr = [](std::vector<float>& v, int64_t offset = 0) {
     return reinterpret_cast<uintptr_t>(v.data() + offset);
   };
@@ -241,14 +249,22 @@ void greedy_passes(uintptr_t matmul_, uintptr_t sparse_, uintptr_t dequantize_, 
     const int64_t* pass = reinterpret_cast<const int64_t*>(passes_) + p * PASS_FIELDS;
     const int64_t tokens = pass[TOKENS], seqs = pass[SEQS];
     const int64_t* feeds = reinterpret_cast<const int64_t*>(pass[FEEDS]);
+    const int64_t* rope_rows = reinterpret_cast<const int64_t*>(pass[ROPE_ROWS]);
     residual.resize(tokens * hidden);
     delta.resize(tokens * hidden);
+    cos.resize(tokens * half);
+    sin.resize(tokens * half);
     for (int64_t t = 0; t < tokens; ++t) {
+      if (rope_rows[t] < 0 || rope_rows[t] >= rope_table_rows)
+        throw std::out_of_range("greedy_passes: position " + std::to_string(rope_rows[t]) + " outside the rope table's " +
+                                std::to_string(rope_table_rows) + " rows");
+      std::copy_n(cos_table + rope_rows[t] * half, half, cos.data() + t * half);
+      std::copy_n(sin_table + rope_rows[t] * half, half, sin.data() + t * half);
       const int64_t token = p == 0 ? first_ids[t] : fed[feeds[t]];
       dequantize(embedding_ + token * embedding_row_bytes, ptr(residual, t * hidden), 1, hidden, embedding_row_bytes,
                  embedding_qtype, 1);
     }
-    decode_layers(matmul_, sparse_, table_, mixers_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), pass[COS], pass[SIN], pass[SLOTS],
+    decode_layers(matmul_, sparse_, table_, mixers_, caches_, kv_format, num_layers, ptr(residual), ptr(delta), ptr(cos), ptr(sin), pass[SLOTS],
                   pass[BLOCK_TABLES], pass[LENS], pass[QUERY_START], 0, 0, 0, 0, seqs, tokens, hidden, num_heads,
                   num_kv_heads, head_dim, inter, eps, block_size, pass[MAX_BLOCKS], scale, pass[SPLIT_LEN], window,
                   0, 0, 0.0, threads);

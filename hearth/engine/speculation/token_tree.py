@@ -1,4 +1,4 @@
-"""Token trees: several speculative branches verified in one pass. Host lists only, no tensors.
+"""Token trees: several speculative branches verified in one pass. Host lists and arrays only, no tensors.
 
 A tree of guesses is two lists: the guessed tokens and each one's parent (-1: the request's last
 real token, the root; else the index of an earlier guess), parents always before their children,
@@ -14,6 +14,10 @@ answers for it.
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+from hearth.config import MAX_DECODE_QUERY_LEN
 
 
 def tree_of(branches: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -71,3 +75,22 @@ def accepted_path(parents: list[int], accepted: list[bool]) -> list[int]:
             path.append(i)
             node = i
     return path
+
+
+def tree_rows(trees: list[tuple[int, list[int]] | None], starts: np.ndarray, query_start_loc: np.ndarray,
+              positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A step's tree_start (int32 [S]) and tree_masks (int64 [T]) (StepInputs), trees[s] sequence s's (the
+    region's start, each new row's ancestor mask; None: causal), its rows from starts[s]; positions [T] made
+    each tree row's depth's, in place."""
+    row_in_seq = positions - np.repeat(starts, np.diff(query_start_loc))
+    tree_start = starts.astype(np.int32)
+    tree_masks = (np.int64(2) << np.minimum(row_in_seq, 62)) - 1  # causal (read only in decodes)
+    for s, tree in enumerate(trees):
+        if tree is not None:
+            rows = slice(query_start_loc[s], query_start_loc[s + 1])
+            if rows.stop - rows.start > MAX_DECODE_QUERY_LEN:
+                raise ValueError(f"a token tree step of {rows.stop - rows.start} rows: at most "
+                                 f"{MAX_DECODE_QUERY_LEN} go through the decode kernels")
+            tree_start[s], tree_masks[rows] = tree[0], tree[1]
+            positions[rows] = [tree[0] + mask.bit_count() - 1 for mask in tree[1]]
+    return tree_start, tree_masks
