@@ -220,9 +220,9 @@ class CpuBackend(Backend):
         modules' path (the same tokens and log-probabilities, bit for bit) with none of its Python between
         them (~0.5 ms of a 4-layer TinyLlama's 7 ms step at batch 1). None where the kernel does not run the
         step (then the modules do)."""
-        logprobs = np.empty(step.num_seqs, dtype=np.float32)
+        logprobs = torch.empty(step.num_seqs)  # (made before the call: a torch op after it runs with cold caches)
         choices = self.greedy_passes(model, step, None, [], kv_caches, logprobs)
-        return None if choices is None else (torch.from_numpy(choices), torch.from_numpy(logprobs))
+        return None if choices is None else (choices, logprobs)
 
     def argmax_and_logsumexp(self, logits):
         """As the reference, both in one kernel call (a row's second pass reads it from the caches)."""
@@ -264,8 +264,8 @@ class CpuBackend(Backend):
         path = self._decode_path(model)
         return None if path is None else path(x, rotary, kv_caches, meta, exits)
 
-    def greedy_passes(self, model, first, later, feeds, kv_caches, logprobs: np.ndarray | None = None
-                      ) -> np.ndarray | None:
+    def greedy_passes(self, model, first, later, feeds, kv_caches, logprobs: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
         """Chained greedy passes in one call (a draft model's, hearth/engine/draft_runner.py; the target's
         multi-step decoding, hearth/engine/multi_step.py; a plain greedy decode step, one pass): the first
         pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in `later`),

@@ -179,13 +179,13 @@ class CpuDecodePath:
         return delta, residual
 
     def greedy_passes(self, first: StepInputs, later: StepInputs | None, feeds: list[list[int]], rope,
-                      kv_caches, logprobs: np.ndarray | None = None) -> np.ndarray | None:
+                      kv_caches, logprobs: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy passes in one kernel call (cpu_kernels/'s greedy_passes: a draft model's chain, or the
         model's own greedy decode step): the first pass's sequences (decodes: a few rows each, causal), then
         pass 1 + p of `feeds[p]`'s rows, laid out end to end in `later` (a row each, causal), row i fed the
         token pass p chose at its row feeds[p][i]; rope: the model's RotaryEmbedding. Returns the passes'
-        choices end to end, int64 [their sequences]: the argmax of each sequence's last-row logits; their
-        log-probabilities written to `logprobs` (float32 [the same]) where given. None where the kernel does
+        choices end to end, a tensor int64 [their sequences]: the argmax of each sequence's last-row logits;
+        their log-probabilities written to `logprobs` (a tensor float32 [the same]) where given. None where the kernel does
         not run these (then the modules do)."""
         caches = self._kernel_caches(kv_caches)
         steps = [first] if later is None else [first, later]
@@ -217,7 +217,7 @@ class CpuDecodePath:
         table = np.array(rows, dtype=np.int64)
         if table.shape[1] != self.kernels.PASS_FIELDS:
             raise RuntimeError("cpu_kernels/'s pass table has other columns than cpu_decode.py fills")
-        choices = np.empty(first.num_seqs + sum(map(len, feeds)), dtype=np.int64)
+        choices = torch.empty(first.num_seqs + sum(map(len, feeds)), dtype=torch.int64)
         ids = first.input_ids  # (a tensor where the step before's draws were fed in: engine/overlap.py)
         if isinstance(ids, torch.Tensor):
             ids = ids.contiguous().numpy()
@@ -225,8 +225,8 @@ class CpuDecodePath:
         self.kernels.greedy_passes(
             *self.matmul_addresses, self.vocabulary[0], self.layer_table.data_ptr(), self.mixer_table.data_ptr(),
             cache_table.data_ptr(), kv_format,
-            self.layer_table.shape[0], table.ctypes.data, len(table), ids.ctypes.data, choices.ctypes.data,
-            0 if logprobs is None else logprobs.ctypes.data, *self.vocabulary[1:], cos.data_ptr(), sin.data_ptr(), len(cos),
+            self.layer_table.shape[0], table.ctypes.data, len(table), ids.ctypes.data, choices.data_ptr(),
+            0 if logprobs is None else logprobs.data_ptr(), *self.vocabulary[1:], cos.data_ptr(), sin.data_ptr(), len(cos),
             hidden, heads, kv_heads, head_dim, intermediate, self.eps, first.block_size,
             self.scale, self.window, threads,
         )

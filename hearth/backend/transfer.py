@@ -29,11 +29,11 @@ class HostCopy:
     clone each was ~50 us of a small model's 5 ms step, its caches cold from the weights' stream."""
 
     def __init__(self, tensors: list[torch.Tensor]):
-        self.layout = [(t.shape, t.dtype) for t in tensors]
         self.event = self.host = None
         if not any(t.is_cuda for t in tensors):
             self.host = list(tensors)
             return
+        self.layout = [(t.shape, t.dtype) for t in tensors]
         flat = torch.cat([t.reshape(-1).double() for t in tensors])
         self.flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         self.flat.copy_(flat, non_blocking=True)

@@ -72,13 +72,13 @@ def chained_draws(runner: ModelRunner, staged: StagedStep) -> SamplerOutput | No
     for before, rows in zip(passes, passes[1:]):
         row_of = {i: row for row, (_, i) in enumerate(before)}
         feeds.append([row_of[i] for _, i in rows])
-    logprobs = np.empty(every.num_seqs, dtype=np.float32)
+    logprobs = torch.empty(every.num_seqs)
     choices = runner.backend.greedy_passes(runner.model, first, later, feeds, runner.kv_caches, logprobs)
     if choices is None:
         return None
-    order = _step_rows(passes, staged.entries)  # the step's rows, each its index in the passes' choices
+    order = torch.from_numpy(_step_rows(passes, staged.entries))  # the step's rows, each its index in the choices
     num_guesses = sum(len(e.token_ids) - 1 for e in staged.entries)
-    return SamplerOutput(torch.from_numpy(choices[order]), torch.from_numpy(logprobs[order]), None,
+    return SamplerOutput(choices[order], logprobs[order], None,
                          accepted=torch.ones(num_guesses, dtype=torch.bool))
 
 
