@@ -1,6 +1,7 @@
 // decode_attention: a few query rows per sequence against its cached K/V read in place through its
-// block table (cpu_kernels.h says how). A work item (sequence, KV head, split) runs three passes:
-// the scores, the softmax's numerators, the values; a last pass merges each row's splits.
+// block table (cpu_kernels.h says how). A work item (a split of a sequence, its KV heads) reads its rows
+// into the caches, then per KV head runs three passes: the scores, the softmax's numerators, the
+// values; a last pass merges each row's splits.
 // A work item's tokens are positions, not cache slots: a token tree's rows (speculative branches)
 // each see their own ancestors at the positions past the tree's start, wherever their K/V sit, so
 // that every sum runs in position order as when the row's branch is decoded alone (greedy
@@ -18,7 +19,8 @@ namespace hearth {
 namespace {
 
 struct Item {
-  int64_t seq, kv_head, begin, end, split;  // tokens [begin, end) of the sequence's context; split: its number
+  // KV heads [head_begin, head_end) of tokens [begin, end) of the sequence's context; split: its number
+  int64_t seq, head_begin, head_end, begin, end, split;
 };
 
 // decode_attention's scores: query (row, head) pairs a pass (one 16-float vector) and cached rows
@@ -146,25 +148,35 @@ struct Splits {
   int64_t work = 0;  // multiply-adds
 };
 
-Splits plan_splits(const Attention& a, int64_t num_seqs, int64_t split_len) {
+// A work item is a split of a sequence with all its KV heads (their rows side by side in a slot: read
+// together, see kv_rows.h), or a share of the heads where the splits are fewer than the threads
+Splits plan_splits(const Attention& a, int64_t num_seqs, int64_t split_len, int threads) {
   Splits p;
   p.first_split.assign(num_seqs + 1, 0);
   p.first_part.assign(num_seqs + 1, 0);
   p.row_seq.resize(a.query_start[num_seqs]);
+  std::vector<int64_t> begins(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = a.rows(s);
     int64_t begin = a.row_begin(s, 0);
     for (int64_t r = 1; r < rows; ++r) begin = std::min(begin, a.row_begin(s, r));
-    begin -= begin % SOFTMAX_TOKENS;  // a token's softmax sum (t mod SOFTMAX_TOKENS) by its position
-    const int64_t len = a.seq_end(s), first = begin / split_len;
-    const int64_t n_splits = (len + split_len - 1) / split_len - first;
+    begins[s] = begin - begin % SOFTMAX_TOKENS;  // a token's softmax sum (t mod SOFTMAX_TOKENS) by its position
+    const int64_t n_splits = (a.seq_end(s) + split_len - 1) / split_len - begins[s] / split_len;
     p.first_split[s + 1] = p.first_split[s] + n_splits;
     p.first_part[s + 1] = p.first_part[s] + n_splits * rows;
     for (int64_t r = 0; r < rows; ++r) p.row_seq[a.query_start[s] + r] = s;
-    for (int64_t h = 0; h < a.num_kv_heads; ++h)
-      for (int64_t i = 0; i < n_splits; ++i)
-        p.items.push_back({s, h, std::max(begin, (first + i) * split_len), std::min(len, (first + i + 1) * split_len), i});
-    p.work += (len - begin) * rows * a.num_heads * a.D * 2;
+    p.work += (a.seq_end(s) - begins[s]) * rows * a.num_heads * a.D * 2;
+  }
+  threads = (int)std::min<int64_t>(threads, std::max<int64_t>(1, p.work / 65536));  // (decode_attention's rule)
+  const int64_t splits = std::max<int64_t>(1, p.first_split[num_seqs]);
+  const int64_t shares = std::clamp<int64_t>((threads + splits - 1) / splits, 1, a.num_kv_heads);
+  const int64_t heads = (a.num_kv_heads + shares - 1) / shares;  // a share's
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = a.seq_end(s), first = begins[s] / split_len;
+    for (int64_t i = 0; i < p.first_split[s + 1] - p.first_split[s]; ++i)
+      for (int64_t h = 0; h < a.num_kv_heads; h += heads)
+        p.items.push_back({s, h, std::min(a.num_kv_heads, h + heads), std::max(begins[s], (first + i) * split_len),
+                           std::min(len, (first + i + 1) * split_len), i});
   }
   return p;
 }
@@ -201,7 +213,7 @@ struct Scratch {
 // scratch row.
 struct Lanes {
   Item it;
-  int64_t n, rows, lanes_total, stride, part_row;  // part_row: this split's row 0 in Parts
+  int64_t kv_head, n, rows, lanes_total, stride, part_row;  // part_row: this split's row 0 in Parts
   // tokens [0, context) are cached rows at their positions; [context, n) a tree's, each row's
   // ancestor there read from the tree's `nodes` (0: the split holds none of the tree's positions)
   int64_t context, nodes;
@@ -210,16 +222,29 @@ struct Lanes {
 
 // the cache rows (slot x KV heads + head) of the sequence's `count` slots from `first`, block by
 // block: one division per call, not per token (a 64-bit idiv was ~5% of the kernel)
-void slot_rows(const Attention& a, const Item& it, int64_t first, int64_t count, int64_t* out) {
+void slot_rows(const Attention& a, const Item& it, int64_t kv_head, int64_t first, int64_t count, int64_t* out) {
   const int32_t* table = a.tables + it.seq * a.max_blocks;
   for (int64_t t = 0, block = first / a.block_size, offset = first % a.block_size; t < count; ++block, offset = 0) {
     const int64_t first_row = (int64_t)table[block] * a.block_size;
-    for (; offset < a.block_size && t < count; ++offset, ++t) out[t] = (first_row + offset) * a.num_kv_heads + it.kv_head;
+    for (; offset < a.block_size && t < count; ++offset, ++t) out[t] = (first_row + offset) * a.num_kv_heads + kv_head;
   }
 }
 
-// The item's lanes, its buffers sized, the part of the split each query row sees, its tokens' cache rows
-Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s) {
+// The item's rows of every KV head it holds read into the caches (kv_rows.h): its context's tokens and a
+// tree's nodes
+void touch_item(const Attention& a, const Item& it, Scratch& s) {
+  const int64_t tree = a.tree_begin(it.seq), context = std::clamp(tree - it.begin, (int64_t)0, it.end - it.begin);
+  const int64_t nodes = context < it.end - it.begin ? a.lens[it.seq] - tree : 0, heads = it.head_end - it.head_begin;
+  s.cache_rows.resize(std::max(context, nodes));
+  for (const auto [first, count] : {std::pair{it.begin, context}, std::pair{tree, nodes}}) {
+    slot_rows(a, it, it.head_begin, first, count, s.cache_rows.data());
+    for (int64_t t = 0; t < count; ++t) a.k_cache.touch(s.cache_rows[t], heads), a.v_cache.touch(s.cache_rows[t], heads);
+  }
+}
+
+// The lanes of the item's KV head kv_head, its buffers sized, the part of the split each query row sees,
+// its tokens' cache rows
+Lanes start_item(const Attention& a, const Splits& p, const Item& it, int64_t kv_head, Scratch& s) {
   const int64_t n = it.end - it.begin, rows = a.rows(it.seq);
   const int64_t lanes_total = rows * a.group;
   const int64_t stride = lanes_total <= 4 ? 4 : lanes_total <= 8 ? 8 : (lanes_total + SCORE_LANES - 1) / SCORE_LANES * SCORE_LANES;
@@ -238,15 +263,12 @@ Lanes start_item(const Attention& a, const Splits& p, const Item& it, Scratch& s
   }
   const int64_t tree = a.tree_begin(it.seq), context = std::clamp(tree - it.begin, (int64_t)0, n);
   const int64_t nodes = context < n ? a.lens[it.seq] - tree : 0;
-  slot_rows(a, it, it.begin, context, s.cache_rows.data());
+  slot_rows(a, it, kv_head, it.begin, context, s.cache_rows.data());
   s.node_rows.resize(nodes);
   s.node_scores.resize(nodes * stride);
-  slot_rows(a, it, tree, nodes, s.node_rows.data());
-  // every K and V row the item reads asked for at once (kv_rows.h: rows one at a time wait on DRAM's latency)
-  for (int64_t t = 0; t < context; ++t) a.k_cache.prefetch(s.cache_rows[t]), a.v_cache.prefetch(s.cache_rows[t]);
-  for (int64_t t = 0; t < nodes; ++t) a.k_cache.prefetch(s.node_rows[t]), a.v_cache.prefetch(s.node_rows[t]);
-  const float* q_seq = a.q + a.query_start[it.seq] * a.num_heads * a.D + it.kv_head * a.group * a.D;
-  return {it, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, context, nodes, q_seq};
+  slot_rows(a, it, kv_head, tree, nodes, s.node_rows.data());
+  const float* q_seq = a.q + a.query_start[it.seq] * a.num_heads * a.D + kv_head * a.group * a.D;
+  return {it, kv_head, n, rows, lanes_total, stride, p.first_part[it.seq] + it.split * rows, context, nodes, q_seq};
 }
 
 // The scores of LANES lanes from `first` against the n cached rows `rows`, token-major into out
@@ -341,7 +363,7 @@ void score_pass(const Attention& a, const Lanes& w, Scratch& s) {
 void softmax_pass(const Attention& a, const Lanes& w, Scratch& s, Parts& parts) {
   lanes_softmax(s.scores.data(), w.n, w.stride, s.lane_max.data(), s.lane_sum.data(), s.pattern.data());
   for (int64_t j = 0; j < w.lanes_total; ++j) {
-    const int64_t p = (w.part_row + j / a.group) * a.num_heads + w.it.kv_head * a.group + j % a.group;
+    const int64_t p = (w.part_row + j / a.group) * a.num_heads + w.kv_head * a.group + j % a.group;
     parts.max[p] = s.lane_max[j];
     parts.sum[p] = s.lane_sum[j];
     std::fill_n(parts.out.data() + p * a.D, a.D, 0.f);
@@ -360,7 +382,7 @@ void weigh_values(const Attention& a, const Lanes& w, const int64_t* rows, const
       const int64_t lanes = std::min(VALUE_LANES, lanes_total - first);
       for (int64_t j = 0; j < VALUE_LANES; ++j) {
         const int64_t rg = first + j, r = rg / a.group;
-        s.sums[j] = j < lanes ? parts.out.data() + ((w.part_row + r) * a.num_heads + w.it.kv_head * a.group + rg % a.group) * D
+        s.sums[j] = j < lanes ? parts.out.data() + ((w.part_row + r) * a.num_heads + w.kv_head * a.group + rg % a.group) * D
                               : s.scratch.data();
       }
       const float* wt = weights + t0 * stride + first;
@@ -436,7 +458,7 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
                     head_dim, block_size, max_blocks, window, (float)scale, (float)softcap};
   float* out = reinterpret_cast<float*>(out_);
   const int64_t num_rows = a.query_start[num_seqs];
-  const Splits p = plan_splits(a, num_seqs, split_len);
+  const Splits p = plan_splits(a, num_seqs, split_len, threads);
   const int64_t total_parts = p.first_part[num_seqs];
   // threads only where there is enough work to pay for waking them (~64K multiply-adds each)
   threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)p.items.size(), p.work / 65536}));
@@ -448,10 +470,13 @@ void decode_attention(uintptr_t q_, uintptr_t k_, uintptr_t v_, uintptr_t k_scal
     Scratch s(head_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < (int64_t)p.items.size(); ++w) {
-      const Lanes lanes = start_item(a, p, p.items[w], s);
-      score_pass(a, lanes, s);
-      softmax_pass(a, lanes, s, parts);
-      value_pass(a, lanes, s, parts);
+      touch_item(a, p.items[w], s);
+      for (int64_t h = p.items[w].head_begin; h < p.items[w].head_end; ++h) {
+        const Lanes lanes = start_item(a, p, p.items[w], h, s);
+        score_pass(a, lanes, s);
+        softmax_pass(a, lanes, s, parts);
+        value_pass(a, lanes, s, parts);
+      }
     }
 #pragma omp for collapse(2)
     for (int64_t row = 0; row < num_rows; ++row) {

@@ -6,9 +6,11 @@
 // decode_attention (hearth/backend/cpu.py): a few query rows per sequence (one for a decode,
 // k + 1 for the verification of k guesses) against that sequence's cached K/V, read in place
 // through its block table: no gather into a padded copy, no mask (each row's causal range is an
-// interval of the context). A work item is (sequence, KV head, split): the sequence's rows and
-// the query heads sharing that KV head (GQA) go together, so each K/V row is read once for all
-// of them, and their sums are computed side by side: the scores with the queries transposed (a
+// interval of the context). A work item is a split of a sequence with its KV heads (a share of
+// them where the splits are fewer than the threads): its K/V rows read into the caches first, every
+// head's side by side in a slot (kv_rows.h), then per KV head the sequence's rows and the query
+// heads sharing that KV head (GQA) together, so each K/V row is read once for all of them, and
+// their sums are computed side by side: the scores with the queries transposed (a
 // cached row's products with up to 16 of them one vector of multiply-adds along the head), kept
 // token-major (a token's scores for every row and head side by side: one vector store, and the
 // softmax a vector operation across them), the values a 16-value slice at a time with up to 16

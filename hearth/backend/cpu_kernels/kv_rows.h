@@ -15,14 +15,21 @@
 namespace hearth {
 namespace {  // each source's own copies, internal as when the kernels were one file
 
-// Cache rows asked for ahead (KVRows::prefetch): K/V rows sit behind the block table and each holds
-// one KV head of a token (a 1/kv_heads slice of the token's row), a pattern the hardware prefetcher
-// does not follow; after a step's matmuls have streamed the weights through the caches every row
-// comes from DRAM, and one row at a time the kernel runs at its latency. decode_attention asks for
-// all of a work item's rows when it starts the item (~10% less time than 8 or 16 rows ahead).
+// Cache rows read ahead (KVRows::touch): after a step's matmuls have streamed the weights through
+// the caches every K/V row comes from DRAM, and read where the multiply-adds need them the kernel
+// runs at DRAM's latency (the out-of-order window full of multiply-adds holds few loads). A loop of
+// loads alone keeps many in flight: decode_attention reads a work item's rows so before its passes,
+// every KV head of the item's tokens at once (contiguous in a slot). Software prefetches of the
+// same rows did not help on an AVX-512 EPYC (SmolLM2's shape at 1,024 tokens, 30 layers' caches:
+// ~300 us a layer either way; read by loads first, ~120 us).
 
-inline void prefetch_bytes(const void* row, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i);
+// One load from each 64-byte line that [p, p + bytes) touches, into a value the compiler must keep
+inline void touch_bytes(const void* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  uint64_t any = 0;
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); line < end; line += 64)
+    any |= *reinterpret_cast<const volatile uint64_t*>(line);
+  asm volatile("" : : "r"(any));
 }
 
 constexpr int64_t Q8_BLOCK = Fmt<Q8_0>::BS;  // llama.cpp's q8_0, as the weights' Q8_0
@@ -83,11 +90,12 @@ struct KVRows {
     return buf;
   }
 
-  void prefetch(int64_t row) const {
-    if (format == KV_F32) return prefetch_bytes(static_cast<const float*>(data) + row * D, D * sizeof(float));
-    if (format == KV_F16) return prefetch_bytes(static_cast<const _Float16*>(data) + row * D, D * sizeof(_Float16));
-    prefetch_bytes(static_cast<const int8_t*>(data) + row * D, D);
-    __builtin_prefetch(scales + row * (D / Q8_BLOCK));
+  // rows [row, row + count) read into the caches (touch_bytes)
+  void touch(int64_t row, int64_t count) const {
+    if (format == KV_F32) return touch_bytes(static_cast<const float*>(data) + row * D, count * D * sizeof(float));
+    if (format == KV_F16) return touch_bytes(static_cast<const _Float16*>(data) + row * D, count * D * sizeof(_Float16));
+    touch_bytes(static_cast<const int8_t*>(data) + row * D, count * D);
+    touch_bytes(scales + row * (D / Q8_BLOCK), count * (D / Q8_BLOCK) * sizeof(_Float16));
   }
 };
 
