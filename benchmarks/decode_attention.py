@@ -6,12 +6,9 @@
   kernel     hearth/backend/cpu_kernels/attention.cpp reading K/V in place, whole contexts (no split)
   split-KV   the same kernel, contexts split at the multiples of DECODE_SPLIT_LEN (flash-decoding: hearth's)
 
-Microseconds per call, medians of interleaved runs; float32. --layers N: N layers' caches, each call
-reading the next one's, so that with enough of them the K/V come from DRAM, as in a model's step (its
-matmuls have streamed the weights through the CPU's caches); with 1 the same cache every call (in them).
+Microseconds per call, medians of interleaved runs; float32.
 
     python benchmarks/decode_attention.py --threads 2 --out benchmarks/results/threads-2/decode-attention
-    python benchmarks/decode_attention.py --batches 1 --contexts 1024,4096 --layers 30 --threads 2
 """
 
 from __future__ import annotations
@@ -33,18 +30,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--layers", type=int, default=1, help="caches cycled through, one a call (30: out of the CPU's caches)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     return ap.parse_args()
 
 
 def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, batch: int, context: int,
-              runs: int, layers: int) -> dict[str, float]:
-    """One shape, batch and context on a shuffled paged cache (`layers` of them, each call the next):
-    microseconds per call of each way, medians."""
-    import itertools
-
+              runs: int) -> dict[str, float]:
+    """One shape, batch and context on a shuffled paged cache: microseconds per call of each way, medians."""
     import torch
 
     from hearth.backend.base import AttentionMetadata
@@ -52,8 +45,8 @@ def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, batch: i
     block = 16
     g = torch.Generator().manual_seed(0)
     blocks = batch * context // block
-    caches = itertools.cycle([[torch.randn(blocks * block, kv_heads, head_dim, generator=g) for _ in "kv"]
-                              for _ in range(layers)])
+    k_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(blocks * block, kv_heads, head_dim, generator=g)
     tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(batch, -1)
     q = torch.randn(batch, heads, head_dim, generator=g)
     meta = AttentionMetadata(
@@ -64,9 +57,9 @@ def time_cell(cpu, reference, heads: int, kv_heads: int, head_dim: int, batch: i
         decode_max_len=context, block_size=block,
     )
     ways = {
-        "sdpa": lambda: reference.decode_attention(q, *next(caches), meta, 0.125),
-        "kernel": lambda: cpu.decode_attention(q, *next(caches), meta, 0.125, split_len=context),
-        "split": lambda: cpu.decode_attention(q, *next(caches), meta, 0.125),
+        "sdpa": lambda: reference.decode_attention(q, k_cache, v_cache, meta, 0.125),
+        "kernel": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125, split_len=context),
+        "split": lambda: cpu.decode_attention(q, k_cache, v_cache, meta, 0.125),
     }
     # (the warm-up call also computes the SDPA path's slots, once per step)
     return {name: seconds * 1e6 for name, seconds in interleaved_medians(ways, runs).items()}
@@ -85,15 +78,14 @@ def main() -> None:
     for shape, (heads, kv_heads, head_dim) in SHAPES.items():
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                us = time_cell(cpu, reference, heads, kv_heads, head_dim, batch, context, args.runs, args.layers)
+                us = time_cell(cpu, reference, heads, kv_heads, head_dim, batch, context, args.runs)
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * 4
                 rows.append([shape, batch, context, -(-context // DECODE_SPLIT_LEN), us["sdpa"], us["kernel"], us["split"],
                              us["sdpa"] / us["kernel"], us["kernel"] / us["split"],
                              kv_bytes / (us["split"] * 1e-6) / 1e9])
                 data.append({"shape": shape, "batch": batch, "context": context, "split_len": DECODE_SPLIT_LEN, "us": us,
                              "kv_bytes": kv_bytes})
-    title = "Decode attention, one layer, float32" + (f", {args.layers} layers' caches in turn" if args.layers > 1 else "")
-    write_interleaved_table(args.out, title, args.runs,
+    write_interleaved_table(args.out, "Decode attention, one layer, float32", args.runs,
                             ["shape", "batch", "context", "splits", "sdpa us", "kernel us", "split-KV us",
                              "kernel vs sdpa", "split-KV vs kernel", "split-KV GB/s of K/V"], rows, data)
 
