@@ -49,7 +49,11 @@ def parse_args() -> argparse.Namespace:
                     help="also decode with a second hearth engine, --speculative-method multi-step "
                          "--num-speculative-tokens K (interleaved with the others: rows 'decode ... multi-step K')")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
-    return ap.parse_args()
+    args = ap.parse_args()
+    for name in ("prefill", "context", "decode", "runs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
 
 
 def interleaved_runs(args: argparse.Namespace, engine, cpp, vocab: int, batches: list[int],
