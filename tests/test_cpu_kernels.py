@@ -491,3 +491,25 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", load)
     assert native.build("hearth_stale", [source], "a test", seconds=1, without="none") == folder.name
+
+
+def test_importing_hearth_puts_large_cpu_tensors_on_huge_pages():
+    """hearth/__init__.py sets torch's THP_MEM_ALLOC_ENABLE before torch's first allocation: in a fresh interpreter
+    a 64 MB tensor, written, lies partly on transparent huge pages (AnonHugePages), where the system offers them;
+    a value the user set is kept (0: none, where the system gives them only to those who ask: `madvise`)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this system offers no transparent huge pages")
+    code = ("import hearth, torch\n"
+            "t = torch.ones(16 * 2**20)\n"
+            "print(int(open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1].split()[0]))")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def huge_kb(extra: dict) -> int:
+        done = subprocess.run([sys.executable, "-c", code], env=env | extra, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert huge_kb({}) > 0
+    if "[madvise]" in mode.read_text():
+        assert huge_kb({"THP_MEM_ALLOC_ENABLE": "0"}) == 0
