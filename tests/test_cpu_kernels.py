@@ -513,3 +513,21 @@ def test_importing_hearth_puts_large_cpu_tensors_on_huge_pages():
     assert huge_kb({}) > 0
     if "[madvise]" in mode.read_text():
         assert huge_kb({"THP_MEM_ALLOC_ENABLE": "0"}) == 0
+
+
+@pytest.mark.parametrize("lens,kv_heads", [([200], 3), ([200], 4), ([40, 600], 3)])
+def test_decode_kernel_threads_and_head_shares(lens, kv_heads):
+    """With 2 threads and fewer splits than threads (one sequence under DECODE_SPLIT_LEN tokens) a work item
+    takes a share of the KV heads (attention.cpp's plan_splits), otherwise all of them: either way every head
+    sums in the same order, so the output is 1 thread's bit for bit, and SDPA's within float32 rounding.
+    (The suite runs torch on 1 thread: conftest.py.)"""
+    q, k_cache, v_cache, tables, meta = _case(lens, 3 * kv_heads, kv_heads)
+    backend = _cpu_backend()
+    one = backend.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.set_num_threads(2)
+    try:
+        two = backend.decode_attention(q, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two.double(), _reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
