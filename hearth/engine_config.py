@@ -138,7 +138,7 @@ class SpeculativeConfig:
     # smaller model with the target's vocabulary guesses: model), "early-exit" (the model's own first
     # exit_layer layers guess) or "mtp" (the multi-token-prediction layer Qwen3.5's and Qwen3-Next's
     # checkpoints ship guesses from the model's hidden states: hearth/engine/mtp_draft.py) or "multi-step" (no
-    # guesses: a greedy request's next k + 1 tokens in one call of the cpu backend: hearth/engine/multi_step.py)
+    # guesses: a greedy request's next k + 1 tokens in one call of the cpu backend: hearth/engine/speculation/multi_step.py)
     method: str | None = option(
         None, keyword="speculative_method", choices=list(SPECULATIVE_METHODS),
         help="ngram: guesses copied from the request's own text (prompt lookup); lookahead: from the model's own "

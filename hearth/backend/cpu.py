@@ -267,7 +267,7 @@ class CpuBackend(Backend):
     def greedy_passes(self, model, first, later, feeds, kv_caches, logprobs: torch.Tensor | None = None
                       ) -> torch.Tensor | None:
         """Chained greedy passes in one call (a draft model's, hearth/engine/draft_runner.py; the target's
-        multi-step decoding, hearth/engine/multi_step.py; a plain greedy decode step, one pass): the first
+        multi-step decoding, hearth/engine/speculation/multi_step.py; a plain greedy decode step, one pass): the first
         pass's sequences, then each later pass's rows (a row a sequence, laid out end to end in `later`),
         row i of pass 1 + p fed the token chosen at row feeds[p][i] of the pass before; every choice the
         argmax of the logits of a sequence's last row. Returns the passes' choices end to end (int64 [their
